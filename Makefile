@@ -1,0 +1,32 @@
+# Two commands set up everything on a fresh machine and are safe to repeat:
+#   make train   -> venv + CPU torch + paft, then `paft train` on its default (gpt, 4 workers)
+#   make test    -> the same set-up, then the test suite (slow experiments skipped)
+# TORCH_SPEC picks the torch build; the default is the CPU wheel. On a GPU machine:
+#   make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126' test
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.paft-installed
+
+.PHONY: setup train test test-slow clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: setup
+	$(BIN)/paft train $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(ARGS)
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow $(ARGS)
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,113 @@
+"""Helpers for multi-process tests: run a function on N gloo ranks and collect results.
+
+Tests in paft are real multi-process runs (CPU, gloo), as torchft does it: no mocked
+process groups. A worker function ``fn(rank, world_size, *args)`` runs inside an
+initialized default process group; whatever it returns comes back to the caller,
+indexed by rank.
+
+Example::
+
+    >>> def work(rank, world_size):
+    ...     t = torch.tensor([float(rank)])
+    ...     dist.all_reduce(t)
+    ...     return t.item()
+    >>> run_workers(work, 2)
+    [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_workers", "WorkerError"]
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; the message carries the rank and the remote traceback."""
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+        out = fn(rank, world_size, *args)
+        # Plain bytes: torch's shared-memory tensor pickling breaks once the worker exits.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    ``fn`` must be importable (defined at module level). Returns the per-rank
+    return values; raises :class:`WorkerError` if any rank fails or times out.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="paft-test-") as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_entry, args=(r, world_size, init_file, fn, args, results), daemon=True
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        # Drain results while workers run: a large result blocks its sender until read.
+        outs: dict[int, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        while len(outs) + len(errors) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # a worker died without reporting (segfault, kill)
+                continue
+            if ok:
+                outs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+        for p in procs:
+            p.join(5.0 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+        if errors:
+            raise WorkerError("\n".join(errors))
+        missing = [r for r in range(world_size) if r not in outs]
+        if missing:
+            codes = [p.exitcode for p in procs]
+            raise WorkerError(
+                f"ranks {missing} returned nothing within {timeout}s (exit codes {codes})"
+            )
+        return [outs[r] for r in range(world_size)]
