@@ -1,0 +1,172 @@
+"""Real training workloads for paft: three models on offline data, one interface.
+
+``build_workload(name, seed, model_args)`` returns a :class:`Workload` bundling a
+freshly initialized model (identical on every rank that passes the same seed), its
+train and val datasets, the loss, and a deterministic evaluation:
+
+* ``"gpt"``    -- GPT-2-style decoder on Tiny Shakespeare characters (:mod:`.gpt`)
+* ``"llama"``  -- LLaMA-2-style decoder on the same data (:mod:`.llama`)
+* ``"resnet"`` -- CIFAR-style ResNet on MNIST's 10k test set (:mod:`.resnet`)
+
+Typical rank loop::
+
+    wl = build_workload("gpt", seed=0)
+    model = DistributedDataParallel(wl.model)
+    sampler = ShardedSampler(len(wl.train), rank, world_size, batch_size=16, seed=0)
+    for step, idx in zip(range(steps), sampler):
+        inputs, targets = wl.train.get(idx)
+        wl.loss(model, inputs, targets).backward()
+        ...
+    metrics = wl.evaluate(model)   # {"val_loss": ...} (+ "val_acc" for resnet)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paft.workloads.data import (
+    ArrayDataset,
+    CharVocab,
+    Dataset,
+    ShardedSampler,
+    TokenDataset,
+    mnist_datasets,
+    shakespeare_datasets,
+)
+from paft.workloads.gpt import GPT, GPTConfig
+from paft.workloads.llama import Llama, LlamaConfig
+from paft.workloads.resnet import ResNet, ResNetConfig
+
+__all__ = [
+    "WORKLOADS",
+    "Workload",
+    "build_workload",
+    "Dataset",
+    "ArrayDataset",
+    "TokenDataset",
+    "CharVocab",
+    "ShardedSampler",
+    "GPT",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "ResNet",
+    "ResNetConfig",
+]
+
+WORKLOADS: tuple[str, ...] = ("gpt", "llama", "resnet")
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # Evaluate on the inner module: a DDP forward may run collectives (buffer
+    # broadcast), which would hang if only some ranks evaluate.
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+@dataclass
+class Workload:
+    """A model with its data, loss and evaluation. ``model`` is on CPU, in train mode."""
+
+    name: str
+    model: nn.Module
+    train: Dataset
+    val: Dataset
+    has_accuracy: bool
+    """True when :meth:`evaluate` also reports ``val_acc`` (classification)."""
+    config: Any = None
+    """The model's config dataclass (GPTConfig, LlamaConfig or ResNetConfig)."""
+    vocab: CharVocab | None = None
+    """The character vocabulary of the language-model workloads (None for resnet)."""
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``model(inputs)``; calls ``model`` itself, so DDP hooks run."""
+        logits = model(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: nn.Module, batch_size: int = 64, max_batches: int | None = 20
+    ) -> dict[str, float]:
+        """Loss (and accuracy) over the first ``max_batches`` val batches, in order.
+
+        Deterministic given the weights: fixed batches, ``eval()`` mode (BatchNorm uses
+        running stats, dropout off); the previous training mode is restored. A
+        DDP-wrapped model is unwrapped, so this runs no collectives and may be called
+        on a single rank. ``max_batches=None`` covers the whole val split.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        module = _unwrap(model)
+        was_training = module.training
+        device = next(module.parameters()).device
+        n = len(self.val)
+        n_batches = -(-n // batch_size)
+        if max_batches is not None:
+            n_batches = min(n_batches, max_batches)
+        loss_sum, correct, count = 0.0, 0, 0
+        module.eval()
+        try:
+            for b in range(n_batches):
+                idx = torch.arange(b * batch_size, min((b + 1) * batch_size, n))
+                inputs, targets = self.val.get(idx)
+                inputs, targets = inputs.to(device), targets.to(device)
+                logits = module(inputs)
+                flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+                flat_targets = targets.reshape(-1)
+                loss_sum += F.cross_entropy(flat_logits, flat_targets, reduction="sum").item()
+                correct += int((flat_logits.argmax(-1) == flat_targets).sum())
+                count += flat_targets.numel()
+        finally:
+            module.train(was_training)
+        out = {"val_loss": loss_sum / count}
+        if self.has_accuracy:
+            out["val_acc"] = correct / count
+        return out
+
+
+def _make_config(cls: type, defaults: dict[str, Any], model_args: dict[str, Any] | None) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in model_args or {}:
+        if key not in names:
+            raise ValueError(
+                f"unknown model_args key {key!r} for {cls.__name__}; valid: {sorted(names)}"
+            )
+    return cls(**{**defaults, **(model_args or {})})
+
+
+def build_workload(
+    name: str, seed: int = 0, model_args: dict[str, Any] | None = None
+) -> Workload:
+    """Build workload ``name`` with a model initialized deterministically from ``seed``.
+
+    ``model_args`` overrides fields of the model's config (e.g. ``{"n_layer": 2}``);
+    for the language models ``block_size`` also sets the dataset's window length.
+    The global RNG state is left untouched (initialization runs under ``fork_rng``).
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
+    config: Any
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name in ("gpt", "llama"):
+            cls = GPTConfig if name == "gpt" else LlamaConfig
+            vocab_size = len(shakespeare_datasets()[2])
+            config = _make_config(cls, {"vocab_size": vocab_size}, model_args)
+            if config.vocab_size < vocab_size:
+                raise ValueError(
+                    f"vocab_size {config.vocab_size} is smaller than the data's {vocab_size}"
+                )
+            train, val, vocab = shakespeare_datasets(config.block_size)
+            model: nn.Module = GPT(config) if name == "gpt" else Llama(config)
+            return Workload(name, model, train, val, False, config, vocab)
+        config = _make_config(ResNetConfig, {}, model_args)
+        mtrain, mval = mnist_datasets()
+        return Workload(name, ResNet(config), mtrain, mval, True, config, None)

@@ -1,0 +1,208 @@
+"""Tests for the paft workloads: the three models, build_workload, loss and evaluate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paft.testing import run_workers
+from paft.workloads import (
+    WORKLOADS,
+    GPT,
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+    ResNet,
+    ResNetConfig,
+    ShardedSampler,
+    Workload,
+    build_workload,
+)
+
+PARAM_RANGES = {"gpt": (700_000, 900_000), "llama": (700_000, 900_000), "resnet": (50_000, 120_000)}
+
+
+def _num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _state_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_forward_shape_and_param_count(name: str) -> None:
+    wl = build_workload(name)
+    inputs, targets = wl.train.get(torch.arange(3))
+    logits = wl.model(inputs)
+    if name == "resnet":
+        assert inputs.shape == (3, 1, 28, 28) and logits.shape == (3, 10)
+    else:
+        assert inputs.shape == (3, 64) and logits.shape == (3, 64, 65)
+    assert targets.shape == logits.shape[:-1]
+    lo, hi = PARAM_RANGES[name]
+    assert lo <= _num_params(wl.model) <= hi
+    assert wl.model.training
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_build_is_deterministic_for_a_seed(name: str) -> None:
+    rng_before = torch.get_rng_state()
+    a = build_workload(name, seed=3).model.state_dict()
+    b = build_workload(name, seed=3).model.state_dict()
+    c = build_workload(name, seed=4).model.state_dict()
+    assert _state_equal(a, b)
+    assert not _state_equal(a, c)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # build leaves global RNG alone
+
+
+@pytest.mark.parametrize("cls, cfg", [(GPT, GPTConfig()), (Llama, LlamaConfig())])
+def test_causal_masking(cls: type, cfg: Any) -> None:
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 32))
+    changed = idx.clone()
+    changed[:, 20] = (changed[:, 20] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    assert torch.equal(a[:, :20], b[:, :20])  # the future token cannot leak backwards
+    assert not torch.equal(a[:, 20:], b[:, 20:])
+
+
+def test_gpt_ties_and_llama_does_not() -> None:
+    gpt = GPT(GPTConfig())
+    assert gpt.lm_head.weight is gpt.tok_emb.weight
+    llama = Llama(LlamaConfig())
+    assert llama.lm_head.weight is not llama.tok_emb.weight
+
+
+def test_llama_has_no_biases_and_non_persistent_rope() -> None:
+    model = Llama(LlamaConfig())
+    assert not [n for n, _ in model.named_parameters() if "bias" in n]
+    assert all(m.bias is None for m in model.modules() if isinstance(m, nn.Linear))
+    assert LlamaConfig().ffn_hidden == 352 and LlamaConfig(n_embd=96).ffn_hidden == 256
+    assert "rope_cos" not in model.state_dict()
+    assert {"rope_cos", "rope_sin"} <= {n for n, _ in model.named_buffers()}
+
+
+def test_resnet_depth_layout() -> None:
+    model = ResNet(ResNetConfig(depth=14, width=8))
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert len(convs) + 1 == 14  # 3x3 convs + the classifier
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, field",
+    [
+        (GPTConfig, {"n_head": 3}, "n_embd"),
+        (GPTConfig, {"n_layer": 0}, "n_layer"),
+        (GPTConfig, {"dropout": 1.0}, "dropout"),
+        (LlamaConfig, {"n_head": 128}, "n_head"),
+        (LlamaConfig, {"norm_eps": 0.0}, "norm_eps"),
+        (ResNetConfig, {"depth": 10}, "depth"),
+        (ResNetConfig, {"width": 0}, "width"),
+    ],
+)
+def test_config_validation_names_the_field(cls: type, kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        cls(**kwargs)
+
+
+# ------------------------------------------------------------- build_workload
+
+
+def test_build_workload_errors() -> None:
+    with pytest.raises(ValueError, match="gpt.*llama.*resnet"):
+        build_workload("bert")
+    with pytest.raises(ValueError, match="n_layers"):
+        build_workload("gpt", model_args={"n_layers": 2})
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_workload("llama", model_args={"vocab_size": 10})
+    with pytest.raises(ValueError, match="depth"):
+        build_workload("resnet", model_args={"depth": 9})
+
+
+def test_model_args_override_config_and_block_size() -> None:
+    wl = build_workload("llama", model_args={"n_layer": 1, "block_size": 16})
+    assert isinstance(wl.config, LlamaConfig) and wl.config.n_layer == 1
+    assert len(wl.model.blocks) == 1
+    inputs, targets = wl.train.get(torch.tensor([0]))
+    assert inputs.shape == targets.shape == (1, 16)
+    assert wl.vocab is not None and len(wl.vocab) == 65
+    assert build_workload("resnet", model_args={"width": 8}).model.fc.in_features == 32
+
+
+# ----------------------------------------------------- loss, training, evaluate
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_loss_decreases_with_adam(name: str) -> None:
+    torch.manual_seed(0)
+    wl = build_workload(name, seed=0)
+    before = wl.evaluate(wl.model, batch_size=32, max_batches=2)["val_loss"]
+    opt = torch.optim.Adam(wl.model.parameters(), lr=3e-3)
+    sampler = ShardedSampler(len(wl.train), 0, 1, batch_size=16, seed=0)
+    first: list[float] = []
+    for _step, idx in zip(range(30), sampler):
+        loss = wl.loss(wl.model, *wl.train.get(idx))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first.append(loss.item())
+    after = wl.evaluate(wl.model, batch_size=32, max_batches=2)["val_loss"]
+    print(name, before, after, first[:5], first[-5:])
+    # Val loss is measured in eval mode; ResNet's BatchNorm running stats lag its
+    # weights this early, so its held-out loss moves less than its training loss.
+    assert after < before - (0.1 if name == "resnet" else 0.5), (before, after)
+    assert sum(first[:5]) / 5 - sum(first[-5:]) / 5 > 0.3, first
+
+
+def test_evaluate_metrics_mode_and_determinism() -> None:
+    for name in WORKLOADS:
+        wl = build_workload(name, model_args=None if name == "resnet" else {"n_layer": 1})
+        wl.model.train()
+        m1 = wl.evaluate(wl.model, batch_size=16, max_batches=2)
+        assert wl.model.training  # training mode restored
+        wl.model.eval()
+        m2 = wl.evaluate(wl.model, batch_size=16, max_batches=2)
+        assert not wl.model.training  # eval mode restored too
+        assert m1 == m2  # fixed batches, eval mode: bitwise reproducible
+        assert set(m1) == ({"val_loss", "val_acc"} if name == "resnet" else {"val_loss"})
+        assert wl.has_accuracy == (name == "resnet")
+    wl = build_workload("resnet", model_args={"width": 4})
+    full = wl.evaluate(wl.model, batch_size=512, max_batches=None)  # 4 batches, last partial
+    assert 0.0 <= full["val_acc"] <= 1.0
+
+
+def _ddp_worker(rank: int, world_size: int, name: str, model_args: dict[str, Any]) -> Any:
+    torch.manual_seed(100 + rank)  # ranks' global RNGs differ; the build must not care
+    wl: Workload = build_workload(name, seed=1, model_args=model_args)
+    model = nn.parallel.DistributedDataParallel(wl.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sampler = ShardedSampler(len(wl.train), rank, world_size, batch_size=4, seed=0)
+    for _step, idx in zip(range(3), sampler):
+        opt.zero_grad()
+        wl.loss(model, *wl.train.get(idx)).backward()
+        opt.step()
+    # Only rank 0 evaluates: must not issue collectives through the DDP wrapper.
+    metrics = wl.evaluate(model, batch_size=8, max_batches=1) if rank == 0 else None
+    dist.barrier()
+    # Return numpy (pickled by value): a torch tensor would travel through shared memory
+    # whose owner, this worker, may exit before the parent unpickles it.
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return flat.numpy().copy(), metrics
+
+
+def test_loss_and_evaluate_under_ddp() -> None:
+    results = run_workers(_ddp_worker, 2, "resnet", {"width": 4}, timeout=120)
+    (params0, metrics0), (params1, metrics1) = results
+    assert torch.equal(torch.from_numpy(params0), torch.from_numpy(params1))
+    assert metrics0 is not None and "val_acc" in metrics0 and metrics1 is None
