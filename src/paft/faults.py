@@ -1,0 +1,959 @@
+"""Silent-data-corruption (SDC) injection: fault kinds, fault specs, schedule, injector.
+
+paft tests and evaluates its defenses by corrupting numbers where real clusters do:
+in the all-reduced gradient (``aggregation``), in a rank's gradient before the
+all-reduce (``local-grad``), and in parameters or optimizer state at rest
+(``params``, ``optimizer-state``). This module holds everything about *what* a fault
+does and *when* it fires, and nothing about process groups, so every decision is a
+pure function that tests check in microseconds:
+
+- **kinds** (:func:`apply_fault` and the per-kind functions): in-place tensor edits,
+  with elements chosen by a seeded :class:`torch.Generator`;
+- :class:`FaultSpec`: one fault, with the text grammar of ``--inject``
+  (:meth:`FaultSpec.parse` / :meth:`FaultSpec.to_text`);
+- :class:`FaultSchedule`: a counter-based, random-access function of
+  ``(seed, spec index, step, rank)``: the answer for step ``t`` never depends on which
+  steps were asked before, so a resumed or recomputed run sees the same faults;
+- :class:`FaultInjector`: what the DDP comm hook and the trainer call; it returns
+  :class:`FaultRecord` values for ``faults.jsonl``.
+
+Grammar (one ``--inject`` value)::
+
+    KIND[:key=value,key=value,...]
+
+    KIND        bitflip | scale | noise | zero | nan | inf | random | stale
+    site=       aggregation (default) | local-grad | params | optimizer-state
+    rate=P      per-step probability in [0, 1] that an event starts
+    steps=S     steps where an event may start: 10+20+30, 10-20 (inclusive), 5+10-12
+                (with rate: each listed step fires with probability P; without: always)
+    start=N     first step an event may start (inclusive, default 0)
+    stop=N      step from which no event starts (exclusive, default never)
+    ranks=R     random (default: ONE uniformly random rank per event) | 1 | 0+2
+                (listed ranks draw independently: each fires with probability P)
+    count=N     elements hit per event (default 1) ...
+    fraction=F  ... or this fraction of the tensor's elements, in (0, 1]
+    bits=B      bitflip only: bit index, or sign | exponent | mantissa | any (default)
+    factor=X    scale only: multiply by X (default 1000)
+    sigma=X     noise only: x += N(0, 1) * X * |x| (default 0.1)
+    value=X     random only: replace with U[-X, X] (default X = max |finite x|)
+    burst=N     an event that starts at step s on a rank also fires on s+1 .. s+N-1
+    persistent= true | false (default): true fires again when a step is recomputed
+                (attempt > 0), as faulty hardware would; false is transient.
+
+    e.g.  bitflip:site=aggregation,rate=0.01,bits=exponent,ranks=1
+          scale:steps=100,factor=-1e4,ranks=0
+          stale:site=local-grad,rate=0.05,burst=3
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KINDS",
+    "SITES",
+    "BUCKET_SITES",
+    "TENSOR_SITES",
+    "BIT_CLASSES",
+    "RECORD_VALUES",
+    "FaultSpecError",
+    "FaultSpec",
+    "parse_specs",
+    "bit_range",
+    "select_indices",
+    "flip_bits_",
+    "Applied",
+    "apply_fault",
+    "FaultEvent",
+    "FaultSchedule",
+    "FaultRecord",
+    "FaultInjector",
+]
+
+KINDS: tuple[str, ...] = ("bitflip", "scale", "noise", "zero", "nan", "inf", "random", "stale")
+BUCKET_SITES: tuple[str, ...] = ("aggregation", "local-grad")
+TENSOR_SITES: tuple[str, ...] = ("params", "optimizer-state")
+SITES: tuple[str, ...] = BUCKET_SITES + TENSOR_SITES
+BIT_CLASSES: tuple[str, ...] = ("sign", "exponent", "mantissa", "any")
+RECORD_VALUES = 8
+"""How many indices / before / after values a :class:`FaultRecord` keeps."""
+
+# dtype -> (integer view, width, sign bit, (exponent lo, hi), (mantissa lo, hi))
+_LAYOUT: dict[torch.dtype, tuple[torch.dtype, int, int, tuple[int, int], tuple[int, int]]] = {
+    torch.float32: (torch.int32, 32, 31, (23, 30), (0, 22)),
+    torch.bfloat16: (torch.int16, 16, 15, (7, 14), (0, 6)),
+    torch.float16: (torch.int16, 16, 15, (10, 14), (0, 9)),
+    torch.float64: (torch.int64, 64, 63, (52, 62), (0, 51)),
+}
+
+Steps = tuple[tuple[int, int], ...]
+Ranks = Union[str, tuple[int, ...]]
+
+
+class FaultSpecError(ValueError):
+    """A fault spec is invalid; ``field`` names the offending field (or ``kind``)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.reason = message
+
+
+# --------------------------------------------------------------------------- spec
+
+
+def _fmt(v: Any) -> str:
+    """Render a value as a user typed it: 2.0 -> '2', 0.01 -> '0.01' (exact repr)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 1e16:
+        return str(int(v))
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def _err(name: str, msg: str, value: Any = dataclasses.MISSING) -> FaultSpecError:
+    got = "" if value is dataclasses.MISSING else f", got {_fmt(value)}"
+    return FaultSpecError(f"field '{name}' {msg}{got}", name)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _normalize_steps(value: Any) -> Steps:
+    """Steps as sorted, merged, inclusive ``(lo, hi)`` ranges.
+
+    Accepts an int, ``range`` objects, ``(lo, hi)`` pairs and ints, in any mix.
+    """
+    items = [value] if _is_int(value) or isinstance(value, range) else list(value)
+    ranges: list[tuple[int, int]] = []
+    for item in items:
+        if isinstance(item, range):
+            if item.step != 1:
+                raise _err("steps", "ranges must have step 1", str(item))
+            lo, hi = item.start, item.stop - 1
+        elif _is_int(item):
+            lo = hi = item
+        else:
+            lo, hi = item
+        if not (_is_int(lo) and _is_int(hi)) or lo < 0 or hi < lo:
+            raise _err("steps", "must be steps >= 0 or ranges lo-hi with lo <= hi", item)
+        ranges.append((lo, hi))
+    if not ranges:
+        raise _err("steps", "must list at least one step")
+    ranges.sort()
+    merged = [ranges[0]]
+    for lo, hi in ranges[1:]:
+        plo, phi = merged[-1]
+        if lo <= phi + 1:
+            merged[-1] = (plo, max(phi, hi))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault: what it does (``kind`` and its parameters) and when it fires.
+
+    Build it directly or from text with :meth:`parse`; invalid values raise
+    :class:`FaultSpecError` naming the field.
+    """
+
+    kind: str
+    """What the fault does; one of :data:`KINDS`."""
+    site: str = "aggregation"
+    """Where it strikes: ``aggregation`` (the all-reduced gradient a rank receives),
+    ``local-grad`` (a rank's gradient before the all-reduce), ``params`` or
+    ``optimizer-state`` (tensors at rest)."""
+    rate: float | None = None
+    """Probability in [0, 1] that an event starts at a candidate step (independently
+    per step; per listed rank, or once per step for ``ranks='random'``). ``None``
+    means 1 when ``steps`` is given. At least one of ``rate`` and ``steps`` is needed."""
+    steps: Steps | None = None
+    """Candidate start steps, as sorted merged inclusive ``(lo, hi)`` ranges (the
+    constructor also takes ints, ``range`` objects and pairs). ``None``: every step."""
+    ranks: Ranks = "random"
+    """``'random'``: each event picks ONE rank uniformly (the same answer on every
+    rank); or a sorted tuple of ranks, each of which draws independently."""
+    count: int | None = None
+    """Number of elements hit per event (>= 1; capped at the tensor's size). Default 1
+    when neither ``count`` nor ``fraction`` is given. Not for ``stale``."""
+    fraction: float | None = None
+    """Fraction in (0, 1] of the tensor's elements hit per event, rounded half up, at
+    least 1. Exclusive with ``count``. Not for ``stale``."""
+    bits: int | str = "any"
+    """``bitflip`` only: the bit index to flip (checked against the tensor's dtype at
+    injection, see :meth:`check_dtype`), or a class (``sign``, ``exponent``,
+    ``mantissa``, ``any``) from which each element draws one bit uniformly."""
+    factor: float = 1e3
+    """``scale`` only: the finite factor the chosen elements are multiplied by."""
+    sigma: float = 0.1
+    """``noise`` only: relative noise, ``x += z * sigma * |x|`` with ``z ~ N(0, 1)``
+    per element (so zeros stay zero); >= 0."""
+    value: float | None = None
+    """``random`` only: replace with uniform values in ``[-value, value]``; ``None``
+    uses the largest finite ``|x|`` of the whole tensor (0 if none)."""
+    burst: int = 1
+    """An event that starts at step ``s`` on a rank fires on steps ``s .. s+burst-1``
+    there (same rank for ``ranks='random'``). ``start``/``stop``/``steps``/``rate``
+    decide starts only; a burst runs to its end."""
+    persistent: bool = False
+    """True: the event fires again, identically, when the step is recomputed
+    (``attempt > 0``), as faulty hardware would. False: transient, attempt 0 only."""
+    start: int = 0
+    """First step at which an event may start (inclusive)."""
+    stop: int | None = None
+    """Step from which no event starts (exclusive); ``None``: never stops."""
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 - frozen
+        if self.kind not in KINDS:
+            raise FaultSpecError(
+                f"unknown fault kind '{self.kind}'; valid kinds: {', '.join(KINDS)}", "kind"
+            )
+        if self.site not in SITES:
+            raise _err("site", f"must be one of {', '.join(SITES)}", self.site)
+        if self.rate is not None:
+            if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)):
+                raise _err("rate", "must be a number in [0, 1]", self.rate)
+            set_("rate", float(self.rate))
+            if not 0.0 <= self.rate <= 1.0:
+                raise _err("rate", "must be in [0, 1]", self.rate)
+        if self.steps is not None:
+            set_("steps", _normalize_steps(self.steps))
+        if self.rate is None and self.steps is None:
+            raise _err("rate", "or 'steps' must be given (a fault needs to know when to fire)")
+        if self.ranks != "random":
+            if isinstance(self.ranks, str) or _is_int(self.ranks):
+                raise _err("ranks", "must be 'random' or a tuple of ranks", self.ranks)
+            ranks = tuple(self.ranks)
+            if not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+                raise _err("ranks", "must be 'random' or ranks >= 0", "+".join(map(str, ranks)))
+            if len(set(ranks)) != len(ranks):
+                raise _err("ranks", "lists a rank twice", "+".join(map(str, ranks)))
+            set_("ranks", tuple(sorted(ranks)))
+        if self.count is not None and self.fraction is not None:
+            raise _err("fraction", "cannot be combined with 'count'")
+        if self.count is not None and (not _is_int(self.count) or self.count < 1):
+            raise _err("count", "must be an integer >= 1", self.count)
+        if self.fraction is not None:
+            if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+                raise _err("fraction", "must be a number in (0, 1]", self.fraction)
+            set_("fraction", float(self.fraction))
+            if not 0.0 < self.fraction <= 1.0:
+                raise _err("fraction", "must be in (0, 1]", self.fraction)
+        if self.kind == "stale" and (self.count is not None or self.fraction is not None):
+            name = "count" if self.count is not None else "fraction"
+            raise _err(name, "does not apply to kind 'stale' (it replaces the whole tensor)")
+        if _is_int(self.bits):
+            if not 0 <= self.bits < 64:
+                raise _err("bits", "must be a bit index in [0, 63] or one of "
+                           f"{', '.join(BIT_CLASSES)}", self.bits)
+        elif self.bits not in BIT_CLASSES:
+            raise _err("bits", f"must be a bit index or one of {', '.join(BIT_CLASSES)}",
+                       self.bits)
+        for name in ("factor", "sigma"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise _err(name, "must be a finite number", v)
+            set_(name, float(v))
+        if self.sigma < 0:
+            raise _err("sigma", "must be >= 0", self.sigma)
+        if self.value is not None:
+            v = self.value
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v > 0
+            ):
+                raise _err("value", "must be a finite number > 0", v)
+            set_("value", float(v))
+        # Kind-specific knobs on the wrong kind are almost always a typo: say so.
+        for name, owner in _KIND_FIELDS.items():
+            default = _DEFAULTS[name]
+            if self.kind != owner and getattr(self, name) != default:
+                raise _err(name, f"applies only to kind '{owner}', not '{self.kind}'")
+        if not _is_int(self.burst) or self.burst < 1:
+            raise _err("burst", "must be an integer >= 1", self.burst)
+        if not isinstance(self.persistent, bool):
+            raise _err("persistent", "must be true or false", self.persistent)
+        if not _is_int(self.start) or self.start < 0:
+            raise _err("start", "must be an integer >= 0", self.start)
+        if self.stop is not None and (not _is_int(self.stop) or self.stop <= self.start):
+            raise _err("stop", f"must be an integer > start ({self.start})", self.stop)
+
+    # ------------------------------------------------------------------ text form
+
+    @classmethod
+    def parse(cls, text: str, *, option: str | None = "--inject") -> FaultSpec:
+        """Parse ``KIND[:key=value,...]`` (see the module docstring for the keys).
+
+        Errors are :class:`FaultSpecError` whose message starts with
+        ``"{option} '{text}': "`` and names the field, e.g.
+        ``--inject 'bitflip:rate=2': field 'rate' must be in [0, 1], got 2``.
+        """
+        try:
+            return cls._parse(text)
+        except FaultSpecError as e:
+            where = f"{option} '{text}'" if option else f"'{text}'"
+            raise FaultSpecError(f"{where}: {e.reason}", e.field) from None
+
+    @classmethod
+    def _parse(cls, text: str) -> FaultSpec:
+        if not isinstance(text, str):
+            raise FaultSpecError(f"expected a string, got {type(text).__name__}", "kind")
+        head, _, rest = text.strip().partition(":")
+        kind = head.strip().lower()
+        if kind not in KINDS:
+            raise FaultSpecError(
+                f"unknown fault kind '{head.strip()}'; valid kinds: {', '.join(KINDS)}", "kind"
+            )
+        kwargs: dict[str, Any] = {}
+        for item in rest.split(","):
+            if not item.strip():
+                continue  # tolerate "kind:" and a trailing comma
+            key, eq, raw = item.partition("=")
+            key, raw = key.strip().lower(), raw.strip()
+            if key not in _PARSERS:
+                raise FaultSpecError(
+                    f"unknown key '{key}'; valid keys: {', '.join(_PARSERS)}", key or "kind"
+                )
+            if not eq or not raw:
+                raise _err(key, "needs a value (key=value)")
+            if key in kwargs:
+                raise _err(key, "is given twice")
+            owner = _KIND_FIELDS.get(key)
+            if owner is not None and owner != kind:
+                raise _err(key, f"applies only to kind '{owner}', not '{kind}'")
+            kwargs[key] = _PARSERS[key](raw)
+        return cls(kind=kind, **kwargs)
+
+    def to_text(self) -> str:
+        """The canonical text form; ``FaultSpec.parse(s.to_text()) == s``."""
+        parts: list[str] = []
+        for f in dataclasses.fields(self):
+            if f.name == "kind":
+                continue
+            v = getattr(self, f.name)
+            if v == _DEFAULTS[f.name]:
+                continue
+            if f.name == "steps":
+                text = "+".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in v)
+            elif f.name == "ranks" and v != "random":
+                text = "+".join(map(str, v))
+            elif isinstance(v, float):
+                text = repr(v)
+            else:
+                text = _fmt(v)
+            parts.append(f"{f.name}={text}")
+        return self.kind + (":" + ",".join(parts) if parts else "")
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    # ------------------------------------------------------------------ helpers
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise :class:`FaultSpecError` (field ``bits``) if this spec cannot corrupt
+        tensors of ``dtype``; call it before training starts to fail early."""
+        if self.kind != "bitflip":
+            return
+        if dtype not in _LAYOUT:
+            supported = ", ".join(str(d).replace("torch.", "") for d in _LAYOUT)
+            raise _err("bits", f"bitflip supports dtypes {supported}, not {dtype}")
+        width = _LAYOUT[dtype][1]
+        if _is_int(self.bits) and self.bits >= width:
+            raise _err("bits", f"must be < {width} for {str(dtype).replace('torch.', '')}",
+                       self.bits)
+
+    def may_hit_rank(self, rank: int) -> bool:
+        """Whether an event of this spec can ever fire on ``rank``."""
+        return self.ranks == "random" or rank in self.ranks
+
+
+_KIND_FIELDS = {"bits": "bitflip", "factor": "scale", "sigma": "noise", "value": "random"}
+_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(FaultSpec) if f.name != "kind"
+}
+
+
+def _parse_int(key: str):  # noqa: ANN202 - small factory
+    def parse(raw: str) -> int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise _err(key, "must be an integer", raw) from None
+
+    return parse
+
+
+def _parse_float(key: str):  # noqa: ANN202
+    def parse(raw: str) -> float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise _err(key, "must be a number", raw) from None
+
+    return parse
+
+
+def _parse_steps(raw: str) -> Steps:
+    out: list[tuple[int, int]] = []
+    for tok in raw.split("+"):
+        lo, dash, hi = tok.strip().partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if dash else a
+        except ValueError:
+            raise _err("steps", "must look like 10+20+30, 10-20 or 5+10-12", raw) from None
+        if a < 0 or b < a:
+            raise _err("steps", "ranges lo-hi need 0 <= lo <= hi", raw)
+        out.append((a, b))
+    return _normalize_steps(out)
+
+
+def _parse_ranks(raw: str) -> Ranks:
+    if raw.lower() == "random":
+        return "random"
+    try:
+        return tuple(int(t) for t in raw.split("+"))
+    except ValueError:
+        raise _err("ranks", "must be 'random' or ranks like 1 or 0+2", raw) from None
+
+
+def _parse_bits(raw: str) -> int | str:
+    if raw.lower() in BIT_CLASSES:
+        return raw.lower()
+    try:
+        return int(raw)
+    except ValueError:
+        raise _err("bits", f"must be a bit index or one of {', '.join(BIT_CLASSES)}",
+                   raw) from None
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    raise _err("persistent", "must be true or false", raw)
+
+
+def _parse_site(raw: str) -> str:
+    return raw.lower()
+
+
+_PARSERS = {  # in FaultSpec field order, which is also to_text's order
+    "site": _parse_site,
+    "rate": _parse_float("rate"),
+    "steps": _parse_steps,
+    "ranks": _parse_ranks,
+    "count": _parse_int("count"),
+    "fraction": _parse_float("fraction"),
+    "bits": _parse_bits,
+    "factor": _parse_float("factor"),
+    "sigma": _parse_float("sigma"),
+    "value": _parse_float("value"),
+    "burst": _parse_int("burst"),
+    "persistent": _parse_bool,
+    "start": _parse_int("start"),
+    "stop": _parse_int("stop"),
+}
+
+
+def parse_specs(texts: Iterable[str], *, option: str | None = "--inject") -> list[FaultSpec]:
+    """Parse several ``--inject`` values, in order (the order fixes spec indices)."""
+    return [FaultSpec.parse(t, option=option) for t in texts]
+
+
+# --------------------------------------------------------------------------- kinds
+
+
+def bit_range(dtype: torch.dtype, bits: int | str) -> tuple[int, int]:
+    """Inclusive ``(lo, hi)`` bit indices of a class (or a single bit) for ``dtype``."""
+    if dtype not in _LAYOUT:
+        raise ValueError(f"bitflip does not support dtype {dtype}")
+    _, width, sign, exponent, mantissa = _LAYOUT[dtype]
+    if _is_int(bits):
+        if not 0 <= bits < width:
+            raise ValueError(f"bit {bits} out of range for {dtype} ({width} bits)")
+        return bits, bits
+    return {"sign": (sign, sign), "exponent": exponent, "mantissa": mantissa,
+            "any": (0, width - 1)}[bits]
+
+
+def _num_selected(numel: int, count: int | None, fraction: float | None) -> int:
+    if numel <= 0:
+        return 0
+    if fraction is not None:
+        return min(numel, max(1, math.floor(fraction * numel + 0.5)))
+    return min(numel, 1 if count is None else count)
+
+
+def select_indices(
+    numel: int, generator: torch.Generator, *, count: int | None = None,
+    fraction: float | None = None,
+) -> Tensor:
+    """Sorted flat indices (CPU int64) of ``count`` (default 1) or ``fraction`` of
+    ``numel`` elements, uniformly without replacement."""
+    k = _num_selected(numel, count, fraction)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if k <= 4096 and 4 * k <= numel:
+        # Few of many (the usual SDC case, even in 100M-element buckets): draw and drop
+        # repeats, which is uniform over k-subsets and costs O(k), not O(numel).
+        chosen: list[int] = []
+        seen: set[int] = set()
+        while len(chosen) < k:
+            for v in torch.randint(numel, (2 * (k - len(chosen)) + 4,),
+                                   generator=generator).tolist():
+                if v not in seen:
+                    seen.add(v)
+                    chosen.append(v)
+                    if len(chosen) == k:
+                        break
+        idx = torch.tensor(chosen, dtype=torch.int64)
+    else:
+        idx = torch.randperm(numel, generator=generator)[:k]
+    return idx.sort().values
+
+
+def _masks(bits: Tensor, width: int, int_dtype: torch.dtype) -> Tensor:
+    """``1 << bit`` per element as the signed integer type (the sign bit wraps)."""
+    if width == 64:
+        shifted = torch.ones_like(bits) << bits.clamp(max=62)
+        return torch.where(bits == 63, torch.full_like(bits, -(2**63)), shifted)
+    m = torch.ones_like(bits) << bits
+    return torch.where(m >= 2 ** (width - 1), m - 2**width, m).to(int_dtype)
+
+
+def flip_bits_(flat: Tensor, indices: Tensor, bits: Tensor) -> None:
+    """XOR bit ``bits[i]`` of element ``indices[i]`` of the 1-D tensor ``flat``, on its
+    integer view (so NaN payloads and signed zeros are exact)."""
+    int_dtype, width = _LAYOUT[flat.dtype][:2]
+    iv = flat.view(int_dtype)
+    idx = indices.to(flat.device)
+    iv[idx] = iv[idx] ^ _masks(bits, width, int_dtype).to(flat.device)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What :func:`apply_fault` did (first :data:`RECORD_VALUES` of each list)."""
+
+    num_elements: int
+    """Elements the fault was applied to (for ``stale``: the whole tensor)."""
+    indices: list[int]
+    """Flat indices hit (for ``stale``: those whose bits changed), ascending."""
+    before: list[float]
+    after: list[float]
+    bits: list[int] | None = None
+    """``bitflip``: the bit flipped at each of ``indices``."""
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def apply_fault(
+    spec: FaultSpec, tensor: Tensor, generator: torch.Generator,
+    previous: Tensor | None = None,
+) -> Applied | None:
+    """Corrupt ``tensor`` in place as ``spec`` says; ``None`` if there was nothing to do
+    (empty tensor, or ``stale`` with no usable ``previous`` value).
+
+    Randomness (which elements, which bits, noise, random values) comes only from
+    ``generator`` (a CPU generator) and is moved to the tensor's device, so the same
+    generator state gives the same corruption on CPU and GPU. Kinds:
+    ``bitflip`` flips one bit per element (see :attr:`FaultSpec.bits`); ``scale``
+    multiplies by ``factor``; ``noise`` adds ``z * sigma * |x|``, ``z ~ N(0, 1)``,
+    computed in float32 (float64 for float64 tensors); ``zero``; ``nan``; ``inf``
+    (+inf); ``random`` draws ``U[-r, r)`` (rounded to the dtype); ``stale`` copies
+    ``previous`` (same shape and dtype) over the whole tensor.
+    """
+    if not tensor.is_floating_point():
+        raise ValueError(f"can only corrupt floating-point tensors, got {tensor.dtype}")
+    if spec.kind == "bitflip":
+        spec.check_dtype(tensor.dtype)
+    n = tensor.numel()
+    if n == 0:
+        return None
+    if spec.kind == "stale":
+        if previous is None or previous.shape != tensor.shape or previous.dtype != tensor.dtype:
+            return None
+        with torch.no_grad():
+            prev = previous.to(tensor.device)
+            diff = (tensor.reshape(-1).view(_int_view(tensor.dtype))
+                    != prev.reshape(-1).view(_int_view(tensor.dtype))).nonzero().flatten()
+            idx = diff[:RECORD_VALUES]
+            before = tensor.reshape(-1)[idx].double().tolist()
+            tensor.copy_(prev)
+            after = tensor.reshape(-1)[idx].double().tolist()
+        return Applied(n, idx.tolist(), before, after)
+
+    indices = select_indices(n, generator, count=spec.count, fraction=spec.fraction)
+    k = indices.numel()
+    contiguous = tensor.is_contiguous()
+    with torch.no_grad():
+        # Non-contiguous tensors: corrupt a contiguous copy, then write it back.
+        work = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
+        idx = indices.to(tensor.device)
+        head = idx[:RECORD_VALUES]
+        before = work[head].double().tolist()
+        bits_list: list[int] | None = None
+        cdt = _compute_dtype(tensor.dtype)
+        if spec.kind == "bitflip":
+            lo, hi = bit_range(tensor.dtype, spec.bits)
+            bits = torch.randint(lo, hi + 1, (k,), generator=generator, dtype=torch.int64)
+            flip_bits_(work, indices, bits)
+            bits_list = bits[:RECORD_VALUES].tolist()
+        elif spec.kind == "scale":
+            work[idx] = (work[idx].to(cdt) * spec.factor).to(tensor.dtype)
+        elif spec.kind == "noise":
+            z = torch.randn(k, generator=generator, dtype=cdt).to(tensor.device)
+            x = work[idx].to(cdt)
+            work[idx] = (x + z * spec.sigma * x.abs()).to(tensor.dtype)
+        elif spec.kind == "zero":
+            work[idx] = 0
+        elif spec.kind == "nan":
+            work[idx] = float("nan")
+        elif spec.kind == "inf":
+            work[idx] = float("inf")
+        elif spec.kind == "random":
+            if spec.value is not None:
+                r = spec.value
+            else:
+                a = work.abs()
+                a = a[torch.isfinite(a)]
+                r = float(a.max()) if a.numel() else 0.0
+            u = torch.rand(k, generator=generator, dtype=torch.float64)
+            work[idx] = (u * (2 * r) - r).to(device=tensor.device, dtype=tensor.dtype)
+        else:  # pragma: no cover - KINDS is closed and validated
+            raise AssertionError(spec.kind)
+        after = work[head].double().tolist()
+        if not contiguous:
+            tensor.copy_(work.view(tensor.shape))
+    return Applied(k, head.tolist(), before, after, bits_list)
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        torch.empty(0, dtype=dtype).element_size()
+    ]
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """A spec firing at one (step, rank, site)."""
+
+    spec_index: int
+    spec: FaultSpec
+    step: int
+    rank: int
+    site: str
+    attempt: int
+    burst_start: int
+    """The step at which this event's burst started (== ``step`` without bursts)."""
+
+
+class FaultSchedule:
+    """When and where each spec fires: a pure function of (seed, spec index, step, rank).
+
+    Every decision hashes its coordinates (blake2b, counter-based), so queries are
+    random-access: asking about step 1000 first, or after a resume, gives the same
+    answer as walking steps 0..1000. Specs are identified by their index in ``specs``.
+    """
+
+    def __init__(self, specs: Sequence[FaultSpec | str], seed: int, world_size: int) -> None:
+        if not _is_int(seed):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if not _is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        self.specs: tuple[FaultSpec, ...] = tuple(
+            FaultSpec.parse(s) if isinstance(s, str) else s for s in specs
+        )
+        self.seed = seed
+        self.world_size = world_size
+        for i, s in enumerate(self.specs):
+            if s.ranks != "random" and max(s.ranks) >= world_size:
+                raise FaultSpecError(
+                    f"fault {i} '{s.to_text()}': field 'ranks' names rank {max(s.ranks)} "
+                    f"but world_size is {world_size}", "ranks")
+        # For bisect on the candidate steps.
+        self._step_lows = [None if s.steps is None else [lo for lo, _ in s.steps]
+                           for s in self.specs]
+
+    def __repr__(self) -> str:
+        specs = [s.to_text() for s in self.specs]
+        return f"FaultSchedule({specs}, seed={self.seed}, world_size={self.world_size})"
+
+    @property
+    def sites(self) -> frozenset[str]:
+        return frozenset(s.site for s in self.specs)
+
+    # The one source of randomness: a 64-bit hash of the coordinates.
+    def _hash(self, *key: Any) -> int:
+        data = repr(("paft-faults/v1", self.seed) + key).encode()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    def _uniform(self, *key: Any) -> float:
+        return (self._hash(*key) >> 11) * 2.0**-53
+
+    def _candidate(self, i: int, step: int) -> bool:
+        s = self.specs[i]
+        if step < s.start or (s.stop is not None and step >= s.stop):
+            return False
+        lows = self._step_lows[i]
+        if lows is None:
+            return True
+        j = bisect.bisect_right(lows, step) - 1
+        return j >= 0 and step <= s.steps[j][1]  # type: ignore[index]
+
+    def random_rank(self, spec_index: int, step: int) -> int:
+        """The rank a ``ranks='random'`` event starting at ``step`` lands on."""
+        return self._hash("rank", spec_index, step) % self.world_size
+
+    def starts(self, spec_index: int, step: int, rank: int) -> bool:
+        """Whether an event of spec ``spec_index`` starts at ``step`` on ``rank``."""
+        s = self.specs[spec_index]
+        if step < 0 or not self._candidate(spec_index, step):
+            return False
+        p = 1.0 if s.rate is None else s.rate
+        if s.ranks == "random":
+            # One draw per (spec, step), keyed by no rank: every rank computes the same.
+            if p < 1.0 and self._uniform("fire", spec_index, step, -1) >= p:
+                return False
+            return self.random_rank(spec_index, step) == rank
+        if rank not in s.ranks:
+            return False
+        return p >= 1.0 or self._uniform("fire", spec_index, step, rank) < p
+
+    def burst_start(self, spec_index: int, step: int, rank: int) -> int | None:
+        """The start step of the (latest) burst of spec ``spec_index`` covering
+        ``step`` on ``rank``, or None if it does not fire there."""
+        burst = self.specs[spec_index].burst
+        for s in range(step, max(-1, step - burst), -1):
+            if self.starts(spec_index, s, rank):
+                return s
+        return None
+
+    def events(self, step: int, rank: int, site: str, attempt: int = 0) -> list[FaultEvent]:
+        """The events firing at (step, rank, site), in spec order. ``attempt > 0`` is a
+        recompute of ``step``: only persistent specs fire again."""
+        if site not in SITES:
+            raise ValueError(f"site must be one of {', '.join(SITES)}, got {site!r}")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        if step < 0 or attempt < 0:
+            raise ValueError(f"step and attempt must be >= 0, got {step}, {attempt}")
+        out: list[FaultEvent] = []
+        for i, s in enumerate(self.specs):
+            if s.site != site or (attempt > 0 and not s.persistent):
+                continue
+            start = self.burst_start(i, step, rank)
+            if start is not None:
+                out.append(FaultEvent(i, s, step, rank, site, attempt, start))
+        return out
+
+    def generator(self, event: FaultEvent, target: int | str) -> torch.Generator:
+        """A CPU generator for element selection, seeded from (seed, spec, step, rank,
+        target, attempt). A persistent fault fires again on a recompute, but on other
+        elements: faulty hardware does not reproduce the same bits the way a bad
+        input does, which is what lets the guard tell the two apart."""
+        g = torch.Generator()
+        g.manual_seed(self._hash("gen", event.spec_index, event.step, event.rank, target,
+                                 event.attempt) & (2**63 - 1))
+        return g
+
+    def bucket_for(self, event: FaultEvent, num_buckets: int) -> int:
+        """The one bucket (of ``num_buckets``) the event hits at its step."""
+        if num_buckets < 1:
+            raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+        return self._hash("bucket", event.spec_index, event.step, event.rank) % num_buckets
+
+    def tensor_for(self, event: FaultEvent, names: Sequence[str], numels: Sequence[int]) -> str:
+        """The one tensor the event hits, drawn with probability proportional to its
+        number of elements (a random bit of memory is hit) among ``names``."""
+        total = sum(numels)
+        if total <= 0:
+            raise ValueError("no elements to choose from")
+        x = self._hash("tensor", event.spec_index, event.step, event.rank) % total
+        for name, n in zip(names, numels):
+            if x < n:
+                return name
+            x -= n
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- injector
+
+
+def _json_float(v: float) -> float | str:
+    # Strict JSON has no NaN/Infinity: write them as strings "nan", "inf", "-inf".
+    return v if math.isfinite(v) else repr(v)
+
+
+@dataclass
+class FaultRecord:
+    """One injected fault, as a line of ``faults.jsonl``."""
+
+    step: int
+    rank: int
+    site: str
+    target: int | str
+    """Bucket index (bucket sites) or tensor name (params / optimizer-state)."""
+    kind: str
+    bit: int | None
+    """Bitflip: the bit flipped when the spec names one bit or one element was hit;
+    otherwise None (see ``bits``)."""
+    num_elements: int
+    indices: list[int]
+    before: list[float]
+    after: list[float]
+    attempt: int
+    spec_index: int = 0
+    spec: str = ""
+    bits: list[int] | None = None
+    """Bitflip: the bit flipped at each of ``indices``."""
+    burst_start: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A dict that ``json.dumps(..., allow_nan=False)`` accepts."""
+        d = dataclasses.asdict(self)
+        d["before"] = [_json_float(v) for v in self.before]
+        d["after"] = [_json_float(v) for v in self.after]
+        return d
+
+
+class FaultInjector:
+    """Applies a :class:`FaultSchedule` on one rank.
+
+    Without specs it is disabled and every call returns ``[]`` at once without reading
+    the tensor. ``stale`` needs the previous value of each target: the injector keeps
+    one pre-injection copy per (site, target), only for sites where a ``stale`` spec
+    can hit this rank, so other configurations pay nothing.
+    """
+
+    def __init__(self, schedule: FaultSchedule, rank: int) -> None:
+        if not 0 <= rank < schedule.world_size:
+            raise ValueError(f"rank must be in [0, {schedule.world_size}), got {rank}")
+        self.schedule = schedule
+        self.rank = rank
+        self._sites = schedule.sites
+        self._stale_sites = frozenset(
+            s.site for s in schedule.specs if s.kind == "stale" and s.may_hit_rank(rank)
+        )
+        # (site, target) -> [(step, value)], at most one entry with step < current.
+        self._memory: dict[tuple[str, int | str], list[tuple[int, Tensor]]] = {}
+        self._cache_key: tuple[str, int, int] | None = None
+        self._cache: list[FaultEvent] = []
+
+    @property
+    def enabled(self) -> bool:
+        """False when there are no specs: callers may skip the injector entirely."""
+        return bool(self.schedule.specs)
+
+    def has_site(self, site: str) -> bool:
+        """Whether any spec targets ``site`` (on any rank: same answer everywhere)."""
+        return site in self._sites
+
+    def forget(self) -> None:
+        """Drop the ``stale`` memory (e.g. after the model was reloaded)."""
+        self._memory.clear()
+
+    def _events(self, site: str, step: int, attempt: int) -> list[FaultEvent]:
+        # Called once per bucket: compute a step's events once.
+        key = (site, step, attempt)
+        if key != self._cache_key:
+            self._cache = self.schedule.events(step, self.rank, site, attempt)
+            self._cache_key = key
+        return self._cache
+
+    def _remember(self, site: str, target: int | str, step: int, tensor: Tensor) -> Tensor | None:
+        """Store ``tensor``'s (pre-injection) value for ``step``; return the value of
+        the most recent earlier step. A recompute of ``step`` replaces its entry and
+        still sees the earlier step. Going back further (a rollback) drops the
+        "future" entries; the step before the rollback target is then unknown, and a
+        ``stale`` fault there does nothing."""
+        entries = [e for e in self._memory.get((site, target), []) if e[0] < step][-1:]
+        previous = entries[0][1] if entries else None
+        self._memory[(site, target)] = entries + [(step, tensor.detach().clone())]
+        return previous
+
+    def _record(self, ev: FaultEvent, target: int | str, applied: Applied) -> FaultRecord:
+        bits = applied.bits
+        bit = bits[0] if bits and ev.spec.kind == "bitflip" and (
+            _is_int(ev.spec.bits) or applied.num_elements == 1) else None
+        return FaultRecord(
+            step=ev.step, rank=ev.rank, site=ev.site, target=target, kind=ev.spec.kind,
+            bit=bit, num_elements=applied.num_elements, indices=applied.indices,
+            before=applied.before, after=applied.after, attempt=ev.attempt,
+            spec_index=ev.spec_index, spec=ev.spec.to_text(), bits=bits,
+            burst_start=ev.burst_start,
+        )
+
+    def inject_bucket(
+        self, site: str, step: int, bucket_index: int, num_buckets: int, tensor: Tensor,
+        attempt: int = 0,
+    ) -> list[FaultRecord]:
+        """Corrupt a gradient bucket in place if an event hits it; return the records.
+
+        Each firing event hits exactly one bucket per step, ``schedule.bucket_for``,
+        so ``num_buckets`` must be the same in every call of a step (and on every
+        rank, for reproducibility); other buckets are left untouched.
+        """
+        if not self.enabled or site not in self._sites:
+            return []
+        if site not in BUCKET_SITES:
+            raise ValueError(f"inject_bucket site must be one of {BUCKET_SITES}, got {site!r}")
+        if not 0 <= bucket_index < num_buckets:
+            raise ValueError(f"bucket_index {bucket_index} not in [0, {num_buckets})")
+        previous = None
+        if site in self._stale_sites:
+            previous = self._remember(site, bucket_index, step, tensor)
+        records = []
+        for ev in self._events(site, step, attempt):
+            if self.schedule.bucket_for(ev, num_buckets) != bucket_index:
+                continue
+            applied = apply_fault(ev.spec, tensor, self.schedule.generator(ev, bucket_index),
+                                  previous)
+            if applied is not None:
+                records.append(self._record(ev, bucket_index, applied))
+        return records
+
+    def inject_tensors(
+        self, site: str, step: int, named: Mapping[str, Tensor], attempt: int = 0,
+    ) -> list[FaultRecord]:
+        """Corrupt tensors at rest (params / optimizer-state) in place; return records.
+
+        Each event picks ONE tensor among the floating-point, non-empty ``named``
+        tensors (taken in sorted name order), with probability proportional to its
+        number of elements; non-float entries (e.g. integer step counters) are skipped.
+        """
+        if not self.enabled or site not in self._sites:
+            return []
+        if site not in TENSOR_SITES:
+            raise ValueError(f"inject_tensors site must be one of {TENSOR_SITES}, got {site!r}")
+        names = sorted(n for n, t in named.items() if t.is_floating_point() and t.numel() > 0)
+        previous: dict[str, Tensor | None] = {}
+        if site in self._stale_sites:
+            previous = {n: self._remember(site, n, step, named[n]) for n in names}
+        events = self.schedule.events(step, self.rank, site, attempt)
+        if not events or not names:
+            return []
+        numels = [named[n].numel() for n in names]
+        records = []
+        for ev in events:
+            name = self.schedule.tensor_for(ev, names, numels)
+            applied = apply_fault(ev.spec, named[name], self.schedule.generator(ev, name),
+                                  previous.get(name))
+            if applied is not None:
+                records.append(self._record(ev, name, applied))
+        return records

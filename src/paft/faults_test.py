@@ -1,0 +1,630 @@
+"""Tests for paft.faults: kinds on real tensors, the spec grammar, the schedule, the injector.
+
+Everything here is pure (no process group): the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paft.faults import (
+    BIT_CLASSES,
+    KINDS,
+    SITES,
+    FaultInjector,
+    FaultRecord,
+    FaultSchedule,
+    FaultSpec,
+    FaultSpecError,
+    apply_fault,
+    bit_range,
+    parse_specs,
+    select_indices,
+)
+
+DTYPES = {torch.float32: (torch.int32, 32), torch.bfloat16: (torch.int16, 16),
+          torch.float16: (torch.int16, 16)}
+CLASS_RANGES = {
+    torch.float32: {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22), "any": (0, 31)},
+    torch.bfloat16: {"sign": (15, 15), "exponent": (7, 14), "mantissa": (0, 6), "any": (0, 15)},
+    torch.float16: {"sign": (15, 15), "exponent": (10, 14), "mantissa": (0, 9), "any": (0, 15)},
+}
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def flipped_bits(before: torch.Tensor, after: torch.Tensor) -> dict[int, int]:
+    """{flat index: xor of the integer views} for every element whose bits differ."""
+    int_dtype, width = DTYPES[before.dtype]
+    x = before.reshape(-1).view(int_dtype).long() ^ after.reshape(-1).view(int_dtype).long()
+    x = x & ((1 << width) - 1)  # undo sign extension of the int view
+    return {i: int(x[i]) for i in x.nonzero().flatten().tolist()}
+
+
+def sample(dtype: torch.dtype, n: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=gen(seed)).to(dtype)
+
+
+# --------------------------------------------------------------------------- bitflip
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_bitflip_every_class_and_bit_flips_exactly_that_bit_of_exactly_those_elements(dtype):
+    width = DTYPES[dtype][1]
+    choices: list[int | str] = list(BIT_CLASSES) + list(range(width))
+    for seed, bits in enumerate(choices):
+        t = sample(dtype, seed=seed)
+        before = t.clone()
+        spec = FaultSpec("bitflip", steps=0, bits=bits, count=5)
+        applied = apply_fault(spec, t, gen(seed))
+        assert applied is not None and applied.num_elements == 5
+        assert len(set(applied.indices)) == 5
+        lo, hi = CLASS_RANGES[dtype][bits] if isinstance(bits, str) else (bits, bits)
+        xor = flipped_bits(before, t)
+        # Exactly the chosen elements changed, each by exactly its chosen bit.
+        assert sorted(xor) == applied.indices
+        for i, b in zip(applied.indices, applied.bits):
+            assert lo <= b <= hi
+            assert xor[i] == 1 << b
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("cls", ["sign", "exponent", "mantissa"])
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1))
+def test_bitflip_class_touches_only_its_bits(dtype, cls, seed):
+    t = sample(dtype, n=256, seed=seed % 1000)
+    before = t.clone()
+    apply_fault(FaultSpec("bitflip", steps=0, bits=cls, fraction=0.25), t, gen(seed))
+    lo, hi = CLASS_RANGES[dtype][cls]
+    class_mask = sum(1 << b for b in range(lo, hi + 1))
+    xor = flipped_bits(before, t)
+    assert len(xor) == 64
+    for v in xor.values():
+        assert v & ~class_mask == 0 and bin(v).count("1") == 1
+
+
+def test_bit_ranges_match_the_formats():
+    assert bit_range(torch.float32, "exponent") == (23, 30)
+    assert bit_range(torch.bfloat16, "mantissa") == (0, 6)
+    assert bit_range(torch.float16, "sign") == (15, 15)
+    assert bit_range(torch.float64, "exponent") == (52, 62)
+    # A sign flip is exactly negation; an exponent-LSB flip of 1.0 halves it.
+    for dtype in DTYPES:
+        t = torch.tensor([1.5], dtype=dtype)
+        apply_fault(FaultSpec("bitflip", steps=0, bits=bit_range(dtype, "sign")[0]), t, gen(0))
+        assert torch.equal(t, torch.tensor([-1.5], dtype=dtype))
+        t = torch.tensor([1.0], dtype=dtype)
+        apply_fault(FaultSpec("bitflip", steps=0, bits=bit_range(dtype, "exponent")[0]), t,
+                    gen(0))
+        assert torch.equal(t, torch.tensor([0.5], dtype=dtype))
+
+
+def test_bitflip_float64_sign_and_noncontiguous_tensor():
+    t = torch.tensor([2.0], dtype=torch.float64)
+    apply_fault(FaultSpec("bitflip", steps=0, bits=63), t, gen(0))
+    assert t.item() == -2.0
+    base = torch.randn(6, 5, generator=gen(1))
+    view = base.t()  # non-contiguous: corrupted through a copy, written back
+    before = base.clone()
+    applied = apply_fault(FaultSpec("bitflip", steps=0, count=3, bits="sign"), view, gen(2))
+    changed = (base != before).nonzero().tolist()
+    assert len(changed) == 3
+    flat_view_idx = sorted(c * 6 + r for r, c in changed)  # index into view.reshape(-1)
+    assert flat_view_idx == applied.indices
+    assert torch.equal(base.abs(), before.abs())
+
+
+def test_bitflip_bit_out_of_range_for_dtype_names_bits():
+    spec = FaultSpec("bitflip", steps=0, bits=20)
+    spec.check_dtype(torch.float32)
+    with pytest.raises(FaultSpecError, match="'bits'") as e:
+        spec.check_dtype(torch.bfloat16)
+    assert e.value.field == "bits"
+    with pytest.raises(FaultSpecError):
+        apply_fault(spec, torch.zeros(4, dtype=torch.float16), gen(0))
+
+
+def test_bitflip_on_leaf_parameter_works_in_place():
+    p = torch.nn.Parameter(torch.ones(8))
+    apply_fault(FaultSpec("bitflip", steps=0, bits="sign"), p, gen(0))
+    assert (p.detach() == -1).sum().item() == 1
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 20000), count=st.integers(1, 3000), seed=st.integers(0, 2**32))
+def test_count_selects_distinct_sorted_indices(n, count, seed):
+    idx = select_indices(n, gen(seed), count=count)
+    assert idx.numel() == min(n, count)
+    assert idx.unique().numel() == idx.numel()
+    assert torch.equal(idx, idx.sort().values)
+    assert 0 <= int(idx.min()) and int(idx.max()) < n
+
+
+@pytest.mark.parametrize("n,fraction,k", [(100, 0.1, 10), (10, 0.05, 1), (7, 1.0, 7),
+                                          (1000, 0.0125, 13), (5, 0.5, 3), (20000, 0.5, 10000)])
+def test_fraction_selects_rounded_count(n, fraction, k):
+    idx = select_indices(n, gen(3), fraction=fraction)
+    assert idx.numel() == k and idx.unique().numel() == k
+
+
+def test_selection_is_uniform():
+    # Each of 20 slots picked count=5 times over 2000 draws: expected 500 each.
+    hits = torch.zeros(20)
+    for s in range(2000):
+        hits[select_indices(20, gen(s), count=5)] += 1
+    n, p = 2000, 5 / 20
+    assert (hits - n * p).abs().max() <= 5 * math.sqrt(n * p * (1 - p))
+
+
+# --------------------------------------------------------------------------- other kinds
+
+
+def _apply(kind: str, t: torch.Tensor, seed: int = 0, **kw):
+    before = t.clone()
+    spec = FaultSpec(kind, steps=0, **kw)
+    applied = apply_fault(spec, t, gen(seed))
+    # Selection is the generator's first draw, so it can be replayed in full
+    # (the Applied record keeps only the first few indices).
+    idx = select_indices(t.numel(), gen(seed), count=spec.count, fraction=spec.fraction)
+    assert idx[: len(applied.indices)].tolist() == applied.indices
+    untouched = torch.ones(t.numel(), dtype=torch.bool)
+    untouched[idx] = False
+    assert torch.equal(t[untouched], before[untouched])
+    return before, applied, idx
+
+
+def test_scale_zero_nan_inf():
+    t = sample(torch.float32, 100)
+    before, a, idx = _apply("scale", t, count=4, factor=-8.0)
+    assert a.num_elements == 4 and torch.equal(t[idx], before[idx] * -8.0)
+    t = sample(torch.bfloat16, 100)
+    before, a, idx = _apply("zero", t, fraction=0.3)
+    assert a.num_elements == 30 and (t[idx] == 0).all() and (t != 0).sum() == 70
+    t = sample(torch.float16, 100)
+    _, a, idx = _apply("nan", t, count=3)
+    assert torch.isnan(t).sum() == 3 and torch.isnan(t[idx]).all()
+    t = sample(torch.float32, 100)
+    _, a, idx = _apply("inf", t, count=2)
+    assert torch.isposinf(t[idx]).all() and torch.isinf(t).sum() == 2
+
+
+def test_random_within_range():
+    t = sample(torch.float32, 1000) * 3
+    r = t.abs().max().item()
+    before, a, idx = _apply("random", t, fraction=0.5)
+    vals = t[idx]
+    assert (vals.abs() <= r).all() and not torch.equal(vals, before[idx])
+    assert vals.min() < -r / 2 and vals.max() > r / 2  # spread over the range
+    t = sample(torch.bfloat16, 1000)
+    _, a, idx = _apply("random", t, fraction=0.5, value=0.25)
+    assert (t[idx].abs() <= 0.25).all()
+
+
+def test_noise_is_relative():
+    t = torch.linspace(-100, 100, 20001, dtype=torch.float64)  # includes 0.0
+    before, a, idx = _apply("noise", t, fraction=1.0, sigma=0.1)
+    rel = (t - before) / before.abs()
+    nz = before != 0
+    assert torch.equal(t[~nz], before[~nz])  # zero stays zero
+    assert abs(rel[nz].mean().item()) < 0.01 and abs(rel[nz].std().item() - 0.1) < 0.005
+
+
+def test_empty_tensor_and_stale_without_previous_do_nothing():
+    assert apply_fault(FaultSpec("nan", steps=0), torch.empty(0), gen(0)) is None
+    t = torch.ones(3)
+    assert apply_fault(FaultSpec("stale", steps=0), t, gen(0)) is None
+    assert apply_fault(FaultSpec("stale", steps=0), t, gen(0), previous=torch.ones(4)) is None
+    assert torch.equal(t, torch.ones(3))
+
+
+def test_same_generator_same_corruption():
+    a, b = sample(torch.float32), sample(torch.float32)
+    spec = FaultSpec("bitflip", steps=0, count=4)
+    apply_fault(spec, a, gen(7))
+    apply_fault(spec, b, gen(7))
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def fired(sched: FaultSchedule, steps, rank=0, site="aggregation", attempt=0) -> list[int]:
+    return [s for s in steps if sched.events(s, rank, site, attempt)]
+
+
+def test_schedule_is_deterministic_and_random_access():
+    specs = ["bitflip:rate=0.1,ranks=0+1", "scale:rate=0.2,burst=3", "zero:rate=0.05,site=params"]
+    keys = [(s, r, site) for s in range(300) for r in range(4) for site in SITES]
+    a = FaultSchedule(specs, seed=11, world_size=4)
+    forward = {k: a.events(*k) for k in keys}
+    b = FaultSchedule(specs, seed=11, world_size=4)
+    shuffled = list(keys)
+    random.Random(0).shuffle(shuffled)
+    assert {k: b.events(*k) for k in shuffled} == forward
+    assert any(forward.values())
+    c = FaultSchedule(specs, seed=12, world_size=4)
+    assert {k: c.events(*k) for k in keys} != forward
+    ev = next(e for v in forward.values() for e in v)
+    assert a.generator(ev, 3).initial_seed() == b.generator(ev, 3).initial_seed()
+    assert a.generator(ev, 3).initial_seed() != a.generator(ev, 4).initial_seed()
+
+
+@pytest.mark.parametrize("p", [0.01, 0.2, 0.7])
+def test_empirical_rate_matches_binomial(p):
+    n = 10000
+    sched = FaultSchedule([f"nan:rate={p},ranks=1"], seed=5, world_size=2)
+    k = len(fired(sched, range(n), rank=1))
+    assert abs(k - n * p) <= 5 * math.sqrt(n * p * (1 - p))
+    assert fired(sched, range(n), rank=0) == []
+
+
+def test_ranks_random_one_rank_per_event_consistently():
+    world = 4
+    sched = FaultSchedule(["nan:rate=1", "zero:rate=0.3"], seed=3, world_size=world)
+    per_rank = {0: [0] * world, 1: [0] * world}
+    starts = 0
+    for step in range(2000):
+        for i in (0, 1):
+            hit = [r for r in range(world) if any(
+                e.spec_index == i for e in sched.events(step, r, "aggregation"))]
+            assert len(hit) <= 1
+            if i == 0:
+                assert hit == [sched.random_rank(0, step)]
+            for r in hit:
+                per_rank[i][r] += 1
+            starts += i == 1 and bool(hit)
+    n = 2000
+    for c in per_rank[0]:  # uniform over ranks
+        assert abs(c - n / world) <= 5 * math.sqrt(n * 0.25 * 0.75)
+    assert abs(starts - n * 0.3) <= 5 * math.sqrt(n * 0.3 * 0.7)
+
+
+def test_listed_ranks_draw_independently():
+    sched = FaultSchedule(["nan:rate=0.5,ranks=0+2"], seed=1, world_size=3)
+    f0, f2 = set(fired(sched, range(400), 0)), set(fired(sched, range(400), 2))
+    assert f0 != f2 and f0 & f2 and fired(sched, range(400), 1) == []
+
+
+def test_steps_ranges_start_stop():
+    sched = FaultSchedule(["nan:steps=5+10-12,ranks=0"], seed=0, world_size=1)
+    assert fired(sched, range(30)) == [5, 10, 11, 12]
+    sched = FaultSchedule(["nan:rate=1,start=7,stop=10,ranks=0"], seed=0, world_size=1)
+    assert fired(sched, range(30)) == [7, 8, 9]
+    sched = FaultSchedule(["nan:steps=0-100,rate=0.5,stop=50,ranks=0"], seed=0, world_size=1)
+    got = fired(sched, range(200))
+    assert got and max(got) < 50 and len(got) < 50  # rate thins the listed steps
+
+
+def test_burst_repeats_on_the_same_rank():
+    sched = FaultSchedule(["nan:steps=10+20,burst=3,ranks=1"], seed=0, world_size=2)
+    assert fired(sched, range(40), rank=1) == [10, 11, 12, 20, 21, 22]
+    ev = sched.events(12, 1, "aggregation")[0]
+    assert ev.burst_start == 10
+    sched = FaultSchedule(["nan:rate=0.02,burst=4"], seed=9, world_size=4)
+    for step in range(500):
+        if sched.starts(0, step, r := sched.random_rank(0, step)):
+            for later in range(step, step + 4):
+                assert sched.events(later, r, "aggregation")
+    # Window decides starts only; a burst started before stop runs to its end.
+    sched = FaultSchedule(["nan:steps=9,burst=3,stop=10,ranks=0"], seed=0, world_size=1)
+    assert fired(sched, range(20)) == [9, 10, 11]
+
+
+def test_persistent_vs_transient_on_recompute():
+    specs = ["nan:steps=4,ranks=0", "zero:steps=4,ranks=0,persistent=true"]
+    sched = FaultSchedule(specs, seed=0, world_size=1)
+    assert [e.spec.kind for e in sched.events(4, 0, "aggregation", attempt=0)] == ["nan", "zero"]
+    assert [e.spec.kind for e in sched.events(4, 0, "aggregation", attempt=1)] == ["zero"]
+    assert [e.spec.kind for e in sched.events(4, 0, "aggregation", attempt=2)] == ["zero"]
+
+
+def test_sites_are_separate():
+    sched = FaultSchedule(["nan:steps=1,site=local-grad,ranks=0"], seed=0, world_size=1)
+    assert sched.events(1, 0, "local-grad") and not sched.events(1, 0, "aggregation")
+    with pytest.raises(ValueError, match="site"):
+        sched.events(1, 0, "bogus")
+
+
+def test_schedule_checks_ranks_against_world_size():
+    with pytest.raises(FaultSpecError, match="'ranks'") as e:
+        FaultSchedule(["nan:rate=1,ranks=0+4"], seed=0, world_size=4)
+    assert e.value.field == "ranks"
+
+
+# --------------------------------------------------------------------------- spec text
+
+
+@st.composite
+def specs(draw) -> FaultSpec:
+    kind = draw(st.sampled_from(KINDS))
+    kw: dict = {"site": draw(st.sampled_from(SITES))}
+    finite = st.floats(allow_nan=False, allow_infinity=False)
+    rate = draw(st.none() | st.floats(0, 1))
+    steps = draw(st.none() | st.lists(
+        st.integers(0, 50) | st.tuples(st.integers(0, 50), st.integers(0, 10)).map(
+            lambda t: (t[0], t[0] + t[1])), min_size=1, max_size=5))
+    if rate is None and steps is None:
+        rate = 0.5
+    kw.update(rate=rate, steps=steps)
+    kw["ranks"] = draw(st.just("random") | st.sets(st.integers(0, 7), min_size=1).map(tuple))
+    if kind != "stale":
+        which = draw(st.sampled_from(["none", "count", "fraction"]))
+        if which == "count":
+            kw["count"] = draw(st.integers(1, 10**6))
+        elif which == "fraction":
+            kw["fraction"] = draw(st.floats(0, 1, exclude_min=True))
+    if kind == "bitflip":
+        kw["bits"] = draw(st.sampled_from(BIT_CLASSES) | st.integers(0, 63))
+    if kind == "scale":
+        kw["factor"] = draw(finite)
+    if kind == "noise":
+        kw["sigma"] = draw(st.floats(0, 1e6))
+    if kind == "random":
+        kw["value"] = draw(st.none() | st.floats(1e-30, 1e30))
+    kw["burst"] = draw(st.integers(1, 100))
+    kw["persistent"] = draw(st.booleans())
+    kw["start"] = draw(st.integers(0, 100))
+    kw["stop"] = draw(st.none() | st.integers(101, 10**6))
+    return FaultSpec(kind, **kw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(spec=specs())
+def test_parse_to_text_round_trip(spec):
+    text = spec.to_text()
+    assert FaultSpec.parse(text) == spec
+    assert FaultSpec.parse(text).to_text() == text
+
+
+def test_parse_examples_and_defaults():
+    s = FaultSpec.parse("bitflip:site=aggregation,rate=0.01,bits=exponent,ranks=1")
+    assert s == FaultSpec("bitflip", rate=0.01, bits="exponent", ranks=(1,))
+    assert s.to_text() == "bitflip:rate=0.01,ranks=1,bits=exponent"
+    s = FaultSpec.parse(" Scale : steps = 5+10-12 , factor=-1e4, ranks=2+0 ")
+    assert s.steps == ((5, 5), (10, 12)) and s.factor == -1e4 and s.ranks == (0, 2)
+    d = FaultSpec.parse("noise:rate=1")
+    assert (d.site, d.ranks, d.count, d.fraction, d.sigma, d.burst, d.persistent, d.start,
+            d.stop) == ("aggregation", "random", None, None, 0.1, 1, False, 0, None)
+    assert FaultSpec.parse("scale:rate=1").factor == 1e3
+    assert FaultSpec("nan", steps=range(3, 6)).steps == ((3, 5),)
+    assert [s.kind for s in parse_specs(["nan:rate=1", "zero:steps=1"])] == ["nan", "zero"]
+
+
+BAD = [
+    ("bitflip:rate=2", "rate", "field 'rate' must be in [0, 1], got 2"),
+    ("bitflip:rate=-0.1", "rate", None),
+    ("bitflip:rate=abc", "rate", None),
+    ("bitflip:rate=nan", "rate", None),
+    ("bitflip", "rate", None),
+    ("bitflip:site=params", "rate", None),
+    ("bitflp:rate=1", "kind", "valid kinds: bitflip, scale"),
+    ("", "kind", None),
+    ("bitflip:rat=1", "rat", "valid keys: site, rate"),
+    ("bitflip:rate", "rate", None),
+    ("bitflip:rate=", "rate", None),
+    ("bitflip:rate=0.1,rate=0.2", "rate", "twice"),
+    ("bitflip:rate=1,site=memory", "site", None),
+    ("bitflip:steps=x", "steps", None),
+    ("bitflip:steps=5-3", "steps", None),
+    ("bitflip:steps=-1", "steps", None),
+    ("bitflip:steps=1++2", "steps", None),
+    ("bitflip:rate=1,ranks=x", "ranks", None),
+    ("bitflip:rate=1,ranks=1+1", "ranks", None),
+    ("bitflip:rate=1,ranks=-1", "ranks", None),
+    ("bitflip:rate=1,count=0", "count", None),
+    ("bitflip:rate=1,count=1.5", "count", None),
+    ("bitflip:rate=1,fraction=0", "fraction", None),
+    ("bitflip:rate=1,fraction=1.5", "fraction", None),
+    ("bitflip:rate=1,count=2,fraction=0.5", "fraction", None),
+    ("bitflip:rate=1,bits=64", "bits", None),
+    ("bitflip:rate=1,bits=exp", "bits", None),
+    ("scale:rate=1,bits=3", "bits", "only to kind 'bitflip'"),
+    ("bitflip:rate=1,factor=2", "factor", None),
+    ("scale:rate=1,factor=inf", "factor", None),
+    ("noise:rate=1,sigma=-1", "sigma", None),
+    ("random:rate=1,value=0", "value", None),
+    ("zero:rate=1,value=1", "value", None),
+    ("stale:rate=1,count=2", "count", None),
+    ("stale:rate=1,fraction=0.5", "fraction", None),
+    ("nan:rate=1,burst=0", "burst", None),
+    ("nan:rate=1,persistent=yes", "persistent", None),
+    ("nan:rate=1,start=-1", "start", None),
+    ("nan:rate=1,start=5,stop=5", "stop", None),
+]
+
+
+@pytest.mark.parametrize("text,field,fragment", BAD)
+def test_malformed_spec_names_the_field(text, field, fragment):
+    with pytest.raises(FaultSpecError) as e:
+        FaultSpec.parse(text)
+    assert isinstance(e.value, ValueError)
+    assert e.value.field == field
+    msg = str(e.value)
+    assert msg.startswith(f"--inject '{text}': ")
+    if field != "kind":
+        assert f"'{field}'" in msg
+    if fragment:
+        assert fragment in msg
+
+
+def test_direct_construction_validates_too():
+    with pytest.raises(FaultSpecError, match="field 'count'"):
+        FaultSpec("nan", rate=1, count=0)
+    with pytest.raises(FaultSpecError, match="unknown fault kind"):
+        FaultSpec("boom", rate=1)
+
+
+# --------------------------------------------------------------------------- injector
+
+
+def buckets(n: int = 5, size: int = 50, seed: int = 0) -> list[torch.Tensor]:
+    return [torch.randn(size, generator=gen(seed + i)) for i in range(n)]
+
+
+def test_injector_without_specs_is_disabled_and_never_touches_tensors():
+    inj = FaultInjector(FaultSchedule([], seed=0, world_size=2), rank=1)
+    assert not inj.enabled and not inj.has_site("aggregation")
+    bs = buckets()
+    ref = [b.clone() for b in bs]
+    for step in range(20):
+        for i, b in enumerate(bs):
+            assert inj.inject_bucket("aggregation", step, i, len(bs), b) == []
+            assert inj.inject_bucket("local-grad", step, i, len(bs), b, attempt=1) == []
+        assert inj.inject_tensors("params", step, {str(i): b for i, b in enumerate(bs)}) == []
+    for b, r in zip(bs, ref):
+        assert torch.equal(b.view(torch.int32), r.view(torch.int32))
+
+
+def test_firing_event_changes_only_the_chosen_bucket():
+    sched = FaultSchedule(["bitflip:rate=1,ranks=0,count=3"], seed=4, world_size=2)
+    inj = FaultInjector(sched, rank=0)
+    other = FaultInjector(sched, rank=1)
+    assert inj.enabled and inj.has_site("aggregation") and not inj.has_site("params")
+    chosen_seen = set()
+    for step in range(30):
+        bs = buckets(seed=step)
+        ref = [b.clone() for b in bs]
+        records = []
+        for i, b in enumerate(bs):
+            records += inj.inject_bucket("aggregation", step, i, len(bs), b)
+            assert other.inject_bucket("aggregation", step, i, len(bs), b.clone()) == []
+        changed = [i for i, (b, r) in enumerate(zip(bs, ref)) if not torch.equal(b, r)]
+        (ev,) = sched.events(step, 0, "aggregation")
+        assert changed == [sched.bucket_for(ev, len(bs))]
+        (rec,) = records
+        assert rec.target == changed[0] and rec.step == step and rec.rank == 0
+        assert rec.num_elements == 3 and len(flipped_bits(ref[changed[0]], bs[changed[0]])) == 3
+        chosen_seen.add(changed[0])
+    assert len(chosen_seen) > 1  # the bucket choice varies across steps
+
+
+def test_persistent_recompute_fires_again_elsewhere():
+    sched = FaultSchedule(["bitflip:steps=2,ranks=0,persistent=true,count=4",
+                           "nan:steps=2,ranks=0"], seed=8, world_size=1)
+    inj = FaultInjector(sched, rank=0)
+    b0, b1 = buckets(1)[0], buckets(1)[0]
+    r0 = inj.inject_bucket("aggregation", 2, 0, 1, b0, attempt=0)
+    r1 = inj.inject_bucket("aggregation", 2, 0, 1, b1, attempt=1)
+    assert [r.kind for r in r0] == ["bitflip", "nan"] and [r.kind for r in r1] == ["bitflip"]
+    assert r1[0].attempt == 1 and r1[0].num_elements == 4
+    # Hardware faults do not reproduce bit-for-bit: another draw of elements/bits.
+    assert (r0[0].indices, r0[0].bits) != (r1[0].indices, r1[0].bits)
+    clean = buckets(1)[0]
+    assert len(flipped_bits(clean, b1)) == 4
+    # ...and the same draw again for the same attempt (reproducible from the seed).
+    b2 = buckets(1)[0]
+    (r2,) = inj.inject_bucket("aggregation", 2, 0, 1, b2, attempt=1)
+    assert torch.equal(b1, b2) and r2.indices == r1[0].indices
+
+
+def test_stale_returns_previous_steps_bucket():
+    spec = "stale:site=local-grad,steps=1+3,ranks=0,persistent=true"
+    inj = FaultInjector(FaultSchedule([spec], seed=0, world_size=1), rank=0)
+    vals = {s: torch.full((4,), float(s)) for s in range(5)}
+    seen = {}
+    for step in range(5):
+        t = vals[step].clone()
+        seen[step] = (t, inj.inject_bucket("local-grad", step, 0, 1, t))
+        if step == 3:
+            # A recompute of step 3 still sees step 2, not its own first attempt.
+            t = torch.full((4,), 33.0)
+            (rec,) = inj.inject_bucket("local-grad", 3, 0, 1, t, attempt=1)
+            assert torch.equal(t, vals[2]) and rec.attempt == 1
+    assert torch.equal(seen[0][0], vals[0]) and seen[0][1] == []
+    assert torch.equal(seen[1][0], vals[0]) and seen[1][1][0].num_elements == 4
+    assert seen[1][1][0].before == [1.0] * 4 and seen[1][1][0].after == [0.0] * 4
+    assert torch.equal(seen[2][0], vals[2])  # not firing: untouched
+    assert torch.equal(seen[3][0], vals[2])
+    assert torch.equal(seen[4][0], vals[4])
+    # Memory holds the clean (pre-injection) value: stale at step 2 brings back 6.0,
+    # what step 1 received, not the stale 5.0 written into it.
+    inj2 = FaultInjector(FaultSchedule(["stale:steps=1+2,ranks=0"], seed=0, world_size=1), 0)
+    for step, v in enumerate([5.0, 6.0, 7.0]):
+        t = torch.full((4,), v)
+        inj2.inject_bucket("aggregation", step, 0, 1, t)
+    assert torch.equal(t, torch.full((4,), 6.0))
+
+
+def test_stale_at_first_step_records_nothing():
+    inj = FaultInjector(FaultSchedule(["stale:steps=0"], seed=0, world_size=1), rank=0)
+    t = torch.ones(3)
+    assert inj.inject_bucket("aggregation", 0, 0, 1, t) == [] and torch.equal(t, torch.ones(3))
+
+
+def test_stale_memory_only_when_needed():
+    inj = FaultInjector(FaultSchedule(["nan:rate=0.5"], seed=0, world_size=2), rank=0)
+    for step in range(5):
+        inj.inject_bucket("aggregation", step, 0, 1, torch.ones(3))
+    assert inj._memory == {}
+    inj = FaultInjector(FaultSchedule(["stale:rate=0.5,ranks=1"], seed=0, world_size=2), rank=0)
+    inj.inject_bucket("aggregation", 0, 0, 1, torch.ones(3))
+    assert inj._memory == {}
+
+
+def test_inject_tensors_corrupts_one_named_tensor_in_place():
+    sched = FaultSchedule(["scale:site=params,rate=1,ranks=0,factor=2",
+                           "stale:site=params,steps=3,ranks=0"],
+                          seed=2, world_size=1)
+    inj = FaultInjector(sched, rank=0)
+    sched_opt = FaultSchedule(["zero:rate=1,site=optimizer-state"], seed=2, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    picks = []
+    for step in range(40):
+        named = dict(model.named_parameters())
+        ref = {n: p.detach().clone() for n, p in named.items()}
+        recs = inj.inject_tensors("params", step, named)
+        changed = [n for n, p in named.items() if not torch.equal(p, ref[n])]
+        scale = [r for r in recs if r.kind == "scale"]
+        assert len(scale) == 1 and scale[0].target in changed
+        if step != 3:
+            assert changed == [scale[0].target]
+        picks.append(scale[0].target)
+    # Weighted by numel: the 32-element weight is picked most often, all get picked.
+    assert max(set(picks), key=picks.count) == "0.weight" and len(set(picks)) >= 3
+    inj2 = FaultInjector(sched_opt, rank=0)
+    state = {"exp_avg": torch.ones(5), "step": torch.tensor(3)}  # int entry is skipped
+    (rec,) = inj2.inject_tensors("optimizer-state", 0, state)
+    assert rec.target == "exp_avg" and (state["exp_avg"] == 0).sum() == 1
+    assert state["step"].item() == 3
+
+
+def test_inject_rejects_wrong_site_kind():
+    inj = FaultInjector(FaultSchedule(["nan:rate=1,site=params",
+                                       "nan:rate=1,site=aggregation"], seed=0, world_size=1), 0)
+    with pytest.raises(ValueError, match="inject_bucket"):
+        inj.inject_bucket("params", 0, 0, 1, torch.ones(2))
+    with pytest.raises(ValueError, match="inject_tensors"):
+        inj.inject_tensors("aggregation", 0, {"a": torch.ones(2)})
+    with pytest.raises(ValueError, match="bucket_index"):
+        inj.inject_bucket("aggregation", 0, 3, 2, torch.ones(2))
+
+
+def test_record_to_json_is_strict_json():
+    inj = FaultInjector(FaultSchedule(["nan:steps=0,ranks=0,count=2",
+                                       "bitflip:steps=0,ranks=0,bits=30"], seed=0, world_size=1),
+                        rank=0)
+    recs = inj.inject_bucket("aggregation", 0, 0, 1, torch.ones(10))
+    assert [r.kind for r in recs] == ["nan", "bitflip"]
+    assert recs[1].bit == 30 and recs[0].bit is None
+    for r in recs:
+        line = json.dumps(r.to_json(), allow_nan=False)
+        d = json.loads(line)
+        assert set(d) >= {"step", "rank", "site", "target", "kind", "bit", "num_elements",
+                          "indices", "before", "after", "attempt"}
+    assert json.loads(json.dumps(recs[0].to_json()))["after"] == ["nan", "nan"]
+    assert isinstance(recs[0], FaultRecord)
