@@ -1,0 +1,226 @@
+"""Tests for paft.dyn: the PAFT-Dyn period rule, events, checkpoint round trips,
+and the fixed PAFT-Sync schedule. Pure logic: milliseconds."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paft import dyn
+from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
+
+T = 1e-4  # the default target
+HIGH, MID, CALM = 2 * T, 0.5 * T, 0.1 * T
+
+
+def test_docstring_examples_run() -> None:
+    result = doctest.testmod(dyn)
+    assert result.attempted >= 8 and result.failed == 0
+
+
+def test_defaults() -> None:
+    cfg = DynConfig()
+    assert (cfg.h_init, cfg.h_min, cfg.h_max) == (50, 5, 400)
+    assert (cfg.target, cfg.shrink, cfg.grow, cfg.low_water, cfg.patience) == (
+        1e-4, 0.5, 2.0, 0.25, 2
+    )
+    sched = DynScheduler()
+    assert sched.period == 50 and sched.next_sync_step == 50 and sched.history == []
+    assert isinstance(sched, SyncScheduler)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"h_init": 0, "h_min": 1}, "h_init"),
+        ({"h_init": 2.0}, "h_init"),
+        ({"h_min": 0}, "h_min"),
+        ({"h_min": True}, "h_min"),
+        ({"h_max": -3}, "h_max"),
+        ({"h_min": 10, "h_max": 8, "h_init": 9}, "h_min"),
+        ({"h_init": 4}, "h_init"),  # below h_min
+        ({"h_init": 401}, "h_init"),  # above h_max
+        ({"target": 0.0}, "target"),
+        ({"target": float("nan")}, "target"),
+        ({"target": float("inf")}, "target"),
+        ({"shrink": 1.0}, "shrink"),
+        ({"shrink": 0.0}, "shrink"),
+        ({"grow": 1.0}, "grow"),
+        ({"grow": float("inf")}, "grow"),
+        ({"low_water": -0.1}, "low_water"),
+        ({"low_water": 1.5}, "low_water"),
+        ({"low_water": "0.2"}, "low_water"),
+        ({"patience": 0}, "patience"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        DynConfig(**kwargs)
+
+
+def test_shrinks_to_h_min_and_not_below() -> None:
+    sched = DynScheduler()
+    periods = [sched.observe(step, HIGH) for step in range(1, 7)]
+    assert periods == [25, 12, 6, 5, 5, 5]
+    assert sched.next_sync_step == 6 + 5
+
+
+def test_shrink_is_severity_proportional() -> None:
+    assert DynScheduler().observe(50, 1.5 * T) == 25  # at least `shrink`
+    assert DynScheduler().observe(50, 4 * T) == 12  # 50 * 1/4
+    assert DynScheduler().observe(50, 10 * T) == 5
+    assert DynScheduler().observe(50, 1e30) == 5  # a flipped exponent
+    assert DynScheduler(DynConfig(h_init=100, shrink=0.29)).observe(0, HIGH) == 29  # not 28
+
+
+def test_grows_after_patience_calm_syncs_to_h_max_and_not_above() -> None:
+    sched = DynScheduler()
+    periods = [sched.observe(step, CALM) for step in range(1, 11)]
+    assert periods == [50, 100, 100, 200, 200, 400, 400, 400, 400, 400]
+    sched = DynScheduler(DynConfig(patience=1, grow=1.5, h_max=100))
+    assert [sched.observe(s, 0.0) for s in range(4)] == [75, 100, 100, 100]
+
+
+def test_holds_in_between_and_calm_streak_must_be_consecutive() -> None:
+    sched = DynScheduler(DynConfig(patience=3))
+    seq = [CALM, CALM, MID, CALM, CALM, T, 0.25 * T, CALM, CALM, CALM]
+    assert [sched.observe(s, d) for s, d in enumerate(seq)] == [50] * 9 + [100]
+    # divergence exactly at target holds; exactly at low_water * target is not calm
+
+
+def test_high_divergence_resets_calm_streak() -> None:
+    sched = DynScheduler()
+    assert [sched.observe(s, d) for s, d in enumerate([CALM, HIGH, CALM, CALM])] == [
+        50, 25, 25, 50
+    ]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_divergence_goes_to_h_min(bad: float) -> None:
+    sched = DynScheduler()
+    sched.observe(50, CALM)  # a calm streak in progress...
+    assert sched.observe(60, bad) == 5
+    assert sched.next_sync_step == 65
+    assert sched.observe(65, CALM) == 5  # ...was reset
+    assert math.isnan(bad) == math.isnan(sched.history[1][2])
+
+
+def test_negative_divergence_is_rejected() -> None:
+    with pytest.raises(ValueError, match="divergence"):
+        DynScheduler().observe(1, -1e-9)
+
+
+def test_due_and_history() -> None:
+    sched = DynScheduler(DynConfig(h_init=10, h_min=2), start=100)
+    assert [s for s in range(100, 131) if sched.due(s)][:1] == [110]
+    assert not sched.due(109) and sched.due(110) and sched.due(115)  # missed: still due
+    sched.observe(112, HIGH)
+    assert sched.next_sync_step == 117 and not sched.due(116) and sched.due(117)
+    assert sched.history == [(112, 5, HIGH)]
+
+
+def test_trigger_makes_sync_due_now_and_shrinks_once() -> None:
+    sched = DynScheduler()
+    sched.observe(50, MID)
+    assert not sched.due(63)
+    sched.trigger(63)
+    assert sched.due(63) and sched.next_sync_step == 63
+    assert sched.period == 25  # shrunk as for a high divergence, at once
+    sched.trigger(63)
+    sched.trigger(64)
+    assert sched.period == 25 and sched.next_sync_step == 63  # no double shrink
+    assert sched.observe(63, MID) == 25  # the triggered sync: no second shrink
+    assert sched.next_sync_step == 88
+
+
+def test_triggered_sync_is_never_calm_but_honours_severity() -> None:
+    sched = DynScheduler(DynConfig(patience=1))
+    sched.trigger(3)
+    assert sched.observe(3, 0.0) == 25  # tiny divergence: no growth right after an event
+    assert sched.observe(28, 0.0) == 50  # calm again afterwards
+    sched.trigger(30)
+    assert sched.observe(30, 10 * T) == 5  # 50 * 1/10 from the pre-event period
+    sched.trigger(31)
+    assert sched.period == 5  # h_min holds
+    assert sched.observe(31, float("nan")) == 5
+
+
+def test_fixed_scheduler_due_every_period() -> None:
+    sched = FixedScheduler(7)
+    synced = []
+    for step in range(1, 50):
+        if sched.due(step):
+            assert sched.observe(step, HIGH if step % 2 else float("nan")) == 7
+            synced.append(step)
+    assert synced == [7, 14, 21, 28, 35, 42, 49]
+    sched.trigger(52)
+    assert sched.due(52) and sched.period == 7
+    sched.observe(52, 0.0)
+    assert sched.next_sync_step == 59
+    with pytest.raises(ValueError, match="period"):
+        FixedScheduler(0)
+    with pytest.raises(ValueError, match="period"):
+        FixedScheduler(2.5)  # type: ignore[arg-type]
+
+
+_EVENT = st.one_of(
+    st.tuples(st.just("observe"), st.sampled_from([0.0, CALM, MID, T, HIGH, 30 * T, math.nan])),
+    st.tuples(st.just("trigger"), st.just(0.0)),
+    st.tuples(st.just("step"), st.just(0.0)),
+)
+
+
+def _drive(sched: SyncScheduler, step: int, events: list[tuple[str, float]]) -> int:
+    for kind, div in events:
+        step += 1
+        if kind == "trigger":
+            sched.trigger(step)
+        if kind == "observe" or sched.due(step):
+            sched.observe(step, div)
+        cfg = getattr(sched, "config", None)
+        if cfg is not None:
+            assert cfg.h_min <= sched.period <= cfg.h_max
+    return step
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["dyn", "fixed"]),
+    st.lists(_EVENT, max_size=40),
+    st.lists(_EVENT, max_size=40),
+)
+def test_state_dict_round_trip_continues_identically(
+    kind: str, before: list, after: list
+) -> None:
+    def make() -> SyncScheduler:
+        if kind == "dyn":
+            return DynScheduler(DynConfig(h_init=8, h_min=2, h_max=32, patience=2))
+        return FixedScheduler(6)
+
+    original = make()
+    step = _drive(original, 0, before)
+    # Through JSON, as a checkpoint's side file would carry it.
+    state = json.loads(json.dumps(original.state_dict()))
+    restored = make()
+    restored.load_state_dict(state)
+    assert json.dumps(restored.state_dict()) == json.dumps(original.state_dict())
+    _drive(original, step, after)
+    _drive(restored, step, after)
+    assert json.dumps(restored.state_dict()) == json.dumps(original.state_dict())
+    assert restored.period == original.period
+    assert restored.next_sync_step == original.next_sync_step
+    assert len(restored.history) == len(original.history)
+
+
+def test_load_state_dict_checks_kind_and_clamps_to_own_config() -> None:
+    with pytest.raises(ValueError, match="FixedScheduler"):
+        DynScheduler().load_state_dict(FixedScheduler(3).state_dict())
+    big = DynScheduler(DynConfig(h_init=300))
+    small = DynScheduler(DynConfig(h_max=100, h_init=50))
+    small.load_state_dict(big.state_dict())
+    assert small.period == 100 and small.next_sync_step == 300

@@ -1,0 +1,445 @@
+"""Tests for paft.fingerprint: exactness, the single-word guarantee, state naming,
+the float64 carrying of fingerprints, and replica grouping."""
+
+from __future__ import annotations
+
+import doctest
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from paft import fingerprint as F
+from paft.fingerprint import (
+    fingerprint,
+    group_replicas,
+    join_int64,
+    majority,
+    split_int64,
+    state_fingerprint,
+    state_tensors,
+)
+from paft.testing import run_workers
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# (sign, exponent, mantissa) bit ranges of each dtype's integer view.
+_BIT_CLASSES = {
+    torch.float32: {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22)},
+    torch.float64: {"sign": (63, 63), "exponent": (52, 62), "mantissa": (0, 51)},
+    torch.bfloat16: {"sign": (15, 15), "exponent": (7, 14), "mantissa": (0, 6)},
+    torch.float16: {"sign": (15, 15), "exponent": (10, 14), "mantissa": (0, 9)},
+    torch.int64: {"sign": (63, 63), "high": (32, 62), "low": (0, 31)},
+}
+
+
+def _flip(t: torch.Tensor, index: int, bit: int) -> None:
+    """Flip ``bit`` of element ``index`` (flat) of ``t`` in place, bitwise."""
+    width = 8 * t.element_size()
+    mask = -(1 << (width - 1)) if bit == width - 1 else 1 << bit
+    t.view(_INT_VIEW[t.element_size()]).view(-1)[index] ^= mask
+
+
+def _random(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------
+# Reference: the documented formula in plain Python integers
+# ---------------------------------------------------------------------------
+
+
+def _ref_digest(t: torch.Tensor) -> int:
+    raw = bytes(t.detach().resolve_conj().contiguous().reshape(-1).view(torch.uint8).tolist())
+    raw += b"\0" * (-len(raw) % 8)
+    words = [int.from_bytes(raw[q : q + 8], "little") for q in range(0, len(raw), 8)]
+    wr = F._row_weights(len(words) // 64 + 1).tolist()
+    wc = F._COL_W.tolist()
+    return sum((1 + 2 * (wr[q // 64] + wc[q % 64])) * x for q, x in enumerate(words)) & F._M64
+
+
+def _ref_fingerprint(tensors: list[torch.Tensor]) -> int:
+    h = F._SEED
+    for i, t in enumerate(tensors):
+        meta = F._meta_hash(t.dtype, tuple(t.shape))
+        h = F._mix64(h ^ F._mix64(meta + i * F._GAMMA))
+        h = F._mix64(h ^ _ref_digest(t))
+    return F._to_signed(F._mix64(h ^ len(tensors)))
+
+
+def test_weights_are_the_splitmix64_stream() -> None:
+    for seed, w in ((F._ROW_SEED, F._row_weights(300)), (F._COL_SEED, F._COL_W)):
+        expect = [F._to_signed(F._mix64(seed + (j + 1) * F._GAMMA)) for j in range(w.numel())]
+        assert w.tolist() == expect
+
+
+def test_matches_reference_formula() -> None:
+    base = torch.randn(20000)
+    tensors = [
+        torch.randn(10000),  # in-place rows + ragged end
+        torch.randn(64 * 16),  # exactly 16 rows
+        torch.randn(3, 5).t(),  # non-contiguous
+        base[1:9001],  # storage offset not 8-byte aligned
+        torch.tensor(2.5),  # 0-dim, 4 bytes
+        torch.zeros(0),  # empty
+        torch.randint(-(2**63), 2**63 - 1, (4097,), dtype=torch.int64),  # wraps mod 2**64
+        torch.full((6000,), -1, dtype=torch.int64),
+        torch.randn(777).to(torch.bfloat16),
+        torch.rand(11) > 0.5,  # bool
+        torch.randint(0, 255, (13,), dtype=torch.uint8),
+        torch.randn(9, dtype=torch.complex64).conj(),  # lazy conj resolved
+        torch.randn(5000, dtype=torch.float64),
+    ]
+    assert fingerprint(tensors) == _ref_fingerprint(tensors)
+    for t in tensors:
+        assert fingerprint([t]) == _ref_fingerprint([t])
+    assert fingerprint([]) == _ref_fingerprint([])
+
+
+def test_identical_state_identical_fingerprint_and_int64_range() -> None:
+    tensors = [torch.randn(n) for n in (1, 100, 70000)]
+    fp = fingerprint(tensors)
+    assert fp == fingerprint([t.clone() for t in tensors])
+    assert fp == fingerprint(iter(tensors))  # any iterable
+    assert torch.tensor(fp, dtype=torch.int64).item() == fp
+    assert -(2**63) <= fp < 2**63
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert fingerprint(tensors) == fp  # integer sums: no order dependence
+    finally:
+        torch.set_num_threads(threads)
+
+
+@st.composite
+def _flip_case(draw: st.DrawFn) -> tuple[torch.dtype, int, int, int, int, str]:
+    dtype = draw(st.sampled_from(list(_BIT_CLASSES)))
+    n = draw(st.sampled_from([1, 3, 64, 129, 4097, 20001]))
+    index = draw(st.integers(0, n - 1))
+    cls = draw(st.sampled_from(sorted(_BIT_CLASSES[dtype])))
+    lo, hi = _BIT_CLASSES[dtype][cls]
+    bit = draw(st.integers(lo, hi))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dtype, n, index, bit, seed, cls
+
+
+@settings(max_examples=300, deadline=None)
+@given(_flip_case(), st.integers(0, 2))
+def test_single_bit_flip_always_changes(case: tuple, position: int) -> None:
+    dtype, n, index, bit, seed, _cls = case
+    tensors = [torch.randn(100), torch.randn(5000), torch.randn(3)]
+    target = _random(n, dtype, seed)
+    tensors.insert(position, target)
+    before = fingerprint(tensors)
+    _flip(target, index, bit)
+    assert fingerprint(tensors) != before
+    _flip(target, index, bit)
+    assert fingerprint(tensors) == before
+
+
+@pytest.mark.parametrize("dtype", list(_BIT_CLASSES))
+def test_every_bit_of_an_element_and_0dim(dtype: torch.dtype) -> None:
+    for t in (_random(37, dtype, 1), _random(1, dtype, 2).reshape(())):
+        before = fingerprint([t])
+        seen = {before}
+        for bit in range(8 * t.element_size()):
+            _flip(t, t.numel() - 1, bit)
+            seen.add(fingerprint([t]))
+            _flip(t, t.numel() - 1, bit)
+        assert len(seen) == 8 * t.element_size() + 1
+        assert fingerprint([t]) == before
+
+
+def test_nan_payloads_and_signed_zero_are_bits() -> None:
+    nan = torch.tensor([float("nan")] * 4)
+    other = nan.clone()
+    _flip(other, 2, 0)  # a different quiet-NaN payload: still NaN
+    assert torch.isnan(other).all()
+    assert fingerprint([nan]) != fingerprint([other])
+    assert fingerprint([nan]) == fingerprint([nan.clone()])
+    assert fingerprint([torch.tensor([0.0])]) != fingerprint([torch.tensor([-0.0])])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float64, torch.int64]),
+    st.sampled_from([2, 50, 1000, 9000]),
+    st.data(),
+)
+def test_swap_of_two_elements_changes(dtype: torch.dtype, n: int, data: st.DataObject) -> None:
+    t = _random(n, dtype, data.draw(st.integers(0, 2**31 - 1)))
+    i = data.draw(st.integers(0, n - 1))
+    j = data.draw(st.integers(0, n - 1).filter(lambda j: j != i))
+    ints = t.view(_INT_VIEW[t.element_size()])
+    if ints[i] == ints[j]:  # bitwise equal values: the swap is no change at all
+        return
+    before = fingerprint([t])
+    t[i], t[j] = t[j].clone(), t[i].clone()
+    assert fingerprint([t]) != before
+
+
+def test_order_dtype_and_shape_are_part_of_the_fingerprint() -> None:
+    a, b = torch.randn(8), torch.randn(8)
+    assert fingerprint([a, b]) != fingerprint([b, a])
+    assert fingerprint([a]) != fingerprint([a.view(torch.int32)])  # same bytes
+    assert fingerprint([a]) != fingerprint([a.view(2, 4)])
+    assert fingerprint([a]) != fingerprint([a, torch.zeros(0)])
+    assert fingerprint([torch.tensor(1.0)]) != fingerprint([torch.tensor([1.0])])
+
+
+def test_bad_input_is_rejected() -> None:
+    with pytest.raises(TypeError, match="item 1"):
+        fingerprint([torch.zeros(2), [1.0, 2.0]])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="layout"):
+        fingerprint([torch.eye(3).to_sparse()])
+    with pytest.raises(ValueError, match="one device"):
+        fingerprint([torch.zeros(2), torch.zeros(2, device="meta")])
+
+
+def test_docstring_example_runs() -> None:
+    result = doctest.testmod(F)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_under_deterministic_algorithms() -> None:
+    tensors = [torch.randn(70_001), torch.randn(3, 5).t(), torch.tensor(7, dtype=torch.int64)]
+    tensors.append(torch.randn(9000).to(torch.bfloat16))
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert fingerprint([t.cuda() for t in tensors]) == fingerprint(tensors)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_speed_budget() -> None:
+    """3M float32 in 50 tensors on one thread: a few ms (bound generous for busy CI)."""
+    tensors = [torch.randn(60_000) for _ in range(50)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fingerprint(tensors)
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            fingerprint(tensors)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    assert min(times) < 0.05, f"fingerprint of 3M floats took {min(times) * 1e3:.1f} ms"
+
+
+# ---------------------------------------------------------------------------
+# Training state
+# ---------------------------------------------------------------------------
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def _trained(seed: int = 0) -> tuple[_Net, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    model = _Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(5, 1, 8, 8)
+    model(x).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_state_tensors_canonical_order() -> None:
+    model, opt = _trained()
+    names = [n for n, _ in state_tensors(model, opt)]
+    params = ["conv.weight", "conv.bias", "bn.weight", "bn.bias", "head.weight", "head.bias"]
+    buffers = ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    optim = [f"optim/{i}/{k}" for i in range(6) for k in ("exp_avg", "exp_avg_sq", "step")]
+    assert names == [f"param/{p}" for p in params] + [f"buffer/{b}" for b in buffers] + optim
+    assert names == [n for n, _ in state_tensors(model, opt)]  # stable
+    named = dict(state_tensors(model, opt))
+    assert named["buffer/bn.num_batches_tracked"].dtype == torch.int64
+    assert named["optim/0/step"] is opt.state[model.conv.weight]["step"]
+    assert [n for n, _ in state_tensors(model)] == names[:9]
+
+
+def test_state_tensors_groups_missing_state_and_non_tensors() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = torch.optim.SGD(
+        [{"params": [model[1].weight]}, {"params": [model[0].weight, model[0].bias]}],
+        lr=0.1,
+        momentum=0.9,
+    )
+    opt.state[model[1].weight]["note"] = "not a tensor"
+    model(torch.randn(3, 2)).sum().backward()
+    model[0].bias.grad = None  # index 2 gets no state, but keeps its number
+    opt.step()
+    names = [n for n, _ in state_tensors(model, opt) if n.startswith("optim/")]
+    assert names == ["optim/0/momentum_buffer", "optim/1/momentum_buffer"]
+    assert model[0].bias not in opt.state  # listing never grows the defaultdict
+
+
+@pytest.mark.parametrize(
+    "name, index, bit",
+    [
+        ("param/conv.weight", 5, 3),
+        ("param/head.bias", 2, 31),
+        ("buffer/bn.running_mean", 1, 25),
+        ("buffer/bn.num_batches_tracked", 0, 0),
+        ("optim/4/exp_avg_sq", 17, 22),
+        ("optim/1/step", 0, 23),
+    ],
+)
+def test_state_fingerprint_sees_one_flipped_bit(name: str, index: int, bit: int) -> None:
+    model, opt = _trained()
+    before = state_fingerprint(model, opt)
+    assert before == state_fingerprint(*_trained())  # same seed: bitwise same state
+    target = dict(state_tensors(model, opt))[name]
+    with torch.no_grad():
+        _flip(target, index, bit)
+        assert state_fingerprint(model, opt) != before
+        _flip(target, index, bit)
+    assert state_fingerprint(model, opt) == before
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+class _HasModuleChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(2, 2)
+        self.extra = nn.Linear(2, 2)
+
+
+def test_wrappers_are_unwrapped_but_user_modules_named_module_are_not() -> None:
+    model, opt = _trained()
+    fp = state_fingerprint(model, opt)
+    assert state_fingerprint(_Wrapper(model), opt) == fp
+    assert [n for n, _ in state_tensors(_Wrapper(_Wrapper(model)))][0] == "param/conv.weight"
+    user = _HasModuleChild()
+    assert [n for n, _ in state_tensors(user)][:2] == ["param/module.weight", "param/module.bias"]
+    assert len(state_tensors(user)) == 4
+
+
+def _ddp_worker(rank: int, world_size: int) -> tuple[list[str], int, int]:
+    model, _ = _trained(seed=0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    for step in range(2):
+        torch.manual_seed(100 * step + rank)  # each rank its own batch
+        ddp(torch.randn(4, 1, 8, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert state_fingerprint(ddp, opt) == state_fingerprint(model, opt)
+    # BatchNorm running stats legitimately differ between ranks after a forward on
+    # rank-local data (DDP re-broadcasts buffers at the start of the next forward),
+    # so only parameters and optimizer state must agree bitwise here.
+    fp = fingerprint(t for n, t in state_tensors(ddp, opt) if not n.startswith("buffer/"))
+    fps = [None] * world_size
+    dist.all_gather_object(fps, fp)
+    return [n for n, _ in state_tensors(ddp, opt)], fp, len(set(fps))
+
+
+def test_ddp_is_unwrapped_in_process() -> None:
+    """One-rank gloo group in this process: DDP's ``module.`` prefix never shows."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, opt = _trained()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        assert "module.conv.weight" in dict(ddp.named_parameters())
+        assert state_tensors(ddp, opt) == state_tensors(model, opt)
+        assert state_fingerprint(ddp, opt) == state_fingerprint(model, opt)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_replicas_agree_and_names_are_unwrapped() -> None:
+    results = run_workers(_ddp_worker, 2)
+    (names0, fp0, distinct), (names1, fp1, _) = results
+    assert distinct == 1 and fp0 == fp1
+    assert names0 == names1
+    assert not any("module." in n for n in names0)
+
+
+# ---------------------------------------------------------------------------
+# Carrying through float64, grouping
+# ---------------------------------------------------------------------------
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(-(2**63), 2**63 - 1))
+def test_split_join_round_trip(fp: int) -> None:
+    hi, lo = split_int64(fp)
+    assert join_int64(hi, lo) == fp
+    for half in (hi, lo):
+        assert 0 <= half < 2**32 and half == math.floor(half)
+    # Through a float64 tensor, as the control collective carries it.
+    vec = torch.tensor([0.5, hi, lo, -3.0], dtype=torch.float64)
+    assert join_int64(vec[1].item(), vec[2].item()) == fp
+
+
+@pytest.mark.parametrize("fp", [0, 1, -1, 2**63 - 1, -(2**63), 2**32, 2**32 - 1, -(2**32)])
+def test_split_join_extremes(fp: int) -> None:
+    assert join_int64(*split_int64(fp)) == fp
+
+
+def test_split_join_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="fp"):
+        split_int64(2**63)
+    with pytest.raises(ValueError, match="fp"):
+        split_int64(-(2**63) - 1)
+    with pytest.raises(TypeError, match="fp"):
+        split_int64(True)
+    with pytest.raises(TypeError, match="fp"):
+        split_int64(1.0)  # type: ignore[arg-type]
+    for hi, lo, name in ((2.0**32, 0.0, "hi"), (0.0, 0.5, "lo"), (-1.0, 0.0, "hi"),
+                         (0.0, float("nan"), "lo"), (float("inf"), 0.0, "hi")):
+        with pytest.raises(ValueError, match=name):
+            join_int64(hi, lo)
+
+
+@pytest.mark.parametrize(
+    "fps, groups, maj",
+    [
+        ([], [], None),
+        ([5], [[0]], [0]),
+        ([5, 5], [[0, 1]], [0, 1]),
+        ([5, 6], [[0], [1]], None),  # two ranks that disagree: no majority
+        ([5, 5, 5], [[0, 1, 2]], [0, 1, 2]),
+        ([5, 6, 5], [[0, 2], [1]], [0, 2]),
+        ([6, 5, 5], [[1, 2], [0]], [1, 2]),
+        ([1, 2, 3], [[0], [1], [2]], None),
+        ([7, 9, 7, 9], [[0, 2], [1, 3]], None),  # tie: lowest rank's group first
+        ([9, 7, 7, 9], [[0, 3], [1, 2]], None),
+        ([4, 4, 4, 8], [[0, 1, 2], [3]], [0, 1, 2]),
+        ([1, 2, 3, 3], [[2, 3], [0], [1]], None),
+        ([-(2**63), 2**63 - 1, -(2**63), 0, -(2**63)], [[0, 2, 4], [1], [3]], [0, 2, 4]),
+    ],
+)
+def test_group_replicas_and_majority(
+    fps: list[int], groups: list[list[int]], maj: list[int] | None
+) -> None:
+    assert group_replicas(fps) == groups
+    assert majority(fps) == maj
