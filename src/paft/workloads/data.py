@@ -340,7 +340,8 @@ class ShardedSampler:
             self._order_epoch = self.epoch
         start = self.position * self.batch_size
         self.position += 1
-        return self._order[start : start + self.batch_size]
+        # A copy, so a caller that edits its batch in place cannot alter later epochs' reads.
+        return self._order[start : start + self.batch_size].clone()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:

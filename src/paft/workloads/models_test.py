@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -22,6 +22,16 @@ from paft.workloads import (
     Workload,
     build_workload,
 )
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # As in the trainer's workers; also keeps these tests from oversubscribing the two
+    # cores when other test processes run alongside.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 PARAM_RANGES = {"gpt": (700_000, 900_000), "llama": (700_000, 900_000), "resnet": (50_000, 120_000)}
 
@@ -158,7 +168,6 @@ def test_loss_decreases_with_adam(name: str) -> None:
         opt.step()
         first.append(loss.item())
     after = wl.evaluate(wl.model, batch_size=32, max_batches=2)["val_loss"]
-    print(name, before, after, first[:5], first[-5:])
     # Val loss is measured in eval mode; ResNet's BatchNorm running stats lag its
     # weights this early, so its held-out loss moves less than its training loss.
     assert after < before - (0.1 if name == "resnet" else 0.5), (before, after)
