@@ -1,0 +1,293 @@
+"""The configuration tree of a paft run: one dataclass per concern, validated up front.
+
+Every field has a docstring; every check lives in ``__post_init__`` and raises
+``ValueError`` naming the command-line option, so ``paft train`` can refuse bad input
+before any worker starts. The same tree is built from the command line, from a
+TOML/YAML file whose keys mirror the long option names (``world-size = 4``), or
+from Python.
+
+Example::
+
+    >>> cfg = TrainConfig(workload="resnet", world_size=2, steps=20)
+    >>> cfg.per_rank_batch_size
+    16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "OPTIMIZERS",
+    "PROTECT_MODES",
+    "SYNC_MODES",
+    "MonitorConfig",
+    "ProtectConfig",
+    "GuardConfig",
+    "TrainConfig",
+]
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+PROTECT_MODES = ("none", "sync", "dyn", "averager")
+SYNC_MODES = ("robust", "mean", "broadcast")
+COSINE_MODES = ("sketch", "exact", "off")
+
+
+def _require(ok: bool, option: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{option}: {message}")
+
+
+@dataclass
+class MonitorConfig:
+    """Worker-consistency diagnostics (loss / grad-norm dispersion, cosine, fingerprints)."""
+
+    enabled: bool = True
+    """Run the per-step monitor: capture in the comm hook and ONE control collective per
+    step. ``--no-monitor`` gives plain DDP (a baseline for benchmarks); the guard and
+    PAFT-Dyn's fingerprint trigger need the monitor (``--monitor``)."""
+    interval: int = 1
+    """Compute the worker metrics every this many steps (``--monitor-interval``)."""
+    cosine: str = "sketch"
+    """Gradient-direction consistency: ``sketch`` (k floats per rank), ``exact`` (full
+    gradients gathered; small models only) or ``off`` (``--cosine``)."""
+    sketch_dim: int = 256
+    """k, the sketch dimension for ``--cosine sketch`` (``--sketch-dim``)."""
+    fingerprint_every: int = 1
+    """Check the bitwise replica fingerprint every this many steps; 0 disables
+    (``--fingerprint-every``)."""
+    alert_loss_cv: float = 0.5
+    """Alert when the coefficient of variation of the ranks' losses exceeds this
+    (``--alert-loss-cv``)."""
+    alert_cos_min: float = -0.5
+    """Alert when the minimum pairwise gradient cosine falls below this
+    (``--alert-cos-min``)."""
+
+    def __post_init__(self) -> None:
+        _require(self.interval >= 1, "--monitor-interval", f"must be >= 1, got {self.interval}")
+        _require(self.cosine in COSINE_MODES, "--cosine", f"must be one of {COSINE_MODES}, got {self.cosine!r}")
+        _require(self.sketch_dim >= 8, "--sketch-dim", f"must be >= 8, got {self.sketch_dim}")
+        _require(self.fingerprint_every >= 0, "--fingerprint-every", f"must be >= 0, got {self.fingerprint_every}")
+
+
+@dataclass
+class ProtectConfig:
+    """PAFT-Sync / PAFT-Dyn re-synchronization of replicas."""
+
+    mode: str = "none"
+    """``none``, ``sync`` (PAFT-Sync, fixed period), ``dyn`` (PAFT-Dyn, adaptive period) or
+    ``averager`` (PyTorch's PeriodicModelAverager at ``--sync-period``: parameters only,
+    blocking; the in-tree baseline) (``--protect``)."""
+    sync_period: int = 50
+    """H, steps between synchronizations for ``sync``; the initial H for ``dyn``
+    (``--sync-period``)."""
+    sync_mode: str = "robust"
+    """How replicas are merged: ``robust`` (majority copy, else median), ``mean`` or
+    ``broadcast`` (``--sync-mode``)."""
+    broadcast_src: int = 0
+    """Source rank for ``--sync-mode broadcast`` (``--broadcast-src``)."""
+    overlap: bool = True
+    """Overlap the sync's communication with the next step's compute (``--no-overlap``
+    makes it blocking)."""
+    h_min: int = 5
+    """Smallest period PAFT-Dyn may choose (``--h-min``)."""
+    h_max: int = 400
+    """Largest period PAFT-Dyn may choose (``--h-max``)."""
+    target: float = 1e-4
+    """PAFT-Dyn divergence target: relative L2 distance of replicas to their mean
+    (``--dyn-target``)."""
+
+    def __post_init__(self) -> None:
+        _require(self.mode in PROTECT_MODES, "--protect", f"must be one of {PROTECT_MODES}, got {self.mode!r}")
+        _require(self.sync_period >= 1, "--sync-period", f"must be >= 1, got {self.sync_period}")
+        _require(self.sync_mode in SYNC_MODES, "--sync-mode", f"must be one of {SYNC_MODES}, got {self.sync_mode!r}")
+        _require(self.h_min >= 1, "--h-min", f"must be >= 1, got {self.h_min}")
+        _require(self.h_max >= self.h_min, "--h-max", f"must be >= --h-min ({self.h_min}), got {self.h_max}")
+        _require(
+            self.target > 0 and math.isfinite(self.target), "--dyn-target", f"must be > 0, got {self.target}"
+        )
+
+
+@dataclass
+class GuardConfig:
+    """Harmful-update detection, step recomputation and fault attribution (:mod:`paft.guard`)."""
+
+    enabled: bool = False
+    """Turn the guard on (``--guard``)."""
+    spike_threshold: float = 10.0
+    """Upward spike of the loss (mean of the local losses), the aggregated gradient
+    norm or the update ratio: a value above median + threshold * scale of the last
+    ``--guard-window`` accepted steps, scale = max(1.4826 * MAD, a floor of |median|:
+    5% for the loss, 50% for norms and ratios), and more than 3x the window's largest
+    excursion above its median (so heavy-tailed, near-zero losses do not fire). At
+    10 a spike is at least +50% loss or 6x grad norm. Half of it marks a near miss,
+    for which the guard asks for a pre-step snapshot (``--spike-threshold``)."""
+    window: int = 50
+    """Accepted (clean, applied) steps of history for the robust running statistics;
+    per-rank values are pooled over ranks (``--guard-window``)."""
+    warmup: int = 20
+    """Accepted steps before the spike and rank-outlier detectors arm; until then
+    they fire only on gross jumps (above 1e4 x the largest accepted value, or, with
+    3+ ranks, the ranks' median), and with ``--update-ratio`` the guard asks for a
+    snapshot before every update. The non-finite and gradient-mismatch detectors are
+    always armed (``--guard-warmup``)."""
+    update_ratio: float = 1.0
+    """Post-step detector: ||w_new - w_old|| / ||w_old|| (max over ranks) above this
+    cap, non-finite, or spiking (``--spike-threshold`` rule) rolls the step back to the
+    pre-step snapshot and recomputes it, on steps where the guard asked for a
+    snapshot; elsewhere it is recorded only. 0 disables the detector and the
+    snapshots (``--update-ratio``)."""
+    outlier_threshold: float = 20.0
+    """Rank outlier: a rank's local loss or local grad norm above the ranks' median by
+    more than this many MADs (floored at 25% of |median|) AND above the pooled
+    history of accepted local values by the same rule; with 2 ranks only the history
+    test applies. Ranks see different data, so local losses legitimately differ by
+    tens of percent: at 20 a rank needs about 6x its peers (``--outlier-threshold``)."""
+    max_reruns_per_step: int = 2
+    """Recomputations of one step (pre- and post-step detections together) before
+    the guard skips its batch (``--max-reruns``)."""
+    max_reruns_per_run: int = 100
+    """Recomputations over the whole run; once spent, every detection skips its batch
+    (``--max-reruns-total``)."""
+    on_persistent: str = "repair"
+    """A rank reproduces a harmful update on recomputation with different values
+    (persistent fault): ``repair`` (recompute up to ``--max-reruns``, then skip the
+    batch and re-sync from the healthy replicas) or ``stop`` (exit code 3)
+    (``--on-persistent``)."""
+
+    def __post_init__(self) -> None:
+        _require(self.spike_threshold > 0, "--spike-threshold", f"must be > 0, got {self.spike_threshold}")
+        _require(self.window >= 5, "--guard-window", f"must be >= 5, got {self.window}")
+        _require(self.warmup >= 0, "--guard-warmup", f"must be >= 0, got {self.warmup}")
+        _require(self.update_ratio >= 0, "--update-ratio", f"must be >= 0, got {self.update_ratio}")
+        _require(self.outlier_threshold > 0, "--outlier-threshold", f"must be > 0, got {self.outlier_threshold}")
+        _require(self.max_reruns_per_step >= 1, "--max-reruns", f"must be >= 1, got {self.max_reruns_per_step}")
+        _require(self.max_reruns_per_run >= 1, "--max-reruns-total", f"must be >= 1, got {self.max_reruns_per_run}")
+        _require(
+            self.on_persistent in ("repair", "stop"),
+            "--on-persistent",
+            f"must be 'repair' or 'stop', got {self.on_persistent!r}",
+        )
+
+
+@dataclass
+class TrainConfig:
+    """One training run: workload, optimization, logging, faults and defenses."""
+
+    workload: str = "gpt"
+    """Model and data: ``gpt`` (GPT-2-style, Tiny Shakespeare), ``llama`` (LLaMA-2-style,
+    Tiny Shakespeare) or ``resnet`` (CIFAR-style ResNet, MNIST) (``--workload``)."""
+    world_size: int = 4
+    """Number of data-parallel workers (``--world-size``)."""
+    steps: int = 200
+    """Optimizer steps to train (``--steps``)."""
+    batch_size: int = 64
+    """Global batch size, split evenly across workers (``--batch-size``)."""
+    optimizer: str = "adamw"
+    """``sgd``, ``momentum`` (SGD, momentum 0.9), ``adam`` or ``adamw`` (``--optimizer``)."""
+    lr: float = 3e-3
+    """Peak learning rate (``--lr``)."""
+    weight_decay: float = 0.0
+    """Weight decay (``--weight-decay``)."""
+    warmup_steps: int = 20
+    """Linear learning-rate warm-up steps before the cosine decay (``--warmup-steps``)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * this at the last step (``--min-lr-ratio``)."""
+    grad_clip: float = 1.0
+    """Clip the aggregated gradient to this global L2 norm; 0 disables (``--grad-clip``)."""
+    seed: int = 0
+    """Seed for weights, data order, dropout and fault schedules (``--seed``)."""
+    eval_every: int = 50
+    """Evaluate on the validation split every this many steps, and at the end
+    (``--eval-every``)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation (``--eval-batches``)."""
+    log_every: int = 10
+    """Console progress line every this many steps (``--log-every``)."""
+    checkpoint_every: int = 100
+    """Atomic checkpoint every this many steps and at the end; 0: only at the end
+    (``--checkpoint-every``)."""
+    run_dir: str = ""
+    """Where the run writes its files; default ``runs/<workload>-<timestamp>``
+    (``--run-dir``)."""
+    resume: bool = False
+    """Continue the run in ``--run-dir`` from its latest checkpoint (``--resume``)."""
+    overwrite: bool = False
+    """Delete an existing ``--run-dir`` and start afresh (``--overwrite``)."""
+    device: str = "auto"
+    """``auto`` (CUDA if available, else CPU), ``cpu`` or ``cuda`` (``--device``)."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """Model size overrides, e.g. ``{"n_layer": 2}`` (``--model n_layer=2``)."""
+    dropout: float = 0.0
+    """Dropout probability in the transformer workloads (``--dropout``)."""
+    desync_shuffle: bool = False
+    """Each rank shuffles the data with its own seed instead of one shared permutation
+    (``--desync-shuffle``)."""
+    desync_seed: bool = False
+    """Each rank seeds dropout and sampling with its own seed (``--desync-seed``)."""
+    inject: list[str] = field(default_factory=list)
+    """Fault specs, e.g. ``bitflip:rate=0.01,bits=exponent,ranks=1`` (``--inject``, repeatable)."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars to ``<run-dir>/tb`` (``--tensorboard``)."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    protect: ProtectConfig = field(default_factory=ProtectConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+    def __post_init__(self) -> None:
+        from paft.faults import FaultSchedule, parse_specs  # local: faults is a leaf module, config stays cheap
+        from paft.workloads import WORKLOADS
+
+        _require(self.workload in WORKLOADS, "--workload", f"must be one of {WORKLOADS}, got {self.workload!r}")
+        _require(self.world_size >= 1, "--world-size", f"must be >= 1, got {self.world_size}")
+        _require(self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
+        _require(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")
+        _require(
+            self.batch_size % self.world_size == 0,
+            "--batch-size",
+            f"{self.batch_size} cannot be split evenly across --world-size {self.world_size}",
+        )
+        _require(self.optimizer in OPTIMIZERS, "--optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        _require(self.lr > 0 and math.isfinite(self.lr), "--lr", f"must be > 0, got {self.lr}")
+        _require(self.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {self.weight_decay}")
+        _require(self.warmup_steps >= 0, "--warmup-steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, "--min-lr-ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.grad_clip >= 0, "--grad-clip", f"must be >= 0, got {self.grad_clip}")
+        _require(self.eval_every >= 1, "--eval-every", f"must be >= 1, got {self.eval_every}")
+        _require(self.eval_batches >= 1, "--eval-batches", f"must be >= 1, got {self.eval_batches}")
+        _require(self.log_every >= 1, "--log-every", f"must be >= 1, got {self.log_every}")
+        _require(self.checkpoint_every >= 0, "--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
+        _require(not (self.resume and self.overwrite), "--resume", "cannot be combined with --overwrite")
+        _require(self.device in ("auto", "cpu", "cuda"), "--device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _require(0 <= self.dropout < 1, "--dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(
+            self.monitor.enabled or not self.guard.enabled,
+            "--guard",
+            "needs the per-step monitor; drop --no-monitor",
+        )
+        _require(
+            self.protect.sync_mode != "broadcast" or 0 <= self.protect.broadcast_src < self.world_size,
+            "--broadcast-src",
+            f"must be a rank in [0, {self.world_size}), got {self.protect.broadcast_src}",
+        )
+        # FaultSpecError messages already name --inject and the bad field.
+        FaultSchedule(parse_specs(self.inject), self.seed, self.world_size)
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        return self.batch_size // self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Rebuild from :meth:`to_dict` output (``config.json``)."""
+        data = dict(data)
+        sections = {"monitor": MonitorConfig, "protect": ProtectConfig, "guard": GuardConfig}
+        for key, section in sections.items():
+            if key in data:
+                data[key] = section(**data[key])
+        return cls(**data)

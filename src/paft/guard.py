@@ -1,0 +1,605 @@
+"""Harmful-update guard: detect a bad step, recompute it, and say why it was bad.
+
+A fault inside computation (a flipped bit in a matmul output, in a local gradient,
+in the all-reduce) shows up as a non-finite value, a loss or gradient-norm spike, a
+rank whose values are far from the others', or replicas that received different
+"aggregated" gradients. Recomputing the most recent step removes a transient fault;
+comparing the recomputation with the first attempt attributes it (the Megatron-LM
+rerun state machine is the model): a clean rerun means *transient*, a bitwise
+identical rerun means the input *data* is to blame, the same rank misbehaving
+again with different values means a *persistent* hardware fault.
+
+The guard is pure logic. Every decision is a function of the step's gathered
+:class:`~paft.consistency.ControlView` (identical on all ranks) and of the guard's
+own state, which every rank updates with the same inputs, so all ranks reach the
+same verdict without another collective. Any rank's flag counts for all (an OR).
+
+Detectors, in the order they are tried (the first that fires names the verdict):
+
+- ``nonfinite_loss`` / ``nonfinite_local_grad`` / ``nonfinite_agg_grad``: a rank's
+  FLAG_* bit or a non-finite value in its loss / local norm / aggregated norm.
+  Suspects: the flagged ranks (for the aggregate: the flagged minority, else ranks
+  whose local values are anomalous).
+- ``grad_mismatch``: ranks hold different aggregated-gradient fingerprints, i.e. the
+  all-reduce delivered different bytes (aggregation SDC; data never causes this).
+  Suspects: the minority; without a strict majority (2 ranks, even split), the
+  group whose aggregated norm is anomalous against the running history, else none.
+- ``rank_outlier``: a rank's local loss or local grad norm is above the ranks'
+  median by more than ``outlier_threshold`` floored MADs AND above the pooled
+  history of accepted local values by the same rule (2 ranks: history only; 1 rank:
+  off). Both tests must fire: ranks see different data, so peers alone mislead.
+- ``grad_spike``: the aggregated grad norm (max over ranks) above its history limit.
+- ``loss_spike``: the global loss (mean of local losses) above its history limit.
+- ``update_ratio`` (:meth:`Guard.check_update`): ``||w_new - w_old|| / ||w_old||``
+  non-finite, above ``update_ratio``, or above its own history limit.
+
+History limit (only accepted, clean steps enter the windows; upward only)::
+
+    limit = median + max(T * max(1.4826 * MAD, rel * |median|, 1e-12),
+                         TAIL_FACTOR * (window max - median))
+
+``T`` is ``spike_threshold`` (``outlier_threshold`` for the per-rank history);
+``rel`` is REL_FLOOR_LOSS (5%) for the loss, REL_FLOOR_GRAD (50%) for norms and the
+update ratio, REL_FLOOR_RANK (25%) for per-rank values. The relative floor keeps
+steady series from firing on tiny noise; the tail term keeps heavy-tailed,
+bimodal series (near-zero losses with an occasional hard batch) from firing on
+values the window has already seen. Before ``warmup`` accepted steps the
+statistical rules are off and only a gross jump fires: above GROSS_FACTOR (1e4)
+times the largest accepted value (or, for 3+ ranks, the ranks' median).
+
+Decision table of :meth:`Guard.check` (pre-step; ``prev`` is the remembered detection
+of this step)::
+
+    attempt  this view    relation to prev                         action      cause
+    any      clean        no prev                                  proceed     None
+    >= 1     clean        prev from check                          proceed     transient (persistent if decided)
+    >= 1     clean        prev from check_update                   proceed     None (check_update decides)
+    0        detected     -                                        recompute   None
+    >= 1     detected     header rows bitwise equal (*)            skip        data
+    >= 1     detected     suspects overlap prev's, other values    stop        persistent  (on_persistent=stop)
+                                                                   recompute   persistent  (on_persistent=repair)
+    >= 1     detected     anything else (new / unattributed)       recompute   as decided so far
+    any      recompute wanted but a cap is spent                   skip        as decided, detector rerun_cap
+
+(*) header columns 0..8 of every rank (loss, local_sq, agg_sq, fingerprints,
+flags, faults) compared as int64 bit patterns, so NaN == NaN. When every compared
+value is finite, a rerun within RERUN_RTOL (1e-3) with equal flags, fault counts,
+state fingerprints and replica grouping also counts as reproduced: GPU kernels with
+atomics do not reproduce the low bits, and a persistent fault does not reproduce a
+spike to 3 digits.
+
+:meth:`Guard.check_update` (post-step) follows the same table for the ratio, with
+two differences: it can only roll back when :meth:`Guard.wants_snapshot` armed this
+step (otherwise: ``proceed`` with ``detector="update_ratio"``, a record, and the
+step's values stay out of the history), and it never names ranks (the ratio is a
+max over ranks), so a recurring non-reproducible anomaly ends at ``rerun_cap``.
+``recompute`` and ``skip`` from it both mean: restore the pre-step snapshot first.
+:meth:`Guard.wants_snapshot` documents when the guard asks for that snapshot.
+
+Caps: at most ``max_reruns_per_step`` recomputes per step (pre- and post-step
+together) and ``max_reruns_per_run`` in the run; past either, ``skip``.
+
+Limit: a persistent fault that corrupts the same bits on every rerun is
+indistinguishable from bad data on the same rank (Megatron reruns on another GPU
+to tell them apart); it is attributed ``data`` and its batch skipped.
+
+Example::
+
+    >>> import torch
+    >>> from paft.config import GuardConfig
+    >>> from paft.consistency import ControlVector, ControlView
+    >>> def view(loss, agg):
+    ...     vec = ControlVector(loss, 1.0, agg * agg, 7, None, 0, 0, None)
+    ...     return ControlView(torch.stack([vec.pack(0)] * 2))
+    >>> guard = Guard(GuardConfig(enabled=True, warmup=5), world_size=2)
+    >>> for step in range(10):
+    ...     assert guard.check(step, 0, view(2.0, 1.0)).action == "proceed"
+    ...     guard.accept(step, view(2.0, 1.0))
+    >>> guard.check(10, 0, view(2.0, 1e36)).action   # bit 30 flipped in the aggregate
+    'recompute'
+    >>> v = guard.check(10, 1, view(2.0, 1.0))       # clean on recomputation
+    >>> v.action, v.detector, v.cause
+    ('proceed', 'grad_spike', 'transient')
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from paft.config import GuardConfig
+from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOCAL_NONFINITE, FLAG_LOSS_NONFINITE, ControlView
+from paft.fingerprint import group_replicas
+
+__all__ = [
+    "ACTIONS",
+    "CAUSES",
+    "DETECTORS",
+    "MAD_TO_STD",
+    "REL_FLOOR_LOSS",
+    "REL_FLOOR_GRAD",
+    "REL_FLOOR_RANK",
+    "ABS_FLOOR",
+    "TAIL_FACTOR",
+    "GROSS_FACTOR",
+    "RERUN_RTOL",
+    "GuardVerdict",
+    "Guard",
+]
+
+ACTIONS = ("proceed", "recompute", "skip", "stop")
+CAUSES = ("transient", "persistent", "data")
+DETECTORS = ("nonfinite_loss", "nonfinite_local_grad", "nonfinite_agg_grad", "grad_mismatch",
+             "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap")
+
+MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
+REL_FLOOR_LOSS = 0.05  # default T=10: the loss must rise >= 50% over its median
+REL_FLOOR_GRAD = 0.5  # norms / update ratios: >= 6x the median (clipping absorbs less)
+REL_FLOOR_RANK = 0.25  # local values (one rank's batch) noisier still: T=20 -> >= 6x
+ABS_FLOOR = 1e-12  # only matters when the median is exactly zero
+TAIL_FACTOR = 3.0  # exceed the window's largest excursion above its median 3x over
+GROSS_FACTOR = 1e4  # warm-up: only jumps no clean step makes (a bit-30 flip is ~1e38x)
+RERUN_RTOL = 1e-3  # finite reruns this close count as the same result
+
+_HEADER = 9  # consistency.py's header columns
+_LOSS, _LOCAL_SQ, _AGG_SQ, _AGG_HI, _AGG_LO, _STATE_HI, _STATE_LO, _FLAGS, _FAULTS = range(_HEADER)
+
+
+@dataclass
+class GuardVerdict:
+    """What to do with the current attempt of a step, and why."""
+
+    action: str
+    """``proceed`` | ``recompute`` | ``skip`` | ``stop``."""
+    detector: str | None = None
+    """The detector that fired (kept on the ``proceed`` that resolves a detection)."""
+    ranks: list[int] = field(default_factory=list)
+    """Suspect ranks; empty when all ranks or unknown."""
+    cause: str | None = None
+    """None while undecided; ``transient`` | ``persistent`` | ``data`` once decided."""
+    values: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe form: non-finite values become the strings ``nan`` / ``inf`` / ``-inf``."""
+        return {
+            "action": self.action,
+            "detector": self.detector,
+            "ranks": list(self.ranks),
+            "cause": self.cause,
+            "values": {k: (float(v) if math.isfinite(v) else str(float(v))) for k, v in self.values.items()},
+        }
+
+
+class _Window:
+    """The last ``size`` accepted finite values, kept sorted too, with cached robust statistics."""
+
+    def __init__(self, size: int, values: Iterable[float] = ()) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] = []
+        self._stats: tuple[float, float, float] | None = None
+        for v in values:
+            self.push(v)
+
+    def push(self, x: float) -> None:
+        if math.isfinite(x):
+            x = float(x)
+            if len(self.values) == self.values.maxlen:
+                del self._sorted[bisect.bisect_left(self._sorted, self.values[0])]
+            self.values.append(x)
+            bisect.insort(self._sorted, x)
+            self._stats = None
+
+    def stats(self) -> tuple[float, float, float]:
+        """(median, MAD, max); call only when non-empty."""
+        if self._stats is None:
+            xs = self._sorted
+            med = _median(xs)
+            self._stats = (med, _median(sorted([abs(x - med) for x in xs])), xs[-1])
+        return self._stats
+
+    def limit(self, threshold: float, rel: float, armed: bool, tail: float = TAIL_FACTOR) -> float:
+        """The value above which ``x`` is an upward spike; ``inf`` with nothing to compare to."""
+        if not self.values:
+            return math.inf
+        med, mad, top = self.stats()
+        if not armed:
+            return top + GROSS_FACTOR * max(abs(top), abs(med), ABS_FLOOR)
+        scale = max(MAD_TO_STD * mad, rel * abs(med), ABS_FLOOR)
+        return med + max(threshold * scale, tail * (top - med))
+
+
+def _median(xs: list[float]) -> float:
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _cross_limit(values: list[float], threshold: float, armed: bool) -> float:
+    """Limit for one rank's value against the ranks' median (3+ ranks)."""
+    xs = sorted(x for x in values if math.isfinite(x))
+    if not xs:
+        return math.inf
+    med = _median(xs)
+    if not armed:
+        return med + GROSS_FACTOR * max(abs(med), ABS_FLOOR)
+    mad = _median(sorted(abs(x - med) for x in xs))
+    return med + threshold * max(MAD_TO_STD * mad, REL_FLOOR_RANK * abs(med), ABS_FLOOR)
+
+
+def _header_bits(view: ControlView) -> list[list[int]]:
+    return view.matrix[:, :_HEADER].to(torch.float64).contiguous().view(torch.int64).tolist()
+
+
+def _f64_bits(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float64).view(torch.int64).item())
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= RERUN_RTOL * max(abs(a), abs(b))
+
+
+def _reproduced(prev: list[list[int]], cur: list[list[int]]) -> bool:
+    """Whether a rerun reproduced the first result: bitwise, or within RERUN_RTOL when all finite."""
+    if prev == cur:
+        return True
+    if len(prev) != len(cur):
+        return False
+    a = torch.tensor(prev, dtype=torch.int64).view(torch.float64).tolist()
+    b = torch.tensor(cur, dtype=torch.int64).view(torch.float64).tolist()
+    for ra, rb, pa, pb in zip(a, b, prev, cur):
+        # A NaN / Inf must reproduce bitwise: a faulty unit hitting another element
+        # changes the fingerprint, while a NaN in the input reproduces exactly.
+        if not all(math.isfinite(x) for x in ra[:_AGG_HI] + rb[:_AGG_HI]):
+            return False
+        if pa[_STATE_HI:] != pb[_STATE_HI:] or not all(_close(x, y) for x, y in zip(ra[:_AGG_HI], rb[:_AGG_HI])):
+            return False
+    return group_replicas(_fp_keys(prev)) == group_replicas(_fp_keys(cur))
+
+
+def _fp_keys(bits: list[list[int]]) -> list[int]:
+    # Compare the fingerprint halves by their bits: no join_int64, which would
+    # raise on a half corrupted into a non-integer.
+    return [(row[_AGG_HI] << 64) + (row[_AGG_LO] & ((1 << 64) - 1)) for row in bits]
+
+
+@dataclass
+class _Incident:
+    """The detection a rerun is compared against."""
+
+    source: str  # "check" | "update"
+    detector: str
+    ranks: list[int]
+    bits: list[list[int]]
+
+
+@dataclass
+class _StepState:
+    step: int
+    reruns: int = 0
+    cause: str | None = None
+    pending: _Incident | None = None
+    incident: bool = False  # anything detected in this step: arms the snapshot
+    tainted: bool = False  # an update anomaly that could not be rolled back
+
+
+class Guard:
+    """Per-step harmful-update detection and the recompute / attribution state machine.
+
+    Call protocol for one step ``t`` (attempts count every recomputation of ``t``,
+    whether a pre- or a post-step detection asked for it):
+    ``check(t, a, view)`` after the all-reduce of attempt ``a``; on ``proceed``:
+    ``wants_snapshot(t, view)`` (snapshot params + optimizer state if True),
+    ``optimizer.step()``, ``check_update(t, a, ratio)``; when the step stays applied,
+    ``accept(t, view, ratio)``. Skipped steps are not accepted.
+    """
+
+    def __init__(self, config: GuardConfig, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.config = config
+        self.world_size = world_size
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("detections", "recomputes", "skipped_batches", "transient", "persistent", "data", "rollbacks"), 0)
+        w = config.window
+        self._loss, self._grad, self._ratio = _Window(w), _Window(w), _Window(w)
+        # Local values of all ranks pooled: ranks draw batches from one distribution,
+        # and world_size times the samples describe its tails better than one rank's.
+        self._rank_loss, self._rank_norm = _Window(w * world_size), _Window(w * world_size)
+        self._accepted = 0
+        self._ratios_seen = 0
+        self._st: _StepState | None = None
+        self._armed_step: int | None = None
+
+    # -- pre-step -------------------------------------------------------------------
+
+    def check(self, step: int, attempt: int, view: ControlView) -> GuardVerdict:
+        """Verdict on attempt ``attempt`` of ``step`` before ``optimizer.step()``."""
+        if view.world_size != self.world_size:
+            raise ValueError(f"view has {view.world_size} ranks, the guard was built for {self.world_size}")
+        st = self._st
+        if st is None or st.step != step or (
+            attempt == 0 and not (st.pending is not None and st.pending.source == "update")
+        ):
+            st = self._st = _StepState(step)
+        found = self._detect(view)
+        prev = st.pending
+        if found is None:
+            if prev is not None and prev.source == "check":
+                st.pending = None
+                cause = self._decide(st, st.cause or "transient")
+                return GuardVerdict("proceed", prev.detector, prev.ranks, cause, self._summary(view))
+            return GuardVerdict("proceed", values=self._summary(view))
+        detector, ranks, values = found
+        st.incident = True
+        bits = _header_bits(view)
+        if prev is None or prev.source != "check":
+            self.counters["detections"] += 1
+            st.pending = _Incident("check", detector, ranks, bits)
+            return self._rerun(st, detector, ranks, values)
+        if _reproduced(prev.bits, bits):
+            st.pending = None
+            self._decide(st, "data")
+            self.counters["skipped_batches"] += 1
+            return GuardVerdict("skip", detector, ranks, "data", values)
+        st.pending = _Incident("check", detector, ranks, bits)
+        common = sorted(set(prev.ranks) & set(ranks))
+        if common:
+            self._decide(st, "persistent")
+            if self.config.on_persistent == "stop":
+                return GuardVerdict("stop", detector, common, "persistent", values)
+            return self._rerun(st, detector, common, values)
+        return self._rerun(st, detector, ranks, values)
+
+    # -- post-step ------------------------------------------------------------------
+
+    def wants_snapshot(self, step: int, view: ControlView) -> bool:
+        """Whether to copy params + optimizer state before this step's ``optimizer.step()``.
+
+        Copying every step costs ~1-2% of a step, so the guard arms only where a
+        rollback is plausible: the update-ratio history is in warm-up (its spike rule
+        is off, the first steps move weights the most); this step already needed a
+        recompute; the loss or aggregated grad norm is a near miss (above the limit
+        at half ``spike_threshold``, and above the window max); or the ranks' state
+        fingerprints disagree (a replica was corrupted at rest). A single-rank fault
+        inside ``optimizer.step()`` on an unarmed step is left to PAFT-Sync: it splits
+        the replicas, which the next fingerprint check sees.
+        """
+        armed = self._snapshot_reason(step, view) is not None
+        self._armed_step = step if armed else None
+        return armed
+
+    def _snapshot_reason(self, step: int, view: ControlView) -> str | None:
+        cfg = self.config
+        if cfg.update_ratio <= 0:
+            return None  # no post-step detector: nothing would roll back
+        if self._ratios_seen < cfg.warmup:
+            return "warmup"
+        if self._st is not None and self._st.step == step and self._st.incident:
+            return "incident"
+        if self._accepted >= cfg.warmup:
+            half = cfg.spike_threshold / 2
+            if view.global_loss > self._loss.limit(half, REL_FLOOR_LOSS, True, tail=1.0):
+                return "loss_near_miss"
+            if float(view.agg_norms.max()) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0):
+                return "grad_near_miss"
+        states = view.state_fingerprints()
+        if states is not None and len(group_replicas(states)) > 1:
+            return "state_split"
+        return None
+
+    def check_update(self, step: int, attempt: int, ratio: float) -> GuardVerdict:
+        """Verdict after ``optimizer.step()`` of ``step``; ``ratio`` is the max over ranks.
+
+        ``recompute`` / ``skip``: restore the pre-step snapshot, then recompute / drop
+        the batch. Only returned when :meth:`wants_snapshot` armed this step.
+        """
+        cfg = self.config
+        if cfg.update_ratio <= 0:
+            return GuardVerdict("proceed")
+        st = self._st
+        if st is None or st.step != step:
+            st = self._st = _StepState(step)
+        ratio = float(ratio)
+        limit = min(cfg.update_ratio, self._ratio.limit(
+            cfg.spike_threshold, REL_FLOOR_GRAD, self._ratios_seen >= cfg.warmup))
+        values = {"ratio": ratio, "limit": limit}
+        prev = st.pending
+        if math.isfinite(ratio) and ratio <= limit:
+            if prev is not None and prev.source == "update":
+                st.pending = None
+                return GuardVerdict("proceed", "update_ratio", [], self._decide(st, st.cause or "transient"), values)
+            return GuardVerdict("proceed", values=values)
+        st.incident = True
+        if self._armed_step != step:
+            # No snapshot to return to: a record for the events log, and the step's
+            # values are kept out of the history.
+            self.counters["detections"] += 1
+            st.tainted = True
+            return GuardVerdict("proceed", "update_ratio", [], None, values)
+        bits = [[_f64_bits(ratio)]]
+        if prev is None or prev.source != "update":
+            self.counters["detections"] += 1
+            st.pending = _Incident("update", "update_ratio", [], bits)
+            verdict = self._rerun(st, "update_ratio", [], values)
+        elif prev.bits == bits or (math.isfinite(ratio) and _close(_bits_f64(prev.bits[0][0]), ratio)):
+            st.pending = None
+            self._decide(st, "data")
+            self.counters["skipped_batches"] += 1
+            verdict = GuardVerdict("skip", "update_ratio", [], "data", values)
+        else:
+            st.pending = _Incident("update", "update_ratio", [], bits)
+            verdict = self._rerun(st, "update_ratio", [], values)
+        self.counters["rollbacks"] += 1
+        return verdict
+
+    def accept(self, step: int, view: ControlView, ratio: float | None = None) -> None:
+        """``step`` was applied: its values join the history (unless its update was anomalous).
+
+        Pass ``ratio`` whenever ``update_ratio > 0``: until ``warmup`` ratios were
+        accepted the guard asks for a snapshot before every update.
+        """
+        st = self._st
+        if not (st is not None and st.step == step and st.tainted):
+            self._loss.push(view.global_loss)
+            self._grad.push(float(view.agg_norms.max()))
+            for x in view.losses.tolist():
+                self._rank_loss.push(x)
+            for x in view.local_norms.tolist():
+                self._rank_norm.push(x)
+            self._accepted += 1
+            if ratio is not None and math.isfinite(ratio):
+                self._ratio.push(float(ratio))
+                self._ratios_seen += 1
+        self._st = None
+        self._armed_step = None
+
+    # -- detectors ------------------------------------------------------------------
+
+    def _detect(self, view: ControlView) -> tuple[str, list[int], dict[str, float]] | None:
+        ws = self.world_size
+        cfg = self.config
+        losses = view.losses.tolist()
+        local = view.local_norms.tolist()
+        agg = view.agg_norms.tolist()
+        flags = view.flags
+        for name, flag, col in (("nonfinite_loss", FLAG_LOSS_NONFINITE, losses),
+                                ("nonfinite_local_grad", FLAG_LOCAL_NONFINITE, local),
+                                ("nonfinite_agg_grad", FLAG_AGG_NONFINITE, agg)):
+            bad = [r for r in range(ws) if flags[r] & flag or not math.isfinite(col[r])]
+            if bad:
+                ranks = bad
+                if name == "nonfinite_agg_grad" and len(bad) == ws:
+                    ranks = self._local_suspects(losses, local)
+                return name, ranks, {"value": col[bad[0]], "rank": float(bad[0]), "count": float(len(bad))}
+        groups = group_replicas(_fp_keys(_header_bits(view)))
+        if len(groups) > 1:
+            return "grad_mismatch", self._mismatch_suspects(groups, agg), {
+                "distinct": float(len(groups)), "grad_norm_min": min(agg), "grad_norm_max": max(agg)}
+        armed = self._accepted >= cfg.warmup
+        if ws > 1:  # with one rank, a rank outlier is just a spike
+            ranks, values = self._rank_outliers(losses, local, cfg.outlier_threshold, armed)
+            if ranks:
+                return "rank_outlier", ranks, values
+        for name, value, window, rel in (("grad_spike", max(agg), self._grad, REL_FLOOR_GRAD),
+                                         ("loss_spike", view.global_loss, self._loss, REL_FLOOR_LOSS)):
+            limit = window.limit(cfg.spike_threshold, rel, armed)
+            if value > limit:
+                vals = {"value": value, "limit": limit}
+                if window.values:
+                    vals["median"] = window.stats()[0]
+                return name, self._local_suspects(losses, local), vals
+        return None
+
+    def _rank_outliers(self, losses: list[float], local: list[float], threshold: float,
+                       armed: bool) -> tuple[list[int], dict[str, float]]:
+        """Ranks whose local loss or norm fires every available test (pooled history; 3+ ranks: cross-rank)."""
+        ranks: set[int] = set()
+        values: dict[str, float] = {}
+        for name, xs, window in (("loss", losses, self._rank_loss), ("grad_norm", local, self._rank_norm)):
+            own = window.limit(threshold, REL_FLOOR_RANK, armed)
+            cross = _cross_limit(xs, threshold, armed) if self.world_size >= 3 else -math.inf
+            if own == math.inf and self.world_size < 3:
+                continue  # no test available: no history, no peers
+            limit = max(own if own < math.inf else -math.inf, cross)
+            hits = [r for r, x in enumerate(xs) if x > limit]
+            if hits:
+                worst = max(hits, key=lambda r: xs[r])
+                values.setdefault(f"{name}_value", xs[worst])
+                values.setdefault(f"{name}_limit", limit)
+                ranks.update(hits)
+        return sorted(ranks), values
+
+    def _local_suspects(self, losses: list[float], local: list[float]) -> list[int]:
+        """Attribution of a global anomaly: ranks whose local values spike (spike_threshold)."""
+        ranks, _ = self._rank_outliers(losses, local, self.config.spike_threshold,
+                                       self._accepted >= self.config.warmup)
+        return ranks if len(ranks) < self.world_size else []
+
+    def _mismatch_suspects(self, groups: list[list[int]], agg: list[float]) -> list[int]:
+        if 2 * len(groups[0]) > self.world_size:
+            return sorted(r for g in groups[1:] for r in g)
+        # No strict majority: blame the groups whose aggregated norm is far from
+        # the history (either way: a flip can also shrink a value).
+        if not self._grad.values:
+            return []
+        med, mad, _ = self._grad.stats()
+        scale = max(MAD_TO_STD * mad, REL_FLOOR_GRAD * abs(med), ABS_FLOOR)
+        odd = [r for g in groups for r in g if abs(agg[r] - med) > self.config.spike_threshold * scale]
+        return sorted(odd) if 0 < len(odd) < self.world_size else []
+
+    # -- state machine helpers --------------------------------------------------------
+
+    def _rerun(self, st: _StepState, detector: str, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
+        cfg = self.config
+        if st.reruns >= cfg.max_reruns_per_step or self.counters["recomputes"] >= cfg.max_reruns_per_run:
+            self.counters["skipped_batches"] += 1
+            st.pending = None
+            capped = {**values, "reruns_step": float(st.reruns), "reruns_run": float(self.counters["recomputes"])}
+            return GuardVerdict("skip", "rerun_cap", ranks, st.cause, capped)
+        st.reruns += 1
+        self.counters["recomputes"] += 1
+        return GuardVerdict("recompute", detector, ranks, st.cause, values)
+
+    def _decide(self, st: _StepState, cause: str) -> str:
+        """Record the step's cause once (a later, stronger finding replaces it)."""
+        if st.cause != cause:
+            if st.cause is not None:
+                self.counters[st.cause] -= 1
+            st.cause = cause
+            self.counters[cause] += 1
+        return cause
+
+    @staticmethod
+    def _summary(view: ControlView) -> dict[str, float]:
+        return {"loss": view.global_loss, "grad_norm": float(view.agg_norms.max())}
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe state: counters, history windows, and an in-flight step, if any."""
+        st = self._st
+        return {
+            "version": 1,
+            "world_size": self.world_size,
+            "accepted": self._accepted,
+            "ratios_seen": self._ratios_seen,
+            "counters": dict(self.counters),
+            "windows": {name: list(w.values) for name, w in self._windows().items()},
+            "step": None if st is None else {
+                "step": st.step, "reruns": st.reruns, "cause": st.cause, "incident": st.incident,
+                "tainted": st.tainted,
+                "pending": None if st.pending is None else {
+                    "source": st.pending.source, "detector": st.pending.detector,
+                    "ranks": list(st.pending.ranks), "bits": [list(r) for r in st.pending.bits]},
+            },
+            "armed_step": self._armed_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported guard state version {state.get('version')!r}")
+        self._accepted = int(state["accepted"])
+        self._ratios_seen = int(state["ratios_seen"])
+        self.counters.update({k: int(v) for k, v in state["counters"].items()})
+        for name, w in self._windows().items():
+            setattr(self, f"_{name}", _Window(w.values.maxlen or 1, state["windows"][name]))
+        s = state.get("step")
+        self._st = None
+        if s is not None:
+            p = s["pending"]
+            self._st = _StepState(s["step"], s["reruns"], s["cause"], None if p is None else _Incident(
+                p["source"], p["detector"], list(p["ranks"]), [list(r) for r in p["bits"]]),
+                s["incident"], s["tainted"])
+        self._armed_step = state.get("armed_step")
+
+    def _windows(self) -> dict[str, _Window]:
+        return {"loss": self._loss, "grad": self._grad, "ratio": self._ratio,
+                "rank_loss": self._rank_loss, "rank_norm": self._rank_norm}
+
+
+def _bits_f64(bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64).item())

@@ -1,0 +1,552 @@
+"""Tests for paft.guard: detectors, the recompute / attribution state machine, caps, state.
+
+Pure: ControlView matrices are built directly with ControlVector.pack, no process
+group. The whole file runs in about a second.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import math
+import random
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+import paft.guard
+from paft.config import GuardConfig
+from paft.consistency import (
+    FLAG_AGG_NONFINITE,
+    FLAG_LOCAL_NONFINITE,
+    FLAG_LOSS_NONFINITE,
+    ControlVector,
+    ControlView,
+)
+from paft.guard import Guard, GuardVerdict
+
+NAN = math.nan
+FP = 0x1234_5678_9ABC_DEF  # an aggregated-gradient fingerprint all healthy ranks share
+
+
+def make_view(
+    losses: Sequence[float],
+    local: Sequence[float],
+    agg: Sequence[float] | float,
+    fps: Sequence[int] | None = None,
+    flags: Sequence[int] | None = None,
+    faults: Sequence[int] | None = None,
+    states: Sequence[int | None] | None = None,
+) -> ControlView:
+    ws = len(losses)
+    agg = [float(agg)] * ws if isinstance(agg, (int, float)) else list(agg)
+    rows = [
+        ControlVector(
+            loss=float(losses[r]),
+            local_sq=float(local[r]) ** 2,
+            agg_sq=agg[r] ** 2,
+            agg_fingerprint=(fps or [FP] * ws)[r],
+            state_fingerprint=(states or [None] * ws)[r],
+            flags=(flags or [0] * ws)[r],
+            faults=(faults or [0] * ws)[r],
+            sketch=None,
+        ).pack(0)
+        for r in range(ws)
+    ]
+    return ControlView(torch.stack(rows))
+
+
+def steady(ws: int, loss: float = 2.0, local: float = 1.5, agg: float = 1.0) -> ControlView:
+    return make_view([loss] * ws, [local] * ws, agg)
+
+
+def guard(ws: int = 4, **kw: object) -> Guard:
+    kw.setdefault("enabled", True)
+    return Guard(GuardConfig(**kw), ws)  # type: ignore[arg-type]
+
+
+def warm(g: Guard, steps: int = 30, seed: int = 0) -> int:
+    """Accept ``steps`` clean, mildly noisy steps; return the next step index."""
+    rng = random.Random(seed)
+    ws = g.world_size
+    for t in range(steps):
+        view = make_view([2.0 * math.exp(rng.gauss(0, 0.1)) for _ in range(ws)],
+                         [1.5 * math.exp(rng.gauss(0, 0.2)) for _ in range(ws)],
+                         math.exp(rng.gauss(0, 0.1)))
+        assert g.check(t, 0, view).action == "proceed"
+        g.wants_snapshot(t, view)
+        ratio = 1e-3 * math.exp(rng.gauss(0, 0.1))
+        assert g.check_update(t, 0, ratio).action == "proceed"
+        g.accept(t, view, ratio)
+    return steps
+
+
+# --------------------------------------------------------------------------- clean runs
+
+
+def clean_run(ws: int, seed: int, steps: int) -> Iterator[tuple[ControlView, float]]:
+    """A realistic fault-free run: decreasing loss, ranks' local losses tens of percent
+    apart, a grad-norm bump during LR warm-up and a later one, occasional benign
+    1.8x grad-norm blips, update ratio following the LR schedule."""
+    rng = random.Random(seed * 1000 + ws)
+    for t in range(steps):
+        base = 1.5 + 3.0 * math.exp(-t / 80)
+        losses = [base * math.exp(rng.gauss(0, 0.15)) for _ in range(ws)]
+        g = 0.8 + 2.5 * math.exp(-(((t - 25) / 12) ** 2)) + 1.2 * math.exp(-(((t - 300) / 20) ** 2))
+        g *= math.exp(rng.gauss(0, 0.12)) * (1.8 if rng.random() < 0.02 else 1.0)
+        local = [g * 0.8 * math.sqrt(ws) * math.exp(rng.gauss(0, 0.25)) for _ in range(ws)]
+        lr = min(1.0, (t + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * t / steps))
+        fp = rng.getrandbits(62)
+        yield make_view(losses, local, g, fps=[fp] * ws), 2e-3 * lr * math.exp(rng.gauss(0, 0.1))
+
+
+def bimodal_run(ws: int, seed: int, steps: int) -> Iterator[tuple[ControlView, float]]:
+    """Late training on an easy task: near-zero per-rank losses, and now and then a
+    rank whose batch holds a misclassified example (loss and grad norm ~100x)."""
+    rng = random.Random(seed)
+    for _ in range(steps):
+        hard = [rng.random() < 0.1 for _ in range(ws)]
+        losses = [rng.uniform(0.05, 0.25) if h else 1e-3 * math.exp(rng.gauss(0, 0.5)) for h in hard]
+        local = [rng.uniform(0.5, 2.0) if h else 0.01 * math.exp(rng.gauss(0, 0.5)) for h in hard]
+        agg = math.sqrt(sum(x * x for x in local)) / ws
+        yield make_view(losses, local, agg), 1e-4 * math.exp(rng.gauss(0, 0.3))
+
+
+def drive_clean(g: Guard, run: Iterator[tuple[ControlView, float]]) -> int:
+    """Run a clean sequence, asserting no detector fires; return the snapshots asked for after warm-up."""
+    armed = 0
+    for t, (view, ratio) in enumerate(run):
+        v = g.check(t, 0, view)
+        assert (v.action, v.detector) == ("proceed", None), (t, v)
+        snap = g.wants_snapshot(t, view)
+        armed += snap and t >= g.config.warmup
+        u = g.check_update(t, 0, ratio)
+        assert (u.action, u.detector) == ("proceed", None), (t, u)
+        g.accept(t, view, ratio)
+    assert all(n == 0 for n in g.counters.values()), g.counters
+    return armed
+
+
+@pytest.mark.parametrize("ws", [2, 4, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_clean_runs_never_fire(ws: int, seed: int) -> None:
+    armed = drive_clean(guard(ws), clean_run(ws, seed, 400))
+    assert armed <= 8  # snapshots after warm-up: rare near misses (< 2% of steps)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_clean_heavy_tailed_near_zero_losses_never_fire(ws: int, seed: int) -> None:
+    drive_clean(guard(ws), bimodal_run(ws, seed, 600))
+
+
+def test_clean_run_with_short_warmup_and_lower_thresholds() -> None:
+    drive_clean(guard(4, warmup=5, spike_threshold=6.0, outlier_threshold=12.0), clean_run(4, 7, 400))
+
+
+def test_world_size_one() -> None:
+    g = guard(1)
+    t = warm(g)
+    assert g.check(t, 0, make_view([2.0], [1e36], 1e36)).detector == "grad_spike"
+    assert g.check(t, 1, make_view([2.0], [1.0], 1.0)).cause == "transient"
+
+
+# --------------------------------------------------------------------------- detectors
+
+
+def test_nonfinite_loss_by_flag_and_by_value() -> None:
+    g = guard(4)
+    v = g.check(0, 0, make_view([2.0, 3.0, 2.0, 2.0], [1.0] * 4, 1.0, flags=[0, FLAG_LOSS_NONFINITE, 0, 0]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("recompute", "nonfinite_loss", [1], None)
+    v = guard(4).check(0, 0, make_view([2.0, 2.0, NAN, 2.0], [1.0] * 4, 1.0))
+    assert (v.detector, v.ranks) == ("nonfinite_loss", [2])
+    assert json.dumps(v.to_json(), allow_nan=False)  # NaN became a string
+    assert v.to_json()["values"]["value"] == "nan"
+
+
+def test_nonfinite_local_and_aggregated_gradients() -> None:
+    v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0, 1.0, 1.0, math.inf], 1.0))
+    assert (v.detector, v.ranks) == ("nonfinite_local_grad", [3])
+    v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0] * 4, 1.0, flags=[0, 0, FLAG_LOCAL_NONFINITE, 0]))
+    assert (v.detector, v.ranks) == ("nonfinite_local_grad", [2])
+    # NaN received by one rank only (aggregation SDC): that rank.
+    v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0] * 4, [1.0, NAN, 1.0, 1.0], fps=[FP, 5, FP, FP]))
+    assert (v.detector, v.ranks) == ("nonfinite_agg_grad", [1])
+    # Every rank's aggregate overflowed from finite inputs: blame the huge local gradient.
+    g = guard(4)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0] * 4, [1.5, 1.5, 1e30, 1.5], math.inf, flags=[FLAG_AGG_NONFINITE] * 4))
+    assert (v.detector, v.ranks) == ("nonfinite_agg_grad", [2])
+
+
+def test_bit30_flip_in_aggregate_is_a_grad_spike() -> None:
+    g = guard(4)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0] * 4, [1.5] * 4, 3.4e36))  # same bytes everywhere: no mismatch
+    assert (v.action, v.detector, v.ranks) == ("recompute", "grad_spike", [])
+    assert v.values["value"] == pytest.approx(3.4e36) and v.values["limit"] < 10
+
+
+def test_bit30_flip_in_local_gradient_names_the_rank() -> None:
+    g = guard(4)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0] * 4, [1.5, 1.5, 1.5, 4e36], 1e36))
+    assert (v.detector, v.ranks) == ("rank_outlier", [3])
+
+
+def test_grad_mismatch_names_the_minority() -> None:
+    v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0] * 4, [1.0, 1.0, 1e36, 1.0], fps=[FP, FP, 99, FP]))
+    assert (v.action, v.detector, v.ranks) == ("recompute", "grad_mismatch", [2])
+    # A flip too small to see in the norm still splits the fingerprints.
+    v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0] * 4, 1.0, fps=[FP, 7, FP, FP]))
+    assert (v.detector, v.ranks) == ("grad_mismatch", [1])
+
+
+def test_grad_mismatch_two_ranks_tie_broken_by_history() -> None:
+    g = guard(2)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0] * 2, [1.5] * 2, [2e36, 1.0], fps=[3, FP]))
+    assert (v.detector, v.ranks) == ("grad_mismatch", [0])
+    # Both norms plausible: which rank is wrong is unknown.
+    v = g.check(t + 1, 0, make_view([2.0] * 2, [1.5] * 2, [1.0, 1.0], fps=[3, FP]))
+    assert (v.detector, v.ranks) == ("grad_mismatch", [])
+    # Without history, no guess either.
+    v = guard(2).check(0, 0, make_view([2.0] * 2, [1.5] * 2, [2e36, 1.0], fps=[3, FP]))
+    assert (v.detector, v.ranks) == ("grad_mismatch", [])
+
+
+def test_loss_spike() -> None:
+    g = guard(4)
+    t = warm(g)
+    v = g.check(t, 0, make_view([9.0] * 4, [1.5] * 4, 1.0))
+    assert (v.detector, v.ranks) == ("loss_spike", [])
+    # A 30% rise is noise-sized for the default threshold; downward never counts.
+    assert g.check(t, 0, make_view([2.6] * 4, [1.5] * 4, 1.0)).action == "proceed"
+    assert g.check(t, 0, make_view([0.01] * 4, [1.5] * 4, 0.01)).action == "proceed"
+
+
+def test_rank_outlier_needs_both_peers_and_history() -> None:
+    g = guard(4)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0, 2.0, 2.0, 60.0], [1.5] * 4, 1.0))
+    assert (v.detector, v.ranks) == ("rank_outlier", [3])
+    assert v.values["loss_value"] == 60.0
+    # Tens of percent apart is ordinary data parallelism.
+    assert g.check(t, 0, make_view([1.5, 2.0, 2.6, 3.2], [0.9, 1.5, 2.4, 3.0], 1.0)).action == "proceed"
+    # Far from the peers but within what local values have looked like: not an outlier.
+    g2 = guard(4)
+    for s in range(30):
+        view = make_view([1e-3, 1e-3, 0.2 if s % 3 else 1e-3, 1e-3], [0.01] * 4, 0.01)
+        assert g2.check(s, 0, view).action == "proceed"
+        g2.accept(s, view)
+    assert g2.check(30, 0, make_view([1e-3, 1e-3, 1e-3, 0.2], [0.01] * 4, 0.01)).action == "proceed"
+
+
+def test_rank_outlier_two_ranks_against_history() -> None:
+    g = guard(2)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0, 2.0], [1.5, 300.0], 1.0))
+    assert (v.detector, v.ranks) == ("rank_outlier", [1])
+    assert g.check(t, 0, make_view([2.0, 2.0], [1.5, 4.0], 1.0)).action == "proceed"
+
+
+def test_warmup_arms_spikes_gross_jumps_fire_earlier() -> None:
+    g = guard(4, warmup=20)
+    for t in range(19):
+        view = steady(4)
+        assert g.check(t, 0, view).action == "proceed"
+        g.accept(t, view)
+    # 50x is a spike only once armed ...
+    assert g.check(19, 0, steady(4, agg=50.0)).action == "proceed"
+    g.accept(19, steady(4))
+    assert g.check(20, 0, steady(4, agg=50.0)).detector == "grad_spike"
+    # ... while a bit-30 magnitude fires from the first accepted step on.
+    g2 = guard(2, warmup=20)
+    assert g2.check(0, 0, steady(2, agg=1e36)).action == "proceed"  # nothing to compare with yet
+    g2.accept(0, steady(2))
+    assert g2.check(1, 0, steady(2, agg=1e36)).detector == "grad_spike"
+    # With 3+ ranks, peers catch a gross local value even at step 0.
+    v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0, 1e36, 1.0, 1.0], 1e35))
+    assert (v.detector, v.ranks) == ("rank_outlier", [1])
+
+
+# --------------------------------------------------------------------------- state machine
+
+
+def test_transient_recompute_then_proceed() -> None:
+    g = guard(4)
+    t = warm(g)
+    v0 = g.check(t, 0, make_view([2.0] * 4, [1.5, 1.5, 4e36, 1.5], 1e36, faults=[0, 0, 1, 0]))
+    assert (v0.action, v0.cause, v0.ranks) == ("recompute", None, [2])
+    v1 = g.check(t, 1, steady(4))
+    assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("proceed", "rank_outlier", [2], "transient")
+    assert g.counters == {"detections": 1, "recomputes": 1, "skipped_batches": 0, "transient": 1,
+                          "persistent": 0, "data": 0, "rollbacks": 0}
+
+
+def nan_data_view(ws: int, rank: int) -> ControlView:
+    """NaN in rank ``rank``'s input: NaN loss there, NaN everywhere after the all-reduce."""
+    losses = [2.0] * ws
+    losses[rank] = NAN
+    local = [1.5] * ws
+    local[rank] = NAN
+    flags = [FLAG_AGG_NONFINITE] * ws
+    flags[rank] |= FLAG_LOSS_NONFINITE | FLAG_LOCAL_NONFINITE
+    return make_view(losses, local, NAN, fps=[-77] * ws, flags=flags)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_data_nan_is_skipped(ws: int) -> None:
+    g = guard(ws)
+    t = warm(g)
+    v0 = g.check(t, 0, nan_data_view(ws, 1))
+    assert (v0.action, v0.detector, v0.ranks) == ("recompute", "nonfinite_loss", [1])
+    v1 = g.check(t, 1, nan_data_view(ws, 1))
+    assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("skip", "nonfinite_loss", [1], "data")
+    assert (g.counters["data"], g.counters["skipped_batches"], g.counters["persistent"]) == (1, 1, 0)
+    # The next step starts afresh.
+    assert g.check(t + 1, 0, steady(ws)).action == "proceed"
+
+
+def test_reproduced_spike_within_tolerance_is_data() -> None:
+    """GPU kernels with atomics do not reproduce low bits; a bad batch still reproduces."""
+    g = guard(4)
+    t = warm(g)
+    assert g.check(t, 0, make_view([2.0, 2.0, 2.0, 90.0], [1.5] * 4, 1.0, fps=[5] * 4)).action == "recompute"
+    v = g.check(t, 1, make_view([2.0, 2.0, 2.0, 90.0 * (1 + 1e-6)], [1.5] * 4, 1.0, fps=[6] * 4))
+    assert (v.action, v.cause, v.ranks) == ("skip", "data", [3])
+
+
+def test_nonfinite_must_reproduce_bitwise() -> None:
+    """A faulty unit producing NaN at another element changes the fingerprint: not data."""
+    g = guard(4)
+    t = warm(g)
+    bad = dict(flags=[FLAG_AGG_NONFINITE, FLAG_AGG_NONFINITE, FLAG_AGG_NONFINITE | FLAG_LOCAL_NONFINITE,
+                      FLAG_AGG_NONFINITE], faults=[0, 0, 1, 0])
+    g.check(t, 0, make_view([2.0] * 4, [1.5, 1.5, NAN, 1.5], NAN, fps=[11] * 4, **bad))
+    v = g.check(t, 1, make_view([2.0] * 4, [1.5, 1.5, NAN, 1.5], NAN, fps=[12] * 4, **bad))
+    assert (v.cause, v.ranks) == ("persistent", [2])
+
+
+def persistent_views(ws: int, rank: int) -> list[ControlView]:
+    local = [[1.5] * ws for _ in range(3)]
+    for i, mag in enumerate((4e36, 3e30, 7e33)):
+        local[i][rank] = mag
+    return [make_view([2.0] * ws, local[i], local[i][rank] / ws, faults=[int(r == rank) for r in range(ws)])
+            for i in range(3)]
+
+
+def test_persistent_stop_policy_names_the_rank() -> None:
+    g = guard(4, on_persistent="stop")
+    t = warm(g)
+    views = persistent_views(4, 1)
+    assert g.check(t, 0, views[0]).action == "recompute"
+    v = g.check(t, 1, views[1])
+    assert (v.action, v.cause, v.ranks, v.detector) == ("stop", "persistent", [1], "rank_outlier")
+    assert g.counters["persistent"] == 1
+
+
+def test_persistent_repair_policy_recomputes_then_skips() -> None:
+    g = guard(4, on_persistent="repair", max_reruns_per_step=2)
+    t = warm(g)
+    views = persistent_views(4, 1)
+    assert g.check(t, 0, views[0]).action == "recompute"
+    v1 = g.check(t, 1, views[1])
+    assert (v1.action, v1.cause, v1.ranks) == ("recompute", "persistent", [1])
+    v2 = g.check(t, 2, views[2])
+    assert (v2.action, v2.detector, v2.cause, v2.ranks) == ("skip", "rerun_cap", "persistent", [1])
+    assert g.counters["persistent"] == 1 and g.counters["recomputes"] == 2
+    # An intermittent rank that comes out clean on the second recompute: still persistent.
+    g = guard(4, on_persistent="repair")
+    t = warm(g)
+    g.check(t, 0, views[0])
+    g.check(t, 1, views[1])
+    v = g.check(t, 2, steady(4))
+    assert (v.action, v.cause, v.ranks) == ("proceed", "persistent", [1])
+    assert (g.counters["persistent"], g.counters["transient"]) == (1, 0)
+
+
+def test_persistent_grad_mismatch_same_minority() -> None:
+    g = guard(4, on_persistent="stop")
+    g.check(0, 0, make_view([2.0] * 4, [1.5] * 4, [1.0, 1.0, 1.0, 2.0], fps=[FP, FP, FP, 1]))
+    v = g.check(0, 1, make_view([2.0] * 4, [1.5] * 4, [1.0, 1.0, 1.0, 0.5], fps=[FP, FP, FP, 2]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("stop", "grad_mismatch", [3], "persistent")
+
+
+def test_different_rank_on_rerun_is_a_new_fault() -> None:
+    g = guard(4)
+    t = warm(g)
+    g.check(t, 0, make_view([2.0] * 4, [4e36, 1.5, 1.5, 1.5], 1e36))
+    v = g.check(t, 1, make_view([2.0] * 4, [1.5, 1.5, 3e30, 1.5], 7e29))
+    assert (v.action, v.ranks, v.cause) == ("recompute", [2], None)
+    assert g.check(t, 2, steady(4)).cause == "transient"
+
+
+def test_rerun_cap_per_step() -> None:
+    g = guard(4, max_reruns_per_step=2)
+    t = warm(g)
+    verdicts = [g.check(t, a, steady(4, agg=mag)) for a, mag in enumerate((1e36, 2e30, 5e33))]
+    assert [v.action for v in verdicts] == ["recompute", "recompute", "skip"]
+    assert (verdicts[2].detector, verdicts[2].cause) == ("rerun_cap", None)
+    assert verdicts[2].values["reruns_step"] == 2
+    assert g.counters["detections"] == 1 and g.counters["skipped_batches"] == 1
+
+
+def test_rerun_cap_per_run() -> None:
+    g = guard(4, max_reruns_per_run=3)
+    t = warm(g)
+    actions = []
+    for s in range(t, t + 5):
+        actions.append(g.check(s, 0, steady(4, agg=1e36)).action)
+        if actions[-1] == "recompute":
+            assert g.check(s, 1, steady(4)).action == "proceed"
+            g.accept(s, steady(4))
+    assert actions == ["recompute"] * 3 + ["skip"] * 2
+    assert g.counters["recomputes"] == 3 and g.counters["skipped_batches"] == 2
+
+
+# --------------------------------------------------------------------------- post-step
+
+
+def test_update_ratio_rolls_back_when_armed() -> None:
+    g = guard(4, update_ratio=1.0)
+    t = warm(g)
+    g.check(t, 0, steady(4))
+    g.wants_snapshot(t, steady(4))  # warm-up is over and nothing is odd: not armed ...
+    v = g.check_update(t, 0, 5.0)
+    assert (v.action, v.detector, v.cause) == ("proceed", "update_ratio", None)  # ... so only a record
+    g.accept(t, steady(4), 5.0)
+    assert g.state_dict()["windows"]["ratio"][-1] != 5.0  # kept out of the history
+    # Armed (here: a near miss in the loss): recompute, then the clean rerun attributes it.
+    t += 1
+    odd = make_view([2.8] * 4, [1.5] * 4, 1.0)
+    assert g.check(t, 0, odd).detector is None
+    assert g.wants_snapshot(t, odd)
+    v = g.check_update(t, 0, math.inf)
+    assert (v.action, v.detector) == ("recompute", "update_ratio")
+    assert g.check(t, 1, odd).action == "proceed"
+    assert g.wants_snapshot(t, odd)
+    v = g.check_update(t, 1, 1e-3)
+    assert (v.action, v.detector, v.cause) == ("proceed", "update_ratio", "transient")
+    assert g.counters["rollbacks"] == 1 and g.counters["detections"] == 2
+
+
+def test_update_ratio_spike_reproduced_is_data() -> None:
+    g = guard(2)
+    t = warm(g)
+    view = make_view([2.8, 2.8], [1.5, 1.5], 1.0)
+    assert g.check(t, 0, view).detector is None
+    assert g.wants_snapshot(t, view)
+    assert g.check_update(t, 0, 0.2).action == "recompute"  # 200x the usual 1e-3, below the cap of 1.0
+    g.check(t, 1, view)
+    g.wants_snapshot(t, view)
+    v = g.check_update(t, 1, 0.2)
+    assert (v.action, v.cause) == ("skip", "data")
+    assert g.counters["rollbacks"] == 2
+
+
+def test_rollback_recompute_numbered_from_zero_keeps_the_step_state() -> None:
+    """A protector that restarts its attempt counter after a rollback still gets attribution and caps."""
+    g = guard(4, max_reruns_per_step=2)
+    t = warm(g, 5)  # still in warm-up: every update is snapshotted
+    for ratio, expect in ((50.0, "recompute"), (70.0, "recompute"), (90.0, "skip")):
+        assert g.check(t, 0, steady(4)).action == "proceed"
+        assert g.wants_snapshot(t, steady(4))
+        assert g.check_update(t, 0, ratio).action == expect
+    assert g.counters["recomputes"] == 2 and g.counters["rollbacks"] == 3
+
+
+def test_update_ratio_disabled() -> None:
+    g = guard(2, update_ratio=0.0)
+    assert not g.wants_snapshot(0, steady(2))
+    assert g.check_update(0, 0, math.nan).action == "proceed"
+
+
+def test_wants_snapshot() -> None:
+    g = guard(4, warmup=20)
+    assert g.wants_snapshot(0, steady(4))  # update-ratio warm-up
+    t = warm(g, 20)
+    assert not g.wants_snapshot(t, steady(4))
+    assert g.wants_snapshot(t, make_view([2.8] * 4, [1.5] * 4, 1.0))  # loss near miss ...
+    assert g.check(t, 0, make_view([2.8] * 4, [1.5] * 4, 1.0)).detector is None  # ... not a detection
+    assert g.wants_snapshot(t, steady(4, agg=4.0))  # grad-norm near miss
+    assert g.check(t, 0, steady(4, agg=4.0)).detector is None
+    assert g.wants_snapshot(t, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 2, 1]))  # state split
+    assert not g.wants_snapshot(t, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 1, 1]))
+    g.check(t, 0, steady(4, agg=1e36))
+    g.check(t, 1, steady(4))
+    assert g.wants_snapshot(t, steady(4))  # the step already needed a recompute
+
+
+# --------------------------------------------------------------------------- state
+
+
+def scripted(g: Guard, start: int, n: int, seed: int) -> list[dict[str, object]]:
+    """A run with faults mixed in; every verdict as JSON."""
+    rng = random.Random(seed)
+    out: list[dict[str, object]] = []
+    for t in range(start, start + n):
+        clean = make_view([2.0 * math.exp(rng.gauss(0, 0.1)) for _ in range(4)],
+                          [1.5 * math.exp(rng.gauss(0, 0.2)) for _ in range(4)], math.exp(rng.gauss(0, 0.1)))
+        views = [clean]
+        if t % 7 == 3:
+            views = [steady(4, agg=1e36), clean]
+        elif t % 11 == 5:
+            views = [nan_data_view(4, 2)] * 2
+        for a, view in enumerate(views):
+            v = g.check(t, a, view)
+            out.append(v.to_json())
+            if v.action != "recompute":
+                break
+        if v.action != "proceed":
+            continue
+        out.append({"snapshot": g.wants_snapshot(t, view)})
+        ratio = 1e-3 * math.exp(rng.gauss(0, 0.1)) * (1e4 if t % 13 == 8 else 1)
+        u = g.check_update(t, 0, ratio)
+        out.append(u.to_json())
+        if u.action == "proceed":
+            g.accept(t, view, ratio)
+    return out
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    a = guard(4, warmup=10, window=20)
+    scripted(a, 0, 40, seed=1)
+    state = json.loads(json.dumps(a.state_dict(), allow_nan=False))
+    b = guard(4, warmup=10, window=20)
+    b.load_state_dict(state)
+    assert b.state_dict() == a.state_dict()
+    assert scripted(a, 40, 60, seed=2) == scripted(b, 40, 60, seed=2)
+    assert a.state_dict() == b.state_dict()
+    assert a.counters["detections"] > 10 and a.counters["data"] > 0 and a.counters["transient"] > 0
+
+
+def test_state_dict_mid_step() -> None:
+    a = guard(4)
+    t = warm(a)
+    a.check(t, 0, steady(4, agg=1e36))
+    b = guard(4)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for g in (a, b):
+        v = g.check(t, 1, steady(4, agg=1e36))  # reproduced bitwise
+        assert (v.action, v.cause) == ("skip", "data")
+    assert a.state_dict() == b.state_dict()
+    with pytest.raises(ValueError, match="version"):
+        b.load_state_dict({"version": 99})
+
+
+def test_view_of_wrong_world_size_is_rejected() -> None:
+    with pytest.raises(ValueError, match="ranks"):
+        guard(4).check(0, 0, steady(2))
+
+
+def test_verdict_json() -> None:
+    v = GuardVerdict("skip", "grad_spike", [1], "data", {"a": math.inf, "b": -math.inf, "c": 1.5})
+    assert v.to_json() == {"action": "skip", "detector": "grad_spike", "ranks": [1], "cause": "data",
+                           "values": {"a": "inf", "b": "-inf", "c": 1.5}}
+
+
+def test_module_docstring_example() -> None:
+    result = doctest.testmod(paft.guard, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
