@@ -1,0 +1,110 @@
+"""`paft train` front end: bad input is refused before any worker starts; a real run works."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from paft.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--steps", "-5"], "--steps"),
+        (["--world-size", "0"], "--world-size"),
+        (["--workload", "bert"], "--workload"),
+        (["--optimizer", "lion"], "--optimizer"),
+        (["--batch-size", "10", "--world-size", "4"], "--batch-size"),
+        (["--lr", "0"], "--lr"),
+        (["--config", "missing.toml"], "missing.toml"),
+        (["--inject", "bitflip:rate=2"], "rate"),
+        (["--inject", "bitflip:rate=0.1,ranks=7"], "ranks"),
+        (["--inject", "melt:rate=0.1"], "melt"),
+        (["--protect", "sometimes"], "--protect"),
+        (["--h-min", "10", "--h-max", "5"], "--h-max"),
+        (["--resume"], "--resume"),
+    ],
+)
+def test_bad_input_exits_2_and_writes_nothing(
+    argv: list[str], needle: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "out", *argv])
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name,text,needle",
+    [
+        ("bad.toml", "steps = [", "not valid"),
+        ("unknown.toml", "stepz = 3", "stepz"),
+        ("typed.toml", 'steps = "many"', "steps"),
+        ("bad.yaml", "steps: 0", "--steps"),
+    ],
+)
+def test_bad_config_file_exits_2(
+    name: str, text: str, needle: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "out", "--config", name])
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_run_dir_is_never_overwritten(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "out"])
+    assert exc.value.code == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "out" / "summary.json").read_text() == "{}"
+
+
+def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--workload", "--world-size", "--steps", "--batch-size", "--optimizer", "--lr", "--seed",
+                 "--run-dir", "--eval-every", "--log-every", "--resume", "--overwrite", "--config",
+                 "--inject", "--protect", "--sync-period", "--sync-mode", "--guard"):
+        assert flag in out
+
+
+def test_paft_train_end_to_end_with_config_file(tmp_path: pathlib.Path) -> None:
+    """The real console script: elastic launch of 2 workers, config file + CLI override."""
+    (tmp_path / "run.toml").write_text(
+        'workload = "gpt"\nworld-size = 2\nsteps = 40\nbatch-size = 16\nlog-every = 10\n'
+        'eval-batches = 4\n[model]\nn_layer = 1\nn_embd = 32\nn_head = 2\nblock_size = 32\n'
+    )
+    paft = pathlib.Path(sys.executable).with_name("paft")
+    proc = subprocess.run(
+        [str(paft), "train", "--config", "run.toml", "--run-dir", "r", "--lr", "1e-2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "steps/s" in proc.stdout and "ETA" in proc.stdout and "final_val_loss" in proc.stdout
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["lr"] == 1e-2 and config["steps"] == 40 and config["model"]["n_layer"] == 1
+    assert summary["steps"] == 40 and summary["world_size"] == 2
+    assert summary["final_val_loss"] < summary["initial_val_loss"] * 0.9
+    assert summary["replicas_distinct"] == 1

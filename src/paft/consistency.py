@@ -1,0 +1,206 @@
+"""Worker-level consistency: the per-step control vector and the silent-inconsistency metrics.
+
+Synchronous all-reduce makes the weights equal after every step, but it hides how
+differently the workers behaved before aggregation. Each step every rank packs what
+it saw into ONE small float64 vector (:class:`ControlVector`): its local loss, its
+local and aggregated gradient norms, fingerprints of its aggregated gradient and of
+its training state, detector flags, the number of faults injected, and a k-dim
+sketch of its local gradient. One ``all_gather`` of that vector (``8 * (9 + k)``
+bytes per rank; 2.1 KB for k = 256) gives every rank the same matrix, from which
+every rank computes the same metrics and takes the same decisions, so ranks never
+disagree on control flow.
+
+Metrics (namespaced keys, population statistics over ranks):
+
+- ``consistency/loss_{mean,std,cv,range}``: dispersion of local losses;
+- ``consistency/gnorm_{mean,std,cv,range}``: dispersion of local gradient norms;
+- ``consistency/grad_cos_{mean,min}``: pairwise cosine of local gradients, and
+  ``consistency/cos_to_mean`` (per rank) / ``consistency/cos_to_mean_min``;
+- ``replicas/grad_distinct`` and ``replicas/state_distinct``: number of distinct
+  aggregated-gradient and state fingerprints, with ``replicas/minority_ranks``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paft.fingerprint import group_replicas, join_int64, split_int64
+
+__all__ = [
+    "FLAG_LOSS_NONFINITE",
+    "FLAG_LOCAL_NONFINITE",
+    "FLAG_AGG_NONFINITE",
+    "FLAG_STATE_CHECKED",
+    "ControlVector",
+    "ControlView",
+    "gather_control",
+    "gather_exact_grads",
+    "worker_metrics",
+    "dispersion",
+    "pairwise_cosine",
+]
+
+FLAG_LOSS_NONFINITE = 1
+FLAG_LOCAL_NONFINITE = 2
+FLAG_AGG_NONFINITE = 4
+FLAG_STATE_CHECKED = 8
+
+_LOSS, _LOCAL_SQ, _AGG_SQ, _AGG_HI, _AGG_LO, _STATE_HI, _STATE_LO, _FLAGS, _FAULTS = range(9)
+_HEADER = 9
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class ControlVector:
+    """What one rank contributes to the step's control collective."""
+
+    loss: float
+    local_sq: float
+    agg_sq: float
+    agg_fingerprint: int
+    state_fingerprint: int | None
+    flags: int
+    faults: int
+    sketch: torch.Tensor | None
+
+    def pack(self, sketch_dim: int) -> torch.Tensor:
+        vec = torch.zeros(_HEADER + sketch_dim, dtype=torch.float64)
+        agg_hi, agg_lo = split_int64(self.agg_fingerprint)
+        st_hi, st_lo = split_int64(self.state_fingerprint or 0)
+        flags = self.flags | (FLAG_STATE_CHECKED if self.state_fingerprint is not None else 0)
+        vec[:_HEADER] = torch.tensor(
+            [self.loss, self.local_sq, self.agg_sq, agg_hi, agg_lo, st_hi, st_lo, flags, self.faults],
+            dtype=torch.float64,
+        )
+        if sketch_dim and self.sketch is not None:
+            vec[_HEADER:] = self.sketch
+        return vec
+
+
+class ControlView:
+    """The gathered ``[world_size, 9 + k]`` control matrix, read the same way on every rank."""
+
+    def __init__(self, matrix: torch.Tensor) -> None:
+        self.matrix = matrix
+        self.world_size = matrix.shape[0]
+
+    @property
+    def losses(self) -> torch.Tensor:
+        return self.matrix[:, _LOSS]
+
+    @property
+    def local_norms(self) -> torch.Tensor:
+        return self.matrix[:, _LOCAL_SQ].sqrt()
+
+    @property
+    def agg_norms(self) -> torch.Tensor:
+        return self.matrix[:, _AGG_SQ].sqrt()
+
+    @property
+    def flags(self) -> list[int]:
+        return [int(f) for f in self.matrix[:, _FLAGS].tolist()]
+
+    @property
+    def faults(self) -> list[int]:
+        return [int(f) for f in self.matrix[:, _FAULTS].tolist()]
+
+    @property
+    def sketches(self) -> torch.Tensor:
+        return self.matrix[:, _HEADER:]
+
+    def agg_fingerprints(self) -> list[int]:
+        return [join_int64(hi, lo) for hi, lo in self.matrix[:, [_AGG_HI, _AGG_LO]].tolist()]
+
+    def state_fingerprints(self) -> list[int] | None:
+        if not all(f & FLAG_STATE_CHECKED for f in self.flags):
+            return None
+        return [join_int64(hi, lo) for hi, lo in self.matrix[:, [_STATE_HI, _STATE_LO]].tolist()]
+
+    def ranks_with(self, flag: int) -> list[int]:
+        return [r for r, f in enumerate(self.flags) if f & flag]
+
+    @property
+    def global_loss(self) -> float:
+        """Mean of the local losses: what DDP users usually log."""
+        return float(self.losses.mean())
+
+
+def gather_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> ControlView:
+    """The step's one control collective: all_gather of every rank's packed vector."""
+    world_size = dist.get_world_size(group)
+    device = _collective_device(group)
+    out = torch.empty(world_size * vec.numel(), dtype=vec.dtype, device=device)
+    _all_gather_single(out, vec.to(device), group=group)
+    return ControlView(out.view(world_size, -1).cpu())
+
+
+def gather_exact_grads(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``exact`` cosine mode: gather every rank's full local gradient (O(params) bytes)."""
+    world_size = dist.get_world_size(group)
+    device = _collective_device(group)
+    out = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=device)
+    _all_gather_single(out, flat.to(device), group=group)
+    return out.view(world_size, -1).cpu()
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL only moves CUDA tensors; gloo moves CPU tensors.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def dispersion(values: torch.Tensor) -> dict[str, float]:
+    """Population mean, std, coefficient of variation and max - min of per-rank values."""
+    v = values.double()
+    mean = float(v.mean())
+    std = float(v.std(unbiased=False)) if v.numel() > 1 else 0.0
+    cv = std / abs(mean) if mean != 0 else (0.0 if std == 0 else math.inf)
+    return {"mean": mean, "std": std, "cv": cv, "range": float(v.max() - v.min())}
+
+
+def pairwise_cosine(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairwise cosine matrix, each row's cosine to the mean row) of ``[ranks, dim]`` vectors."""
+    v = vectors.double()
+    norms = v.norm(dim=1).clamp_min(1e-300)
+    unit = v / norms[:, None]
+    cos = unit @ unit.T
+    mean = v.mean(0)
+    to_mean = (v @ mean) / (norms * mean.norm().clamp_min(1e-300))
+    return cos, to_mean
+
+
+def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict[str, Any]:
+    """All per-step consistency metrics from the gathered control matrix.
+
+    ``grads`` overrides the sketches with full local gradients (``exact`` mode);
+    with neither (cosine ``off``, or k = 0) the cosine metrics are omitted.
+    """
+    out: dict[str, Any] = {}
+    for name, values in (("loss", view.losses), ("gnorm", view.local_norms)):
+        for stat, value in dispersion(values).items():
+            out[f"consistency/{name}_{stat}"] = value
+    vectors = grads if grads is not None else view.sketches
+    if vectors.shape[1] > 0 and view.world_size > 1:
+        cos, to_mean = pairwise_cosine(vectors)
+        iu = torch.triu_indices(view.world_size, view.world_size, offset=1)
+        pairs = cos[iu[0], iu[1]]
+        out["consistency/grad_cos_mean"] = float(pairs.mean())
+        out["consistency/grad_cos_min"] = float(pairs.min())
+        out["consistency/cos_to_mean"] = [float(c) for c in to_mean]
+        out["consistency/cos_to_mean_min"] = float(to_mean.min())
+    groups = group_replicas(view.agg_fingerprints())
+    out["replicas/grad_distinct"] = len(groups)
+    out["replicas/grad_minority_ranks"] = sorted(r for g in groups[1:] for r in g)
+    state = view.state_fingerprints()
+    if state is not None:
+        sgroups = group_replicas(state)
+        out["replicas/state_distinct"] = len(sgroups)
+        out["replicas/state_minority_ranks"] = sorted(r for g in sgroups[1:] for r in g)
+    return out

@@ -1,0 +1,81 @@
+"""Start N local workers for one run through torch's elastic launcher.
+
+``paft train`` validates everything first (options, config file, run directory), so
+bad input never starts a worker or leaves a directory behind; then it creates the
+run directory and hands :func:`paft.train.run_worker` to
+``torch.distributed.launcher.api.elastic_launch`` (the machinery behind torchrun:
+c10d rendezvous on a free local port, one process per rank, failures propagated).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from paft.config import TrainConfig
+from paft.train import EXIT_PERSISTENT_FAULT, check_run_dir, default_run_dir, prepare_run_dir, run_worker
+
+__all__ = ["launch", "format_summary"]
+
+EXIT_WORKER_FAILED = 1
+
+
+def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] | None]:
+    """Run ``cfg`` on ``cfg.world_size`` local workers; returns (exit code, rank 0's summary).
+
+    Raises :class:`paft.train.RunDirError` (before anything is written) when the
+    run directory cannot be used.
+    """
+    if not cfg.run_dir:
+        cfg.run_dir = default_run_dir(cfg.workload)
+    check_run_dir(cfg)
+    if not cfg.resume:
+        prepare_run_dir(cfg)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.world_size,
+        run_id=f"paft-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, run_worker)(cfg.to_dict(), cfg.run_dir)
+    except ChildFailedError as err:
+        print(f"paft train: a worker failed; the run directory {cfg.run_dir} keeps its logs\n{err}",
+              file=sys.stderr)
+        return EXIT_WORKER_FAILED, None
+    first = results[0]
+    if first["status"] == "persistent_fault":
+        print(f"paft train: {first['message']}", file=sys.stderr)
+        return EXIT_PERSISTENT_FAULT, None
+    summary = first["summary"]
+    if not quiet:
+        print(format_summary(summary, cfg.run_dir))
+    return 0, summary
+
+
+def format_summary(summary: dict[str, Any], run_dir: str) -> str:
+    """The final table printed on the console."""
+    rows: list[tuple[str, str]] = []
+    for key in (
+        "workload", "world_size", "steps", "initial_val_loss", "final_val_loss", "initial_val_acc",
+        "final_val_acc", "steps_per_s", "wall_s", "replicas_distinct", "max_replica_rel_diff",
+        "faults_injected", "syncs", "detections", "recomputes", "skipped_batches",
+    ):
+        if key in summary:
+            value = summary[key]
+            rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"summary ({run_dir}/summary.json)", "-" * (width + 14)]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)

@@ -1,0 +1,307 @@
+"""Command-line options and config files for a training run, mapped onto :class:`TrainConfig`.
+
+One table, :data:`OPTIONS`, ties each ``--long-option`` to a field of the config
+tree; the help text is the field's own docstring, so the two never drift apart.
+Values come, lowest precedence first, from the dataclass defaults, a ``--config``
+file (TOML or YAML, keys spelled like the long options: ``world-size = 4``), and the
+command line. Both ``paft train`` and ``python -m paft.train`` (under torchrun) use
+:func:`parse_train_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import json
+import pathlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from paft.config import (
+    OPTIMIZERS,
+    PROTECT_MODES,
+    SYNC_MODES,
+    GuardConfig,
+    MonitorConfig,
+    ProtectConfig,
+    TrainConfig,
+)
+from paft.workloads import WORKLOADS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = ["OPTIONS", "ConfigFileError", "add_train_options", "parse_train_config", "config_from_namespace"]
+
+
+class ConfigFileError(ValueError):
+    """A ``--config`` file that cannot be read or holds an unknown or mistyped key."""
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    section: str | None  # None: a top-level TrainConfig field
+    name: str
+    kind: Any  # int, float, str, bool, "list", "model"
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+_SECTIONS: dict[str | None, type] = {
+    None: TrainConfig,
+    "monitor": MonitorConfig,
+    "protect": ProtectConfig,
+    "guard": GuardConfig,
+}
+
+OPTIONS: tuple[Option, ...] = (
+    Option("workload", None, "workload", str, WORKLOADS),
+    Option("world-size", None, "world_size", int),
+    Option("steps", None, "steps", int),
+    Option("batch-size", None, "batch_size", int),
+    Option("optimizer", None, "optimizer", str, OPTIMIZERS),
+    Option("lr", None, "lr", float),
+    Option("weight-decay", None, "weight_decay", float),
+    Option("warmup-steps", None, "warmup_steps", int),
+    Option("min-lr-ratio", None, "min_lr_ratio", float),
+    Option("grad-clip", None, "grad_clip", float),
+    Option("seed", None, "seed", int),
+    Option("eval-every", None, "eval_every", int),
+    Option("eval-batches", None, "eval_batches", int),
+    Option("log-every", None, "log_every", int),
+    Option("checkpoint-every", None, "checkpoint_every", int),
+    Option("run-dir", None, "run_dir", str, metavar="DIR"),
+    Option("resume", None, "resume", bool),
+    Option("overwrite", None, "overwrite", bool),
+    Option("device", None, "device", str, ("auto", "cpu", "cuda")),
+    Option("model", None, "model", "model", metavar="KEY=VALUE"),
+    Option("dropout", None, "dropout", float),
+    Option("desync-shuffle", None, "desync_shuffle", bool),
+    Option("desync-seed", None, "desync_seed", bool),
+    Option("inject", None, "inject", "list", metavar="SPEC"),
+    Option("tensorboard", None, "tensorboard", bool),
+    Option("monitor", "monitor", "enabled", bool),
+    Option("monitor-interval", "monitor", "interval", int),
+    Option("cosine", "monitor", "cosine", str, ("sketch", "exact", "off")),
+    Option("sketch-dim", "monitor", "sketch_dim", int),
+    Option("fingerprint-every", "monitor", "fingerprint_every", int),
+    Option("alert-loss-cv", "monitor", "alert_loss_cv", float),
+    Option("alert-cos-min", "monitor", "alert_cos_min", float),
+    Option("protect", "protect", "mode", str, PROTECT_MODES),
+    Option("sync-period", "protect", "sync_period", int),
+    Option("sync-mode", "protect", "sync_mode", str, SYNC_MODES),
+    Option("broadcast-src", "protect", "broadcast_src", int),
+    Option("overlap", "protect", "overlap", bool),
+    Option("h-min", "protect", "h_min", int),
+    Option("h-max", "protect", "h_max", int),
+    Option("dyn-target", "protect", "target", float),
+    Option("guard", "guard", "enabled", bool),
+    Option("spike-threshold", "guard", "spike_threshold", float),
+    Option("guard-window", "guard", "window", int),
+    Option("guard-warmup", "guard", "warmup", int),
+    Option("update-ratio", "guard", "update_ratio", float),
+    Option("outlier-threshold", "guard", "outlier_threshold", float),
+    Option("max-reruns", "guard", "max_reruns_per_step", int),
+    Option("max-reruns-total", "guard", "max_reruns_per_run", int),
+    Option("on-persistent", "guard", "on_persistent", str, ("repair", "stop")),
+)
+_BY_KEY = {opt.flag: opt for opt in OPTIONS}
+
+_GROUP_TITLES = {
+    None: "run",
+    "monitor": "diagnostics",
+    "protect": "PAFT-Sync / PAFT-Dyn",
+    "guard": "guard (harmful-update detection and recompute)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each dataclass field (the help text of its option)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _default(opt: Option) -> Any:
+    for f in dataclasses.fields(_SECTIONS[opt.section]):
+        if f.name == opt.name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            return f.default_factory()  # type: ignore[misc]
+    raise KeyError(opt.name)
+
+
+def _parse_model_arg(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return key.strip(), value
+
+
+def add_train_options(parser: argparse.ArgumentParser) -> None:
+    """Add every training option (grouped, help from the field docstrings) to ``parser``."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML or YAML file whose keys mirror the long options (e.g. world-size = 2); "
+        "options given on the command line win",
+    )
+    groups: dict[str | None, argparse._ArgumentGroup] = {}
+    for opt in OPTIONS:
+        group = groups.get(opt.section)
+        if group is None:
+            group = groups[opt.section] = parser.add_argument_group(_GROUP_TITLES[opt.section])
+        doc = _field_docs(_SECTIONS[opt.section]).get(opt.name, "")
+        default = _default(opt)
+        kwargs: dict[str, Any] = {"dest": opt.flag, "default": argparse.SUPPRESS}
+        if opt.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            help_text = f"{doc} [default: {'on' if default else 'off'}]"
+        elif opt.kind == "list":
+            kwargs.update(action="append", metavar=opt.metavar)
+            help_text = doc
+        elif opt.kind == "model":
+            kwargs.update(action="append", metavar=opt.metavar, type=_parse_model_arg)
+            help_text = doc
+        else:
+            kwargs.update(type=opt.kind, choices=opt.choices, metavar=opt.metavar)
+            shown = default if default != "" else "auto"
+            help_text = f"{doc} [default: {shown}]"
+        kwargs["help"] = help_text.replace("%", "%%")
+        group.add_argument(f"--{opt.flag}", **kwargs)
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    p = pathlib.Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ConfigFileError(f"--config: cannot read {path}: {err.strerror or err}") from None
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except Exception as err:  # noqa: BLE001 - every parser error becomes one clear message
+        raise ConfigFileError(f"--config: {path} is not valid {p.suffix or 'TOML'}: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"--config: {path} must hold a mapping of option names to values")
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("_", "-")
+        opt = _BY_KEY.get(key)
+        if opt is None:
+            raise ConfigFileError(f"--config: {path}: unknown option {raw_key!r}")
+        values[key] = _coerce(opt, value, f"--config: {path}: {raw_key}")
+    return values
+
+
+def _coerce(opt: Option, value: Any, where: str) -> Any:
+    """Check a config-file value's type; the file is not argparse, so do its job here."""
+    if opt.kind == "list":
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigFileError(f"{where}: expected a string or a list of strings")
+        return value
+    if opt.kind == "model":
+        if not isinstance(value, dict):
+            raise ConfigFileError(f"{where}: expected a table/mapping of model fields")
+        return list(value.items())
+    if opt.kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigFileError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, opt.kind) or isinstance(value, bool):
+        raise ConfigFileError(f"{where}: expected {opt.kind.__name__}, got {value!r}")
+    if opt.choices and value not in opt.choices:
+        raise ConfigFileError(f"{where}: must be one of {opt.choices}, got {value!r}")
+    return value
+
+
+def _saved_values(run_dir: str) -> dict[str, Any]:
+    """Option values of a run's ``config.json`` (the base of a ``--resume``)."""
+    path = pathlib.Path(run_dir) / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigFileError(f"--resume: cannot read {path}: {err}") from None
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        section = saved if opt.section is None else saved.get(opt.section, {})
+        if opt.name in section:
+            value = section[opt.name]
+            values[opt.flag] = list(value.items()) if opt.kind == "model" else value
+    for flag in ("resume", "overwrite"):
+        values.pop(flag, None)
+    return values
+
+
+def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
+    """Build (and so validate) the config.
+
+    Precedence, lowest first: defaults, the resumed run's ``config.json`` (with
+    ``--resume``), the ``--config`` file, the command line. A resumed run therefore
+    keeps its settings; options given again (e.g. ``--steps``) change them.
+    """
+    given = {k: v for k, v in vars(ns).items() if k in _BY_KEY}
+    from_file = _read_config_file(ns.config) if getattr(ns, "config", None) else {}
+    values: dict[str, Any] = {}
+    resume = given.get("resume", from_file.get("resume", False))
+    run_dir = given.get("run-dir", from_file.get("run-dir", ""))
+    if resume and run_dir and (pathlib.Path(run_dir) / "config.json").is_file():
+        values.update(_saved_values(run_dir))
+    values.update(from_file)
+    values.update(given)
+    kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    for key, value in values.items():
+        opt = _BY_KEY[key]
+        if opt.kind == "model":
+            value = dict(value)
+        kwargs[opt.section][opt.name] = value
+    top = kwargs.pop(None)
+    sections = {name: _SECTIONS[name](**kw) for name, kw in kwargs.items()}
+    return TrainConfig(**top, **sections)  # type: ignore[arg-type]
+
+
+def parse_train_config(
+    argv: Sequence[str] | None = None,
+    prog: str = "paft train",
+    error: Callable[[str], Any] | None = None,
+) -> TrainConfig:
+    """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2."""
+    parser = argparse.ArgumentParser(prog=prog)
+    add_train_options(parser)
+    ns = parser.parse_args(argv)
+    try:
+        return config_from_namespace(ns)
+    except ValueError as err:
+        (error or parser.error)(str(err))
+        raise  # parser.error exits; a custom handler might not

@@ -1,0 +1,137 @@
+"""The run directory: where a run's records go, and how files are written safely.
+
+Layout (the contract other tools read; see docs/ARCHITECTURE.md):
+
+- ``config.json``: the resolved :class:`~paft.config.TrainConfig`;
+- ``metrics/rank{r}.jsonl``: per rank, per step: step, local loss, global loss,
+  grad norm, lr, step time;
+- ``consistency.jsonl`` (rank 0): the per-step worker metrics;
+- ``faults.jsonl``: every injected fault (each rank appends its own lines);
+- ``events.jsonl`` (rank 0): detections, recomputes, syncs, skips, alerts;
+- ``checkpoints/step{N}.pt`` and ``checkpoints/latest``;
+- ``summary.json`` (rank 0) at the end; ``tb/`` with ``--tensorboard``.
+
+Lines are written whole with one ``write`` on files opened for append, so lines
+from several processes never interleave, and flushed so a crashed run keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import tempfile
+from typing import Any, Iterable
+
+__all__ = ["RunRecorder", "atomic_write_bytes", "atomic_write_json", "read_jsonl", "truncate_jsonl", "jsonable"]
+
+
+def jsonable(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats become strings ("inf", "nan") instead of invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a ``.jsonl`` file (missing file: none)."""
+    p = pathlib.Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+class RunRecorder:
+    """Appends this rank's records to the run directory (``None`` run_dir: records dropped).
+
+    Rank 0 writes the shared files (consistency, events, summary); every rank writes
+    its own metrics and the faults it injected.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str] | None, rank: int, tensorboard: bool = False) -> None:
+        self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
+        self.rank = rank
+        self._files: dict[str, Any] = {}
+        self._tb = None
+        if self.run_dir is not None:
+            (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+            if tensorboard and rank == 0:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+
+    def _append(self, name: str, records: Iterable[dict[str, Any]]) -> None:
+        if self.run_dir is None:
+            return
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = open(self.run_dir / name, "a", buffering=1)
+        for record in records:
+            f.write(json.dumps(jsonable(record), sort_keys=True) + "\n")
+        f.flush()
+
+    def metrics(self, record: dict[str, Any]) -> None:
+        self._append(f"metrics/rank{self.rank}.jsonl", [record])
+
+    def faults(self, records: Iterable[dict[str, Any]]) -> None:
+        self._append("faults.jsonl", records)
+
+    def consistency(self, record: dict[str, Any]) -> None:
+        if self.rank == 0:
+            self._append("consistency.jsonl", [record])
+            if self._tb is not None:
+                step = record["step"]
+                for key, value in record.items():
+                    if isinstance(value, (int, float)) and "/" in key:
+                        self._tb.add_scalar(key, value, step)
+
+    def event(self, record: dict[str, Any]) -> None:
+        if self.rank == 0:
+            self._append("events.jsonl", [record])
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def truncate_jsonl(path: str | os.PathLike[str], step: int) -> None:
+    """Drop records with ``step >= step`` (a resumed run re-does those steps)."""
+    p = pathlib.Path(path)
+    if not p.exists():
+        return
+    kept = [r for r in read_jsonl(p) if r.get("step", -1) < step]
+    atomic_write_bytes(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept).encode())

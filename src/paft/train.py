@@ -1,0 +1,391 @@
+"""One rank's training program: DDP on gloo (CPU) or NCCL (GPU), protected by paft.
+
+``paft train`` launches this on N local workers through torch's elastic launcher;
+it also runs unchanged under torchrun::
+
+    torchrun --standalone --nproc-per-node 2 -m paft.train --workload resnet --steps 100
+    torchrun --standalone --nproc-per-node 4 -m paft.train --inject bitflip:rate=0.05,bits=exponent,ranks=1 --protect dyn
+
+The loop is short on purpose; each piece is a named method of :class:`Trainer`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import math
+import os
+import pathlib
+import shutil
+import sys
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.config import TrainConfig
+from paft.fingerprint import group_replicas, state_fingerprint
+from paft.protect import PersistentFaultError, Protector, protect
+from paft.records import RunRecorder, atomic_write_bytes, atomic_write_json, read_jsonl, truncate_jsonl
+from paft.sync import measure_divergence
+from paft.workloads import ShardedSampler, Workload, build_workload
+
+__all__ = ["Trainer", "run_worker", "main", "prepare_run_dir", "RunDirError", "EXIT_PERSISTENT_FAULT"]
+
+EXIT_PERSISTENT_FAULT = 3
+_KEEP_CHECKPOINTS = 2
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (exists, or nothing to resume)."""
+
+
+def default_run_dir(workload: str) -> str:
+    return os.path.join("runs", f"{workload}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Refuse a run directory that would be overwritten or cannot be resumed. Writes nothing."""
+    path = pathlib.Path(cfg.run_dir)
+    exists = path.exists() and any(path.iterdir()) if path.is_dir() else path.exists()
+    if cfg.resume:
+        if not (path / "checkpoints" / "latest").is_file():
+            raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing)")
+    elif exists and not cfg.overwrite:
+        raise RunDirError(
+            f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
+        )
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"--run-dir: {path} exists and is not a directory")
+
+
+def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
+    """Create (or, with --overwrite, replace) the run directory and write ``config.json``."""
+    path = pathlib.Path(cfg.run_dir)
+    if cfg.overwrite and path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path / "config.json", cfg.to_dict())
+    return path
+
+
+def _build_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "momentum":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _lr_lambda(cfg: TrainConfig):  # noqa: ANN202 - a LambdaLR factor function
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    """Everything one rank needs to train, evaluate, checkpoint and summarize."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = _device(cfg)
+        torch.manual_seed(cfg.seed)
+        self.workload: Workload = build_workload(
+            cfg.workload, seed=cfg.seed, model_args={**cfg.model, **self._dropout_arg(cfg)}
+        )
+        model = self.workload.model.to(self.device)
+        self.model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizer = _build_optimizer(cfg, self.model.parameters())
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
+        per_rank_seed = cfg.seed + (7919 * self.rank if cfg.desync_seed else 0)
+        self.sampler = ShardedSampler(
+            len(self.workload.train), self.rank, self.world_size, cfg.per_rank_batch_size,
+            seed=per_rank_seed, desync=cfg.desync_shuffle,
+        )
+        # Dropout draws from this RNG; synchronized across ranks unless --desync-seed.
+        torch.manual_seed(per_rank_seed + 1)
+        self.recorder = RunRecorder(run_dir, self.rank, tensorboard=cfg.tensorboard)
+        self.protector: Protector = protect(
+            self.model, self.optimizer, monitor=cfg.monitor, protect=cfg.protect, guard=cfg.guard,
+            inject=cfg.inject, seed=cfg.seed, grad_clip=cfg.grad_clip, recorder=self.recorder,
+        )
+        self.step = 0
+        self._start_step = 0
+        self.train_seconds = 0.0
+        self.evals: list[dict[str, Any]] = read_jsonl(run_dir / "evals.jsonl") if cfg.resume else []
+
+    @staticmethod
+    def _dropout_arg(cfg: TrainConfig) -> dict[str, Any]:
+        return {"dropout": cfg.dropout} if cfg.workload in ("gpt", "llama") and cfg.dropout else {}
+
+    # -- the loop --------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        if self.cfg.resume:
+            self.load_checkpoint()
+        if self.step == 0:
+            self.evaluate()
+        while self.step < self.cfg.steps:
+            report = self.train_step()
+            self.log(report)
+            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
+                self.evaluate()
+            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        self.protector.close()
+        if not self.cfg.checkpoint_every or self.cfg.steps % self.cfg.checkpoint_every:
+            self.save_checkpoint()
+        return self.summarize()
+
+    def train_step(self) -> Any:
+        inputs, targets = self.workload.train.get(self.sampler.next_batch())
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+
+        def closure() -> torch.Tensor:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.workload.loss(self.model, inputs, targets)
+            loss.backward()
+            return loss
+
+        start = time.perf_counter()
+        report = self.protector.step(closure)
+        self.scheduler.step()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        self.train_seconds += elapsed
+        self.recorder.metrics({
+            "step": report.step, "local_loss": report.local_loss, "loss": report.loss,
+            "grad_norm": report.grad_norm, "lr": self.scheduler.get_last_lr()[0],
+            "step_time": elapsed, "applied": report.applied, "attempts": report.attempts,
+        })
+        return report
+
+    # -- evaluation, logging -------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, Any]:
+        """Every rank evaluates its own replica on the same batches; rank 0 records all."""
+        result = self.workload.evaluate(self.model, batch_size=64, max_batches=self.cfg.eval_batches)
+        keys = sorted(result)
+        local = torch.tensor([result[k] for k in keys], dtype=torch.float64)
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        record: dict[str, Any] = {"step": self.step}
+        for i, key in enumerate(keys):
+            per_rank = [float(g[i]) for g in gathered]
+            record[key] = sum(per_rank) / len(per_rank)
+            record[f"{key}_per_rank"] = per_rank
+        self.evals.append(record)
+        if self.rank == 0:
+            self.recorder._append("evals.jsonl", [record])
+            self.recorder.scalars(self.step, {f"eval/{k}": record[k] for k in keys})
+            line = " | ".join(f"{k} {record[k]:.4f}" for k in keys)
+            print(f"[eval] step {self.step}: {line}", flush=True)
+        return record
+
+    def log(self, report: Any) -> None:
+        if self.rank != 0 or (self.step % self.cfg.log_every and self.step != self.cfg.steps):
+            return
+        rate = self.step_rate()
+        eta = (self.cfg.steps - self.step) / rate if rate > 0 else math.inf
+        c = self.protector.counters
+        extra = "".join(
+            f" | {k} {c[k]}" for k in ("faults_injected", "syncs", "recomputes") if c[k]
+        )
+        print(
+            f"step {self.step:>5}/{self.cfg.steps} | loss {report.loss:.4f} | "
+            f"{rate:.2f} steps/s | ETA {_hms(eta)}{extra}",
+            flush=True,
+        )
+        self.recorder.scalars(self.step, {"train/loss": report.loss, "train/grad_norm": report.grad_norm})
+
+    def step_rate(self) -> float:
+        done = self.step - self._start_step
+        return done / self.train_seconds if self.train_seconds > 0 else 0.0
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    @property
+    def _ckpt_root(self) -> pathlib.Path:
+        return self.run_dir / "checkpoints"
+
+    def save_checkpoint(self) -> None:
+        """Per-rank files (replicas may legitimately differ under faults), written atomically."""
+        folder = self._ckpt_root / f"step{self.step:07d}"
+        state = {
+            "step": self.step,
+            "model": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "protector": self.protector.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "train_seconds": self.train_seconds,
+        }
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(folder / f"rank{self.rank}.pt", buf.getvalue())
+        dist.barrier()
+        if self.rank == 0:
+            atomic_write_bytes(self._ckpt_root / "latest", folder.name.encode())
+            for old in sorted(self._ckpt_root.glob("step*"))[:-_KEEP_CHECKPOINTS]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def load_checkpoint(self) -> None:
+        name = (self._ckpt_root / "latest").read_text().strip()
+        state = torch.load(self._ckpt_root / name / f"rank{self.rank}.pt", weights_only=False)
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.protector.load_state_dict(state["protector"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        self.step = state["step"]
+        self._start_step = self.step
+        self.train_seconds = 0.0
+        # The interrupted run may have logged steps past its last checkpoint: drop them.
+        truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", self.step)
+        if self.rank == 0:
+            for name in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl"):
+                truncate_jsonl(self.run_dir / name, self.step + (name == "evals.jsonl"))
+        self.evals = [e for e in self.evals if e["step"] <= self.step]
+        dist.barrier()
+        if self.rank == 0:
+            print(f"resumed from {name} (step {self.step})", flush=True)
+
+    # -- the end -----------------------------------------------------------------------
+
+    def summarize(self) -> dict[str, Any]:
+        # Parameters + optimizer state: BatchNorm buffers differ between ranks by DDP's design.
+        fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
+        fps = [torch.zeros_like(fp) for _ in range(self.world_size)]
+        dist.all_gather(fps, fp)
+        groups = group_replicas([int(f) for f in fps])
+        divergence = measure_divergence(self.model, group=None)
+        counters = torch.tensor(
+            [self.protector.counters["faults_injected"]], dtype=torch.float64
+        )
+        dist.all_reduce(counters)  # faults are injected per rank; the rest is identical everywhere
+        first, last = self.evals[0], self.evals[-1]
+        c = self.protector.counters
+        summary: dict[str, Any] = {
+            "workload": self.cfg.workload,
+            "world_size": self.world_size,
+            "steps": self.step,
+            "initial_val_loss": first["val_loss"],
+            "final_val_loss": last["val_loss"],
+            "final_val_loss_max": max(last["val_loss_per_rank"]),
+            "steps_per_s": self.step_rate(),
+            "wall_s": self.train_seconds,
+            "replicas_distinct": len(groups),
+            "replica_groups": groups,
+            "max_replica_rel_diff": divergence.max,
+            "faults_injected": int(counters[0]),
+            "syncs": c["syncs"],
+            "sync_bytes": c["sync_bytes"],
+            "detections": c["detections"],
+            "recomputes": c["recomputes"],
+            "skipped_batches": c["skipped_batches"],
+            "alerts": c["alerts"],
+            "protect": self.cfg.protect.mode,
+            "guard": self.cfg.guard.enabled,
+        }
+        if "val_acc" in last:
+            summary["initial_val_acc"] = first["val_acc"]
+            summary["final_val_acc"] = last["val_acc"]
+        if self.rank == 0:
+            atomic_write_json(self.run_dir / "summary.json", summary)
+        self.recorder.close()
+        return summary
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+def _init_process_group(cfg: TrainConfig) -> None:
+    if dist.is_initialized():
+        return
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+
+
+def _set_threads() -> None:
+    # N workers share the machine's cores: one BLAS pool each, sized to its share.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def run_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """Entry point of one worker launched by ``paft train`` (elastic launcher, env:// rendezvous)."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    _set_threads()
+    _init_process_group(cfg)
+    try:
+        trainer = Trainer(cfg, pathlib.Path(run_dir))
+        try:
+            return {"status": "ok", "summary": trainer.train()}
+        except PersistentFaultError as err:
+            if dist.get_rank() == 0:
+                trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
+                print(f"paft: {err}", file=sys.stderr, flush=True)
+            trainer.recorder.close()
+            return {"status": "persistent_fault", "ranks": err.ranks, "step": err.step, "message": str(err)}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m paft.train`` under torchrun: every rank parses the same options."""
+    from paft.options import parse_train_config
+
+    cfg = parse_train_config(argv, prog="python -m paft.train")
+    _set_threads()
+    _init_process_group(cfg)
+    # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
+    name = [cfg.run_dir or default_run_dir(cfg.workload)]
+    dist.broadcast_object_list(name, src=0)
+    cfg.run_dir = name[0]
+    try:
+        check_run_dir(cfg)
+    except RunDirError as err:
+        if dist.get_rank() == 0:
+            print(f"python -m paft.train: error: {err}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    dist.barrier()  # every rank checked before rank 0 creates anything
+    if dist.get_rank() == 0 and not cfg.resume:
+        prepare_run_dir(cfg)
+    dist.barrier()
+    result = run_worker(cfg.to_dict(), cfg.run_dir)
+    return EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
