@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_options(train)
+    report = sub.add_parser(
+        "report",
+        help="plots and a text summary of a run directory",
+        description="Write PNG plots (loss per rank, dispersion, cosine, replica divergence; faults, syncs and "
+        "guard events marked) and report.md for RUN_DIR, and print the summary.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by paft train")
+    report.add_argument("--out-dir", metavar="DIR", help="where to write the plots [default: RUN_DIR/report]")
     return parser
 
 
@@ -67,12 +75,25 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return code
 
 
+def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from paft.report import ReportError, build_report
+
+    try:
+        result = build_report(args.run_dir, args.out_dir)
+    except ReportError as err:
+        parser.error(str(err))
+    print(result.text)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     subparser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
     if args.command == "train":
         return _train(args, subparser)
+    if args.command == "report":
+        return _report(args, subparser)
     raise AssertionError(args.command)
 
 

@@ -1,0 +1,110 @@
+"""Worker metrics against hand-computed values, and the sketch cosine against the exact one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from paft.comm import CountSketch
+from paft.consistency import ControlVector, ControlView, pairwise_cosine, worker_metrics
+from paft.workloads import build_workload
+
+
+def view_of(losses: list[float], norms: list[float], sketches: torch.Tensor | None = None,
+            agg_fps: list[int] | None = None, state_fps: list[int] | None = None) -> ControlView:
+    k = 0 if sketches is None else sketches.shape[1]
+    rows = []
+    for r, (loss, norm) in enumerate(zip(losses, norms)):
+        rows.append(ControlVector(
+            loss=loss, local_sq=norm**2, agg_sq=1.0, agg_fingerprint=(agg_fps or [7] * len(losses))[r],
+            state_fingerprint=None if state_fps is None else state_fps[r], flags=0, faults=0,
+            sketch=None if sketches is None else sketches[r],
+        ).pack(k))
+    return ControlView(torch.stack(rows))
+
+
+def test_dispersion_matches_hand_computation() -> None:
+    m = worker_metrics(view_of([1.0, 2.0, 3.0, 6.0], [2.0, 2.0, 4.0, 4.0]))
+    # losses: mean 3, population variance (4 + 1 + 0 + 9) / 4 = 3.5
+    assert m["consistency/loss_mean"] == 3.0
+    assert m["consistency/loss_std"] == pytest.approx(math.sqrt(3.5), rel=1e-12)
+    assert m["consistency/loss_cv"] == pytest.approx(math.sqrt(3.5) / 3.0, rel=1e-12)
+    assert m["consistency/loss_range"] == 5.0
+    # grad norms: mean 3, std 1, cv 1/3, range 2
+    assert m["consistency/gnorm_mean"] == pytest.approx(3.0, rel=1e-12)
+    assert m["consistency/gnorm_std"] == pytest.approx(1.0, rel=1e-12)
+    assert m["consistency/gnorm_cv"] == pytest.approx(1 / 3, rel=1e-12)
+    assert m["consistency/gnorm_range"] == pytest.approx(2.0, rel=1e-12)
+    assert m["replicas/grad_distinct"] == 1 and m["replicas/grad_minority_ranks"] == []
+
+
+def test_cosine_matches_hand_computation() -> None:
+    g = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    m = worker_metrics(view_of([1.0] * 3, [1.0] * 3), grads=g)
+    # pairs: (e1, e2) = 0, (e1, e1+e2) = (e2, e1+e2) = 1/sqrt(2)
+    assert m["consistency/grad_cos_min"] == pytest.approx(0.0, abs=1e-15)
+    assert m["consistency/grad_cos_mean"] == pytest.approx(2 / 3 / math.sqrt(2), rel=1e-12)
+    # mean gradient (2/3, 2/3): cos to it = 1/sqrt(2), 1/sqrt(2), 1
+    assert m["consistency/cos_to_mean"] == pytest.approx([1 / math.sqrt(2), 1 / math.sqrt(2), 1.0], rel=1e-12)
+
+
+def test_two_ranks_and_replica_groups() -> None:
+    m = worker_metrics(view_of([2.0, 4.0], [1.0, 1.0], agg_fps=[5, 9], state_fps=[1, 1]))
+    assert m["consistency/loss_std"] == 1.0 and m["consistency/loss_cv"] == pytest.approx(1 / 3)
+    assert m["replicas/grad_distinct"] == 2 and m["replicas/grad_minority_ranks"] == [1]
+    assert m["replicas/state_distinct"] == 1
+
+
+def sketch_of(flat: torch.Tensor, sketcher: CountSketch, bucket: int = 0) -> torch.Tensor:
+    out = torch.zeros(sketcher.dim, dtype=torch.float64)
+    sketcher.add_(out, bucket, flat)
+    return out
+
+
+def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(pairwise_cosine(torch.stack([a.double(), b.double()]))[0][0, 1])
+
+
+@pytest.mark.parametrize("target", [0.0, 0.5, 0.9, 0.99])
+def test_sketch_cosine_error_is_within_the_documented_bound(target: float) -> None:
+    """Documented: standard error of the sketched cosine ~ (1 - cos^2) / sqrt(k)."""
+    k, n = 256, 50_000
+    sketcher = CountSketch(k)
+    gen = torch.Generator().manual_seed(1)
+    errors = []
+    for _ in range(40):
+        a = torch.randn(n, generator=gen)
+        b = target * a + math.sqrt(1 - target**2) * torch.randn(n, generator=gen)
+        errors.append(cos(sketch_of(a, sketcher), sketch_of(b, sketcher)) - cos(a, b))
+    se = (1 - target**2) / math.sqrt(k)
+    errs = torch.tensor(errors)
+    assert errs.abs().max() <= 4 * se + 1e-3
+    assert errs.abs().mean() <= 1.5 * se + 1e-4
+    assert abs(float(errs.mean())) <= 3 * se / math.sqrt(len(errors)) + 1e-3  # no bias to speak of
+
+
+def real_gradient(seed: int) -> torch.Tensor:
+    wl = build_workload("gpt", seed=0, model_args={"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32})
+    idx = torch.randperm(len(wl.train), generator=torch.Generator().manual_seed(seed))[:8]
+    wl.loss(wl.model, *wl.train.get(idx)).backward()
+    return torch.cat([p.grad.flatten() for p in wl.model.parameters()])
+
+
+def test_sketch_cosine_on_real_gradients() -> None:
+    grads = [real_gradient(s) for s in range(4)]
+    sketcher = CountSketch(256)
+    exact = pairwise_cosine(torch.stack(grads).double())[0]
+    approx = pairwise_cosine(torch.stack([sketch_of(g, sketcher) for g in grads]))[0]
+    err = (exact - approx).abs()
+    bound = 4 * (1 - exact**2) / math.sqrt(256) + 1e-3
+    assert bool((err <= bound).all()), (exact, approx)
+
+
+def test_sketch_is_linear_and_rank_independent() -> None:
+    """Same signs on every rank (depends only on seed/bucket/length): S(a + b) = S(a) + S(b)."""
+    a, b = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
+    s1, s2 = CountSketch(64), CountSketch(64)
+    assert torch.allclose(sketch_of(a + b, s1), sketch_of(a, s2) + sketch_of(b, s2), rtol=0, atol=1e-12)
+    assert not torch.equal(sketch_of(a, s1, bucket=0), sketch_of(a, s1, bucket=1))

@@ -1,0 +1,513 @@
+"""Plots and a text summary of one run directory (``paft report``).
+
+Reads only the run-directory contract (:mod:`paft.records`): ``config.json``,
+``metrics/rank{r}.jsonl``, ``consistency.jsonl``, ``evals.jsonl``, ``events.jsonl``,
+``faults.jsonl`` and ``summary.json``. A missing file means nothing to show for that
+layer: a fault-free, unprotected run still gets its loss, dispersion and cosine plots;
+a run that is still going or crashed (no ``summary.json``) is reported from the jsonl
+files, with a note saying so. Usage::
+
+    paft report runs/<dir>
+
+writes ``runs/<dir>/report/{loss,dispersion,cosine,divergence}.png`` and ``report.md``
+and prints the text summary. From Python: ``build_report("runs/<dir>")``.
+
+The plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch),
+so reports can be built on headless machines and inside other programs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+__all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
+
+# records.jsonable stores non-finite floats as these strings.
+_NONFINITE = {"inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "nan": math.nan, "-nan": math.nan}
+_PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png")
+_GUARD_MARKERS = {"recompute": ("X", "red"), "skip": ("s", "tab:purple"), "stop": ("*", "black")}
+_DISPERSION = [
+    ("consistency/loss_std", "local-loss std over ranks", "std"),
+    ("consistency/loss_cv", "local-loss coefficient of variation", "std / |mean|"),
+    ("consistency/gnorm_std", "local grad-norm std over ranks", "std"),
+    ("consistency/gnorm_cv", "local grad-norm coefficient of variation", "std / mean"),
+]
+
+
+class ReportError(ValueError):
+    """The path is not a readable paft run directory."""
+
+
+@dataclass
+class Report:
+    """What :func:`build_report` wrote (PNGs, then ``report.md``) and the text summary."""
+
+    files: list[Path]
+    text: str
+
+
+@dataclass
+class RunData:
+    """Every record of one run directory, non-finite strings turned back into floats."""
+
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+    metrics: dict[int, list[dict[str, Any]]]
+    consistency: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    faults: list[dict[str, Any]]
+
+    def events_of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == kind]
+
+    @property
+    def last_step(self) -> int:
+        """The last step index any rank recorded."""
+        return max((recs[-1]["step"] for recs in self.metrics.values() if recs), default=-1)
+
+    @property
+    def world_size(self) -> int:
+        if self.summary and "world_size" in self.summary:
+            return int(self.summary["world_size"])
+        return int(self.config.get("world_size", len(self.metrics)))
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def _restore(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() in _NONFINITE:
+        return _NONFINITE[value.lower()]
+    if isinstance(value, dict):
+        return {k: _restore(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_restore(v) for v in value]
+    return value
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    out: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                break  # a crashed writer's partial last line: keep what came before
+            raise ReportError(f"{path}: line {i + 1} is not JSON ({err})") from None
+        if isinstance(record, dict):
+            out.append(_restore(record))
+    return out
+
+
+def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # One record per step, the last one winning: a resumed run re-does steps.
+    kept = {int(r["step"]): r for r in records if isinstance(r.get("step"), (int, float))}
+    return [kept[s] for s in sorted(kept)]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ReportError(f"{path} is not valid JSON ({err})") from None
+    return _restore(data) if isinstance(data, dict) else None
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read a run directory; :class:`ReportError` naming it if it is not one."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise ReportError(f"{path}: not a directory (expected a paft run directory, e.g. runs/<dir>)")
+    config = _read_json(path / "config.json")
+    if config is None:
+        raise ReportError(f"{path}: not a paft run directory (no config.json)")
+    metrics: dict[int, list[dict[str, Any]]] = {}
+    for file in sorted((path / "metrics").glob("rank*.jsonl")):
+        suffix = file.stem[len("rank"):]
+        if suffix.isdigit():
+            records = _by_step(_read_jsonl(file))
+            if records:
+                metrics[int(suffix)] = records
+    if not metrics:
+        raise ReportError(
+            f"{path}: no per-step metrics (metrics/rank*.jsonl is missing or empty); "
+            "the run has not completed a step"
+        )
+    return RunData(
+        path=path,
+        config=config,
+        summary=_read_json(path / "summary.json"),
+        metrics=dict(sorted(metrics.items())),
+        consistency=_by_step(_read_jsonl(path / "consistency.jsonl")),
+        evals=_by_step(_read_jsonl(path / "evals.jsonl")),
+        events=_read_jsonl(path / "events.jsonl"),
+        faults=_read_jsonl(path / "faults.jsonl"),
+    )
+
+
+# -- plotting helpers -------------------------------------------------------------------
+
+
+def _rank_color(rank: int) -> str:
+    return f"C{rank % 10}"
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    rows = [(int(r["step"]), _num(r[key])) for r in records if key in r]
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
+def _plot(ax: Axes, steps: Sequence[int], values: Sequence[float], **kw: Any) -> None:
+    """A line of the finite values; non-finite ones as markers on the top edge."""
+    ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], **kw)
+    bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
+    if bad:
+        first = "non-finite value (color: series)" not in ax.get_legend_handles_labels()[1]
+        ax.plot(bad, [0.88] * len(bad), ls="", marker="$!$", ms=10, color=kw.get("color", "black"),
+                transform=ax.get_xaxis_transform(), label="non-finite value (color: series)" if first else "_nolegend_")
+
+
+def _scale(ax: Axes, values: Sequence[float]) -> None:
+    """Log scale when the positive values span two decades or more (symlog if zeros too)."""
+    finite = [v for v in values if math.isfinite(v)]
+    positive = [v for v in finite if v > 0]
+    if len(positive) < 2 or max(positive) / min(positive) < 100:
+        return
+    if len(positive) == len(finite):
+        ax.set_yscale("log")
+    else:
+        ax.set_yscale("symlog", linthresh=min(positive))
+
+
+def _figure(rows: int, cols: int, title: str) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(6.5 * cols + 3.0, 1.0 + 3.0 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.subplots(rows, cols, sharex=True, squeeze=False)
+    fig.suptitle(title)
+    return fig, [ax for row in grid for ax in row]
+
+
+def _mark_events(ax: Axes, run: RunData) -> None:
+    """Faults as vertical lines colored by rank; syncs (bottom) and guard actions (top) as markers."""
+    labelled: set[str] = set()
+
+    def label(text: str) -> str:
+        if text in labelled:
+            return "_nolegend_"
+        labelled.add(text)
+        return text
+
+    for step, rank in sorted({(int(f["step"]), int(f["rank"])) for f in run.faults if "step" in f and "rank" in f}):
+        ax.axvline(step, color=_rank_color(rank), ls="--", lw=1.0, alpha=0.8, label=label(f"fault on rank {rank}"))
+    for sync in run.events_of("sync"):
+        noop = sync.get("mode") == "noop"
+        ax.plot([sync["step"]], [0.03], ls="", marker="^", ms=7, color="tab:green",
+                mfc="none" if noop else "tab:green", transform=ax.get_xaxis_transform(), clip_on=False,
+                label=label("sync (no-op)" if noop else "sync (repair)"))
+    for guard in run.events_of("guard"):
+        action = str(guard.get("action", "?"))
+        if action == "proceed":
+            continue  # the verdict after a successful recompute: nothing was done
+        marker, color = _GUARD_MARKERS.get(action, ("P", "tab:brown"))
+        ax.plot([guard["step"]], [0.95], ls="", marker=marker, ms=8, color=color,
+                transform=ax.get_xaxis_transform(), clip_on=False, label=label(f"guard: {action}"))
+
+
+def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
+    _mark_events(ax, run)
+    ax.set_title(title)
+    spec = ax.get_subplotspec()
+    if spec is None or spec.is_last_row():  # shared x axis: label it once, at the bottom
+        ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# -- the four plots ----------------------------------------------------------------------
+
+
+def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
+    if any("loss" in r for r in run.consistency):
+        return _series(run.consistency, "loss")
+    return _series(next(iter(run.metrics.values())), "loss")
+
+
+def _plot_loss(run: RunData, out: Path) -> Path:
+    fig, (ax,) = _figure(1, 1, f"Loss: {run.path.name}")
+    everything: list[float] = []
+    for rank, records in run.metrics.items():
+        steps, values = _series(records, "local_loss")
+        _plot(ax, steps, values, color=_rank_color(rank), lw=0.7, alpha=0.7, label=f"rank {rank} local loss")
+        everything += values
+    steps, values = _global_loss(run)
+    _plot(ax, steps, values, color="black", lw=1.8, label="global loss (mean of ranks)")
+    everything += values
+    steps, values = _series(run.evals, "val_loss")
+    if steps:
+        _plot(ax, steps, values, color="black", ls="", marker="o", ms=7, mfc="white", label="validation loss (mean)")
+        everything += values
+        per_rank = [r["val_loss_per_rank"] for r in run.evals if isinstance(r.get("val_loss_per_rank"), list)]
+        if any(len({_num(v) for v in row}) > 1 for row in per_rank):
+            for rank in range(max(len(row) for row in per_rank)):
+                rows = [(r["step"], _num(r["val_loss_per_rank"][rank])) for r in run.evals
+                        if len(r.get("val_loss_per_rank", [])) > rank]
+                _plot(ax, [s for s, _ in rows], [v for _, v in rows], color=_rank_color(rank), ls="",
+                      marker="D", ms=4, label=f"rank {rank} validation loss")
+                everything += [v for _, v in rows]
+    _scale(ax, everything)
+    _finish(ax, run, "global and per-rank local loss", "loss")
+    return _save(fig, out / "loss.png")
+
+
+def _plot_dispersion(run: RunData, out: Path) -> Path:
+    fig, axes = _figure(2, 2, f"Worker dispersion: {run.path.name}")
+    for ax, (key, title, ylabel) in zip(axes, _DISPERSION):
+        steps, values = _series(run.consistency, key)
+        _plot(ax, steps, values, color="black", lw=1.2, label=key)
+        _scale(ax, values)
+        _finish(ax, run, title, ylabel)
+    return _save(fig, out / "dispersion.png")
+
+
+def _plot_cosine(run: RunData, out: Path) -> Path:
+    fig, (pairs, to_mean) = _figure(2, 1, f"Gradient cosine similarity between workers: {run.path.name}")
+    # Drawn wide then thin: with two ranks there is one pair, and min == mean.
+    for key, color, width in (("consistency/grad_cos_mean", "0.6", 3.0), ("consistency/grad_cos_min", "tab:red", 1.2)):
+        steps, values = _series(run.consistency, key)
+        _plot(pairs, steps, values, color=color, lw=width, label=key.split("/")[1])
+    _finish(pairs, run, "pairwise cosine of local gradients", "cosine")
+    rows = [(r["step"], r["consistency/cos_to_mean"]) for r in run.consistency
+            if isinstance(r.get("consistency/cos_to_mean"), list)]
+    for rank in range(max((len(v) for _, v in rows), default=0)):
+        kept = [(s, _num(v[rank])) for s, v in rows if len(v) > rank]
+        _plot(to_mean, [s for s, _ in kept], [v for _, v in kept], color=_rank_color(rank), lw=0.9,
+              label=f"rank {rank}")
+    _finish(to_mean, run, "cosine of each rank's local gradient to the mean gradient", "cosine")
+    return _save(fig, out / "cosine.png")
+
+
+def _replica_panel(ax: Axes, run: RunData) -> None:
+    for key, color, label in (("replicas/grad_distinct", "tab:purple", "aggregated gradients"),
+                              ("replicas/state_distinct", "tab:orange", "training state")):
+        steps, values = _series(run.consistency, key)
+        if steps:
+            ax.step(steps, values, where="post", color=color, lw=1.5, label=f"distinct {label}")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(0, max(2, run.world_size) + 0.5)
+    split = _first_split(run)
+    if split is not None:
+        ax.annotate(f"first split: step {split[0]}, {_ranks(split[1])}", xy=(split[0], 1),
+                    xytext=(8, 20), textcoords="offset points", arrowprops={"arrowstyle": "->"})
+    _finish(ax, run, "distinct replicas (fingerprint groups)", "replicas")
+
+
+def _sync_panel(ax: Axes, run: RunData) -> None:
+    # Syncs that found identical replicas (divergence 0) show only as the hollow triangles.
+    syncs = [(int(e["step"]), _num(e.get("divergence"))) for e in run.events_of("sync")]
+    pos = [(s, v) for s, v in syncs if math.isfinite(v) and v > 0]
+    ax.plot([s for s, _ in pos], [v for _, v in pos], "o-", color="tab:green", lw=1.0, label="divergence before sync")
+    bad = [s for s, v in syncs if not math.isfinite(v)]
+    if bad:
+        ax.plot(bad, [0.88] * len(bad), ls="", marker="$!$", ms=10, color="red",
+                transform=ax.get_xaxis_transform(), label="non-finite replica")
+    if pos:
+        ax.set_yscale("log")
+    _finish(ax, run, "relative L2 distance of replicas to their mean, before each sync", "divergence")
+
+
+def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> None:
+    if periods[-1][0] < run.last_step:  # hold the last period to the end of the run
+        periods = [*periods, (run.last_step, periods[-1][1])]
+    ax.step([s for s, _ in periods], [p for _, p in periods], where="post", color="tab:blue", lw=1.5,
+            label="sync period H")
+    _scale(ax, [p for _, p in periods])
+    _finish(ax, run, "PAFT sync period H (PAFT-Dyn adapts it)", "period (steps)")
+
+
+def _plot_divergence(run: RunData, out: Path) -> Path | None:
+    periods = sorted((int(e["step"]), _num(e["period"])) for e in run.events
+                     if e.get("event") in ("sync", "dyn_trigger") and "period" in e)
+    panels = [name for name, on in (("replicas", any("replicas/grad_distinct" in r for r in run.consistency)),
+                                    ("sync", bool(run.events_of("sync"))), ("period", bool(periods))) if on]
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels), 1, f"Replica divergence: {run.path.name}")
+    for ax, name in zip(axes, panels):
+        if name == "replicas":
+            _replica_panel(ax, run)
+        elif name == "sync":
+            _sync_panel(ax, run)
+        else:
+            _period_panel(ax, run, periods)
+    return _save(fig, out / "divergence.png")
+
+
+# -- the text summary --------------------------------------------------------------------
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 1`` / ``ranks 1, 3``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks) if ranks else '?'}"
+
+
+def _first_split(run: RunData) -> tuple[int, list[int], list[str]] | None:
+    """(step, ranks outside the largest group, what differed) of the first split record."""
+    for rec in run.consistency:
+        ranks: set[int] = set()
+        what: list[str] = []
+        for kind, name in (("grad", "aggregated gradient"), ("state", "training state")):
+            if _num(rec.get(f"replicas/{kind}_distinct", 1)) > 1:
+                what.append(name)
+                ranks.update(int(r) for r in rec.get(f"replicas/{kind}_minority_ranks", []))
+        if what:
+            return int(rec["step"]), sorted(ranks), what
+    return None
+
+
+def _extreme(run: RunData, key: str, pick_max: bool) -> str:
+    steps, values = _series(run.consistency, key)
+    if not steps:
+        return "not recorded"
+    bad = [(s, v) for s, v in zip(steps, values) if not math.isfinite(v)]
+    if bad:
+        return f"{bad[0][1]} at step {bad[0][0]} (non-finite at {len(bad)} step{'s' if len(bad) > 1 else ''})"
+    value, step = (max if pick_max else min)(zip(values, steps))
+    return f"{value:.4g} at step {step}"
+
+
+def _counts(records: list[dict[str, Any]], key: str, prefix: str = "") -> str:
+    counts = Counter(f"{prefix}{r.get(key, '?')}" for r in records)
+    return ", ".join(f"{k} ({v})" for k, v in sorted(counts.items()))
+
+
+def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
+    """The plain-text summary of a run (what ``paft report`` prints)."""
+    s = run.summary or {}
+    cfg = run.config
+    last = run.last_step + 1
+    lines = [f"paft report: {run.path}"]
+    if run.summary is None:
+        lines.append(f"note: no summary.json: the run is still running or crashed; reported from the jsonl "
+                     f"files ({last} of {cfg.get('steps', '?')} steps recorded)")
+    for stop in run.events_of("stop"):
+        lines.append(f"note: stopped at step {stop.get('step')}: {stop.get('reason', '')}")
+    protect = s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))
+    guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
+    lines += [
+        f"workload: {s.get('workload', cfg.get('workload', '?'))}   world size: {run.world_size}   "
+        f"steps: {s.get('steps', last)} of {cfg.get('steps', '?')}",
+        f"protection: {protect}   guard: {'on' if guard else 'off'}   "
+        f"injected: {'; '.join(cfg.get('inject') or []) or 'none'}",
+    ]
+    first, final = (run.evals[0], run.evals[-1]) if run.evals else ({}, {})
+    for key, name in (("val_loss", "val loss"), ("val_acc", "val acc")):
+        a, b = s.get(f"initial_{key}", first.get(key)), s.get(f"final_{key}", final.get(key))
+        if a is not None and b is not None:
+            worst = max((_num(v) for v in final.get(f"{key}_per_rank", [])), default=_num(b))
+            spread = f", worst rank {worst:.4f}" if key == "val_loss" and worst != _num(b) else ""
+            lines.append(f"{name}: {_num(a):.4f} (step {first.get('step', 0)}) -> {_num(b):.4f} "
+                         f"(step {final.get('step', last)}{spread})")
+    if "steps_per_s" in s:
+        lines.append(f"speed: {s['steps_per_s']:.2f} steps/s ({_num(s.get('wall_s')):.2f} s in training steps)")
+    else:
+        times = [_num(r.get("step_time")) for r in next(iter(run.metrics.values()))]
+        total = sum(t for t in times if math.isfinite(t))
+        lines.append(f"speed: {len(times) / total:.2f} steps/s (rank 0 step times)" if total > 0 else "speed: ?")
+    if "replicas_distinct" in s:
+        lines.append(f"replicas distinct at the end: {s['replicas_distinct']} (groups {s.get('replica_groups', '?')}, "
+                     f"max relative difference {_num(s.get('max_replica_rel_diff')):.3g})")
+    elif run.consistency:
+        rec = run.consistency[-1]
+        n = rec.get("replicas/state_distinct", rec.get("replicas/grad_distinct", "?"))
+        lines.append(f"replicas distinct at the last recorded step ({rec['step']}): {n}")
+    n_faults = int(s.get("faults_injected", len(run.faults)))
+    lines.append(f"faults injected: {n_faults}")
+    if run.faults:
+        lines.append(f"  by site: {_counts(run.faults, 'site')}")
+        lines.append(f"  by kind: {_counts(run.faults, 'kind')}")
+        lines.append(f"  by rank: {_counts(run.faults, 'rank', 'rank ')}")
+        f0 = min(run.faults, key=lambda f: f.get("step", 0))
+        lines.append(f"  first: step {f0.get('step')}, rank {f0.get('rank')}, {f0.get('site')}/{f0.get('kind')}")
+    split = _first_split(run)
+    if split is not None:
+        step, ranks, what = split
+        tie = "; no strict majority" if 2 * len(ranks) >= run.world_size else ""
+        lines.append(f"first replica split: step {step} on {_ranks(ranks)} "
+                     f"({' and '.join(what)} fingerprints differ{tie})")
+    elif any("replicas/grad_distinct" in r for r in run.consistency):
+        lines.append("first replica split: none (replicas identical at every recorded step)")
+    else:
+        lines.append("first replica split: not recorded (no fingerprints in consistency.jsonl)")
+    guards = run.events_of("guard")
+    counts = {
+        "syncs": s.get("syncs", len(run.events_of("sync"))),
+        "detections": s.get("detections", sum(1 for g in guards if g.get("attempt", 0) == 0)),
+        "recomputes": s.get("recomputes", sum(1 for g in guards if g.get("action") == "recompute")),
+        "skipped batches": s.get("skipped_batches", sum(1 for g in guards if g.get("action") == "skip")),
+    }
+    lines.append("   ".join(f"{k}: {v}" for k, v in counts.items()))
+    lines.append(f"max loss_cv: {_extreme(run, 'consistency/loss_cv', True)}")
+    if any("consistency/grad_cos_min" in r for r in run.consistency):
+        lines.append(f"min grad_cos_min: {_extreme(run, 'consistency/grad_cos_min', False)}")
+    else:
+        why = "cosine monitoring off" if run.consistency else "no consistency.jsonl: monitoring off"
+        lines.append(f"min grad_cos_min: not recorded ({why})")
+    alerts = run.events_of("alert")
+    detail = f" ({_counts(alerts, 'detector')})" if alerts else ""
+    lines.append(f"alerts: {s.get('alerts', len(alerts))}{detail}")
+    if files:
+        folder = Path(files[0]).parent
+        lines.append(f"plots in {folder}: {', '.join(Path(f).name for f in files)}")
+    return "\n".join(lines) + "\n"
+
+
+def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Report:
+    """Plot a run directory and summarize it; files go to ``out_dir`` (default ``<run_dir>/report``)."""
+    run = load_run(run_dir)
+    out = Path(out_dir) if out_dir is not None else run.path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in _PLOTS:  # a plot this run no longer has must not survive from an earlier report
+        (out / name).unlink(missing_ok=True)
+    files = [_plot_loss(run, out)]
+    if run.consistency:
+        files.append(_plot_dispersion(run, out))
+        if any("consistency/grad_cos_mean" in r for r in run.consistency):
+            files.append(_plot_cosine(run, out))
+    divergence = _plot_divergence(run, out)
+    if divergence is not None:
+        files.append(divergence)
+    text = summary_text(run, files)
+    images = "\n".join(f"![{f.stem}]({f.name})" for f in files)
+    md = out / "report.md"
+    md.write_text(f"# paft report: {run.path.name}\n\n```text\n{text}```\n\n{images}\n")
+    return Report(files=[*files, md], text=text)

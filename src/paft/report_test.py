@@ -1,0 +1,173 @@
+"""Tests of ``paft report`` on real run directories (two tiny 2-rank gloo runs, ~10 s each).
+
+Variants the training stack does not produce cheaply (a crashed run, cosine off,
+guard and sync events, non-finite values) are derived from a real run's files.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Any
+
+import pytest
+
+from paft.config import TrainConfig
+from paft.report import ReportError, build_report, load_run
+from paft.testing import run_workers
+from paft.train import Trainer, prepare_run_dir
+
+TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ["loss.png", "dispersion.png", "cosine.png", "divergence.png"]
+
+
+def train(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    cfg = TrainConfig.from_dict(cfg_dict)
+    return Trainer(cfg, pathlib.Path(cfg.run_dir)).train()
+
+
+def make_run(run_dir: pathlib.Path, inject: list[str]) -> pathlib.Path:
+    cfg = TrainConfig(
+        workload="gpt", world_size=2, steps=12, batch_size=8, eval_every=6, eval_batches=2, log_every=100,
+        checkpoint_every=0, run_dir=str(run_dir), model=dict(TINY_LM), inject=inject,
+    )
+    prepare_run_dir(cfg)
+    run_workers(train, cfg.world_size, cfg.to_dict())
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def fault_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_run(tmp_path_factory.mktemp("report") / "fault", ["bitflip:steps=5,bits=exponent,ranks=1"])
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_run(tmp_path_factory.mktemp("report") / "clean", [])
+
+
+def copy_run(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoints", "report"))
+    return dst
+
+
+def rewrite_jsonl(path: pathlib.Path, edit: Any) -> None:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    path.write_text("".join(json.dumps(edit(r)) + "\n" for r in records))
+
+
+def assert_pngs(files: list[pathlib.Path], names: list[str]) -> None:
+    pngs = [f for f in files if f.suffix == ".png"]
+    assert [f.name for f in pngs] == names
+    for f in pngs:
+        data = f.read_bytes()
+        assert data[:8] == PNG_MAGIC, f
+        assert len(data) > 10_000, f  # titles, axes, lines: far more than an empty canvas
+
+
+def test_fault_run_report(fault_run: pathlib.Path) -> None:
+    report = build_report(fault_run)
+    out = fault_run / "report"
+    assert_pngs(report.files, PLOTS)
+    assert all(f.parent == out for f in report.files)
+    assert report.files[-1] == out / "report.md"
+    assert report.text in (out / "report.md").read_text()
+    text = report.text
+    assert "first replica split: step 5 on rank 1 " in text
+    assert "faults injected: 1\n" in text
+    assert "by site: aggregation (1)" in text and "by kind: bitflip (1)" in text and "by rank: rank 1 (1)" in text
+    assert "replicas distinct at the end: 2" in text
+    assert "workload: gpt   world size: 2   steps: 12 of 12" in text
+    assert "syncs: 0   detections: 0   recomputes: 0   skipped batches: 0" in text
+    assert "val loss: " in text and "steps/s" in text and "max loss_cv: " in text
+    alerts = json.loads((fault_run / "summary.json").read_text())["alerts"]
+    assert "min grad_cos_min: " in text and f"alerts: {alerts} (replicas_split (1)" in text
+    assert "note:" not in text  # finished run: summary.json was read
+
+
+def test_clean_run_report_to_other_dir(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    report = build_report(clean_run, tmp_path / "out")
+    # No faults, no protection: the divergence plot still shows the (flat) replica count.
+    assert_pngs(report.files, PLOTS)
+    assert all(f.parent == tmp_path / "out" for f in report.files)
+    assert not (clean_run / "report").exists()
+    assert "faults injected: 0" in report.text
+    assert "first replica split: none" in report.text
+    assert "replicas distinct at the end: 1" in report.text
+
+
+def test_crashed_run_without_cosine(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run = copy_run(fault_run, tmp_path / "crashed")
+    (run / "summary.json").unlink()
+    rewrite_jsonl(run / "consistency.jsonl",
+                  lambda r: {k: v for k, v in r.items() if "cos" not in k})
+    with open(run / "metrics" / "rank0.jsonl", "a") as f:
+        f.write('{"step": 12, "local_lo')  # the process died mid-line
+    report = build_report(run)
+    assert_pngs(report.files, ["loss.png", "dispersion.png", "divergence.png"])
+    assert "note: no summary.json" in report.text
+    assert "first replica split: step 5 on rank 1 " in report.text
+    assert "faults injected: 1\n" in report.text
+    assert "not recorded (cosine monitoring off)" in report.text
+    alerts = sum(1 for line in (run / "events.jsonl").read_text().splitlines() if '"alert"' in line)
+    assert alerts > 0 and f"alerts: {alerts} (" in report.text
+
+
+def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run = copy_run(clean_run, tmp_path / "unmonitored")
+    build_report(run)  # an earlier report's plots must not survive the next one
+    (run / "consistency.jsonl").unlink()
+    report = build_report(run)
+    assert_pngs(report.files, ["loss.png"])
+    assert sorted(p.name for p in (run / "report").iterdir()) == ["loss.png", "report.md"]
+    assert "first replica split: not recorded" in report.text
+    assert "max loss_cv: not recorded" in report.text
+
+
+def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run = copy_run(fault_run, tmp_path / "events")
+    (run / "summary.json").unlink()
+    (run / "faults.jsonl").unlink()  # a second fault, written by rank 0 at step 8
+    with open(run / "faults.jsonl", "w") as f:
+        for rank, step in ((1, 5), (0, 8)):
+            f.write(json.dumps({"step": step, "rank": rank, "site": "local-grad", "kind": "nan"}) + "\n")
+    with open(run / "events.jsonl", "a") as f:
+        for event in (
+            {"step": 8, "event": "guard", "attempt": 0, "action": "recompute", "detector": "nonfinite",
+             "cause": "transient", "ranks": [0], "values": {"loss": "nan"}},
+            {"step": 8, "event": "guard", "attempt": 1, "action": "proceed", "detector": "", "cause": "",
+             "ranks": [], "values": {}},
+            {"step": 6, "event": "sync", "period": 4, "divergence": 2.5e-7, "mode": "median"},
+            {"step": 9, "event": "sync", "period": 8, "divergence": "inf", "mode": "median"},
+            {"step": 10, "event": "sync", "period": 8, "divergence": 0.0, "mode": "noop"},
+        ):
+            f.write(json.dumps(event) + "\n")
+    rewrite_jsonl(run / "metrics" / "rank0.jsonl",
+                  lambda r: {**r, "local_loss": "inf"} if r["step"] == 8 else r)
+    rewrite_jsonl(run / "consistency.jsonl",
+                  lambda r: {**r, "consistency/loss_cv": "nan", "loss": "inf"} if r["step"] == 8 else r)
+    data = load_run(run)
+    assert data.metrics[0][8]["local_loss"] == float("inf")
+    report = build_report(run)
+    assert_pngs(report.files, PLOTS)
+    text = report.text
+    assert "syncs: 3   detections: 1   recomputes: 1   skipped batches: 0" in text
+    assert "by rank: rank 0 (1), rank 1 (1)" in text
+    assert "max loss_cv: nan at step 8" in text
+
+
+def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ReportError, match=str(tmp_path / "missing")):
+        build_report(tmp_path / "missing")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ReportError, match=r"plain: not a paft run directory \(no config.json\)"):
+        build_report(tmp_path / "plain")
+    started = tmp_path / "started"
+    (started / "metrics").mkdir(parents=True)
+    (started / "config.json").write_text("{}")
+    with pytest.raises(ReportError, match="started: no per-step metrics"):
+        build_report(started)
+    assert issubclass(ReportError, ValueError)
+    assert not (tmp_path / "plain" / "report").exists()
