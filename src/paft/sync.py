@@ -1,0 +1,965 @@
+"""PAFT-Sync: re-synchronize parameters, buffers and optimizer state across replicas.
+
+When the gradient all-reduce is silently corrupted on some rank, that rank applies a
+different update and the replicas drift apart; nothing in DDP ever brings them back.
+:class:`ReplicaSync` brings every replica back to one bitwise identical state --
+parameters, buffers (BatchNorm running stats, integer counters) AND optimizer state
+(momentum, ``exp_avg``, ``exp_avg_sq``, Adam's ``step``) -- with flat, bucketed
+collectives, blocking (:meth:`ReplicaSync.sync`) or overlapped with the next step's
+forward/backward (:meth:`ReplicaSync.start` / :meth:`ReplicaSync.finish`).
+
+Every sync begins with ONE small control collective: each rank contributes its state
+fingerprint (:func:`paft.fingerprint.fingerprint`) and, where a reference is kept, the
+reference's tag (8 or 16 bytes). If all fingerprints agree the sync is a no-op in every
+mode -- the replicas already are what a sync produces (a mean of identical values could
+even change their last bit) -- and the cheap common case moves no data. Otherwise one
+more 8-byte all-gather carries each rank's finite flag (robust, mean), and per mode:
+
+* ``robust`` (default):
+
+  - a strict majority of bitwise identical, finite replicas (``"majority-copy"``):
+    copy from the lowest majority rank -- point-to-point when a single rank is off
+    (the common case: the other majority ranks move nothing), else a broadcast.
+    Exact repair; majority ranks keep their bits;
+  - no (finite) majority, world size >= 3 (``"median"``): all-gather and take, per
+    coordinate, the LOWER median of the replicas' values. It is always one
+    replica's value (never an average, so a flipped exponent cannot leak into it)
+    and any minority of outliers on either side loses. Replicas holding NaN/Inf sit
+    it out (if none is finite, NaN counts as +inf so that it loses);
+  - world size 2 (``"median-with-reference"``): two replicas never form a majority,
+    and a plain mean would spread a flipped exponent (1e30 / 2) to both. A third
+    opinion breaks the tie: the REFERENCE, the state at the last completed sync
+    (identical on both ranks). Per coordinate the result is the median of the
+    three values, i.e. ``clamp(ref, min(a, b), max(a, b))``: if both replicas moved
+    the same way since the last sync it is the one that moved less (the huge
+    corrupted value is dropped), if they moved in opposite ways it is the agreed
+    value itself. The result always lies between the two replicas. The reference
+    costs one copy of the state and is kept only for world size 2 in robust mode;
+    state that did not exist at the last sync (optimizer state created later) has
+    reference 0, which still keeps the smaller-magnitude value. If the two ranks'
+    references disagree (constructed while the replicas differed, or loaded from
+    different checkpoints) a zero reference is used and the report says so.
+
+* ``mean``: average over the FINITE replicas only. A non-finite replica contributes zeros to the sum-all-reduce and
+  the sum is divided by the number of finite replicas, so NaN/Inf never contaminate
+  the others. No finite replica at all raises :class:`RuntimeError` (on every rank).
+* ``broadcast``: copy rank ``src`` exactly.
+
+Integer tensors (``num_batches_tracked``, integer steps) are never averaged: they are
+copied from the chosen source (``mean``: the lowest finite rank) or, in the median
+modes, take the coordinate-wise median, which is again one replica's value.
+
+Wire format: tensors are grouped by dtype (complex as real pairs, bool as uint8) into
+one flat buffer per dtype, cut into buckets of at most ``bucket_mb``; ONE collective
+per bucket, never one per tensor. ``bytes_sent`` counts the logical payload this rank
+hands to the collectives it launched (all-reduce: the buffer; all-gather: its own
+contribution; broadcast / send: the buffer on the source, 0 on receivers), not the
+algorithm-dependent wire traffic. Every non-no-op sync ends with one 8-byte
+all-reduce (max) of the divergence, so all ranks report the same number.
+
+After any completed blocking sync every rank holds bitwise identical parameters,
+buffers and optimizer state. In the overlapped form the same holds when nothing
+changed the state between :meth:`~ReplicaSync.start` and :meth:`~ReplicaSync.finish`.
+If something did (an optimizer step, or the forward updating BatchNorm running stats),
+finish applies the correction ``w <- synced + (w - snapshot)`` per coordinate: the
+progress made meanwhile is kept and the replicas are equal only up to the rounding of
+that addition and the rank-dependence of the progress itself.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
+
+__all__ = [
+    "ReplicaSync",
+    "SyncReport",
+    "DivergenceReport",
+    "measure_divergence",
+    "lower_median",
+    "median_of_three",
+    "SYNC_MODES",
+]
+
+SYNC_MODES = ("robust", "mean", "broadcast")
+
+# The odd-even transposition network beats torch.kthvalue by ~10x for a handful of
+# replicas (it is a few bandwidth-bound min/max passes); beyond this many replicas
+# its O(n^2) passes lose to the selection kernel.
+_NETWORK_MAX_REPLICAS = 16
+
+
+# ----------------------------------------------------------------------------
+# Reports
+# ----------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats become strings ("inf", "nan")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+@dataclass
+class SyncReport:
+    """What one sync did, on this rank (identical on every rank except ``bytes_sent``,
+    ``collectives``, ``seconds``, ``wall_seconds`` and ``delta_tensors``)."""
+
+    mode: str
+    """The mode actually used: ``noop``, ``majority-copy``, ``median``,
+    ``median-with-reference``, ``mean`` or ``broadcast``."""
+    groups: list[list[int]]
+    """Ranks grouped by equal state fingerprint, largest group first."""
+    source_ranks: list[int]
+    """Ranks whose values make up the result: the copied rank, the finite ranks
+    (``mean``, ``median``), both (``median-with-reference``), all (``noop``)."""
+    bytes_sent: int
+    """Logical payload this rank handed to the collectives it launched."""
+    seconds: float
+    """Time on the caller's critical path (for an overlapped sync: start + finish)."""
+    divergence: float
+    """Max over ranks of ``||w_r - c|| / ||c||`` over the parameters, before the sync.
+    ``c`` is the mean replica (``median``, ``median-with-reference``: mean of the
+    finite replicas; ``mean``: the finite mean), or the source replica for
+    ``majority-copy`` / ``broadcast`` -- the mean would need another O(parameters)
+    collective there; :func:`measure_divergence` gives it on demand. 0.0 for ``noop``;
+    ``inf`` when a replica is non-finite (``broadcast`` does not check finiteness)."""
+    collectives: int = 0
+    """Collectives (and point-to-point sends/receives) this rank launched, the control
+    exchange included."""
+    wall_seconds: float = 0.0
+    """From the start of the sync to the end of its application."""
+    overlapped: bool = False
+    delta_tensors: int = 0
+    """Tensors to which the correction ``synced + (w - snapshot)`` was applied because
+    they changed during an overlapped sync (0: plain copies)."""
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (non-finite floats as strings), e.g. for ``events.jsonl``."""
+        return _jsonable(asdict(self))
+
+
+@dataclass
+class DivergenceReport:
+    """Relative L2 distance of each rank's state to the mean replica (of the finite
+    replicas); a non-finite replica reports ``inf``. Identical on every rank."""
+
+    max: float
+    """Max over ranks of ``||p_r - mean(p)|| / ||mean(p)||`` over the parameters."""
+    per_rank: list[float]
+    finite: list[bool]
+    """Whether each rank's measured state is finite (it then counts in the mean)."""
+    state_max: float
+    """The same over every floating tensor measured: parameters, floating buffers and,
+    when an optimizer was given, its floating state."""
+    state_per_rank: list[float]
+    per_tensor: list[tuple[str, float, int]] | None = None
+    """With ``per_tensor=True``: ``(name, max over ranks, worst rank)`` for every
+    floating tensor, worst first."""
+
+    def to_json(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
+
+
+# ----------------------------------------------------------------------------
+# Layout: which tensor lives where in the per-dtype flat buffers
+# ----------------------------------------------------------------------------
+
+
+def _transport(t: Tensor) -> Tensor:
+    """A view of ``t`` (same storage) in a dtype collectives can carry."""
+    t = t.detach()
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj())
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t
+
+
+@dataclass
+class _Slot:
+    name: str
+    kind: str  # "param" | "buffer" | "optim"
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Group:
+    dtype: torch.dtype
+    floating: bool
+    numel: int = 0
+    slots: list[_Slot] = field(default_factory=list)
+    members: list[int] = field(default_factory=list)  # entry index of each slot
+    buckets: list[tuple[int, int]] = field(default_factory=list)
+    param_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Layout:
+    key: tuple[Any, ...]
+    groups: list[_Group]
+
+
+def _build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucket_bytes: int) -> _Layout:
+    by_dtype: dict[torch.dtype, _Group] = {}
+    for i, (name, t) in enumerate(entries):
+        g = by_dtype.get(t.dtype)
+        if g is None:
+            g = by_dtype[t.dtype] = _Group(t.dtype, t.is_floating_point())
+        kind = name.split("/", 1)[0]
+        slot = _Slot(name, kind, g.numel, t.numel(), tuple(t.shape))
+        g.slots.append(slot)
+        g.members.append(i)
+        if kind == "param" and t.numel():
+            if g.param_ranges and g.param_ranges[-1][1] == slot.offset:
+                g.param_ranges[-1] = (g.param_ranges[-1][0], slot.offset + slot.numel)
+            else:
+                g.param_ranges.append((slot.offset, slot.offset + slot.numel))
+        g.numel += slot.numel
+    for g in by_dtype.values():
+        cap = max(1, bucket_bytes // torch.empty((), dtype=g.dtype).element_size())
+        g.buckets = [(a, min(a + cap, g.numel)) for a in range(0, g.numel, cap)]
+    return _Layout(key, list(by_dtype.values()))
+
+
+def _pack(flat: Tensor, tensors: list[Tensor]) -> Tensor:
+    """Copy ``tensors`` back to back into ``flat`` (one kernel when possible)."""
+    if not tensors:
+        return flat
+    if all(t.device == flat.device for t in tensors):
+        torch.cat([t.reshape(-1) for t in tensors], out=flat)
+    else:
+        o = 0
+        for t in tensors:
+            flat[o : o + t.numel()].copy_(t.reshape(-1))
+            o += t.numel()
+    return flat
+
+
+def _ranges_in(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` inside ``[a, b)``, relative to ``a``."""
+    out = []
+    for p0, p1 in ranges:
+        lo, hi = max(a, p0), min(b, p1)
+        if lo < hi:
+            out.append((lo - a, hi - a))
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Coordinate-wise robust merges (pure tensor functions)
+# ----------------------------------------------------------------------------
+
+
+def _nan_as_inf(x: Tensor) -> Tensor:
+    """``x`` with NaN replaced by +inf (a copy; ``x`` itself if it cannot hold NaN)."""
+    if not x.is_floating_point():
+        return x
+    return torch.nan_to_num(x, nan=math.inf, posinf=math.inf, neginf=-math.inf)
+
+
+def lower_median(rows: Tensor, out: Tensor | None = None, nan_free: bool = False) -> Tensor:
+    """Per column, the lower median of the ``n`` rows (the ``(n-1)//2``-th smallest,
+    an actual row's value); NaN counts as +inf. ``rows``: ``[n, m]``, not modified.
+    ``nan_free=True`` skips the NaN pass (the caller knows every replica is finite)."""
+    n = rows.shape[0]
+    work = rows if nan_free else _nan_as_inf(rows)
+    if n == 1:
+        return work[0].clone() if out is None else out.copy_(work[0])
+    if n == 2:
+        return torch.minimum(work[0], work[1], out=out)
+    if n == 3:  # med3 = max(min(a, b), min(max(a, b), c))
+        a, b, c = work.unbind(0)
+        hi = torch.maximum(a, b)
+        return torch.maximum(torch.minimum(a, b), torch.minimum(hi, c, out=hi), out=out)
+    if n == 4:  # 2nd smallest = min(max(min(a, b), min(c, d)), min(max(a, b), max(c, d)))
+        a, b, c, d = work.unbind(0)
+        s1, s2 = torch.minimum(a, b), torch.minimum(c, d)
+        l1, l2 = torch.maximum(a, b), torch.maximum(c, d)
+        return torch.minimum(torch.maximum(s1, s2, out=s1), torch.minimum(l1, l2, out=l1), out=out)
+    if n > _NETWORK_MAX_REPLICAS:
+        v = torch.kthvalue(work, (n - 1) // 2 + 1, dim=0).values
+        return v if out is None else out.copy_(v)
+    r = list((work.clone() if work is rows else work).unbind(0))
+    spare = torch.empty_like(r[0])
+    # Odd-even transposition sort: n passes sort n rows; 2 kernels per compare-exchange.
+    for p in range(n):
+        for i in range(p % 2, n - 1, 2):
+            lo = torch.minimum(r[i], r[i + 1], out=spare)
+            torch.maximum(r[i], r[i + 1], out=r[i + 1])
+            spare, r[i] = r[i], lo
+    m = r[(n - 1) // 2]
+    return m if out is None else out.copy_(m)
+
+
+def median_of_three(
+    a: Tensor, b: Tensor, ref: Tensor, out: Tensor | None = None, nan_free: bool = False
+) -> Tensor:
+    """Per coordinate, the median of ``a``, ``b`` and ``ref`` = ``clamp(ref, min(a, b),
+    max(a, b))``; NaN counts as +inf. Inputs are not modified."""
+    if not nan_free:
+        a, b, ref = _nan_as_inf(a), _nan_as_inf(b), _nan_as_inf(ref)
+    lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+    return torch.minimum(torch.maximum(ref, lo, out=lo), hi, out=out)
+
+
+def _rel(sq: float, ref_sq: float) -> float:
+    if not (math.isfinite(sq) and math.isfinite(ref_sq)):
+        return math.inf
+    if ref_sq == 0.0:
+        return 0.0 if sq == 0.0 else math.inf
+    return math.sqrt(sq / ref_sq)
+
+
+def _sq_norm(x: Tensor) -> float:
+    """``||x||^2``, accumulated in float64 (huge finite values do not overflow)."""
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+
+
+# ----------------------------------------------------------------------------
+# Process-group helpers
+# ----------------------------------------------------------------------------
+
+
+def _comm_device(group: Any, first: Tensor | None) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "gloo" in backend or first is None:
+        return torch.device("cpu")
+    return first.device
+
+
+def _state_fp(tensors: list[Tensor]) -> int:
+    """:func:`fingerprint` of tensors that may live on several devices (Adam keeps
+    ``step`` on the CPU next to CUDA parameters): per device, then combined."""
+    if not tensors or all(t.device == tensors[0].device for t in tensors):
+        return fingerprint(tensors)
+    parts: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        parts.setdefault(t.device, []).append(t)
+    return fingerprint([torch.tensor([fingerprint(v) for v in parts.values()], dtype=torch.int64)])
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """Whether no floating tensor holds NaN/Inf: min and max of each (one pass, no
+    temporaries, no overflow on huge finite values), one host sync per device."""
+    by_dev: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            by_dev.setdefault(t.device, []).append(t)
+    ok = True
+    for ts in by_dev.values():
+        ext = torch.stack([v.float() for t in ts for v in torch.aminmax(t)])
+        ok = ok and bool(torch.isfinite(ext).all())
+    return ok
+
+
+# ----------------------------------------------------------------------------
+# ReplicaSync
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Decision:
+    mode: str
+    groups: list[list[int]]
+    sources: list[int]
+    finite: list[bool]
+    src: int = -1  # group rank copied from (copy modes; integer tensors in mean mode)
+    count: int = 0  # finite replicas (mean)
+    holds_result: bool = False  # this rank's state already is the result
+    ref_ok: bool = True
+    note: str = ""
+    minority: list[int] = field(default_factory=list)  # majority-copy: the ranks to repair
+
+
+@dataclass
+class _InFlight:
+    decision: _Decision
+    layout: _Layout
+    originals: list[Tensor]  # the live objects, for identity / version checks
+    versions: list[int]
+    opt_steps: int
+    overlapped: bool
+    snaps: list[Tensor | None]  # per dtype group: this rank's packed state
+    bufs: list[Tensor | None]  # per dtype group: reduced / broadcast buffer
+    gathered: list[list[Tensor]]  # per dtype group, per bucket: [ws, len]
+    works: list[Any]
+    fps: list[int]
+    bytes_sent: int
+    collectives: int
+    t0: float
+    critical: float
+
+
+class ReplicaSync:
+    """Synchronize a data-parallel model's parameters, buffers and optimizer state.
+
+    ``model`` may be DDP-wrapped (its ``.module`` state is used). ``mode``: ``robust``
+    (default), ``mean`` or ``broadcast`` (see the module docstring). ``src``: the rank
+    (within ``group``) that ``broadcast`` copies. ``bucket_mb``: the largest message of
+    one collective. ``group``: the process group (default: the world). Every call is a
+    collective: all ranks of the group make the same calls in the same order.
+
+    For an overlapped sync, call :meth:`start` right after ``optimizer.step()`` of step
+    ``t`` and :meth:`finish` right before ``optimizer.step()`` of step ``t + 1``; the
+    communication then hides behind the forward/backward of step ``t + 1``. Using a
+    separate ``group`` keeps it from queueing in front of DDP's own all-reduces.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        mode: str = "robust",
+        src: int = 0,
+        bucket_mb: float = 25.0,
+        group: Any = None,
+    ) -> None:
+        if mode not in SYNC_MODES:
+            raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")
+        if not (isinstance(bucket_mb, (int, float)) and math.isfinite(bucket_mb) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ReplicaSync needs an initialized torch.distributed process group")
+        self.model = model
+        self.optimizer = optimizer
+        self.mode = mode
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src!r}")
+        self.src = src
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.syncs = 0
+        self._layout: _Layout | None = None
+        self._pending: _InFlight | None = None
+        self._device = _comm_device(group, next(iter(model.parameters()), None))
+        # Fused optimizers update parameters and state without bumping the tensors'
+        # version counters; a step hook tells finish() that a step happened anyway.
+        self._opt_steps = 0
+        self._hook = None
+        if optimizer is not None:
+            ref = weakref.ref(self)
+
+            def _count_step(*_: Any) -> None:
+                me = ref()
+                if me is not None:
+                    me._opt_steps += 1
+
+            self._hook = optimizer.register_step_post_hook(_count_step)
+        # The world-size-2 reference: name -> tensor (transport dtype) and a tag that
+        # is equal on both ranks exactly when their references are.
+        self._ref: dict[str, Tensor] | None = None
+        self._ref_tag = 0
+        if self._keeps_reference:
+            entries = self._entries()
+            layout = self._layout_for(entries)
+            self._ref = self._capture(layout, [self._pack_group(g, entries) for g in layout.groups])
+            self._ref_tag = _state_fp(list(self._ref.values()))
+
+    # -- public API -----------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> bool:
+        """True between :meth:`start` and :meth:`finish`."""
+        return self._pending is not None
+
+    def sync(self) -> SyncReport:
+        """Blocking sync; on return every rank holds bitwise identical state."""
+        if self._pending is not None:
+            raise RuntimeError("ReplicaSync.sync(): an overlapped sync is in flight; call finish() first")
+        self._pending = self._launch(overlapped=False)
+        return self._complete(state_changed=False)
+
+    def start(self) -> None:
+        """Snapshot the state into flat buffers and launch the collectives
+        asynchronously (only the 16-24-byte control exchange blocks)."""
+        if self._pending is not None:
+            raise RuntimeError("ReplicaSync.start(): a sync is already in flight; call finish() first")
+        self._pending = self._launch(overlapped=True)
+
+    def finish(self, state_changed: bool | None = None) -> SyncReport:
+        """Wait for the collectives of :meth:`start` and apply the result.
+
+        ``state_changed``: ``False`` promises that nothing touched the state since
+        :meth:`start` (pure copy: bitwise identical replicas); ``True`` applies the
+        correction ``synced + (w - snapshot)`` to every tensor; ``None`` (default)
+        decides per tensor: a tensor that was replaced, whose version counter moved,
+        or -- for parameters and optimizer state -- when the optimizer stepped since
+        start, gets the correction; buffers always get it (BatchNorm kernels update
+        running stats without bumping version counters). The correction is exact
+        wherever a coordinate did not change (it yields the synced bits there), so it
+        is only slower than a copy, never wrong. Changes made through ``.data`` or
+        other kernels that bypass version counters must be declared with ``True``.
+        """
+        if self._pending is None:
+            raise RuntimeError("ReplicaSync.finish(): no sync in flight; call start() first")
+        return self._complete(state_changed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must survive a checkpoint: the world-size-2 reference (else None)."""
+        ref = None if self._ref is None else {k: v.detach().cpu().clone() for k, v in self._ref.items()}
+        return {"mode": self.mode, "world_size": self.world_size, "syncs": self.syncs, "reference": ref}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. A reference saved by a run of another world
+        size or mode (an elastic restart) is ignored: the one captured at
+        construction stays."""
+        self.syncs = int(state.get("syncs", 0))
+        ref = state.get("reference")
+        same_run = state.get("world_size") == self.world_size and state.get("mode") == self.mode
+        if self._keeps_reference and ref is not None and same_run:
+            self._ref = {k: _transport(v).to(self._device).clone() for k, v in ref.items()}
+            # A fresh tag from the bytes: equal on both ranks iff they loaded equal state.
+            self._ref_tag = _state_fp(list(self._ref.values()))
+
+    def close(self) -> None:
+        """Remove the optimizer hook (an in-flight sync is left alone)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # -- internals: state and layout ---------------------------------------------------
+
+    @property
+    def _keeps_reference(self) -> bool:
+        return self.mode == "robust" and self.world_size == 2
+
+    def _entries(self) -> list[tuple[str, Tensor, Tensor]]:
+        """(name, transport view, live object) for every state tensor."""
+        return [(n, _transport(t), t) for n, t in state_tensors(self.model, self.optimizer)]
+
+    def _layout_for(self, entries: list[tuple[str, Tensor, Tensor]]) -> _Layout:
+        key = tuple((n, t.dtype, tuple(t.shape)) for n, t, _ in entries)
+        if self._layout is None or self._layout.key != key:
+            self._layout = _build_layout(key, [(n, t) for n, t, _ in entries], self.bucket_bytes)
+        return self._layout
+
+    def _pack_group(self, g: _Group, entries: list[tuple[str, Tensor, Tensor]]) -> Tensor:
+        flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
+        return _pack(flat, [entries[i][1] for i in g.members])
+
+    def _capture(self, layout: _Layout, flats: list[Tensor | None]) -> dict[str, Tensor]:
+        """Name -> view into ``flats`` (zero copy)."""
+        ref: dict[str, Tensor] = {}
+        for g, flat in zip(layout.groups, flats):
+            if flat is None:  # an empty dtype group
+                flat = torch.empty(0, dtype=g.dtype, device=self._device)
+            for s in g.slots:
+                ref[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape)
+        return ref
+
+    def _ref_flat(self, g: _Group, use: bool) -> Tensor:
+        flat = torch.zeros(g.numel, dtype=g.dtype, device=self._device)
+        if use and self._ref is not None:
+            for s in g.slots:
+                r = self._ref.get(s.name)
+                if r is not None and r.dtype == g.dtype and tuple(r.shape) == s.shape:
+                    flat[s.offset : s.offset + s.numel].copy_(r.reshape(-1))
+        return flat
+
+    # -- internals: one sync ----------------------------------------------------------
+
+    def _decide(self, fps: list[int], finite: list[bool], tags: list[int]) -> _Decision:
+        ws, rank = self.world_size, self.rank
+        groups = group_replicas(fps)
+        everyone = list(range(ws))
+        if self.mode == "mean" and not any(finite):
+            raise RuntimeError(
+                f"ReplicaSync(mode='mean'): no replica is finite (NaN/Inf on all {ws} ranks); "
+                "nothing to average from -- restore a checkpoint"
+            )
+        if len(groups) == 1:
+            return _Decision("noop", groups, everyone, finite, holds_result=True)
+        if self.mode == "broadcast":
+            return _Decision("broadcast", groups, [self.src], finite, src=self.src, holds_result=rank == self.src)
+        if self.mode == "mean":
+            good = [r for r in everyone if finite[r]]
+            note = f"non-finite ranks {[r for r in everyone if not finite[r]]} excluded" if len(good) < ws else ""
+            return _Decision("mean", groups, good, finite, src=good[0], count=len(good), note=note)
+        maj = majority(fps)
+        if maj is not None and finite[maj[0]]:
+            minority = [r for r in everyone if r not in maj]
+            return _Decision(
+                "majority-copy", groups, [maj[0]], finite, src=maj[0], holds_result=rank in maj, minority=minority
+            )
+        note = "majority is non-finite; " if maj is not None else ""
+        if self._keeps_reference:
+            ok = self._ref is not None and all(t == tags[0] for t in tags)
+            if not ok:
+                note += "references disagree; used a zero reference"
+            return _Decision("median-with-reference", groups, everyone, finite, ref_ok=ok, note=note.rstrip("; "))
+        # Non-finite replicas sit the median out (if any replica is finite at all).
+        good = [r for r in everyone if finite[r]] or everyone
+        if len(good) < ws:
+            note += f"non-finite ranks {[r for r in everyone if r not in good]} excluded"
+        return _Decision("median", groups, good, finite, note=note.rstrip("; "))
+
+    def _gather_ints(self, row: list[int]) -> list[list[int]]:
+        """Blocking all-gather of a few int64 per rank."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self._device)
+        out = torch.empty(self.world_size, len(row), dtype=torch.int64, device=self._device)
+        dist.all_gather(list(out.unbind(0)), mine, group=self.group)
+        return out.tolist()
+
+    def _launch(self, overlapped: bool) -> _InFlight:
+        t0 = time.perf_counter()
+        entries = self._entries()
+        layout = self._layout_for(entries)
+        ws, rank, group = self.world_size, self.rank, self.group
+        views = [t for _, t, _ in entries]
+        # The control exchange: the fingerprint (+ the reference tag), 8-16 bytes.
+        row = [_state_fp(views)] + ([self._ref_tag] if self._keeps_reference else [])
+        ctrl = self._gather_ints(row)
+        bytes_sent, collectives = len(row) * 8, 1
+        fps = [r[0] for r in ctrl]
+        tags = [r[-1] for r in ctrl]
+        # Finite flags cost a pass over the state: only when the replicas differ (one
+        # more 8-byte exchange), or for mean mode's all-identical check, which needs
+        # no exchange (identical replicas are all finite or all not).
+        if self.mode == "broadcast":
+            finite = [True] * ws
+        elif len(set(fps)) == 1:
+            finite = [self.mode != "mean" or _all_finite(views)] * ws
+        else:
+            finite = [bool(r[0]) for r in self._gather_ints([int(_all_finite(views))])]
+            bytes_sent, collectives = bytes_sent + 8, collectives + 1
+        d = self._decide(fps, finite, tags)
+
+        snaps: list[Tensor | None] = []
+        bufs: list[Tensor | None] = []
+        gathered: list[list[Tensor]] = []
+        works: list[Any] = []
+        src_global = dist.get_global_rank(group, d.src) if group is not None and d.src >= 0 else d.src
+        for g in layout.groups:
+            snap: Tensor | None = None
+            buf: Tensor | None = None
+            outs: list[Tensor] = []
+            copy_mode = d.mode in ("majority-copy", "broadcast") or (d.mode == "mean" and not g.floating)
+            if d.mode == "noop" or g.numel == 0:
+                pass
+            elif d.mode == "majority-copy" and len(d.minority) == 1:
+                # One rank to repair (the common case): send it the source's state
+                # point-to-point; the other majority members move nothing at all.
+                (bad,) = d.minority
+                if rank == d.src:
+                    buf = snap = self._pack_group(g, entries)
+                    dst = dist.get_global_rank(group, bad) if group is not None else bad
+                    for k, (a, b) in enumerate(g.buckets):
+                        works.append(dist.isend(buf[a:b], dst, group=group, tag=k))
+                    bytes_sent += buf.numel() * buf.element_size()
+                    collectives += len(g.buckets)
+                elif rank == bad:
+                    snap = self._pack_group(g, entries)
+                    buf = torch.empty(g.numel, dtype=g.dtype, device=self._device)
+                    for k, (a, b) in enumerate(g.buckets):
+                        works.append(dist.irecv(buf[a:b], src_global, group=group, tag=k))
+                    collectives += len(g.buckets)
+            elif copy_mode:
+                if rank == d.src:
+                    # The source's buffer is never overwritten: it is its own snapshot.
+                    buf = snap = self._pack_group(g, entries)
+                    bytes_sent += buf.numel() * buf.element_size()
+                else:
+                    # Majority members hold the result already and only receive; the
+                    # others keep a snapshot for divergence and the overlapped delta.
+                    if not d.holds_result:
+                        snap = self._pack_group(g, entries)
+                    buf = torch.empty(g.numel, dtype=g.dtype, device=self._device)
+                for a, b in g.buckets:
+                    works.append(dist.broadcast(buf[a:b], src_global, group=group, async_op=True))
+                collectives += len(g.buckets)
+            elif d.mode == "mean":
+                snap = self._pack_group(g, entries)
+                # A non-finite replica contributes zeros: NaN * 0 would still be NaN.
+                buf = snap.clone() if d.finite[rank] else torch.zeros_like(snap)
+                for a, b in g.buckets:
+                    works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
+                bytes_sent += buf.numel() * buf.element_size()
+                collectives += len(g.buckets)
+            else:  # median, median-with-reference
+                snap = self._pack_group(g, entries)
+                for a, b in g.buckets:
+                    out = torch.empty(ws, b - a, dtype=g.dtype, device=self._device)
+                    works.append(dist.all_gather(list(out.unbind(0)), snap[a:b], group=group, async_op=True))
+                    outs.append(out)
+                bytes_sent += snap.numel() * snap.element_size()
+                collectives += len(g.buckets)
+            snaps.append(snap)
+            bufs.append(buf)
+            gathered.append(outs)
+        originals = [o for _, _, o in entries]
+        return _InFlight(
+            decision=d,
+            layout=layout,
+            originals=originals,
+            versions=[o._version for o in originals],
+            opt_steps=self._opt_steps,
+            overlapped=overlapped,
+            snaps=snaps,
+            bufs=bufs,
+            gathered=gathered,
+            works=works,
+            fps=fps,
+            bytes_sent=bytes_sent,
+            collectives=collectives,
+            t0=t0,
+            critical=time.perf_counter() - t0,
+        )
+
+    def _complete(self, state_changed: bool | None) -> SyncReport:
+        p = self._pending
+        assert p is not None
+        self._pending = None
+        t1 = time.perf_counter()
+        d, layout = p.decision, p.layout
+        for w in p.works:
+            w.wait()
+        bytes_sent, collectives = p.bytes_sent, p.collectives
+
+        # 1. The synced flats (identical on every rank) and this rank's distance to
+        # the centre: the mean of the finite replicas (median modes: from the gather;
+        # mean: the result), or the copied source (copy modes).
+        synced: list[Tensor | None] = []
+        local_sq = ref_sq = 0.0
+        me = self.rank
+        measure = d.mode != "noop" and not d.holds_result and (d.finite[me] or d.mode == "broadcast")
+        good = [r for r in range(self.world_size) if d.finite[r]]
+        for gi, g in enumerate(layout.groups):
+            snap, buf = p.snaps[gi], p.bufs[gi]
+            if d.mode == "noop" or g.numel == 0 or (buf is None and d.holds_result):
+                synced.append(None)  # nothing moved, or a majority member left out of the copy
+                continue
+            if d.mode in ("median", "median-with-reference"):
+                out_flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
+                ref = self._ref_flat(g, d.ref_ok) if d.mode == "median-with-reference" else None
+                nan_free = all(d.finite)  # then the NaN pass of the medians is skipped
+                for (a, b), rows in zip(g.buckets, p.gathered[gi]):
+                    if ref is not None:
+                        median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
+                    elif nan_free or not good:
+                        lower_median(rows, out=out_flat[a:b], nan_free=nan_free)
+                    else:  # the finite replicas only: nothing non-finite spreads
+                        lower_median(rows[good], out=out_flat[a:b], nan_free=True)
+                    if not (measure and g.floating):
+                        continue
+                    for lo, hi in _ranges_in(g.param_ranges, a, b):
+                        part = rows[:, lo:hi]
+                        c = (part if len(good) == self.world_size else part[good]).mean(0)
+                        ref_sq += _sq_norm(c)
+                        local_sq += _sq_norm(part[me] - c)
+                synced.append(out_flat)
+                continue
+            assert buf is not None
+            if d.mode == "mean" and g.floating:
+                buf.div_(d.count)
+            synced.append(buf)
+            if measure and g.floating and snap is not None:
+                for lo, hi in g.param_ranges:
+                    local_sq += _sq_norm(snap[lo:hi] - buf[lo:hi])
+                    ref_sq += _sq_norm(buf[lo:hi])
+
+        # The max over ranks: one 8-byte all-reduce, so that every rank reports the
+        # very same number (PAFT-Dyn takes its decisions from it on every rank).
+        if d.mode == "noop":
+            divergence = 0.0
+        else:
+            mine = _rel(local_sq, ref_sq) if measure else 0.0
+            if not d.finite[me] and d.mode != "broadcast":
+                mine = math.inf
+            t = torch.tensor([mine], dtype=torch.float64, device=self._device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            bytes_sent, collectives = bytes_sent + 8, collectives + 1
+            divergence = float(t)
+
+        # 2. Apply: copy where the tensor is untouched since the snapshot, else the
+        # correction synced + (w - snapshot).
+        delta_tensors = 0
+        if d.mode != "noop" and not d.holds_result:
+            delta_tensors = self._apply(p, synced, state_changed)
+
+        # 3. The reference for the next world-size-2 median: the state just agreed.
+        self.syncs += 1
+        if self._keeps_reference:
+            if d.mode == "noop":
+                entries = self._entries()
+                lay = self._layout_for(entries)
+                flats: list[Tensor | None] = [self._pack_group(g, entries) for g in lay.groups]
+            else:
+                lay, flats = layout, synced
+            self._ref = self._capture(lay, flats)
+            tag = torch.tensor([self.syncs, *p.fps], dtype=torch.int64)
+            self._ref_tag = fingerprint([tag])  # same on both ranks: same inputs
+
+        t2 = time.perf_counter()
+        return SyncReport(
+            mode=d.mode,
+            groups=d.groups,
+            source_ranks=d.sources,
+            bytes_sent=bytes_sent,
+            seconds=p.critical + (t2 - t1),
+            divergence=divergence,
+            collectives=collectives,
+            wall_seconds=t2 - p.t0,
+            overlapped=p.overlapped,
+            delta_tensors=delta_tensors,
+            note=d.note,
+        )
+
+    def _apply(self, p: _InFlight, synced: list[Tensor | None], state_changed: bool | None) -> int:
+        d, layout = p.decision, p.layout
+        if p.overlapped:
+            # Re-resolve by name: the optimizer may have replaced a state tensor.
+            now = {n: (t, o) for n, t, o in self._entries()}
+        # A non-finite replica's own progress is garbage: it just takes the result.
+        garbage = not d.finite[self.rank] and d.mode != "broadcast"
+        stepped = self._opt_steps != p.opt_steps
+        delta_tensors = 0
+        copy_dst: list[Tensor] = []
+        copy_src: list[Tensor] = []
+        with torch.no_grad():
+            for gi, g in enumerate(layout.groups):
+                flat, snap = synced[gi], p.snaps[gi]
+                if flat is None:
+                    continue
+                for s, i in zip(g.slots, g.members):
+                    orig = p.originals[i]
+                    if p.overlapped:
+                        cur = now.get(s.name)
+                        if cur is None or cur[0].dtype != g.dtype or tuple(cur[0].shape) != s.shape:
+                            continue  # gone or reshaped meanwhile: nothing sensible to write
+                        target, live = cur
+                    else:
+                        target, live = _transport(orig), orig
+                    new = flat[s.offset : s.offset + s.numel].view(s.shape)
+                    if garbage or snap is None or not p.overlapped:
+                        changed = False
+                    elif state_changed is not None:
+                        changed = state_changed
+                    else:
+                        changed = (
+                            live is not orig
+                            or live._version != p.versions[i]
+                            or s.kind == "buffer"
+                            or (stepped and s.kind in ("param", "optim"))
+                        )
+                    if not changed:
+                        copy_dst.append(target)
+                        copy_src.append(new)
+                        continue
+                    delta_tensors += 1
+                    old = snap[s.offset : s.offset + s.numel].view(s.shape)
+                    progress = target - old.to(target.device)
+                    res = new.to(target.device) + progress
+                    # Untouched coordinates (progress 0) get the synced bits exactly;
+                    # a non-finite result (a NaN replica's progress) falls back to them.
+                    keep = progress == 0
+                    if res.is_floating_point():
+                        keep |= ~torch.isfinite(res)
+                    target.copy_(torch.where(keep, new.to(target.device), res))
+            same = [(a, b) for a, b in zip(copy_dst, copy_src) if a.device == b.device]
+            if same and hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_([a for a, _ in same], [b for _, b in same])
+            else:
+                for a, b in same:
+                    a.copy_(b)
+            for a, b in zip(copy_dst, copy_src):
+                if a.device != b.device:
+                    a.copy_(b)
+        return delta_tensors
+
+
+# ----------------------------------------------------------------------------
+# On-demand divergence
+# ----------------------------------------------------------------------------
+
+
+def measure_divergence(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    per_tensor: bool = False,
+    group: Any = None,
+) -> DivergenceReport:
+    """Collective: relative L2 distance of each rank's parameters (and, in
+    ``state_*``, every floating tensor: buffers and, if ``optimizer`` is given, its
+    state) to the mean of the finite replicas, computed in float64. A non-finite
+    replica reports ``inf``. Moves one float64 copy of the measured state
+    (all-reduce) plus a few numbers per tensor (``per_tensor``) or two per rank."""
+    ws = dist.get_world_size(group)
+    entries = [(n, _transport(t)) for n, t in state_tensors(model, optimizer)]
+    entries = [(n, t) for n, t in entries if t.is_floating_point()]
+    device = _comm_device(group, entries[0][1] if entries else None)
+    finite = _all_finite([t for _, t in entries])
+    flags = torch.empty(ws, 1, dtype=torch.int64, device=device)
+    mine_flag = torch.tensor([int(finite)], dtype=torch.int64, device=device)
+    dist.all_gather(list(flags.unbind(0)), mine_flag, group=group)
+    finite_all = [bool(x) for x in flags.reshape(-1).tolist()]
+    count = sum(finite_all)
+
+    total = sum(t.numel() for _, t in entries)
+    local = torch.empty(total, dtype=torch.float64, device=device)
+    _pack(local, [t.to(torch.float64) for _, t in entries])
+    mean = local.clone() if finite else torch.zeros_like(local)
+    dist.all_reduce(mean, group=group)
+    if count:
+        mean.div_(count)
+
+    sq, msq, off = [], [], 0
+    for _, t in entries:
+        n = t.numel()
+        sq.append((local[off : off + n] - mean[off : off + n]).square().sum())
+        msq.append(mean[off : off + n].square().sum())
+        off += n
+    is_param = [name.startswith("param/") for name, _ in entries]
+    sq_t = torch.stack(sq) if sq else torch.zeros(0, dtype=torch.float64, device=device)
+    msq_l = torch.stack(msq).tolist() if msq else []
+    if not finite or not count:
+        sq_t = torch.full_like(sq_t, math.inf)
+    mask = torch.tensor(is_param, dtype=torch.bool, device=device)
+    summary = torch.stack([sq_t[mask].sum(), sq_t.sum()]) if sq else torch.zeros(2, dtype=torch.float64, device=device)
+    if not finite or not count:
+        summary.fill_(math.inf)
+    mine = torch.cat([summary, sq_t]) if per_tensor else summary
+    allv = torch.empty(ws, mine.numel(), dtype=torch.float64, device=device)
+    dist.all_gather(list(allv.unbind(0)), mine, group=group)
+    allv_l = allv.tolist()
+    param_msq = sum(m for m, p in zip(msq_l, is_param) if p)
+    state_msq = sum(msq_l)
+    per_rank = [_rel(allv_l[r][0], param_msq) for r in range(ws)]
+    state_per_rank = [_rel(allv_l[r][1], state_msq) for r in range(ws)]
+    breakdown = None
+    if per_tensor:
+        breakdown = []
+        for j, (name, _) in enumerate(entries):
+            rels = [_rel(allv_l[r][2 + j], msq_l[j]) for r in range(ws)]
+            worst = max(range(ws), key=lambda r: rels[r])
+            breakdown.append((name, rels[worst], worst))
+        breakdown.sort(key=lambda x: -x[1])
+    return DivergenceReport(
+        max=max(per_rank),
+        per_rank=per_rank,
+        finite=finite_all,
+        state_max=max(state_per_rank),
+        state_per_rank=state_per_rank,
+        per_tensor=breakdown,
+    )

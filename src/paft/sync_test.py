@@ -1,0 +1,546 @@
+"""Tests for paft.sync: real gloo ranks, real models and optimizers, bitwise checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.fingerprint import fingerprint, state_tensors
+from paft.sync import (
+    ReplicaSync,
+    SyncReport,
+    lower_median,
+    measure_divergence,
+    median_of_three,
+)
+from paft.testing import run_workers
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
+
+# ----------------------------------------------------------------------------
+# Helpers shared by the workers (module level: spawn pickles them by name)
+# ----------------------------------------------------------------------------
+
+
+def _model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    return nn.Sequential(  # "bn": a tiny conv net with BatchNorm (float + int buffers)
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)
+    )
+
+
+def _optim(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    if kind == "sgd-momentum":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _batch(kind: str, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(8, 6, generator=gen) if kind == "mlp" else torch.randn(8, 2, 4, 4, generator=gen)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, kind: str, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(_batch(kind, gen)).square().mean().backward()
+        opt.step()
+
+
+def _snap(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.detach().clone()) for n, t in state_tensors(model, opt)]
+
+
+def _restore(model: nn.Module, opt: torch.optim.Optimizer | None, saved) -> None:
+    for (n, t), (n2, s) in zip(state_tensors(model, opt), saved, strict=True):
+        assert n == n2
+        t.detach().copy_(s)
+
+
+def _fp(model: nn.Module, opt: torch.optim.Optimizer | None) -> int:
+    return fingerprint(t for _, t in state_tensors(model, opt))
+
+
+def _flip_exponent(t: torch.Tensor, index: int) -> None:
+    """Flip the top exponent bit of one float32 element (0.05 -> ~1e37)."""
+    with torch.no_grad():
+        t.view(-1).view(torch.int32)[index] ^= 1 << 30
+
+
+def _assert_same(a, b) -> None:
+    assert [n for n, _ in a] == [n for n, _ in b]
+    for (n, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y), n
+
+
+def _assert_replicas_identical(results, key: str = "state", fp: str = "fp") -> None:
+    assert len({r[fp] for r in results}) == 1
+    for r in results[1:]:
+        _assert_same(results[0][key], r[key])
+
+
+# ----------------------------------------------------------------------------
+# Pure logic: the coordinate-wise merges, reports, validation (no processes)
+# ----------------------------------------------------------------------------
+
+
+def test_lower_median_matches_sort_and_nan_loses():
+    torch.manual_seed(0)
+    for n in (2, 3, 4, 5, 8, 17):
+        rows = torch.randn(n, 1000)
+        rows[0, :10] = math.nan
+        rows[-1, 10:20] = -math.inf
+        expected = torch.sort(torch.where(rows.isnan(), math.inf, rows), dim=0).values[(n - 1) // 2]
+        got = lower_median(rows)
+        assert torch.equal(got, expected), n
+    # one outlier on either side never wins for 3+ replicas; the result is a replica value
+    rows = torch.tensor([[1.0, 1e30, math.nan], [2.0, 2.0, 2.0], [3.0, 3.0, 3.0]])
+    assert lower_median(rows).tolist() == [2.0, 3.0, 3.0]
+    ints = torch.tensor([[5, 1], [7, 9], [6, 3]])
+    assert lower_median(ints).tolist() == [6, 3]
+
+
+def test_median_of_three_is_clamp_of_reference():
+    a = torch.tensor([1.0, 1e30, 0.2, -1.0, math.nan, 5.0])
+    b = torch.tensor([1.1, 0.1, 0.4, 1.0, 0.3, 5.0])
+    r = torch.tensor([0.9, 0.0, 0.3, 0.0, 0.25, 4.0])
+    out = median_of_three(a, b, r)
+    # same direction -> the replica that moved less; opposite -> the reference;
+    # the huge and the NaN coordinate are dropped
+    assert out.tolist() == pytest.approx([1.0, 0.1, 0.3, 0.0, 0.3, 5.0])
+    assert a[1].item() > 1e29 and math.isnan(a[4].item())  # inputs untouched
+
+
+def test_report_to_json_is_json_ready():
+    rep = SyncReport("median", [[0], [1]], [0, 1], 24, 0.01, math.inf, collectives=2)
+    d = rep.to_json()
+    assert d["divergence"] == "inf" and d["mode"] == "median"
+    assert not {"step", "event", "period"} & d.keys()  # the events log owns those keys
+    json.dumps(d, allow_nan=False)
+
+
+def test_validation_errors_name_the_option():
+    m = _model("mlp")
+    with pytest.raises(ValueError, match="mode"):
+        ReplicaSync(m, None, mode="average")
+    with pytest.raises(ValueError, match="bucket_mb"):
+        ReplicaSync(m, None, bucket_mb=0)
+    with pytest.raises(RuntimeError, match="process group"):
+        ReplicaSync(m, None)
+
+
+# ----------------------------------------------------------------------------
+# Every optimizer and mode: bitwise identical replicas after a sync (3 ranks)
+# ----------------------------------------------------------------------------
+
+
+def _w_all_optimizers(rank: int, ws: int) -> dict:
+    out: dict = {}
+    for opt_kind in OPTIMIZERS:
+        for model_kind in ("mlp", "bn"):
+            for mode in ("robust", "mean", "broadcast"):
+                model = _model(model_kind)
+                opt = _optim(opt_kind, model.parameters())
+                _train(model, opt, model_kind, steps=3, seed=100 + rank)  # different data per rank
+                sync = ReplicaSync(model, opt, mode=mode, src=1)
+                before = _fp(model, opt)
+                rep = sync.sync()
+                out[(opt_kind, model_kind, mode)] = {
+                    "state": _snap(model, opt),
+                    "fp": _fp(model, opt),
+                    "before": before,
+                    "mode": rep.mode,
+                    "divergence": rep.divergence,
+                    "collectives": rep.collectives,
+                }
+    # DDP-wrapped: DDP makes the parameters equal, the optimizer states still differ.
+    model = _model("bn")
+    opt = _optim("adam", model.parameters())
+    _train(model, opt, "bn", steps=2, seed=7 + rank)
+    ddp = DistributedDataParallel(model)
+    sync = ReplicaSync(ddp, opt)
+    rep = sync.sync()
+    out["ddp"] = {"state": _snap(ddp, opt), "fp": _fp(ddp, opt), "mode": rep.mode}
+    # overlapped with DDP's own all-reduces queued behind ours on the same group
+    if rank == 1:
+        _flip_exponent(opt.state[model[0].weight]["exp_avg"], 2)
+    sync.start()
+    ddp(_batch("bn", torch.Generator().manual_seed(3))).square().mean().backward()
+    rep = sync.finish()
+    out["ddp_overlap"] = {"state": _snap(ddp, opt), "fp": _fp(ddp, opt), "mode": rep.mode}
+    return out
+
+
+def test_all_optimizers_and_modes_give_bitwise_identical_replicas():
+    results = run_workers(_w_all_optimizers, 3)
+    for key in results[0]:
+        per_rank = [r[key] for r in results]
+        _assert_replicas_identical(per_rank)
+        if key in ("ddp", "ddp_overlap"):
+            assert per_rank[0]["mode"] == {"ddp": "median", "ddp_overlap": "majority-copy"}[key]
+            continue
+        opt_kind, model_kind, mode = key
+        assert len({r["before"] for r in per_rank}) == 3, key  # really perturbed
+        expected = {"robust": "median", "mean": "mean", "broadcast": "broadcast"}[mode]
+        assert all(r["mode"] == expected for r in per_rank), key
+        assert 0 < per_rank[0]["divergence"] < math.inf
+        names = [n for n, _ in per_rank[0]["state"]]
+        if model_kind == "bn":
+            assert "buffer/1.running_mean" in names and "buffer/1.num_batches_tracked" in names
+        if opt_kind in ("adam", "adamw"):
+            assert any(n.endswith("/step") for n in names) and any(n.endswith("exp_avg_sq") for n in names)
+        if opt_kind == "sgd-momentum":
+            assert any(n.endswith("momentum_buffer") for n in names)
+        # one collective per dtype bucket (+ control, + divergence max), not per tensor
+        dtypes = len({t.dtype for _, t in per_rank[0]["state"]})
+        flags = mode != "broadcast"  # the finite-flag exchange
+        assert per_rank[0]["collectives"] == 1 + flags + dtypes + 1
+
+
+# ----------------------------------------------------------------------------
+# 3 ranks: bit-flip repair, no-op, NaN in mean mode, overlapped start/finish
+# ----------------------------------------------------------------------------
+
+
+def _w_three(rank: int, ws: int) -> dict:
+    out: dict = {}
+    # -- robust: one flipped exponent bit on rank 1 -> exact repair from the majority
+    model = _model("bn")
+    opt = _optim("adam", model.parameters())
+    _train(model, opt, "bn", steps=3, seed=0)  # same data: identical replicas
+    sync = ReplicaSync(model, opt)
+    out["clean"] = _snap(model, opt)
+    if rank == 1:
+        _flip_exponent(model[0].weight, 5)
+        out["flipped_value"] = model[0].weight.view(-1)[5].item()
+    rep = sync.sync()
+    out["flip"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+    # -- everything identical now: the no-op path moves only the control exchange
+    rep = sync.sync()
+    out["noop"] = rep
+    # -- flip inside Adam's exp_avg_sq on rank 2
+    if rank == 2:
+        _flip_exponent(opt.state[model[0].weight]["exp_avg_sq"], 3)
+    out["flip_optim"] = sync.sync()
+    out["after_flip_optim"] = _snap(model, opt)
+
+    # -- robust, a majority of identical NaN replicas: the finite replica wins
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    _train(model, opt, "mlp", steps=1, seed=0)
+    with torch.no_grad():
+        if rank == 1:
+            model[0].weight.add_(1e-3)
+        else:
+            model[0].bias[2] = math.nan
+    out["nan_majority_pre"] = _snap(model, opt)
+    rep = ReplicaSync(model, opt).sync()
+    out["nan_majority"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+
+    # -- mean mode, rank 2 holds a NaN: the mean of ranks 0 and 1, no NaN anywhere
+    model = _model("bn")
+    opt = _optim("sgd-momentum", model.parameters())
+    _train(model, opt, "bn", steps=2, seed=10 + rank)
+    if rank == 2:
+        with torch.no_grad():
+            model[4].weight[0, 0] = math.nan
+    out["mean_pre"] = _snap(model, opt)
+    rep = ReplicaSync(model, opt, mode="mean").sync()
+    out["mean"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+
+    # -- overlapped start/finish == blocking sync (bitwise), for median and mean
+    for mode in ("robust", "mean"):
+        model = _model("bn")
+        opt = _optim("adamw", model.parameters())
+        _train(model, opt, "bn", steps=2, seed=20 + rank)
+        pre = _snap(model, opt)
+        sync = ReplicaSync(model, opt, mode=mode)
+        blocking = sync.sync()
+        synced = _snap(model, opt)
+        _restore(model, opt, pre)
+        sync.start()
+        assert sync.in_flight
+        with torch.no_grad():  # compute that does not touch the state
+            model.eval()
+            model(_batch("bn", torch.Generator().manual_seed(1)))
+            model.train()
+        rep = sync.finish()
+        assert not sync.in_flight
+        out[f"overlap_{mode}"] = {
+            "blocking": blocking,
+            "report": rep,
+            "synced": synced,
+            "state": _snap(model, opt),
+            "fp": _fp(model, opt),
+        }
+        # with an optimizer step (and BatchNorm running-stat updates) in between:
+        # the correction synced + (w - snapshot) keeps the progress
+        _restore(model, opt, pre)
+        sync.start()
+        _train(model, opt, "bn", steps=1, seed=30)  # like DDP: the same gradient data
+        stepped = _snap(model, opt)
+        rep = sync.finish()
+        expected = []
+        for (n, s), (_, w), (_, p) in zip(synced, stepped, pre):
+            prog = w - p
+            expected.append((n, torch.where(prog == 0, s, s + prog)))
+        out[f"overlap_step_{mode}"] = {
+            "report": rep,
+            "state": _snap(model, opt),
+            "expected": expected,
+            "synced": synced,
+            "stepped": stepped,
+        }
+    return out
+
+
+def test_three_ranks_repair_noop_nan_and_overlap():
+    res = run_workers(_w_three, 3)
+    # one flipped exponent bit: repaired exactly to the majority's bits
+    assert abs(res[1]["flipped_value"]) > 1e30
+    for r in res:
+        rep = r["flip"]["report"]
+        assert rep.mode == "majority-copy" and rep.groups == [[0, 2], [1]] and rep.source_ranks == [0]
+        _assert_same(r["flip"]["state"], res[0]["clean"])
+        _assert_same(r["flip"]["state"], res[2]["clean"])
+        assert rep.divergence > 1e20  # rank 1 was ~1e37 away
+    _assert_replicas_identical([r["flip"] for r in res])
+    # no-op: only the fingerprints (8 bytes per rank), nothing else
+    for r in res:
+        rep = r["noop"]
+        assert rep.mode == "noop" and rep.bytes_sent == 8 and rep.collectives == 1
+        assert rep.divergence == 0.0 and rep.groups == [[0, 1, 2]]
+    for r in res:
+        assert r["flip_optim"].mode == "majority-copy" and r["flip_optim"].groups == [[0, 1], [2]]
+        _assert_same(r["after_flip_optim"], res[0]["clean"])
+    # one rank to repair: the source sends to it point-to-point, rank 2 moves nothing
+    state_bytes = sum(t.numel() * t.element_size() for _, t in res[0]["clean"])
+    assert res[0]["flip"]["report"].bytes_sent == 16 + state_bytes + 8
+    assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == 16 + 8
+    assert res[2]["flip"]["report"].collectives == 3  # fingerprints, finite flags, divergence
+
+    # a majority of identical but non-finite replicas is not copied
+    _assert_replicas_identical([r["nan_majority"] for r in res])
+    _assert_same(res[0]["nan_majority"]["state"], res[1]["nan_majority_pre"])
+    rep = res[0]["nan_majority"]["report"]
+    assert rep.mode == "median" and rep.source_ranks == [1] and rep.groups == [[0, 2], [1]]
+    assert rep.note == "majority is non-finite; non-finite ranks [0, 2] excluded"
+
+    # mean with a NaN replica: exactly the mean of the finite ones
+    _assert_replicas_identical([r["mean"] for r in res])
+    for r in res:
+        assert r["mean"]["report"].mode == "mean" and r["mean"]["report"].source_ranks == [0, 1]
+        assert math.isinf(r["mean"]["report"].divergence)
+    for (n, got), (_, a), (_, b) in zip(res[0]["mean"]["state"], res[0]["mean_pre"], res[1]["mean_pre"]):
+        if got.is_floating_point():
+            assert torch.equal(got, (a + b) / 2), n
+            assert torch.isfinite(got).all(), n
+        else:
+            assert torch.equal(got, a), n  # integers copied from the lowest finite rank
+
+    for mode, expected_mode in (("robust", "median"), ("mean", "mean")):
+        o = [r[f"overlap_{mode}"] for r in res]
+        _assert_replicas_identical(o)
+        for r in o:
+            assert r["report"].mode == r["blocking"].mode == expected_mode
+            assert r["report"].overlapped and r["report"].delta_tensors == len(
+                [n for n, _ in r["state"] if n.startswith("buffer/")]
+            )
+            _assert_same(r["state"], r["synced"])  # overlapped == blocking, bitwise
+            _assert_same(r["synced"], o[0]["synced"])
+        s = [r[f"overlap_step_{mode}"] for r in res]
+        for r in s:
+            assert r["report"].delta_tensors > 0
+            _assert_same(r["state"], r["expected"])  # synced + progress, exactly that
+            changed = [n for (n, a), (_, b) in zip(r["state"], r["synced"]) if not torch.equal(a, b)]
+            assert "param/0.weight" in changed and "buffer/1.running_mean" in changed
+        # replicas close (not bitwise: each rank's own progress was kept)
+        def params(state):
+            return torch.cat([t.reshape(-1) for n, t in state if n.startswith("param/")])
+
+        after = [params(r["state"]) for r in s]
+        unsynced = [params(r["stepped"]) for r in s]  # what the same step gives without a sync
+        for r in (1, 2):
+            left, before = (after[0] - after[r]).norm(), (unsynced[0] - unsynced[r]).norm()
+            assert 0 < left <= 0.5 * before
+
+
+# ----------------------------------------------------------------------------
+# 4 ranks: 2-2 split -> median; broadcast; buckets; measure_divergence
+# ----------------------------------------------------------------------------
+
+
+def _w_four(rank: int, ws: int) -> dict:
+    out: dict = {}
+    model = _model("bn")
+    opt = _optim("adam", model.parameters())
+    _train(model, opt, "bn", steps=2, seed=rank // 2)  # ranks {0,1} and {2,3} agree
+    out["split_pre"] = _snap(model, opt)
+    rep = ReplicaSync(model, opt, bucket_mb=256 / 2**20).sync()  # buckets cut across tensors
+    out["split"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+
+    # broadcast from rank 2, with tiny buckets: one collective per bucket
+    model = _model("mlp")
+    opt = _optim("sgd-momentum", model.parameters())
+    _train(model, opt, "mlp", steps=2, seed=rank)
+    out["bcast_pre"] = _snap(model, opt)
+    rep = ReplicaSync(model, opt, mode="broadcast", src=2, bucket_mb=64 / 2**20).sync()  # 64 bytes
+    out["bcast"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+
+    # measure_divergence against a hand computation; then with a NaN replica
+    model = _model("mlp")
+    opt = _optim("adam", model.parameters())
+    _train(model, opt, "mlp", steps=2, seed=rank)
+    out["div_state"] = _snap(model, opt)
+    out["div"] = measure_divergence(model, opt, per_tensor=True)
+    if rank == 3:
+        with torch.no_grad():
+            model[0].bias[0] = math.inf
+    out["div_nan"] = measure_divergence(model)
+    return out
+
+
+def _rel_to_mean(states: list[list[torch.Tensor]]) -> list[float]:
+    flat = [torch.cat([t.double().reshape(-1) for t in s]) for s in states]
+    mean = torch.stack(flat).mean(0)
+    return [float((f - mean).norm() / mean.norm()) for f in flat]
+
+
+def test_four_ranks_split_broadcast_buckets_and_divergence():
+    res = run_workers(_w_four, 4)
+    # 2-2 split: no strict majority -> lower median == the smaller of the two values
+    _assert_replicas_identical([r["split"] for r in res])
+    for r in res:
+        rep = r["split"]["report"]
+        assert rep.mode == "median" and rep.groups == [[0, 1], [2, 3]] and rep.collectives > 10
+        assert 0 < rep.divergence < 1
+    for (n, got), (_, x), (_, y) in zip(res[0]["split"]["state"], res[0]["split_pre"], res[2]["split_pre"]):
+        assert torch.equal(got, torch.minimum(x, y)), n
+    # divergence from the gathered buckets: X, X, Y, Y -> ||X - Y|| / ||X + Y|| over params
+    x, y = ([t.double().reshape(-1) for n, t in res[i]["split_pre"] if n.startswith("param/")] for i in (0, 2))
+    x, y = torch.cat(x), torch.cat(y)
+    assert res[0]["split"]["report"].divergence == pytest.approx(float((x - y).norm() / (x + y).norm()), rel=1e-4)
+
+    # broadcast copies the source exactly
+    _assert_replicas_identical([r["bcast"] for r in res])
+    _assert_same(res[0]["bcast"]["state"], res[2]["bcast_pre"])
+    total = sum(t.numel() * t.element_size() for _, t in res[2]["bcast_pre"])
+    buckets = sum(math.ceil(t.numel() * t.element_size() / 64) for _, t in res[2]["bcast_pre"])
+    for r in res:
+        rep = r["bcast"]["report"]
+        assert rep.mode == "broadcast" and rep.source_ranks == [2]
+        assert rep.collectives >= 1 + total // 64 + 1  # fingerprints + buckets + divergence
+        assert rep.collectives <= 1 + buckets + 1
+    assert res[2]["bcast"]["report"].bytes_sent == 8 + total + 8
+    assert res[0]["bcast"]["report"].bytes_sent == 8 + 8
+
+    # measure_divergence == hand computation
+    params = [[t for n, t in r["div_state"] if n.startswith("param/")] for r in res]
+    floats = [[t for _, t in r["div_state"] if t.is_floating_point()] for r in res]
+    want, want_state = _rel_to_mean(params), _rel_to_mean(floats)
+    for r in res:
+        d = r["div"]
+        assert d.per_rank == pytest.approx(want, rel=1e-9) and d.max == pytest.approx(max(want), rel=1e-9)
+        assert d.state_per_rank == pytest.approx(want_state, rel=1e-9) and d.finite == [True] * 4
+        name, worst, worst_rank = d.per_tensor[0]
+        i = [n for n, _ in r["div_state"]].index(name)
+        per = _rel_to_mean([[s[i][1]] for s in (x["div_state"] for x in res)])
+        assert worst == pytest.approx(max(per), rel=1e-9) and worst_rank == per.index(max(per))
+        assert [w for _, w, _ in d.per_tensor] == sorted((w for _, w, _ in d.per_tensor), reverse=True)
+    want3 = _rel_to_mean(params[:3])
+    for r in res:
+        d = r["div_nan"]
+        assert d.finite == [True, True, True, False] and d.per_tensor is None
+        assert d.per_rank[:3] == pytest.approx(want3, rel=1e-9) and math.isinf(d.per_rank[3])
+
+
+# ----------------------------------------------------------------------------
+# 2 ranks: median with the reference; mean with Inf; reference checkpointing
+# ----------------------------------------------------------------------------
+
+
+def _w_two(rank: int, ws: int) -> dict:
+    out: dict = {}
+    with pytest.raises(ValueError, match="src"):
+        ReplicaSync(_model("mlp"), None, src=ws)
+    model = _model("bn")
+    opt = _optim("adam", model.parameters())
+    _train(model, opt, "bn", steps=2, seed=0)
+    sync = ReplicaSync(model, opt)  # robust; identical replicas: the reference is agreed
+    _train(model, opt, "bn", steps=1, seed=1)  # the same progress on both
+    with torch.no_grad():
+        if rank == 0:  # a normal drift everywhere
+            gen = torch.Generator().manual_seed(5)
+            for p in model.parameters():
+                p.add_(1e-3 * torch.randn(p.shape, generator=gen))
+        else:  # one flipped exponent
+            _flip_exponent(model[4].weight, 7)
+            out["flipped"] = model[4].weight.view(-1)[7].item()
+    rep = sync.sync()
+    out["ref"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+    out["noop"] = sync.sync()
+    # checkpoint: a fresh ReplicaSync loading the state dict agrees with the old one
+    sd = sync.state_dict()
+    fresh = ReplicaSync(model, opt)
+    fresh.load_state_dict(sd)
+    out["tags"] = (sync._ref_tag, fresh._ref_tag)
+    fresh.load_state_dict({**sd, "world_size": 3, "reference": {}})  # elastic restart: ignored
+    out["tags"] += (fresh._ref_tag,)
+
+    # references that disagree (constructed on differing replicas): zero reference
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    _train(model, opt, "mlp", steps=1, seed=rank)
+    sync = ReplicaSync(model, opt)
+    _train(model, opt, "mlp", steps=1, seed=2)
+    out["disagree"] = {"report": sync.sync(), "state": _snap(model, opt), "fp": _fp(model, opt)}
+
+    # mean with Inf on rank 1: the finite replica's values
+    model = _model("mlp")
+    opt = _optim("sgd-momentum", model.parameters())
+    _train(model, opt, "mlp", steps=2, seed=rank)
+    out["mean_pre"] = _snap(model, opt)
+    if rank == 1:
+        with torch.no_grad():
+            model[2].bias[1] = -math.inf
+    out["mean"] = {"report": ReplicaSync(model, opt, mode="mean").sync(), "state": _snap(model, opt), "fp": _fp(model, opt)}
+    # and no finite replica at all: a clear error on every rank (no deadlock)
+    with torch.no_grad():
+        model[2].bias[1] = math.nan
+    with pytest.raises(RuntimeError, match="no replica is finite"):
+        ReplicaSync(model, opt, mode="mean").sync()
+    return out
+
+
+def test_two_ranks_reference_median_mean_and_checkpoint():
+    res = run_workers(_w_two, 2)
+    assert abs(res[1]["flipped"]) > 1e30
+    _assert_replicas_identical([r["ref"] for r in res])
+    for r in res:
+        rep = r["ref"]["report"]
+        assert rep.mode == "median-with-reference" and rep.note == "" and rep.source_ranks == [0, 1]
+        assert rep.divergence > 0.99  # relative to the mean of a 1e37 and a normal replica: ~1
+        for n, t in r["ref"]["state"]:
+            if t.is_floating_point():
+                assert torch.isfinite(t).all() and t.abs().max() < 10, n  # the 1e37 never survives
+        assert r["noop"].mode == "noop" and r["noop"].bytes_sent == 16  # fingerprint, reference tag
+        assert r["tags"][0] != 0 and r["tags"][0] == res[0]["tags"][0]
+        assert r["tags"][1] == res[0]["tags"][1] == r["tags"][2]
+    _assert_replicas_identical([r["disagree"] for r in res])
+    assert res[0]["disagree"]["report"].note == "references disagree; used a zero reference"
+
+    _assert_replicas_identical([r["mean"] for r in res])
+    _assert_same(res[1]["mean"]["state"], res[0]["mean_pre"])
+    assert res[0]["mean"]["report"].source_ranks == [0]
