@@ -230,6 +230,8 @@ class TrainConfig:
     """Each rank seeds dropout and sampling with its own seed (``--desync-seed``)."""
     inject: list[str] = field(default_factory=list)
     """Fault specs, e.g. ``bitflip:rate=0.01,bits=exponent,ranks=1`` (``--inject``, repeatable)."""
+    quiet: bool = False
+    """No console progress from the workers (``--quiet``); the run directory is written as usual."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to ``<run-dir>/tb`` (``--tensorboard``)."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

@@ -87,6 +87,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("desync-seed", None, "desync_seed", bool),
     Option("inject", None, "inject", "list", metavar="SPEC"),
     Option("tensorboard", None, "tensorboard", bool),
+    Option("quiet", None, "quiet", bool),
     Option("monitor", "monitor", "enabled", bool),
     Option("monitor-interval", "monitor", "interval", int),
     Option("cosine", "monitor", "cosine", str, ("sketch", "exact", "off")),

@@ -73,9 +73,12 @@ class RunRecorder:
     its own metrics and the faults it injected.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str] | None, rank: int, tensorboard: bool = False) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str] | None, rank: int, tensorboard: bool = False, quiet: bool = False
+    ) -> None:
         self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
         self.rank = rank
+        self.quiet = quiet
         self._files: dict[str, Any] = {}
         self._tb = None
         if self.run_dir is not None:
@@ -94,6 +97,16 @@ class RunRecorder:
         for record in records:
             f.write(json.dumps(jsonable(record), sort_keys=True) + "\n")
         f.flush()
+
+    def say(self, message: str) -> None:
+        """A console line from rank 0 (progress, alerts, guard decisions) unless quiet."""
+        if self.rank == 0 and not self.quiet:
+            print(message, flush=True)
+
+    def jsonl(self, name: str, record: dict[str, Any]) -> None:
+        """Rank 0 appends ``record`` to ``<run_dir>/<name>``."""
+        if self.rank == 0:
+            self._append(name, [record])
 
     def metrics(self, record: dict[str, Any]) -> None:
         self._append(f"metrics/rank{self.rank}.jsonl", [record])

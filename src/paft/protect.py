@@ -1,0 +1,503 @@
+"""The facade users touch: wrap a DDP model and its optimizer, keep training correct.
+
+:func:`protect` registers paft's comm hook on the DDP model and returns a
+:class:`Protector`. Its :meth:`Protector.step` takes the same closure as
+``optimizer.step(closure)`` (zero grads, forward, backward, return the loss) and
+runs one protected step:
+
+1. faults at rest (``params`` / ``optimizer-state`` sites; tests and benchmarks only);
+2. the closure: forward, backward; the hook chain injects and captures per bucket;
+3. ONE control collective (:mod:`paft.consistency`): every rank gets every rank's
+   loss, norms, fingerprints, flags and gradient sketch;
+4. the guard's verdict from that shared matrix: proceed, recompute the step, skip
+   the batch, or stop (all ranks reach the same verdict, so none deadlocks);
+5. an overlapped sync started after the previous step is finished (the state has
+   not changed since, so replicas become bitwise identical), then clip and
+   ``optimizer.step()``;
+6. post-step: update-ratio check (guard), then PAFT-Sync / PAFT-Dyn: on a
+   fingerprint mismatch (Dyn) or when the period is due, synchronize parameters,
+   buffers and optimizer state, blocking or overlapped with the next step's
+   forward/backward.
+
+Example::
+
+    >>> ddp = DistributedDataParallel(model)
+    >>> opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    >>> protector = paft.protect(ddp, opt, protect=ProtectConfig(mode="dyn"))
+    >>> for x, y in loader:
+    ...     def closure():
+    ...         opt.zero_grad()
+    ...         loss = F.cross_entropy(ddp(x), y)
+    ...         loss.backward()
+    ...         return loss
+    ...     report = protector.step(closure)
+    >>> protector.close()  # finish an in-flight sync
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.comm import CommHook, CommHookState, paft_comm_hook
+from paft.config import GuardConfig, MonitorConfig, ProtectConfig
+from paft.consistency import (
+    FLAG_AGG_NONFINITE,
+    FLAG_LOCAL_NONFINITE,
+    FLAG_LOSS_NONFINITE,
+    ControlVector,
+    ControlView,
+    gather_control,
+    gather_exact_grads,
+    worker_metrics,
+)
+from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
+from paft.faults import FaultInjector, FaultSchedule, FaultSpec, parse_specs
+from paft.fingerprint import group_replicas, state_fingerprint, state_tensors
+from paft.guard import Guard, GuardVerdict
+from paft.records import RunRecorder
+from paft.sync import ReplicaSync, SyncReport
+
+__all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
+
+
+class _ForwardSnapshot:
+    """What a recomputation of the step must start from: RNG states and buffers.
+
+    Parameters and optimizer state are untouched until ``optimizer.step()``; only
+    what the forward itself mutates (BatchNorm statistics) and the RNG that dropout
+    draws from are copied, both small.
+    """
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.buffers = [(b, b.detach().clone()) for b in model.module.buffers()]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        with torch.no_grad():
+            for live, saved in self.buffers:
+                live.copy_(saved)
+
+
+class _StateSnapshot:
+    """Parameters and optimizer state before ``optimizer.step()``, for a post-step rollback.
+
+    Taken only when the guard arms it (:meth:`Guard.wants_snapshot`): a copy of the
+    whole state costs about as much as the update itself.
+    """
+
+    def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        self.params = [p.detach().clone() for p in model.parameters()]
+        self.optimizer = copy.deepcopy(optimizer.state_dict())
+
+    def update_ratio(self, model: DistributedDataParallel) -> float:
+        """||w_new - w_old|| / ||w_old|| over all parameters."""
+        num = sum(float((p.detach() - b).square().sum()) for p, b in zip(model.parameters(), self.params))
+        den = sum(float(b.square().sum()) for b in self.params)
+        return math.sqrt(num / den) if den > 0 else math.inf
+
+    def restore(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), self.params):
+                p.copy_(saved)
+        optimizer.load_state_dict(self.optimizer)
+
+
+class PersistentFaultError(RuntimeError):
+    """The guard found a persistently faulty rank and the policy is ``stop``."""
+
+    def __init__(self, step: int, ranks: list[int]) -> None:
+        super().__init__(
+            f"step {step}: rank(s) {ranks} reproduce a harmful update on recomputation "
+            "(persistent fault); stopping as --on-persistent=stop asks"
+        )
+        self.step = step
+        self.ranks = ranks
+
+
+@dataclass
+class StepReport:
+    """What happened in one protected step (identical on every rank except ``local_*``)."""
+
+    step: int
+    loss: float
+    """Mean of the ranks' local losses (of the attempt that was applied)."""
+    local_loss: float
+    grad_norm: float
+    """Norm of this rank's aggregated gradient, before clipping."""
+    applied: bool = True
+    """False when the guard skipped the batch."""
+    attempts: int = 1
+    metrics: dict[str, Any] = field(default_factory=dict)
+    synced: bool = False
+
+
+def protect(
+    model: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    *,
+    monitor: MonitorConfig | None = None,
+    protect: ProtectConfig | None = None,
+    guard: GuardConfig | None = None,
+    inject: Sequence[str | FaultSpec] = (),
+    seed: int = 0,
+    grad_clip: float = 0.0,
+    recorder: RunRecorder | None = None,
+    comm_hook: CommHook | None = None,
+    comm_state: Any = None,
+) -> Protector:
+    """Wrap ``model`` (DDP) and ``optimizer``; see :class:`Protector`.
+
+    ``comm_hook`` / ``comm_state``: a comm hook of your own (e.g. a compression hook),
+    which paft wraps instead of the default all-reduce.
+    """
+    return Protector(
+        model,
+        optimizer,
+        monitor=monitor or MonitorConfig(),
+        protect=protect or ProtectConfig(),
+        guard=guard or GuardConfig(),
+        inject=inject,
+        seed=seed,
+        grad_clip=grad_clip,
+        recorder=recorder,
+        comm_hook=comm_hook,
+        comm_state=comm_state,
+    )
+
+
+class Protector:
+    """Per-step protection of a DDP model; build it with :func:`protect`."""
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        *,
+        monitor: MonitorConfig,
+        protect: ProtectConfig,
+        guard: GuardConfig,
+        inject: Sequence[str | FaultSpec],
+        seed: int,
+        grad_clip: float,
+        recorder: RunRecorder | None,
+        comm_hook: CommHook | None,
+        comm_state: Any,
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"protect() needs a DistributedDataParallel model, got {type(model).__name__}")
+        if grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0, got {grad_clip}")
+        self.model = model
+        self.optimizer = optimizer
+        self.monitor_cfg = monitor
+        self.protect_cfg = protect
+        self.guard_cfg = guard
+        self.grad_clip = grad_clip
+        self.recorder = recorder or RunRecorder(None, dist.get_rank())
+        self.group = model.process_group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
+        self.injector = FaultInjector(FaultSchedule(specs, seed, self.world_size), self.rank)
+        if guard.enabled and not monitor.enabled:
+            raise ValueError("the guard needs the per-step monitor (MonitorConfig.enabled)")
+        self.hook = CommHookState(
+            self.injector,
+            cosine=monitor.cosine,
+            sketch_dim=monitor.sketch_dim,
+            process_group=self.group,
+            inner_hook=comm_hook,
+            inner_state=comm_state,
+        )
+        # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
+        if monitor.enabled or self.injector.enabled or comm_hook is not None:
+            model.register_comm_hook(self.hook, paft_comm_hook)
+        self.sketch_dim = monitor.sketch_dim if monitor.cosine == "sketch" else 0
+        self.sync: ReplicaSync | None = None
+        self.scheduler: SyncScheduler | None = None
+        self.averager: PeriodicModelAverager | None = None
+        if protect.mode == "averager":
+            self.averager = PeriodicModelAverager(period=protect.sync_period, warmup_steps=0,
+                                                  process_group=self.group)
+        elif protect.mode != "none":
+            self.sync = ReplicaSync(
+                model, optimizer, mode=protect.sync_mode, src=protect.broadcast_src, group=self.group
+            )
+            if protect.mode == "dyn":
+                self.scheduler = DynScheduler(
+                    DynConfig(
+                        h_init=min(max(protect.sync_period, protect.h_min), protect.h_max),
+                        h_min=protect.h_min,
+                        h_max=protect.h_max,
+                        target=protect.target,
+                    )
+                )
+            else:
+                self.scheduler = FixedScheduler(protect.sync_period)
+        self.guard = Guard(guard, self.world_size) if guard.enabled else None
+        self.step_idx = 0
+        self._alerting: dict[str, bool] = {}
+        self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
+
+    # -- one step -----------------------------------------------------------------
+
+    def step(self, closure: Callable[[], torch.Tensor]) -> StepReport:
+        """Run one protected training step; ``closure`` zeroes grads, runs forward and backward."""
+        t = self.step_idx
+        self._inject_at_rest(t)
+        if not self.monitor_cfg.enabled:
+            return self._unmonitored_step(t, closure)
+        check_state = self._due(self.monitor_cfg.fingerprint_every, t)
+        capture = self.guard is not None or check_state or self._due(self.monitor_cfg.interval, t)
+        rerun_from = _ForwardSnapshot(self.model) if self.guard is not None else None
+        attempt, applied, ratio, synced = 0, True, None, False
+        while True:
+            self.hook.begin(t, attempt, capture=capture)
+            view = self._control(closure(), check_state)
+            verdict = self._judge(t, attempt, self.guard.check(t, attempt, view)) if self.guard else None
+            if verdict is not None and verdict.action == "recompute":
+                rerun_from.restore()  # type: ignore[union-attr]
+                attempt += 1
+                continue
+            if verdict is not None and verdict.action == "skip":
+                applied = False
+                break
+            synced = self._finish_sync(t) or synced
+            armed = self.guard is not None and self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
+            before = _StateSnapshot(self.model, self.optimizer) if armed else None
+            self._clip()
+            self.optimizer.step()
+            if before is None:
+                break
+            ratio = self._max_over_ranks(before.update_ratio(self.model))
+            verdict = self._judge(t, attempt, self.guard.check_update(t, attempt, ratio))  # type: ignore[union-attr]
+            if verdict.action == "proceed":
+                break
+            before.restore(self.model, self.optimizer)
+            if verdict.action == "skip":
+                applied = False
+                break
+            rerun_from.restore()  # type: ignore[union-attr]
+            attempt += 1
+        if self.guard is not None and applied:
+            self.guard.accept(t, view, ratio)
+        if not applied:
+            self.optimizer.zero_grad(set_to_none=True)
+        metrics = self._metrics(t, view) if capture else {}
+        synced = self._maybe_sync(t, view) or synced
+        self.step_idx += 1
+        return StepReport(
+            step=t,
+            loss=view.global_loss,
+            local_loss=float(view.losses[self.rank]),
+            grad_norm=float(view.agg_norms[self.rank]),
+            applied=applied,
+            attempts=attempt + 1,
+            metrics=metrics,
+            synced=synced,
+        )
+
+    def _unmonitored_step(self, t: int, closure: Callable[[], torch.Tensor]) -> StepReport:
+        """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
+        self.hook.begin(t, 0, capture=False)
+        loss = float(closure().detach())
+        self._record_faults(self.hook.current.faults)
+        synced = self._finish_sync(t)
+        self._clip()
+        self.optimizer.step()
+        synced = self._maybe_sync(t, None) or synced
+        self.step_idx += 1
+        return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, synced=synced)
+
+    def close(self) -> None:
+        """Finish an in-flight overlapped sync so that training ends on identical replicas."""
+        self._finish_sync(self.step_idx)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Run totals: faults injected here, syncs, bytes, alerts, and the guard's counts."""
+        guard = self.guard.counters if self.guard is not None else {}
+        out = dict(self._counts)
+        for key in ("detections", "recomputes", "skipped_batches", "rollbacks", "transient", "persistent", "data"):
+            out[key] = guard.get(key, 0)
+        return out
+
+    # -- pieces of the step ---------------------------------------------------------
+
+    @staticmethod
+    def _due(every: int, step: int) -> bool:
+        return every > 0 and step % every == 0
+
+    def _inject_at_rest(self, step: int) -> None:
+        for site, prefix in (("params", "param/"), ("optimizer-state", "optim/")):
+            if not self.injector.has_site(site):
+                continue
+            named = {n: t for n, t in state_tensors(self.model, self.optimizer) if n.startswith(prefix)}
+            with torch.no_grad():
+                records = self.injector.inject_tensors(site, step, named)
+            self._record_faults(records)
+
+    def _record_faults(self, records: Sequence[Any]) -> None:
+        if records:
+            self._counts["faults_injected"] += len(records)
+            self.recorder.faults(r.to_json() for r in records)
+
+    def _control(self, loss: torch.Tensor, check_state: bool) -> ControlView:
+        """Pack this rank's view of the step and run the step's one control collective."""
+        cap = self.hook.current
+        self._record_faults(cap.faults)
+        local_loss = float(loss.detach())
+        flags = 0
+        if not math.isfinite(local_loss):
+            flags |= FLAG_LOSS_NONFINITE
+        if cap.local_nonfinite:
+            flags |= FLAG_LOCAL_NONFINITE
+        if cap.agg_nonfinite:
+            flags |= FLAG_AGG_NONFINITE
+        state_fp = None
+        if check_state:
+            state_fp = state_fingerprint(self.model, self.optimizer, buffers=False)
+        vec = ControlVector(
+            loss=local_loss,
+            local_sq=cap.local_sq,
+            agg_sq=cap.agg_sq,
+            agg_fingerprint=cap.agg_fingerprint,
+            state_fingerprint=state_fp,
+            flags=flags,
+            faults=len(cap.faults),
+            sketch=cap.sketch,
+        )
+        return gather_control(vec.pack(self.sketch_dim), self.group)
+
+    def _metrics(self, step: int, view: ControlView) -> dict[str, Any]:
+        grads = None
+        if self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
+            grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
+        metrics = worker_metrics(view, grads)
+        metrics["step"] = step
+        metrics["loss"] = view.global_loss
+        metrics["local_losses"] = view.losses.tolist()
+        metrics["local_grad_norms"] = view.local_norms.tolist()
+        metrics["faults"] = view.faults
+        self.recorder.consistency(metrics)
+        self._alerts(step, metrics)
+        return metrics
+
+    def _alerts(self, step: int, m: dict[str, Any]) -> None:
+        """Threshold alerts, edge-triggered: written when a condition starts, not every step."""
+        cfg = self.monitor_cfg
+        conditions = {
+            "loss_cv": (m.get("consistency/loss_cv", 0.0), lambda v: v > cfg.alert_loss_cv, []),
+            "grad_cos_min": (m.get("consistency/grad_cos_min", 1.0), lambda v: v < cfg.alert_cos_min, []),
+            "replicas_split": (m.get("replicas/grad_distinct", 1), lambda v: v > 1,
+                               m.get("replicas/grad_minority_ranks", [])),
+            "state_split": (m.get("replicas/state_distinct", 1), lambda v: v > 1,
+                            m.get("replicas/state_minority_ranks", [])),
+        }
+        for name, (value, fires, ranks) in conditions.items():
+            active = bool(fires(value))
+            if active and not self._alerting.get(name, False):
+                self._counts["alerts"] += 1
+                self.recorder.event({"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks})
+                who = f" (rank(s) {ranks} disagree)" if ranks else ""
+                self.recorder.say(f"[alert] step {step}: {name} = {value:.4g}{who}")
+            self._alerting[name] = active
+
+    def _judge(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
+        """Record a guard verdict that says something; stop the run if it must."""
+        if verdict.detector is not None or verdict.action != "proceed":
+            self.recorder.event({"step": step, "event": "guard", "attempt": attempt, **verdict.to_json()})
+            cause = f", cause {verdict.cause}" if verdict.cause else ""
+            ranks = f" on rank(s) {verdict.ranks}" if verdict.ranks else ""
+            self.recorder.say(f"[guard] step {step} attempt {attempt}: {verdict.detector}{ranks} -> {verdict.action}{cause}")
+        if verdict.action == "stop":
+            raise PersistentFaultError(step, verdict.ranks)
+        return verdict
+
+    def _clip(self) -> None:
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+
+    def _max_over_ranks(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t)
+
+    # -- PAFT-Sync / PAFT-Dyn --------------------------------------------------------
+
+    def _maybe_sync(self, step: int, view: ControlView | None) -> bool:
+        """After the update of ``step``: start (overlap) or run (blocking) a sync if due."""
+        if self.averager is not None:
+            due = step % self.averager.period == 0
+            self.averager.average_parameters(self.model.parameters())
+            if due:
+                self._counts["syncs"] += 1
+                self._counts["sync_bytes"] += sum(p.numel() * p.element_size() for p in self.model.parameters())
+            return due
+        if self.sync is None or self.scheduler is None:
+            return False
+        if view is not None and isinstance(self.scheduler, DynScheduler) and self._replicas_split(view):
+            self.scheduler.trigger(step)
+            self.recorder.event({"step": step, "event": "dyn_trigger", "period": self.scheduler.period})
+        if not self.scheduler.due(step):
+            return False
+        if self.protect_cfg.overlap:
+            self.sync.start()
+            return False
+        self._on_sync(step, self.sync.sync())
+        return True
+
+    @staticmethod
+    def _replicas_split(view: ControlView) -> bool:
+        state_fps = view.state_fingerprints()
+        return len(group_replicas(view.agg_fingerprints())) > 1 or (
+            state_fps is not None and len(group_replicas(state_fps)) > 1
+        )
+
+    def _finish_sync(self, step: int) -> bool:
+        if self.sync is None or not self.sync.in_flight:
+            return False
+        self._on_sync(step - 1, self.sync.finish())
+        return True
+
+    def _on_sync(self, step: int, report: SyncReport) -> None:
+        assert self.scheduler is not None
+        self._counts["syncs"] += 1
+        self._counts["sync_bytes"] += report.bytes_sent
+        period = self.scheduler.observe(step, report.divergence)
+        self.recorder.event({"step": step, "event": "sync", "period": period, **report.to_json()})
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step_idx,
+            "counters": dict(self._counts),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sync": self.sync.state_dict() if self.sync is not None else None,
+            "guard": self.guard.state_dict() if self.guard is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_idx = state["step"]
+        self._counts.update(state["counters"])
+        if self.averager is not None:
+            self.averager.step = self.step_idx  # its own call counter decides when to average
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.sync is not None and state.get("sync") is not None:
+            self.sync.load_state_dict(state["sync"])
+        if self.guard is not None and state.get("guard") is not None:
+            self.guard.load_state_dict(state["guard"])

@@ -1,0 +1,258 @@
+"""Multi-rank tests of the protector: injection, monitoring, guard and sync, on real DDP.
+
+A small MLP on synthetic regression data keeps each test to a few seconds; fault
+injection is keyed by (rank, step) through the fault specs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.config import GuardConfig, MonitorConfig, ProtectConfig
+from paft.fingerprint import group_replicas, state_fingerprint
+from paft.protect import PersistentFaultError, protect
+from paft.testing import run_workers
+
+
+def toy_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    return x, x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(8, 1, generator=g)
+
+
+def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Train the toy model for ``steps``; ``opts`` picks the optimizer, faults and defenses."""
+    steps = opts.get("steps", 10)
+    model = DistributedDataParallel(toy_model())
+    opt_name = opts.get("optimizer", "adam")
+    if opt_name == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    elif opt_name == "momentum":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    nan_at = opts.get("nan_input_at")  # (rank, step): bad data on one rank
+    reports, divergence = [], []
+    if opts.get("plain"):
+        protector = None
+    else:
+        protector = protect(
+            model, optimizer,
+            monitor=MonitorConfig(**opts.get("monitor", {})),
+            protect=ProtectConfig(**opts.get("protect", {})),
+            guard=GuardConfig(**opts.get("guard", {})),
+            inject=opts.get("inject", []), seed=3,
+        )
+    for step in range(steps):
+        x, y = batch(rank, step)
+        if nan_at == [rank, step]:
+            x[0, 0] = float("nan")
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        if protector is None:
+            closure()
+            optimizer.step()
+        else:
+            r = protector.step(closure)
+            reports.append({"step": r.step, "applied": r.applied, "attempts": r.attempts,
+                            "metrics": r.metrics, "synced": r.synced})
+        divergence.append(_rel_divergence(model))
+    if protector is not None:
+        protector.close()
+    return {
+        "params": [p.detach().clone() for p in model.module.parameters()],
+        "fingerprint": state_fingerprint(model, optimizer, buffers=False),
+        "reports": reports,
+        "divergence": divergence,
+        "counters": protector.counters if protector is not None else {},
+    }
+
+
+def _rel_divergence(model: DistributedDataParallel) -> float:
+    """max over ranks of ||w_r - mean(w)|| / ||mean(w)|| (a collective)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
+    mean = flat.clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    rel = torch.tensor([float((flat - mean).norm() / mean.norm())], dtype=torch.float64)
+    dist.all_reduce(rel, op=dist.ReduceOp.MAX)
+    return float(rel)
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+# -- fault injection and the monitor ---------------------------------------------------
+
+
+def test_protected_fault_free_path_is_bitwise_plain_ddp() -> None:
+    # world size 3: DDP's scaling by 1/3 must be reproduced bit for bit
+    plain = run_workers(train_toy, 3, {"plain": True})
+    monitored = run_workers(train_toy, 3, {})
+    rate_zero = run_workers(train_toy, 3, {"inject": ["bitflip:rate=0,bits=exponent"],
+                                           "monitor": {"enabled": False}})
+    for p, m, z in zip(plain, monitored, rate_zero):
+        assert same(p, m) and same(p, z)
+    assert same(plain[0], plain[2])
+
+
+def test_aggregation_fault_splits_only_the_faulty_rank_and_is_reported_that_step() -> None:
+    out = run_workers(train_toy, 3, {"inject": ["bitflip:steps=4,ranks=1,bits=exponent"]})
+    assert not same(out[0], out[1])
+    assert same(out[0], out[2])
+    m = out[0]["reports"][4]["metrics"]
+    assert m["replicas/grad_distinct"] == 2 and m["replicas/grad_minority_ranks"] == [1]
+    assert out[0]["reports"][3]["metrics"]["replicas/grad_distinct"] == 1
+    # the state split shows from the next step on, naming the same rank
+    assert out[0]["reports"][5]["metrics"]["replicas/state_minority_ranks"] == [1]
+    assert out[1]["counters"]["faults_injected"] == 1 and out[0]["counters"]["faults_injected"] == 0
+
+
+def test_local_grad_fault_changes_the_model_on_every_rank_alike() -> None:
+    clean = run_workers(train_toy, 2, {})
+    out = run_workers(train_toy, 2, {"inject": ["scale:site=local-grad,steps=3,ranks=0,factor=100,count=8"]})
+    assert same(out[0], out[1])
+    assert not same(out[0], clean[0])
+
+
+def test_stale_aggregation_delivers_the_previous_result() -> None:
+    out = run_workers(train_toy, 2, {"inject": ["stale:steps=5,ranks=1"]})
+    assert not same(out[0], out[1])
+    assert out[0]["reports"][5]["metrics"]["replicas/grad_minority_ranks"] in ([0], [1])
+
+
+@pytest.mark.parametrize("site", ["params", "optimizer-state"])
+def test_state_fault_at_rest_is_detected_and_the_rank_named(site: str) -> None:
+    out = run_workers(train_toy, 3, {"inject": [f"bitflip:site={site},steps=6,ranks=2,bits=mantissa"]})
+    m = out[0]["reports"][6]["metrics"]
+    assert m["replicas/state_distinct"] == 2 and m["replicas/state_minority_ranks"] == [2]
+    assert out[0]["reports"][5]["metrics"]["replicas/state_distinct"] == 1
+
+
+def flip_buffer_and_fingerprint(rank: int, world_size: int) -> int:
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p)
+    if rank == 2:
+        bits = model[1].running_var.view(torch.int32)
+        bits[1] ^= 1 << 3  # one mantissa bit of one BatchNorm statistic
+    fp = torch.tensor([state_fingerprint(model)], dtype=torch.int64)
+    fps = [torch.zeros_like(fp) for _ in range(world_size)]
+    dist.all_gather(fps, fp)
+    return group_replicas([int(f) for f in fps])[1:]
+
+
+def test_single_flipped_buffer_bit_names_the_rank() -> None:
+    assert run_workers(flip_buffer_and_fingerprint, 3)[0] == [[2]]
+
+
+# -- guard ----------------------------------------------------------------------------
+
+GUARD = {"enabled": True, "warmup": 3}
+
+
+@pytest.mark.parametrize("site", ["aggregation", "local-grad"])
+def test_guard_recomputes_a_transient_bit30_flip_exactly(site: str) -> None:
+    clean = run_workers(train_toy, 2, {"guard": GUARD, "steps": 12})
+    out = run_workers(train_toy, 2, {"guard": GUARD, "steps": 12,
+                                     "inject": [f"bitflip:site={site},steps=7,ranks=1,bits=30,count=4"]})
+    assert same(out[0], clean[0]) and same(out[1], clean[1])
+    assert out[0]["reports"][7]["attempts"] == 2
+    c = out[0]["counters"]
+    assert c["detections"] == 1 and c["recomputes"] == 1 and c["transient"] == 1 and c["skipped_batches"] == 0
+
+
+def test_nan_in_input_data_is_attributed_to_data_and_skipped() -> None:
+    out = run_workers(train_toy, 2, {"guard": GUARD, "nan_input_at": [1, 6]})
+    assert same(out[0], out[1])
+    assert out[0]["reports"][6]["applied"] is False
+    c = out[0]["counters"]
+    assert c["data"] == 1 and c["skipped_batches"] == 1
+    assert all(torch.isfinite(p).all() for p in out[0]["params"])
+
+
+def persistent_run(rank: int, world_size: int, opts: dict[str, Any]) -> Any:
+    try:
+        return train_toy(rank, world_size, opts)
+    except PersistentFaultError as err:
+        return {"stopped": err.step, "ranks": err.ranks}
+
+
+def test_persistent_faulty_rank_is_named_and_stops() -> None:
+    out = run_workers(persistent_run, 3, {
+        "guard": {**GUARD, "on_persistent": "stop"},
+        "inject": ["bitflip:steps=6,ranks=2,bits=30,count=4,persistent=true"],
+    })
+    assert all(o == {"stopped": 6, "ranks": [2]} for o in out)
+
+
+def test_rerun_cap_holds() -> None:
+    out = run_workers(train_toy, 3, {
+        "guard": {**GUARD, "on_persistent": "repair", "max_reruns_per_step": 2, "max_reruns_per_run": 3},
+        "inject": ["bitflip:steps=5-6,ranks=2,bits=30,count=4,persistent=true"],
+    })
+    reports = out[0]["reports"]
+    assert reports[5]["attempts"] == 3 and reports[5]["applied"] is False  # 2 reruns, then skip
+    assert reports[6]["attempts"] == 2 and reports[6]["applied"] is False  # run cap: 1 rerun left
+    assert out[0]["counters"]["recomputes"] == 3
+    assert same(out[0], out[1]) and same(out[0], out[2])
+
+
+# -- PAFT-Sync / PAFT-Dyn ----------------------------------------------------------------
+
+FAULTY = ["bitflip:rate=0.5,ranks=1,bits=mantissa,count=64"]
+
+
+def test_sync_bounds_divergence_that_grows_without_it() -> None:
+    unprotected = run_workers(train_toy, 3, {"steps": 30, "inject": FAULTY})[0]["divergence"]
+    synced = run_workers(train_toy, 3, {"steps": 30, "inject": FAULTY,
+                                        "protect": {"mode": "sync", "sync_period": 5, "overlap": False}})[0]
+    div = synced["divergence"]
+    assert unprotected[-1] > 0 and unprotected[-1] >= max(unprotected[:10])
+    # after every sync (steps 5, 10, ...) the replicas are identical again
+    for step in range(5, 30, 5):
+        assert div[step] == 0.0, (step, div)
+    assert max(div) < unprotected[-1]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_dyn_repairs_a_split_within_one_step(optimizer: str) -> None:
+    out = run_workers(train_toy, 3, {
+        "optimizer": optimizer, "steps": 12,
+        "inject": ["bitflip:steps=4,ranks=1,bits=exponent,count=8"],
+        "protect": {"mode": "dyn", "sync_period": 50, "overlap": True},
+    })
+    assert out[0]["divergence"][3] == 0.0 and out[0]["divergence"][4] > 0.0
+    assert out[0]["divergence"][5] == 0.0  # the overlapped repair finished before step 5's update
+    assert len({o["fingerprint"] for o in out}) == 1
+    assert out[0]["counters"]["syncs"] >= 1
+
+
+def test_overlapped_and_blocking_sync_agree() -> None:
+    # the last sync is due after step 16; close() finishes the overlapped one
+    opts = {"steps": 17, "inject": FAULTY, "protect": {"mode": "sync", "sync_period": 4}}
+    overlapped = run_workers(train_toy, 3, opts)
+    blocking = run_workers(train_toy, 3, {**opts, "protect": {"mode": "sync", "sync_period": 4, "overlap": False}})
+    assert len({o["fingerprint"] for o in overlapped}) == 1
+    assert len({o["fingerprint"] for o in blocking}) == 1
+    assert overlapped[0]["counters"]["syncs"] == blocking[0]["counters"]["syncs"] == 4
+    assert max(overlapped[0]["divergence"]) <= 2 * max(blocking[0]["divergence"])
