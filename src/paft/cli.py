@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from paft.bench import add_bench_parser, run_bench
 from paft.options import add_train_options, config_from_namespace
 
 __all__ = ["main", "build_parser"]
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by paft train")
     report.add_argument("--out-dir", metavar="DIR", help="where to write the plots [default: RUN_DIR/report]")
+    add_bench_parser(sub)
     return parser
 
 
@@ -94,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(args, subparser)
     if args.command == "report":
         return _report(args, subparser)
+    if args.command == "bench":
+        kind = subparser._subparsers._group_actions[0].choices[args.benchmark]  # type: ignore[union-attr]
+        return run_bench(args, kind)
     raise AssertionError(args.command)
 
 

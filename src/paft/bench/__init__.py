@@ -1,0 +1,115 @@
+"""``paft bench``: side-by-side experiments, measured in one session on this machine.
+
+Subcommands (each writes ``results.json``, ``results.md`` and plots into ``--out``):
+
+- ``matrix``: the PAFT evaluation matrix (:mod:`paft.bench.matrix`);
+- ``overhead``: cost of each defense without faults (:mod:`paft.bench.overhead`);
+- ``desync``: the silent-inconsistency study (:mod:`paft.bench.desync`);
+- ``detection``: the guard's detection table per bit (:mod:`paft.bench.detection`).
+
+Example::
+
+    paft bench matrix --quick
+    paft bench overhead --rounds 5 --out bench/overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+from typing import Any
+
+__all__ = ["add_bench_parser", "run_bench"]
+
+
+def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
+    bench = sub.add_parser(
+        "bench",
+        help="side-by-side experiments (matrix, overhead, desync, detection)",
+        description="Run a benchmark: all its runs share one worker group on this machine, same seeds and "
+        "data order; throughput is compared from alternating runs.",
+    )
+    kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--out", metavar="DIR", help="output folder [default: bench/<benchmark>-<timestamp>]")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+
+    matrix = kinds.add_parser("matrix", help="fault-free / unprotected / averager / PAFT-Sync / PAFT-Dyn / guard, "
+                              "per workload and fault setting")
+    common(matrix)
+    matrix.add_argument("--quick", action="store_true", help="one fault setting, fewer steps (under 5 minutes)")
+    matrix.add_argument("--workloads", default="gpt,llama,resnet", help="comma-separated [default: %(default)s]")
+    matrix.add_argument("--steps", type=int, help="steps per run [default: 60 with --quick, else 150]")
+    matrix.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
+
+    overhead = kinds.add_parser("overhead", help="throughput of each defense without faults, ratio to plain DDP")
+    common(overhead)
+    overhead.add_argument("--rounds", type=int, default=3, help="rotating rounds [default: %(default)s]")
+    overhead.add_argument("--steps", type=int, default=40, help="steps per run [default: %(default)s]")
+    overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
+    overhead.add_argument("--workload", default="gpt", help="[default: %(default)s]")
+    overhead.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
+    overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,guard,dyn,sync,averager")
+
+    desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
+    common(desync)
+    desync.add_argument("--steps", type=int, default=150, help="steps per setting [default: %(default)s]")
+    desync.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
+
+    detection = kinds.add_parser("detection", help="the guard's detection table per float32 bit and site")
+    common(detection)
+    detection.add_argument("--steps", type=int, default=40, help="steps per run [default: %(default)s]")
+    detection.add_argument("--rate", type=float, default=0.1, help="fault rate per step [default: %(default)s]")
+    detection.add_argument("--world-size", type=int, default=2, help="workers [default: %(default)s]")
+    return bench
+
+
+def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathlib.Path:
+    out = pathlib.Path(args.out or f"bench/{args.benchmark}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        parser.error(f"--out: {out} already exists; pass --overwrite to replace it")
+    return out
+
+
+def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for name in ("steps", "rounds", "world_size", "period"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    out = _out_dir(args, parser)
+    if out.exists() and args.overwrite:
+        import shutil
+
+        shutil.rmtree(out)
+    if args.benchmark == "overhead":
+        from paft.bench import overhead
+
+        variants = args.variants.split(",") if args.variants else None
+        unknown = [v for v in variants or [] if v not in overhead.VARIANTS]
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}; choose from {list(overhead.VARIANTS)}")
+        overhead.run(out, rounds=args.rounds, steps=args.steps, period=args.period, workload=args.workload,
+                     world_size=args.world_size, variants=variants)
+    elif args.benchmark == "matrix":
+        from paft.bench import matrix
+        from paft.workloads import WORKLOADS
+
+        workloads = args.workloads.split(",")
+        unknown = [w for w in workloads if w not in WORKLOADS]
+        if unknown:
+            parser.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
+        matrix.run(out, quick=args.quick, workloads=workloads, steps=args.steps, world_size=args.world_size)
+    elif args.benchmark == "desync":
+        from paft.bench import desync
+
+        desync.run(out, steps=args.steps, world_size=args.world_size)
+    elif args.benchmark == "detection":
+        from paft.bench import detection
+
+        if not 0 < args.rate <= 1:
+            parser.error(f"--rate: must be in (0, 1], got {args.rate}")
+        detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size)
+    print(f"\nresults in {out}/ (results.md, results.json, plots)")
+    return 0

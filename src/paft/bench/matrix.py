@@ -1,0 +1,218 @@
+"""The PAFT evaluation matrix: defenses side by side under injected faults.
+
+Per workload (gpt, llama, resnet; bench-sized models so the full matrix fits in
+45 minutes on 2 cores), at 4 ranks, same seed and data order everywhere:
+
+1. ``fault-free``: plain DDP without faults (the reference, re-run between cells);
+2. ``unprotected``: faults, plain DDP;
+3. ``averager``: faults + ``torch.distributed.algorithms.model_averaging``'s
+   PeriodicModelAverager at period H (the in-tree anchor);
+4. ``torchft-localsgd``: listed as skipped unless torchft is installed;
+5. ``paft-sync``: faults + PAFT-Sync at H;
+6. ``paft-dyn``: faults + PAFT-Dyn;
+7. ``guard``: faults + guard;
+8. ``dyn+guard``: faults + PAFT-Dyn + guard.
+
+Fault settings: aggregation bit flips on rank 1, exponent and mantissa classes, at
+rates 1e-3, 1e-2, 1e-1 per step; plus an exponent flip in the local gradient
+(compute SDC) at 1e-2 for the guard scenarios. ``--quick``: exponent at 1e-2 only,
+fewer steps.
+
+Per cell: final validation loss (and accuracy) and its gap to the fault-free run,
+max replica divergence over the run (sampled at evaluations) and at the end,
+replicas distinct at the end, syncs and bytes synchronized, detections and
+recomputes, and throughput as a ratio to the fault-free runs scheduled next to it.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import statistics
+from typing import Any
+
+from paft.bench.runner import (
+    Run,
+    alternate,
+    curves,
+    make_config,
+    markdown_table,
+    run_all,
+    throughput_ratios,
+    torchft_available,
+    write_outputs,
+)
+from paft.config import TrainConfig
+from paft.records import read_jsonl
+
+__all__ = ["SCENARIOS", "fault_settings", "plan", "run"]
+
+REFERENCE = "fault-free"
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "unprotected": {"monitor": {"enabled": False}},
+    "averager": {"monitor": {"enabled": False}, "protect": {"mode": "averager"}},
+    "paft-sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync"}},
+    "paft-dyn": {"protect": {"mode": "dyn"}},
+    "guard": {"guard": {"enabled": True}},
+    "dyn+guard": {"protect": {"mode": "dyn"}, "guard": {"enabled": True}},
+}
+GUARD_SCENARIOS = ("unprotected", "guard", "dyn+guard")
+
+BENCH_MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64},
+    "llama": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64},
+    "resnet": {"depth": 8, "width": 8},
+}
+
+
+def fault_settings(quick: bool) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """name -> (fault spec, scenarios that run under it)."""
+    all_scenarios = tuple(SCENARIOS)
+    rates = (1e-2,) if quick else (1e-3, 1e-2, 1e-1)
+    classes = ("exponent",) if quick else ("exponent", "mantissa")
+    out = {
+        f"agg-{bits}-{rate:g}": (f"bitflip:site=aggregation,rate={rate:g},bits={bits},ranks=1", all_scenarios)
+        for bits in classes for rate in rates
+    }
+    out["local-exponent-0.01"] = ("bitflip:site=local-grad,rate=0.01,bits=exponent,ranks=1", GUARD_SCENARIOS)
+    return out
+
+
+def plan(out: pathlib.Path, workloads: list[str], quick: bool, steps: int, world_size: int) -> list[Run]:
+    period = 10 if quick else 20
+    runs: list[Run] = []
+    for workload in workloads:
+        base = TrainConfig(
+            workload=workload, world_size=world_size, steps=steps, batch_size=8 * world_size,
+            eval_every=max(1, steps // 5), eval_batches=4, checkpoint_every=0, warmup_steps=min(20, steps // 5),
+            model=dict(BENCH_MODELS[workload]),
+        ).to_dict()
+        base["protect"]["sync_period"] = period
+        cells = [(setting, spec, scenario) for setting, (spec, scenarios) in fault_settings(quick).items()
+                 for scenario in scenarios]
+        names = [f"{workload}/{setting}/{scenario}" for setting, _, scenario in cells]
+        by_name = dict(zip(names, cells))
+        ref_count = 0
+        for name in alternate(REFERENCE, names):
+            if name == REFERENCE:
+                run_dir = out / "runs" / workload / f"{REFERENCE}-{ref_count}"
+                runs.append(Run(f"{workload}/{REFERENCE}-{ref_count}", make_config(base, run_dir), group=workload,
+                                labels={"scenario": REFERENCE, "setting": "none"}))
+                ref_count += 1
+                continue
+            setting, spec, scenario = by_name[name]
+            run_dir = out / "runs" / workload / setting / scenario
+            runs.append(Run(name, make_config(base, run_dir, inject=[spec], **SCENARIOS[scenario]), group=workload,
+                            labels={"scenario": scenario, "setting": setting, "spec": spec}))
+    return runs
+
+
+def _row(run: Run, ref: dict[str, Any], ratio: float) -> dict[str, Any]:
+    s = run.summary
+    gap = (s["final_val_loss"] - ref["final_val_loss"]) / ref["final_val_loss"] * 100
+    row = {
+        "workload": run.group, "setting": run.labels["setting"], "scenario": run.labels["scenario"],
+        "final_val_loss": s["final_val_loss"], "gap_pct": gap,
+        "max_divergence": s["max_replica_rel_diff_run"], "end_divergence": s["max_replica_rel_diff"],
+        "replicas_distinct": s["replicas_distinct"], "faults": s["faults_injected"], "syncs": s["syncs"],
+        "sync_mb": s["sync_bytes"] / 2**20, "detections": s["detections"], "recomputes": s["recomputes"],
+        "skipped": s["skipped_batches"], "throughput_ratio": ratio,
+    }
+    if "final_val_acc" in s:
+        row["final_val_acc"] = s["final_val_acc"]
+    return row
+
+
+def run(out: pathlib.Path, *, quick: bool, workloads: list[str], steps: int | None = None,
+        world_size: int = 4) -> dict[str, Any]:
+    steps = steps or (60 if quick else 150)
+    runs = plan(out, workloads, quick, steps, world_size)
+    print(f"paft bench matrix: {len(runs)} runs ({', '.join(workloads)}; {steps} steps each, {world_size} ranks)")
+    run_all(runs, world_size)
+    rows: list[dict[str, Any]] = []
+    refs: dict[str, dict[str, Any]] = {}
+    for workload in workloads:
+        group = [r for r in runs if r.group == workload]
+        schedule = [r.labels["scenario"] if r.labels["scenario"] == REFERENCE else r.name for r in group]
+        ratios = throughput_ratios(schedule, [r.summary["steps_per_s"] for r in group], REFERENCE)
+        ref_runs = [r for r in group if r.labels["scenario"] == REFERENCE]
+        ref = dict(ref_runs[0].summary)
+        ref["steps_per_s"] = statistics.median(r.summary["steps_per_s"] for r in ref_runs)
+        refs[workload] = ref
+        rows.append(_row(ref_runs[0], ref, 1.0))
+        rows.extend(_row(r, ref, ratios[r.name][0]) for r in group if r.labels["scenario"] != REFERENCE)
+    skipped = [] if torchft_available() else [
+        "torchft-localsgd: skipped (torchft is not installed; `pip install torchft` to add it)"]
+    header = ["workload", "setting", "scenario", "val loss", "gap %", "max div", "end div", "replicas",
+              "faults", "syncs", "sync MB", "detect", "recomp", "throughput"]
+    table = markdown_table(header, [
+        [r["workload"], r["setting"], r["scenario"], r["final_val_loss"], r["gap_pct"], r["max_divergence"],
+         r["end_divergence"], r["replicas_distinct"], r["faults"], r["syncs"], r["sync_mb"], r["detections"],
+         r["recomputes"], r["throughput_ratio"]] for r in rows])
+    acc_rows = [[r["setting"], r["scenario"], r["final_val_acc"]] for r in rows if "final_val_acc" in r]
+    md = (f"{len(runs)} runs, {steps} steps each, {world_size} ranks, same seed and data order. gap % = final "
+          f"validation loss vs the fault-free run; div = max over ranks of ||w_r - mean w|| / ||mean w|| "
+          f"(max over the run's evaluations, and at the end); throughput = steps/s / fault-free runs "
+          f"scheduled next to it.\n\n{table}\n")
+    if acc_rows:
+        md += "\nresnet validation accuracy:\n\n" + markdown_table(["setting", "scenario", "val acc"], acc_rows) + "\n"
+    if skipped:
+        md += "\n" + "\n".join(f"- {s}" for s in skipped) + "\n"
+    results = {"steps": steps, "world_size": world_size, "rows": rows, "skipped": skipped,
+               "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs]}
+    plots = _plots(out, runs, workloads)
+    md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+    write_outputs(out, "paft bench matrix", results, md)
+    print("\n" + table)
+    for s in skipped:
+        print(s)
+    return results
+
+
+def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pathlib.Path]:
+    """Loss curves per scenario, divergence over time with syncs, and the Dyn period H."""
+    from matplotlib.figure import Figure
+
+    files = []
+    for workload in workloads:
+        group = [r for r in runs if r.group == workload]
+        settings = sorted({r.labels["setting"] for r in group if r.labels["setting"] != "none"})
+        fig = Figure(figsize=(6 * len(settings), 10), layout="constrained")
+        axes = fig.subplots(3, len(settings), squeeze=False)
+        ref = next(r for r in group if r.labels["scenario"] == REFERENCE)
+        for col, setting in enumerate(settings):
+            loss_ax, div_ax, h_ax = axes[0][col], axes[1][col], axes[2][col]
+            for r in [ref] + [r for r in group if r.labels["setting"] == setting]:
+                name = r.labels["scenario"]
+                steps, loss = curves(r.config["run_dir"])
+                loss_ax.plot(steps, _smooth(loss), label=name, lw=1)
+                evals = read_jsonl(pathlib.Path(r.config["run_dir"]) / "evals.jsonl")
+                div_ax.plot([e["step"] for e in evals], [_finite(e["replica_rel_diff"]) for e in evals],
+                            marker="o", ms=3, label=name)
+                events = read_jsonl(pathlib.Path(r.config["run_dir"]) / "events.jsonl")
+                syncs = [e for e in events if e.get("event") == "sync"]
+                if syncs and name in ("paft-dyn", "dyn+guard", "paft-sync"):
+                    h_ax.step([e["step"] for e in syncs], [e["period"] for e in syncs], where="post", label=name)
+            loss_ax.set(title=f"{workload}: {setting}", xlabel="step", ylabel="train loss (smoothed)")
+            loss_ax.set_yscale("log")
+            div_ax.set(xlabel="step", ylabel="replica divergence", yscale="symlog")
+            div_ax.set_yscale("symlog", linthresh=1e-8)
+            h_ax.set(xlabel="step", ylabel="sync period H")
+            for ax in (loss_ax, div_ax, h_ax):
+                ax.grid(alpha=0.3)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(fontsize=7)
+        path = out / f"{workload}.png"
+        fig.savefig(path, dpi=90)
+        files.append(path)
+    return files
+
+
+def _smooth(values: list[float], k: int = 5) -> list[float]:
+    return [statistics.fmean(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
+
+
+def _finite(x: Any) -> float:
+    x = float(x)
+    return x if math.isfinite(x) else float("nan")

@@ -1,0 +1,197 @@
+"""The machinery of ``paft bench``: run many configs in one worker group, alternate, compare.
+
+All runs of a benchmark share ONE set of worker processes (one elastic launch):
+each run is a full :class:`~paft.train.Trainer` with its own run directory, built
+from the same seed and data order, so runs differ only in what the benchmark
+varies. Sharing the processes removes the start-up cost per run and, with the
+alternating schedules below, most of this noisy machine's drift from the
+throughput ratios.
+
+Example::
+
+    runs = [Run("ref", make_config(base, out / "ref")), Run("dyn", make_config(base, out / "dyn", protect={"mode": "dyn"}))]
+    run_all(runs, world_size=4)
+    ratios = throughput_ratios([r.name for r in runs], [r.summary["steps_per_s"] for r in runs], "ref")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import pathlib
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from paft.config import TrainConfig
+from paft.records import atomic_write_bytes, atomic_write_json, read_jsonl
+
+__all__ = [
+    "Run",
+    "alternate",
+    "rotations",
+    "throughput_ratios",
+    "run_all",
+    "make_config",
+    "write_outputs",
+    "markdown_table",
+    "torchft_available",
+    "curves",
+]
+
+
+@dataclass
+class Run:
+    """One training run of a benchmark: a name, the config, and what it measured."""
+
+    name: str
+    config: dict[str, Any]
+    group: str = ""
+    """Runs of one group are compared with each other (e.g. one workload)."""
+    labels: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+# -- schedules for throughput ratios ----------------------------------------------------
+
+
+def alternate(reference: str, names: Sequence[str], every: int = 2) -> list[str]:
+    """``[ref, a, b, ref, c, d, ref, ...]``: the reference again after every ``every`` runs
+    and at the end, so each run has a reference measured next to it."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    schedule = [reference]
+    for i, name in enumerate(names):
+        schedule.append(name)
+        if (i + 1) % every == 0 or i == len(names) - 1:
+            schedule.append(reference)
+    return schedule
+
+
+def rotations(names: Sequence[str], rounds: int) -> list[str]:
+    """``rounds`` rounds of all ``names``, each round rotated by one, so no variant
+    always runs first (warm caches) or last (a tired machine)."""
+    n = len(names)
+    return [names[(i + r) % n] for r in range(rounds) for i in range(n)]
+
+
+def throughput_ratios(schedule: Sequence[str], rates: Sequence[float], reference: str) -> dict[str, list[float]]:
+    """Per name, each run's rate divided by the reference runs nearest to it in ``schedule``.
+
+    For every run that is not the reference, the reference rates of the closest
+    reference runs before and after it (one of them at the edges) are averaged.
+    """
+    if len(schedule) != len(rates):
+        raise ValueError("schedule and rates differ in length")
+    ref_at = [i for i, n in enumerate(schedule) if n == reference]
+    if not ref_at:
+        raise ValueError(f"the schedule never runs the reference {reference!r}")
+    out: dict[str, list[float]] = {}
+    for i, name in enumerate(schedule):
+        if name == reference:
+            continue
+        before = [j for j in ref_at if j < i]
+        after = [j for j in ref_at if j > i]
+        near = ([before[-1]] if before else []) + ([after[0]] if after else [])
+        ref_rate = statistics.fmean(rates[j] for j in near)
+        out.setdefault(name, []).append(rates[i] / ref_rate)
+    return out
+
+
+# -- running many configs in one set of workers ------------------------------------------
+
+
+def _bench_worker(configs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Runs every config in turn inside this worker group (rank 0 prints progress)."""
+    from paft.train import Trainer, _init_process_group, _set_threads, prepare_run_dir
+
+    cfg0 = TrainConfig.from_dict(configs[0])
+    _set_threads()
+    _init_process_group(cfg0)
+    rank = dist.get_rank()
+    summaries = []
+    start = time.perf_counter()
+    try:
+        for i, (cfg_dict, name) in enumerate(zip(configs, names)):
+            cfg = TrainConfig.from_dict(cfg_dict)
+            if rank == 0:
+                prepare_run_dir(cfg)
+            dist.barrier()
+            summary = Trainer(cfg, pathlib.Path(cfg.run_dir)).train()
+            summaries.append(summary)
+            if rank == 0:
+                elapsed = time.perf_counter() - start
+                eta = elapsed / (i + 1) * (len(configs) - i - 1)
+                print(
+                    f"[{i + 1:>3}/{len(configs)}] {name:<40} val_loss {summary['final_val_loss']:.4f} "
+                    f"| {summary['steps_per_s']:.2f} steps/s | replicas {summary['replicas_distinct']} "
+                    f"| elapsed {elapsed:.0f}s, ETA {eta:.0f}s",
+                    flush=True,
+                )
+    finally:
+        dist.destroy_process_group()
+    return summaries
+
+
+def run_all(runs: Sequence[Run], world_size: int) -> None:
+    """Run ``runs`` in order in one elastic launch of ``world_size`` workers; fills summaries."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"paft-bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
+    )
+    results = elastic_launch(config, _bench_worker)([r.config for r in runs], [r.name for r in runs])
+    for run, summary in zip(runs, results[0]):
+        run.summary = summary
+
+
+def make_config(base: dict[str, Any], run_dir: pathlib.Path, **overrides: Any) -> dict[str, Any]:
+    """A validated config dict: ``base`` + ``overrides`` (sections as nested dicts)."""
+    data = json.loads(json.dumps(base))
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict) and key != "model":
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    data["run_dir"] = str(run_dir)
+    data["quiet"] = True
+    return TrainConfig.from_dict(data).to_dict()
+
+
+def write_outputs(out: pathlib.Path, title: str, results: dict[str, Any], markdown: str) -> None:
+    atomic_write_json(out / "results.json", results)
+    atomic_write_bytes(out / "results.md", f"# {title}\n\n{markdown}\n".encode())
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "n/a" if math.isnan(v) else f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def torchft_available() -> bool:
+    return importlib.util.find_spec("torchft") is not None
+
+
+def curves(run_dir: str, key: str = "loss") -> tuple[list[int], list[float]]:
+    """(steps, values) of rank 0's per-step metric ``key``."""
+    records = read_jsonl(pathlib.Path(run_dir) / "metrics" / "rank0.jsonl")
+    return [r["step"] for r in records], [float(r[key]) for r in records]
+
+
+
