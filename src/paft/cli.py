@@ -18,11 +18,16 @@ __all__ = ["main", "build_parser"]
 
 EXIT_USAGE = 2
 
+def _fault_grammar() -> str:
+    """The --inject grammar, taken from the faults module's docstring (one source)."""
+    from paft import faults
+
+    text = (faults.__doc__ or "").split("Grammar (one ``--inject`` value)::", 1)[-1]
+    return "fault specs (--inject, repeatable):\n" + text.rstrip() + "\n\n"
+
+
 _TRAIN_EPILOG = """\
-fault specs (--inject, repeatable):
-  KIND[:key=value,...]   KIND: bitflip scale noise zero nan inf random stale
-  e.g. bitflip:site=aggregation,rate=0.01,bits=exponent,ranks=1
-  See the README section "Fault model" for every key.
+exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop)
 
 examples:
   paft train                                    # gpt, 4 workers, about 3 minutes on 2 cores
@@ -46,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train one workload on N local workers launched through torch's elastic launcher, "
         "writing a run directory (config.json, metrics/, consistency.jsonl, faults.jsonl, events.jsonl, "
         "checkpoints/, summary.json).",
-        epilog=_TRAIN_EPILOG,
+        epilog=_fault_grammar() + _TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_options(train)

@@ -133,12 +133,14 @@ class CommHookState:
         self.step = 0
         self.attempt = 0
         self.capture_enabled = True
+        self.inject_enabled = True
         self.num_buckets = 1  # learned from the first step's last bucket
         self.current = BucketCapture()
 
-    def begin(self, step: int, attempt: int = 0, capture: bool = True) -> None:
+    def begin(self, step: int, attempt: int = 0, capture: bool = True, inject: bool = True) -> None:
         """Reset the capture before a forward/backward of ``step`` (retry ``attempt``)."""
         self.step, self.attempt, self.capture_enabled = step, attempt, capture
+        self.inject_enabled = inject
         sketch = None
         if capture and self.sketcher is not None:
             sketch = torch.zeros(self.sketcher.dim, dtype=torch.float64)
@@ -147,7 +149,7 @@ class CommHookState:
     # -- the chain ---------------------------------------------------------------
 
     def _inject(self, site: str, index: int, tensor: torch.Tensor) -> None:
-        if self.injector is not None and self.injector.has_site(site):
+        if self.injector is not None and self.inject_enabled and self.injector.has_site(site):
             self.current.faults.extend(
                 self.injector.inject_bucket(
                     site, self.step, index, self.num_buckets, tensor, attempt=self.attempt

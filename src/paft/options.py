@@ -17,6 +17,7 @@ import functools
 import inspect
 import json
 import pathlib
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -174,7 +175,9 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
         group = groups.get(opt.section)
         if group is None:
             group = groups[opt.section] = parser.add_argument_group(_GROUP_TITLES[opt.section])
-        doc = _field_docs(_SECTIONS[opt.section]).get(opt.name, "")
+        # The docstrings name their option for readers of the code; --help needs neither that nor RST.
+        doc = re.sub(r"\s*\(``--[a-z-]+``(, [^)]*)?\)", "", _field_docs(_SECTIONS[opt.section]).get(opt.name, ""))
+        doc = doc.replace("``", "")
         default = _default(opt)
         kwargs: dict[str, Any] = {"dest": opt.flag, "default": argparse.SUPPRESS}
         if opt.kind is bool:

@@ -321,6 +321,22 @@ class Protector:
         self.step_idx += 1
         return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, synced=synced)
 
+    def prime(self, closure: Callable[[], torch.Tensor]) -> None:
+        """One forward/backward that changes nothing, so DDP builds its final buckets now.
+
+        DDP re-orders its gradient buckets after the first iteration. With more than
+        two ranks the bucket layout decides the order in which the all-reduce sums
+        each element, so a run resumed from a checkpoint (whose first iteration is
+        some step N) would differ in the last bits from the uninterrupted run. Priming
+        every fresh process the same way keeps both on one layout. RNG, buffers and
+        gradients are restored; nothing is injected or recorded.
+        """
+        before = _ForwardSnapshot(self.model)
+        self.hook.begin(self.step_idx, capture=False, inject=False)
+        closure()
+        before.restore()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def close(self) -> None:
         """Finish an in-flight overlapped sync so that training ends on identical replicas."""
         self._finish_sync(self.step_idx)

@@ -137,6 +137,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         if self.cfg.resume:
             self.load_checkpoint()
+        self.prime()
         if self.step == 0:
             self.evaluate()
         while self.step < self.cfg.steps:
@@ -151,6 +152,18 @@ class Trainer:
         if not self.cfg.checkpoint_every or self.cfg.steps % self.cfg.checkpoint_every:
             self.save_checkpoint()
         return self.summarize()
+
+    def prime(self) -> None:
+        """Settle DDP's bucket layout on a batch that is not consumed (see Protector.prime)."""
+        inputs, targets = self.workload.train.get(torch.arange(self.cfg.per_rank_batch_size))
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+
+        def closure() -> torch.Tensor:
+            loss = self.workload.loss(self.model, inputs, targets)
+            loss.backward()
+            return loss
+
+        self.protector.prime(closure)
 
     def train_step(self) -> Any:
         inputs, targets = self.workload.train.get(self.sampler.next_batch())
@@ -276,8 +289,8 @@ class Trainer:
         # The interrupted run may have logged steps past its last checkpoint: drop them.
         truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", self.step)
         if self.rank == 0:
-            for name in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl"):
-                truncate_jsonl(self.run_dir / name, self.step + (name == "evals.jsonl"))
+            for log in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl"):
+                truncate_jsonl(self.run_dir / log, self.step + (log == "evals.jsonl"))
         self.evals = [e for e in self.evals if e["step"] <= self.step]
         dist.barrier()
         self.recorder.say(f"resumed from {name} (step {self.step})")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from paft.config import TrainConfig
+from paft.config import GuardConfig, ProtectConfig, TrainConfig
 from paft.records import read_jsonl
 from paft.testing import run_workers
 from paft.train import Trainer, prepare_run_dir
@@ -33,6 +33,7 @@ def train_and_return_state(rank: int, world_size: int, cfg_dict: dict[str, Any])
         "summary": summary,
         "params": [p.detach().clone() for p in trainer.model.module.parameters()],
         "optim": trainer.optimizer.state_dict()["state"],
+        "protector": {k: v for k, v in trainer.protector.state_dict().items() if k != "sync"},
     }
 
 
@@ -55,16 +56,30 @@ def test_fault_free_ddp_keeps_replicas_bitwise_identical(tmp_path: pathlib.Path)
     assert {"step", "local_loss", "loss", "grad_norm", "lr", "step_time"} <= set(metrics[0])
 
 
-def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path) -> None:
-    straight = run(tiny_config(tmp_path / "a", optimizer="momentum", lr=0.05))
+RESUME_CASES = {
+    "plain": {"optimizer": "momentum", "lr": 0.05},
+    # faults + PAFT-Dyn + guard: the scheduler, sync reference and guard history resume too
+    "dyn-guard-faults": {
+        "optimizer": "adamw", "world_size": 3, "batch_size": 12,
+        "inject": ["bitflip:rate=0.3,bits=exponent,ranks=1", "bitflip:site=local-grad,steps=8,bits=30,ranks=2"],
+        "protect": ProtectConfig(mode="dyn", sync_period=4, h_min=2),
+        "guard": GuardConfig(enabled=True, warmup=2),
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str) -> None:
+    opts = RESUME_CASES[case]
+    straight = run(tiny_config(tmp_path / "a", **opts))
     # Interrupt a second run at its step-6 checkpoint, then resume it.
-    cfg = tiny_config(tmp_path / "b", optimizer="momentum", lr=0.05)
-    run(cfg)
+    run(tiny_config(tmp_path / "b", **opts))
     ckpts = tmp_path / "b" / "checkpoints"
     (ckpts / "latest").write_text("step0000006")
-    resumed = run(tiny_config(tmp_path / "b", optimizer="momentum", lr=0.05, resume=True))
+    resumed = run(tiny_config(tmp_path / "b", resume=True, **opts))
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+        assert a["protector"] == b["protector"]
     losses = lambda d: [m["loss"] for m in read_jsonl(tmp_path / d / "metrics" / "rank0.jsonl")]  # noqa: E731
     assert losses("a") == losses("b") and len(losses("b")) == 12
     assert straight[0]["summary"]["final_val_loss"] == resumed[0]["summary"]["final_val_loss"]
@@ -84,3 +99,13 @@ def test_workload_trains(tmp_path: pathlib.Path, workload: str, overrides: dict[
     assert summary["final_val_loss"] < summary["initial_val_loss"] * 0.9
     if workload == "resnet":
         assert summary["final_val_acc"] > summary["initial_val_acc"]
+
+
+@pytest.mark.parametrize("workload", ["gpt", "llama", "resnet"])
+def test_guard_has_no_false_positives_on_clean_runs(tmp_path: pathlib.Path, workload: str) -> None:
+    model = {"depth": 8, "width": 8} if workload == "resnet" else dict(TINY_LM)
+    cfg = tiny_config(tmp_path / "run", workload=workload, steps=300, eval_every=300, checkpoint_every=0,
+                      model=model, guard=GuardConfig(enabled=True))
+    summary = run(cfg)[0]["summary"]
+    assert summary["detections"] == 0 and summary["recomputes"] == 0 and summary["skipped_batches"] == 0
+    assert summary["final_val_loss"] < summary["initial_val_loss"]

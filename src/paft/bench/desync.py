@@ -1,0 +1,237 @@
+"""The silent-inconsistency study at CPU scale: do desynchronized ranks show in the monitor?
+
+Three settings of the bench-sized gpt (dropout 0.1, so per-rank seeds matter), no
+faults, the per-step monitor on (sketch cosine), everything else equal (same seed,
+weights, schedule and global batch), run in ONE worker group:
+
+- ``S1`` synchronized: one shared permutation, rank ``r`` takes its strided shard
+  (disjoint batches), same dropout seed on every rank (the default);
+- ``S2`` ``desync_shuffle``: each rank shuffles with its own seed, so ranks' batches
+  may overlap and are no longer coordinated;
+- ``S3`` ``desync_shuffle`` + ``desync_seed``: also different dropout masks per rank.
+
+Per setting, from ``consistency.jsonl``: mean and max over steps of the local-loss
+coefficient of variation and std and of the local grad-norm CV, the mean pairwise
+gradient cosine (mean over steps) and its minimum, the final validation loss, and
+the roughness of the averaged (global) loss curve: std of its step-to-step
+differences after the learning-rate warm-up. The claim under test is that the
+averaged loss looks alike while worker-level dispersion differs; S2 and S3 are
+compared with S1 step by step (paired differences, z = mean / standard error), and
+the table says "no difference beyond noise" when |z| < 3, whatever we hoped to see.
+
+Note: in S1 ranks already see different data every step, so the per-step dispersion
+of S2 comes from the same kind of sampling noise; only overlap and the uncoordinated
+epoch coverage differ. Expect small effects at this scale.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import statistics
+from typing import Any
+
+from paft.bench.matrix import BENCH_MODELS
+from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
+from paft.config import TrainConfig
+from paft.records import read_jsonl
+
+__all__ = ["SETTINGS", "METRICS", "Z_NOISE", "plan", "analyze", "run"]
+
+SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "S1": ("synchronized", {}),
+    "S2": ("desync shuffle", {"desync_shuffle": True}),
+    "S3": ("desync shuffle + seed", {"desync_shuffle": True, "desync_seed": True}),
+}
+METRICS = ("loss_cv", "loss_std", "gnorm_cv", "grad_cos_mean", "grad_cos_min")
+"""Per-step monitor metrics read from ``consistency.jsonl`` (``consistency/<name>``)."""
+Z_NOISE = 3.0
+"""|paired mean difference| / standard error below this: no difference beyond noise."""
+DROPOUT = 0.1
+PER_RANK_BATCH = 16
+
+
+def plan(out: pathlib.Path, steps: int, world_size: int, seed: int = 0) -> list[Run]:
+    base = TrainConfig(
+        workload="gpt", world_size=world_size, steps=steps, batch_size=PER_RANK_BATCH * world_size,
+        eval_every=max(1, steps // 5), eval_batches=4, checkpoint_every=0, warmup_steps=min(20, steps // 5),
+        dropout=DROPOUT, seed=seed, model=dict(BENCH_MODELS["gpt"]),
+    ).to_dict()
+    return [Run(f"{key} {desc}", make_config(base, out / "runs" / key, **overrides), labels={"setting": key})
+            for key, (desc, overrides) in SETTINGS.items()]
+
+
+def _series(run_dir: str) -> dict[str, list[float]]:
+    records = read_jsonl(pathlib.Path(run_dir) / "consistency.jsonl")
+    out: dict[str, list[float]] = {"step": [float(r["step"]) for r in records],
+                                   "loss": [float(r["loss"]) for r in records]}
+    for name in METRICS:
+        out[name] = [float(r.get(f"consistency/{name}", math.nan)) for r in records]
+    return out
+
+
+def _finite(xs: list[float]) -> list[float]:
+    return [x for x in xs if math.isfinite(x)]
+
+
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    xs = _finite(xs)
+    if not xs:
+        return math.nan, math.nan
+    if len(xs) < 2:
+        return xs[0], math.nan
+    return statistics.fmean(xs), statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def _paired(a: list[float], b: list[float]) -> dict[str, float]:
+    """Mean of b - a over the steps both have, its standard error and z."""
+    diffs = [y - x for x, y in zip(a, b) if math.isfinite(x) and math.isfinite(y)]
+    mean, se = _mean_se(diffs)
+    z = mean / se if se and math.isfinite(se) and se > 0 else math.nan
+    return {"diff": mean, "se": se, "z": z}
+
+
+def analyze(runs: list[Run], warmup: int) -> dict[str, Any]:
+    """Per-setting statistics and the paired comparisons with S1."""
+    stats: dict[str, dict[str, Any]] = {}
+    series: dict[str, dict[str, list[float]]] = {}
+    for r in runs:
+        key = r.labels["setting"]
+        s = series[key] = _series(r.config["run_dir"])
+        steps, loss = s["step"], s["loss"]
+        row: dict[str, Any] = {"setting": key, "description": SETTINGS[key][0]}
+        for name in METRICS:
+            xs = _finite(s[name])
+            mean, se = _mean_se(xs)
+            row[f"{name}_mean"], row[f"{name}_se"] = mean, se
+            row[f"{name}_max"] = max(xs) if xs else math.nan
+            row[f"{name}_min"] = min(xs) if xs else math.nan
+        after = [x for t, x in zip(steps, loss) if t >= warmup and math.isfinite(x)]
+        diffs = [b - a for a, b in zip(after, after[1:])]
+        row["loss_diff_std"] = statistics.pstdev(diffs) if len(diffs) > 1 else math.nan
+        row["final_val_loss"] = r.summary["final_val_loss"]
+        row["final_train_loss"] = statistics.fmean(loss[-10:]) if loss else math.nan
+        row["steps_per_s"] = r.summary["steps_per_s"]
+        stats[key] = row
+    comparisons: dict[str, dict[str, Any]] = {}
+    ref = series.get("S1")
+    for key, s in series.items():
+        if key == "S1" or ref is None:
+            continue
+        comp = {name: _paired(ref[name], s[name]) for name in (*METRICS, "loss")}
+        comparisons[key] = comp
+    return {"stats": stats, "comparisons": comparisons, "series": series}
+
+
+def _verdict(name: str, comp: dict[str, float], ref_mean: float) -> str:
+    z = comp["z"]
+    rel = comp["diff"] / abs(ref_mean) * 100 if ref_mean else math.nan
+    if not math.isfinite(z) or abs(z) < Z_NOISE:
+        return f"{name}: no difference beyond noise ({rel:+.1f}% vs S1, z = {z:+.1f})"
+    word = "higher" if comp["diff"] > 0 else "lower"
+    return f"{name}: {word} than S1 by {rel:+.1f}% (z = {z:+.1f})"
+
+
+def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int = 0) -> dict[str, Any]:
+    runs = plan(out, steps, world_size, seed)
+    warmup = TrainConfig.from_dict(runs[0].config).warmup_steps
+    print(f"paft bench desync: {len(runs)} runs (gpt {BENCH_MODELS['gpt']}, dropout {DROPOUT}; {steps} steps, "
+          f"{world_size} ranks)")
+    run_all(runs, world_size)
+    result = analyze(runs, warmup)
+    stats, comps = result["stats"], result["comparisons"]
+    header = ["setting", "loss_cv mean ± se", "loss_cv max", "loss_std mean", "loss_std max", "gnorm_cv mean ± se",
+              "gnorm_cv max", "grad_cos_mean mean ± se", "grad_cos_min min", "final val loss",
+              "global loss Δ std"]
+    rows = []
+    for key, s in stats.items():
+        rows.append([
+            f"{key} {s['description']}", f"{s['loss_cv_mean']:.4g} ± {s['loss_cv_se']:.2g}", s["loss_cv_max"],
+            s["loss_std_mean"], s["loss_std_max"], f"{s['gnorm_cv_mean']:.4g} ± {s['gnorm_cv_se']:.2g}",
+            s["gnorm_cv_max"], f"{s['grad_cos_mean_mean']:.4g} ± {s['grad_cos_mean_se']:.2g}",
+            s["grad_cos_min_min"], s["final_val_loss"], s["loss_diff_std"],
+        ])
+    table = markdown_table(header, rows)
+    reading = []
+    for key, comp in comps.items():
+        parts = [_verdict(name, comp[name], stats["S1"][f"{name}_mean"])
+                 for name in ("loss_cv", "gnorm_cv", "grad_cos_mean")]
+        loss = comp["loss"]
+        parts.append(f"global loss: {loss['diff']:+.4f} per step vs S1 on average (z = {loss['z']:+.1f}); "
+                     f"final val loss {stats[key]['final_val_loss'] - stats['S1']['final_val_loss']:+.4f} "
+                     f"(one run each: no noise estimate)")
+        reading.append(f"- {key} ({SETTINGS[key][0]}) vs S1: " + "; ".join(parts) + ".")
+    note = (
+        f"gpt {BENCH_MODELS['gpt']}, dropout {DROPOUT}, {world_size} ranks x {PER_RANK_BATCH} sequences, "
+        f"{steps} steps, seed {seed}, no faults, monitor on (sketch cosine, every step); one run per setting, "
+        f"same weights and schedule. Statistics over the steps of each run (± standard error of the mean). "
+        f"Global loss Δ std: std of step-to-step differences of the mean-of-ranks loss after the "
+        f"{warmup}-step warm-up (roughness of the curve a DDP user sees). Paired comparisons: per-step "
+        f"difference to S1, z = mean / standard error; |z| < {Z_NOISE:g} is read as no difference beyond noise."
+    )
+    md = f"{note}\n\n{table}\n\nReading (computed, not edited):\n\n" + "\n".join(reading) + "\n"
+    plots = _plots(out, result["series"])
+    md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+    results = {
+        "steps": steps, "world_size": world_size, "seed": seed, "model": BENCH_MODELS["gpt"], "dropout": DROPOUT,
+        "z_noise": Z_NOISE, "warmup": warmup, "note": note, "reading": reading,
+        "settings": {k: {"description": d, "overrides": o} for k, (d, o) in SETTINGS.items()},
+        "rows": list(stats.values()), "comparisons": comps, "series": result["series"],
+        "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs],
+    }
+    write_outputs(out, "Silent inconsistency: synchronized vs desynchronized ranks", results, md)
+    print("\n" + table + "\n\n" + "\n".join(reading))
+    return results
+
+
+def _smooth(values: list[float], k: int = 9) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        window = _finite(values[max(0, i - k + 1): i + 1])
+        out.append(statistics.fmean(window) if window else math.nan)
+    return out
+
+
+def _plots(out: pathlib.Path, series: dict[str, dict[str, list[float]]]) -> list[pathlib.Path]:
+    """Global loss overlaid; loss / grad-norm CV; gradient cosine; one PNG each."""
+    from matplotlib.figure import Figure
+
+    colors = {"S1": "tab:blue", "S2": "tab:orange", "S3": "tab:green"}
+    label = {k: f"{k} {d}" for k, (d, _) in SETTINGS.items()}
+    files = []
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for key, s in series.items():
+        ax.plot(s["step"], s["loss"], color=colors.get(key), lw=0.6, alpha=0.35)
+        ax.plot(s["step"], _smooth(s["loss"]), color=colors.get(key), lw=1.5, label=f"{label[key]} (9-step mean)")
+    ax.set(title="global (mean-of-ranks) training loss", xlabel="step", ylabel="loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    files.append(out / "loss.png")
+    fig.savefig(files[-1], dpi=90)
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, name, title in ((axes[0], "loss_cv", "local-loss CV over ranks"),
+                            (axes[1], "gnorm_cv", "local grad-norm CV over ranks")):
+        for key, s in series.items():
+            ax.plot(s["step"], s[name], color=colors.get(key), lw=0.6, alpha=0.35)
+            ax.plot(s["step"], _smooth(s[name]), color=colors.get(key), lw=1.5, label=label[key])
+        ax.set(title=f"{title} (thin: per step, thick: 9-step mean)", xlabel="step", ylabel="std / |mean|")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    files.append(out / "dispersion.png")
+    fig.savefig(files[-1], dpi=90)
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for key, s in series.items():
+        ax.plot(s["step"], s["grad_cos_mean"], color=colors.get(key), lw=0.6, alpha=0.35)
+        ax.plot(s["step"], _smooth(s["grad_cos_mean"]), color=colors.get(key), lw=1.5, label=label[key])
+    ax.set(title="mean pairwise cosine of local gradients (sketch)", xlabel="step", ylabel="cosine")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    files.append(out / "cosine.png")
+    fig.savefig(files[-1], dpi=90)
+    return files
