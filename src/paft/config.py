@@ -62,7 +62,7 @@ class MonitorConfig:
     alert_loss_cv: float = 0.5
     """Alert when the coefficient of variation of the ranks' losses exceeds this
     (``--alert-loss-cv``)."""
-    alert_cos_min: float = -0.5
+    alert_cos_min: float = -0.8
     """Alert when the minimum pairwise gradient cosine falls below this
     (``--alert-cos-min``)."""
 

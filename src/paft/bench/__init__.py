@@ -5,7 +5,8 @@ Subcommands (each writes ``results.json``, ``results.md`` and plots into ``--out
 - ``matrix``: the PAFT evaluation matrix (:mod:`paft.bench.matrix`);
 - ``overhead``: cost of each defense without faults (:mod:`paft.bench.overhead`);
 - ``desync``: the silent-inconsistency study (:mod:`paft.bench.desync`);
-- ``detection``: the guard's detection table per bit (:mod:`paft.bench.detection`).
+- ``detection``: the guard's detection table per bit (:mod:`paft.bench.detection`);
+- ``scaling``: control and sync bytes/time at 2 and 4 ranks, and the cost model (:mod:`paft.bench.scaling`).
 
 Example::
 
@@ -26,7 +27,7 @@ __all__ = ["add_bench_parser", "run_bench"]
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
-        help="side-by-side experiments (matrix, overhead, desync, detection)",
+        help="side-by-side experiments (matrix, overhead, desync, detection, scaling)",
         description="Run a benchmark: all its runs share one worker group on this machine, same seeds and "
         "data order; throughput is compared from alternating runs.",
     )
@@ -51,12 +52,17 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
     overhead.add_argument("--workload", default="gpt", help="[default: %(default)s]")
     overhead.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
-    overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,guard,dyn,sync,averager")
+    overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,monitor-nofp,guard,dyn,sync,averager")
 
     desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
     common(desync)
     desync.add_argument("--steps", type=int, default=150, help="steps per setting [default: %(default)s]")
     desync.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
+
+    scaling = kinds.add_parser("scaling", help="control-collective and sync bytes/time at several world sizes")
+    common(scaling)
+    scaling.add_argument("--world-sizes", default="2,4", help="comma-separated [default: %(default)s]")
+    scaling.add_argument("--steps", type=int, default=40, help="steps per run [default: %(default)s]")
 
     detection = kinds.add_parser("detection", help="the guard's detection table per float32 bit and site")
     common(detection)
@@ -105,6 +111,16 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from paft.bench import desync
 
         desync.run(out, steps=args.steps, world_size=args.world_size)
+    elif args.benchmark == "scaling":
+        from paft.bench import scaling
+
+        try:
+            sizes = tuple(int(x) for x in args.world_sizes.split(","))
+        except ValueError:
+            parser.error(f"--world-sizes: expected comma-separated integers, got {args.world_sizes!r}")
+        if any(x < 1 for x in sizes):
+            parser.error(f"--world-sizes: must all be >= 1, got {args.world_sizes}")
+        scaling.run(out, world_sizes=sizes, steps=args.steps)
     elif args.benchmark == "detection":
         from paft.bench import detection
 

@@ -4,6 +4,7 @@ Variants, on the default workload (gpt, 4 ranks), all without faults:
 
 - ``plain``: plain DDP (no hook, no control collective) — the reference;
 - ``monitor``: the per-step monitor (sketch cosine, interval 1, fingerprints every step);
+- ``monitor-nofp``: the same without the per-step state fingerprint (metrics only);
 - ``guard``: monitor + guard;
 - ``dyn``: monitor + PAFT-Dyn with overlapped sync;
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
@@ -28,6 +29,7 @@ __all__ = ["VARIANTS", "plan", "run"]
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"monitor": {"enabled": False}},
     "monitor": {},
+    "monitor-nofp": {"monitor": {"fingerprint_every": 0}},
     "guard": {"guard": {"enabled": True}},
     "dyn": {"protect": {"mode": "dyn"}},
     "sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "overlap": False}},

@@ -1,0 +1,113 @@
+"""How paft's costs grow with world size and model size: measured at 2 and 4 ranks, then calculated.
+
+Measured (default gpt, gloo on this machine), per world size in ``--world-sizes``:
+
+- the per-step control collective: bytes each rank sends and receives, and the
+  throughput of the monitored run relative to plain DDP;
+- PAFT-Sync: bytes and critical-path seconds per sync, by the mode the sync took
+  (``noop`` when fingerprints agree, ``majority-copy`` / ``median`` /
+  ``median-with-reference`` to repair a faulty rank), from the runs' ``events.jsonl``.
+
+Calculated (:func:`model`) for larger jobs, e.g. 1024 ranks and 7B parameters, from
+the same formulas the measurements check: the control vector is ``8 * (9 + k)`` bytes
+per rank; a no-op sync moves 8 bytes per rank; a majority copy sends one replica's
+state (parameters + optimizer state) to each minority rank; a median gathers every
+replica's state.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+from typing import Any
+
+from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
+from paft.config import TrainConfig
+from paft.records import read_jsonl
+
+__all__ = ["run", "model"]
+
+_GB = 1e9
+
+
+def model(ranks: int, params: float, *, sketch_dim: int = 256, state_bytes_per_param: int = 12,
+          grad_bytes_per_param: int = 4, link_gbps: float = 400.0) -> dict[str, float]:
+    """Per-step and per-sync bytes for a job of ``ranks`` replicas of ``params`` parameters.
+
+    ``state_bytes_per_param``: fp32 weights + Adam's two moments = 12 bytes.
+    Returns bytes and the time at ``link_gbps`` (per-rank link, bandwidth only).
+    """
+    link = link_gbps / 8 * _GB  # bytes/s
+    control = 8 * (9 + sketch_dim)
+    grad_allreduce = 2 * (ranks - 1) / ranks * params * grad_bytes_per_param  # ring all-reduce, per rank
+    state = params * state_bytes_per_param
+    return {
+        "control_sent_B": control,
+        "control_received_B": control * ranks,
+        "control_vs_gradient_allreduce": control * ranks / grad_allreduce,
+        "grad_allreduce_B": grad_allreduce,
+        "sync_noop_B": 8 * ranks,
+        "sync_majority_copy_B": state,
+        "sync_majority_copy_s": state / link,
+        "sync_median_received_B": state * (ranks - 1),
+        "sync_median_s": state * (ranks - 1) / link,
+    }
+
+
+def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int = 40) -> dict[str, Any]:
+    measured: dict[int, dict[str, Any]] = {}
+    for ws in world_sizes:
+        base = TrainConfig(world_size=ws, steps=steps, eval_every=steps, eval_batches=1, checkpoint_every=0,
+                           warmup_steps=steps // 4).to_dict()
+        variants = {
+            "plain": {"monitor": {"enabled": False}},
+            "monitor": {},
+            "sync-noop": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "sync_period": 5,
+                                                                     "overlap": False}},
+            "sync-repair": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "sync_period": 5,
+                                                                       "overlap": False},
+                            "inject": ["bitflip:rate=1,bits=mantissa,ranks=1"]},
+        }
+        runs = [Run(f"ws{ws}-{name}", make_config(base, out / "runs" / f"ws{ws}-{name}", **opts),
+                    labels={"variant": name}) for name, opts in variants.items()]
+        run_all(runs, ws)
+        rates = {r.labels["variant"]: r.summary["steps_per_s"] for r in runs}
+        syncs: dict[str, list[dict[str, Any]]] = {}
+        for r in runs:
+            for e in read_jsonl(pathlib.Path(r.config["run_dir"]) / "events.jsonl"):
+                if e.get("event") == "sync":
+                    syncs.setdefault(e["mode"], []).append(e)
+        measured[ws] = {
+            "monitor_throughput_ratio": rates["monitor"] / rates["plain"],
+            "plain_steps_per_s": rates["plain"],
+            "control_sent_B": 8 * (9 + 256),
+            "control_received_B": 8 * (9 + 256) * ws,
+            "syncs": {mode: {"count": len(es), "bytes_sent_rank0": statistics.median(e["bytes_sent"] for e in es),
+                             "seconds": statistics.median(e["seconds"] for e in es)} for mode, es in syncs.items()},
+        }
+    rows = []
+    for ws, m in measured.items():
+        for mode, s in sorted(m["syncs"].items()):
+            rows.append([ws, mode, s["count"], s["bytes_sent_rank0"], s["seconds"] * 1e3])
+    sync_table = markdown_table(["ranks", "sync mode", "syncs", "bytes sent (rank 0, median)", "ms (median)"], rows)
+    control_table = markdown_table(
+        ["ranks", "control bytes sent / received per rank per step", "monitored / plain throughput"],
+        [[ws, f"{m['control_sent_B']} / {m['control_received_B']}", m["monitor_throughput_ratio"]]
+         for ws, m in measured.items()])
+    calc_rows = []
+    for ranks, params in ((4, 0.8e6), (64, 1.3e9), (1024, 7e9)):
+        c = model(ranks, params)
+        calc_rows.append([ranks, f"{params:.3g}", f"{c['control_received_B'] / 1e6:.3g} MB",
+                          f"{c['control_vs_gradient_allreduce']:.2e}", f"{c['sync_noop_B']} B",
+                          f"{c['sync_majority_copy_B'] / _GB:.3g} GB ({c['sync_majority_copy_s']:.2f} s)",
+                          f"{c['sync_median_received_B'] / _GB:.3g} GB ({c['sync_median_s']:.1f} s)"])
+    calc_table = markdown_table(
+        ["ranks", "params", "control received/step", "control / grad all-reduce bytes", "noop sync",
+         "majority copy (at 400 Gb/s)", "median gather (at 400 Gb/s)"], calc_rows)
+    md = (f"Measured on this machine (gpt default, {steps} steps per run):\n\n{control_table}\n\n{sync_table}\n\n"
+          f"Calculated (fp32 weights + Adam moments = 12 B/param, k = 256):\n\n{calc_table}\n")
+    results = {"measured": {str(k): v for k, v in measured.items()},
+               "calculated": {f"{r}x{p:g}": model(r, p) for r, p in ((4, 0.8e6), (64, 1.3e9), (1024, 7e9))}}
+    write_outputs(out, "Scaling of paft's costs", results, md)
+    print("\n" + md)
+    return results
