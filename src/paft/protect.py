@@ -464,14 +464,17 @@ class Protector:
             return due
         if self.sync is None or self.scheduler is None:
             return False
-        if view is not None and isinstance(self.scheduler, DynScheduler) and self._replicas_split(view):
+        triggered = view is not None and isinstance(self.scheduler, DynScheduler) and self._replicas_split(view)
+        if triggered:
             self.scheduler.trigger(step)
             self.recorder.event({"step": step, "event": "dyn_trigger", "period": self.scheduler.period})
         if not self.scheduler.due(step):
             return False
-        if self.protect_cfg.overlap:
+        if self.protect_cfg.overlap and not triggered:
             self.sync.start()
             return False
+        # A repair blocks: the next gradient must come from repaired replicas, so that a
+        # majority copy puts the faulty rank back on the exact fault-free trajectory.
         self._on_sync(step, self.sync.sync())
         return True
 

@@ -24,6 +24,9 @@ import pathlib
 import tempfile
 from typing import Any, Iterable
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 __all__ = ["RunRecorder", "atomic_write_bytes", "atomic_write_json", "read_jsonl", "truncate_jsonl", "jsonable"]
 
 
@@ -44,6 +47,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are meant to be shared
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

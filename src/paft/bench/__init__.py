@@ -42,7 +42,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     common(matrix)
     matrix.add_argument("--quick", action="store_true", help="one fault setting, fewer steps (under 5 minutes)")
     matrix.add_argument("--workloads", default="gpt,llama,resnet", help="comma-separated [default: %(default)s]")
-    matrix.add_argument("--steps", type=int, help="steps per run [default: 60 with --quick, else 150]")
+    matrix.add_argument("--steps", type=int, help="steps per run [default: 40 with --quick, else 150]")
     matrix.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
 
     overhead = kinds.add_parser("overhead", help="throughput of each defense without faults, ratio to plain DDP")
