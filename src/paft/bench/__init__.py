@@ -74,16 +74,43 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathlib.Path:
     out = pathlib.Path(args.out or f"bench/{args.benchmark}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out: {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         parser.error(f"--out: {out} already exists; pass --overwrite to replace it")
     return out
 
 
-def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every check before anything is deleted or started."""
+    from paft.bench import overhead
+    from paft.workloads import WORKLOADS
+
     for name in ("steps", "rounds", "world_size", "period"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if args.benchmark == "overhead" and args.variants:
+        unknown = [v for v in args.variants.split(",") if v not in overhead.VARIANTS]
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}; choose from {list(overhead.VARIANTS)}")
+    if args.benchmark == "matrix":
+        unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+        if unknown:
+            parser.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
+    if args.benchmark == "detection" and not 0 < args.rate <= 1:
+        parser.error(f"--rate: must be in (0, 1], got {args.rate}")
+    if args.benchmark == "scaling":
+        try:
+            sizes = [int(x) for x in args.world_sizes.split(",")]
+        except ValueError:
+            parser.error(f"--world-sizes: expected comma-separated integers, got {args.world_sizes!r}")
+        if any(x < 1 for x in sizes):
+            parser.error(f"--world-sizes: must all be >= 1, got {args.world_sizes}")
+
+
+def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _validate(args, parser)
     out = _out_dir(args, parser)
     if out.exists() and args.overwrite:
         import shutil
@@ -92,21 +119,13 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.benchmark == "overhead":
         from paft.bench import overhead
 
-        variants = args.variants.split(",") if args.variants else None
-        unknown = [v for v in variants or [] if v not in overhead.VARIANTS]
-        if unknown:
-            parser.error(f"--variants: unknown {unknown}; choose from {list(overhead.VARIANTS)}")
         overhead.run(out, rounds=args.rounds, steps=args.steps, period=args.period, workload=args.workload,
-                     world_size=args.world_size, variants=variants)
+                     world_size=args.world_size, variants=args.variants.split(",") if args.variants else None)
     elif args.benchmark == "matrix":
         from paft.bench import matrix
-        from paft.workloads import WORKLOADS
 
-        workloads = args.workloads.split(",")
-        unknown = [w for w in workloads if w not in WORKLOADS]
-        if unknown:
-            parser.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
-        matrix.run(out, quick=args.quick, workloads=workloads, steps=args.steps, world_size=args.world_size)
+        matrix.run(out, quick=args.quick, workloads=args.workloads.split(","), steps=args.steps,
+                   world_size=args.world_size)
     elif args.benchmark == "desync":
         from paft.bench import desync
 
@@ -114,18 +133,10 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     elif args.benchmark == "scaling":
         from paft.bench import scaling
 
-        try:
-            sizes = tuple(int(x) for x in args.world_sizes.split(","))
-        except ValueError:
-            parser.error(f"--world-sizes: expected comma-separated integers, got {args.world_sizes!r}")
-        if any(x < 1 for x in sizes):
-            parser.error(f"--world-sizes: must all be >= 1, got {args.world_sizes}")
-        scaling.run(out, world_sizes=sizes, steps=args.steps)
+        scaling.run(out, world_sizes=tuple(int(x) for x in args.world_sizes.split(",")), steps=args.steps)
     elif args.benchmark == "detection":
         from paft.bench import detection
 
-        if not 0 < args.rate <= 1:
-            parser.error(f"--rate: must be in (0, 1], got {args.rate}")
         detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size)
     print(f"\nresults in {out}/ (results.md, results.json, plots)")
     return 0

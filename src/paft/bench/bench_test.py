@@ -115,6 +115,10 @@ def test_desync_analyze_statistics_and_paired_comparison(tmp_path: pathlib.Path)
     assert higher["diff"] == 2.0 and higher["z"] > desync.Z_NOISE
     assert "no difference beyond noise" in desync._verdict("loss_cv", same, 1.0)
     assert "higher than S1" in desync._verdict("loss_cv", higher, 1.0)
+    # A null control (S1 again, another seed) that moves as much says it is chance.
+    null = {"diff": 1.5, "se": 1.0, "z": 1.5}
+    assert "not beyond run-to-run noise" in desync._verdict("loss_cv", higher, 1.0, null)
+    assert "not beyond" not in desync._verdict("loss_cv", higher, 1.0, {"diff": 0.5, "se": 1.0, "z": 0.5})
 
 
 def _evals(run_dir: pathlib.Path, losses: list[float], divs: list[float]) -> None:
@@ -242,8 +246,6 @@ def test_existing_out_without_overwrite_exits_2_and_keeps_it(benchmark: str, tmp
     assert (out / "keep.txt").read_text() == "earlier results"
 
 
-@pytest.mark.xfail(strict=True, reason="run_bench deletes --out (with --overwrite) before validating "
-                   "--workloads / --variants / --rate: a refused command removes earlier results")
 def test_overwrite_with_bad_option_keeps_existing_out(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -253,8 +255,6 @@ def test_overwrite_with_bad_option_keeps_existing_out(tmp_path: pathlib.Path) ->
     assert (out / "keep.txt").exists()
 
 
-@pytest.mark.xfail(strict=True, raises=NotADirectoryError,
-                   reason="_out_dir calls iterdir() on an --out that is a file: traceback, not exit 2")
 def test_out_that_is_a_file_exits_2(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
     out.write_text("not a folder")
@@ -273,8 +273,8 @@ def test_desync_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     md = (out / "results.md").read_text()
     for key, (description, _) in desync.SETTINGS.items():
         assert f"| {key} {description} |" in md
-    assert [r["setting"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["S1", "S2", "S3"]
-    assert set(results["comparisons"]) == {"S2", "S3"}
+    assert [r["setting"] for r in json.loads((out / "results.json").read_text())["rows"]] == list(desync.SETTINGS)
+    assert set(results["comparisons"]) == {"S2", "S3", "S1r"}
     for name in ("loss.png", "dispersion.png", "cosine.png"):
         assert (out / name).stat().st_size > 0
     # Synchronized shuffling gives every rank a distinct shard; nothing here injects faults.

@@ -8,16 +8,19 @@ weights, schedule and global batch), run in ONE worker group:
   (disjoint batches), same dropout seed on every rank (the default);
 - ``S2`` ``desync_shuffle``: each rank shuffles with its own seed, so ranks' batches
   may overlap and are no longer coordinated;
-- ``S3`` ``desync_shuffle`` + ``desync_seed``: also different dropout masks per rank.
+- ``S3`` ``desync_shuffle`` + ``desync_seed``: also different dropout masks per rank;
+- ``S1r``: S1 again with the next seed, a null control: its difference to S1 is what
+  chance alone produces, so a "difference" of S2 or S3 no larger than S1r's is none.
 
 Per setting, from ``consistency.jsonl``: mean and max over steps of the local-loss
 coefficient of variation and std and of the local grad-norm CV, the mean pairwise
 gradient cosine (mean over steps) and its minimum, the final validation loss, and
 the roughness of the averaged (global) loss curve: std of its step-to-step
 differences after the learning-rate warm-up. The claim under test is that the
-averaged loss looks alike while worker-level dispersion differs; S2 and S3 are
-compared with S1 step by step (paired differences, z = mean / standard error), and
-the table says "no difference beyond noise" when |z| < 3, whatever we hoped to see.
+averaged loss looks alike while worker-level dispersion differs; S2, S3 and S1r are
+compared with S1 step by step (paired differences, z = mean / standard error of
+10-step block means, since consecutive steps share a trajectory), and the table says
+"no difference beyond noise" when |z| < 3, whatever we hoped to see.
 
 Note: in S1 ranks already see different data every step, so the per-step dispersion
 of S2 comes from the same kind of sampling noise; only overlap and the uncoordinated
@@ -42,11 +45,19 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     "S1": ("synchronized", {}),
     "S2": ("desync shuffle", {"desync_shuffle": True}),
     "S3": ("desync shuffle + seed", {"desync_shuffle": True, "desync_seed": True}),
+    "S1r": ("synchronized, seed + 1 (null control)", {}),
 }
+"""``S1r`` repeats S1 with the next seed (other weights, data order and masks): its
+difference to S1 is what chance alone produces, the yardstick for S2 and S3."""
 METRICS = ("loss_cv", "loss_std", "gnorm_cv", "grad_cos_mean", "grad_cos_min")
 """Per-step monitor metrics read from ``consistency.jsonl`` (``consistency/<name>``)."""
 Z_NOISE = 3.0
 """|paired mean difference| / standard error below this: no difference beyond noise."""
+NULL_FACTOR = 2.0
+"""A difference no larger than this many times the null control's (S1r vs S1) is noise."""
+BLOCK = 10
+"""Steps per block for standard errors: consecutive steps share a trajectory, so the
+error is taken over block means (batch means), not over single steps."""
 DROPOUT = 0.1
 PER_RANK_BATCH = 16
 
@@ -57,8 +68,12 @@ def plan(out: pathlib.Path, steps: int, world_size: int, seed: int = 0) -> list[
         eval_every=max(1, steps // 5), eval_batches=4, checkpoint_every=0, warmup_steps=min(20, steps // 5),
         dropout=DROPOUT, seed=seed, model=dict(BENCH_MODELS["gpt"]),
     ).to_dict()
-    return [Run(f"{key} {desc}", make_config(base, out / "runs" / key, **overrides), labels={"setting": key})
-            for key, (desc, overrides) in SETTINGS.items()]
+    runs = []
+    for key, (desc, overrides) in SETTINGS.items():
+        extra = {"seed": seed + 1} if key == "S1r" else {}
+        runs.append(Run(f"{key} {desc}", make_config(base, out / "runs" / key, **overrides, **extra),
+                        labels={"setting": key}))
+    return runs
 
 
 def _series(run_dir: str) -> dict[str, list[float]]:
@@ -75,12 +90,16 @@ def _finite(xs: list[float]) -> list[float]:
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and its standard error from the means of consecutive blocks (BLOCK steps,
+    fewer in short runs so that there are at least 5 blocks)."""
     xs = _finite(xs)
     if not xs:
         return math.nan, math.nan
-    if len(xs) < 2:
-        return xs[0], math.nan
-    return statistics.fmean(xs), statistics.stdev(xs) / math.sqrt(len(xs))
+    block = max(1, min(BLOCK, len(xs) // 5))
+    means = [statistics.fmean(xs[i:i + block]) for i in range(0, len(xs) - block + 1, block)]
+    if len(means) < 2:
+        return statistics.fmean(xs), math.nan
+    return statistics.fmean(xs), statistics.stdev(means) / math.sqrt(len(means))
 
 
 def _paired(a: list[float], b: list[float]) -> dict[str, float]:
@@ -123,13 +142,34 @@ def analyze(runs: list[Run], warmup: int) -> dict[str, Any]:
     return {"stats": stats, "comparisons": comparisons, "series": series}
 
 
-def _verdict(name: str, comp: dict[str, float], ref_mean: float) -> str:
+def _verdict(name: str, comp: dict[str, float], ref_mean: float, null: dict[str, float] | None = None) -> str:
+    """One metric's reading: beyond noise only if |z| >= Z_NOISE and, when the null control
+    is there, the difference is more than NULL_FACTOR times the null control's."""
     z = comp["z"]
     rel = comp["diff"] / abs(ref_mean) * 100 if ref_mean else math.nan
     if not math.isfinite(z) or abs(z) < Z_NOISE:
         return f"{name}: no difference beyond noise ({rel:+.1f}% vs S1, z = {z:+.1f})"
     word = "higher" if comp["diff"] > 0 else "lower"
+    if null is not None and math.isfinite(null["diff"]) and abs(comp["diff"]) <= NULL_FACTOR * abs(null["diff"]):
+        null_rel = null["diff"] / abs(ref_mean) * 100 if ref_mean else math.nan
+        return (f"{name}: {word} than S1 by {rel:+.1f}% (z = {z:+.1f}), but the null control differs by "
+                f"{null_rel:+.1f}%: not beyond run-to-run noise")
     return f"{name}: {word} than S1 by {rel:+.1f}% (z = {z:+.1f})"
+
+
+def _null_note(comps: dict[str, dict[str, Any]]) -> str:
+    """What the null control says about the z test's calibration."""
+    null = comps.get("S1r")
+    if null is None:
+        return ""
+    fired = [name for name in ("loss_cv", "gnorm_cv", "grad_cos_mean", "loss")
+             if math.isfinite(null[name]["z"]) and abs(null[name]["z"]) >= Z_NOISE]
+    if fired:
+        return (f"- The null control S1r (synchronized, only the seed differs) also differs from S1 beyond "
+                f"|z| = {Z_NOISE:g} in {', '.join(fired)}: the z test is too eager there; read S2 and S3 "
+                f"against S1r's differences, not against the threshold.")
+    return (f"- The null control S1r (synchronized, only the seed differs) stays within |z| < {Z_NOISE:g} on "
+            f"loss_cv, gnorm_cv, grad_cos_mean and the global loss.")
 
 
 def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int = 0) -> dict[str, Any]:
@@ -154,20 +194,31 @@ def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int =
     table = markdown_table(header, rows)
     reading = []
     for key, comp in comps.items():
-        parts = [_verdict(name, comp[name], stats["S1"][f"{name}_mean"])
+        null = comps.get("S1r") if key != "S1r" else None
+        parts = [_verdict(name, comp[name], stats["S1"][f"{name}_mean"], null[name] if null else None)
                  for name in ("loss_cv", "gnorm_cv", "grad_cos_mean")]
         loss = comp["loss"]
-        parts.append(f"global loss: {loss['diff']:+.4f} per step vs S1 on average (z = {loss['z']:+.1f}); "
-                     f"final val loss {stats[key]['final_val_loss'] - stats['S1']['final_val_loss']:+.4f} "
-                     f"(one run each: no noise estimate)")
+        val = stats[key]["final_val_loss"] - stats["S1"]["final_val_loss"]
+        part = f"global loss: {loss['diff']:+.4f} per step vs S1 on average (z = {loss['z']:+.1f})"
+        if null:
+            part += f", null control {null['loss']['diff']:+.4f}"
+        part += f"; final val loss {val:+.4f}"
+        if null and "S1r" in stats:
+            part += f" (null control {stats['S1r']['final_val_loss'] - stats['S1']['final_val_loss']:+.4f})"
+        parts.append(part)
         reading.append(f"- {key} ({SETTINGS[key][0]}) vs S1: " + "; ".join(parts) + ".")
+    null_note = _null_note(comps)
+    if null_note:
+        reading.append(null_note)
     note = (
         f"gpt {BENCH_MODELS['gpt']}, dropout {DROPOUT}, {world_size} ranks x {PER_RANK_BATCH} sequences, "
         f"{steps} steps, seed {seed}, no faults, monitor on (sketch cosine, every step); one run per setting, "
-        f"same weights and schedule. Statistics over the steps of each run (± standard error of the mean). "
+        f"same weights and schedule; S1r repeats S1 with seed {seed + 1} (a null control: what chance alone "
+        f"gives). Statistics over the steps of each run (± standard error from {BLOCK}-step block means). "
         f"Global loss Δ std: std of step-to-step differences of the mean-of-ranks loss after the "
         f"{warmup}-step warm-up (roughness of the curve a DDP user sees). Paired comparisons: per-step "
-        f"difference to S1, z = mean / standard error; |z| < {Z_NOISE:g} is read as no difference beyond noise."
+        f"difference to S1, z = mean / block standard error; |z| < {Z_NOISE:g} is read as no difference beyond "
+        f"noise."
     )
     md = f"{note}\n\n{table}\n\nReading (computed, not edited):\n\n" + "\n".join(reading) + "\n"
     plots = _plots(out, result["series"])
@@ -196,15 +247,19 @@ def _plots(out: pathlib.Path, series: dict[str, dict[str, list[float]]]) -> list
     """Global loss overlaid; loss / grad-norm CV; gradient cosine; one PNG each."""
     from matplotlib.figure import Figure
 
-    colors = {"S1": "tab:blue", "S2": "tab:orange", "S3": "tab:green"}
-    label = {k: f"{k} {d}" for k, (d, _) in SETTINGS.items()}
+    colors = {"S1": "tab:blue", "S2": "tab:orange", "S3": "tab:green", "S1r": "tab:gray"}
     files = []
+
+    def lines(ax: Any, key: str, steps: list[float], values: list[float], suffix: str = "") -> None:
+        """Per step (thin) and its 9-step mean (thick; the null control dashed)."""
+        ax.plot(steps, values, color=colors.get(key), lw=0.6, alpha=0.35)
+        ax.plot(steps, _smooth(values), color=colors.get(key), ls="--" if key == "S1r" else "-", lw=1.5,
+                label=f"{key} {SETTINGS[key][0]}{suffix}")
 
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.subplots()
     for key, s in series.items():
-        ax.plot(s["step"], s["loss"], color=colors.get(key), lw=0.6, alpha=0.35)
-        ax.plot(s["step"], _smooth(s["loss"]), color=colors.get(key), lw=1.5, label=f"{label[key]} (9-step mean)")
+        lines(ax, key, s["step"], s["loss"], " (9-step mean)")
     ax.set(title="global (mean-of-ranks) training loss", xlabel="step", ylabel="loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -213,12 +268,12 @@ def _plots(out: pathlib.Path, series: dict[str, dict[str, list[float]]]) -> list
 
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     axes = fig.subplots(1, 2)
-    for ax, name, title in ((axes[0], "loss_cv", "local-loss CV over ranks"),
-                            (axes[1], "gnorm_cv", "local grad-norm CV over ranks")):
+    fig.suptitle("dispersion over ranks (thin: per step, thick: 9-step mean)")
+    for ax, name, title in ((axes[0], "loss_cv", "local-loss CV"),
+                            (axes[1], "gnorm_cv", "local grad-norm CV")):
         for key, s in series.items():
-            ax.plot(s["step"], s[name], color=colors.get(key), lw=0.6, alpha=0.35)
-            ax.plot(s["step"], _smooth(s[name]), color=colors.get(key), lw=1.5, label=label[key])
-        ax.set(title=f"{title} (thin: per step, thick: 9-step mean)", xlabel="step", ylabel="std / |mean|")
+            lines(ax, key, s["step"], s[name])
+        ax.set(title=title, xlabel="step", ylabel="std / |mean|")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     files.append(out / "dispersion.png")
@@ -227,8 +282,7 @@ def _plots(out: pathlib.Path, series: dict[str, dict[str, list[float]]]) -> list
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.subplots()
     for key, s in series.items():
-        ax.plot(s["step"], s["grad_cos_mean"], color=colors.get(key), lw=0.6, alpha=0.35)
-        ax.plot(s["step"], _smooth(s["grad_cos_mean"]), color=colors.get(key), lw=1.5, label=label[key])
+        lines(ax, key, s["step"], s["grad_cos_mean"])
     ax.set(title="mean pairwise cosine of local gradients (sketch)", xlabel="step", ylabel="cosine")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
