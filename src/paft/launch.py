@@ -18,9 +18,16 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paft.config import TrainConfig
-from paft.train import EXIT_PERSISTENT_FAULT, check_run_dir, default_run_dir, prepare_run_dir, run_worker
+from paft.train import (
+    EXIT_PERSISTENT_FAULT,
+    check_run_dir,
+    default_run_dir,
+    format_summary,
+    prepare_run_dir,
+    run_worker,
+)
 
-__all__ = ["launch", "format_summary"]
+__all__ = ["launch"]
 
 EXIT_WORKER_FAILED = 1
 
@@ -62,20 +69,3 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     if not quiet:
         print(format_summary(summary, cfg.run_dir))
     return 0, summary
-
-
-def format_summary(summary: dict[str, Any], run_dir: str) -> str:
-    """The final table printed on the console."""
-    rows: list[tuple[str, str]] = []
-    for key in (
-        "workload", "world_size", "steps", "initial_val_loss", "final_val_loss", "initial_val_acc",
-        "final_val_acc", "steps_per_s", "wall_s", "replicas_distinct", "max_replica_rel_diff",
-        "faults_injected", "syncs", "detections", "recomputes", "skipped_batches",
-    ):
-        if key in summary:
-            value = summary[key]
-            rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
-    width = max(len(k) for k, _ in rows)
-    lines = [f"summary ({run_dir}/summary.json)", "-" * (width + 14)]
-    lines += [f"{k:<{width}}  {v}" for k, v in rows]
-    return "\n".join(lines)

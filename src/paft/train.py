@@ -32,7 +32,16 @@ from paft.records import RunRecorder, atomic_write_bytes, atomic_write_json, rea
 from paft.sync import measure_divergence
 from paft.workloads import ShardedSampler, Workload, build_workload
 
-__all__ = ["Trainer", "run_worker", "main", "prepare_run_dir", "RunDirError", "EXIT_PERSISTENT_FAULT"]
+__all__ = [
+    "Trainer",
+    "run_worker",
+    "main",
+    "prepare_run_dir",
+    "check_run_dir",
+    "format_summary",
+    "RunDirError",
+    "EXIT_PERSISTENT_FAULT",
+]
 
 EXIT_PERSISTENT_FAULT = 3
 _KEEP_CHECKPOINTS = 2
@@ -342,6 +351,23 @@ class Trainer:
         return summary
 
 
+def format_summary(summary: dict[str, Any], run_dir: str) -> str:
+    """The final table printed on the console."""
+    rows: list[tuple[str, str]] = []
+    for key in (
+        "workload", "world_size", "steps", "initial_val_loss", "final_val_loss", "initial_val_acc",
+        "final_val_acc", "steps_per_s", "wall_s", "replicas_distinct", "max_replica_rel_diff",
+        "faults_injected", "syncs", "detections", "recomputes", "skipped_batches",
+    ):
+        if key in summary:
+            value = summary[key]
+            rows.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"summary ({run_dir}/summary.json)", "-" * (width + 14)]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
 def _device(cfg: TrainConfig) -> torch.device:
     want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if want_cuda:
@@ -412,7 +438,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepare_run_dir(cfg)
     dist.barrier()
     result = run_worker(cfg.to_dict(), cfg.run_dir)
-    return EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
+    if result["status"] == "persistent_fault":
+        return EXIT_PERSISTENT_FAULT
+    if not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
+        print(format_summary(result["summary"], cfg.run_dir))
+    return 0
 
 
 if __name__ == "__main__":
