@@ -6,7 +6,6 @@ injection is keyed by (rank, step) through the fault specs.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import pytest

@@ -300,3 +300,18 @@ def test_detection_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     assert agg30["gap_guard_pct"] == 0.0  # every fault recomputed: the fault-free trajectory, bit for bit
     assert set(results["overhead"]["variants"]) == {"monitor", "guard"}
     assert (out / "detection.png").stat().st_size > 0
+
+
+def test_scaling_cost_model_matches_the_protocol() -> None:
+    from paft.bench.scaling import model
+
+    c = model(4, 0.8e6)
+    assert c["control_sent_B"] == 8 * (9 + 256) == 2120
+    assert c["control_received_B"] == 2120 * 4
+    assert c["grad_allreduce_B"] == 2 * 3 / 4 * 0.8e6 * 4  # ring all-reduce of fp32 gradients
+    assert c["sync_noop_B"] == 32
+    assert c["sync_majority_copy_B"] == 0.8e6 * 12  # fp32 weights + Adam's two moments
+    big = model(1024, 7e9)
+    assert big["sync_median_received_B"] == 7e9 * 12 * 1023
+    assert 1.6 < big["sync_majority_copy_s"] < 1.8  # 84 GB at 400 Gb/s
+    assert big["control_vs_gradient_allreduce"] < 1e-4

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -26,9 +25,8 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import torch
 import torch.distributed as dist
 
 from paft.config import TrainConfig
