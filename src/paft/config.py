@@ -56,9 +56,12 @@ class MonitorConfig:
     gradients gathered; small models only) or ``off`` (``--cosine``)."""
     sketch_dim: int = 256
     """k, the sketch dimension for ``--cosine sketch`` (``--sketch-dim``)."""
-    fingerprint_every: int = 1
-    """Check the bitwise replica fingerprint every this many steps; 0 disables
-    (``--fingerprint-every``)."""
+    fingerprint_every: int = 10
+    """Fingerprint parameters + optimizer state every this many steps (memory SDC at rest
+    shows within that many steps); 0 disables. The aggregated gradient is fingerprinted
+    every step regardless, so aggregation SDC shows at the step it happens. Each state
+    fingerprint reads the whole state twice: on CPU about 5% of a default gpt step, so
+    every step (1) is for tests and small models (``--fingerprint-every``)."""
     alert_loss_cv: float = 0.5
     """Alert when the coefficient of variation of the ranks' losses exceeds this
     (``--alert-loss-cv``)."""

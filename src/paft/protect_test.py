@@ -114,7 +114,8 @@ def test_protected_fault_free_path_is_bitwise_plain_ddp() -> None:
 
 
 def test_aggregation_fault_splits_only_the_faulty_rank_and_is_reported_that_step() -> None:
-    out = run_workers(train_toy, 3, {"inject": ["bitflip:steps=4,ranks=1,bits=exponent"]})
+    out = run_workers(train_toy, 3, {"inject": ["bitflip:steps=4,ranks=1,bits=exponent"],
+                                     "monitor": {"fingerprint_every": 1}})
     assert not same(out[0], out[1])
     assert same(out[0], out[2])
     m = out[0]["reports"][4]["metrics"]
@@ -140,7 +141,8 @@ def test_stale_aggregation_delivers_the_previous_result() -> None:
 
 @pytest.mark.parametrize("site", ["params", "optimizer-state"])
 def test_state_fault_at_rest_is_detected_and_the_rank_named(site: str) -> None:
-    out = run_workers(train_toy, 3, {"inject": [f"bitflip:site={site},steps=6,ranks=2,bits=mantissa"]})
+    out = run_workers(train_toy, 3, {"inject": [f"bitflip:site={site},steps=6,ranks=2,bits=mantissa"],
+                                     "monitor": {"fingerprint_every": 1}})
     m = out[0]["reports"][6]["metrics"]
     assert m["replicas/state_distinct"] == 2 and m["replicas/state_minority_ranks"] == [2]
     assert out[0]["reports"][5]["metrics"]["replicas/state_distinct"] == 1

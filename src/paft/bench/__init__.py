@@ -52,7 +52,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
     overhead.add_argument("--workload", default="gpt", help="[default: %(default)s]")
     overhead.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
-    overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,monitor-nofp,guard,dyn,sync,averager")
+    overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,monitor-fp1,guard,dyn,sync,averager")
 
     desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
     common(desync)

@@ -3,8 +3,9 @@
 Variants, on the default workload (gpt, 4 ranks), all without faults:
 
 - ``plain``: plain DDP (no hook, no control collective) — the reference;
-- ``monitor``: the per-step monitor (sketch cosine, interval 1, fingerprints every step);
-- ``monitor-nofp``: the same without the per-step state fingerprint (metrics only);
+- ``monitor``: the per-step monitor with its defaults (sketch cosine at interval 1,
+  aggregated-gradient fingerprint every step, state fingerprint every 10 steps);
+- ``monitor-fp1``: the same with the state fingerprint every step;
 - ``guard``: monitor + guard;
 - ``dyn``: monitor + PAFT-Dyn with overlapped sync;
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
@@ -29,7 +30,7 @@ __all__ = ["VARIANTS", "plan", "run"]
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"monitor": {"enabled": False}},
     "monitor": {},
-    "monitor-nofp": {"monitor": {"fingerprint_every": 0}},
+    "monitor-fp1": {"monitor": {"fingerprint_every": 1}},
     "guard": {"guard": {"enabled": True}},
     "dyn": {"protect": {"mode": "dyn"}},
     "sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "overlap": False}},
