@@ -39,6 +39,8 @@ __all__ = [
     "ControlVector",
     "ControlView",
     "gather_control",
+    "start_control",
+    "PendingControl",
     "gather_exact_grads",
     "worker_metrics",
     "dispersion",
@@ -131,13 +133,37 @@ class ControlView:
         return float(self.losses.mean())
 
 
-def gather_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> ControlView:
-    """The step's one control collective: all_gather of every rank's packed vector."""
+class PendingControl:
+    """The step's control collective in flight; :meth:`wait` gives the gathered view."""
+
+    def __init__(self, out: torch.Tensor, work: Any, world_size: int) -> None:
+        self._out, self._work, self._world_size = out, work, world_size
+        self._view: ControlView | None = None
+
+    def wait(self) -> ControlView:
+        if self._view is None:
+            self._work.wait()
+            self._view = ControlView(self._out.view(self._world_size, -1).cpu())
+        return self._view
+
+
+def start_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> PendingControl:
+    """Launch the step's one control collective (an async all_gather of every rank's vector).
+
+    Without a guard nothing needs the result before ``optimizer.step()``, so the
+    protector overlaps the two; on an oversubscribed CPU this also spares the ranks
+    that arrive early from spinning in the collective.
+    """
     world_size = dist.get_world_size(group)
     device = _collective_device(group)
     out = torch.empty(world_size * vec.numel(), dtype=vec.dtype, device=device)
-    _all_gather_single(out, vec.to(device), group=group)
-    return ControlView(out.view(world_size, -1).cpu())
+    work = _all_gather_single(out, vec.to(device), group=group, async_op=True)
+    return PendingControl(out, work, world_size)
+
+
+def gather_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> ControlView:
+    """The step's one control collective, blocking: all_gather of every rank's packed vector."""
+    return start_control(vec, group).wait()
 
 
 def gather_exact_grads(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -54,7 +54,8 @@ from paft.consistency import (
     FLAG_LOSS_NONFINITE,
     ControlVector,
     ControlView,
-    gather_control,
+    PendingControl,
+    start_control,
     gather_exact_grads,
     worker_metrics,
 )
@@ -265,24 +266,32 @@ class Protector:
         attempt, applied, ratio, synced = 0, True, None, False
         while True:
             self.hook.begin(t, attempt, capture=capture)
-            view = self._control(closure(), check_state)
-            verdict = self._judge(t, attempt, self.guard.check(t, attempt, view)) if self.guard else None
-            if verdict is not None and verdict.action == "recompute":
+            pending = self._control(closure(), check_state)
+            if self.guard is None:
+                # Nothing to decide before the update: let the control collective overlap it.
+                synced = self._finish_sync(t) or synced
+                self._clip()
+                self.optimizer.step()
+                view = pending.wait()
+                break
+            view = pending.wait()
+            verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
+            if verdict.action == "recompute":
                 rerun_from.restore()  # type: ignore[union-attr]
                 attempt += 1
                 continue
-            if verdict is not None and verdict.action == "skip":
+            if verdict.action == "skip":
                 applied = False
                 break
             synced = self._finish_sync(t) or synced
-            armed = self.guard is not None and self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
+            armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
             before = _StateSnapshot(self.model, self.optimizer) if armed else None
             self._clip()
             self.optimizer.step()
             if before is None:
                 break
             ratio = self._max_over_ranks(before.update_ratio(self.model))
-            verdict = self._judge(t, attempt, self.guard.check_update(t, attempt, ratio))  # type: ignore[union-attr]
+            verdict = self._judge(t, attempt, self.guard.check_update(t, attempt, ratio))
             if verdict.action == "proceed":
                 break
             before.restore(self.model, self.optimizer)
@@ -370,8 +379,8 @@ class Protector:
             self._counts["faults_injected"] += len(records)
             self.recorder.faults(r.to_json() for r in records)
 
-    def _control(self, loss: torch.Tensor, check_state: bool) -> ControlView:
-        """Pack this rank's view of the step and run the step's one control collective."""
+    def _control(self, loss: torch.Tensor, check_state: bool) -> PendingControl:
+        """Pack this rank's view of the step and launch the step's one control collective."""
         cap = self.hook.current
         self._record_faults(cap.faults)
         local_loss = float(loss.detach())
@@ -395,7 +404,7 @@ class Protector:
             faults=len(cap.faults),
             sketch=cap.sketch,
         )
-        return gather_control(vec.pack(self.sketch_dim), self.group)
+        return start_control(vec.pack(self.sketch_dim), self.group)
 
     def _metrics(self, step: int, view: ControlView) -> dict[str, Any]:
         grads = None
