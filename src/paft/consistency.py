@@ -38,7 +38,6 @@ __all__ = [
     "FLAG_STATE_CHECKED",
     "ControlVector",
     "ControlView",
-    "gather_control",
     "start_control",
     "PendingControl",
     "gather_exact_grads",
@@ -159,11 +158,6 @@ def start_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     out = torch.empty(world_size * vec.numel(), dtype=vec.dtype, device=device)
     work = _all_gather_single(out, vec.to(device), group=group, async_op=True)
     return PendingControl(out, work, world_size)
-
-
-def gather_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> ControlView:
-    """The step's one control collective, blocking: all_gather of every rank's packed vector."""
-    return start_control(vec, group).wait()
 
 
 def gather_exact_grads(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
