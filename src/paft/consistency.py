@@ -39,6 +39,7 @@ __all__ = [
     "ControlVector",
     "ControlView",
     "start_control",
+    "collective_device",
     "PendingControl",
     "gather_exact_grads",
     "worker_metrics",
@@ -154,7 +155,7 @@ def start_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     that arrive early from spinning in the collective.
     """
     world_size = dist.get_world_size(group)
-    device = _collective_device(group)
+    device = collective_device(group)
     out = torch.empty(world_size * vec.numel(), dtype=vec.dtype, device=device)
     work = _all_gather_single(out, vec.to(device), group=group, async_op=True)
     return PendingControl(out, work, world_size)
@@ -163,17 +164,21 @@ def start_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
 def gather_exact_grads(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``exact`` cosine mode: gather every rank's full local gradient (O(params) bytes)."""
     world_size = dist.get_world_size(group)
-    device = _collective_device(group)
+    device = collective_device(group)
     out = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=device)
     _all_gather_single(out, flat.to(device), group=group)
     return out.view(world_size, -1).cpu()
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    # NCCL only moves CUDA tensors; gloo moves CPU tensors.
-    if dist.get_backend(group) == "nccl":
+def collective_device(group: Any = None, like: torch.Tensor | None = None) -> torch.device:
+    """Where tensors must live for ``group``'s collectives: NCCL moves CUDA tensors, gloo
+    CPU tensors; another backend gets ``like``'s device (CPU without one)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if "gloo" in backend or like is None:
+        return torch.device("cpu")
+    return like.device
 
 
 def dispersion(values: torch.Tensor) -> dict[str, float]:

@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from paft.consistency import collective_device
 from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
 
 __all__ = [
@@ -338,15 +339,6 @@ def _sq_norm(x: Tensor) -> float:
 # ----------------------------------------------------------------------------
 
 
-def _comm_device(group: Any, first: Tensor | None) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if "gloo" in backend or first is None:
-        return torch.device("cpu")
-    return first.device
-
-
 def _state_fp(tensors: list[Tensor]) -> int:
     """:func:`fingerprint` of tensors that may live on several devices (Adam keeps
     ``step`` on the CPU next to CUDA parameters): per device, then combined."""
@@ -453,7 +445,7 @@ class ReplicaSync:
         self.syncs = 0
         self._layout: _Layout | None = None
         self._pending: _InFlight | None = None
-        self._device = _comm_device(group, next(iter(model.parameters()), None))
+        self._device = collective_device(group, next(iter(model.parameters()), None))
         # Fused optimizers update parameters and state without bumping the tensors'
         # version counters; a step hook tells finish() that a step happened anyway.
         self._opt_steps = 0
@@ -908,7 +900,7 @@ def measure_divergence(
     ws = dist.get_world_size(group)
     entries = [(n, _transport(t)) for n, t in state_tensors(model, optimizer)]
     entries = [(n, t) for n, t in entries if t.is_floating_point()]
-    device = _comm_device(group, entries[0][1] if entries else None)
+    device = collective_device(group, entries[0][1] if entries else None)
     finite = _all_finite([t for _, t in entries])
     flags = torch.empty(ws, 1, dtype=torch.int64, device=device)
     mine_flag = torch.tensor([int(finite)], dtype=torch.int64, device=device)
