@@ -10,8 +10,10 @@ paft never replaces DDP's reducer; it registers one hook through the public
    all-reduce of DDP's built-in reducer: scale by 1/world_size, then sum);
 4. ``aggregation`` fault injection into the *result*, on the selected rank only
    (network / reduction SDC: ranks now hold different "aggregated" gradients);
-5. capture of the *aggregated* gradient: squared norm, non-finite flag and an exact
-   fingerprint, so the step's control collective can tell whether ranks agree.
+5. capture of the *aggregated* gradient: an exact 64-bit word checksum, so the
+   step's control collective can tell whether ranks hold the same result. (Its norm
+   and non-finite flag come from the protector's one ``get_total_norm`` over the
+   gradients, which gradient clipping needs anyway: no second pass here.)
 
 Injection comes before the capture (unlike the first design sketch) so the
 diagnostics and the guard see what the hardware actually produced.
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from paft.faults import FaultInjector, FaultRecord
-from paft.fingerprint import fingerprint
+from paft.fingerprint import word_checksum
 
 __all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch"]
 
@@ -90,8 +92,6 @@ class BucketCapture:
 
     local_sq: float = 0.0
     local_nonfinite: bool = False
-    agg_sq: float = 0.0
-    agg_nonfinite: bool = False
     agg_fingerprint: int = 0
     sketch: torch.Tensor | None = None
     local_grads: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -170,12 +170,10 @@ class CommHookState:
 
     def _capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
         cap = self.current
-        sq = _squared_norm(flat)
-        cap.agg_sq += sq
-        cap.agg_nonfinite |= not math.isfinite(sq)
-        # Order-independent combination (buckets may finish in any order), kept in
-        # the signed int64 range that the control vector carries.
-        combined = (cap.agg_fingerprint + fingerprint([flat]) * (2 * index + 1)) & _MASK64
+        # Order-independent combination (buckets may finish in any order); the odd
+        # factor keeps a one-word change of any bucket visible. Kept in the signed
+        # int64 range that the control vector carries.
+        combined = (cap.agg_fingerprint + word_checksum(flat) * (2 * index + 1)) & _MASK64
         cap.agg_fingerprint = combined - (1 << 64) if combined >= 1 << 63 else combined
 
     def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

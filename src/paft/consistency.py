@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -52,7 +53,7 @@ FLAG_LOCAL_NONFINITE = 2
 FLAG_AGG_NONFINITE = 4
 FLAG_STATE_CHECKED = 8
 
-_LOSS, _LOCAL_SQ, _AGG_SQ, _AGG_HI, _AGG_LO, _STATE_HI, _STATE_LO, _FLAGS, _FAULTS = range(9)
+_LOSS, _LOCAL_SQ, _AGG_NORM, _AGG_HI, _AGG_LO, _STATE_HI, _STATE_LO, _FLAGS, _FAULTS = range(9)
 _HEADER = 9
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -64,7 +65,9 @@ class ControlVector:
 
     loss: float
     local_sq: float
-    agg_sq: float
+    """Squared norm of this rank's local gradient (summed over buckets)."""
+    agg_norm: float
+    """Norm of this rank's aggregated gradient."""
     agg_fingerprint: int
     state_fingerprint: int | None
     flags: int
@@ -72,37 +75,38 @@ class ControlVector:
     sketch: torch.Tensor | None
 
     def pack(self, sketch_dim: int) -> torch.Tensor:
-        vec = torch.zeros(_HEADER + sketch_dim, dtype=torch.float64)
+        vec = np.zeros(_HEADER + sketch_dim, dtype=np.float64)
         agg_hi, agg_lo = split_int64(self.agg_fingerprint)
         st_hi, st_lo = split_int64(self.state_fingerprint or 0)
         flags = self.flags | (FLAG_STATE_CHECKED if self.state_fingerprint is not None else 0)
-        vec[:_HEADER] = torch.tensor(
-            [self.loss, self.local_sq, self.agg_sq, agg_hi, agg_lo, st_hi, st_lo, flags, self.faults],
-            dtype=torch.float64,
-        )
+        vec[:_HEADER] = (self.loss, self.local_sq, self.agg_norm, agg_hi, agg_lo, st_hi, st_lo, flags, self.faults)
         if sketch_dim and self.sketch is not None:
-            vec[_HEADER:] = self.sketch
-        return vec
+            vec[_HEADER:] = self.sketch.numpy()
+        return torch.from_numpy(vec)
 
 
 class ControlView:
-    """The gathered ``[world_size, 9 + k]`` control matrix, read the same way on every rank."""
+    """The gathered ``[world_size, 9 + k]`` control matrix, read the same way on every rank.
 
-    def __init__(self, matrix: torch.Tensor) -> None:
-        self.matrix = matrix
-        self.world_size = matrix.shape[0]
+    Columns come out as numpy arrays: the matrix is a few KB, and numpy's per-call
+    cost is a fraction of torch's, which matters for a per-step computation.
+    """
+
+    def __init__(self, matrix: torch.Tensor | np.ndarray) -> None:
+        self.matrix = np.asarray(matrix.cpu() if isinstance(matrix, torch.Tensor) else matrix, dtype=np.float64)
+        self.world_size = self.matrix.shape[0]
 
     @property
-    def losses(self) -> torch.Tensor:
+    def losses(self) -> np.ndarray:
         return self.matrix[:, _LOSS]
 
     @property
-    def local_norms(self) -> torch.Tensor:
-        return self.matrix[:, _LOCAL_SQ].sqrt()
+    def local_norms(self) -> np.ndarray:
+        return np.sqrt(self.matrix[:, _LOCAL_SQ])
 
     @property
-    def agg_norms(self) -> torch.Tensor:
-        return self.matrix[:, _AGG_SQ].sqrt()
+    def agg_norms(self) -> np.ndarray:
+        return self.matrix[:, _AGG_NORM]
 
     @property
     def flags(self) -> list[int]:
@@ -113,8 +117,12 @@ class ControlView:
         return [int(f) for f in self.matrix[:, _FAULTS].tolist()]
 
     @property
-    def sketches(self) -> torch.Tensor:
+    def sketches(self) -> np.ndarray:
         return self.matrix[:, _HEADER:]
+
+    def header_bits(self) -> list[list[int]]:
+        """The header columns' exact float64 bit patterns, per rank."""
+        return np.ascontiguousarray(self.matrix[:, :_HEADER]).view(np.int64).tolist()
 
     def agg_fingerprints(self) -> list[int]:
         return [join_int64(hi, lo) for hi, lo in self.matrix[:, [_AGG_HI, _AGG_LO]].tolist()]
@@ -143,7 +151,7 @@ class PendingControl:
     def wait(self) -> ControlView:
         if self._view is None:
             self._work.wait()
-            self._view = ControlView(self._out.view(self._world_size, -1).cpu())
+            self._view = ControlView(self._out.view(self._world_size, -1))
         return self._view
 
 
@@ -181,23 +189,27 @@ def collective_device(group: Any = None, like: torch.Tensor | None = None) -> to
     return like.device
 
 
-def dispersion(values: torch.Tensor) -> dict[str, float]:
+def _array(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    return np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64)
+
+
+def dispersion(values: torch.Tensor | np.ndarray) -> dict[str, float]:
     """Population mean, std, coefficient of variation and max - min of per-rank values."""
-    v = values.double()
+    v = _array(values)
     mean = float(v.mean())
-    std = float(v.std(unbiased=False)) if v.numel() > 1 else 0.0
+    std = float(v.std()) if v.size > 1 else 0.0
     cv = std / abs(mean) if mean != 0 else (0.0 if std == 0 else math.inf)
     return {"mean": mean, "std": std, "cv": cv, "range": float(v.max() - v.min())}
 
 
-def pairwise_cosine(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pairwise_cosine(vectors: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(pairwise cosine matrix, each row's cosine to the mean row) of ``[ranks, dim]`` vectors."""
-    v = vectors.double()
-    norms = v.norm(dim=1).clamp_min(1e-300)
+    v = _array(vectors)
+    norms = np.maximum(np.linalg.norm(v, axis=1), 1e-300)
     unit = v / norms[:, None]
     cos = unit @ unit.T
     mean = v.mean(0)
-    to_mean = (v @ mean) / (norms * mean.norm().clamp_min(1e-300))
+    to_mean = (v @ mean) / (norms * max(float(np.linalg.norm(mean)), 1e-300))
     return cos, to_mean
 
 
@@ -211,11 +223,10 @@ def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict
     for name, values in (("loss", view.losses), ("gnorm", view.local_norms)):
         for stat, value in dispersion(values).items():
             out[f"consistency/{name}_{stat}"] = value
-    vectors = grads if grads is not None else view.sketches
+    vectors = _array(grads) if grads is not None else view.sketches
     if vectors.shape[1] > 0 and view.world_size > 1:
         cos, to_mean = pairwise_cosine(vectors)
-        iu = torch.triu_indices(view.world_size, view.world_size, offset=1)
-        pairs = cos[iu[0], iu[1]]
+        pairs = cos[np.triu_indices(view.world_size, k=1)]
         out["consistency/grad_cos_mean"] = float(pairs.mean())
         out["consistency/grad_cos_min"] = float(pairs.min())
         out["consistency/cos_to_mean"] = [float(c) for c in to_mean]

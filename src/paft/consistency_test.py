@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ def view_of(losses: list[float], norms: list[float], sketches: torch.Tensor | No
     rows = []
     for r, (loss, norm) in enumerate(zip(losses, norms)):
         rows.append(ControlVector(
-            loss=loss, local_sq=norm**2, agg_sq=1.0, agg_fingerprint=(agg_fps or [7] * len(losses))[r],
+            loss=loss, local_sq=norm**2, agg_norm=1.0, agg_fingerprint=(agg_fps or [7] * len(losses))[r],
             state_fingerprint=None if state_fps is None else state_fps[r], flags=0, faults=0,
             sketch=None if sketches is None else sketches[r],
         ).pack(k))
@@ -97,7 +98,7 @@ def test_sketch_cosine_on_real_gradients() -> None:
     sketcher = CountSketch(256)
     exact = pairwise_cosine(torch.stack(grads).double())[0]
     approx = pairwise_cosine(torch.stack([sketch_of(g, sketcher) for g in grads]))[0]
-    err = (exact - approx).abs()
+    err = np.abs(exact - approx)
     bound = 4 * (1 - exact**2) / math.sqrt(256) + 1e-3
     assert bool((err <= bound).all()), (exact, approx)
 

@@ -8,6 +8,7 @@ and the helpers around it:
 * :func:`state_tensors` -- the canonical, rank-independent list of every tensor of
   a model (DDP unwrapped) and its optimizer state;
 * :func:`fingerprint` / :func:`state_fingerprint` -- the 64-bit fingerprint;
+* :func:`word_checksum` -- a one-pass checksum for the per-step aggregated gradient;
 * :func:`split_int64` / :func:`join_int64` -- carry a fingerprint exactly through
   the per-step float64 control collective;
 * :func:`group_replicas` / :func:`majority` -- who agrees with whom.
@@ -75,6 +76,7 @@ from torch import nn
 __all__ = [
     "state_tensors",
     "fingerprint",
+    "word_checksum",
     "state_fingerprint",
     "split_int64",
     "join_int64",
@@ -353,6 +355,34 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
             h = _mix64(h ^ _mix64(meta + i * _GAMMA))
             h = _mix64(h ^ d)  # injective in d: keeps the one-word guarantee
     return _to_signed(_mix64(h ^ len(views)))
+
+
+def word_checksum(tensor: torch.Tensor) -> int:
+    """The sum of ``tensor``'s bytes read as 64-bit words, mod ``2**64`` (a signed int64 int).
+
+    One bandwidth-bound pass, about a quarter of :func:`fingerprint`'s cost on one
+    large tensor: the per-step check of the aggregated gradient uses it. Any change
+    confined to one aligned 64-bit word changes the sum (the difference is non-zero
+    mod ``2**64``), so every single bit flip is caught, as are unstructured
+    multi-word changes except with probability about ``2**-64``; unlike
+    :func:`fingerprint` it is blind to a permutation of words.
+
+    Example::
+
+        >>> a = torch.ones(5)
+        >>> b = a.clone(); b.view(torch.int32)[4] ^= 1 << 30  # flip the top exponent bit
+        >>> word_checksum(a) != word_checksum(b)
+        True
+    """
+    data = _as_bytes(0, tensor.detach())
+    whole = data.numel() // 8 * 8
+    words = data[:whole]
+    if words.storage_offset() % 8:  # an unaligned view cannot be read as int64
+        words = words.clone()
+    total = int(words.view(torch.int64).sum()) if whole else 0
+    if whole < data.numel():  # the last 1..7 bytes, zero-padded to a word
+        total += int.from_bytes(bytes(data[whole:].cpu().tolist()), "little")
+    return _to_signed(total & _M64)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -7,6 +7,7 @@ import doctest
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from paft.fingerprint import (
     split_int64,
     state_fingerprint,
     state_tensors,
+    word_checksum,
 )
 from paft.testing import run_workers
 
@@ -184,6 +186,21 @@ def test_swap_of_two_elements_changes(dtype: torch.dtype, n: int, data: st.DataO
     before = fingerprint([t])
     t[i], t[j] = t[j].clone(), t[i].clone()
     assert fingerprint([t]) != before
+
+
+@settings(max_examples=200, deadline=None)
+@given(_flip_case(), st.integers(0, 3))
+def test_word_checksum_is_the_word_sum_and_sees_every_flip(case: tuple, offset: int) -> None:
+    dtype, n, index, bit, seed, _cls = case
+    base = _random(n + offset, dtype, seed)
+    t = base[offset:]  # also views that do not start on an 8-byte boundary
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    raw += bytes(-len(raw) % 8)
+    expected = int(np.frombuffer(raw, dtype=np.uint64).sum(dtype=np.uint64)) if raw else 0
+    before = word_checksum(t)
+    assert before & ((1 << 64) - 1) == expected and -(2**63) <= before < 2**63
+    _flip(t, index, bit)
+    assert word_checksum(t) != before
 
 
 def test_order_dtype_and_shape_are_part_of_the_fingerprint() -> None:

@@ -61,7 +61,7 @@ of this step)::
     >= 1     detected     anything else (new / unattributed)       recompute   as decided so far
     any      recompute wanted but a cap is spent                   skip        as decided, detector rerun_cap
 
-(*) header columns 0..8 of every rank (loss, local_sq, agg_sq, fingerprints,
+(*) header columns 0..8 of every rank (loss, local_sq, agg_norm, fingerprints,
 flags, faults) compared as int64 bit patterns, so NaN == NaN. When every compared
 value is finite, a rerun within RERUN_RTOL (1e-3) with equal flags, fault counts,
 state fingerprints and replica grouping also counts as reproduced: GPU kernels with
@@ -89,7 +89,7 @@ Example::
     >>> from paft.config import GuardConfig
     >>> from paft.consistency import ControlVector, ControlView
     >>> def view(loss, agg):
-    ...     vec = ControlVector(loss, 1.0, agg * agg, 7, None, 0, 0, None)
+    ...     vec = ControlVector(loss, 1.0, agg, 7, None, 0, 0, None)
     ...     return ControlView(torch.stack([vec.pack(0)] * 2))
     >>> guard = Guard(GuardConfig(enabled=True, warmup=5), world_size=2)
     >>> for step in range(10):
@@ -147,7 +147,7 @@ GROSS_FACTOR = 1e4  # warm-up: only jumps no clean step makes (a bit-30 flip is 
 RERUN_RTOL = 1e-3  # finite reruns this close count as the same result
 
 _HEADER = 9  # consistency.py's header columns
-_LOSS, _LOCAL_SQ, _AGG_SQ, _AGG_HI, _AGG_LO, _STATE_HI, _STATE_LO, _FLAGS, _FAULTS = range(_HEADER)
+_LOSS, _LOCAL_SQ, _AGG_NORM, _AGG_HI, _AGG_LO, _STATE_HI, _STATE_LO, _FLAGS, _FAULTS = range(_HEADER)
 
 
 @dataclass
@@ -228,10 +228,6 @@ def _cross_limit(values: list[float], threshold: float, armed: bool) -> float:
         return med + GROSS_FACTOR * max(abs(med), ABS_FLOOR)
     mad = _median(sorted(abs(x - med) for x in xs))
     return med + threshold * max(MAD_TO_STD * mad, REL_FLOOR_RANK * abs(med), ABS_FLOOR)
-
-
-def _header_bits(view: ControlView) -> list[list[int]]:
-    return view.matrix[:, :_HEADER].to(torch.float64).contiguous().view(torch.int64).tolist()
 
 
 def _f64_bits(x: float) -> int:
@@ -335,7 +331,7 @@ class Guard:
             return GuardVerdict("proceed", values=self._summary(view))
         detector, ranks, values = found
         st.incident = True
-        bits = _header_bits(view)
+        bits = view.header_bits()
         if prev is None or prev.source != "check":
             self.counters["detections"] += 1
             st.pending = _Incident("check", detector, ranks, bits)
@@ -475,7 +471,7 @@ class Guard:
                 if name == "nonfinite_agg_grad" and len(bad) == ws:
                     ranks = self._local_suspects(losses, local)
                 return name, ranks, {"value": col[bad[0]], "rank": float(bad[0]), "count": float(len(bad))}
-        groups = group_replicas(_fp_keys(_header_bits(view)))
+        groups = group_replicas(_fp_keys(view.header_bits()))
         if len(groups) > 1:
             return "grad_mismatch", self._mismatch_suspects(groups, agg), {
                 "distinct": float(len(groups)), "grad_norm_min": min(agg), "grad_norm_max": max(agg)}

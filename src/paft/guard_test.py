@@ -45,7 +45,7 @@ def make_view(
         ControlVector(
             loss=float(losses[r]),
             local_sq=float(local[r]) ** 2,
-            agg_sq=agg[r] ** 2,
+            agg_norm=agg[r],
             agg_fingerprint=(fps or [FP] * ws)[r],
             state_fingerprint=(states or [None] * ws)[r],
             flags=(flags or [0] * ws)[r],

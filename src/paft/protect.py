@@ -249,6 +249,7 @@ class Protector:
                 self.scheduler = FixedScheduler(protect.sync_period)
         self.guard = Guard(guard, self.world_size) if guard.enabled else None
         self.step_idx = 0
+        self._grad_norm: torch.Tensor | None = None
         self._alerting: dict[str, bool] = {}
         self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
 
@@ -384,12 +385,15 @@ class Protector:
         cap = self.hook.current
         self._record_faults(cap.faults)
         local_loss = float(loss.detach())
+        # The aggregated gradient's norm, computed once: clipping reuses it (see _clip).
+        self._grad_norm = torch.nn.utils.get_total_norm(self._grads())
+        agg_norm = float(self._grad_norm)
         flags = 0
         if not math.isfinite(local_loss):
             flags |= FLAG_LOSS_NONFINITE
         if cap.local_nonfinite:
             flags |= FLAG_LOCAL_NONFINITE
-        if cap.agg_nonfinite:
+        if not math.isfinite(agg_norm):
             flags |= FLAG_AGG_NONFINITE
         state_fp = None
         if check_state:
@@ -397,7 +401,7 @@ class Protector:
         vec = ControlVector(
             loss=local_loss,
             local_sq=cap.local_sq,
-            agg_sq=cap.agg_sq,
+            agg_norm=agg_norm,
             agg_fingerprint=cap.agg_fingerprint,
             state_fingerprint=state_fp,
             flags=flags,
@@ -451,9 +455,17 @@ class Protector:
             raise PersistentFaultError(step, verdict.ranks)
         return verdict
 
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
     def _clip(self) -> None:
+        """Clip exactly as ``clip_grad_norm_`` does, with the norm the control step computed."""
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            norm = self._grad_norm
+            if norm is None:  # unmonitored step: nothing computed it yet
+                norm = torch.nn.utils.get_total_norm(self._grads())
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.grad_clip, norm)
+        self._grad_norm = None
 
     def _max_over_ranks(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
