@@ -36,7 +36,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -94,25 +93,59 @@ class _ForwardSnapshot:
 class _StateSnapshot:
     """Parameters and optimizer state before ``optimizer.step()``, for a post-step rollback.
 
-    Taken only when the guard arms it (:meth:`Guard.wants_snapshot`): a copy of the
-    whole state costs about as much as the update itself.
+    Taken only when the guard arms it (:meth:`Guard.wants_snapshot`). The copies are
+    allocated once and reused, so a snapshot is one batched copy of the state (no
+    allocation, no ``state_dict`` deep copy). Optimizer state that the step creates
+    (the first step of Adam, SGD momentum) is removed again on restore; non-tensor
+    state entries are restored from a shallow copy.
     """
 
-    def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
-        self.params = [p.detach().clone() for p in model.parameters()]
-        self.optimizer = copy.deepcopy(optimizer.state_dict())
+    def __init__(self) -> None:
+        self._saved: list[torch.Tensor] = []
+        self._live: list[torch.Tensor] = []
+        self._num_params = 0
+        # Per parameter: its state's keys and non-tensor entries (None: no state yet).
+        self._extras: dict[torch.Tensor, tuple[set[Any], dict[Any, Any]] | None] = {}
+
+    def capture(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> _StateSnapshot:
+        live = [t for _, t in state_tensors(model, optimizer, buffers=False)]
+        layout = [(t.shape, t.dtype, t.device) for t in live]
+        if layout != [(t.shape, t.dtype, t.device) for t in self._saved]:
+            self._saved = [torch.empty_like(t) for t in live]
+        with torch.no_grad():
+            torch._foreach_copy_(self._saved, live)
+        self._live = live
+        self._num_params = sum(1 for _ in model.parameters())
+        self._extras = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                self._extras[p] = (
+                    (set(state), {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)})
+                    if state else None
+                )
+        return self
 
     def update_ratio(self, model: DistributedDataParallel) -> float:
         """||w_new - w_old|| / ||w_old|| over all parameters."""
-        num = sum(float((p.detach() - b).square().sum()) for p, b in zip(model.parameters(), self.params))
-        den = sum(float(b.square().sum()) for b in self.params)
+        old = self._saved[: self._num_params]
+        new = [p.detach() for p in model.parameters()]
+        num = sum(float(n) ** 2 for n in torch._foreach_norm(torch._foreach_sub(new, old)))
+        den = sum(float(n) ** 2 for n in torch._foreach_norm(old))
         return math.sqrt(num / den) if den > 0 else math.inf
 
     def restore(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
-            for p, saved in zip(model.parameters(), self.params):
-                p.copy_(saved)
-        optimizer.load_state_dict(self.optimizer)
+            torch._foreach_copy_(self._live, self._saved)
+        for p, extras in self._extras.items():
+            if extras is None:
+                optimizer.state.pop(p, None)  # the step created this state: undo it
+                continue
+            keys, values = extras
+            state = optimizer.state[p]
+            for key in set(state) - keys:
+                del state[key]
+            state.update(values)
 
 
 class PersistentFaultError(RuntimeError):
@@ -250,6 +283,7 @@ class Protector:
         self.guard = Guard(guard, self.world_size) if guard.enabled else None
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
+        self._snapshot = _StateSnapshot()
         self._alerting: dict[str, bool] = {}
         self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
 
@@ -286,7 +320,7 @@ class Protector:
                 break
             synced = self._finish_sync(t) or synced
             armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
-            before = _StateSnapshot(self.model, self.optimizer) if armed else None
+            before = self._snapshot.capture(self.model, self.optimizer) if armed else None
             self._clip()
             self.optimizer.step()
             if before is None:

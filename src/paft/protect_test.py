@@ -257,3 +257,34 @@ def test_overlapped_and_blocking_sync_agree() -> None:
     assert len({o["fingerprint"] for o in blocking}) == 1
     assert overlapped[0]["counters"]["syncs"] == blocking[0]["counters"]["syncs"] == 4
     assert max(overlapped[0]["divergence"]) <= 2 * max(blocking[0]["divergence"])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw"])
+def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: str) -> None:
+    """The guard's rollback: a snapshot (buffers reused across steps) undoes a step exactly,
+    including the optimizer state that a first step creates."""
+    from paft.protect import _StateSnapshot
+
+    model = toy_model()
+    if opt_name == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(k: int) -> None:
+        opt.zero_grad()
+        x, y = batch(0, k)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    snap = _StateSnapshot()
+    for k in range(3):  # k = 0: no optimizer state yet, so restore must remove what step() created
+        before = state_fingerprint(model, opt)
+        keys = {id(p): set(opt.state.get(p, {})) for p in model.parameters()}
+        snap.capture(model, opt)
+        step(k)
+        assert snap.update_ratio(model) > 0 and state_fingerprint(model, opt) != before
+        snap.restore(model, opt)
+        assert state_fingerprint(model, opt) == before
+        assert {id(p): set(opt.state.get(p, {})) for p in model.parameters()} == keys
+        step(k)  # then really take the step: the next round snapshots a grown state
