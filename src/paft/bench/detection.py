@@ -33,8 +33,8 @@ L2 divergence, ``gap(s) = (v_unguarded(s) - v_fault_free(s)) / v_fault_free(s)``
   run to the fault-free run, in percent.
 
 The guard's overhead without faults is measured on the same model as throughput /
-plain DDP (monitor off), from rotating rounds of plain, monitor and guard runs,
-each divided by the plain runs next to it (:func:`~paft.bench.runner.throughput_ratios`).
+plain DDP (monitor off), with :mod:`paft.bench.overhead`'s schedule: rotating rounds
+of monitor and guard runs, each between two plain runs and divided by their mean.
 """
 
 from __future__ import annotations
@@ -44,15 +44,8 @@ import pathlib
 import statistics
 from typing import Any, Sequence
 
-from paft.bench.runner import (
-    Run,
-    make_config,
-    markdown_table,
-    rotations,
-    run_all,
-    throughput_ratios,
-    write_outputs,
-)
+from paft.bench import overhead
+from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
 from paft.config import TrainConfig
 from paft.faults import BIT_CLASSES
 from paft.records import read_jsonl
@@ -86,11 +79,8 @@ HARM_WINDOW = 3
 """Steps after the faulty update in which the harm must show (K)."""
 LATE_WINDOW = 2
 """A detection this many steps after a fault step is late, not a false positive."""
-OVERHEAD_VARIANTS: dict[str, dict[str, Any]] = {
-    "plain": {"monitor": {"enabled": False}},
-    "monitor": {},
-    "guard": {"guard": {"enabled": True}},
-}
+OVERHEAD_VARIANTS: tuple[str, ...] = ("plain", "monitor", "guard")
+"""Variants of :data:`paft.bench.overhead.VARIANTS` measured for the guard's overhead."""
 REFERENCE = "fault-free"
 
 
@@ -149,13 +139,8 @@ def plan(out: pathlib.Path, *, steps: int, rate: float, world_size: int, bits: l
                     group=site, labels={"kind": "cell", "site": site, "bits": b, "guard": guarded, "spec": spec},
                 ))
     obase = _base(overhead_steps, world_size, seed, eval_every=overhead_steps)
-    variants = list(OVERHEAD_VARIANTS)
-    for i, variant in enumerate(rotations(variants, overhead_rounds)):
-        rnd = i // len(variants)
-        runs.append(Run(f"overhead/r{rnd}-{variant}",
-                        make_config(obase, out / "runs" / "overhead" / f"r{rnd}-{variant}",
-                                    **OVERHEAD_VARIANTS[variant]),
-                        group="overhead", labels={"kind": "overhead", "variant": variant, "round": rnd}))
+    runs += overhead.plan(out / "runs" / "overhead", obase, overhead_rounds, list(OVERHEAD_VARIANTS),
+                          group="overhead", prefix="overhead/")
     return runs
 
 
@@ -330,16 +315,15 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
 
     # Guard overhead without faults: ratio to the plain runs next to each run.
     over = [r for r in runs if r.labels.get("kind") == "overhead"]
-    ratios = throughput_ratios([r.labels["variant"] for r in over], [r.summary["steps_per_s"] for r in over], "plain")
-    overhead = {v: {"median": statistics.median(x), "min": min(x), "max": max(x), "ratios": x}
-                for v, x in ratios.items()}
+    costs = {v: {"median": statistics.median(x), "min": min(x), "max": max(x), "ratios": x}
+             for v, x in overhead.ratios_of(over).items()}
     plain_rate = statistics.median(r.summary["steps_per_s"] for r in over if r.labels["variant"] == "plain")
     clean_guard = [r for r in over if r.labels["variant"] == "guard"]
     clean_fp = sum(assess_detection(pathlib.Path(r.config["run_dir"]))["false_positives"] for r in clean_guard)
     clean_steps = sum(r.summary["steps"] for r in clean_guard)
 
     md, table = _markdown(rows, sites, targets, steps=steps, rate=rate, world_size=world_size, ref_loss=ref_loss,
-                          overhead=overhead, plain_rate=plain_rate, overhead_steps=overhead_steps,
+                          overhead=costs, plain_rate=plain_rate, overhead_steps=overhead_steps,
                           overhead_rounds=overhead_rounds, clean_fp=clean_fp, clean_steps=clean_steps)
     plot = _plot(out, rows, sites, targets)
     md += f"\n![{plot.stem}]({plot.name})\n"
@@ -349,7 +333,7 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
                        "late_window": LATE_WINDOW},
         "reference": {"final_val_loss": ref_loss, "steps_per_s": ref.summary["steps_per_s"]},
         "rows": rows,
-        "overhead": {"variants": overhead, "plain_steps_per_s": plain_rate, "steps": overhead_steps,
+        "overhead": {"variants": costs, "plain_steps_per_s": plain_rate, "steps": overhead_steps,
                      "rounds": overhead_rounds, "false_positives_fault_free": clean_fp,
                      "fault_free_guarded_steps": clean_steps},
         "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs],

@@ -11,9 +11,10 @@ Variants, on the default workload (gpt, 4 ranks), all without faults:
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
 - ``averager``: PyTorch's PeriodicModelAverager at the same period H.
 
-Variants run in rotating rounds inside one worker group; every run's steps/s is
-divided by the mean of the ``plain`` runs of its round. The table gives the median
-ratio and the range over rounds.
+Variants run in rotating rounds inside one worker group, and every variant run sits
+between two ``plain`` runs (``plain, a, plain, b, plain, ...``): its steps/s is divided
+by the mean of those two neighbours, so slow drifts of a shared machine cancel. The
+table gives the median ratio and the range over rounds.
 """
 
 from __future__ import annotations
@@ -22,10 +23,19 @@ import pathlib
 import statistics
 from typing import Any
 
-from paft.bench.runner import Run, make_config, markdown_table, rotations, run_all, write_outputs
+from paft.bench.runner import (
+    Run,
+    alternate,
+    make_config,
+    markdown_table,
+    rotations,
+    run_all,
+    throughput_ratios,
+    write_outputs,
+)
 from paft.config import TrainConfig
 
-__all__ = ["VARIANTS", "plan", "run"]
+__all__ = ["VARIANTS", "plan", "ratios_of", "run"]
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"monitor": {"enabled": False}},
@@ -38,16 +48,32 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def plan(out: pathlib.Path, base: dict[str, Any], rounds: int, variants: list[str]) -> list[Run]:
+def plan(runs_dir: pathlib.Path, base: dict[str, Any], rounds: int, variants: list[str], *,
+         group: str = "", prefix: str = "") -> list[Run]:
+    """``rounds`` rotations of the non-plain variants, a plain DDP run before and after each.
+
+    Run directories go under ``runs_dir``; ``group`` and ``prefix`` (of the run names)
+    let another benchmark (``detection``) append these runs to its own plan.
+    """
+    others = [v for v in variants if v != "plain"]
+    schedule = alternate("plain", rotations(others, rounds), every=1)
     runs = []
-    for i, variant in enumerate(rotations(variants, rounds)):
-        rnd = i // len(variants)
+    for i, variant in enumerate(schedule):
+        rnd = max(0, i - 1) // (2 * len(others)) if others else 0
+        name = f"{i:03d}-{variant}"
         runs.append(Run(
-            name=f"r{rnd}-{variant}",
-            config=make_config(base, out / "runs" / f"r{rnd}-{variant}", **VARIANTS[variant]),
-            labels={"variant": variant, "round": rnd},
+            name=prefix + name,
+            config=make_config(base, runs_dir / name, **VARIANTS[variant]),
+            group=group,
+            labels={"kind": "overhead", "variant": variant, "round": rnd},
         ))
     return runs
+
+
+def ratios_of(runs: list[Run]) -> dict[str, list[float]]:
+    """Each non-plain run's steps/s over the mean of the plain runs next to it, per variant."""
+    over = [r for r in runs if r.labels.get("kind") == "overhead"]
+    return throughput_ratios([r.labels["variant"] for r in over], [r.summary["steps_per_s"] for r in over], "plain")
 
 
 def run(out: pathlib.Path, *, rounds: int = 3, steps: int = 40, period: int = 20, workload: str = "gpt",
@@ -60,22 +86,18 @@ def run(out: pathlib.Path, *, rounds: int = 3, steps: int = 40, period: int = 20
         checkpoint_every=0, warmup_steps=min(20, steps // 2),
     ).to_dict()
     base["protect"]["sync_period"] = period
-    runs = plan(out, base, rounds, variants)
+    runs = plan(out / "runs", base, rounds, variants)
     run_all(runs, world_size)
-    ratios: dict[str, list[float]] = {v: [] for v in variants if v != "plain"}
-    for rnd in range(rounds):
-        in_round = [r for r in runs if r.labels["round"] == rnd]
-        ref = statistics.fmean(r.summary["steps_per_s"] for r in in_round if r.labels["variant"] == "plain")
-        for r in in_round:
-            if r.labels["variant"] != "plain":
-                ratios[r.labels["variant"]].append(r.summary["steps_per_s"] / ref)
+    measured = ratios_of(runs)
+    ratios = {v: measured.get(v, []) for v in variants if v != "plain"}
     rows = []
     for variant, values in ratios.items():
         rows.append([variant, statistics.median(values), min(values), max(values),
                      (1 - statistics.median(values)) * 100])
     table = markdown_table(["variant", "throughput / plain DDP (median)", "min", "max", "overhead %"], rows)
     plain_rates = [r.summary["steps_per_s"] for r in runs if r.labels["variant"] == "plain"]
-    note = (f"{workload}, {world_size} ranks, {steps} steps per run, {rounds} rotating rounds, sync period {period}; "
+    note = (f"{workload}, {world_size} ranks, {steps} steps per run, {rounds} rotating rounds, each run between "
+            f"two plain DDP runs, sync period {period}; "
             f"plain DDP: {statistics.median(plain_rates):.3f} steps/s (median).")
     results = {"ratios": ratios, "note": note, "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs]}
     write_outputs(out, "Overhead without faults (ratio to plain DDP)", results, f"{note}\n\n{table}")
