@@ -3,7 +3,7 @@
 Synchronous all-reduce makes the weights equal after every step, but it hides how
 differently the workers behaved before aggregation. Each step every rank packs what
 it saw into ONE small float64 vector (:class:`ControlVector`): its local loss, its
-local and aggregated gradient norms, fingerprints of its aggregated gradient and of
+local and aggregated gradient norms, a checksum of its aggregated gradient, a fingerprint of
 its training state, detector flags, the number of faults injected, and a k-dim
 sketch of its local gradient. One ``all_gather`` of that vector (``8 * (9 + k)``
 bytes per rank; 2.1 KB for k = 256) gives every rank the same matrix, from which
@@ -17,7 +17,7 @@ Metrics (namespaced keys, population statistics over ranks):
 - ``consistency/grad_cos_{mean,min}``: pairwise cosine of local gradients, and
   ``consistency/cos_to_mean`` (per rank) / ``consistency/cos_to_mean_min``;
 - ``replicas/grad_distinct`` and ``replicas/state_distinct``: number of distinct
-  aggregated-gradient and state fingerprints, with ``replicas/minority_ranks``.
+  aggregated-gradient checksums and state fingerprints, with ``replicas/minority_ranks``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Detectors, in the order they are tried (the first that fires names the verdict):
   FLAG_* bit or a non-finite value in its loss / local norm / aggregated norm.
   Suspects: the flagged ranks (for the aggregate: the flagged minority, else ranks
   whose local values are anomalous).
-- ``grad_mismatch``: ranks hold different aggregated-gradient fingerprints, i.e. the
+- ``grad_mismatch``: ranks hold different aggregated-gradient checksums, i.e. the
   all-reduce delivered different bytes (aggregation SDC; data never causes this).
   Suspects: the minority; without a strict majority (2 ranks, even split), the
   group whose aggregated norm is anomalous against the running history, else none.

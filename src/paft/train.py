@@ -134,7 +134,7 @@ class Trainer:
         self.step = 0
         self._start_step = 0
         self.train_seconds = 0.0
-        self._timed = [0, 0.0]  # (steps, seconds) after the first steps of this process
+        self._timed = [0, 0.0, 0.0]  # (steps, seconds, CPU seconds) after the first steps of this process
         self.evals: list[dict[str, Any]] = read_jsonl(run_dir / "evals.jsonl") if cfg.resume else []
 
     @staticmethod
@@ -184,7 +184,7 @@ class Trainer:
             loss.backward()
             return loss
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         report = self.protector.step(closure)
         self.scheduler.step()
         self.step += 1
@@ -195,6 +195,7 @@ class Trainer:
         if self.step - self._start_step > _UNTIMED_STEPS:
             self._timed[0] += 1
             self._timed[1] += elapsed
+            self._timed[2] += time.process_time() - cpu_start
         self.recorder.metrics({
             "step": report.step, "local_loss": report.local_loss, "loss": report.loss,
             "grad_norm": report.grad_norm, "lr": self.scheduler.get_last_lr()[0],
@@ -313,10 +314,10 @@ class Trainer:
         dist.all_gather(fps, fp)
         groups = group_replicas([int(f) for f in fps])
         divergence = self.evals[-1]["replica_rel_diff"]
-        counters = torch.tensor(
-            [self.protector.counters["faults_injected"]], dtype=torch.float64
-        )
-        dist.all_reduce(counters)  # faults are injected per rank; the rest is identical everywhere
+        # Faults are injected per rank and CPU time is per process; the rest is identical everywhere.
+        cpu_per_step = self._timed[2] / self._timed[0] if self._timed[0] else 0.0
+        counters = torch.tensor([self.protector.counters["faults_injected"], cpu_per_step], dtype=torch.float64)
+        dist.all_reduce(counters)
         first, last = self.evals[0], self.evals[-1]
         c = self.protector.counters
         summary: dict[str, Any] = {
@@ -327,6 +328,7 @@ class Trainer:
             "final_val_loss": last["val_loss"],
             "final_val_loss_max": max(last["val_loss_per_rank"]),
             "steps_per_s": self.step_rate(),
+            "cpu_ms_per_step": 1e3 * float(counters[1]) / self.world_size,
             "wall_s": self.train_seconds,
             "replicas_distinct": len(groups),
             "replica_groups": groups,

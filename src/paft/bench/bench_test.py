@@ -203,7 +203,8 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     assert "| monitor |" in (out / "results.md").read_text()
     results = json.loads((out / "results.json").read_text())
     assert list(results["ratios"]) == ["monitor"] and len(results["ratios"]["monitor"]) == 1
-    assert results["ratios"]["monitor"][0] > 0
+    assert results["ratios"]["monitor"][0] > 0 and results["cpu_ratios"]["monitor"][0] > 0
+    assert all(r["cpu_ms_per_step"] > 0 for r in results["runs"])
     assert [r["variant"] for r in results["runs"]] == ["plain", "monitor", "plain"]  # between two plain runs
 
 

@@ -14,7 +14,9 @@ Variants, on the default workload (gpt, 4 ranks), all without faults:
 Variants run in rotating rounds inside one worker group, and every variant run sits
 between two ``plain`` runs (``plain, a, plain, b, plain, ...``): its steps/s is divided
 by the mean of those two neighbours, so slow drifts of a shared machine cancel. The
-table gives the median ratio and the range over rounds.
+table gives the median ratio and the range over rounds, and the same for the CPU time
+per step (``cpu_ms_per_step``, all threads of a worker, mean over ranks): on a machine
+that other jobs share, the CPU cost of a defense is steadier than its wall time.
 """
 
 from __future__ import annotations
@@ -70,10 +72,10 @@ def plan(runs_dir: pathlib.Path, base: dict[str, Any], rounds: int, variants: li
     return runs
 
 
-def ratios_of(runs: list[Run]) -> dict[str, list[float]]:
-    """Each non-plain run's steps/s over the mean of the plain runs next to it, per variant."""
+def ratios_of(runs: list[Run], key: str = "steps_per_s") -> dict[str, list[float]]:
+    """Each non-plain run's ``key`` over the mean of the plain runs next to it, per variant."""
     over = [r for r in runs if r.labels.get("kind") == "overhead"]
-    return throughput_ratios([r.labels["variant"] for r in over], [r.summary["steps_per_s"] for r in over], "plain")
+    return throughput_ratios([r.labels["variant"] for r in over], [r.summary[key] for r in over], "plain")
 
 
 def run(out: pathlib.Path, *, rounds: int = 3, steps: int = 40, period: int = 20, workload: str = "gpt",
@@ -88,18 +90,23 @@ def run(out: pathlib.Path, *, rounds: int = 3, steps: int = 40, period: int = 20
     base["protect"]["sync_period"] = period
     runs = plan(out / "runs", base, rounds, variants)
     run_all(runs, world_size)
-    measured = ratios_of(runs)
+    measured, cpu_measured = ratios_of(runs), ratios_of(runs, "cpu_ms_per_step")
     ratios = {v: measured.get(v, []) for v in variants if v != "plain"}
+    cpu = {v: cpu_measured.get(v, []) for v in ratios}
     rows = []
     for variant, values in ratios.items():
-        rows.append([variant, statistics.median(values), min(values), max(values),
-                     (1 - statistics.median(values)) * 100])
-    table = markdown_table(["variant", "throughput / plain DDP (median)", "min", "max", "overhead %"], rows)
-    plain_rates = [r.summary["steps_per_s"] for r in runs if r.labels["variant"] == "plain"]
+        tput, cost = statistics.median(values), statistics.median(cpu[variant])
+        rows.append([variant, tput, f"{min(values):.3f}-{max(values):.3f}", (1 - tput) * 100,
+                     cost, f"{min(cpu[variant]):.3f}-{max(cpu[variant]):.3f}", (cost - 1) * 100])
+    table = markdown_table(["variant", "throughput / plain DDP (median)", "range", "overhead %",
+                            "CPU per step / plain DDP (median)", "range", "CPU overhead %"], rows)
+    plain = [r.summary for r in runs if r.labels["variant"] == "plain"]
     note = (f"{workload}, {world_size} ranks, {steps} steps per run, {rounds} rotating rounds, each run between "
-            f"two plain DDP runs, sync period {period}; "
-            f"plain DDP: {statistics.median(plain_rates):.3f} steps/s (median).")
-    results = {"ratios": ratios, "note": note, "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs]}
+            f"two plain DDP runs, sync period {period}; plain DDP: "
+            f"{statistics.median(s['steps_per_s'] for s in plain):.3f} steps/s, "
+            f"{statistics.median(s['cpu_ms_per_step'] for s in plain):.1f} ms CPU per step and rank (medians).")
+    results = {"ratios": ratios, "cpu_ratios": cpu, "note": note,
+               "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs]}
     write_outputs(out, "Overhead without faults (ratio to plain DDP)", results, f"{note}\n\n{table}")
     print(f"\n{note}\n{table}")
     return results
