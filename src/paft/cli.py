@@ -19,10 +19,10 @@ __all__ = ["main", "build_parser"]
 EXIT_USAGE = 2
 
 def _fault_grammar() -> str:
-    """The --inject grammar, taken from the faults module's docstring (one source)."""
-    from paft import faults
+    """The --inject grammar, taken from the faultspec module's docstring (one source)."""
+    from paft import faultspec
 
-    text = (faults.__doc__ or "").split("Grammar (one ``--inject`` value)::", 1)[-1]
+    text = (faultspec.__doc__ or "").split("Grammar (one ``--inject`` value)::", 1)[-1]
     return "fault specs (--inject, repeatable):\n" + text.rstrip() + "\n\n"
 
 

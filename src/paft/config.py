@@ -242,7 +242,10 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
-        from paft.faults import FaultSchedule, parse_specs  # local: faults is a leaf module, config stays cheap
+        from paft.faults import (
+            FaultSchedule,  # local: faults is a leaf module, config stays cheap
+        )
+        from paft.faultspec import parse_specs
         from paft.workloads import WORKLOADS
 
         _require(self.workload in WORKLOADS, "--workload", f"must be one of {WORKLOADS}, got {self.workload!r}")

@@ -1,4 +1,4 @@
-"""Tests for paft.faults: kinds on real tensors, the spec grammar, the schedule, the injector.
+"""Tests for paft.faults and paft.faultspec: kinds on real tensors, the spec grammar, the schedule, the injector.
 
 Everything here is pure (no process group): the whole file runs in seconds.
 """
@@ -15,18 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paft.faults import (
-    BIT_CLASSES,
-    KINDS,
-    SITES,
     FaultInjector,
     FaultRecord,
     FaultSchedule,
+    apply_fault,
+    select_indices,
+)
+from paft.faultspec import (
+    BIT_CLASSES,
+    KINDS,
+    SITES,
     FaultSpec,
     FaultSpecError,
-    apply_fault,
     bit_range,
     parse_specs,
-    select_indices,
 )
 
 DTYPES = {torch.float32: (torch.int32, 32), torch.bfloat16: (torch.int16, 16),

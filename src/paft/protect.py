@@ -54,12 +54,13 @@ from paft.consistency import (
     ControlVector,
     ControlView,
     PendingControl,
-    start_control,
     gather_exact_grads,
+    start_control,
     worker_metrics,
 )
 from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
-from paft.faults import FaultInjector, FaultSchedule, FaultSpec, parse_specs
+from paft.faults import FaultInjector, FaultSchedule
+from paft.faultspec import FaultSpec, parse_specs
 from paft.fingerprint import group_replicas, state_fingerprint, state_tensors
 from paft.guard import Guard, GuardVerdict
 from paft.records import RunRecorder

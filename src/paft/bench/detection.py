@@ -47,7 +47,7 @@ from typing import Any, Sequence
 from paft.bench import overhead
 from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
 from paft.config import TrainConfig
-from paft.faults import BIT_CLASSES
+from paft.faultspec import BIT_CLASSES
 from paft.records import read_jsonl
 
 __all__ = [

@@ -1,0 +1,458 @@
+"""The ``--inject`` grammar: :class:`FaultSpec`, one fault as data and as text.
+
+A spec says *what* a fault does and *when* it may fire; :mod:`paft.faults` holds the
+tensor edits, the schedule and the injector that carry it out.
+:meth:`FaultSpec.parse` reads the text form and :meth:`FaultSpec.to_text` writes it
+back (``parse(to_text(s)) == s``); every invalid value raises :class:`FaultSpecError`
+naming the field.
+
+Grammar (one ``--inject`` value)::
+
+    KIND[:key=value,key=value,...]
+
+    KIND        bitflip | scale | noise | zero | nan | inf | random | stale
+    site=       aggregation (default) | local-grad | params | optimizer-state
+    rate=P      per-step probability in [0, 1] that an event starts
+    steps=S     steps where an event may start: 10+20+30, 10-20 (inclusive), 5+10-12
+                (with rate: each listed step fires with probability P; without: always)
+    start=N     first step an event may start (inclusive, default 0)
+    stop=N      step from which no event starts (exclusive, default never)
+    ranks=R     random (default: ONE uniformly random rank per event) | 1 | 0+2
+                (listed ranks draw independently: each fires with probability P)
+    count=N     elements hit per event (default 1) ...
+    fraction=F  ... or this fraction of the tensor's elements, in (0, 1]
+    bits=B      bitflip only: bit index, or sign | exponent | mantissa | any (default)
+    factor=X    scale only: multiply by X (default 1000)
+    sigma=X     noise only: x += N(0, 1) * X * |x| (default 0.1)
+    value=X     random only: replace with U[-X, X] (default X = max |finite x|)
+    burst=N     an event that starts at step s on a rank also fires on s+1 .. s+N-1
+    persistent= true | false (default): true fires again when a step is recomputed
+                (attempt > 0), as faulty hardware would; false is transient.
+
+    e.g.  bitflip:site=aggregation,rate=0.01,bits=exponent,ranks=1
+          scale:steps=100,factor=-1e4,ranks=0
+          stale:site=local-grad,rate=0.05,burst=3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Union
+
+import torch
+
+__all__ = [
+    "KINDS",
+    "SITES",
+    "BUCKET_SITES",
+    "TENSOR_SITES",
+    "BIT_CLASSES",
+    "FLOAT_LAYOUT",
+    "FaultSpecError",
+    "FaultSpec",
+    "parse_specs",
+    "bit_range",
+]
+
+KINDS: tuple[str, ...] = ("bitflip", "scale", "noise", "zero", "nan", "inf", "random", "stale")
+BUCKET_SITES: tuple[str, ...] = ("aggregation", "local-grad")
+TENSOR_SITES: tuple[str, ...] = ("params", "optimizer-state")
+SITES: tuple[str, ...] = BUCKET_SITES + TENSOR_SITES
+BIT_CLASSES: tuple[str, ...] = ("sign", "exponent", "mantissa", "any")
+
+# dtype -> (integer view, width, sign bit, (exponent lo, hi), (mantissa lo, hi))
+FLOAT_LAYOUT: dict[torch.dtype, tuple[torch.dtype, int, int, tuple[int, int], tuple[int, int]]] = {
+    torch.float32: (torch.int32, 32, 31, (23, 30), (0, 22)),
+    torch.bfloat16: (torch.int16, 16, 15, (7, 14), (0, 6)),
+    torch.float16: (torch.int16, 16, 15, (10, 14), (0, 9)),
+    torch.float64: (torch.int64, 64, 63, (52, 62), (0, 51)),
+}
+
+Steps = tuple[tuple[int, int], ...]
+Ranks = Union[str, tuple[int, ...]]
+
+
+class FaultSpecError(ValueError):
+    """A fault spec is invalid; ``field`` names the offending field (or ``kind``)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.reason = message
+
+
+def _fmt(v: Any) -> str:
+    """Render a value as a user typed it: 2.0 -> '2', 0.01 -> '0.01' (exact repr)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 1e16:
+        return str(int(v))
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def _err(name: str, msg: str, value: Any = dataclasses.MISSING) -> FaultSpecError:
+    got = "" if value is dataclasses.MISSING else f", got {_fmt(value)}"
+    return FaultSpecError(f"field '{name}' {msg}{got}", name)
+
+
+def is_int(v: Any) -> bool:
+    """An ``int`` that is not a ``bool``: specs and schedules never take ``True`` for 1."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _normalize_steps(value: Any) -> Steps:
+    """Steps as sorted, merged, inclusive ``(lo, hi)`` ranges.
+
+    Accepts an int, ``range`` objects, ``(lo, hi)`` pairs and ints, in any mix.
+    """
+    items = [value] if is_int(value) or isinstance(value, range) else list(value)
+    ranges: list[tuple[int, int]] = []
+    for item in items:
+        if isinstance(item, range):
+            if item.step != 1:
+                raise _err("steps", "ranges must have step 1", str(item))
+            lo, hi = item.start, item.stop - 1
+        elif is_int(item):
+            lo = hi = item
+        else:
+            lo, hi = item
+        if not (is_int(lo) and is_int(hi)) or lo < 0 or hi < lo:
+            raise _err("steps", "must be steps >= 0 or ranges lo-hi with lo <= hi", item)
+        ranges.append((lo, hi))
+    if not ranges:
+        raise _err("steps", "must list at least one step")
+    ranges.sort()
+    merged = [ranges[0]]
+    for lo, hi in ranges[1:]:
+        plo, phi = merged[-1]
+        if lo <= phi + 1:
+            merged[-1] = (plo, max(phi, hi))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault: what it does (``kind`` and its parameters) and when it fires.
+
+    Build it directly or from text with :meth:`parse`; invalid values raise
+    :class:`FaultSpecError` naming the field.
+    """
+
+    kind: str
+    """What the fault does; one of :data:`KINDS`."""
+    site: str = "aggregation"
+    """Where it strikes: ``aggregation`` (the all-reduced gradient a rank receives),
+    ``local-grad`` (a rank's gradient before the all-reduce), ``params`` or
+    ``optimizer-state`` (tensors at rest)."""
+    rate: float | None = None
+    """Probability in [0, 1] that an event starts at a candidate step (independently
+    per step; per listed rank, or once per step for ``ranks='random'``). ``None``
+    means 1 when ``steps`` is given. At least one of ``rate`` and ``steps`` is needed."""
+    steps: Steps | None = None
+    """Candidate start steps, as sorted merged inclusive ``(lo, hi)`` ranges (the
+    constructor also takes ints, ``range`` objects and pairs). ``None``: every step."""
+    ranks: Ranks = "random"
+    """``'random'``: each event picks ONE rank uniformly (the same answer on every
+    rank); or a sorted tuple of ranks, each of which draws independently."""
+    count: int | None = None
+    """Number of elements hit per event (>= 1; capped at the tensor's size). Default 1
+    when neither ``count`` nor ``fraction`` is given. Not for ``stale``."""
+    fraction: float | None = None
+    """Fraction in (0, 1] of the tensor's elements hit per event, rounded half up, at
+    least 1. Exclusive with ``count``. Not for ``stale``."""
+    bits: int | str = "any"
+    """``bitflip`` only: the bit index to flip (checked against the tensor's dtype at
+    injection, see :meth:`check_dtype`), or a class (``sign``, ``exponent``,
+    ``mantissa``, ``any``) from which each element draws one bit uniformly."""
+    factor: float = 1e3
+    """``scale`` only: the finite factor the chosen elements are multiplied by."""
+    sigma: float = 0.1
+    """``noise`` only: relative noise, ``x += z * sigma * |x|`` with ``z ~ N(0, 1)``
+    per element (so zeros stay zero); >= 0."""
+    value: float | None = None
+    """``random`` only: replace with uniform values in ``[-value, value]``; ``None``
+    uses the largest finite ``|x|`` of the whole tensor (0 if none)."""
+    burst: int = 1
+    """An event that starts at step ``s`` on a rank fires on steps ``s .. s+burst-1``
+    there (same rank for ``ranks='random'``). ``start``/``stop``/``steps``/``rate``
+    decide starts only; a burst runs to its end."""
+    persistent: bool = False
+    """True: the event fires again, identically, when the step is recomputed
+    (``attempt > 0``), as faulty hardware would. False: transient, attempt 0 only."""
+    start: int = 0
+    """First step at which an event may start (inclusive)."""
+    stop: int | None = None
+    """Step from which no event starts (exclusive); ``None``: never stops."""
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 - frozen
+        if self.kind not in KINDS:
+            raise FaultSpecError(
+                f"unknown fault kind '{self.kind}'; valid kinds: {', '.join(KINDS)}", "kind"
+            )
+        if self.site not in SITES:
+            raise _err("site", f"must be one of {', '.join(SITES)}", self.site)
+        if self.rate is not None:
+            if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)):
+                raise _err("rate", "must be a number in [0, 1]", self.rate)
+            set_("rate", float(self.rate))
+            if not 0.0 <= self.rate <= 1.0:
+                raise _err("rate", "must be in [0, 1]", self.rate)
+        if self.steps is not None:
+            set_("steps", _normalize_steps(self.steps))
+        if self.rate is None and self.steps is None:
+            raise _err("rate", "or 'steps' must be given (a fault needs to know when to fire)")
+        if self.ranks != "random":
+            if isinstance(self.ranks, str) or is_int(self.ranks):
+                raise _err("ranks", "must be 'random' or a tuple of ranks", self.ranks)
+            ranks = tuple(self.ranks)
+            if not ranks or not all(is_int(r) and r >= 0 for r in ranks):
+                raise _err("ranks", "must be 'random' or ranks >= 0", "+".join(map(str, ranks)))
+            if len(set(ranks)) != len(ranks):
+                raise _err("ranks", "lists a rank twice", "+".join(map(str, ranks)))
+            set_("ranks", tuple(sorted(ranks)))
+        if self.count is not None and self.fraction is not None:
+            raise _err("fraction", "cannot be combined with 'count'")
+        if self.count is not None and (not is_int(self.count) or self.count < 1):
+            raise _err("count", "must be an integer >= 1", self.count)
+        if self.fraction is not None:
+            if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+                raise _err("fraction", "must be a number in (0, 1]", self.fraction)
+            set_("fraction", float(self.fraction))
+            if not 0.0 < self.fraction <= 1.0:
+                raise _err("fraction", "must be in (0, 1]", self.fraction)
+        if self.kind == "stale" and (self.count is not None or self.fraction is not None):
+            name = "count" if self.count is not None else "fraction"
+            raise _err(name, "does not apply to kind 'stale' (it replaces the whole tensor)")
+        if is_int(self.bits):
+            if not 0 <= self.bits < 64:
+                raise _err("bits", "must be a bit index in [0, 63] or one of "
+                           f"{', '.join(BIT_CLASSES)}", self.bits)
+        elif self.bits not in BIT_CLASSES:
+            raise _err("bits", f"must be a bit index or one of {', '.join(BIT_CLASSES)}",
+                       self.bits)
+        for name in ("factor", "sigma"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise _err(name, "must be a finite number", v)
+            set_(name, float(v))
+        if self.sigma < 0:
+            raise _err("sigma", "must be >= 0", self.sigma)
+        if self.value is not None:
+            v = self.value
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v > 0
+            ):
+                raise _err("value", "must be a finite number > 0", v)
+            set_("value", float(v))
+        # Kind-specific knobs on the wrong kind are almost always a typo: say so.
+        for name, owner in _KIND_FIELDS.items():
+            default = _DEFAULTS[name]
+            if self.kind != owner and getattr(self, name) != default:
+                raise _err(name, f"applies only to kind '{owner}', not '{self.kind}'")
+        if not is_int(self.burst) or self.burst < 1:
+            raise _err("burst", "must be an integer >= 1", self.burst)
+        if not isinstance(self.persistent, bool):
+            raise _err("persistent", "must be true or false", self.persistent)
+        if not is_int(self.start) or self.start < 0:
+            raise _err("start", "must be an integer >= 0", self.start)
+        if self.stop is not None and (not is_int(self.stop) or self.stop <= self.start):
+            raise _err("stop", f"must be an integer > start ({self.start})", self.stop)
+
+    # ------------------------------------------------------------------ text form
+
+    @classmethod
+    def parse(cls, text: str, *, option: str | None = "--inject") -> FaultSpec:
+        """Parse ``KIND[:key=value,...]`` (see the module docstring for the keys).
+
+        Errors are :class:`FaultSpecError` whose message starts with
+        ``"{option} '{text}': "`` and names the field, e.g.
+        ``--inject 'bitflip:rate=2': field 'rate' must be in [0, 1], got 2``.
+        """
+        try:
+            return cls._parse(text)
+        except FaultSpecError as e:
+            where = f"{option} '{text}'" if option else f"'{text}'"
+            raise FaultSpecError(f"{where}: {e.reason}", e.field) from None
+
+    @classmethod
+    def _parse(cls, text: str) -> FaultSpec:
+        if not isinstance(text, str):
+            raise FaultSpecError(f"expected a string, got {type(text).__name__}", "kind")
+        head, _, rest = text.strip().partition(":")
+        kind = head.strip().lower()
+        if kind not in KINDS:
+            raise FaultSpecError(
+                f"unknown fault kind '{head.strip()}'; valid kinds: {', '.join(KINDS)}", "kind"
+            )
+        kwargs: dict[str, Any] = {}
+        for item in rest.split(","):
+            if not item.strip():
+                continue  # tolerate "kind:" and a trailing comma
+            key, eq, raw = item.partition("=")
+            key, raw = key.strip().lower(), raw.strip()
+            if key not in _PARSERS:
+                raise FaultSpecError(
+                    f"unknown key '{key}'; valid keys: {', '.join(_PARSERS)}", key or "kind"
+                )
+            if not eq or not raw:
+                raise _err(key, "needs a value (key=value)")
+            if key in kwargs:
+                raise _err(key, "is given twice")
+            owner = _KIND_FIELDS.get(key)
+            if owner is not None and owner != kind:
+                raise _err(key, f"applies only to kind '{owner}', not '{kind}'")
+            kwargs[key] = _PARSERS[key](raw)
+        return cls(kind=kind, **kwargs)
+
+    def to_text(self) -> str:
+        """The canonical text form; ``FaultSpec.parse(s.to_text()) == s``."""
+        parts: list[str] = []
+        for f in dataclasses.fields(self):
+            if f.name == "kind":
+                continue
+            v = getattr(self, f.name)
+            if v == _DEFAULTS[f.name]:
+                continue
+            if f.name == "steps":
+                text = "+".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in v)
+            elif f.name == "ranks" and v != "random":
+                text = "+".join(map(str, v))
+            elif isinstance(v, float):
+                text = repr(v)
+            else:
+                text = _fmt(v)
+            parts.append(f"{f.name}={text}")
+        return self.kind + (":" + ",".join(parts) if parts else "")
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    # ------------------------------------------------------------------ helpers
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise :class:`FaultSpecError` (field ``bits``) if this spec cannot corrupt
+        tensors of ``dtype``; call it before training starts to fail early."""
+        if self.kind != "bitflip":
+            return
+        if dtype not in FLOAT_LAYOUT:
+            supported = ", ".join(str(d).replace("torch.", "") for d in FLOAT_LAYOUT)
+            raise _err("bits", f"bitflip supports dtypes {supported}, not {dtype}")
+        width = FLOAT_LAYOUT[dtype][1]
+        if is_int(self.bits) and self.bits >= width:
+            raise _err("bits", f"must be < {width} for {str(dtype).replace('torch.', '')}",
+                       self.bits)
+
+    def may_hit_rank(self, rank: int) -> bool:
+        """Whether an event of this spec can ever fire on ``rank``."""
+        return self.ranks == "random" or rank in self.ranks
+
+
+_KIND_FIELDS = {"bits": "bitflip", "factor": "scale", "sigma": "noise", "value": "random"}
+_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(FaultSpec) if f.name != "kind"
+}
+
+
+def _parse_int(key: str):  # noqa: ANN202 - small factory
+    def parse(raw: str) -> int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise _err(key, "must be an integer", raw) from None
+
+    return parse
+
+
+def _parse_float(key: str):  # noqa: ANN202
+    def parse(raw: str) -> float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise _err(key, "must be a number", raw) from None
+
+    return parse
+
+
+def _parse_steps(raw: str) -> Steps:
+    out: list[tuple[int, int]] = []
+    for tok in raw.split("+"):
+        lo, dash, hi = tok.strip().partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if dash else a
+        except ValueError:
+            raise _err("steps", "must look like 10+20+30, 10-20 or 5+10-12", raw) from None
+        if a < 0 or b < a:
+            raise _err("steps", "ranges lo-hi need 0 <= lo <= hi", raw)
+        out.append((a, b))
+    return _normalize_steps(out)
+
+
+def _parse_ranks(raw: str) -> Ranks:
+    if raw.lower() == "random":
+        return "random"
+    try:
+        return tuple(int(t) for t in raw.split("+"))
+    except ValueError:
+        raise _err("ranks", "must be 'random' or ranks like 1 or 0+2", raw) from None
+
+
+def _parse_bits(raw: str) -> int | str:
+    if raw.lower() in BIT_CLASSES:
+        return raw.lower()
+    try:
+        return int(raw)
+    except ValueError:
+        raise _err("bits", f"must be a bit index or one of {', '.join(BIT_CLASSES)}",
+                   raw) from None
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    raise _err("persistent", "must be true or false", raw)
+
+
+def _parse_site(raw: str) -> str:
+    return raw.lower()
+
+
+_PARSERS = {  # in FaultSpec field order, which is also to_text's order
+    "site": _parse_site,
+    "rate": _parse_float("rate"),
+    "steps": _parse_steps,
+    "ranks": _parse_ranks,
+    "count": _parse_int("count"),
+    "fraction": _parse_float("fraction"),
+    "bits": _parse_bits,
+    "factor": _parse_float("factor"),
+    "sigma": _parse_float("sigma"),
+    "value": _parse_float("value"),
+    "burst": _parse_int("burst"),
+    "persistent": _parse_bool,
+    "start": _parse_int("start"),
+    "stop": _parse_int("stop"),
+}
+
+
+def parse_specs(texts: Iterable[str], *, option: str | None = "--inject") -> list[FaultSpec]:
+    """Parse several ``--inject`` values, in order (the order fixes spec indices)."""
+    return [FaultSpec.parse(t, option=option) for t in texts]
+
+
+def bit_range(dtype: torch.dtype, bits: int | str) -> tuple[int, int]:
+    """Inclusive ``(lo, hi)`` bit indices of a class (or a single bit) for ``dtype``."""
+    if dtype not in FLOAT_LAYOUT:
+        raise ValueError(f"bitflip does not support dtype {dtype}")
+    _, width, sign, exponent, mantissa = FLOAT_LAYOUT[dtype]
+    if is_int(bits):
+        if not 0 <= bits < width:
+            raise ValueError(f"bit {bits} out of range for {dtype} ({width} bits)")
+        return bits, bits
+    return {"sign": (sign, sign), "exponent": exponent, "mantissa": mantissa,
+            "any": (0, width - 1)}[bits]
