@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 import torch
 
@@ -358,22 +358,15 @@ _DEFAULTS = {
 }
 
 
-def _parse_int(key: str):  # noqa: ANN202 - small factory
-    def parse(raw: str) -> int:
+def _parse_number(key: str, cast: type[int | float]) -> Callable[[str], int | float]:
+    """A parser of field ``key``'s text as ``cast``, raising a FaultSpecError that names it."""
+    what = "an integer" if cast is int else "a number"
+
+    def parse(raw: str) -> int | float:
         try:
-            return int(raw)
+            return cast(raw)
         except ValueError:
-            raise _err(key, "must be an integer", raw) from None
-
-    return parse
-
-
-def _parse_float(key: str):  # noqa: ANN202
-    def parse(raw: str) -> float:
-        try:
-            return float(raw)
-        except ValueError:
-            raise _err(key, "must be a number", raw) from None
+            raise _err(key, f"must be {what}", raw) from None
 
     return parse
 
@@ -424,19 +417,19 @@ def _parse_site(raw: str) -> str:
 
 _PARSERS = {  # in FaultSpec field order, which is also to_text's order
     "site": _parse_site,
-    "rate": _parse_float("rate"),
+    "rate": _parse_number("rate", float),
     "steps": _parse_steps,
     "ranks": _parse_ranks,
-    "count": _parse_int("count"),
-    "fraction": _parse_float("fraction"),
+    "count": _parse_number("count", int),
+    "fraction": _parse_number("fraction", float),
     "bits": _parse_bits,
-    "factor": _parse_float("factor"),
-    "sigma": _parse_float("sigma"),
-    "value": _parse_float("value"),
-    "burst": _parse_int("burst"),
+    "factor": _parse_number("factor", float),
+    "sigma": _parse_number("sigma", float),
+    "value": _parse_number("value", float),
+    "burst": _parse_number("burst", int),
     "persistent": _parse_bool,
-    "start": _parse_int("start"),
-    "stop": _parse_int("stop"),
+    "start": _parse_number("start", int),
+    "stop": _parse_number("stop", int),
 }
 
 
