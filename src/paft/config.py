@@ -58,7 +58,7 @@ class MonitorConfig:
     """k, the sketch dimension for ``--cosine sketch`` (``--sketch-dim``)."""
     fingerprint_every: int = 10
     """Fingerprint parameters + optimizer state every this many steps (memory SDC at rest
-    shows within that many steps); 0 disables. The aggregated gradient is fingerprinted
+    shows within that many steps); 0 disables. The aggregated gradient is checksummed
     every step regardless, so aggregation SDC shows at the step it happens. Each state
     fingerprint reads the whole state twice: on CPU about 5% of a default gpt step, so
     every step (1) is for tests and small models (``--fingerprint-every``)."""
@@ -242,9 +242,8 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
-        from paft.faults import (
-            FaultSchedule,  # local: faults is a leaf module, config stays cheap
-        )
+        # Local imports: the fault modules are leaves, and importing config stays cheap.
+        from paft.faults import FaultSchedule
         from paft.faultspec import parse_specs
         from paft.workloads import WORKLOADS
 

@@ -93,7 +93,7 @@ class ControlView:
     """
 
     def __init__(self, matrix: torch.Tensor | np.ndarray) -> None:
-        self.matrix = np.asarray(matrix.cpu() if isinstance(matrix, torch.Tensor) else matrix, dtype=np.float64)
+        self.matrix = _array(matrix)
         self.world_size = self.matrix.shape[0]
 
     @property

@@ -127,12 +127,12 @@ class _StateSnapshot:
                 )
         return self
 
-    def update_ratio(self, model: DistributedDataParallel) -> float:
-        """||w_new - w_old|| / ||w_old|| over all parameters."""
-        old = self._saved[: self._num_params]
-        new = [p.detach() for p in model.parameters()]
-        num = sum(float(n) ** 2 for n in torch._foreach_norm(torch._foreach_sub(new, old)))
-        den = sum(float(n) ** 2 for n in torch._foreach_norm(old))
+    def update_ratio(self) -> float:
+        """||w_new - w_old|| / ||w_old|| over all parameters (the live ones against the copy)."""
+        old, new = self._saved[: self._num_params], self._live[: self._num_params]
+        with torch.no_grad():
+            num = sum(float(n) ** 2 for n in torch._foreach_norm(torch._foreach_sub(new, old)))
+            den = sum(float(n) ** 2 for n in torch._foreach_norm(old))
         return math.sqrt(num / den) if den > 0 else math.inf
 
     def restore(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
@@ -326,7 +326,7 @@ class Protector:
             self.optimizer.step()
             if before is None:
                 break
-            ratio = self._max_over_ranks(before.update_ratio(self.model))
+            ratio = self._max_over_ranks(before.update_ratio())
             verdict = self._judge(t, attempt, self.guard.check_update(t, attempt, ratio))
             if verdict.action == "proceed":
                 break

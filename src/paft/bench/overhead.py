@@ -61,7 +61,8 @@ def plan(runs_dir: pathlib.Path, base: dict[str, Any], rounds: int, variants: li
     schedule = alternate("plain", rotations(others, rounds), every=1)
     runs = []
     for i, variant in enumerate(schedule):
-        rnd = max(0, i - 1) // (2 * len(others)) if others else 0
+        # Variant j of the rotations sits at 2j + 1, the plain run after it at 2j + 2.
+        rnd = max(0, i - 1) // 2 // len(others) if others else 0
         name = f"{i:03d}-{variant}"
         runs.append(Run(
             name=prefix + name,
