@@ -41,10 +41,14 @@ _MASK64 = (1 << 64) - 1
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
+def _widened(flat: torch.Tensor) -> torch.Tensor:
+    """Half-precision gradients in float32, so that squares and sums do not overflow."""
+    return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+
+
 def _squared_norm(flat: torch.Tensor) -> float:
     """||flat||^2 via one BLAS dot; inf/NaN anywhere in ``flat`` makes it non-finite."""
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        flat = flat.float()
+    flat = _widened(flat)
     return float(torch.dot(flat, flat))
 
 
@@ -55,7 +59,7 @@ class CountSketch:
     depend only on (bucket index, bucket length, seed), so every rank sketches the
     same way and ``<S a, S b>`` is an unbiased estimate of ``<a, b>`` with standard
     deviation about ``||a|| ||b|| / sqrt(dim)``. Cost: one multiply and one
-    reduction over the bucket, no scatter.
+    reduction over the bucket, no scatter, on the bucket's own device.
     """
 
     def __init__(self, dim: int, seed: int = 0x5EED) -> None:
@@ -73,17 +77,23 @@ class CountSketch:
             self._signs[key] = signs
         return signs
 
-    def add_(self, out: torch.Tensor, index: int, flat: torch.Tensor) -> None:
-        """``out += sketch(flat)`` for bucket ``index`` (``out`` is float64, length dim)."""
+    def add_(self, out: torch.Tensor, index: int, flat: torch.Tensor) -> float:
+        """``out += sketch(flat)`` for bucket ``index`` (``out`` is float64, length dim).
+
+        Returns ``||flat||^2``, read off the signed copy (same magnitudes), so the
+        caller needs no separate norm pass; non-finite if ``flat`` holds inf or NaN.
+        """
+        flat = _widened(flat)
         signed = flat * self.signs(index, flat)
         n, k = signed.numel(), self.dim
         full = n - n % k
         if full:
             # Reduce in the gradient's own dtype (a cast to float64 first costs 5x);
             # each slot sums n/k values, far from float32's precision limits.
-            out += signed[:full].view(-1, k).sum(0).to(torch.float64)
+            out += signed[:full].view(-1, k).sum(0).to(out.device, torch.float64)
         if n > full:
-            out[: n - full] += signed[full:].to(torch.float64)
+            out[: n - full] += signed[full:].to(out.device, torch.float64)
+        return float(torch.dot(signed, signed))
 
 
 @dataclass
@@ -160,13 +170,14 @@ class CommHookState:
 
     def _capture_local(self, index: int, flat: torch.Tensor) -> None:
         cap = self.current
-        sq = _squared_norm(flat)
+        if cap.sketch is not None and self.sketcher is not None:
+            sq = self.sketcher.add_(cap.sketch, index, flat.detach())
+        else:
+            sq = _squared_norm(flat)
+            if self.cosine == "exact":
+                cap.local_grads[index] = flat.detach().to("cpu", torch.float64, copy=True)
         cap.local_sq += sq
         cap.local_nonfinite |= not math.isfinite(sq)
-        if cap.sketch is not None and self.sketcher is not None:
-            self.sketcher.add_(cap.sketch, index, flat.detach().cpu())
-        elif self.cosine == "exact":
-            cap.local_grads[index] = flat.detach().to("cpu", torch.float64, copy=True)
 
     def _capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
         cap = self.current

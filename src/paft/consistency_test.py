@@ -109,3 +109,14 @@ def test_sketch_is_linear_and_rank_independent() -> None:
     s1, s2 = CountSketch(64), CountSketch(64)
     assert torch.allclose(sketch_of(a + b, s1), sketch_of(a, s2) + sketch_of(b, s2), rtol=0, atol=1e-12)
     assert not torch.equal(sketch_of(a, s1, bucket=0), sketch_of(a, s1, bucket=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sketch_returns_the_exact_squared_norm(dtype: torch.dtype) -> None:
+    """The norm comes off the signed copy: bitwise the dot of the gradient with itself."""
+    flat = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    sq = CountSketch(64).add_(torch.zeros(64, dtype=torch.float64), 0, flat)
+    wide = flat.float()
+    assert sq == float(torch.dot(wide, wide))
+    flat[17] = float("inf")
+    assert not math.isfinite(CountSketch(64).add_(torch.zeros(64, dtype=torch.float64), 0, flat))
