@@ -52,6 +52,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
     overhead.add_argument("--workload", default="gpt", help="[default: %(default)s]")
     overhead.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
+    overhead.add_argument("--batch-size", type=int, default=64,
+                          help="global batch size; the monitor's cost per step is fixed, so its share falls as "
+                          "the work per rank grows [default: %(default)s, as paft train]")
     overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,monitor-fp1,guard,dyn,sync,averager")
 
     desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
@@ -86,10 +89,12 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     from paft.bench import overhead
     from paft.workloads import WORKLOADS
 
-    for name in ("steps", "rounds", "world_size", "period"):
+    for name in ("steps", "rounds", "world_size", "period", "batch_size"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if args.benchmark == "overhead" and args.batch_size % args.world_size:
+        parser.error(f"--batch-size: {args.batch_size} cannot be split evenly across --world-size {args.world_size}")
     if args.benchmark == "overhead" and args.variants:
         unknown = [v for v in args.variants.split(",") if v not in overhead.VARIANTS]
         if unknown:
@@ -120,7 +125,8 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from paft.bench import overhead
 
         overhead.run(out, rounds=args.rounds, steps=args.steps, period=args.period, workload=args.workload,
-                     world_size=args.world_size, variants=args.variants.split(",") if args.variants else None)
+                     world_size=args.world_size, batch_size=args.batch_size,
+                     variants=args.variants.split(",") if args.variants else None)
     elif args.benchmark == "matrix":
         from paft.bench import matrix
 

@@ -197,7 +197,7 @@ def test_matrix_quick_end_to_end(tmp_path: pathlib.Path) -> None:
 
 def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "overhead"
-    code = main(["bench", "overhead", "--rounds", "1", "--steps", "6", "--world-size", "2",
+    code = main(["bench", "overhead", "--rounds", "1", "--steps", "6", "--world-size", "2", "--batch-size", "8",
                  "--variants", "plain,monitor", "--workload", "resnet", "--out", str(out)])
     assert code == 0
     assert "| monitor |" in (out / "results.md").read_text()
@@ -206,6 +206,7 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     assert results["ratios"]["monitor"][0] > 0 and results["cpu_ratios"]["monitor"][0] > 0
     assert all(r["cpu_ms_per_step"] > 0 for r in results["runs"])
     assert [r["variant"] for r in results["runs"]] == ["plain", "monitor", "plain"]  # between two plain runs
+    assert "global batch 8" in results["note"]
 
 
 # -- (d) bad input: exit 2, nothing written ---------------------------------------------------
@@ -215,6 +216,7 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     (["matrix", "--steps", "0"], "--steps"),
     (["overhead", "--steps", "0"], "--steps"),
     (["overhead", "--rounds", "0"], "--rounds"),
+    (["overhead", "--batch-size", "6"], "--batch-size"),
     (["desync", "--steps", "0"], "--steps"),
     (["detection", "--steps", "0"], "--steps"),
     (["detection", "--rate", "0"], "--rate"),

@@ -80,12 +80,12 @@ def ratios_of(runs: list[Run], key: str = "steps_per_s") -> dict[str, list[float
 
 
 def run(out: pathlib.Path, *, rounds: int = 3, steps: int = 40, period: int = 20, workload: str = "gpt",
-        world_size: int = 4, variants: list[str] | None = None) -> dict[str, Any]:
+        world_size: int = 4, batch_size: int = 64, variants: list[str] | None = None) -> dict[str, Any]:
     variants = variants or list(VARIANTS)
     if "plain" not in variants:
         variants = ["plain", *variants]
     base = TrainConfig(
-        workload=workload, world_size=world_size, steps=steps, eval_every=steps, eval_batches=1,
+        workload=workload, world_size=world_size, batch_size=batch_size, steps=steps, eval_every=steps, eval_batches=1,
         checkpoint_every=0, warmup_steps=min(20, steps // 2),
     ).to_dict()
     base["protect"]["sync_period"] = period
@@ -102,7 +102,7 @@ def run(out: pathlib.Path, *, rounds: int = 3, steps: int = 40, period: int = 20
     table = markdown_table(["variant", "throughput / plain DDP (median)", "range", "overhead %",
                             "CPU per step / plain DDP (median)", "range", "CPU overhead %"], rows)
     plain = [r.summary for r in runs if r.labels["variant"] == "plain"]
-    note = (f"{workload}, {world_size} ranks, {steps} steps per run, {rounds} rotating rounds, each run between "
+    note = (f"{workload}, {world_size} ranks, global batch {batch_size}, {steps} steps per run, {rounds} rotating rounds, each run between "
             f"two plain DDP runs, sync period {period}; plain DDP: "
             f"{statistics.median(s['steps_per_s'] for s in plain):.3f} steps/s, "
             f"{statistics.median(s['cpu_ms_per_step'] for s in plain):.1f} ms CPU per step and rank (medians).")
