@@ -11,7 +11,7 @@ Subcommands (each writes ``results.json``, ``results.md`` and plots into ``--out
 Example::
 
     paft bench matrix --quick
-    paft bench overhead --rounds 5 --out bench/overhead
+    paft bench overhead --steps 300 --out bench/overhead
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "bench",
         help="side-by-side experiments (matrix, overhead, desync, detection, scaling)",
         description="Run a benchmark: all its runs share one worker group on this machine, same seeds and "
-        "data order; throughput is compared from alternating runs.",
+        "data order; throughput is compared from alternating runs (overhead: from paired steps).",
     )
     kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
 
@@ -45,10 +45,13 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     matrix.add_argument("--steps", type=int, help="steps per run [default: 40 with --quick, else 150]")
     matrix.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
 
-    overhead = kinds.add_parser("overhead", help="throughput of each defense without faults, ratio to plain DDP")
+    overhead = kinds.add_parser("overhead", help="cost per step of each defense without faults, ratio to plain DDP",
+                                description="Every variant trains in the same worker processes, one step each in "
+                                "turn (paired steps), so machine drift cancels out of the ratios.")
     common(overhead)
-    overhead.add_argument("--rounds", type=int, default=3, help="rotating rounds [default: %(default)s]")
-    overhead.add_argument("--steps", type=int, default=40, help="steps per run [default: %(default)s]")
+    overhead.add_argument("--steps", type=int, default=200, help="timed steps per variant [default: %(default)s]")
+    overhead.add_argument("--warmup", type=int, default=30,
+                          help="untimed steps first (DDP set-up, the guard's warm-up) [default: %(default)s]")
     overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
     overhead.add_argument("--workload", default="gpt", help="[default: %(default)s]")
     overhead.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
@@ -89,10 +92,14 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     from paft.bench import overhead
     from paft.workloads import WORKLOADS
 
-    for name in ("steps", "rounds", "world_size", "period", "batch_size"):
+    for name in ("steps", "world_size", "period", "batch_size"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if args.benchmark == "overhead" and args.steps < overhead.BLOCKS:
+        parser.error(f"--steps: must be >= {overhead.BLOCKS} (the ratios are also reported per block), got {args.steps}")
+    if args.benchmark == "overhead" and args.warmup < 0:
+        parser.error(f"--warmup: must be >= 0, got {args.warmup}")
     if args.benchmark == "overhead" and args.batch_size % args.world_size:
         parser.error(f"--batch-size: {args.batch_size} cannot be split evenly across --world-size {args.world_size}")
     if args.benchmark == "overhead" and args.variants:
@@ -124,7 +131,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.benchmark == "overhead":
         from paft.bench import overhead
 
-        overhead.run(out, rounds=args.rounds, steps=args.steps, period=args.period, workload=args.workload,
+        overhead.run(out, steps=args.steps, warmup=args.warmup, period=args.period, workload=args.workload,
                      world_size=args.world_size, batch_size=args.batch_size,
                      variants=args.variants.split(",") if args.variants else None)
     elif args.benchmark == "matrix":

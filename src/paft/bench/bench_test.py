@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from paft.bench import desync, detection, matrix
+from paft.bench import desync, detection, matrix, overhead
 from paft.bench.runner import Run, alternate, rotations, throughput_ratios
 from paft.cli import main
+from paft.records import read_jsonl
 
 # -- (a) schedules -------------------------------------------------------------------------
 
@@ -197,15 +198,21 @@ def test_matrix_quick_end_to_end(tmp_path: pathlib.Path) -> None:
 
 def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "overhead"
-    code = main(["bench", "overhead", "--rounds", "1", "--steps", "6", "--world-size", "2", "--batch-size", "8",
+    code = main(["bench", "overhead", "--steps", "5", "--warmup", "2", "--world-size", "2", "--batch-size", "8",
                  "--variants", "plain,monitor", "--workload", "resnet", "--out", str(out)])
     assert code == 0
     assert "| monitor |" in (out / "results.md").read_text()
     results = json.loads((out / "results.json").read_text())
-    assert list(results["ratios"]) == ["monitor"] and len(results["ratios"]["monitor"]) == 1
-    assert results["ratios"]["monitor"][0] > 0 and results["cpu_ratios"]["monitor"][0] > 0
-    assert all(r["cpu_ms_per_step"] > 0 for r in results["runs"])
-    assert [r["variant"] for r in results["runs"]] == ["plain", "monitor", "plain"]  # between two plain runs
+    costs = results["costs"]
+    assert set(costs) == {"plain", "monitor"}
+    assert costs["plain"]["wall_ms"] > 0 and costs["plain"]["cpu_ms"] > 0
+    monitor = costs["monitor"]
+    assert monitor["wall"] > 0 and monitor["cpu"] > 0
+    assert len(monitor["wall_blocks"]) == len(monitor["cpu_blocks"]) == overhead.BLOCKS
+    # Both trainers ran every step (2 untimed + 5 timed) in the same workers, each in its own run directory.
+    for name in ("plain", "monitor"):
+        steps = [r["step"] for r in read_jsonl(out / "runs" / name / "metrics" / "rank0.jsonl")]
+        assert steps == list(range(7))
     assert "global batch 8" in results["note"]
 
 
@@ -215,7 +222,8 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize("argv,needle", [
     (["matrix", "--steps", "0"], "--steps"),
     (["overhead", "--steps", "0"], "--steps"),
-    (["overhead", "--rounds", "0"], "--rounds"),
+    (["overhead", "--steps", "4"], "--steps"),
+    (["overhead", "--warmup", "-1"], "--warmup"),
     (["overhead", "--batch-size", "6"], "--batch-size"),
     (["desync", "--steps", "0"], "--steps"),
     (["detection", "--steps", "0"], "--steps"),
@@ -287,8 +295,7 @@ def test_desync_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
 @pytest.mark.slow
 def test_detection_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "detection"
-    results = detection.run(out, steps=8, rate=0.5, world_size=2, bits=[30, "mantissa"], overhead_rounds=1,
-                            overhead_steps=8)
+    results = detection.run(out, steps=8, rate=0.5, world_size=2, bits=[30, "mantissa"], overhead_steps=5)
     md = (out / "results.md").read_text()
     for b in (30, "mantissa"):
         assert f"| {detection.bit_label(b)} |" in md
@@ -301,7 +308,8 @@ def test_detection_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     agg30 = next(r for r in rows if r["site"] == "aggregation" and r["bits"] == 30)
     assert agg30["detected"] == agg30["faults_guarded"]  # replicas receive different bytes: always caught
     assert agg30["gap_guard_pct"] == 0.0  # every fault recomputed: the fault-free trajectory, bit for bit
-    assert set(results["overhead"]["variants"]) == {"monitor", "guard"}
+    assert set(results["overhead"]["costs"]) == {"plain", "monitor", "guard"}
+    assert results["overhead"]["false_positives_fault_free"] == 0
     assert (out / "detection.png").stat().st_size > 0
 
 

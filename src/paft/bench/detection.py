@@ -32,16 +32,16 @@ L2 divergence, ``gap(s) = (v_unguarded(s) - v_fault_free(s)) / v_fault_free(s)``
 - **recomputes**, and the final validation-loss gap of the guarded (and unguarded)
   run to the fault-free run, in percent.
 
-The guard's overhead without faults is measured on the same model as throughput /
-plain DDP (monitor off), with :mod:`paft.bench.overhead`'s schedule: rotating rounds
-of monitor and guard runs, each between two plain runs and divided by their mean.
+The guard's overhead without faults is measured on the same model with
+:func:`paft.bench.overhead.measure` (paired steps of plain DDP, monitor and guard
+trainers in one worker group); the fault-free guarded trainer of that measurement
+also counts false positives.
 """
 
 from __future__ import annotations
 
 import math
 import pathlib
-import statistics
 from typing import Any, Sequence
 
 from paft.bench import overhead
@@ -122,8 +122,8 @@ def _base(steps: int, world_size: int, seed: int, eval_every: int) -> dict[str, 
 
 
 def plan(out: pathlib.Path, *, steps: int, rate: float, world_size: int, bits: list[int | str],
-         sites: Sequence[str], overhead_rounds: int, overhead_steps: int, seed: int = 0) -> list[Run]:
-    """The reference, the (site, bits) cells guarded and unguarded, then the overhead rounds."""
+         sites: Sequence[str], seed: int = 0) -> list[Run]:
+    """The reference, then the (site, bits) cells guarded and unguarded."""
     # Evaluate after every step: per-step validation loss and replica divergence for the harm test.
     base = _base(steps, world_size, seed, eval_every=1)
     runs = [Run(REFERENCE, make_config(base, out / "runs" / REFERENCE), labels={"kind": "reference"})]
@@ -138,9 +138,6 @@ def plan(out: pathlib.Path, *, steps: int, rate: float, world_size: int, bits: l
                                                           inject=[spec], **overrides),
                     group=site, labels={"kind": "cell", "site": site, "bits": b, "guard": guarded, "spec": spec},
                 ))
-    obase = _base(overhead_steps, world_size, seed, eval_every=overhead_steps)
-    runs += overhead.plan(out / "runs" / "overhead", obase, overhead_rounds, list(OVERHEAD_VARIANTS),
-                          group="overhead", prefix="overhead/")
     return runs
 
 
@@ -266,17 +263,15 @@ def _share(k: int, n: int) -> float:
 
 
 def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: int = 2,
-        bits: Sequence[str | int] | None = None, sites: Sequence[str] = SITES, overhead_rounds: int = 3,
-        overhead_steps: int | None = None, seed: int = 0) -> dict[str, Any]:
+        bits: Sequence[str | int] | None = None, sites: Sequence[str] = SITES, overhead_steps: int = 200,
+        seed: int = 0) -> dict[str, Any]:
     targets = parse_bits(bits)
     unknown = [s for s in sites if s not in SITES]
     if unknown:
         raise ValueError(f"sites: must be among {SITES}, got {unknown}")
-    if overhead_rounds < 1:
-        raise ValueError(f"overhead_rounds: must be >= 1, got {overhead_rounds}")
-    overhead_steps = overhead_steps or max(100, steps)
-    runs = plan(out, steps=steps, rate=rate, world_size=world_size, bits=targets, sites=sites,
-                overhead_rounds=overhead_rounds, overhead_steps=overhead_steps, seed=seed)
+    if overhead_steps < overhead.BLOCKS:
+        raise ValueError(f"overhead_steps: must be >= {overhead.BLOCKS}, got {overhead_steps}")
+    runs = plan(out, steps=steps, rate=rate, world_size=world_size, bits=targets, sites=sites, seed=seed)
     print(f"paft bench detection: {len(runs)} runs (gpt {MODEL}; {steps} steps, rate {rate:g}, {world_size} ranks; "
           f"{len(sites)} sites x {len(targets)} bit targets x guard/no guard, + overhead)")
     run_all(runs, world_size)
@@ -313,18 +308,17 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
             })
     rows = list(cells.values())
 
-    # Guard overhead without faults: ratio to the plain runs next to each run.
-    over = [r for r in runs if r.labels.get("kind") == "overhead"]
-    costs = {v: {"median": statistics.median(x), "min": min(x), "max": max(x), "ratios": x}
-             for v, x in overhead.ratios_of(over).items()}
-    plain_rate = statistics.median(r.summary["steps_per_s"] for r in over if r.labels["variant"] == "plain")
-    clean_guard = [r for r in over if r.labels["variant"] == "guard"]
-    clean_fp = sum(assess_detection(pathlib.Path(r.config["run_dir"]))["false_positives"] for r in clean_guard)
-    clean_steps = sum(r.summary["steps"] for r in clean_guard)
+    # Guard overhead without faults (paired steps); its guarded trainer also counts false positives.
+    warmup = 30
+    obase = _base(warmup + overhead_steps, world_size, seed, eval_every=warmup + overhead_steps)
+    costs = overhead.measure(out / "runs" / "overhead", obase, OVERHEAD_VARIANTS, steps=overhead_steps,
+                             world_size=world_size, warmup=warmup)
+    clean_fp = assess_detection(out / "runs" / "overhead" / "guard")["false_positives"]
+    clean_steps = warmup + overhead_steps
 
     md, table = _markdown(rows, sites, targets, steps=steps, rate=rate, world_size=world_size, ref_loss=ref_loss,
-                          overhead=costs, plain_rate=plain_rate, overhead_steps=overhead_steps,
-                          overhead_rounds=overhead_rounds, clean_fp=clean_fp, clean_steps=clean_steps)
+                          overhead=costs, overhead_steps=overhead_steps, clean_fp=clean_fp,
+                          clean_steps=clean_steps)
     plot = _plot(out, rows, sites, targets)
     md += f"\n![{plot.stem}]({plot.name})\n"
     results = {
@@ -333,8 +327,7 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
                        "late_window": LATE_WINDOW},
         "reference": {"final_val_loss": ref_loss, "steps_per_s": ref.summary["steps_per_s"]},
         "rows": rows,
-        "overhead": {"variants": costs, "plain_steps_per_s": plain_rate, "steps": overhead_steps,
-                     "rounds": overhead_rounds, "false_positives_fault_free": clean_fp,
+        "overhead": {"costs": costs, "steps": overhead_steps, "false_positives_fault_free": clean_fp,
                      "fault_free_guarded_steps": clean_steps},
         "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs],
     }
@@ -345,8 +338,7 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
 
 def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[int | str], *, steps: int,
               rate: float, world_size: int, ref_loss: float, overhead: dict[str, dict[str, Any]],
-              plain_rate: float, overhead_steps: int, overhead_rounds: int, clean_fp: int,
-              clean_steps: int) -> tuple[str, str]:
+              overhead_steps: int, clean_fp: int, clean_steps: int) -> tuple[str, str]:
     by_key = {(r["site"], r["bits"]): r for r in rows}
     short = {"aggregation": "agg", "local-grad": "local"}
     header = ["bits"]
@@ -382,8 +374,11 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
             f"(+{sum(c['late'] for c in cs)} late); harm test background (fired at fault-free steps of the "
             f"unguarded runs): {fired}/{assessed}."
         )
-    orows = [[v, o["median"], o["min"], o["max"], (1 - o["median"]) * 100] for v, o in overhead.items()]
-    otable = markdown_table(["variant", "throughput / plain DDP (median)", "min", "max", "overhead %"], orows)
+    orows = [[v, o["wall"], f"{min(o['wall_blocks']):.3f}-{max(o['wall_blocks']):.3f}", o["cpu"],
+              f"{min(o['cpu_blocks']):.3f}-{max(o['cpu_blocks']):.3f}"]
+             for v, o in overhead.items() if v != "plain"]
+    otable = markdown_table(["variant", "time per step / plain DDP", "range over blocks", "CPU per step / plain DDP",
+                             "range over blocks"], orows)
     note = (
         f"gpt {MODEL}, {world_size} ranks x {PER_RANK_BATCH} sequences, {steps} steps per run, fault rate "
         f"{rate:g} per step on rank 1, one element per fault (`bitflip:site=SITE,rate={rate:g},bits=B,ranks=1,"
@@ -400,11 +395,11 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
         f"fault-free.\n"
     )
     md = (f"{note}\n{table}\n\nTotals:\n\n" + "\n".join(totals) + "\n\n"
-          f"Guard overhead without faults (same model, {overhead_steps} steps per run, {overhead_rounds} rotating "
-          f"rounds of plain / monitor / guard; each run divided by the plain runs next to it; plain DDP "
-          f"{plain_rate:.1f} steps/s median, {1000 / plain_rate:.1f} ms per step). The monitor and the guard add a "
-          f"fixed cost per step (one control collective, gradient sketch and fingerprints; the guard also copies "
-          f"the state before each update during its warm-up), so on this tiny model the ratio is a worst case; "
+          f"Guard overhead without faults (same model; plain DDP, monitor and guard trainers in one worker "
+          f"group, {overhead_steps} paired steps each after 30 untimed; plain DDP "
+          f"{overhead['plain']['wall_ms']:.1f} ms per step). The monitor and the guard add a "
+          f"fixed cost per step (one control collective, gradient sketch and checksums; the guard also waits for "
+          f"the control collective before each update), so on this tiny model the ratio is a worst case; "
           f"`paft bench overhead` measures it on the default workload. False positives in {clean_steps} "
           f"fault-free guarded steps: {clean_fp}.\n\n{otable}\n")
     return md, table

@@ -1,43 +1,52 @@
-"""Overhead without faults: each defense's throughput as a ratio to plain DDP.
+"""Overhead without faults: each defense's cost per step as a ratio to plain DDP.
 
 Variants, on the default workload (gpt, 4 ranks), all without faults:
 
 - ``plain``: plain DDP (no hook, no control collective) — the reference;
 - ``monitor``: the per-step monitor with its defaults (sketch cosine at interval 1,
-  aggregated-gradient fingerprint every step, state fingerprint every 10 steps);
+  aggregated-gradient checksum every step, state fingerprint every 10 steps);
 - ``monitor-fp1``: the same with the state fingerprint every step;
 - ``guard``: monitor + guard;
 - ``dyn``: monitor + PAFT-Dyn with overlapped sync;
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
 - ``averager``: PyTorch's PeriodicModelAverager at the same period H.
 
-Variants run in rotating rounds inside one worker group, and every variant run sits
-between two ``plain`` runs (``plain, a, plain, b, plain, ...``): its steps/s is divided
-by the mean of those two neighbours, so slow drifts of a shared machine cancel. The
-table gives the median ratio and the range over rounds, and the same for the CPU time
-per step (``cpu_ms_per_step``, all threads of a worker, mean over ranks): on a machine
-that other jobs share, the CPU cost of a defense is steadier than its wall time.
+**Paired steps.** Every variant is a full :class:`~paft.train.Trainer` (its own
+model, optimizer, data order and run directory), and all of them live in the SAME
+worker processes: step ``i`` of every variant runs back to back, in an order rotated
+by one each step, each after a barrier. A variant's cost is the sum of its step
+times over the plain trainer's, so anything that drifts slower than a step (other
+jobs on a shared machine, thermal state) hits both sides of the ratio equally.
+On this shared 2-core machine, whole runs alternated one after another gave
+ratios that scattered by ±12% around their median; paired steps agree within ±3%
+between blocks of one measurement, and the sum over all steps is steadier still.
+
+Two clocks: the wall time of a step (the slowest rank: the step ends when it does)
+and its CPU time (all threads of a worker, mean over ranks). The first ``warmup``
+steps are not timed: DDP's bucket rebuild, the optimizer's lazy state and the guard's
+warm-up (20 accepted steps during which it snapshots the state before every update)
+are one-off costs. Caveats: the variants share the machine's caches (each step starts
+on another model's data, as in a run that is one of several jobs), and an overlapped
+PAFT-Dyn sync still in flight at the end of its step runs on under the next variant's
+step; fault-free, a Dyn sync is a fingerprint exchange plus, every few periods, a
+divergence measurement, so this moves little.
+
+Example::
+
+    paft bench overhead --steps 200 --variants plain,monitor,dyn,guard
 """
 
 from __future__ import annotations
 
 import pathlib
 import statistics
-from typing import Any
+import time
+from typing import Any, Sequence
 
-from paft.bench.runner import (
-    Run,
-    alternate,
-    make_config,
-    markdown_table,
-    rotations,
-    run_all,
-    throughput_ratios,
-    write_outputs,
-)
+from paft.bench.runner import launch, make_config, markdown_table, write_outputs
 from paft.config import TrainConfig
 
-__all__ = ["VARIANTS", "plan", "ratios_of", "run"]
+__all__ = ["VARIANTS", "BLOCKS", "measure", "run"]
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"monitor": {"enabled": False}},
@@ -49,65 +58,111 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "averager": {"monitor": {"enabled": False}, "protect": {"mode": "averager"}},
 }
 
+BLOCKS = 5
+"""The timed steps are cut into this many consecutive blocks; the spread of the
+per-block ratios is the measurement's own noise."""
 
-def plan(runs_dir: pathlib.Path, base: dict[str, Any], rounds: int, variants: list[str], *,
-         group: str = "", prefix: str = "") -> list[Run]:
-    """``rounds`` rotations of the non-plain variants, a plain DDP run before and after each.
 
-    Run directories go under ``runs_dir``; ``group`` and ``prefix`` (of the run names)
-    let another benchmark (``detection``) append these runs to its own plan.
+def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+    """One worker: a trainer per variant, stepped in rotating order; per-step wall and CPU seconds."""
+    import torch.distributed as dist
+
+    from paft.train import Trainer, _init_process_group, _set_threads, prepare_run_dir
+
+    _set_threads()
+    _init_process_group(TrainConfig.from_dict(next(iter(configs.values()))))
+    try:
+        trainers = {}
+        for name, cfg_dict in configs.items():
+            cfg = TrainConfig.from_dict(cfg_dict)
+            if dist.get_rank() == 0:
+                prepare_run_dir(cfg)
+            dist.barrier()
+            trainers[name] = Trainer(cfg, pathlib.Path(cfg.run_dir))
+            trainers[name].prime()
+        names = list(trainers)
+        times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
+        for i in range(warmup + steps):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                dist.barrier()
+                wall, cpu = time.perf_counter(), time.process_time()
+                trainers[name].train_step()
+                if i >= warmup:
+                    times[name]["wall"].append(time.perf_counter() - wall)
+                    times[name]["cpu"].append(time.process_time() - cpu)
+            if dist.get_rank() == 0 and (i + 1) % 50 == 0:
+                print(f"  step {i + 1}/{warmup + steps}", flush=True)
+        for trainer in trainers.values():
+            trainer.protector.close()
+        return times
+    finally:
+        dist.destroy_process_group()
+
+
+def _ratio(part: Sequence[float], reference: Sequence[float]) -> float:
+    return sum(part) / sum(reference)
+
+
+def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str], *, steps: int,
+            world_size: int, warmup: int = 30) -> dict[str, Any]:
+    """Paired-step costs of ``variants`` (``plain`` is added) on the config ``base``.
+
+    Returns, per variant: ``wall`` and ``cpu``, each the ratio of summed step times to
+    plain DDP's, with ``wall_blocks`` / ``cpu_blocks`` (the same ratio per block of
+    consecutive steps); for ``plain``, the median step in ms. Run directories (metrics,
+    events) go under ``runs_dir/<variant>``.
     """
-    others = [v for v in variants if v != "plain"]
-    schedule = alternate("plain", rotations(others, rounds), every=1)
-    runs = []
-    for i, variant in enumerate(schedule):
-        # Variant j of the rotations sits at 2j + 1, the plain run after it at 2j + 2.
-        rnd = max(0, i - 1) // 2 // len(others) if others else 0
-        name = f"{i:03d}-{variant}"
-        runs.append(Run(
-            name=prefix + name,
-            config=make_config(base, runs_dir / name, **VARIANTS[variant]),
-            group=group,
-            labels={"kind": "overhead", "variant": variant, "round": rnd},
-        ))
-    return runs
+    if steps < BLOCKS:
+        raise ValueError(f"steps: must be >= {BLOCKS} (one per block), got {steps}")
+    names = ["plain", *[v for v in variants if v != "plain"]]
+    configs = {n: make_config(base, runs_dir / n, **VARIANTS[n]) for n in names}
+    per_rank = launch(_paired_worker, world_size, configs, steps, warmup)
+    ranks = [per_rank[r] for r in sorted(per_rank)]
+    # Per step: wall = the slowest rank, CPU = the mean over ranks.
+    wall = {n: [max(x) for x in zip(*(r[n]["wall"] for r in ranks))] for n in names}
+    cpu = {n: [statistics.fmean(x) for x in zip(*(r[n]["cpu"] for r in ranks))] for n in names}
+    cuts = [steps * b // BLOCKS for b in range(BLOCKS + 1)]
+
+    def blocks(series: dict[str, list[float]], n: str) -> list[float]:
+        return [_ratio(series[n][a:b], series["plain"][a:b]) for a, b in zip(cuts, cuts[1:])]
+
+    out: dict[str, Any] = {"plain": {"wall_ms": 1e3 * statistics.median(wall["plain"]),
+                                     "cpu_ms": 1e3 * statistics.median(cpu["plain"])}}
+    for n in names[1:]:
+        out[n] = {"wall": _ratio(wall[n], wall["plain"]), "wall_blocks": blocks(wall, n),
+                  "cpu": _ratio(cpu[n], cpu["plain"]), "cpu_blocks": blocks(cpu, n)}
+    return out
 
 
-def ratios_of(runs: list[Run], key: str = "steps_per_s") -> dict[str, list[float]]:
-    """Each non-plain run's ``key`` over the mean of the plain runs next to it, per variant."""
-    over = [r for r in runs if r.labels.get("kind") == "overhead"]
-    return throughput_ratios([r.labels["variant"] for r in over], [r.summary[key] for r in over], "plain")
+def _span(values: Sequence[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}"
 
 
-def run(out: pathlib.Path, *, rounds: int = 3, steps: int = 40, period: int = 20, workload: str = "gpt",
-        world_size: int = 4, batch_size: int = 64, variants: list[str] | None = None) -> dict[str, Any]:
-    variants = variants or list(VARIANTS)
-    if "plain" not in variants:
-        variants = ["plain", *variants]
+def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str = "gpt", world_size: int = 4,
+        batch_size: int = 64, variants: list[str] | None = None, warmup: int = 30) -> dict[str, Any]:
+    variants = [v for v in (variants or list(VARIANTS)) if v != "plain"]
+    total = warmup + steps
     base = TrainConfig(
-        workload=workload, world_size=world_size, batch_size=batch_size, steps=steps, eval_every=steps, eval_batches=1,
-        checkpoint_every=0, warmup_steps=min(20, steps // 2),
+        workload=workload, world_size=world_size, batch_size=batch_size, steps=total, eval_every=total,
+        eval_batches=1, checkpoint_every=0, warmup_steps=min(20, total // 2),
     ).to_dict()
     base["protect"]["sync_period"] = period
-    runs = plan(out / "runs", base, rounds, variants)
-    run_all(runs, world_size)
-    measured, cpu_measured = ratios_of(runs), ratios_of(runs, "cpu_ms_per_step")
-    ratios = {v: measured.get(v, []) for v in variants if v != "plain"}
-    cpu = {v: cpu_measured.get(v, []) for v in ratios}
+    print(f"paft bench overhead: {len(variants) + 1} trainers x {total} paired steps ({workload}, {world_size} ranks)")
+    costs = measure(out / "runs", base, variants, steps=steps, world_size=world_size, warmup=warmup)
     rows = []
-    for variant, values in ratios.items():
-        tput, cost = statistics.median(values), statistics.median(cpu[variant])
-        rows.append([variant, tput, f"{min(values):.3f}-{max(values):.3f}", (1 - tput) * 100,
-                     cost, f"{min(cpu[variant]):.3f}-{max(cpu[variant]):.3f}", (cost - 1) * 100])
-    table = markdown_table(["variant", "throughput / plain DDP (median)", "range", "overhead %",
-                            "CPU per step / plain DDP (median)", "range", "CPU overhead %"], rows)
-    plain = [r.summary for r in runs if r.labels["variant"] == "plain"]
-    note = (f"{workload}, {world_size} ranks, global batch {batch_size}, {steps} steps per run, {rounds} rotating rounds, each run between "
-            f"two plain DDP runs, sync period {period}; plain DDP: "
-            f"{statistics.median(s['steps_per_s'] for s in plain):.3f} steps/s, "
-            f"{statistics.median(s['cpu_ms_per_step'] for s in plain):.1f} ms CPU per step and rank (medians).")
-    results = {"ratios": ratios, "cpu_ratios": cpu, "note": note,
-               "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs]}
+    for v in variants:
+        c = costs[v]
+        rows.append([v, 1 / c["wall"], _span([1 / b for b in c["wall_blocks"]]), (c["wall"] - 1) * 100,
+                     c["cpu"], _span(c["cpu_blocks"]), (c["cpu"] - 1) * 100])
+    table = markdown_table(["variant", "throughput / plain DDP", f"range over {BLOCKS} blocks", "overhead %",
+                            "CPU per step / plain DDP", f"range over {BLOCKS} blocks", "CPU overhead %"], rows)
+    plain = costs["plain"]
+    note = (f"{workload}, {world_size} ranks, global batch {batch_size}, {steps} paired steps per variant after "
+            f"{warmup} untimed, sync period {period}; plain DDP: {plain['wall_ms']:.1f} ms per step (wall, "
+            f"slowest rank), {plain['cpu_ms']:.1f} ms CPU per step and rank (medians). Overhead % is the "
+            f"extra time per step: (variant time / plain time - 1) x 100.")
+    results = {"costs": costs, "note": note, "steps": steps, "warmup": warmup, "batch_size": batch_size,
+               "world_size": world_size, "workload": workload, "period": period}
     write_outputs(out, "Overhead without faults (ratio to plain DDP)", results, f"{note}\n\n{table}")
     print(f"\n{note}\n{table}")
     return results

@@ -25,7 +25,7 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -38,6 +38,7 @@ __all__ = [
     "rotations",
     "throughput_ratios",
     "run_all",
+    "launch",
     "make_config",
     "write_outputs",
     "markdown_table",
@@ -139,8 +140,12 @@ def _bench_worker(configs: list[dict[str, Any]], names: list[str]) -> list[dict[
     return summaries
 
 
-def run_all(runs: Sequence[Run], world_size: int) -> None:
-    """Run ``runs`` in order in one elastic launch of ``world_size`` workers; fills summaries."""
+def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
+    """``entry(*args)`` in one elastic launch of ``world_size`` local workers; rank -> return value.
+
+    ``entry`` must be a module-level function (workers are spawned); it sets up and
+    tears down its process group itself (see :func:`_bench_worker`).
+    """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -148,7 +153,12 @@ def run_all(runs: Sequence[Run], world_size: int) -> None:
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"paft-bench-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
     )
-    results = elastic_launch(config, _bench_worker)([r.config for r in runs], [r.name for r in runs])
+    return elastic_launch(config, entry)(*args)
+
+
+def run_all(runs: Sequence[Run], world_size: int) -> None:
+    """Run ``runs`` in order in one elastic launch of ``world_size`` workers; fills summaries."""
+    results = launch(_bench_worker, world_size, [r.config for r in runs], [r.name for r in runs])
     for run, summary in zip(runs, results[0]):
         run.summary = summary
 
