@@ -106,6 +106,8 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         unknown = [v for v in args.variants.split(",") if v not in overhead.VARIANTS]
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(overhead.VARIANTS)}")
+    if args.benchmark == "overhead" and args.workload not in WORKLOADS:
+        parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")
     if args.benchmark == "matrix":
         unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
         if unknown:

@@ -231,6 +231,7 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     (["detection", "--world-size", "0"], "--world-size"),
     (["matrix", "--workloads", "bert"], "--workloads"),
     (["overhead", "--variants", "plain,turbo"], "--variants"),
+    (["overhead", "--workload", "bert"], "--workload"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(argv: list[str], needle: str, tmp_path: pathlib.Path,
                                               monkeypatch: pytest.MonkeyPatch,
