@@ -21,6 +21,8 @@ import datetime
 import pathlib
 from typing import Any
 
+from paft.bench.overhead import WARMUP
+
 __all__ = ["add_bench_parser", "run_bench"]
 
 
@@ -50,7 +52,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                                 "turn (paired steps), so machine drift cancels out of the ratios.")
     common(overhead)
     overhead.add_argument("--steps", type=int, default=200, help="timed steps per variant [default: %(default)s]")
-    overhead.add_argument("--warmup", type=int, default=30,
+    overhead.add_argument("--warmup", type=int, default=WARMUP,
                           help="untimed steps first (DDP set-up, the guard's warm-up) [default: %(default)s]")
     overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
     overhead.add_argument("--workload", default="gpt", help="[default: %(default)s]")

@@ -309,15 +309,14 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
     rows = list(cells.values())
 
     # Guard overhead without faults (paired steps); its guarded trainer also counts false positives.
-    warmup = 30
-    obase = _base(warmup + overhead_steps, world_size, seed, eval_every=warmup + overhead_steps)
+    clean_steps = overhead.WARMUP + overhead_steps
+    obase = _base(clean_steps, world_size, seed, eval_every=clean_steps)
     costs = overhead.measure(out / "runs" / "overhead", obase, OVERHEAD_VARIANTS, steps=overhead_steps,
-                             world_size=world_size, warmup=warmup)
+                             world_size=world_size)
     clean_fp = assess_detection(out / "runs" / "overhead" / "guard")["false_positives"]
-    clean_steps = warmup + overhead_steps
 
     md, table = _markdown(rows, sites, targets, steps=steps, rate=rate, world_size=world_size, ref_loss=ref_loss,
-                          overhead=costs, overhead_steps=overhead_steps, clean_fp=clean_fp,
+                          costs=costs, overhead_steps=overhead_steps, clean_fp=clean_fp,
                           clean_steps=clean_steps)
     plot = _plot(out, rows, sites, targets)
     md += f"\n![{plot.stem}]({plot.name})\n"
@@ -337,7 +336,7 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
 
 
 def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[int | str], *, steps: int,
-              rate: float, world_size: int, ref_loss: float, overhead: dict[str, dict[str, Any]],
+              rate: float, world_size: int, ref_loss: float, costs: dict[str, dict[str, Any]],
               overhead_steps: int, clean_fp: int, clean_steps: int) -> tuple[str, str]:
     by_key = {(r["site"], r["bits"]): r for r in rows}
     short = {"aggregation": "agg", "local-grad": "local"}
@@ -376,7 +375,7 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
         )
     orows = [[v, o["wall"], f"{min(o['wall_blocks']):.3f}-{max(o['wall_blocks']):.3f}", o["cpu"],
               f"{min(o['cpu_blocks']):.3f}-{max(o['cpu_blocks']):.3f}"]
-             for v, o in overhead.items() if v != "plain"]
+             for v, o in costs.items() if v != "plain"]
     otable = markdown_table(["variant", "time per step / plain DDP", "range over blocks", "CPU per step / plain DDP",
                              "range over blocks"], orows)
     note = (
@@ -396,8 +395,8 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
     )
     md = (f"{note}\n{table}\n\nTotals:\n\n" + "\n".join(totals) + "\n\n"
           f"Guard overhead without faults (same model; plain DDP, monitor and guard trainers in one worker "
-          f"group, {overhead_steps} paired steps each after 30 untimed; plain DDP "
-          f"{overhead['plain']['wall_ms']:.1f} ms per step). The monitor and the guard add a "
+          f"group, {overhead_steps} paired steps each after {overhead.WARMUP} untimed; plain DDP "
+          f"{costs['plain']['wall_ms']:.1f} ms per step). The monitor and the guard add a "
           f"fixed cost per step (one control collective, gradient sketch and checksums; the guard also waits for "
           f"the control collective before each update), so on this tiny model the ratio is a worst case; "
           f"`paft bench overhead` measures it on the default workload. False positives in {clean_steps} "

@@ -46,7 +46,7 @@ from typing import Any, Sequence
 from paft.bench.runner import launch, make_config, markdown_table, write_outputs
 from paft.config import TrainConfig
 
-__all__ = ["VARIANTS", "BLOCKS", "measure", "run"]
+__all__ = ["VARIANTS", "BLOCKS", "WARMUP", "measure", "run"]
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"monitor": {"enabled": False}},
@@ -61,6 +61,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 BLOCKS = 5
 """The timed steps are cut into this many consecutive blocks; the spread of the
 per-block ratios is the measurement's own noise."""
+
+WARMUP = 30
+"""Untimed steps before the timed ones: DDP's bucket rebuild, the optimizer's lazy
+state and the guard's 20-step warm-up fall inside."""
 
 
 def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
@@ -104,7 +108,7 @@ def _ratio(part: Sequence[float], reference: Sequence[float]) -> float:
 
 
 def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str], *, steps: int,
-            world_size: int, warmup: int = 30) -> dict[str, Any]:
+            world_size: int, warmup: int = WARMUP) -> dict[str, Any]:
     """Paired-step costs of ``variants`` (``plain`` is added) on the config ``base``.
 
     Returns, per variant: ``wall`` and ``cpu``, each the ratio of summed step times to
@@ -139,7 +143,7 @@ def _span(values: Sequence[float]) -> str:
 
 
 def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str = "gpt", world_size: int = 4,
-        batch_size: int = 64, variants: list[str] | None = None, warmup: int = 30) -> dict[str, Any]:
+        batch_size: int = 64, variants: list[str] | None = None, warmup: int = WARMUP) -> dict[str, Any]:
     variants = [v for v in (variants or list(VARIANTS)) if v != "plain"]
     total = warmup + steps
     base = TrainConfig(
