@@ -37,6 +37,10 @@ __all__ = [
     "FLAG_LOCAL_NONFINITE",
     "FLAG_AGG_NONFINITE",
     "FLAG_STATE_CHECKED",
+    "HEADER",
+    "COL_AGG_HI",
+    "COL_AGG_LO",
+    "COL_STATE_HI",
     "ControlVector",
     "ControlView",
     "start_control",
@@ -53,8 +57,11 @@ FLAG_LOCAL_NONFINITE = 2
 FLAG_AGG_NONFINITE = 4
 FLAG_STATE_CHECKED = 8
 
-_LOSS, _LOCAL_SQ, _AGG_NORM, _AGG_HI, _AGG_LO, _STATE_HI, _STATE_LO, _FLAGS, _FAULTS = range(9)
-_HEADER = 9
+# The control vector's header columns, in order; the k sketch values follow. The
+# guard reads the same layout (its rerun comparison works on the header's bits).
+HEADER = 9
+(COL_LOSS, COL_LOCAL_SQ, COL_AGG_NORM, COL_AGG_HI, COL_AGG_LO, COL_STATE_HI, COL_STATE_LO, COL_FLAGS,
+ COL_FAULTS) = range(HEADER)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -75,13 +82,13 @@ class ControlVector:
     sketch: torch.Tensor | None
 
     def pack(self, sketch_dim: int) -> torch.Tensor:
-        vec = np.zeros(_HEADER + sketch_dim, dtype=np.float64)
+        vec = np.zeros(HEADER + sketch_dim, dtype=np.float64)
         agg_hi, agg_lo = split_int64(self.agg_fingerprint)
         st_hi, st_lo = split_int64(self.state_fingerprint or 0)
         flags = self.flags | (FLAG_STATE_CHECKED if self.state_fingerprint is not None else 0)
-        vec[:_HEADER] = (self.loss, self.local_sq, self.agg_norm, agg_hi, agg_lo, st_hi, st_lo, flags, self.faults)
+        vec[:HEADER] = (self.loss, self.local_sq, self.agg_norm, agg_hi, agg_lo, st_hi, st_lo, flags, self.faults)
         if sketch_dim and self.sketch is not None:
-            vec[_HEADER:] = self.sketch.numpy()
+            vec[HEADER:] = self.sketch.numpy()
         return torch.from_numpy(vec)
 
 
@@ -98,39 +105,39 @@ class ControlView:
 
     @property
     def losses(self) -> np.ndarray:
-        return self.matrix[:, _LOSS]
+        return self.matrix[:, COL_LOSS]
 
     @property
     def local_norms(self) -> np.ndarray:
-        return np.sqrt(self.matrix[:, _LOCAL_SQ])
+        return np.sqrt(self.matrix[:, COL_LOCAL_SQ])
 
     @property
     def agg_norms(self) -> np.ndarray:
-        return self.matrix[:, _AGG_NORM]
+        return self.matrix[:, COL_AGG_NORM]
 
     @property
     def flags(self) -> list[int]:
-        return [int(f) for f in self.matrix[:, _FLAGS].tolist()]
+        return [int(f) for f in self.matrix[:, COL_FLAGS].tolist()]
 
     @property
     def faults(self) -> list[int]:
-        return [int(f) for f in self.matrix[:, _FAULTS].tolist()]
+        return [int(f) for f in self.matrix[:, COL_FAULTS].tolist()]
 
     @property
     def sketches(self) -> np.ndarray:
-        return self.matrix[:, _HEADER:]
+        return self.matrix[:, HEADER:]
 
     def header_bits(self) -> list[list[int]]:
         """The header columns' exact float64 bit patterns, per rank."""
-        return np.ascontiguousarray(self.matrix[:, :_HEADER]).view(np.int64).tolist()
+        return np.ascontiguousarray(self.matrix[:, :HEADER]).view(np.int64).tolist()
 
     def agg_fingerprints(self) -> list[int]:
-        return [join_int64(hi, lo) for hi, lo in self.matrix[:, [_AGG_HI, _AGG_LO]].tolist()]
+        return [join_int64(hi, lo) for hi, lo in self.matrix[:, [COL_AGG_HI, COL_AGG_LO]].tolist()]
 
     def state_fingerprints(self) -> list[int] | None:
         if not all(f & FLAG_STATE_CHECKED for f in self.flags):
             return None
-        return [join_int64(hi, lo) for hi, lo in self.matrix[:, [_STATE_HI, _STATE_LO]].tolist()]
+        return [join_int64(hi, lo) for hi, lo in self.matrix[:, [COL_STATE_HI, COL_STATE_LO]].tolist()]
 
     def ranks_with(self, flag: int) -> list[int]:
         return [r for r, f in enumerate(self.flags) if f & flag]

@@ -113,7 +113,15 @@ from typing import Any, Iterable
 import torch
 
 from paft.config import GuardConfig
-from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOCAL_NONFINITE, FLAG_LOSS_NONFINITE, ControlView
+from paft.consistency import (
+    COL_AGG_HI,
+    COL_AGG_LO,
+    COL_STATE_HI,
+    FLAG_AGG_NONFINITE,
+    FLAG_LOCAL_NONFINITE,
+    FLAG_LOSS_NONFINITE,
+    ControlView,
+)
 from paft.fingerprint import group_replicas
 
 __all__ = [
@@ -146,8 +154,6 @@ TAIL_FACTOR = 3.0  # exceed the window's largest excursion above its median 3x o
 GROSS_FACTOR = 1e4  # warm-up: only jumps no clean step makes (a bit-30 flip is ~1e38x)
 RERUN_RTOL = 1e-3  # finite reruns this close count as the same result
 
-_HEADER = 9  # consistency.py's header columns
-_LOSS, _LOCAL_SQ, _AGG_NORM, _AGG_HI, _AGG_LO, _STATE_HI, _STATE_LO, _FLAGS, _FAULTS = range(_HEADER)
 
 
 @dataclass
@@ -249,9 +255,11 @@ def _reproduced(prev: list[list[int]], cur: list[list[int]]) -> bool:
     for ra, rb, pa, pb in zip(a, b, prev, cur):
         # A NaN / Inf must reproduce bitwise: a faulty unit hitting another element
         # changes the fingerprint, while a NaN in the input reproduces exactly.
-        if not all(math.isfinite(x) for x in ra[:_AGG_HI] + rb[:_AGG_HI]):
+        if not all(math.isfinite(x) for x in ra[:COL_AGG_HI] + rb[:COL_AGG_HI]):
             return False
-        if pa[_STATE_HI:] != pb[_STATE_HI:] or not all(_close(x, y) for x, y in zip(ra[:_AGG_HI], rb[:_AGG_HI])):
+        if pa[COL_STATE_HI:] != pb[COL_STATE_HI:] or not all(
+            _close(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])
+        ):
             return False
     return group_replicas(_fp_keys(prev)) == group_replicas(_fp_keys(cur))
 
@@ -259,7 +267,7 @@ def _reproduced(prev: list[list[int]], cur: list[list[int]]) -> bool:
 def _fp_keys(bits: list[list[int]]) -> list[int]:
     # Compare the fingerprint halves by their bits: no join_int64, which would
     # raise on a half corrupted into a non-integer.
-    return [(row[_AGG_HI] << 64) + (row[_AGG_LO] & ((1 << 64) - 1)) for row in bits]
+    return [(row[COL_AGG_HI] << 64) + (row[COL_AGG_LO] & ((1 << 64) - 1)) for row in bits]
 
 
 @dataclass

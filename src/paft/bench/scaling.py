@@ -22,7 +22,8 @@ import statistics
 from typing import Any
 
 from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
-from paft.config import TrainConfig
+from paft.config import MonitorConfig, TrainConfig
+from paft.consistency import HEADER
 from paft.records import read_jsonl
 
 __all__ = ["run", "model"]
@@ -30,15 +31,16 @@ __all__ = ["run", "model"]
 _GB = 1e9
 
 
-def model(ranks: int, params: float, *, sketch_dim: int = 256, state_bytes_per_param: int = 12,
-          grad_bytes_per_param: int = 4, link_gbps: float = 400.0) -> dict[str, float]:
+def model(ranks: int, params: float, *, sketch_dim: int = MonitorConfig.sketch_dim,
+          state_bytes_per_param: int = 12, grad_bytes_per_param: int = 4,
+          link_gbps: float = 400.0) -> dict[str, float]:
     """Per-step and per-sync bytes for a job of ``ranks`` replicas of ``params`` parameters.
 
     ``state_bytes_per_param``: fp32 weights + Adam's two moments = 12 bytes.
     Returns bytes and the time at ``link_gbps`` (per-rank link, bandwidth only).
     """
     link = link_gbps / 8 * _GB  # bytes/s
-    control = 8 * (9 + sketch_dim)
+    control = 8 * (HEADER + sketch_dim)
     grad_allreduce = 2 * (ranks - 1) / ranks * params * grad_bytes_per_param  # ring all-reduce, per rank
     state = params * state_bytes_per_param
     return {
@@ -56,6 +58,7 @@ def model(ranks: int, params: float, *, sketch_dim: int = 256, state_bytes_per_p
 
 def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int = 40) -> dict[str, Any]:
     measured: dict[int, dict[str, Any]] = {}
+    control = 8 * (HEADER + MonitorConfig().sketch_dim)  # the monitored runs' control vector, in bytes
     for ws in world_sizes:
         base = TrainConfig(world_size=ws, steps=steps, eval_every=steps, eval_batches=1, checkpoint_every=0,
                            warmup_steps=steps // 4).to_dict()
@@ -80,8 +83,8 @@ def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int 
         measured[ws] = {
             "monitor_throughput_ratio": rates["monitor"] / rates["plain"],
             "plain_steps_per_s": rates["plain"],
-            "control_sent_B": 8 * (9 + 256),
-            "control_received_B": 8 * (9 + 256) * ws,
+            "control_sent_B": control,
+            "control_received_B": control * ws,
             "syncs": {mode: {"count": len(es), "bytes_sent_rank0": statistics.median(e["bytes_sent"] for e in es),
                              "seconds": statistics.median(e["seconds"] for e in es)} for mode, es in syncs.items()},
         }
