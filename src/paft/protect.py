@@ -516,10 +516,10 @@ class Protector:
         """After the update of ``step``: start (overlap) or run (blocking) a sync if due."""
         if self.averager is not None:
             due = step % self.averager.period == 0
-            self.averager.average_parameters(self.model.parameters())
+            self.averager.average_parameters(self._params)
             if due:
                 self._counts["syncs"] += 1
-                self._counts["sync_bytes"] += sum(p.numel() * p.element_size() for p in self.model.parameters())
+                self._counts["sync_bytes"] += sum(p.numel() * p.element_size() for p in self._params)
             return due
         if self.sync is None or self.scheduler is None:
             return False
