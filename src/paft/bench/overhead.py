@@ -43,7 +43,7 @@ import statistics
 import time
 from typing import Any, Sequence
 
-from paft.bench.runner import launch, make_config, markdown_table, write_outputs
+from paft.bench.runner import launch, make_config, markdown_table, new_trainer, worker_group, write_outputs
 from paft.config import TrainConfig
 
 __all__ = ["VARIANTS", "BLOCKS", "WARMUP", "measure", "run"]
@@ -71,19 +71,10 @@ def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) 
     """One worker: a trainer per variant, stepped in rotating order; per-step wall and CPU seconds."""
     import torch.distributed as dist
 
-    from paft.train import Trainer, _init_process_group, _set_threads, prepare_run_dir
-
-    _set_threads()
-    _init_process_group(TrainConfig.from_dict(next(iter(configs.values()))))
-    try:
-        trainers = {}
-        for name, cfg_dict in configs.items():
-            cfg = TrainConfig.from_dict(cfg_dict)
-            if dist.get_rank() == 0:
-                prepare_run_dir(cfg)
-            dist.barrier()
-            trainers[name] = Trainer(cfg, pathlib.Path(cfg.run_dir))
-            trainers[name].prime()
+    with worker_group(next(iter(configs.values()))):
+        trainers = {name: new_trainer(cfg_dict) for name, cfg_dict in configs.items()}
+        for trainer in trainers.values():
+            trainer.prime()
         names = list(trainers)
         times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
         for i in range(warmup + steps):
@@ -99,8 +90,6 @@ def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) 
         for trainer in trainers.values():
             trainer.protector.close()
         return times
-    finally:
-        dist.destroy_process_group()
 
 
 def _ratio(part: Sequence[float], reference: Sequence[float]) -> float:

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -25,12 +26,15 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
 from paft.config import TrainConfig
 from paft.records import atomic_write_bytes, atomic_write_json, read_jsonl
+
+if TYPE_CHECKING:
+    from paft.train import Trainer
 
 __all__ = [
     "Run",
@@ -39,6 +43,8 @@ __all__ = [
     "throughput_ratios",
     "run_all",
     "launch",
+    "worker_group",
+    "new_trainer",
     "make_config",
     "write_outputs",
     "markdown_table",
@@ -108,23 +114,40 @@ def throughput_ratios(schedule: Sequence[str], rates: Sequence[float], reference
 # -- running many configs in one set of workers ------------------------------------------
 
 
+@contextlib.contextmanager
+def worker_group(cfg_dict: dict[str, Any]) -> Iterator[None]:
+    """Inside a launched worker: threads and the process group for ``cfg_dict``'s device,
+    torn down on exit, even after an error."""
+    from paft.train import _init_process_group, _set_threads
+
+    _set_threads()
+    _init_process_group(TrainConfig.from_dict(cfg_dict))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def new_trainer(cfg_dict: dict[str, Any]) -> Trainer:
+    """A fresh :class:`~paft.train.Trainer` for ``cfg_dict`` in its own run directory
+    (rank 0 creates it, every rank waits for that)."""
+    from paft.train import Trainer, prepare_run_dir
+
+    cfg = TrainConfig.from_dict(cfg_dict)
+    if dist.get_rank() == 0:
+        prepare_run_dir(cfg)
+    dist.barrier()
+    return Trainer(cfg, pathlib.Path(cfg.run_dir))
+
+
 def _bench_worker(configs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
     """Runs every config in turn inside this worker group (rank 0 prints progress)."""
-    from paft.train import Trainer, _init_process_group, _set_threads, prepare_run_dir
-
-    cfg0 = TrainConfig.from_dict(configs[0])
-    _set_threads()
-    _init_process_group(cfg0)
-    rank = dist.get_rank()
     summaries = []
     start = time.perf_counter()
-    try:
+    with worker_group(configs[0]):
+        rank = dist.get_rank()
         for i, (cfg_dict, name) in enumerate(zip(configs, names)):
-            cfg = TrainConfig.from_dict(cfg_dict)
-            if rank == 0:
-                prepare_run_dir(cfg)
-            dist.barrier()
-            summary = Trainer(cfg, pathlib.Path(cfg.run_dir)).train()
+            summary = new_trainer(cfg_dict).train()
             summaries.append(summary)
             if rank == 0:
                 elapsed = time.perf_counter() - start
@@ -135,8 +158,6 @@ def _bench_worker(configs: list[dict[str, Any]], names: list[str]) -> list[dict[
                     f"| elapsed {elapsed:.0f}s, ETA {eta:.0f}s",
                     flush=True,
                 )
-    finally:
-        dist.destroy_process_group()
     return summaries
 
 
