@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from paft.launch import launch
-    from paft.train import RunDirError
+    from paft.train import DeviceError, RunDirError
 
     try:
         cfg = config_from_namespace(args)
@@ -77,7 +77,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(err))
     try:
         code, _ = launch(cfg)
-    except RunDirError as err:
+    except (RunDirError, DeviceError) as err:
         parser.error(str(err))
     return code
 

@@ -79,6 +79,30 @@ def test_existing_run_dir_is_never_overwritten(
     assert (tmp_path / "out" / "summary.json").read_text() == "{}"
 
 
+def test_missing_gpus_exit_2_before_anything_is_written(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The device count is the machine's; pretend to one GPU so that the check runs here.
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "out", "--world-size", "2", "--batch-size", "8"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--world-size 2" in err and "1 is visible" in err and "--device cpu" in err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "out", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "--device cuda: no CUDA device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -20,6 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from paft.config import TrainConfig
 from paft.train import (
     EXIT_PERSISTENT_FAULT,
+    check_devices,
     check_run_dir,
     default_run_dir,
     format_summary,
@@ -35,11 +36,12 @@ EXIT_WORKER_FAILED = 1
 def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] | None]:
     """Run ``cfg`` on ``cfg.world_size`` local workers; returns (exit code, rank 0's summary).
 
-    Raises :class:`paft.train.RunDirError` (before anything is written) when the
-    run directory cannot be used.
+    Raises :class:`paft.train.RunDirError` or :class:`paft.train.DeviceError` (before
+    anything is written) when the run directory or the devices cannot be used.
     """
     if not cfg.run_dir:
         cfg.run_dir = default_run_dir(cfg.workload)
+    check_devices(cfg)
     check_run_dir(cfg)
     if not cfg.resume:
         prepare_run_dir(cfg)

@@ -40,6 +40,9 @@ __all__ = [
     "check_run_dir",
     "format_summary",
     "RunDirError",
+    "DeviceError",
+    "check_devices",
+    "uses_cuda",
     "EXIT_PERSISTENT_FAULT",
 ]
 
@@ -50,6 +53,10 @@ _UNTIMED_STEPS = 3
 
 class RunDirError(ValueError):
     """The run directory cannot be used as asked (exists, or nothing to resume)."""
+
+
+class DeviceError(ValueError):
+    """The devices asked for are not there (no GPU, or fewer GPUs than workers)."""
 
 
 def default_run_dir(workload: str) -> str:
@@ -332,6 +339,8 @@ class Trainer:
             "wall_s": self.train_seconds,
             "replicas_distinct": len(groups),
             "replica_groups": groups,
+            # Rank 0's bits (parameters + optimizer state): equal fingerprints, equal runs.
+            "state_fingerprint": f"{int(fps[0]) & (2**64 - 1):016x}",
             "max_replica_rel_diff": divergence,
             "max_replica_rel_diff_run": max(e["replica_rel_diff"] for e in self.evals),
             "faults_injected": int(counters[0]),
@@ -370,9 +379,29 @@ def format_summary(summary: dict[str, Any], run_dir: str) -> str:
     return "\n".join(lines)
 
 
+def uses_cuda(cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` trains on GPUs (``--device cuda``, or ``auto`` with CUDA present)."""
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """Refuse a device set-up that would fail inside the workers. Writes nothing.
+
+    NCCL runs one rank per GPU: two ranks on one device are refused by NCCL itself
+    ("duplicate GPU"), so the check is made here, before any worker starts.
+    """
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("--device cuda: no CUDA device is visible; use --device cpu")
+    count = torch.cuda.device_count()
+    if uses_cuda(cfg) and cfg.world_size > count:
+        raise DeviceError(
+            f"--world-size {cfg.world_size}: NCCL needs one GPU per worker and {count} "
+            f"{'is' if count == 1 else 'are'} visible; use --world-size {count} or --device cpu (gloo)"
+        )
+
+
 def _device(cfg: TrainConfig) -> torch.device:
-    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if want_cuda:
+    if uses_cuda(cfg):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -388,8 +417,7 @@ def _hms(seconds: float) -> str:
 def _init_process_group(cfg: TrainConfig) -> None:
     if dist.is_initialized():
         return
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group("nccl" if uses_cuda(cfg) else "gloo")
 
 
 def _set_threads() -> None:

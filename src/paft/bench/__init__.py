@@ -60,6 +60,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--batch-size", type=int, default=64,
                           help="global batch size; the monitor's cost per step is fixed, so its share falls as "
                           "the work per rank grows [default: %(default)s, as paft train]")
+    overhead.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                          help="auto: CUDA (NCCL, one GPU per worker) if available, else CPU (gloo) "
+                          "[default: %(default)s]")
     overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,monitor-fp1,guard,dyn,sync,averager")
 
     desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
@@ -110,6 +113,14 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             parser.error(f"--variants: unknown {unknown}; choose from {list(overhead.VARIANTS)}")
     if args.benchmark == "overhead" and args.workload not in WORKLOADS:
         parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")
+    if args.benchmark == "overhead":
+        from paft.config import TrainConfig
+        from paft.train import DeviceError, check_devices
+
+        try:
+            check_devices(TrainConfig(device=args.device, world_size=args.world_size, batch_size=args.batch_size))
+        except DeviceError as err:
+            parser.error(str(err))
     if args.benchmark == "matrix":
         unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
         if unknown:
@@ -136,7 +147,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from paft.bench import overhead
 
         overhead.run(out, steps=args.steps, warmup=args.warmup, period=args.period, workload=args.workload,
-                     world_size=args.world_size, batch_size=args.batch_size,
+                     world_size=args.world_size, batch_size=args.batch_size, device=args.device,
                      variants=args.variants.split(",") if args.variants else None)
     elif args.benchmark == "matrix":
         from paft.bench import matrix

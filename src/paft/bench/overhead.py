@@ -43,8 +43,11 @@ import statistics
 import time
 from typing import Any, Sequence
 
+import torch
+
 from paft.bench.runner import launch, make_config, markdown_table, new_trainer, worker_group, write_outputs
 from paft.config import TrainConfig
+from paft.train import uses_cuda
 
 __all__ = ["VARIANTS", "BLOCKS", "WARMUP", "measure", "run"]
 
@@ -82,6 +85,8 @@ def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) 
                 dist.barrier()
                 wall, cpu = time.perf_counter(), time.process_time()
                 trainers[name].train_step()
+                if trainers[name].device.type == "cuda":
+                    torch.cuda.synchronize()  # a step ends when its kernels do
                 if i >= warmup:
                     times[name]["wall"].append(time.perf_counter() - wall)
                     times[name]["cpu"].append(time.process_time() - cpu)
@@ -132,15 +137,17 @@ def _span(values: Sequence[float]) -> str:
 
 
 def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str = "gpt", world_size: int = 4,
-        batch_size: int = 64, variants: list[str] | None = None, warmup: int = WARMUP) -> dict[str, Any]:
+        batch_size: int = 64, variants: list[str] | None = None, warmup: int = WARMUP,
+        device: str = "auto") -> dict[str, Any]:
     variants = [v for v in (variants or list(VARIANTS)) if v != "plain"]
     total = warmup + steps
     base = TrainConfig(
         workload=workload, world_size=world_size, batch_size=batch_size, steps=total, eval_every=total,
-        eval_batches=1, checkpoint_every=0, warmup_steps=min(20, total // 2),
+        eval_batches=1, checkpoint_every=0, warmup_steps=min(20, total // 2), device=device,
     ).to_dict()
     base["protect"]["sync_period"] = period
-    print(f"paft bench overhead: {len(variants) + 1} trainers x {total} paired steps ({workload}, {world_size} ranks)")
+    print(f"paft bench overhead: {len(variants) + 1} trainers x {total} paired steps ({workload}, {world_size} ranks, "
+          f"device {device})")
     costs = measure(out / "runs", base, variants, steps=steps, world_size=world_size, warmup=warmup)
     rows = []
     for v in variants:
@@ -150,12 +157,13 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
     table = markdown_table(["variant", "throughput / plain DDP", f"range over {BLOCKS} blocks", "overhead %",
                             "CPU per step / plain DDP", f"range over {BLOCKS} blocks", "CPU overhead %"], rows)
     plain = costs["plain"]
-    note = (f"{workload}, {world_size} ranks, global batch {batch_size}, {steps} paired steps per variant after "
+    where = "CUDA" if uses_cuda(TrainConfig.from_dict(base)) else "CPU"
+    note = (f"{workload}, {world_size} ranks on {where}, global batch {batch_size}, {steps} paired steps per variant after "
             f"{warmup} untimed, sync period {period}; plain DDP: {plain['wall_ms']:.1f} ms per step (wall, "
             f"slowest rank), {plain['cpu_ms']:.1f} ms CPU per step and rank (medians). Overhead % is the "
             f"extra time per step: (variant time / plain time - 1) x 100.")
     results = {"costs": costs, "note": note, "steps": steps, "warmup": warmup, "batch_size": batch_size,
-               "world_size": world_size, "workload": workload, "period": period}
+               "world_size": world_size, "workload": workload, "period": period, "device": where.lower()}
     write_outputs(out, "Overhead without faults (ratio to plain DDP)", results, f"{note}\n\n{table}")
     print(f"\n{note}\n{table}")
     return results
