@@ -54,6 +54,7 @@ from paft.consistency import (
     ControlVector,
     ControlView,
     PendingControl,
+    collective_device,
     gather_exact_grads,
     start_control,
     worker_metrics,
@@ -506,7 +507,7 @@ class Protector:
         self._grad_norm = None
 
     def _max_over_ranks(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=collective_device(self.group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t)
 

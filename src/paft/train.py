@@ -417,7 +417,9 @@ def _hms(seconds: float) -> str:
 def _init_process_group(cfg: TrainConfig) -> None:
     if dist.is_initialized():
         return
-    dist.init_process_group("nccl" if uses_cuda(cfg) else "gloo")
+    # On GPUs, NCCL moves CUDA tensors (gradients, syncs, the control vector) and gloo
+    # the trainer's few host-side values (evaluation losses, summary counters).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if uses_cuda(cfg) else "gloo")
 
 
 def _set_threads() -> None:
