@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh WORKDIR          # on a machine with torch + CUDA, from the repo root
 #
 # Runs from the source tree with the machine's own python3 and torch (PYTHON=...
-# to choose another); installs nothing. It checks, and stops at the first failure:
+# to choose another); installs nothing. It checks, going on past a failure (device
+# time is scarce: one call should show every problem) and exiting 1 if any failed:
 #   1. the CUDA tests of the suite (fingerprints on the GPU equal the CPU's);
 #   2. `paft train` fault-free, and with one transient bit-30 flip in a local
 #      gradient under --guard: detected, recomputed, and the run ends with the
@@ -13,9 +14,9 @@
 #   3. `paft train --protect dyn` under aggregation bit flips: one replica at the end;
 #   4. `paft bench overhead` at global batch 64 (as paft train) and 512.
 # WORKDIR receives the run directories, overhead-*/results.md and check.txt.
-# DEVICE=cpu runs the same on CPU/gloo (to try the script without a GPU); STEPS
-# and OVERHEAD_STEPS shorten it.
-set -euo pipefail
+# DEVICE=cpu runs the same on CPU/gloo (to try the script without a GPU); STEPS,
+# OVERHEAD_STEPS and BATCHES (the overhead's global batch sizes) shorten it.
+set -uo pipefail
 work=${1:?usage: scripts/gpu_check.sh WORKDIR}
 py=${PYTHON:-python3}
 device=${DEVICE:-cuda}
@@ -24,11 +25,13 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 paft() { "$py" -m paft.cli "$@"; }
 summary() { "$py" -c 'import json, sys; s = json.load(open(sys.argv[1])); print(" ".join(f"{k}={s[k]}" for k in sys.argv[2:]))' "$@"; }
 mkdir -p "$work"
+failed=()
+check() { local name=$1; shift; "$@" || { echo "FAILED: $name" >&2; failed+=("$name"); }; }
 
 if [ "$device" = cuda ]; then
     nvidia-smi -L
     ws=$("$py" -c 'import torch; print(torch.cuda.device_count())')
-    "$py" -m pytest -q -p no:cacheprovider src/paft/fingerprint_test.py -k cuda
+    check cuda-tests "$py" -m pytest -q -p no:cacheprovider src/paft/fingerprint_test.py -k cuda
 else
     ws=2
 fi
@@ -36,18 +39,19 @@ fi
 echo "device $device, world size $ws"
 common=(--device "$device" --world-size "$ws" --steps "$steps" --quiet)
 
-paft train "${common[@]}" --run-dir "$work/clean" --overwrite
-paft train "${common[@]}" --run-dir "$work/transient" --overwrite --guard \
+check clean paft train "${common[@]}" --run-dir "$work/clean" --overwrite
+check transient paft train "${common[@]}" --run-dir "$work/transient" --overwrite --guard \
     --inject "bitflip:site=local-grad,steps=$((steps / 2)),bits=30,ranks=0"
-paft train "${common[@]}" --run-dir "$work/dyn" --overwrite --protect dyn \
+check dyn paft train "${common[@]}" --run-dir "$work/dyn" --overwrite --protect dyn \
     --inject "bitflip:rate=0.05,bits=exponent,ranks=0"
 {
     for run in clean transient dyn; do
+        [ -f "$work/$run/summary.json" ] || continue
         echo "$run: $(summary "$work/$run/summary.json" final_val_loss replicas_distinct faults_injected \
             detections recomputes syncs state_fingerprint steps_per_s)"
     done
 } | tee "$work/check.txt"
-"$py" - "$work" <<'EOF' | tee -a "$work/check.txt"
+check outcomes "$py" - "$work" >"$work/outcomes.txt" <<'EOF'
 import json, pathlib, sys
 work = pathlib.Path(sys.argv[1])
 clean, transient, dyn = (json.loads((work / r / "summary.json").read_text()) for r in ("clean", "transient", "dyn"))
@@ -59,8 +63,12 @@ print(f"transient + guard ends bitwise like the fault-free run: {same}; "
 gap = abs(dyn["final_val_loss"] / clean["final_val_loss"] - 1)
 print(f"dyn under aggregation flips: val loss {dyn['final_val_loss']:.4f}, {100 * gap:.2f}% from fault-free")
 EOF
+tee -a "$work/check.txt" <"$work/outcomes.txt"
 
-for batch in 64 512; do
-    paft bench overhead --device "$device" --world-size "$ws" --batch-size "$batch" \
+for batch in ${BATCHES:-64 512}; do
+    check "overhead-b$batch" paft bench overhead --device "$device" --world-size "$ws" --batch-size "$batch" \
         --steps "${OVERHEAD_STEPS:-200}" --out "$work/overhead-b$batch" --overwrite
 done
+
+echo "failed checks: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]

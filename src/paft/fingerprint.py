@@ -257,6 +257,8 @@ def _as_bytes(i: int, t: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"fingerprint: item {i} is {type(t).__name__}, not a torch.Tensor")
     if t.layout != torch.strided:
         raise TypeError(f"fingerprint: tensor {i} has layout {t.layout}; only strided tensors")
+    if t.is_meta:
+        raise ValueError(f"fingerprint: tensor {i} is on the meta device and holds no bytes")
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -326,7 +328,7 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
     except for the structured blind spots documented in the module docstring.
     Not cryptographic. Works for any strided dtype (bool, ints, floats incl. NaN
     payloads, complex, float8), 0-dim, empty and non-contiguous tensors, on any
-    device; all tensors must be on one device.
+    devices (the value does not depend on where a tensor lives).
 
     Example::
 
@@ -338,22 +340,22 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
     tensors = list(tensors)
     with torch.no_grad():  # cheaper than detach() per tensor; views stay untracked
         views = [_as_bytes(i, t) for i, t in enumerate(tensors)]
-    h = _SEED
-    if views:
-        device = views[0].device
-        for i, v in enumerate(views):
-            if v.device != device:
-                raise ValueError(
-                    f"fingerprint: tensor {i} is on {v.device}, tensor 0 on {device}; "
-                    "all tensors must be on one device"
-                )
-        plan = _plan_for(device, tuple(v.numel() for v in views))
+    # A digest depends on its tensor alone, so each device reduces its own tensors
+    # in one batch (Adam's ``step`` counters stay on the CPU beside CUDA weights).
+    on: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(views):
+        on.setdefault(v.device, []).append(i)
+    digests = [0] * len(views)
+    for device, idx in on.items():
+        plan = _plan_for(device, tuple(views[i].numel() for i in idx))
         with torch.no_grad():
-            digests = _digests(views, plan)
-        for i, (t, d) in enumerate(zip(tensors, digests)):
-            meta = _meta_hash(t.dtype, tuple(t.shape))
-            h = _mix64(h ^ _mix64(meta + i * _GAMMA))
-            h = _mix64(h ^ d)  # injective in d: keeps the one-word guarantee
+            for i, d in zip(idx, _digests([views[i] for i in idx], plan)):
+                digests[i] = d
+    h = _SEED
+    for i, (t, d) in enumerate(zip(tensors, digests)):
+        meta = _meta_hash(t.dtype, tuple(t.shape))
+        h = _mix64(h ^ _mix64(meta + i * _GAMMA))
+        h = _mix64(h ^ d)  # injective in d: keeps the one-word guarantee
     return _to_signed(_mix64(h ^ len(views)))
 
 

@@ -276,17 +276,6 @@ def _sq_norm(x: Tensor) -> float:
 # ----------------------------------------------------------------------------
 
 
-def _state_fp(tensors: list[Tensor]) -> int:
-    """:func:`fingerprint` of tensors that may live on several devices (Adam keeps
-    ``step`` on the CPU next to CUDA parameters): per device, then combined."""
-    if not tensors or all(t.device == tensors[0].device for t in tensors):
-        return fingerprint(tensors)
-    parts: dict[torch.device, list[Tensor]] = {}
-    for t in tensors:
-        parts.setdefault(t.device, []).append(t)
-    return fingerprint([torch.tensor([fingerprint(v) for v in parts.values()], dtype=torch.int64)])
-
-
 def _all_finite(tensors: list[Tensor]) -> bool:
     """Whether no floating tensor holds NaN/Inf: min and max of each (one pass, no
     temporaries, no overflow on huge finite values), one host sync per device."""
@@ -404,7 +393,7 @@ class ReplicaSync:
             entries = self._entries()
             layout = self._layout_for(entries)
             self._ref = self._capture(layout, [self._pack_group(g, entries) for g in layout.groups])
-            self._ref_tag = _state_fp(list(self._ref.values()))
+            self._ref_tag = fingerprint(list(self._ref.values()))
 
     # -- public API -----------------------------------------------------------------
 
@@ -460,7 +449,7 @@ class ReplicaSync:
         if self._keeps_reference and ref is not None and same_run:
             self._ref = {k: _transport(v).to(self._device).clone() for k, v in ref.items()}
             # A fresh tag from the bytes: equal on both ranks iff they loaded equal state.
-            self._ref_tag = _state_fp(list(self._ref.values()))
+            self._ref_tag = fingerprint(list(self._ref.values()))
 
     def close(self) -> None:
         """Remove the optimizer hook (an in-flight sync is left alone)."""
@@ -558,7 +547,7 @@ class ReplicaSync:
         ws, rank, group = self.world_size, self.rank, self.group
         views = [t for _, t, _ in entries]
         # The control exchange: the fingerprint (+ the reference tag), 8-16 bytes.
-        row = [_state_fp(views)] + ([self._ref_tag] if self._keeps_reference else [])
+        row = [fingerprint(views)] + ([self._ref_tag] if self._keeps_reference else [])
         ctrl = self._gather_ints(row)
         bytes_sent, collectives = len(row) * 8, 1
         fps = [r[0] for r in ctrl]
