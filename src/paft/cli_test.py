@@ -30,6 +30,9 @@ from paft.cli import main
         (["--protect", "sometimes"], "--protect"),
         (["--h-min", "10", "--h-max", "5"], "--h-max"),
         (["--resume"], "--resume"),
+        (["--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
+        (["--model", "n_head=3"], "--model: n_embd (128) must be divisible by n_head (3)"),
+        (["--workload", "resnet", "--model", "n_layer=2"], "--model: unknown key 'n_layer' for ResNetConfig"),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(

@@ -245,9 +245,13 @@ class TrainConfig:
         # Local imports: the fault modules are leaves, and importing config stays cheap.
         from paft.faults import FaultSchedule
         from paft.faultspec import parse_specs
-        from paft.workloads import WORKLOADS
+        from paft.workloads import WORKLOADS, model_config
 
         _require(self.workload in WORKLOADS, "--workload", f"must be one of {WORKLOADS}, got {self.workload!r}")
+        try:
+            model_config(self.workload, self.model)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"--model: {err}") from None
         _require(self.world_size >= 1, "--world-size", f"must be >= 1, got {self.world_size}")
         _require(self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
         _require(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")

@@ -38,7 +38,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["OPTIONS", "ConfigFileError", "add_train_options", "parse_train_config", "config_from_namespace"]
+__all__ = ["OPTIONS", "ConfigFileError", "add_train_options", "parse_train_config", "config_from_namespace",
+           "parse_model_arg"]
 
 
 class ConfigFileError(ValueError):
@@ -151,7 +152,7 @@ def _default(opt: Option) -> Any:
     raise KeyError(opt.name)
 
 
-def _parse_model_arg(text: str) -> tuple[str, Any]:
+def parse_model_arg(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -187,7 +188,7 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
             kwargs.update(action="append", metavar=opt.metavar)
             help_text = doc
         elif opt.kind == "model":
-            kwargs.update(action="append", metavar=opt.metavar, type=_parse_model_arg)
+            kwargs.update(action="append", metavar=opt.metavar, type=parse_model_arg)
             help_text = doc
         else:
             kwargs.update(type=opt.kind, choices=opt.choices, metavar=opt.metavar)

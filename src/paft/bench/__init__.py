@@ -22,6 +22,7 @@ import pathlib
 from typing import Any
 
 from paft.bench.overhead import WARMUP
+from paft.options import parse_model_arg
 
 __all__ = ["add_bench_parser", "run_bench"]
 
@@ -60,6 +61,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--batch-size", type=int, default=64,
                           help="global batch size; the monitor's cost per step is fixed, so its share falls as "
                           "the work per rank grows [default: %(default)s, as paft train]")
+    overhead.add_argument("--model", metavar="KEY=VALUE", action="append", type=parse_model_arg,
+                          help="model size override, as paft train's (e.g. --model n_layer=12); repeatable")
     overhead.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                           help="auto: CUDA (NCCL, one GPU per worker) if available, else CPU (gloo) "
                           "[default: %(default)s]")
@@ -118,8 +121,10 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         from paft.train import DeviceError, check_devices
 
         try:
-            check_devices(TrainConfig(device=args.device, world_size=args.world_size, batch_size=args.batch_size))
-        except DeviceError as err:
+            cfg = TrainConfig(workload=args.workload, world_size=args.world_size, batch_size=args.batch_size,
+                              device=args.device, model=dict(args.model or []))
+            check_devices(cfg)
+        except (ValueError, DeviceError) as err:
             parser.error(str(err))
     if args.benchmark == "matrix":
         unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
@@ -148,6 +153,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         overhead.run(out, steps=args.steps, warmup=args.warmup, period=args.period, workload=args.workload,
                      world_size=args.world_size, batch_size=args.batch_size, device=args.device,
+                     model=dict(args.model or []),
                      variants=args.variants.split(",") if args.variants else None)
     elif args.benchmark == "matrix":
         from paft.bench import matrix

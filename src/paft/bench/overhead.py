@@ -48,6 +48,7 @@ import torch
 from paft.bench.runner import launch, make_config, markdown_table, new_trainer, worker_group, write_outputs
 from paft.config import TrainConfig
 from paft.train import uses_cuda
+from paft.workloads import build_workload
 
 __all__ = ["VARIANTS", "BLOCKS", "WARMUP", "measure", "run"]
 
@@ -138,12 +139,13 @@ def _span(values: Sequence[float]) -> str:
 
 def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str = "gpt", world_size: int = 4,
         batch_size: int = 64, variants: list[str] | None = None, warmup: int = WARMUP,
-        device: str = "auto") -> dict[str, Any]:
+        device: str = "auto", model: dict[str, Any] | None = None) -> dict[str, Any]:
     variants = [v for v in (variants or list(VARIANTS)) if v != "plain"]
     total = warmup + steps
     base = TrainConfig(
         workload=workload, world_size=world_size, batch_size=batch_size, steps=total, eval_every=total,
         eval_batches=1, checkpoint_every=0, warmup_steps=min(20, total // 2), device=device,
+        model=model or {},
     ).to_dict()
     base["protect"]["sync_period"] = period
     print(f"paft bench overhead: {len(variants) + 1} trainers x {total} paired steps ({workload}, {world_size} ranks, "
@@ -158,12 +160,15 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
                             "CPU per step / plain DDP", f"range over {BLOCKS} blocks", "CPU overhead %"], rows)
     plain = costs["plain"]
     where = "CUDA" if uses_cuda(TrainConfig.from_dict(base)) else "CPU"
-    note = (f"{workload}, {world_size} ranks on {where}, global batch {batch_size}, {steps} paired steps per variant after "
-            f"{warmup} untimed, sync period {period}; plain DDP: {plain['wall_ms']:.1f} ms per step (wall, "
+    size = "".join(f", {k}={v}" for k, v in (model or {}).items())
+    params = sum(p.numel() for p in build_workload(workload, model_args=model).model.parameters())
+    note = (f"{workload}{size} ({params / 1e6:.2f} M parameters), {world_size} ranks on {where}, global batch "
+            f"{batch_size}, {steps} paired steps per variant after {warmup} untimed, sync period {period}; plain DDP: {plain['wall_ms']:.1f} ms per step (wall, "
             f"slowest rank), {plain['cpu_ms']:.1f} ms CPU per step and rank (medians). Overhead % is the "
             f"extra time per step: (variant time / plain time - 1) x 100.")
     results = {"costs": costs, "note": note, "steps": steps, "warmup": warmup, "batch_size": batch_size,
-               "world_size": world_size, "workload": workload, "period": period, "device": where.lower()}
+               "world_size": world_size, "workload": workload, "period": period, "device": where.lower(),
+               "model": model or {}, "parameters": params}
     write_outputs(out, "Overhead without faults (ratio to plain DDP)", results, f"{note}\n\n{table}")
     print(f"\n{note}\n{table}")
     return results

@@ -47,6 +47,7 @@ __all__ = [
     "WORKLOADS",
     "Workload",
     "build_workload",
+    "model_config",
     "Dataset",
     "ArrayDataset",
     "TokenDataset",
@@ -137,9 +138,23 @@ def _make_config(cls: type, defaults: dict[str, Any], model_args: dict[str, Any]
     for key in model_args or {}:
         if key not in names:
             raise ValueError(
-                f"unknown model_args key {key!r} for {cls.__name__}; valid: {sorted(names)}"
+                f"unknown key {key!r} for {cls.__name__}; valid: {sorted(names)}"
             )
     return cls(**{**defaults, **(model_args or {})})
+
+
+def model_config(name: str, model_args: dict[str, Any] | None = None) -> Any:
+    """The validated model config of workload ``name`` with ``model_args`` applied;
+    builds no model (cheap enough to check options before any worker starts)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
+    if name == "resnet":
+        return _make_config(ResNetConfig, {}, model_args)
+    vocab_size = len(shakespeare_datasets()[2])
+    config = _make_config(GPTConfig if name == "gpt" else LlamaConfig, {"vocab_size": vocab_size}, model_args)
+    if config.vocab_size < vocab_size:
+        raise ValueError(f"vocab_size {config.vocab_size} is smaller than the data's {vocab_size}")
+    return config
 
 
 def build_workload(
@@ -151,22 +166,12 @@ def build_workload(
     for the language models ``block_size`` also sets the dataset's window length.
     The global RNG state is left untouched (initialization runs under ``fork_rng``).
     """
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
-    config: Any
+    config = model_config(name, model_args)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name in ("gpt", "llama"):
-            cls = GPTConfig if name == "gpt" else LlamaConfig
-            vocab_size = len(shakespeare_datasets()[2])
-            config = _make_config(cls, {"vocab_size": vocab_size}, model_args)
-            if config.vocab_size < vocab_size:
-                raise ValueError(
-                    f"vocab_size {config.vocab_size} is smaller than the data's {vocab_size}"
-                )
             train, val, vocab = shakespeare_datasets(config.block_size)
             model: nn.Module = GPT(config) if name == "gpt" else Llama(config)
             return Workload(name, model, train, val, False, config, vocab)
-        config = _make_config(ResNetConfig, {}, model_args)
         mtrain, mval = mnist_datasets()
         return Workload(name, ResNet(config), mtrain, mval, True, config, None)
