@@ -18,14 +18,17 @@ paft never replaces DDP's reducer; it registers one hook through the public
 Injection comes before the capture (unlike the first design sketch) so the
 diagnostics and the guard see what the hardware actually produced.
 
-Everything captured accumulates in :class:`BucketCapture`, read once per step by the
-protector's control collective. With no faults configured and no capture requested,
+Everything captured accumulates in :class:`BucketCapture` on the gradients' own
+device, read once per step by the protector's control collective. Nothing in the
+hook reads a value back to the host: on a GPU, a host read per bucket would drain
+the launch queue each time and leave the GPU idle while the rest of the backward
+pass is launched again (measured on an H200: +11% per step for an 85 M-parameter
+GPT, from about 40 such reads). With no faults configured and no capture requested,
 the fault-free path is bit-for-bit DDP's default all-reduce.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's real
 # annotations (bucket: dist.GradBucket) when it is registered.
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,11 +36,10 @@ import torch
 import torch.distributed as dist
 
 from paft.faults import FaultInjector, FaultRecord
-from paft.fingerprint import word_checksum
+from paft.fingerprint import word_checksum_tensor
 
 __all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch"]
 
-_MASK64 = (1 << 64) - 1
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
@@ -46,10 +48,11 @@ def _widened(flat: torch.Tensor) -> torch.Tensor:
     return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
 
 
-def _squared_norm(flat: torch.Tensor) -> float:
-    """||flat||^2 via one BLAS dot; inf/NaN anywhere in ``flat`` makes it non-finite."""
+def _squared_norm(flat: torch.Tensor) -> torch.Tensor:
+    """||flat||^2 (0-dim, on ``flat``'s device) via one BLAS dot; inf/NaN anywhere in
+    ``flat`` makes it non-finite."""
     flat = _widened(flat)
-    return float(torch.dot(flat, flat))
+    return torch.dot(flat, flat)
 
 
 class CountSketch:
@@ -77,11 +80,12 @@ class CountSketch:
             self._signs[key] = signs
         return signs
 
-    def add_(self, out: torch.Tensor, index: int, flat: torch.Tensor) -> float:
+    def add_(self, out: torch.Tensor, index: int, flat: torch.Tensor) -> torch.Tensor:
         """``out += sketch(flat)`` for bucket ``index`` (``out`` is float64, length dim).
 
-        Returns ``||flat||^2``, read off the signed copy (same magnitudes), so the
-        caller needs no separate norm pass; non-finite if ``flat`` holds inf or NaN.
+        Returns ``||flat||^2`` (0-dim, on ``flat``'s device), read off the signed copy
+        (same magnitudes), so the caller needs no separate norm pass; non-finite if
+        ``flat`` holds inf or NaN.
         """
         flat = _widened(flat)
         signed = flat * self.signs(index, flat)
@@ -93,23 +97,65 @@ class CountSketch:
             out += signed[:full].view(-1, k).sum(0).to(out.device, torch.float64)
         if n > full:
             out[: n - full] += signed[full:].to(out.device, torch.float64)
-        return float(torch.dot(signed, signed))
+        return torch.dot(signed, signed)
 
 
 @dataclass
 class BucketCapture:
-    """What the hook saw during one attempt of one step, summed over buckets."""
+    """What the hook saw during one attempt of one step, summed over buckets.
 
-    local_sq: float = 0.0
-    local_nonfinite: bool = False
-    agg_fingerprint: int = 0
+    The sums live on the gradients' device (allocated by the first bucket) until
+    :meth:`totals` reads them all in one transfer.
+    """
+
+    sketch_dim: int = 0
+    """0: no sketch."""
     sketch: torch.Tensor | None = None
+    """float64 [sketch_dim]: the local gradient's CountSketch."""
+    local_sq: torch.Tensor | None = None
+    """float64 0-dim: the local gradient's squared norm."""
+    agg_checksum: torch.Tensor | None = None
+    """int64 0-dim: sum over buckets of (2 * index + 1) * word checksum of the aggregated
+    bucket, wrapping mod 2**64. Order-independent (buckets may finish in any order);
+    the odd factor keeps a one-word change of any bucket visible."""
     local_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     faults: list[FaultRecord] = field(default_factory=list)
 
     def local_flat(self) -> torch.Tensor:
         """The full local gradient (``exact`` mode), buckets in index order."""
         return torch.cat([self.local_grads[i] for i in sorted(self.local_grads)])
+
+    def add_local(self, sq: torch.Tensor) -> None:
+        if self.local_sq is None:
+            self.local_sq = torch.zeros((), dtype=torch.float64, device=sq.device)
+        self.local_sq += sq
+
+    def add_aggregated(self, index: int, checksum: torch.Tensor) -> None:
+        if self.agg_checksum is None:
+            self.agg_checksum = torch.zeros((), dtype=torch.int64, device=checksum.device)
+        self.agg_checksum += checksum * (2 * index + 1)
+
+    def sketch_on(self, device: torch.device) -> torch.Tensor | None:
+        """The sketch accumulator, allocated on ``device`` by the first bucket."""
+        if self.sketch is None and self.sketch_dim:
+            self.sketch = torch.zeros(self.sketch_dim, dtype=torch.float64, device=device)
+        return self.sketch
+
+    def totals(self) -> tuple[float, int, torch.Tensor | None]:
+        """(local squared norm, aggregated checksum as a signed int64, sketch on the
+        host), read in ONE device-to-host transfer; zeros where nothing was captured."""
+        parts = [t.reshape(1) for t in (self.local_sq, self.agg_checksum) if t is not None]
+        if self.sketch is not None:
+            parts.append(self.sketch)
+        if not parts:
+            return 0.0, 0, None
+        device = parts[0].device
+        host = torch.cat([t.view(torch.float64).to(device) for t in parts]).cpu()
+        local_sq = float(host[0]) if self.local_sq is not None else 0.0
+        at = int(self.local_sq is not None)
+        checksum = int(host[at : at + 1].view(torch.int64)) if self.agg_checksum is not None else 0
+        at += int(self.agg_checksum is not None)
+        return local_sq, checksum, host[at:] if self.sketch is not None else None
 
 
 class CommHookState:
@@ -153,10 +199,8 @@ class CommHookState:
         """Reset the capture before a forward/backward of ``step`` (retry ``attempt``)."""
         self.step, self.attempt, self.capture_enabled = step, attempt, capture
         self.inject_enabled = inject
-        sketch = None
-        if capture and self.sketcher is not None:
-            sketch = torch.zeros(self.sketcher.dim, dtype=torch.float64)
-        self.current = BucketCapture(sketch=sketch)
+        dim = self.sketcher.dim if capture and self.sketcher is not None else 0
+        self.current = BucketCapture(sketch_dim=dim)
 
     # -- the chain ---------------------------------------------------------------
 
@@ -170,22 +214,16 @@ class CommHookState:
 
     def _capture_local(self, index: int, flat: torch.Tensor) -> None:
         cap = self.current
-        if cap.sketch is not None and self.sketcher is not None:
-            sq = self.sketcher.add_(cap.sketch, index, flat.detach())
+        sketch = cap.sketch_on(flat.device)
+        if sketch is not None and self.sketcher is not None:
+            cap.add_local(self.sketcher.add_(sketch, index, flat.detach()))
         else:
-            sq = _squared_norm(flat)
+            cap.add_local(_squared_norm(flat.detach()))
             if self.cosine == "exact":
                 cap.local_grads[index] = flat.detach().to("cpu", torch.float64, copy=True)
-        cap.local_sq += sq
-        cap.local_nonfinite |= not math.isfinite(sq)
 
     def _capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
-        cap = self.current
-        # Order-independent combination (buckets may finish in any order); the odd
-        # factor keeps a one-word change of any bucket visible. Kept in the signed
-        # int64 range that the control vector carries.
-        combined = (cap.agg_fingerprint + word_checksum(flat) * (2 * index + 1)) & _MASK64
-        cap.agg_fingerprint = combined - (1 << 64) if combined >= 1 << 63 else combined
+        self.current.add_aggregated(index, word_checksum_tensor(flat))
 
     def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if self.inner_hook is not None:

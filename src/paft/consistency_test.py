@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from paft.comm import CountSketch
+from paft.comm import BucketCapture, CountSketch
 from paft.consistency import ControlVector, ControlView, pairwise_cosine, worker_metrics
+from paft.fingerprint import word_checksum, word_checksum_tensor
 from paft.workloads import build_workload
 
 
@@ -117,6 +118,25 @@ def test_sketch_returns_the_exact_squared_norm(dtype: torch.dtype) -> None:
     flat = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
     sq = CountSketch(64).add_(torch.zeros(64, dtype=torch.float64), 0, flat)
     wide = flat.float()
-    assert sq == float(torch.dot(wide, wide))
+    assert float(sq) == float(torch.dot(wide, wide))
     flat[17] = float("inf")
     assert not math.isfinite(CountSketch(64).add_(torch.zeros(64, dtype=torch.float64), 0, flat))
+
+
+def test_capture_totals_match_the_host_arithmetic() -> None:
+    """The device-side sums read back in one transfer equal the same sums done on the host,
+    the checksum combination wrapping mod 2**64 into the signed int64 range."""
+    gen = torch.Generator().manual_seed(5)
+    buckets = [torch.randn(n, generator=gen) for n in (1000, 37, 513)]
+    cap, sketcher = BucketCapture(sketch_dim=64), CountSketch(64)
+    sq_host, combined = 0.0, 0
+    for i, flat in enumerate(buckets):
+        cap.add_local(sketcher.add_(cap.sketch_on(flat.device), i, flat))  # type: ignore[arg-type]
+        cap.add_aggregated(i, word_checksum_tensor(flat))
+        sq_host += float(torch.dot(flat, flat))
+        combined = (combined + word_checksum(flat) * (2 * i + 1)) & ((1 << 64) - 1)
+    local_sq, checksum, sketch = cap.totals()
+    assert local_sq == sq_host
+    assert checksum == (combined - (1 << 64) if combined >= 1 << 63 else combined)
+    assert sketch is not None and torch.equal(sketch, cap.sketch)
+    assert BucketCapture().totals() == (0.0, 0, None)

@@ -77,6 +77,7 @@ __all__ = [
     "state_tensors",
     "fingerprint",
     "word_checksum",
+    "word_checksum_tensor",
     "state_fingerprint",
     "split_int64",
     "join_int64",
@@ -376,15 +377,23 @@ def word_checksum(tensor: torch.Tensor) -> int:
         >>> word_checksum(a) != word_checksum(b)
         True
     """
+    return _to_signed(int(word_checksum_tensor(tensor)) & _M64)
+
+
+def word_checksum_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`word_checksum` as a 0-dim int64 tensor on ``tensor``'s device (the sum
+    wraps mod ``2**64``), so a caller can combine checksums without a host read."""
     data = _as_bytes(0, tensor.detach())
     whole = data.numel() // 8 * 8
     words = data[:whole]
     if words.storage_offset() % 8:  # an unaligned view cannot be read as int64
         words = words.clone()
-    total = int(words.view(torch.int64).sum()) if whole else 0
+    total = words.view(torch.int64).sum()
     if whole < data.numel():  # the last 1..7 bytes, zero-padded to a word
-        total += int.from_bytes(bytes(data[whole:].cpu().tolist()), "little")
-    return _to_signed(total & _M64)
+        tail = torch.zeros(8, dtype=torch.uint8, device=data.device)
+        tail[: data.numel() - whole] = data[whole:]
+        total = total + tail.view(torch.int64)[0]
+    return total
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

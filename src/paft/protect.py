@@ -423,14 +423,16 @@ class Protector:
         """Pack this rank's view of the step and launch the step's one control collective."""
         cap = self.hook.current
         self._record_faults(cap.faults)
-        local_loss = float(loss.detach())
         # The aggregated gradient's norm, computed once: clipping reuses it (see _clip).
         self._grad_norm = torch.nn.utils.get_total_norm(self._grads())
+        # The step's host reads, after the backward pass (none inside the hook).
+        local_loss = float(loss.detach())
         agg_norm = float(self._grad_norm)
+        local_sq, agg_checksum, sketch = cap.totals()
         flags = 0
         if not math.isfinite(local_loss):
             flags |= FLAG_LOSS_NONFINITE
-        if cap.local_nonfinite:
+        if not math.isfinite(local_sq):  # a sum of squares: non-finite iff a bucket was
             flags |= FLAG_LOCAL_NONFINITE
         if not math.isfinite(agg_norm):
             flags |= FLAG_AGG_NONFINITE
@@ -439,13 +441,13 @@ class Protector:
             state_fp = state_fingerprint(self.model, self.optimizer, buffers=False)
         vec = ControlVector(
             loss=local_loss,
-            local_sq=cap.local_sq,
+            local_sq=local_sq,
             agg_norm=agg_norm,
-            agg_fingerprint=cap.agg_fingerprint,
+            agg_fingerprint=agg_checksum,
             state_fingerprint=state_fp,
             flags=flags,
             faults=len(cap.faults),
-            sketch=cap.sketch,
+            sketch=sketch,
         )
         return start_control(vec.pack(self.sketch_dim), self.group)
 
