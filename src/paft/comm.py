@@ -143,19 +143,15 @@ class BucketCapture:
 
     def totals(self) -> tuple[float, int, torch.Tensor | None]:
         """(local squared norm, aggregated checksum as a signed int64, sketch on the
-        host), read in ONE device-to-host transfer; zeros where nothing was captured."""
-        parts = [t.reshape(1) for t in (self.local_sq, self.agg_checksum) if t is not None]
+        host), read in ONE device-to-host transfer; zeros if nothing was captured."""
+        if self.local_sq is None or self.agg_checksum is None:  # capture off: no bucket came
+            return 0.0, 0, None
+        parts = [self.local_sq.reshape(1), self.agg_checksum.reshape(1).view(torch.float64)]
         if self.sketch is not None:
             parts.append(self.sketch)
-        if not parts:
-            return 0.0, 0, None
-        device = parts[0].device
-        host = torch.cat([t.view(torch.float64).to(device) for t in parts]).cpu()
-        local_sq = float(host[0]) if self.local_sq is not None else 0.0
-        at = int(self.local_sq is not None)
-        checksum = int(host[at : at + 1].view(torch.int64)) if self.agg_checksum is not None else 0
-        at += int(self.agg_checksum is not None)
-        return local_sq, checksum, host[at:] if self.sketch is not None else None
+        host = torch.cat(parts).cpu()
+        sketch = host[2:] if self.sketch is not None else None
+        return float(host[0]), int(host[1:2].view(torch.int64)), sketch
 
 
 class CommHookState:

@@ -163,9 +163,10 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
     size = "".join(f", {k}={v}" for k, v in (model or {}).items())
     params = sum(p.numel() for p in build_workload(workload, model_args=model).model.parameters())
     note = (f"{workload}{size} ({params / 1e6:.2f} M parameters), {world_size} ranks on {where}, global batch "
-            f"{batch_size}, {steps} paired steps per variant after {warmup} untimed, sync period {period}; plain DDP: {plain['wall_ms']:.1f} ms per step (wall, "
-            f"slowest rank), {plain['cpu_ms']:.1f} ms CPU per step and rank (medians). Overhead % is the "
-            f"extra time per step: (variant time / plain time - 1) x 100.")
+            f"{batch_size}, {steps} paired steps per variant after {warmup} untimed, sync period {period}; "
+            f"plain DDP: {plain['wall_ms']:.1f} ms per step (wall, slowest rank), {plain['cpu_ms']:.1f} ms CPU "
+            f"per step and rank (medians). Overhead % is the extra time per step: (variant time / plain time "
+            f"- 1) x 100.")
     results = {"costs": costs, "note": note, "steps": steps, "warmup": warmup, "batch_size": batch_size,
                "world_size": world_size, "workload": workload, "period": period, "device": where.lower(),
                "model": model or {}, "parameters": params}
