@@ -114,10 +114,12 @@ class BucketCapture:
     """float64 [sketch_dim]: the local gradient's CountSketch."""
     local_sq: torch.Tensor | None = None
     """float64 0-dim: the local gradient's squared norm."""
-    agg_checksum: torch.Tensor | None = None
-    """int64 0-dim: sum over buckets of (2 * index + 1) * word checksum of the aggregated
-    bucket, wrapping mod 2**64. Order-independent (buckets may finish in any order);
-    the odd factor keeps a one-word change of any bucket visible."""
+    agg_terms: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per bucket index, int64 0-dim: (2 * index + 1) * the word checksum of the
+    aggregated bucket. Kept apart, not summed in place: each bucket's all-reduce
+    callback may run on its own thread (gloo) or CUDA stream, so in-place updates of
+    one accumulator could race. :meth:`totals` sums them, wrapping mod 2**64; the sum
+    is order-independent and the odd factor keeps a one-word change visible."""
     local_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     faults: list[FaultRecord] = field(default_factory=list)
 
@@ -131,9 +133,7 @@ class BucketCapture:
         self.local_sq += sq
 
     def add_aggregated(self, index: int, checksum: torch.Tensor) -> None:
-        if self.agg_checksum is None:
-            self.agg_checksum = torch.zeros((), dtype=torch.int64, device=checksum.device)
-        self.agg_checksum += checksum * (2 * index + 1)
+        self.agg_terms[index] = checksum * (2 * index + 1)
 
     def sketch_on(self, device: torch.device) -> torch.Tensor | None:
         """The sketch accumulator, allocated on ``device`` by the first bucket."""
@@ -144,14 +144,18 @@ class BucketCapture:
     def totals(self) -> tuple[float, int, torch.Tensor | None]:
         """(local squared norm, aggregated checksum as a signed int64, sketch on the
         host), read in ONE device-to-host transfer; zeros if nothing was captured."""
-        if self.local_sq is None or self.agg_checksum is None:  # capture off: no bucket came
+        if self.local_sq is None or not self.agg_terms:  # capture off: no bucket came
             return 0.0, 0, None
-        parts = [self.local_sq.reshape(1), self.agg_checksum.reshape(1).view(torch.float64)]
+        # Every term is ready here: DDP waited for each bucket's callback before the
+        # backward pass returned (on CUDA, the current stream waits for their streams).
+        checksum = torch.stack(list(self.agg_terms.values())).sum()
+        # Moved as int64 words: an integer copy keeps every bit of the float64 values.
+        parts = [self.local_sq.reshape(1).view(torch.int64), checksum.reshape(1)]
         if self.sketch is not None:
-            parts.append(self.sketch)
+            parts.append(self.sketch.view(torch.int64))
         host = torch.cat(parts).cpu()
-        sketch = host[2:] if self.sketch is not None else None
-        return float(host[0]), int(host[1:2].view(torch.int64)), sketch
+        sketch = host[2:].view(torch.float64) if self.sketch is not None else None
+        return float(host[:1].view(torch.float64)), int(host[1]), sketch
 
 
 class CommHookState:
@@ -215,8 +219,8 @@ class CommHookState:
             cap.add_local(self.sketcher.add_(sketch, index, flat.detach()))
         else:
             cap.add_local(_squared_norm(flat.detach()))
-            if self.cosine == "exact":
-                cap.local_grads[index] = flat.detach().to("cpu", torch.float64, copy=True)
+            if self.cosine == "exact":  # stays on the device: the gather happens there
+                cap.local_grads[index] = flat.detach().to(torch.float64, copy=True)
 
     def _capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
         self.current.add_aggregated(index, word_checksum_tensor(flat))

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
+from paft.consistency import pairwise_cosine
 from paft.fingerprint import group_replicas, state_fingerprint
 from paft.protect import PersistentFaultError, protect
 from paft.testing import run_workers
@@ -111,6 +112,32 @@ def test_protected_fault_free_path_is_bitwise_plain_ddp() -> None:
     for p, m, z in zip(plain, monitored, rate_zero):
         assert same(p, m) and same(p, z)
     assert same(plain[0], plain[2])
+
+
+@pytest.mark.parametrize("cosine", ["exact", "sketch"])
+def test_step_zero_metrics_equal_the_local_gradients_computed_apart(cosine: str) -> None:
+    """Loss and gradient-norm dispersion and the gradient cosines of step 0 against the
+    same local gradients computed here without DDP (exact: to rounding; sketch: to
+    its documented error, k = 256)."""
+    out = run_workers(train_toy, 3, {"steps": 1, "monitor": {"cosine": cosine}})
+    losses, grads = [], []
+    for rank in range(3):
+        model = toy_model()
+        x, y = batch(rank, 0)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double())
+    cos, to_mean = pairwise_cosine(torch.stack(grads))
+    pairs = [cos[0, 1], cos[0, 2], cos[1, 2]]
+    m = out[0]["reports"][0]["metrics"]
+    assert m == out[2]["reports"][0]["metrics"]  # every rank knows the same
+    assert m["local_losses"] == losses
+    assert m["local_grad_norms"] == pytest.approx([float(g.norm()) for g in grads], rel=1e-6)
+    tol = 1e-9 if cosine == "exact" else 4 / 256**0.5
+    assert m["consistency/grad_cos_min"] == pytest.approx(min(pairs), abs=tol)
+    assert m["consistency/grad_cos_mean"] == pytest.approx(sum(pairs) / 3, abs=tol)
+    assert m["consistency/cos_to_mean"] == pytest.approx(list(to_mean), abs=tol)
 
 
 def test_aggregation_fault_splits_only_the_faulty_rank_and_is_reported_that_step() -> None:
