@@ -6,7 +6,8 @@
 # Runs from the source tree with the machine's own python3 and torch (PYTHON=...
 # to choose another); installs nothing. It checks, going on past a failure (device
 # time is scarce: one call should show every problem) and exiting 1 if any failed:
-#   1. the CUDA tests of the suite (fingerprints on the GPU equal the CPU's);
+#   1. the CUDA tests of the suite (`-k cuda`: fingerprints and the comm hook's
+#      device-side sums on the GPU equal the CPU's);
 #   2. `paft train` fault-free, and with one transient bit-30 flip in a local
 #      gradient under --guard: detected, recomputed, and the run ends with the
 #      fault-free run's state fingerprint (bitwise-equal end state) where the
@@ -31,7 +32,7 @@ check() { local name=$1; shift; "$@" || { echo "FAILED: $name" >&2; failed+=("$n
 if [ "$device" = cuda ]; then
     nvidia-smi -L
     ws=$("$py" -c 'import torch; print(torch.cuda.device_count())')
-    check cuda-tests "$py" -m pytest -q -p no:cacheprovider src/paft/fingerprint_test.py -k cuda
+    check cuda-tests "$py" -m pytest -q -p no:cacheprovider src/paft -k cuda
 else
     ws=2
 fi

@@ -123,20 +123,25 @@ def test_sketch_returns_the_exact_squared_norm(dtype: torch.dtype) -> None:
     assert not math.isfinite(CountSketch(64).add_(torch.zeros(64, dtype=torch.float64), 0, flat))
 
 
-def test_capture_totals_match_the_host_arithmetic() -> None:
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_capture_totals_match_the_host_arithmetic(device: str) -> None:
     """The device-side sums read back in one transfer equal the same sums done on the host,
     the checksum combination wrapping mod 2**64 into the signed int64 range."""
     gen = torch.Generator().manual_seed(5)
-    buckets = [torch.randn(n, generator=gen) for n in (1000, 37, 513)]
+    buckets = [torch.randn(n, generator=gen).to(device) for n in (1000, 37, 513)]
     cap, sketcher = BucketCapture(sketch_dim=64), CountSketch(64)
     sq_host, combined = 0.0, 0
     for i, flat in enumerate(buckets):
         cap.add_local(sketcher.add_(cap.sketch_on(flat.device), i, flat))  # type: ignore[arg-type]
         cap.add_aggregated(i, word_checksum_tensor(flat))
         sq_host += float(torch.dot(flat, flat))
-        combined = (combined + word_checksum(flat) * (2 * i + 1)) & ((1 << 64) - 1)
+        combined = (combined + word_checksum(flat.cpu()) * (2 * i + 1)) & ((1 << 64) - 1)
     local_sq, checksum, sketch = cap.totals()
-    assert local_sq == sq_host
+    # bitwise on the CPU; a CUDA dot may sum in another order
+    assert local_sq == (sq_host if device == "cpu" else pytest.approx(sq_host, rel=1e-12))
     assert checksum == (combined - (1 << 64) if combined >= 1 << 63 else combined)
-    assert sketch is not None and torch.equal(sketch, cap.sketch)
+    assert sketch is not None and torch.equal(sketch, cap.sketch.cpu())  # type: ignore[union-attr]
     assert BucketCapture().totals() == (0.0, 0, None)
