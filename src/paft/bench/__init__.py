@@ -39,6 +39,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", metavar="DIR", help="output folder [default: bench/<benchmark>-<timestamp>]")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+        p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto: CUDA (NCCL, one GPU per worker) if available, else CPU (gloo) "
+                       "[default: %(default)s]")
 
     matrix = kinds.add_parser("matrix", help="fault-free / unprotected / averager / PAFT-Sync / PAFT-Dyn / guard, "
                               "per workload and fault setting")
@@ -63,9 +66,6 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                           "the work per rank grows [default: %(default)s, as paft train]")
     overhead.add_argument("--model", metavar="KEY=VALUE", action="append", type=parse_model_arg,
                           help="model size override, as paft train's (e.g. --model n_layer=12); repeatable")
-    overhead.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                          help="auto: CUDA (NCCL, one GPU per worker) if available, else CPU (gloo) "
-                          "[default: %(default)s]")
     overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,monitor-fp1,guard,dyn,sync,averager")
 
     desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
@@ -116,16 +116,6 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             parser.error(f"--variants: unknown {unknown}; choose from {list(overhead.VARIANTS)}")
     if args.benchmark == "overhead" and args.workload not in WORKLOADS:
         parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")
-    if args.benchmark == "overhead":
-        from paft.config import TrainConfig
-        from paft.train import DeviceError, check_devices
-
-        try:
-            cfg = TrainConfig(workload=args.workload, world_size=args.world_size, batch_size=args.batch_size,
-                              device=args.device, model=dict(args.model or []))
-            check_devices(cfg)
-        except (ValueError, DeviceError) as err:
-            parser.error(str(err))
     if args.benchmark == "matrix":
         unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
         if unknown:
@@ -139,6 +129,27 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             parser.error(f"--world-sizes: expected comma-separated integers, got {args.world_sizes!r}")
         if any(x < 1 for x in sizes):
             parser.error(f"--world-sizes: must all be >= 1, got {args.world_sizes}")
+    _check_devices(args, parser)
+
+
+def _check_devices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The devices (and, for overhead, the model and batch) checked as paft train checks them."""
+    from paft.config import TrainConfig
+    from paft.train import DeviceError, check_devices
+
+    if args.benchmark == "scaling":
+        world_size = max(int(x) for x in args.world_sizes.split(","))
+    else:
+        world_size = args.world_size
+    try:
+        if args.benchmark == "overhead":
+            cfg = TrainConfig(workload=args.workload, world_size=world_size, batch_size=args.batch_size,
+                              device=args.device, model=dict(args.model or []))
+        else:
+            cfg = TrainConfig(world_size=world_size, batch_size=world_size, device=args.device)
+        check_devices(cfg)
+    except (ValueError, DeviceError) as err:
+        parser.error(str(err))
 
 
 def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -159,18 +170,19 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from paft.bench import matrix
 
         matrix.run(out, quick=args.quick, workloads=args.workloads.split(","), steps=args.steps,
-                   world_size=args.world_size)
+                   world_size=args.world_size, device=args.device)
     elif args.benchmark == "desync":
         from paft.bench import desync
 
-        desync.run(out, steps=args.steps, world_size=args.world_size)
+        desync.run(out, steps=args.steps, world_size=args.world_size, device=args.device)
     elif args.benchmark == "scaling":
         from paft.bench import scaling
 
-        scaling.run(out, world_sizes=tuple(int(x) for x in args.world_sizes.split(",")), steps=args.steps)
+        scaling.run(out, world_sizes=tuple(int(x) for x in args.world_sizes.split(",")), steps=args.steps,
+                    device=args.device)
     elif args.benchmark == "detection":
         from paft.bench import detection
 
-        detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size)
+        detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size, device=args.device)
     print(f"\nresults in {out}/ (results.md, results.json, plots)")
     return 0

@@ -14,6 +14,7 @@ import pathlib
 from typing import Any
 
 import pytest
+import torch
 
 from paft.bench import desync, detection, matrix, overhead
 from paft.bench.runner import Run, alternate, rotations, throughput_ratios
@@ -232,6 +233,7 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     (["matrix", "--workloads", "bert"], "--workloads"),
     (["overhead", "--variants", "plain,turbo"], "--variants"),
     (["overhead", "--workload", "bert"], "--workload"),
+    (["overhead", "--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(argv: list[str], needle: str, tmp_path: pathlib.Path,
                                               monkeypatch: pytest.MonkeyPatch,
@@ -241,6 +243,26 @@ def test_bad_input_exits_2_and_writes_nothing(argv: list[str], needle: str, tmp_
         main(["bench", argv[0], "--out", "out", *argv[1:]])
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("benchmark,world_size", [("matrix", ["--world-size", "4"]),
+                                                   ("overhead", ["--world-size", "4"]),
+                                                   ("desync", ["--world-size", "4"]),
+                                                   ("detection", ["--world-size", "2"]),
+                                                   ("scaling", ["--world-sizes", "2,4"])])
+def test_more_workers_than_gpus_exits_2_and_writes_nothing(
+    benchmark: str, world_size: list[str], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The device count is the machine's; pretend to one GPU so that the check runs here.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", benchmark, "--out", "out", *world_size])
+    assert exc.value.code == 2
+    assert "NCCL needs one GPU per worker and 1 is visible" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

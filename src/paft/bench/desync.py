@@ -62,11 +62,11 @@ DROPOUT = 0.1
 PER_RANK_BATCH = 16
 
 
-def plan(out: pathlib.Path, steps: int, world_size: int, seed: int = 0) -> list[Run]:
+def plan(out: pathlib.Path, steps: int, world_size: int, seed: int = 0, device: str = "auto") -> list[Run]:
     base = TrainConfig(
         workload="gpt", world_size=world_size, steps=steps, batch_size=PER_RANK_BATCH * world_size,
         eval_every=max(1, steps // 5), eval_batches=4, checkpoint_every=0, warmup_steps=min(20, steps // 5),
-        dropout=DROPOUT, seed=seed, model=dict(BENCH_MODELS["gpt"]),
+        dropout=DROPOUT, seed=seed, model=dict(BENCH_MODELS["gpt"]), device=device,
     ).to_dict()
     runs = []
     for key, (desc, overrides) in SETTINGS.items():
@@ -172,8 +172,9 @@ def _null_note(comps: dict[str, dict[str, Any]]) -> str:
             f"loss_cv, gnorm_cv, grad_cos_mean and the global loss.")
 
 
-def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int = 0) -> dict[str, Any]:
-    runs = plan(out, steps, world_size, seed)
+def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int = 0,
+        device: str = "auto") -> dict[str, Any]:
+    runs = plan(out, steps, world_size, seed, device)
     warmup = TrainConfig.from_dict(runs[0].config).warmup_steps
     print(f"paft bench desync: {len(runs)} runs (gpt {BENCH_MODELS['gpt']}, dropout {DROPOUT}; {steps} steps, "
           f"{world_size} ranks)")

@@ -113,19 +113,19 @@ def bit_label(bits: int | str) -> str:
     return f"{bits} ({kind})"
 
 
-def _base(steps: int, world_size: int, seed: int, eval_every: int) -> dict[str, Any]:
+def _base(steps: int, world_size: int, seed: int, eval_every: int, device: str = "auto") -> dict[str, Any]:
     return TrainConfig(
         workload="gpt", world_size=world_size, steps=steps, batch_size=PER_RANK_BATCH * world_size,
         eval_every=eval_every, eval_batches=1, checkpoint_every=0, warmup_steps=max(1, steps // 8), seed=seed,
-        model=dict(MODEL),
+        model=dict(MODEL), device=device,
     ).to_dict()
 
 
 def plan(out: pathlib.Path, *, steps: int, rate: float, world_size: int, bits: list[int | str],
-         sites: Sequence[str], seed: int = 0) -> list[Run]:
+         sites: Sequence[str], seed: int = 0, device: str = "auto") -> list[Run]:
     """The reference, then the (site, bits) cells guarded and unguarded."""
     # Evaluate after every step: per-step validation loss and replica divergence for the harm test.
-    base = _base(steps, world_size, seed, eval_every=1)
+    base = _base(steps, world_size, seed, eval_every=1, device=device)
     runs = [Run(REFERENCE, make_config(base, out / "runs" / REFERENCE), labels={"kind": "reference"})]
     for site in sites:
         for b in bits:
@@ -264,14 +264,15 @@ def _share(k: int, n: int) -> float:
 
 def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: int = 2,
         bits: Sequence[str | int] | None = None, sites: Sequence[str] = SITES, overhead_steps: int = 200,
-        seed: int = 0) -> dict[str, Any]:
+        seed: int = 0, device: str = "auto") -> dict[str, Any]:
     targets = parse_bits(bits)
     unknown = [s for s in sites if s not in SITES]
     if unknown:
         raise ValueError(f"sites: must be among {SITES}, got {unknown}")
     if overhead_steps < overhead.BLOCKS:
         raise ValueError(f"overhead_steps: must be >= {overhead.BLOCKS}, got {overhead_steps}")
-    runs = plan(out, steps=steps, rate=rate, world_size=world_size, bits=targets, sites=sites, seed=seed)
+    runs = plan(out, steps=steps, rate=rate, world_size=world_size, bits=targets, sites=sites, seed=seed,
+                device=device)
     print(f"paft bench detection: {len(runs)} runs (gpt {MODEL}; {steps} steps, rate {rate:g}, {world_size} ranks; "
           f"{len(sites)} sites x {len(targets)} bit targets x guard/no guard, + overhead)")
     run_all(runs, world_size)
@@ -310,7 +311,7 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
 
     # Guard overhead without faults (paired steps); its guarded trainer also counts false positives.
     clean_steps = overhead.WARMUP + overhead_steps
-    obase = _base(clean_steps, world_size, seed, eval_every=clean_steps)
+    obase = _base(clean_steps, world_size, seed, eval_every=clean_steps, device=device)
     costs = overhead.measure(out / "runs" / "overhead", obase, OVERHEAD_VARIANTS, steps=overhead_steps,
                              world_size=world_size)
     clean_fp = assess_detection(out / "runs" / "overhead" / "guard")["false_positives"]

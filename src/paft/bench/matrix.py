@@ -81,14 +81,15 @@ def fault_settings(quick: bool) -> dict[str, tuple[str, tuple[str, ...]]]:
     return out
 
 
-def plan(out: pathlib.Path, workloads: list[str], quick: bool, steps: int, world_size: int) -> list[Run]:
+def plan(out: pathlib.Path, workloads: list[str], quick: bool, steps: int, world_size: int,
+         device: str = "auto") -> list[Run]:
     period = 10 if quick else 20
     runs: list[Run] = []
     for workload in workloads:
         base = TrainConfig(
             workload=workload, world_size=world_size, steps=steps, batch_size=8 * world_size,
             eval_every=max(1, steps // 5), eval_batches=4, checkpoint_every=0, warmup_steps=min(20, steps // 5),
-            model=dict(BENCH_MODELS[workload]),
+            model=dict(BENCH_MODELS[workload]), device=device,
         ).to_dict()
         base["protect"]["sync_period"] = period
         cells = [(setting, spec, scenario) for setting, (spec, scenarios) in fault_settings(quick).items()
@@ -130,9 +131,9 @@ def _row(run: Run, ref: dict[str, Any], ratio: float, ratio_unprotected: float |
 
 
 def run(out: pathlib.Path, *, quick: bool, workloads: list[str], steps: int | None = None,
-        world_size: int = 4) -> dict[str, Any]:
+        world_size: int = 4, device: str = "auto") -> dict[str, Any]:
     steps = steps or (40 if quick else 150)
-    runs = plan(out, workloads, quick, steps, world_size)
+    runs = plan(out, workloads, quick, steps, world_size, device)
     print(f"paft bench matrix: {len(runs)} runs ({', '.join(workloads)}; {steps} steps each, {world_size} ranks)")
     run_all(runs, world_size)
     return summarize(out, runs, workloads, steps, world_size)

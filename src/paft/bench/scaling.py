@@ -56,12 +56,13 @@ def model(ranks: int, params: float, *, sketch_dim: int = MonitorConfig.sketch_d
     }
 
 
-def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int = 40) -> dict[str, Any]:
+def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int = 40,
+        device: str = "auto") -> dict[str, Any]:
     measured: dict[int, dict[str, Any]] = {}
     control = 8 * (HEADER + MonitorConfig().sketch_dim)  # the monitored runs' control vector, in bytes
     for ws in world_sizes:
         base = TrainConfig(world_size=ws, steps=steps, eval_every=steps, eval_batches=1, checkpoint_every=0,
-                           warmup_steps=steps // 4).to_dict()
+                           warmup_steps=steps // 4, device=device).to_dict()
         variants = {
             "plain": {"monitor": {"enabled": False}},
             "monitor": {},
