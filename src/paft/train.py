@@ -291,7 +291,10 @@ class Trainer:
 
     def load_checkpoint(self) -> None:
         name = (self._ckpt_root / "latest").read_text().strip()
-        state = torch.load(self._ckpt_root / name / f"rank{self.rank}.pt", weights_only=False)
+        # Loaded to the host: load_state_dict copies into the live tensors on their
+        # device, the RNG states must be CPU tensors, and a GPU run's checkpoint
+        # resumes on a machine without one.
+        state = torch.load(self._ckpt_root / name / f"rank{self.rank}.pt", map_location="cpu", weights_only=False)
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
