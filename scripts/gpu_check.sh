@@ -38,7 +38,8 @@ else
 fi
 "$py" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 echo "device $device, world size $ws"
-common=(--device "$device" --world-size "$ws" --steps "$steps" --quiet)
+per_ws() { echo $(( ($1 + ws - 1) / ws * ws )); }  # a global batch that splits evenly
+common=(--device "$device" --world-size "$ws" --steps "$steps" --batch-size "$(per_ws 64)" --quiet)
 
 check clean paft train "${common[@]}" --run-dir "$work/clean" --overwrite
 check transient paft train "${common[@]}" --run-dir "$work/transient" --overwrite --guard \
@@ -67,7 +68,7 @@ EOF
 tee -a "$work/check.txt" <"$work/outcomes.txt"
 
 for batch in ${BATCHES:-64 512}; do
-    check "overhead-b$batch" paft bench overhead --device "$device" --world-size "$ws" --batch-size "$batch" \
+    check "overhead-b$batch" paft bench overhead --device "$device" --world-size "$ws" --batch-size "$(per_ws "$batch")" \
         --steps "${OVERHEAD_STEPS:-200}" --out "$work/overhead-b$batch" --overwrite
 done
 
