@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from paft.bench import desync, detection, matrix, overhead
-from paft.bench.runner import Run, alternate, rotations, throughput_ratios
+from paft.bench.runner import Run, alternate, throughput_ratios
 from paft.cli import main
 from paft.records import read_jsonl
 
@@ -52,17 +52,6 @@ def test_alternate_properties(n: int, every: int) -> None:
 def test_alternate_rejects_every_below_one() -> None:
     with pytest.raises(ValueError, match="every"):
         alternate("R", ["a"], every=0)
-
-
-def test_rotations_each_variant_once_per_round_and_rotated() -> None:
-    names = ["plain", "monitor", "guard"]
-    schedule = rotations(names, 4)
-    assert schedule == ["plain", "monitor", "guard", "monitor", "guard", "plain",
-                        "guard", "plain", "monitor", "plain", "monitor", "guard"]
-    rounds = [schedule[i:i + 3] for i in range(0, len(schedule), 3)]
-    for rnd in rounds:
-        assert sorted(rnd) == sorted(names)
-    assert [rnd[0] for rnd in rounds[:3]] == names  # no variant always runs first
 
 
 def test_throughput_ratios_uses_nearest_references_on_each_side() -> None:

@@ -374,8 +374,7 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
             f"(+{sum(c['late'] for c in cs)} late); harm test background (fired at fault-free steps of the "
             f"unguarded runs): {fired}/{assessed}."
         )
-    orows = [[v, o["wall"], f"{min(o['wall_blocks']):.3f}-{max(o['wall_blocks']):.3f}", o["cpu"],
-              f"{min(o['cpu_blocks']):.3f}-{max(o['cpu_blocks']):.3f}"]
+    orows = [[v, o["wall"], overhead.block_range(o["wall_blocks"]), o["cpu"], overhead.block_range(o["cpu_blocks"])]
              for v, o in costs.items() if v != "plain"]
     otable = markdown_table(["variant", "time per step / plain DDP", "range over blocks", "CPU per step / plain DDP",
                              "range over blocks"], orows)

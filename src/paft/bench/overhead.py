@@ -48,9 +48,8 @@ import torch
 from paft.bench.runner import launch, make_config, markdown_table, new_trainer, worker_group, write_outputs
 from paft.config import TrainConfig
 from paft.train import uses_cuda
-from paft.workloads import build_workload
 
-__all__ = ["VARIANTS", "BLOCKS", "WARMUP", "measure", "run"]
+__all__ = ["VARIANTS", "BLOCKS", "WARMUP", "measure", "block_range", "run"]
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"monitor": {"enabled": False}},
@@ -71,8 +70,9 @@ WARMUP = 30
 state and the guard's 20-step warm-up fall inside."""
 
 
-def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
-    """One worker: a trainer per variant, stepped in rotating order; per-step wall and CPU seconds."""
+def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
+    """One worker: a trainer per variant, stepped in rotating order; per-step wall and CPU
+    seconds per variant, and the model's parameter count."""
     import torch.distributed as dist
 
     with worker_group(next(iter(configs.values()))):
@@ -95,7 +95,8 @@ def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) 
                 print(f"  step {i + 1}/{warmup + steps}", flush=True)
         for trainer in trainers.values():
             trainer.protector.close()
-        return times
+        params = sum(p.numel() for p in trainers["plain"].model.parameters())
+        return {"times": times, "parameters": params}
 
 
 def _ratio(part: Sequence[float], reference: Sequence[float]) -> float:
@@ -108,15 +109,15 @@ def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str
 
     Returns, per variant: ``wall`` and ``cpu``, each the ratio of summed step times to
     plain DDP's, with ``wall_blocks`` / ``cpu_blocks`` (the same ratio per block of
-    consecutive steps); for ``plain``, the median step in ms. Run directories (metrics,
-    events) go under ``runs_dir/<variant>``.
+    consecutive steps); for ``plain``, the median step in ms and the model's parameter
+    count. Run directories (metrics, events) go under ``runs_dir/<variant>``.
     """
     if steps < BLOCKS:
         raise ValueError(f"steps: must be >= {BLOCKS} (one per block), got {steps}")
     names = ["plain", *[v for v in variants if v != "plain"]]
     configs = {n: make_config(base, runs_dir / n, **VARIANTS[n]) for n in names}
     per_rank = launch(_paired_worker, world_size, configs, steps, warmup)
-    ranks = [per_rank[r] for r in sorted(per_rank)]
+    ranks = [per_rank[r]["times"] for r in sorted(per_rank)]
     # Per step: wall = the slowest rank, CPU = the mean over ranks.
     wall = {n: [max(x) for x in zip(*(r[n]["wall"] for r in ranks))] for n in names}
     cpu = {n: [statistics.fmean(x) for x in zip(*(r[n]["cpu"] for r in ranks))] for n in names}
@@ -126,14 +127,16 @@ def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str
         return [_ratio(series[n][a:b], series["plain"][a:b]) for a, b in zip(cuts, cuts[1:])]
 
     out: dict[str, Any] = {"plain": {"wall_ms": 1e3 * statistics.median(wall["plain"]),
-                                     "cpu_ms": 1e3 * statistics.median(cpu["plain"])}}
+                                     "cpu_ms": 1e3 * statistics.median(cpu["plain"]),
+                                     "parameters": per_rank[0]["parameters"]}}
     for n in names[1:]:
         out[n] = {"wall": _ratio(wall[n], wall["plain"]), "wall_blocks": blocks(wall, n),
                   "cpu": _ratio(cpu[n], cpu["plain"]), "cpu_blocks": blocks(cpu, n)}
     return out
 
 
-def _span(values: Sequence[float]) -> str:
+def block_range(values: Sequence[float]) -> str:
+    """``min-max`` of per-block ratios, as the tables print them."""
     return f"{min(values):.3f}-{max(values):.3f}"
 
 
@@ -154,14 +157,14 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
     rows = []
     for v in variants:
         c = costs[v]
-        rows.append([v, 1 / c["wall"], _span([1 / b for b in c["wall_blocks"]]), (c["wall"] - 1) * 100,
-                     c["cpu"], _span(c["cpu_blocks"]), (c["cpu"] - 1) * 100])
+        rows.append([v, 1 / c["wall"], block_range([1 / b for b in c["wall_blocks"]]), (c["wall"] - 1) * 100,
+                     c["cpu"], block_range(c["cpu_blocks"]), (c["cpu"] - 1) * 100])
     table = markdown_table(["variant", "throughput / plain DDP", f"range over {BLOCKS} blocks", "overhead %",
                             "CPU per step / plain DDP", f"range over {BLOCKS} blocks", "CPU overhead %"], rows)
     plain = costs["plain"]
     where = "CUDA" if uses_cuda(TrainConfig.from_dict(base)) else "CPU"
     size = "".join(f", {k}={v}" for k, v in (model or {}).items())
-    params = sum(p.numel() for p in build_workload(workload, model_args=model).model.parameters())
+    params = plain["parameters"]
     note = (f"{workload}{size} ({params / 1e6:.2f} M parameters), {world_size} ranks on {where}, global batch "
             f"{batch_size}, {steps} paired steps per variant after {warmup} untimed, sync period {period}; "
             f"plain DDP: {plain['wall_ms']:.1f} ms per step (wall, slowest rank), {plain['cpu_ms']:.1f} ms CPU "

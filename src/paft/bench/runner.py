@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Run",
     "alternate",
-    "rotations",
     "throughput_ratios",
     "run_all",
     "launch",
@@ -79,13 +78,6 @@ def alternate(reference: str, names: Sequence[str], every: int = 2) -> list[str]
         if (i + 1) % every == 0 or i == len(names) - 1:
             schedule.append(reference)
     return schedule
-
-
-def rotations(names: Sequence[str], rounds: int) -> list[str]:
-    """``rounds`` rounds of all ``names``, each round rotated by one, so no variant
-    always runs first (warm caches) or last (a tired machine)."""
-    n = len(names)
-    return [names[(i + r) % n] for r in range(rounds) for i in range(n)]
 
 
 def throughput_ratios(schedule: Sequence[str], rates: Sequence[float], reference: str) -> dict[str, list[float]]:

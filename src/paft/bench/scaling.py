@@ -31,6 +31,11 @@ __all__ = ["run", "model"]
 _GB = 1e9
 
 
+def _control_bytes(sketch_dim: int) -> int:
+    """What one rank sends in the per-step control collective: the header and the sketch, float64."""
+    return 8 * (HEADER + sketch_dim)
+
+
 def model(ranks: int, params: float, *, sketch_dim: int = MonitorConfig.sketch_dim,
           state_bytes_per_param: int = 12, grad_bytes_per_param: int = 4,
           link_gbps: float = 400.0) -> dict[str, float]:
@@ -40,7 +45,7 @@ def model(ranks: int, params: float, *, sketch_dim: int = MonitorConfig.sketch_d
     Returns bytes and the time at ``link_gbps`` (per-rank link, bandwidth only).
     """
     link = link_gbps / 8 * _GB  # bytes/s
-    control = 8 * (HEADER + sketch_dim)
+    control = _control_bytes(sketch_dim)
     grad_allreduce = 2 * (ranks - 1) / ranks * params * grad_bytes_per_param  # ring all-reduce, per rank
     state = params * state_bytes_per_param
     return {
@@ -59,7 +64,7 @@ def model(ranks: int, params: float, *, sketch_dim: int = MonitorConfig.sketch_d
 def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int = 40,
         device: str = "auto") -> dict[str, Any]:
     measured: dict[int, dict[str, Any]] = {}
-    control = 8 * (HEADER + MonitorConfig().sketch_dim)  # the monitored runs' control vector, in bytes
+    control = _control_bytes(MonitorConfig().sketch_dim)  # what the monitored runs send per step
     for ws in world_sizes:
         base = TrainConfig(world_size=ws, steps=steps, eval_every=steps, eval_batches=1, checkpoint_every=0,
                            warmup_steps=steps // 4, device=device).to_dict()
