@@ -33,6 +33,9 @@ from paft.cli import main
         (["--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
         (["--model", "n_head=3"], "--model: n_embd (128) must be divisible by n_head (3)"),
         (["--workload", "resnet", "--model", "n_layer=2"], "--model: unknown key 'n_layer' for ResNetConfig"),
+        # No prefix matching: --out is not --outlier-threshold, --step not --steps.
+        (["--out", "elsewhere"], "unrecognized arguments: --out elsewhere"),
+        (["--step", "5"], "unrecognized arguments: --step 5"),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(

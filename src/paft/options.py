@@ -302,7 +302,7 @@ def parse_train_config(
     error: Callable[[str], Any] | None = None,
 ) -> TrainConfig:
     """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2."""
-    parser = argparse.ArgumentParser(prog=prog)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)  # no --out meaning --outlier-...
     add_train_options(parser)
     ns = parser.parse_args(argv)
     try:

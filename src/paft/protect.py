@@ -314,6 +314,9 @@ class Protector:
                 self.optimizer.step()
                 view = pending.wait()
                 break
+            # Clipping touches only the gradients, which a recompute or a skip discards
+            # anyway: do it while the collective is in flight, not after.
+            self._clip()
             view = pending.wait()
             verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
             if verdict.action == "recompute":
@@ -326,7 +329,6 @@ class Protector:
             synced = self._finish_sync(t) or synced
             armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
             before = self._snapshot.capture(self.model, self.optimizer) if armed else None
-            self._clip()
             self.optimizer.step()
             if before is None:
                 break

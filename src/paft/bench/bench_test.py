@@ -223,6 +223,7 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     (["overhead", "--variants", "plain,turbo"], "--variants"),
     (["overhead", "--workload", "bert"], "--workload"),
     (["overhead", "--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
+    (["overhead", "--variant", "plain"], "unrecognized arguments: --variant plain"),  # no prefixes
 ])
 def test_bad_input_exits_2_and_writes_nothing(argv: list[str], needle: str, tmp_path: pathlib.Path,
                                               monkeypatch: pytest.MonkeyPatch,
