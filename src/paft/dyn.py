@@ -299,6 +299,9 @@ class DynScheduler(SyncScheduler):
         super().load_state_dict(state)
         self._calm = int(state["calm"])
         cfg = self.config
+        saved = self._period
         self._period = min(cfg.h_max, max(cfg.h_min, self._period))
+        # A period clamped shorter brings the next sync forward by as much.
+        self._next -= max(0, saved - self._period)
         self._period_before_trigger = min(cfg.h_max, max(cfg.h_min, self._period_before_trigger))
 

@@ -223,4 +223,4 @@ def test_load_state_dict_checks_kind_and_clamps_to_own_config() -> None:
     big = DynScheduler(DynConfig(h_init=300))
     small = DynScheduler(DynConfig(h_max=100, h_init=50))
     small.load_state_dict(big.state_dict())
-    assert small.period == 100 and small.next_sync_step == 300
+    assert small.period == 100 and small.next_sync_step == 100  # last sync 0 + the clamped period

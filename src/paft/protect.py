@@ -289,6 +289,7 @@ class Protector:
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = _StateSnapshot()
+        self._recheck_state = False  # fingerprint the state next step (see _maybe_sync)
         self._alerting: dict[str, bool] = {}
         self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
 
@@ -300,7 +301,8 @@ class Protector:
         self._inject_at_rest(t)
         if not self.monitor_cfg.enabled:
             return self._unmonitored_step(t, closure)
-        check_state = self._due(self.monitor_cfg.fingerprint_every, t)
+        check_state = self._due(self.monitor_cfg.fingerprint_every, t) or self._recheck_state
+        self._recheck_state = False
         capture = self.guard is not None or check_state or self._due(self.monitor_cfg.interval, t)
         rerun_from = _ForwardSnapshot(self.model) if self.guard is not None else None
         attempt, applied, ratio, synced = 0, True, None, False
@@ -323,10 +325,10 @@ class Protector:
                 rerun_from.restore()  # type: ignore[union-attr]
                 attempt += 1
                 continue
+            synced = self._finish_sync(t) or synced  # before a skip too: the next start needs it
             if verdict.action == "skip":
                 applied = False
                 break
-            synced = self._finish_sync(t) or synced
             armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
             before = self._snapshot.capture(self.model, self.optimizer) if armed else None
             self.optimizer.step()
@@ -347,7 +349,7 @@ class Protector:
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
         metrics = self._metrics(t, view) if capture else {}
-        synced = self._maybe_sync(t, view) or synced
+        synced = self._maybe_sync(t, view, state_is_stale=synced) or synced
         self.step_idx += 1
         return StepReport(
             step=t,
@@ -511,14 +513,22 @@ class Protector:
         self._grad_norm = None
 
     def _max_over_ranks(self, value: float) -> float:
+        """The max of ``value`` over ranks; NaN anywhere gives inf (gloo's MAX keeps a
+        NaN only when rank 0 holds it)."""
+        value = math.inf if math.isnan(value) else value
         t = torch.tensor([value], dtype=torch.float64, device=collective_device(self.group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t)
 
     # -- PAFT-Sync / PAFT-Dyn --------------------------------------------------------
 
-    def _maybe_sync(self, step: int, view: ControlView | None) -> bool:
-        """After the update of ``step``: start (overlap) or run (blocking) a sync if due."""
+    def _maybe_sync(self, step: int, view: ControlView | None, state_is_stale: bool = False) -> bool:
+        """After the update of ``step``: start (overlap) or run (blocking) a sync if due.
+
+        ``state_is_stale``: a sync finished during this step, after ``view``'s state
+        fingerprints were taken, so a split they show may be repaired already; the next
+        step checks the state again instead of triggering a sync on old news.
+        """
         if self.averager is not None:
             due = step % self.averager.period == 0
             self.averager.average_parameters(self._params)
@@ -528,7 +538,9 @@ class Protector:
             return due
         if self.sync is None or self.scheduler is None:
             return False
-        triggered = view is not None and isinstance(self.scheduler, DynScheduler) and self._replicas_split(view)
+        triggered = (
+            view is not None and isinstance(self.scheduler, DynScheduler) and self._replicas_split(view, state_is_stale)
+        )
         if triggered:
             self.scheduler.trigger(step)
             self.recorder.event({"step": step, "event": "dyn_trigger", "period": self.scheduler.period})
@@ -542,12 +554,13 @@ class Protector:
         self._on_sync(step, self.sync.sync())
         return True
 
-    @staticmethod
-    def _replicas_split(view: ControlView) -> bool:
+    def _replicas_split(self, view: ControlView, state_is_stale: bool) -> bool:
         state_fps = view.state_fingerprints()
-        return len(group_replicas(view.agg_fingerprints())) > 1 or (
-            state_fps is not None and len(group_replicas(state_fps)) > 1
-        )
+        state_split = state_fps is not None and len(group_replicas(state_fps)) > 1
+        if state_split and state_is_stale:
+            self._recheck_state = True
+            state_split = False
+        return state_split or len(group_replicas(view.agg_fingerprints())) > 1
 
     def _finish_sync(self, step: int) -> bool:
         if self.sync is None or not self.sync.in_flight:
@@ -565,6 +578,12 @@ class Protector:
     # -- checkpoints --------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """The protector's part of a checkpoint. Call :meth:`close` first on every rank
+        when an overlapped sync may be in flight: its result is not part of the state."""
+        if self.sync is not None and self.sync.in_flight:
+            raise RuntimeError(
+                "Protector.state_dict(): an overlapped sync is in flight; call close() on every rank first"
+            )
         return {
             "step": self.step_idx,
             "counters": dict(self._counts),

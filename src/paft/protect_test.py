@@ -275,6 +275,33 @@ def test_dyn_repairs_a_split_within_one_step(optimizer: str) -> None:
         assert same(o, c) and o["fingerprint"] == c["fingerprint"]
 
 
+def test_dyn_ignores_a_split_the_overlapped_sync_repaired_meanwhile() -> None:
+    # The sync started after step 9 repairs rank 1's corrupted weights before step 10's
+    # update; step 10's state fingerprint predates that repair. It must not trigger a
+    # second sync: the state is checked again at step 11 and agrees.
+    out = run_workers(train_toy, 3, {
+        "steps": 12, "monitor": {"fingerprint_every": 10},
+        "protect": {"mode": "dyn", "sync_period": 9, "h_min": 1, "overlap": True},
+        "inject": ["bitflip:site=params,steps=7,ranks=1,bits=mantissa,count=4"],
+    })
+    reports = out[0]["reports"]
+    assert reports[10]["metrics"]["replicas/state_minority_ranks"] == [1]  # seen, but stale
+    assert reports[11]["metrics"]["replicas/state_distinct"] == 1  # the recheck
+    assert out[0]["counters"]["syncs"] == 1
+    assert len({o["fingerprint"] for o in out}) == 1
+
+
+def test_guard_skip_while_an_overlapped_sync_is_in_flight() -> None:
+    # Step 1's sync is in flight when step 2's batch (NaN on rank 1) is skipped.
+    out = run_workers(train_toy, 2, {
+        "steps": 5, "guard": {"enabled": True, "warmup": 3}, "nan_input_at": [1, 2],
+        "protect": {"mode": "sync", "sync_period": 1, "overlap": True},
+    })
+    assert [r["applied"] for r in out[0]["reports"]] == [True, True, False, True, True]
+    assert out[0]["counters"]["syncs"] == 4  # due after steps 1, 2 (the skipped one), 3, 4
+    assert out[0]["fingerprint"] == out[1]["fingerprint"]
+
+
 def test_overlapped_and_blocking_sync_agree() -> None:
     # the last sync is due after step 16; close() finishes the overlapped one
     opts = {"steps": 17, "inject": FAULTY, "protect": {"mode": "sync", "sync_period": 4}}

@@ -21,6 +21,7 @@ more 8-byte all-gather carries each rank's finite flag (robust, mean), and per m
     copy from the lowest majority rank -- point-to-point when a single rank is off
     (the common case: the other majority ranks move nothing), else a broadcast.
     Exact repair; majority ranks keep their bits;
+  - exactly one finite replica (``"finite-copy"``): copy it, in the same way;
   - no (finite) majority, world size >= 3 (``"median"``): all-gather and take, per
     coordinate, the LOWER median of the replicas' values. It is always one
     replica's value (never an average, so a flipped exponent cannot leak into it)
@@ -43,7 +44,9 @@ more 8-byte all-gather carries each rank's finite flag (robust, mean), and per m
 * ``mean``: average over the FINITE replicas only. A non-finite replica contributes zeros to the sum-all-reduce and
   the sum is divided by the number of finite replicas, so NaN/Inf never contaminate
   the others. No finite replica at all raises :class:`RuntimeError` (on every rank).
-* ``broadcast``: copy rank ``src`` exactly.
+* ``broadcast``: copy rank ``src`` exactly. If ``src`` holds NaN/Inf, the lowest
+  finite rank is copied instead (the report's note says so); none finite raises
+  :class:`RuntimeError`, as in ``mean``.
 
 Integer tensors (``num_batches_tracked``, integer steps) are never averaged: they are
 copied from the chosen source (``mean``: the lowest finite rank) or, in the median
@@ -63,7 +66,9 @@ changed the state between :meth:`~ReplicaSync.start` and :meth:`~ReplicaSync.fin
 If something did (an optimizer step, or the forward updating BatchNorm running stats),
 finish applies the correction ``w <- synced + (w - snapshot)`` per coordinate: the
 progress made meanwhile is kept and the replicas are equal only up to the rounding of
-that addition and the rank-dependence of the progress itself.
+that addition and the rank-dependence of the progress itself. Boolean tensors take
+the live value where it changed and the synced one elsewhere (a sum of booleans is
+not a boolean).
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ __all__ = [
 ]
 
 SYNC_MODES = ("robust", "mean", "broadcast")
+_COPY_MODES = ("majority-copy", "finite-copy", "broadcast")  # the result is one rank's state
 
 
 # ----------------------------------------------------------------------------
@@ -115,8 +121,8 @@ class SyncReport:
     ``collectives``, ``seconds``, ``wall_seconds`` and ``delta_tensors``)."""
 
     mode: str
-    """The mode actually used: ``noop``, ``majority-copy``, ``median``,
-    ``median-with-reference``, ``mean`` or ``broadcast``."""
+    """The mode actually used: ``noop``, ``majority-copy``, ``finite-copy``,
+    ``median``, ``median-with-reference``, ``mean`` or ``broadcast``."""
     groups: list[list[int]]
     """Ranks grouped by equal state fingerprint, largest group first."""
     source_ranks: list[int]
@@ -132,7 +138,7 @@ class SyncReport:
     finite replicas; ``mean``: the finite mean), or the source replica for
     ``majority-copy`` / ``broadcast`` -- the mean would need another O(parameters)
     collective there; :func:`measure_divergence` gives it on demand. 0.0 for ``noop``;
-    ``inf`` when a replica is non-finite (``broadcast`` does not check finiteness)."""
+    ``inf`` when a replica is non-finite."""
     collectives: int = 0
     """Collectives (and point-to-point sends/receives) this rank launched, the control
     exchange included."""
@@ -322,6 +328,7 @@ class _InFlight:
     gathered: list[list[Tensor]]  # per dtype group, per bucket: [ws, len]
     works: list[Any]
     fps: list[int]
+    reference: list[Tensor | None] | None  # no-op, world size 2: the agreed state at start
     bytes_sent: int
     collectives: int
     t0: float
@@ -510,7 +517,14 @@ class ReplicaSync:
         if len(groups) == 1:
             return _Decision("noop", groups, everyone, finite, holds_result=True)
         if self.mode == "broadcast":
-            return _Decision("broadcast", groups, [self.src], finite, src=self.src, holds_result=rank == self.src)
+            src = self.src if finite[self.src] else next((r for r in everyone if finite[r]), None)
+            if src is None:
+                raise RuntimeError(
+                    f"ReplicaSync(mode='broadcast'): no replica is finite (NaN/Inf on all {ws} ranks); "
+                    "nothing to copy from -- restore a checkpoint"
+                )
+            note = f"source rank {self.src} is non-finite; copied rank {src}" if src != self.src else ""
+            return _Decision("broadcast", groups, [src], finite, src=src, holds_result=rank == src, note=note)
         if self.mode == "mean":
             good = [r for r in everyone if finite[r]]
             note = f"non-finite ranks {[r for r in everyone if not finite[r]]} excluded" if len(good) < ws else ""
@@ -522,13 +536,21 @@ class ReplicaSync:
                 "majority-copy", groups, [maj[0]], finite, src=maj[0], holds_result=rank in maj, minority=minority
             )
         note = "majority is non-finite; " if maj is not None else ""
+        good = [r for r in everyone if finite[r]]
+        if len(good) == 1:  # nothing to take a median of: copy the one sound replica
+            (src,) = good
+            minority = [r for r in everyone if r != src]
+            return _Decision(
+                "finite-copy", groups, good, finite, src=src, holds_result=rank == src, minority=minority,
+                note=f"{note}non-finite ranks {minority} excluded",
+            )
         if self._keeps_reference:
             ok = self._ref is not None and all(t == tags[0] for t in tags)
             if not ok:
                 note += "references disagree; used a zero reference"
             return _Decision("median-with-reference", groups, everyone, finite, ref_ok=ok, note=note.rstrip("; "))
         # Non-finite replicas sit the median out (if any replica is finite at all).
-        good = [r for r in everyone if finite[r]] or everyone
+        good = good or everyone
         if len(good) < ws:
             note += f"non-finite ranks {[r for r in everyone if r not in good]} excluded"
         return _Decision("median", groups, good, finite, note=note.rstrip("; "))
@@ -555,9 +577,7 @@ class ReplicaSync:
         # Finite flags cost a pass over the state: only when the replicas differ (one
         # more 8-byte exchange), or for mean mode's all-identical check, which needs
         # no exchange (identical replicas are all finite or all not).
-        if self.mode == "broadcast":
-            finite = [True] * ws
-        elif len(set(fps)) == 1:
+        if len(set(fps)) == 1:
             finite = [self.mode != "mean" or _all_finite(views)] * ws
         else:
             finite = [bool(r[0]) for r in self._gather_ints([int(_all_finite(views))])]
@@ -573,10 +593,10 @@ class ReplicaSync:
             snap: Tensor | None = None
             buf: Tensor | None = None
             outs: list[Tensor] = []
-            copy_mode = d.mode in ("majority-copy", "broadcast") or (d.mode == "mean" and not g.floating)
+            copy_mode = d.mode in _COPY_MODES or (d.mode == "mean" and not g.floating)
             if d.mode == "noop" or g.numel == 0:
                 pass
-            elif d.mode == "majority-copy" and len(d.minority) == 1:
+            elif d.mode in _COPY_MODES and len(d.minority) == 1:
                 # One rank to repair (the common case): send it the source's state
                 # point-to-point; the other majority members move nothing at all.
                 (bad,) = d.minority
@@ -627,6 +647,11 @@ class ReplicaSync:
             bufs.append(buf)
             gathered.append(outs)
         originals = [o for _, _, o in entries]
+        # The next world-size-2 reference after a no-op is the state agreed NOW: by
+        # finish() an overlapped step may have moved the two replicas apart.
+        reference = None
+        if d.mode == "noop" and self._keeps_reference:
+            reference = [self._pack_group(g, entries) for g in layout.groups]
         return _InFlight(
             decision=d,
             layout=layout,
@@ -639,6 +664,7 @@ class ReplicaSync:
             gathered=gathered,
             works=works,
             fps=fps,
+            reference=reference,
             bytes_sent=bytes_sent,
             collectives=collectives,
             t0=t0,
@@ -661,7 +687,7 @@ class ReplicaSync:
         synced: list[Tensor | None] = []
         local_sq = ref_sq = 0.0
         me = self.rank
-        measure = d.mode != "noop" and not d.holds_result and (d.finite[me] or d.mode == "broadcast")
+        measure = d.mode != "noop" and not d.holds_result and d.finite[me]
         good = [r for r in range(self.world_size) if d.finite[r]]
         for gi, g in enumerate(layout.groups):
             snap, buf = p.snaps[gi], p.bufs[gi]
@@ -703,7 +729,7 @@ class ReplicaSync:
             divergence = 0.0
         else:
             mine = _rel(local_sq, ref_sq) if measure else 0.0
-            if not d.finite[me] and d.mode != "broadcast":
+            if not d.finite[me]:
                 mine = math.inf
             t = torch.tensor([mine], dtype=torch.float64, device=self._device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
@@ -719,13 +745,7 @@ class ReplicaSync:
         # 3. The reference for the next world-size-2 median: the state just agreed.
         self.syncs += 1
         if self._keeps_reference:
-            if d.mode == "noop":
-                entries = self._entries()
-                lay = self._layout_for(entries)
-                flats: list[Tensor | None] = [self._pack_group(g, entries) for g in lay.groups]
-            else:
-                lay, flats = layout, synced
-            self._ref = self._capture(lay, flats)
+            self._ref = self._capture(layout, p.reference if p.reference is not None else synced)
             tag = torch.tensor([self.syncs, *p.fps], dtype=torch.int64)
             self._ref_tag = fingerprint([tag])  # same on both ranks: same inputs
 
@@ -750,7 +770,7 @@ class ReplicaSync:
             # Re-resolve by name: the optimizer may have replaced a state tensor.
             now = {n: (t, o) for n, t, o in self._entries()}
         # A non-finite replica's own progress is garbage: it just takes the result.
-        garbage = not d.finite[self.rank] and d.mode != "broadcast"
+        garbage = not d.finite[self.rank]
         stepped = self._opt_steps != p.opt_steps
         delta_tensors = 0
         copy_dst: list[Tensor] = []
@@ -787,6 +807,9 @@ class ReplicaSync:
                         continue
                     delta_tensors += 1
                     old = snap[s.offset : s.offset + s.numel].view(s.shape)
+                    if live.dtype == torch.bool:  # flags: the live value where it changed
+                        target.copy_(torch.where(target != old.to(target.device), target, new.to(target.device)))
+                        continue
                     progress = target - old.to(target.device)
                     res = new.to(target.device) + progress
                     # Untouched coordinates (progress 0) get the synced bits exactly;

@@ -171,8 +171,7 @@ def test_all_optimizers_and_modes_give_bitwise_identical_replicas():
             assert any(n.endswith("momentum_buffer") for n in names)
         # one collective per dtype bucket (+ control, + divergence max), not per tensor
         dtypes = len({t.dtype for _, t in per_rank[0]["state"]})
-        flags = mode != "broadcast"  # the finite-flag exchange
-        assert per_rank[0]["collectives"] == 1 + flags + dtypes + 1
+        assert per_rank[0]["collectives"] == 1 + 1 + dtypes + 1  # + the finite-flag exchange
 
 
 # ----------------------------------------------------------------------------
@@ -301,7 +300,7 @@ def test_three_ranks_repair_noop_nan_and_overlap():
     _assert_replicas_identical([r["nan_majority"] for r in res])
     _assert_same(res[0]["nan_majority"]["state"], res[1]["nan_majority_pre"])
     rep = res[0]["nan_majority"]["report"]
-    assert rep.mode == "median" and rep.source_ranks == [1] and rep.groups == [[0, 2], [1]]
+    assert rep.mode == "finite-copy" and rep.source_ranks == [1] and rep.groups == [[0, 2], [1]]
     assert rep.note == "majority is non-finite; non-finite ranks [0, 2] excluded"
 
     # mean with a NaN replica: exactly the mean of the finite ones
@@ -407,10 +406,10 @@ def test_four_ranks_split_broadcast_buckets_and_divergence():
     for r in res:
         rep = r["bcast"]["report"]
         assert rep.mode == "broadcast" and rep.source_ranks == [2]
-        assert rep.collectives >= 1 + total // 64 + 1  # fingerprints + buckets + divergence
-        assert rep.collectives <= 1 + buckets + 1
-    assert res[2]["bcast"]["report"].bytes_sent == 8 + total + 8
-    assert res[0]["bcast"]["report"].bytes_sent == 8 + 8
+        # fingerprints + finite flags + buckets + divergence
+        assert 2 + total // 64 + 1 <= rep.collectives <= 2 + buckets + 1
+    assert res[2]["bcast"]["report"].bytes_sent == 8 + 8 + total + 8
+    assert res[0]["bcast"]["report"].bytes_sent == 8 + 8 + 8
 
     # measure_divergence == hand computation
     params = [[t for n, t in r["div_state"] if n.startswith("param/")] for r in res]
@@ -510,3 +509,82 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
     _assert_replicas_identical([r["mean"] for r in res])
     _assert_same(res[1]["mean"]["state"], res[0]["mean_pre"])
     assert res[0]["mean"]["report"].source_ranks == [0]
+
+
+class _Flagged(nn.Module):
+    """A parameter and a bool buffer (bool travels as uint8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.register_buffer("flag", torch.zeros(2, dtype=torch.bool))
+
+
+def _w_two_edges(rank: int, ws: int) -> dict:
+    out: dict = {}
+    # broadcast from a source holding NaN: the lowest finite rank is copied instead
+    model = _model("mlp", seed=rank)
+    if rank == 0:
+        with torch.no_grad():
+            model[0].weight[0, 0] = math.nan
+    rep = ReplicaSync(model, None, mode="broadcast", src=0).sync()
+    out["broadcast"] = {"report": rep, "state": _snap(model, None), "fp": _fp(model, None)}
+    with torch.no_grad():  # and none finite (each rank its own NaN): a clear error on every rank
+        model[0].weight[0, rank] = math.nan
+    with pytest.raises(RuntimeError, match="no replica is finite"):
+        ReplicaSync(model, None, mode="broadcast").sync()
+
+    # robust, world size 2, rank 1 all NaN: rank 0's replica is copied as it is
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    sync = ReplicaSync(model, opt)  # reference: the initial state
+    _train(model, opt, "mlp", steps=2, seed=3)  # progress the reference median would undo
+    out["healthy"] = _snap(model, opt)
+    if rank == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(math.nan)
+    rep = sync.sync()
+    out["finite_copy"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+
+    # an overlapped no-op while the replicas move apart: the next reference is the
+    # state agreed at start(), so the following blocking sync still ends identical
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    sync = ReplicaSync(model, opt)
+    sync.start()
+    _train(model, opt, "mlp", steps=1, seed=rank)  # rank-dependent progress in the window
+    out["noop_mode"] = sync.finish().mode
+    rep = sync.sync()
+    out["after_noop"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+
+    # a bool buffer set during an overlapped sync stays a valid bool
+    torch.manual_seed(0)
+    model = _Flagged()
+    with torch.no_grad():
+        model.w[0] = 1.0 + rank  # the replicas differ: a real median
+    sync = ReplicaSync(model, None)
+    sync.start()
+    if rank == 1:
+        model.flag[0] = True
+    sync.finish()
+    out["flag_bytes"] = model.flag.view(torch.uint8).tolist()
+    return out
+
+
+def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
+    res = run_workers(_w_two_edges, 2)
+    _assert_replicas_identical([r["broadcast"] for r in res])
+    for r in res:
+        rep = r["broadcast"]["report"]
+        assert rep.mode == "broadcast" and rep.source_ranks == [1]
+        assert rep.note == "source rank 0 is non-finite; copied rank 1"
+        assert all(torch.isfinite(t).all() for _, t in r["broadcast"]["state"])
+    _assert_replicas_identical([r["finite_copy"] for r in res])
+    _assert_same(res[1]["finite_copy"]["state"], res[0]["healthy"])  # exactly rank 0's bits
+    assert res[1]["finite_copy"]["report"].mode == "finite-copy"
+    assert res[1]["finite_copy"]["report"].note == "non-finite ranks [1] excluded"
+    assert [r["noop_mode"] for r in res] == ["noop", "noop"]
+    _assert_replicas_identical([r["after_noop"] for r in res])
+    assert res[0]["after_noop"]["report"].mode == "median-with-reference"
+    assert res[0]["flag_bytes"] == [0, 0] and res[1]["flag_bytes"] == [1, 0]  # never 2
