@@ -192,23 +192,30 @@ class CommHookState:
         self.attempt = 0
         self.capture_enabled = True
         self.inject_enabled = True
-        self.num_buckets = 1  # learned from the first step's last bucket
+        # Buckets of the last completed backward pass (learned from its last bucket),
+        # and the count this step's injection uses: fixed at begin(), never changed
+        # mid-step, so an event hits exactly one bucket, the same one on every run.
+        self.num_buckets = 1
+        self.step_buckets = 1
         self.current = BucketCapture()
 
     def begin(self, step: int, attempt: int = 0, capture: bool = True, inject: bool = True) -> None:
         """Reset the capture before a forward/backward of ``step`` (retry ``attempt``)."""
         self.step, self.attempt, self.capture_enabled = step, attempt, capture
         self.inject_enabled = inject
+        self.step_buckets = self.num_buckets
         dim = self.sketcher.dim if capture and self.sketcher is not None else 0
         self.current = BucketCapture(sketch_dim=dim)
 
     # -- the chain ---------------------------------------------------------------
 
     def _inject(self, site: str, index: int, tensor: torch.Tensor) -> None:
-        if self.injector is not None and self.inject_enabled and self.injector.has_site(site):
+        # A bucket beyond the step's count (DDP re-bucketed since) cannot be the target.
+        if (self.injector is not None and self.inject_enabled and index < self.step_buckets
+                and self.injector.has_site(site)):
             self.current.faults.extend(
                 self.injector.inject_bucket(
-                    site, self.step, index, self.num_buckets, tensor, attempt=self.attempt
+                    site, self.step, index, self.step_buckets, tensor, attempt=self.attempt
                 )
             )
 
@@ -241,7 +248,7 @@ def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
     """The hook registered on DDP: see the module docstring for the chain."""
     index = bucket.index()
     if bucket.is_last():
-        state.num_buckets = max(state.num_buckets, index + 1)
+        state.num_buckets = index + 1  # for the next begin()
     buffer = bucket.buffer()
     state._inject("local-grad", index, buffer)
     if state.capture_enabled:

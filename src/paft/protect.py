@@ -375,19 +375,23 @@ class Protector:
         return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, synced=synced)
 
     def prime(self, closure: Callable[[], torch.Tensor]) -> None:
-        """One forward/backward that changes nothing, so DDP builds its final buckets now.
+        """Forward/backward passes that change nothing, so DDP builds its final buckets now.
 
         DDP re-orders its gradient buckets after the first iteration. With more than
         two ranks the bucket layout decides the order in which the all-reduce sums
         each element, so a run resumed from a checkpoint (whose first iteration is
-        some step N) would differ in the last bits from the uninterrupted run. Priming
-        every fresh process the same way keeps both on one layout. RNG, buffers and
-        gradients are restored; nothing is injected or recorded.
+        some step N) would differ in the last bits from the uninterrupted run; and
+        bucket-site faults pick their bucket among the buckets of the final layout.
+        Two passes: the first records the order, the second runs on the rebuilt layout
+        and tells the hook how many buckets it has. RNG, buffers and gradients are
+        restored; nothing is injected or recorded. Without it, the first two steps
+        still inject reproducibly, but only into the buckets the hook knew of then.
         """
         before = _ForwardSnapshot(self.model)
-        self.hook.begin(self.step_idx, capture=False, inject=False)
-        closure()
-        before.restore()
+        for _ in range(2):
+            self.hook.begin(self.step_idx, capture=False, inject=False)
+            closure()
+            before.restore()
         self.optimizer.zero_grad(set_to_none=True)
 
     def close(self) -> None:

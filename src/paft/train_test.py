@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -65,6 +66,13 @@ RESUME_CASES = {
         "protect": ProtectConfig(mode="dyn", sync_period=4, h_min=2),
         "guard": GuardConfig(enabled=True, warmup=2),
     },
+    # a model of two gradient buckets (1.6 MB; DDP's first bucket holds 1 MB): every
+    # event hits the same one bucket in both runs, also on the first resumed step
+    "two-buckets": {
+        "steps": 8, "checkpoint_every": 4, "eval_every": 4,
+        "model": {**TINY_LM, "n_layer": 2, "n_embd": 128, "n_head": 4},
+        "inject": ["scale:rate=0.7,factor=3,ranks=1", "scale:site=local-grad,rate=0.7,factor=3,ranks=0"],
+    },
 }
 
 
@@ -75,7 +83,8 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
     # Interrupt a second run at its step-6 checkpoint, then resume it.
     run(tiny_config(tmp_path / "b", **opts))
     ckpts = tmp_path / "b" / "checkpoints"
-    (ckpts / "latest").write_text("step0000006")
+    half = opts.get("steps", 12) // 2
+    (ckpts / "latest").write_text(f"step{half:07d}")
     resumed = run(tiny_config(tmp_path / "b", resume=True, **opts))
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
@@ -91,8 +100,15 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
             for key in wa:
                 assert wa[key] == pytest.approx(wb[key], rel=1e-6, abs=0), key
     losses = lambda d: [m["loss"] for m in read_jsonl(tmp_path / d / "metrics" / "rank0.jsonl")]  # noqa: E731
-    assert losses("a") == losses("b") and len(losses("b")) == 12
+    assert losses("a") == losses("b") and len(losses("b")) == opts.get("steps", 12)
     assert straight[0]["summary"]["final_val_loss"] == resumed[0]["summary"]["final_val_loss"]
+    def faults(run: str) -> list[dict[str, Any]]:  # every rank appends: order by content
+        lines = read_jsonl(tmp_path / run / "faults.jsonl") if opts.get("inject") else []
+        return sorted(lines, key=lambda f: json.dumps(f, sort_keys=True))
+
+    assert faults("a") == faults("b")
+    if case == "two-buckets":
+        assert {f["target"] for f in faults("a")} == {0, 1}
 
 
 @pytest.mark.parametrize(
