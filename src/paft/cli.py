@@ -27,7 +27,8 @@ def _fault_grammar() -> str:
 
 
 _TRAIN_EPILOG = """\
-exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop)
+exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop),
+            130 interrupted (continue with --resume)
 
 examples:
   paft train                                    # gpt, 4 workers, about 3 minutes on 2 cores

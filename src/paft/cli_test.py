@@ -33,6 +33,9 @@ from paft.cli import main
         (["--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
         (["--model", "n_head=3"], "--model: n_embd (128) must be divisible by n_head (3)"),
         (["--workload", "resnet", "--model", "n_layer=2"], "--model: unknown key 'n_layer' for ResNetConfig"),
+        (["--workload", "resnet", "--world-size", "2", "--batch-size", "100000"],
+         "--batch-size: 100000 is more than the resnet training set holds (8000 items)"),
+        (["--inject", "bitflip:steps=1,bits=40"], "--inject 'bitflip:steps=1,bits=40': field 'bits' must be < 32"),
         # No prefix matching: --out is not --outlier-threshold, --step not --steps.
         (["--out", "elsewhere"], "unrecognized arguments: --out elsewhere"),
         (["--step", "5"], "unrecognized arguments: --step 5"),
@@ -85,6 +88,33 @@ def test_existing_run_dir_is_never_overwritten(
     assert (tmp_path / "out" / "summary.json").read_text() == "{}"
 
 
+def test_resume_needs_a_run_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--resume"])
+    assert exc.value.code == 2
+    assert "--resume: needs --run-dir" in capsys.readouterr().err
+
+
+def test_overwrite_deletes_only_paft_output(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    (tmp_path / "afile").write_text("")
+    for argv, needle in [
+        (["train", "--run-dir", "mine", "--overwrite"], "--overwrite: mine holds no config.json"),
+        (["bench", "overhead", "--out", "mine", "--overwrite"], "--overwrite: mine holds no results.json"),
+        (["train", "--run-dir", "afile/run"], "--run-dir: cannot create afile/run: afile is not a directory"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "mine"]
+
+
 def test_missing_gpus_exit_2_before_anything_is_written(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -119,8 +149,11 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         assert flag in out
 
 
-def test_paft_train_end_to_end_with_config_file(tmp_path: pathlib.Path) -> None:
-    """The real console script: elastic launch of 2 workers, config file + CLI override."""
+def test_paft_train_end_to_end_with_config_file(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real console script: elastic launch of 2 workers, config file + CLI override;
+    then resumes that cannot continue this run are refused and change nothing."""
     (tmp_path / "run.toml").write_text(
         'workload = "gpt"\nworld-size = 2\nsteps = 40\nbatch-size = 16\nlog-every = 10\n'
         'eval-batches = 4\n[model]\nn_layer = 1\nn_embd = 32\nn_head = 2\nblock_size = 32\n'
@@ -138,3 +171,17 @@ def test_paft_train_end_to_end_with_config_file(tmp_path: pathlib.Path) -> None:
     assert summary["steps"] == 40 and summary["world_size"] == 2
     assert summary["final_val_loss"] < summary["initial_val_loss"] * 0.9
     assert summary["replicas_distinct"] == 1
+
+    monkeypatch.chdir(tmp_path)
+    before = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    for extra, needle in [
+        ([], "--resume: r has trained 40 steps already (--steps 40); pass --steps above 40"),
+        (["--steps", "50", "--world-size", "4"], "has no checkpoint of rank(s) [2, 3]"),
+        (["--steps", "50", "--optimizer", "sgd"], "--resume: cannot change --optimizer ('adamw' in r, 'sgd' asked)"),
+        (["--steps", "50", "--model", "n_embd=64"], "--resume: cannot change --model"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--run-dir", "r", "--resume", *extra])
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()} == before

@@ -3,7 +3,7 @@
 Every field has a docstring; every check lives in ``__post_init__`` and raises
 ``ValueError`` naming the command-line option, so ``paft train`` can refuse bad input
 before any worker starts. The same tree is built from the command line, from a
-TOML/YAML file whose keys mirror the long option names (``world-size = 4``), or
+TOML/YAML/JSON file whose keys mirror the long option names (``world-size = 4``), or
 from Python.
 
 Example::
@@ -19,6 +19,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 __all__ = [
     "OPTIMIZERS",
@@ -217,9 +219,13 @@ class TrainConfig:
     """Where the run writes its files; default ``runs/<workload>-<timestamp>``
     (``--run-dir``)."""
     resume: bool = False
-    """Continue the run in ``--run-dir`` from its latest checkpoint (``--resume``)."""
+    """Continue the run in ``--run-dir`` from its latest checkpoint (``--resume``), with
+    its saved options; workload, model, world size, batch size, optimizer, seed,
+    protection and guard cannot change. A larger ``--steps`` trains on, with the
+    learning-rate schedule stretched to the new length from that step on."""
     overwrite: bool = False
-    """Delete an existing ``--run-dir`` and start afresh (``--overwrite``)."""
+    """Delete an existing ``--run-dir`` and start afresh (``--overwrite``); only a
+    folder paft wrote (it holds ``config.json``) is ever deleted."""
     device: str = "auto"
     """``auto`` (CUDA if available, else CPU), ``cpu`` or ``cuda`` (``--device``)."""
     model: dict[str, Any] = field(default_factory=dict)
@@ -245,11 +251,11 @@ class TrainConfig:
         # Local imports: the fault modules are leaves, and importing config stays cheap.
         from paft.faults import FaultSchedule
         from paft.faultspec import parse_specs
-        from paft.workloads import WORKLOADS, model_config
+        from paft.workloads import WORKLOADS, model_config, train_items
 
         _require(self.workload in WORKLOADS, "--workload", f"must be one of {WORKLOADS}, got {self.workload!r}")
         try:
-            model_config(self.workload, self.model)
+            model = model_config(self.workload, self.model)
         except (ValueError, TypeError) as err:
             raise ValueError(f"--model: {err}") from None
         _require(self.world_size >= 1, "--world-size", f"must be >= 1, got {self.world_size}")
@@ -259,6 +265,12 @@ class TrainConfig:
             self.batch_size % self.world_size == 0,
             "--batch-size",
             f"{self.batch_size} cannot be split evenly across --world-size {self.world_size}",
+        )
+        items = train_items(self.workload, model)
+        _require(
+            self.batch_size <= items,
+            "--batch-size",
+            f"{self.batch_size} is more than the {self.workload} training set holds ({items} items)",
         )
         _require(self.optimizer in OPTIMIZERS, "--optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         _require(self.lr > 0 and math.isfinite(self.lr), "--lr", f"must be > 0, got {self.lr}")
@@ -271,6 +283,7 @@ class TrainConfig:
         _require(self.log_every >= 1, "--log-every", f"must be >= 1, got {self.log_every}")
         _require(self.checkpoint_every >= 0, "--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
         _require(not (self.resume and self.overwrite), "--resume", "cannot be combined with --overwrite")
+        _require(not self.resume or bool(self.run_dir), "--resume", "needs --run-dir, the run to continue")
         _require(self.device in ("auto", "cpu", "cuda"), "--device", f"must be auto, cpu or cuda, got {self.device!r}")
         _require(0 <= self.dropout < 1, "--dropout", f"must be in [0, 1), got {self.dropout}")
         _require(
@@ -284,7 +297,13 @@ class TrainConfig:
             f"must be a rank in [0, {self.world_size}), got {self.protect.broadcast_src}",
         )
         # FaultSpecError messages already name --inject and the bad field.
-        FaultSchedule(parse_specs(self.inject), self.seed, self.world_size)
+        specs = parse_specs(self.inject)
+        FaultSchedule(specs, self.seed, self.world_size)
+        for text, spec in zip(self.inject, specs):  # the workloads train in float32
+            try:
+                spec.check_dtype(torch.float32)
+            except ValueError as err:
+                raise ValueError(f"--inject {text!r}: {err}") from None
 
     @property
     def per_rank_batch_size(self) -> int:

@@ -14,6 +14,7 @@ import sys
 import uuid
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -31,6 +32,7 @@ from paft.train import (
 __all__ = ["launch"]
 
 EXIT_WORKER_FAILED = 1
+EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
 
 
 def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] | None]:
@@ -43,8 +45,7 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
         cfg.run_dir = default_run_dir(cfg.workload)
     check_devices(cfg)
     check_run_dir(cfg)
-    if not cfg.resume:
-        prepare_run_dir(cfg)
+    prepare_run_dir(cfg)  # on --resume: config.json records the options the run goes on with
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = LaunchConfig(
         min_nodes=1,
@@ -60,9 +61,13 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     try:
         results = elastic_launch(config, run_worker)(cfg.to_dict(), cfg.run_dir)
     except ChildFailedError as err:
-        print(f"paft train: a worker failed; the run directory {cfg.run_dir} keeps its logs\n{err}",
-              file=sys.stderr)
+        print(f"paft train: a worker failed (its traceback is above); {cfg.run_dir} keeps what the run "
+              f"wrote until then\n{err}", file=sys.stderr)
         return EXIT_WORKER_FAILED, None
+    except (KeyboardInterrupt, SignalException) as err:
+        print(f"\npaft train: interrupted ({err or 'Ctrl-C'}); to continue from the last checkpoint: "
+              f"paft train --run-dir {cfg.run_dir} --resume", file=sys.stderr)
+        return EXIT_INTERRUPTED, None
     first = results[0]
     if first["status"] == "persistent_fault":
         print(f"paft train: {first['message']}", file=sys.stderr)

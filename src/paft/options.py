@@ -3,7 +3,7 @@
 One table, :data:`OPTIONS`, ties each ``--long-option`` to a field of the config
 tree; the help text is the field's own docstring, so the two never drift apart.
 Values come, lowest precedence first, from the dataclass defaults, a ``--config``
-file (TOML or YAML, keys spelled like the long options: ``world-size = 4``), and the
+file (TOML, YAML or JSON, keys spelled like the long options: ``world-size = 4``), and the
 command line. Both ``paft train`` and ``python -m paft.train`` (under torchrun) use
 :func:`parse_train_config`.
 """
@@ -168,7 +168,7 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help="TOML or YAML file whose keys mirror the long options (e.g. world-size = 2); "
+        help="TOML, YAML or JSON file (by suffix) whose keys mirror the long options (e.g. world-size = 2); "
         "options given on the command line win",
     )
     groups: dict[str | None, argparse._ArgumentGroup] = {}
@@ -244,6 +244,11 @@ def _coerce(opt: Option, value: Any, where: str) -> Any:
         return value
     if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if opt.kind is float and isinstance(value, str):  # YAML 1.1 reads 3e-3 as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if not isinstance(value, opt.kind) or isinstance(value, bool):
         raise ConfigFileError(f"{where}: expected {opt.kind.__name__}, got {value!r}")
     if opt.choices and value not in opt.choices:
@@ -269,6 +274,14 @@ def _saved_values(run_dir: str) -> dict[str, Any]:
     return values
 
 
+def _merge(values: dict[str, Any], new: dict[str, Any]) -> None:
+    """``values.update(new)``, except that ``--model`` fields add to the ones before."""
+    for key, value in new.items():
+        if _BY_KEY[key].kind == "model" and key in values:
+            value = list({**dict(values[key]), **dict(value)}.items())
+        values[key] = value
+
+
 def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
     """Build (and so validate) the config.
 
@@ -282,9 +295,9 @@ def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if resume and run_dir and (pathlib.Path(run_dir) / "config.json").is_file():
-        values.update(_saved_values(run_dir))
-    values.update(from_file)
-    values.update(given)
+        _merge(values, _saved_values(run_dir))
+    _merge(values, from_file)
+    _merge(values, given)
     kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for key, value in values.items():
         opt = _BY_KEY[key]

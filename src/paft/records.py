@@ -8,7 +8,8 @@ Layout (the contract other tools read; see docs/ARCHITECTURE.md):
 - ``consistency.jsonl`` (rank 0): the per-step worker metrics;
 - ``faults.jsonl``: every injected fault (each rank appends its own lines);
 - ``events.jsonl`` (rank 0): detections, recomputes, syncs, skips, alerts;
-- ``checkpoints/step{N}.pt`` and ``checkpoints/latest``;
+- ``checkpoints/step{NNNNNNN}/rank{r}.pt`` (the last two kept) and ``checkpoints/latest``
+  (the name of the newest complete one);
 - ``summary.json`` (rank 0) at the end; ``tb/`` with ``--tensorboard``.
 
 Lines are written whole with one ``write`` on files opened for append, so lines
@@ -27,7 +28,15 @@ from typing import Any, Iterable
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
-__all__ = ["RunRecorder", "atomic_write_bytes", "atomic_write_json", "read_jsonl", "truncate_jsonl", "jsonable"]
+__all__ = [
+    "RunRecorder",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "read_jsonl",
+    "truncate_jsonl",
+    "jsonable",
+    "output_dir_problem",
+]
 
 
 def jsonable(value: Any) -> Any:
@@ -39,6 +48,36 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     return value
+
+
+def output_dir_problem(path: pathlib.Path, option: str, marker: str, overwrite: bool) -> str | None:
+    """Why ``path`` cannot become an output folder, or None; touches nothing.
+
+    It must be creatable (its nearest existing ancestor a writable directory). An
+    existing, non-empty folder is replaced only with ``overwrite``, and only if it
+    holds ``marker`` (``config.json`` of a run, ``results.json`` of a benchmark):
+    ``--overwrite`` deletes paft's own results, never a folder of other files, and
+    never through a symbolic link.
+    """
+    if path.is_symlink() and overwrite:
+        return f"--overwrite: {path} is a symbolic link; give the real directory to replace"
+    if path.exists():
+        if not path.is_dir():
+            return f"{option}: {path} exists and is not a directory"
+        if any(path.iterdir()):
+            if not overwrite:
+                return f"{option}: {path} already exists; pass --overwrite to replace it"
+            if not (path / marker).is_file():
+                return f"--overwrite: {path} holds no {marker}, so it is not paft's output; refusing to delete it"
+        return None if os.access(path, os.W_OK) else f"{option}: {path} is not writable"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{option}: cannot create {path}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{option}: cannot create {path}: {parent} is not writable"
+    return None
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import json
 import math
 import os
 import pathlib
@@ -28,7 +29,14 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.config import TrainConfig
 from paft.fingerprint import group_replicas, state_fingerprint
 from paft.protect import PersistentFaultError, Protector, protect
-from paft.records import RunRecorder, atomic_write_bytes, atomic_write_json, read_jsonl, truncate_jsonl
+from paft.records import (
+    RunRecorder,
+    atomic_write_bytes,
+    atomic_write_json,
+    output_dir_problem,
+    read_jsonl,
+    truncate_jsonl,
+)
 from paft.sync import measure_divergence
 from paft.workloads import ShardedSampler, Workload, build_workload
 
@@ -63,28 +71,68 @@ def default_run_dir(workload: str) -> str:
     return os.path.join("runs", f"{workload}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
 
 
+# What a resumed run cannot change: its state would not load, or it would be another run.
+_FIXED_ON_RESUME = (
+    ("workload", "--workload"), ("model", "--model"), ("world_size", "--world-size"),
+    ("batch_size", "--batch-size"), ("optimizer", "--optimizer"), ("seed", "--seed"),
+    ("protect.mode", "--protect"), ("protect.sync_mode", "--sync-mode"), ("guard.enabled", "--guard"),
+)
+
+
 def check_run_dir(cfg: TrainConfig) -> None:
-    """Refuse a run directory that would be overwritten or cannot be resumed. Writes nothing."""
+    """Refuse a run directory that would be overwritten, cannot be created, or cannot be
+    resumed as asked. Writes nothing."""
     path = pathlib.Path(cfg.run_dir)
-    exists = path.exists() and any(path.iterdir()) if path.is_dir() else path.exists()
     if cfg.resume:
-        if not (path / "checkpoints" / "latest").is_file():
-            raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing)")
-    elif exists and not cfg.overwrite:
+        _check_resume(cfg, path)
+        return
+    if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
         raise RunDirError(
             f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
         )
-    if path.exists() and not path.is_dir():
-        raise RunDirError(f"--run-dir: {path} exists and is not a directory")
+    problem = output_dir_problem(path, "--run-dir", "config.json", cfg.overwrite)
+    if problem:
+        raise RunDirError(problem)
+
+
+def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
+    latest = path / "checkpoints" / "latest"
+    if not latest.is_file():
+        raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing)")
+    name = latest.read_text().strip()
+    missing = [r for r in range(cfg.world_size) if not (path / "checkpoints" / name / f"rank{r}.pt").is_file()]
+    if missing:
+        raise RunDirError(f"--resume: {path / 'checkpoints' / name} has no checkpoint of rank(s) {missing}")
+    try:
+        saved = TrainConfig.from_dict(json.loads((path / "config.json").read_text())).to_dict()
+    except (OSError, ValueError, TypeError) as err:
+        raise RunDirError(f"--resume: cannot read {path / 'config.json'}: {err}") from None
+    asked = cfg.to_dict()
+    for key, flag in _FIXED_ON_RESUME:
+        was, now = saved, asked
+        for part in key.split("."):
+            was, now = was[part], now[part]
+        if was != now:
+            raise RunDirError(f"--resume: cannot change {flag} ({was!r} in {path}, {now!r} asked); start a new run")
+    done = int(name.removeprefix("step"))
+    if done >= cfg.steps:
+        raise RunDirError(
+            f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
+            f"pass --steps above {done} to train on"
+        )
 
 
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
-    """Create (or, with --overwrite, replace) the run directory and write ``config.json``."""
+    """Create (or, with --overwrite, replace) the run directory and write ``config.json``;
+    on --resume, rewrite ``config.json`` with the options the run continues under."""
     path = pathlib.Path(cfg.run_dir)
-    if cfg.overwrite and path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path / "config.json", cfg.to_dict())
+    try:
+        if cfg.overwrite and path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path / "config.json", cfg.to_dict())
+    except OSError as err:
+        raise RunDirError(f"--run-dir: cannot write {path}: {err.strerror or err}") from None
     return path
 
 
@@ -250,8 +298,7 @@ class Trainer:
         """Steps per second of training steps (step time only: no evaluation, no checkpoints)."""
         if self._timed[0]:
             return self._timed[0] / self._timed[1]
-        done = self.step - self._start_step
-        return done / self.train_seconds if self.train_seconds > 0 else 0.0
+        return self.step / self.train_seconds if self.train_seconds > 0 else 0.0
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -305,7 +352,7 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         self.step = state["step"]
         self._start_step = self.step
-        self.train_seconds = 0.0
+        self.train_seconds = float(state.get("train_seconds", 0.0))  # over every leg of the run
         # The interrupted run may have logged steps past its last checkpoint: drop them.
         truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", self.step)
         if self.rank == 0:
@@ -469,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.destroy_process_group()
         return 2
     dist.barrier()  # every rank checked before rank 0 creates anything
-    if dist.get_rank() == 0 and not cfg.resume:
+    if dist.get_rank() == 0:
         prepare_run_dir(cfg)
     dist.barrier()
     result = run_worker(cfg.to_dict(), cfg.run_dir)

@@ -87,11 +87,12 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathlib.Path:
+    from paft.records import output_dir_problem
+
     out = pathlib.Path(args.out or f"bench/{args.benchmark}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    if out.exists() and not out.is_dir():
-        parser.error(f"--out: {out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        parser.error(f"--out: {out} already exists; pass --overwrite to replace it")
+    problem = output_dir_problem(out, "--out", "results.json", args.overwrite)
+    if problem:
+        parser.error(problem)
     return out
 
 
@@ -104,6 +105,9 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    # Across-rank comparisons: one worker has nothing to compare (and no rank 1 to fault).
+    if args.benchmark in ("matrix", "desync", "detection") and args.world_size < 2:
+        parser.error(f"--world-size: must be >= 2 for {args.benchmark}, got {args.world_size}")
     if args.benchmark == "overhead" and args.steps < overhead.BLOCKS:
         parser.error(f"--steps: must be >= {overhead.BLOCKS} (the ratios are also reported per block), got {args.steps}")
     if args.benchmark == "overhead" and args.warmup < 0:
@@ -127,8 +131,8 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             sizes = [int(x) for x in args.world_sizes.split(",")]
         except ValueError:
             parser.error(f"--world-sizes: expected comma-separated integers, got {args.world_sizes!r}")
-        if any(x < 1 for x in sizes):
-            parser.error(f"--world-sizes: must all be >= 1, got {args.world_sizes}")
+        if any(x < 2 for x in sizes):
+            parser.error(f"--world-sizes: must all be >= 2, got {args.world_sizes}")
     _check_devices(args, parser)
 
 

@@ -224,6 +224,10 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     (["overhead", "--workload", "bert"], "--workload"),
     (["overhead", "--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
     (["overhead", "--variant", "plain"], "unrecognized arguments: --variant plain"),  # no prefixes
+    (["detection", "--world-size", "1"], "--world-size: must be >= 2 for detection"),
+    (["matrix", "--world-size", "1"], "--world-size: must be >= 2 for matrix"),
+    (["scaling", "--world-sizes", "1,2"], "--world-sizes: must all be >= 2"),
+    (["overhead", "--batch-size", "100000", "--world-size", "2"], "--batch-size: 100000 is more than"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(argv: list[str], needle: str, tmp_path: pathlib.Path,
                                               monkeypatch: pytest.MonkeyPatch,

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paft.workloads.data import (
+    MNIST_TRAIN_SIZE,
     ArrayDataset,
     CharVocab,
     Dataset,
@@ -48,6 +49,7 @@ __all__ = [
     "Workload",
     "build_workload",
     "model_config",
+    "train_items",
     "Dataset",
     "ArrayDataset",
     "TokenDataset",
@@ -155,6 +157,14 @@ def model_config(name: str, model_args: dict[str, Any] | None = None) -> Any:
     if config.vocab_size < vocab_size:
         raise ValueError(f"vocab_size {config.vocab_size} is smaller than the data's {vocab_size}")
     return config
+
+
+def train_items(name: str, config: Any) -> int:
+    """How many training items workload ``name`` has with model config ``config``
+    (the language models cut the text into ``block_size + 1`` windows); cheap."""
+    if name == "resnet":
+        return MNIST_TRAIN_SIZE
+    return len(shakespeare_datasets(config.block_size)[0])
 
 
 def build_workload(
