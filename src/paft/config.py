@@ -160,8 +160,8 @@ class GuardConfig:
     on_persistent: str = "repair"
     """A rank reproduces a harmful update on recomputation with different values
     (persistent fault): ``repair`` (recompute up to ``--max-reruns``, then skip the
-    batch and re-sync from the healthy replicas) or ``stop`` (exit code 3)
-    (``--on-persistent``)."""
+    batch; the replicas stay equal, as the batch is skipped on every rank) or ``stop``
+    (exit code 3) (``--on-persistent``)."""
 
     def __post_init__(self) -> None:
         _require(self.spike_threshold > 0, "--spike-threshold", f"must be > 0, got {self.spike_threshold}")

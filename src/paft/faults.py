@@ -13,7 +13,9 @@ pure function that tests check in microseconds:
   fault, with the text grammar of ``--inject``;
 - :class:`FaultSchedule`: a counter-based, random-access function of
   ``(seed, spec index, step, rank)``: the answer for step ``t`` never depends on which
-  steps were asked before, so a resumed or recomputed run sees the same faults;
+  steps were asked before, so a resumed or recomputed run sees the same faults
+  (except ``stale`` on the first step after a resume: the previous step's values it
+  replays are not part of a checkpoint, so that one event finds nothing to replay);
 - :class:`FaultInjector`: what the DDP comm hook and the trainer call; it returns
   :class:`FaultRecord` values for ``faults.jsonl``.
 """

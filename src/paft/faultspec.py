@@ -181,8 +181,9 @@ class FaultSpec:
     there (same rank for ``ranks='random'``). ``start``/``stop``/``steps``/``rate``
     decide starts only; a burst runs to its end."""
     persistent: bool = False
-    """True: the event fires again, identically, when the step is recomputed
-    (``attempt > 0``), as faulty hardware would. False: transient, attempt 0 only."""
+    """True: the event fires again when the step is recomputed (``attempt > 0``), on
+    the same rank and bucket or tensor but at elements drawn anew, as faulty hardware
+    would. False: transient, attempt 0 only."""
     start: int = 0
     """First step at which an event may start (inclusive)."""
     stop: int | None = None

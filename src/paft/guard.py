@@ -51,6 +51,7 @@ Decision table of :meth:`Guard.check` (pre-step; ``prev`` is the remembered dete
 of this step)::
 
     attempt  this view    relation to prev                         action      cause
+    any      state fingerprints disagree (tried first)             repair      state
     any      clean        no prev                                  proceed     None
     >= 1     clean        prev from check                          proceed     transient (persistent if decided)
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
@@ -75,6 +76,12 @@ step's values stay out of the history), and it never names ranks (the ratio is a
 max over ranks), so a recurring non-reproducible anomaly ends at ``rerun_cap``.
 ``recompute`` and ``skip`` from it both mean: restore the pre-step snapshot first.
 :meth:`Guard.wants_snapshot` documents when the guard asks for that snapshot.
+
+``repair``: the replicas' parameters / optimizer state differ, so every recompute
+would reproduce the bad step (or none shows yet); the protector re-synchronizes them
+(robust: the majority's bits) and recomputes. The protector fingerprints the state on
+every recompute, which is how a corrupted replica is told from bad data; the state
+columns are left out of the comparison with a first attempt that did not check them.
 
 Caps: at most ``max_reruns_per_step`` recomputes per step (pre- and post-step
 together) and ``max_reruns_per_run`` in the run; past either, ``skip``.
@@ -116,10 +123,13 @@ from paft.config import GuardConfig
 from paft.consistency import (
     COL_AGG_HI,
     COL_AGG_LO,
+    COL_FLAGS,
     COL_STATE_HI,
+    COL_STATE_LO,
     FLAG_AGG_NONFINITE,
     FLAG_LOCAL_NONFINITE,
     FLAG_LOSS_NONFINITE,
+    FLAG_STATE_CHECKED,
     ControlView,
 )
 from paft.fingerprint import group_replicas
@@ -140,9 +150,9 @@ __all__ = [
     "Guard",
 ]
 
-ACTIONS = ("proceed", "recompute", "skip", "stop")
-CAUSES = ("transient", "persistent", "data")
-DETECTORS = ("nonfinite_loss", "nonfinite_local_grad", "nonfinite_agg_grad", "grad_mismatch",
+ACTIONS = ("proceed", "recompute", "repair", "skip", "stop")
+CAUSES = ("transient", "persistent", "data", "state")
+DETECTORS = ("state_mismatch", "nonfinite_loss", "nonfinite_local_grad", "nonfinite_agg_grad", "grad_mismatch",
              "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap")
 
 MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
@@ -161,13 +171,14 @@ class GuardVerdict:
     """What to do with the current attempt of a step, and why."""
 
     action: str
-    """``proceed`` | ``recompute`` | ``skip`` | ``stop``."""
+    """``proceed`` | ``recompute`` | ``repair`` (re-synchronize the replicas from the
+    majority, then recompute) | ``skip`` | ``stop``."""
     detector: str | None = None
     """The detector that fired (kept on the ``proceed`` that resolves a detection)."""
     ranks: list[int] = field(default_factory=list)
     """Suspect ranks; empty when all ranks or unknown."""
     cause: str | None = None
-    """None while undecided; ``transient`` | ``persistent`` | ``data`` once decided."""
+    """None while undecided; ``transient`` | ``persistent`` | ``data`` | ``state`` once decided."""
     values: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -244,8 +255,27 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= RERUN_RTOL * max(abs(a), abs(b))
 
 
+def _without_state(bits: list[list[int]]) -> list[list[int]]:
+    """Header rows with the state fingerprint and its flag cleared."""
+    out = []
+    for row in bits:
+        row = list(row)
+        row[COL_STATE_HI] = row[COL_STATE_LO] = 0
+        row[COL_FLAGS] = _f64_bits(float(int(_bits_f64(row[COL_FLAGS])) & ~FLAG_STATE_CHECKED))
+        out.append(row)
+    return out
+
+
+def _state_checked(bits: list[list[int]]) -> bool:
+    return all(int(_bits_f64(row[COL_FLAGS])) & FLAG_STATE_CHECKED for row in bits)
+
+
 def _reproduced(prev: list[list[int]], cur: list[list[int]]) -> bool:
-    """Whether a rerun reproduced the first result: bitwise, or within RERUN_RTOL when all finite."""
+    """Whether a rerun reproduced the first result: bitwise, or within RERUN_RTOL when all
+    finite. A rerun fingerprints the state, the first attempt may not have: the state
+    columns then take no part."""
+    if _state_checked(prev) != _state_checked(cur):
+        prev, cur = _without_state(prev), _without_state(cur)
     if prev == cur:
         return True
     if len(prev) != len(cur):
@@ -307,7 +337,8 @@ class Guard:
         self.config = config
         self.world_size = world_size
         self.counters: dict[str, int] = dict.fromkeys(
-            ("detections", "recomputes", "skipped_batches", "transient", "persistent", "data", "rollbacks"), 0)
+            ("detections", "recomputes", "skipped_batches", "transient", "persistent", "data", "state",
+             "rollbacks"), 0)
         w = config.window
         self._loss, self._grad, self._ratio = _Window(w), _Window(w), _Window(w)
         # Local values of all ranks pooled: ranks draw batches from one distribution,
@@ -329,6 +360,9 @@ class Guard:
             attempt == 0 and not (st.pending is not None and st.pending.source == "update")
         ):
             st = self._st = _StepState(step)
+        state = view.state_fingerprints()
+        if state is not None and len(group_replicas(state)) > 1:
+            return self._repair(st, group_replicas(state), view)
         found = self._detect(view)
         prev = st.pending
         if found is None:
@@ -536,6 +570,21 @@ class Guard:
         return sorted(odd) if 0 < len(odd) < self.world_size else []
 
     # -- state machine helpers --------------------------------------------------------
+
+    def _repair(self, st: _StepState, groups: list[list[int]], view: ControlView) -> GuardVerdict:
+        """The replicas' parameters / optimizer state differ (corrupted at rest, or by a
+        fault inside ``optimizer.step()``): recomputing from that state would only
+        reproduce it, so re-synchronize from the majority first, then recompute."""
+        st.incident = True
+        self.counters["detections"] += 1
+        self._decide(st, "state")
+        ws = self.world_size
+        minority = sorted(r for g in groups[1:] for r in g) if 2 * len(groups[0]) > ws else []
+        st.pending = _Incident("check", "state_mismatch", minority, view.header_bits())
+        verdict = self._rerun(st, "state_mismatch", minority, {"distinct": float(len(groups))})
+        if verdict.action == "recompute":
+            verdict.action = "repair"
+        return verdict
 
     def _rerun(self, st: _StepState, detector: str, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
         cfg = self.config

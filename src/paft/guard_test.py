@@ -282,10 +282,10 @@ def test_transient_recompute_then_proceed() -> None:
     v1 = g.check(t, 1, steady(4))
     assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("proceed", "rank_outlier", [2], "transient")
     assert g.counters == {"detections": 1, "recomputes": 1, "skipped_batches": 0, "transient": 1,
-                          "persistent": 0, "data": 0, "rollbacks": 0}
+                          "persistent": 0, "data": 0, "state": 0, "rollbacks": 0}
 
 
-def nan_data_view(ws: int, rank: int) -> ControlView:
+def nan_data_view(ws: int, rank: int, states: list[int | None] | None = None) -> ControlView:
     """NaN in rank ``rank``'s input: NaN loss there, NaN everywhere after the all-reduce."""
     losses = [2.0] * ws
     losses[rank] = NAN
@@ -293,7 +293,27 @@ def nan_data_view(ws: int, rank: int) -> ControlView:
     local[rank] = NAN
     flags = [FLAG_AGG_NONFINITE] * ws
     flags[rank] |= FLAG_LOSS_NONFINITE | FLAG_LOCAL_NONFINITE
-    return make_view(losses, local, NAN, fps=[-77] * ws, flags=flags)
+    return make_view(losses, local, NAN, fps=[-77] * ws, flags=flags, states=states)
+
+
+def test_data_is_still_data_when_only_the_rerun_fingerprints_the_state() -> None:
+    g = guard(3)
+    t = warm(g)
+    assert g.check(t, 0, nan_data_view(3, 1)).action == "recompute"
+    v1 = g.check(t, 1, nan_data_view(3, 1, states=[5, 5, 5]))  # replicas agree: the data
+    assert (v1.action, v1.cause) == ("skip", "data")
+
+
+@pytest.mark.parametrize("ws,states,minority", [(3, [5, 9, 5], [1]), (2, [5, 9], [])])
+def test_state_mismatch_repairs_then_recomputes(ws: int, states: list[int], minority: list[int]) -> None:
+    # A corrupted replica reproduces its bad step on every rerun: re-synchronize first.
+    g = guard(ws)
+    t = warm(g)
+    v0 = g.check(t, 0, nan_data_view(ws, 1, states=states))
+    assert (v0.action, v0.detector, v0.ranks, v0.cause) == ("repair", "state_mismatch", minority, "state")
+    v1 = g.check(t, 1, make_view([2.0] * ws, [1.5] * ws, 1.0, states=[5] * ws))
+    assert (v1.action, v1.detector, v1.cause) == ("proceed", "state_mismatch", "state")
+    assert (g.counters["detections"], g.counters["recomputes"], g.counters["state"], g.counters["data"]) == (1, 1, 1, 0)
 
 
 @pytest.mark.parametrize("ws", [2, 4])

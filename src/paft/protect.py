@@ -290,6 +290,7 @@ class Protector:
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = _StateSnapshot()
         self._recheck_state = False  # fingerprint the state next step (see _maybe_sync)
+        self._repairer: ReplicaSync | None = None  # the guard's, when self.sync cannot repair
         self._alerting: dict[str, bool] = {}
         self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
 
@@ -308,7 +309,9 @@ class Protector:
         attempt, applied, ratio, synced = 0, True, None, False
         while True:
             self.hook.begin(t, attempt, capture=capture)
-            pending = self._control(closure(), check_state)
+            # A rerun always fingerprints the state: corrupted replicas would reproduce
+            # the bad step, and only the fingerprints tell them from bad data.
+            pending = self._control(closure(), check_state or attempt > 0)
             if self.guard is None:
                 # Nothing to decide before the update: let the control collective overlap it.
                 synced = self._finish_sync(t) or synced
@@ -321,7 +324,9 @@ class Protector:
             self._clip()
             view = pending.wait()
             verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
-            if verdict.action == "recompute":
+            if verdict.action in ("recompute", "repair"):
+                if verdict.action == "repair":
+                    synced = self._repair(t) or synced
                 rerun_from.restore()  # type: ignore[union-attr]
                 attempt += 1
                 continue
@@ -403,7 +408,8 @@ class Protector:
         """Run totals: faults injected here, syncs, bytes, alerts, and the guard's counts."""
         guard = self.guard.counters if self.guard is not None else {}
         out = dict(self._counts)
-        for key in ("detections", "recomputes", "skipped_batches", "rollbacks", "transient", "persistent", "data"):
+        for key in ("detections", "recomputes", "skipped_batches", "rollbacks", "transient", "persistent", "data",
+                    "state"):
             out[key] = guard.get(key, 0)
         return out
 
@@ -565,6 +571,21 @@ class Protector:
             self._recheck_state = True
             state_split = False
         return state_split or len(group_replicas(view.agg_fingerprints())) > 1
+
+    def _repair(self, step: int) -> bool:
+        """The guard found replicas with different state: a blocking robust sync (the
+        majority's bits; see :class:`~paft.sync.ReplicaSync`) before the recompute."""
+        self._finish_sync(step)
+        if self.sync is not None and self.sync.mode == "robust":
+            self._on_sync(step, self.sync.sync())
+            return True
+        if self._repairer is None:  # without PAFT-Sync, or with a mode that averages
+            self._repairer = ReplicaSync(self.model, self.optimizer, mode="robust", group=self.group)
+        report = self._repairer.sync()
+        self._counts["syncs"] += 1
+        self._counts["sync_bytes"] += report.bytes_sent
+        self.recorder.event({"step": step, "event": "repair", **report.to_json()})
+        return True
 
     def _finish_sync(self, step: int) -> bool:
         if self.sync is None or not self.sync.in_flight:

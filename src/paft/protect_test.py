@@ -218,6 +218,26 @@ def test_nan_in_input_data_is_attributed_to_data_and_skipped() -> None:
     assert all(torch.isfinite(p).all() for p in out[0]["params"])
 
 
+def test_guard_repairs_a_replica_corrupted_at_rest_exactly() -> None:
+    # A flipped exponent in rank 1's weights reproduces on every recompute; the state
+    # fingerprints show it, the majority's bits are copied back, and the step reruns.
+    opts = {"guard": GUARD, "monitor": {"fingerprint_every": 1}}
+    clean = run_workers(train_toy, 3, opts)
+    out = run_workers(train_toy, 3, {**opts, "inject": ["bitflip:site=params,steps=6,ranks=1,bits=30"]})
+    assert all(same(o, c) for o, c in zip(out, clean))
+    assert out[0]["reports"][6]["attempts"] == 2
+    c = out[0]["counters"]
+    assert (c["detections"], c["state"], c["data"], c["skipped_batches"], c["syncs"]) == (1, 1, 0, 0, 1)
+
+
+def test_guard_repairs_nan_optimizer_state_instead_of_skipping_as_data() -> None:
+    # Unseen until it makes rank 1's weights NaN; the rerun fingerprints the state.
+    out = run_workers(train_toy, 2, {"guard": GUARD, "inject": ["nan:site=optimizer-state,steps=5,ranks=1"]})
+    assert same(out[0], out[1]) and all(torch.isfinite(p).all() for p in out[1]["params"])
+    c = out[0]["counters"]
+    assert c["state"] >= 1 and c["data"] == 0 and c["skipped_batches"] == 0
+
+
 def persistent_run(rank: int, world_size: int, opts: dict[str, Any]) -> Any:
     try:
         return train_toy(rank, world_size, opts)
