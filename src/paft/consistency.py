@@ -210,13 +210,21 @@ def dispersion(values: torch.Tensor | np.ndarray) -> dict[str, float]:
 
 
 def pairwise_cosine(vectors: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(pairwise cosine matrix, each row's cosine to the mean row) of ``[ranks, dim]`` vectors."""
+    """(pairwise cosine matrix, each row's cosine to the mean row) of ``[ranks, dim]`` vectors.
+
+    A row holding NaN/Inf (a rank whose local gradient is non-finite) gets NaN in its
+    row and column and stays out of the mean, so the healthy pairs keep their values.
+    """
     v = _array(vectors)
+    finite = np.isfinite(v).all(axis=1)
+    v = np.where(finite[:, None], v, 0.0)
     norms = np.maximum(np.linalg.norm(v, axis=1), 1e-300)
     unit = v / norms[:, None]
     cos = unit @ unit.T
-    mean = v.mean(0)
+    mean = v[finite].mean(0) if finite.any() else np.zeros(v.shape[1])
     to_mean = (v @ mean) / (norms * max(float(np.linalg.norm(mean)), 1e-300))
+    cos[~finite, :] = cos[:, ~finite] = np.nan
+    to_mean[~finite] = np.nan
     return cos, to_mean
 
 
@@ -234,10 +242,11 @@ def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict
     if vectors.shape[1] > 0 and view.world_size > 1:
         cos, to_mean = pairwise_cosine(vectors)
         pairs = cos[np.triu_indices(view.world_size, k=1)]
-        out["consistency/grad_cos_mean"] = float(pairs.mean())
-        out["consistency/grad_cos_min"] = float(pairs.min())
+        pairs = pairs[np.isfinite(pairs)]  # the pairs of ranks with finite gradients
+        out["consistency/grad_cos_mean"] = float(pairs.mean()) if pairs.size else math.nan
+        out["consistency/grad_cos_min"] = float(pairs.min()) if pairs.size else math.nan
         out["consistency/cos_to_mean"] = [float(c) for c in to_mean]
-        out["consistency/cos_to_mean_min"] = float(to_mean.min())
+        out["consistency/cos_to_mean_min"] = float(np.nanmin(to_mean)) if np.isfinite(to_mean).any() else math.nan
     groups = group_replicas(view.agg_fingerprints())
     out["replicas/grad_distinct"] = len(groups)
     out["replicas/grad_minority_ranks"] = sorted(r for g in groups[1:] for r in g)

@@ -52,6 +52,16 @@ def test_cosine_matches_hand_computation() -> None:
     assert m["consistency/cos_to_mean"] == pytest.approx([1 / math.sqrt(2), 1 / math.sqrt(2), 1.0], rel=1e-12)
 
 
+def test_a_non_finite_gradient_leaves_the_healthy_pairs_their_cosine() -> None:
+    g = torch.tensor([[1.0, 0.0], [math.nan, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    m = worker_metrics(view_of([1.0] * 3, [1.0] * 3), grads=g)
+    assert m["consistency/grad_cos_min"] == m["consistency/grad_cos_mean"] == pytest.approx(1 / math.sqrt(2))
+    # the mean of the finite ranks is (1, 1/2)
+    to_mean = m["consistency/cos_to_mean"]
+    assert math.isnan(to_mean[1]) and to_mean[0] == pytest.approx(2 / math.sqrt(5))
+    assert m["consistency/cos_to_mean_min"] == pytest.approx(2 / math.sqrt(5))
+
+
 def test_two_ranks_and_replica_groups() -> None:
     m = worker_metrics(view_of([2.0, 4.0], [1.0, 1.0], agg_fps=[5, 9], state_fps=[1, 1]))
     assert m["consistency/loss_std"] == 1.0 and m["consistency/loss_cv"] == pytest.approx(1 / 3)

@@ -416,7 +416,12 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     cfg = run.config
     last = run.last_step + 1
     lines = [f"paft report: {run.path}"]
-    if run.summary is None:
+    stopped = [g for g in run.events_of("guard") if g.get("action") == "stop"]
+    if stopped:
+        g = stopped[-1]
+        lines.append(f"note: the guard stopped the run at step {g.get('step')}: a persistent fault on "
+                     f"{_ranks(g.get('ranks') or [])} (--on-persistent stop)")
+    elif run.summary is None:
         lines.append(f"note: no summary.json: the run is still running or crashed; reported from the jsonl "
                      f"files ({last} of {cfg.get('steps', '?')} steps recorded)")
     for stop in run.events_of("stop"):
@@ -471,7 +476,9 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     guards = run.events_of("guard")
     counts = {
         "syncs": s.get("syncs", len(run.events_of("sync"))),
-        "detections": s.get("detections", sum(1 for g in guards if g.get("attempt", 0) == 0)),
+        # Without a summary: each (step, detector) that made the guard act is one detection.
+        "detections": s.get("detections", len({(g.get("step"), g.get("detector"))
+                                                for g in guards if g.get("action") != "proceed"})),
         "recomputes": s.get("recomputes", sum(1 for g in guards if g.get("action") == "recompute")),
         "skipped batches": s.get("skipped_batches", sum(1 for g in guards if g.get("action") == "skip")),
     }
