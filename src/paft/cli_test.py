@@ -60,6 +60,10 @@ def test_bad_input_exits_2_and_writes_nothing(
         ("unknown.toml", "stepz = 3", "stepz"),
         ("typed.toml", 'steps = "many"', "steps"),
         ("bad.yaml", "steps: 0", "--steps"),
+        ("twice.yaml", "steps: 3\nsteps: 4\n", "key 'steps' is given twice"),
+        ("twice.json", '{"steps": 3, "steps": 4}', "key 'steps' is given twice"),
+        ("spellings.toml", "world-size = 2\nworld_size = 4\n", "option 'world-size' is given twice"),
+        ("floats.yaml", "lr: 3e-3\nsteps: 0\n", "--steps"),  # 3e-3 is read as a float, then --steps fails
     ],
 )
 def test_bad_config_file_exits_2(
@@ -86,6 +90,18 @@ def test_existing_run_dir_is_never_overwritten(
     assert exc.value.code == 2
     assert "--overwrite" in capsys.readouterr().err
     assert (tmp_path / "out" / "summary.json").read_text() == "{}"
+
+
+def test_a_run_stopped_before_its_first_checkpoint_says_how_to_restart(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "out"])
+    assert exc.value.code == 2
+    assert "stopped before its first checkpoint; pass --overwrite" in capsys.readouterr().err
 
 
 def test_resume_needs_a_run_dir(capsys: pytest.CaptureFixture[str]) -> None:

@@ -198,6 +198,29 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{opt.flag}", **kwargs)
 
 
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A mapping from ``pairs`` that refuses a key given twice (JSON and YAML parsers
+    would silently keep the last one; TOML refuses by itself)."""
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def _load_yaml(text: str) -> Any:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            self.flatten_mapping(node)
+            return _unique_keys([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+                                 for k, v in node.value])
+
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_config_file(path: str) -> dict[str, Any]:
     p = pathlib.Path(path)
     try:
@@ -206,11 +229,9 @@ def _read_config_file(path: str) -> dict[str, Any]:
         raise ConfigFileError(f"--config: cannot read {path}: {err.strerror or err}") from None
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
+            data = _load_yaml(text) or {}
         elif p.suffix.lower() == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             data = tomllib.loads(text)
     except Exception as err:  # noqa: BLE001 - every parser error becomes one clear message
@@ -223,6 +244,8 @@ def _read_config_file(path: str) -> dict[str, Any]:
         opt = _BY_KEY.get(key)
         if opt is None:
             raise ConfigFileError(f"--config: {path}: unknown option {raw_key!r}")
+        if key in values:  # world-size and world_size: which one was meant?
+            raise ConfigFileError(f"--config: {path}: option {key!r} is given twice")
         values[key] = _coerce(opt, value, f"--config: {path}: {raw_key}")
     return values
 

@@ -87,6 +87,9 @@ def check_run_dir(cfg: TrainConfig) -> None:
         _check_resume(cfg, path)
         return
     if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
+        if (path / "config.json").is_file() and not (path / "checkpoints" / "latest").is_file():
+            raise RunDirError(f"--run-dir: {path} holds a run that stopped before its first checkpoint; "
+                              "pass --overwrite to start it again")
         raise RunDirError(
             f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
         )
