@@ -79,7 +79,10 @@ max over ranks), so a recurring non-reproducible anomaly ends at ``rerun_cap``.
 
 ``repair``: the replicas' parameters / optimizer state differ, so every recompute
 would reproduce the bad step (or none shows yet); the protector re-synchronizes them
-(robust: the majority's bits) and recomputes. The protector fingerprints the state on
+(robust: the majority's bits; with 2 ranks, which have no majority, a NaN/Inf replica
+is dropped, else the coordinate-wise median with the last agreed reference) and
+recomputes. Past a rerun cap the verdict is ``skip`` with detector
+``state_mismatch``: the protector still repairs, then skips the batch. The protector fingerprints the state on
 every recompute, which is how a corrupted replica is told from bad data; the state
 columns are left out of the comparison with a first attempt that did not check them.
 
@@ -582,9 +585,9 @@ class Guard:
         minority = sorted(r for g in groups[1:] for r in g) if 2 * len(groups[0]) > ws else []
         st.pending = _Incident("check", "state_mismatch", minority, view.header_bits())
         verdict = self._rerun(st, "state_mismatch", minority, {"distinct": float(len(groups))})
-        if verdict.action == "recompute":
-            verdict.action = "repair"
-        return verdict
+        # Past a cap: the replicas are still repaired, and the batch is skipped.
+        action = "repair" if verdict.action == "recompute" else "skip"
+        return GuardVerdict(action, "state_mismatch", minority, "state", verdict.values)
 
     def _rerun(self, st: _StepState, detector: str, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
         cfg = self.config

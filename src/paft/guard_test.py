@@ -296,6 +296,15 @@ def nan_data_view(ws: int, rank: int, states: list[int | None] | None = None) ->
     return make_view(losses, local, NAN, fps=[-77] * ws, flags=flags, states=states)
 
 
+def test_state_mismatch_past_the_rerun_cap_is_repaired_and_skipped() -> None:
+    g = guard(3, max_reruns_per_run=1)
+    t = warm(g)
+    split = make_view([2.0] * 3, [1.5] * 3, 1.0, states=[5, 9, 5])
+    assert g.check(t, 0, split).action == "repair"  # spends the run's one rerun
+    v = g.check(t + 1, 0, split)
+    assert (v.action, v.detector, v.ranks, v.cause) == ("skip", "state_mismatch", [1], "state")
+
+
 def test_data_is_still_data_when_only_the_rerun_fingerprints_the_state() -> None:
     g = guard(3)
     t = warm(g)

@@ -10,6 +10,7 @@ c10d rendezvous on a free local port, one process per rank, failures propagated)
 from __future__ import annotations
 
 import logging
+import pathlib
 import sys
 import uuid
 from typing import Any
@@ -65,8 +66,11 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
               f"wrote until then\n{err}", file=sys.stderr)
         return EXIT_WORKER_FAILED, None
     except (KeyboardInterrupt, SignalException) as err:
-        print(f"\npaft train: interrupted ({err or 'Ctrl-C'}); to continue from the last checkpoint: "
-              f"paft train --run-dir {cfg.run_dir} --resume", file=sys.stderr)
+        if (pathlib.Path(cfg.run_dir) / "checkpoints" / "latest").is_file():
+            hint = f"to continue from the last checkpoint: paft train --run-dir {cfg.run_dir} --resume"
+        else:
+            hint = f"no checkpoint yet; to start again: paft train --run-dir {cfg.run_dir} --overwrite"
+        print(f"\npaft train: interrupted ({err or 'Ctrl-C'}); {hint}", file=sys.stderr)
         return EXIT_INTERRUPTED, None
     first = results[0]
     if first["status"] == "persistent_fault":

@@ -324,9 +324,9 @@ class Protector:
             self._clip()
             view = pending.wait()
             verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
+            if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
+                synced = self._repair(t) or synced  # at the rerun cap too: then the batch is skipped
             if verdict.action in ("recompute", "repair"):
-                if verdict.action == "repair":
-                    synced = self._repair(t) or synced
                 rerun_from.restore()  # type: ignore[union-attr]
                 attempt += 1
                 continue
@@ -615,11 +615,13 @@ class Protector:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "sync": self.sync.state_dict() if self.sync is not None else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
+            "recheck_state": self._recheck_state,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_idx = state["step"]
         self._counts.update(state["counters"])
+        self._recheck_state = bool(state.get("recheck_state", False))
         if self.averager is not None:
             self.averager.step = self.step_idx  # its own call counter decides when to average
         if self.scheduler is not None and state.get("scheduler") is not None:

@@ -50,12 +50,12 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def output_dir_problem(path: pathlib.Path, option: str, marker: str, overwrite: bool) -> str | None:
+def output_dir_problem(path: pathlib.Path, option: str, markers: tuple[str, ...], overwrite: bool) -> str | None:
     """Why ``path`` cannot become an output folder, or None; touches nothing.
 
     It must be creatable (its nearest existing ancestor a writable directory). An
     existing, non-empty folder is replaced only with ``overwrite``, and only if it
-    holds ``marker`` (``config.json`` of a run, ``results.json`` of a benchmark):
+    holds one of ``markers`` (a run's ``config.json``, a benchmark's marker file):
     ``--overwrite`` deletes paft's own results, never a folder of other files, and
     never through a symbolic link.
     """
@@ -67,8 +67,8 @@ def output_dir_problem(path: pathlib.Path, option: str, marker: str, overwrite: 
         if any(path.iterdir()):
             if not overwrite:
                 return f"{option}: {path} already exists; pass --overwrite to replace it"
-            if not (path / marker).is_file():
-                return f"--overwrite: {path} holds no {marker}, so it is not paft's output; refusing to delete it"
+            if not any((path / m).is_file() for m in markers):
+                return f"--overwrite: {path} holds no {markers[0]}, so it is not paft's output; refusing to delete it"
         return None if os.access(path, os.W_OK) else f"{option}: {path} is not writable"
     parent = path.parent
     while not parent.exists() and parent != parent.parent:

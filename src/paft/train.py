@@ -11,6 +11,7 @@ The loop is short on purpose; each piece is a named method of :class:`Trainer`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import io
 import json
@@ -38,7 +39,7 @@ from paft.records import (
     truncate_jsonl,
 )
 from paft.sync import measure_divergence
-from paft.workloads import ShardedSampler, Workload, build_workload
+from paft.workloads import ShardedSampler, Workload, build_workload, model_config
 
 __all__ = [
     "Trainer",
@@ -93,7 +94,7 @@ def check_run_dir(cfg: TrainConfig) -> None:
         raise RunDirError(
             f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
         )
-    problem = output_dir_problem(path, "--run-dir", "config.json", cfg.overwrite)
+    problem = output_dir_problem(path, "--run-dir", ("config.json",), cfg.overwrite)
     if problem:
         raise RunDirError(problem)
 
@@ -111,11 +112,19 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     except (OSError, ValueError, TypeError) as err:
         raise RunDirError(f"--resume: cannot read {path / 'config.json'}: {err}") from None
     asked = cfg.to_dict()
+    # Compare what takes effect: model fields at their defaults, no sync mode without a sync.
+    for d in (saved, asked):
+        d["model"] = dataclasses.asdict(model_config(d["workload"], d["model"]))
+        if d["protect"]["mode"] not in ("sync", "dyn"):
+            d["protect"]["sync_mode"] = None
     for key, flag in _FIXED_ON_RESUME:
         was, now = saved, asked
         for part in key.split("."):
             was, now = was[part], now[part]
         if was != now:
+            if isinstance(was, dict):  # name only the fields that differ
+                keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+                was, now = ({k: d.get(k) for k in keys} for d in (was, now))
             raise RunDirError(f"--resume: cannot change {flag} ({was!r} in {path}, {now!r} asked); start a new run")
     done = int(name.removeprefix("step"))
     if done >= cfg.steps:

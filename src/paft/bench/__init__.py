@@ -86,11 +86,14 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     return bench
 
 
+BENCH_MARKER = ".paft-bench"
+
+
 def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathlib.Path:
     from paft.records import output_dir_problem
 
     out = pathlib.Path(args.out or f"bench/{args.benchmark}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    problem = output_dir_problem(out, "--out", "results.json", args.overwrite)
+    problem = output_dir_problem(out, "--out", (BENCH_MARKER, "results.json"), args.overwrite)
     if problem:
         parser.error(problem)
     return out
@@ -163,6 +166,9 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import shutil
 
         shutil.rmtree(out)
+    # Written first, so that an interrupted benchmark's folder is still known as ours.
+    out.mkdir(parents=True, exist_ok=True)
+    (out / BENCH_MARKER).write_text(f"paft bench {args.benchmark}\n")
     if args.benchmark == "overhead":
         from paft.bench import overhead
 

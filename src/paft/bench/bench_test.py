@@ -283,6 +283,23 @@ def test_overwrite_with_bad_option_keeps_existing_out(tmp_path: pathlib.Path) ->
     assert (out / "keep.txt").exists()
 
 
+def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The marker is written before any run: a benchmark stopped midway is still ours.
+    from paft.bench import desync
+
+    def interrupted(out: pathlib.Path, **_: object) -> None:
+        (out / "runs").mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(desync, "run", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "desync", "--out", str(out)])
+    monkeypatch.setattr(desync, "run", lambda out, **_: None)
+    assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [".paft-bench"]
+
+
 def test_out_that_is_a_file_exits_2(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
     out.write_text("not a folder")
