@@ -218,7 +218,7 @@ def _load_yaml(text: str) -> Any:
             return _unique_keys([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
                                  for k, v in node.value])
 
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=Loader)  # a SafeLoader subclass: safe
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
