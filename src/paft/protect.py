@@ -616,12 +616,14 @@ class Protector:
             "sync": self.sync.state_dict() if self.sync is not None else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
             "recheck_state": self._recheck_state,
+            "alerting": dict(self._alerting),  # an alert still active after a resume is not new
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_idx = state["step"]
         self._counts.update(state["counters"])
         self._recheck_state = bool(state.get("recheck_state", False))
+        self._alerting = dict(state.get("alerting", {}))
         if self.averager is not None:
             self.averager.step = self.step_idx  # its own call counter decides when to average
         if self.scheduler is not None and state.get("scheduler") is not None:

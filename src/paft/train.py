@@ -348,12 +348,32 @@ class Trainer:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
 
+    def _read_checkpoint(self) -> tuple[str, dict[str, Any]]:
+        """The newest checkpoint every rank can read (a collective decision): when a
+        rank's file of ``latest`` is damaged, all ranks fall back to the one before."""
+        latest = (self._ckpt_root / "latest").read_text().strip()
+        names = [latest] + sorted((p.name for p in self._ckpt_root.glob("step*") if p.name < latest), reverse=True)
+        for name in names:
+            try:
+                # To the host: load_state_dict copies into the live tensors on their
+                # device, the RNG states must be CPU tensors, and a GPU run's
+                # checkpoint resumes on a machine without one.
+                state = torch.load(self._ckpt_root / name / f"rank{self.rank}.pt", map_location="cpu",
+                                   weights_only=False)
+            except Exception as err:  # noqa: BLE001 - any unreadable file: try the older one
+                state, problem = None, f"{type(err).__name__}: {err}"
+            failed = torch.tensor([state is None], dtype=torch.int64)
+            dist.all_reduce(failed)
+            if not int(failed):
+                if name != latest:
+                    self.recorder.say(f"checkpoint {latest} is damaged on some rank; resuming from {name}")
+                return name, state  # type: ignore[return-value]
+            if state is None:
+                print(f"rank {self.rank}: cannot read checkpoint {name}: {problem}", file=sys.stderr)
+        raise RuntimeError(f"--resume: no checkpoint in {self._ckpt_root} is readable on every rank")
+
     def load_checkpoint(self) -> None:
-        name = (self._ckpt_root / "latest").read_text().strip()
-        # Loaded to the host: load_state_dict copies into the live tensors on their
-        # device, the RNG states must be CPU tensors, and a GPU run's checkpoint
-        # resumes on a machine without one.
-        state = torch.load(self._ckpt_root / name / f"rank{self.rank}.pt", map_location="cpu", weights_only=False)
+        name, state = self._read_checkpoint()
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

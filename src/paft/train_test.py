@@ -111,6 +111,18 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
         assert {f["target"] for f in faults("a")} == {0, 1}
 
 
+def test_resume_falls_back_to_the_older_checkpoint_when_the_newest_is_damaged(tmp_path: pathlib.Path) -> None:
+    opts = RESUME_CASES["plain"]
+    straight = run(tiny_config(tmp_path / "a", **opts))
+    run(tiny_config(tmp_path / "b", **opts))
+    damaged = tmp_path / "b" / "checkpoints" / "step0000012" / "rank1.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a write cut short, on one rank only
+    resumed = run(tiny_config(tmp_path / "b", resume=True, **opts))  # from step 6, on every rank
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert [m["step"] for m in read_jsonl(tmp_path / "b" / "metrics" / "rank0.jsonl")] == list(range(12))
+
+
 @pytest.mark.parametrize(
     "workload,overrides",
     [
