@@ -8,11 +8,15 @@ parameters, buffers (BatchNorm running stats, integer counters) AND optimizer st
 collectives, blocking (:meth:`ReplicaSync.sync`) or overlapped with the next step's
 forward/backward (:meth:`ReplicaSync.start` / :meth:`ReplicaSync.finish`).
 
-Every sync begins with ONE small control collective: each rank contributes its state
-fingerprint (:func:`paft.fingerprint.fingerprint`) and, where a reference is kept, the
-reference's tag (8 or 16 bytes). If all fingerprints agree the sync is a no-op in every
-mode -- the replicas already are what a sync produces (a mean of identical values could
-even change their last bit) -- and the cheap common case moves no data. Otherwise one
+Every sync begins with ONE small control collective: each rank contributes two state
+fingerprints (:func:`paft.fingerprint.fingerprint`), one of its parameters and optimizer
+state and one of its buffers, and, where a reference is kept, the reference's tag (16
+or 24 bytes). If all fingerprints agree the sync is a no-op in every mode -- the
+replicas already are what a sync produces (a mean of identical values could even
+change their last bit) -- and the cheap common case moves no data. If only the buffers
+differ -- the normal case under DDP with BatchNorm, where each rank updates its running
+statistics from its own batch -- only the buffers are synchronized (the report's note
+says ``buffers only``), not the whole state. Otherwise one
 more 8-byte all-gather carries each rank's finite flag (robust, mean), and per mode:
 
 * ``robust`` (default):
@@ -329,6 +333,7 @@ class _InFlight:
     works: list[Any]
     fps: list[int]
     reference: list[Tensor | None] | None  # no-op, world size 2: the agreed state at start
+    ctrl: list[list[int]]  # every rank's fingerprints: the next reference's tag
     bytes_sent: int
     collectives: int
     t0: float
@@ -376,7 +381,7 @@ class ReplicaSync:
         self.src = src
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.syncs = 0
-        self._layout: _Layout | None = None
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}  # all tensors, and buffers only
         self._pending: _InFlight | None = None
         self._device = collective_device(group, next(iter(model.parameters()), None))
         # Fused optimizers update parameters and state without bumping the tensors'
@@ -476,9 +481,12 @@ class ReplicaSync:
 
     def _layout_for(self, entries: list[tuple[str, Tensor, Tensor]]) -> _Layout:
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t, _ in entries)
-        if self._layout is None or self._layout.key != key:
-            self._layout = _build_layout(key, [(n, t) for n, t, _ in entries], self.bucket_bytes)
-        return self._layout
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= 4:  # the state's shape changed (optimizer state created)
+                self._layouts.clear()
+            layout = self._layouts[key] = _build_layout(key, [(n, t) for n, t, _ in entries], self.bucket_bytes)
+        return layout
 
     def _pack_group(self, g: _Group, entries: list[tuple[str, Tensor, Tensor]]) -> Tensor:
         flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
@@ -565,15 +573,25 @@ class ReplicaSync:
     def _launch(self, overlapped: bool) -> _InFlight:
         t0 = time.perf_counter()
         entries = self._entries()
-        layout = self._layout_for(entries)
         ws, rank, group = self.world_size, self.rank, self.group
-        views = [t for _, t, _ in entries]
-        # The control exchange: the fingerprint (+ the reference tag), 8-16 bytes.
-        row = [fingerprint(views)] + ([self._ref_tag] if self._keeps_reference else [])
+        is_buffer = [n.startswith("buffer/") for n, _, _ in entries]
+        # The control exchange: two fingerprints (+ the reference tag), 16-24 bytes.
+        row = [fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if not b),
+               fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if b)]
+        row += [self._ref_tag] if self._keeps_reference else []
         ctrl = self._gather_ints(row)
         bytes_sent, collectives = len(row) * 8, 1
-        fps = [r[0] for r in ctrl]
         tags = [r[-1] for r in ctrl]
+        note = ""
+        if len({r[0] for r in ctrl}) == 1 and len({r[1] for r in ctrl}) > 1:
+            # Parameters and optimizer state agree: only the buffers need the sync.
+            entries = [e for e, b in zip(entries, is_buffer) if b]
+            fps = [r[1] for r in ctrl]
+            note = "buffers only"
+        else:
+            fps = [(r[0] << 64) + (r[1] & ((1 << 64) - 1)) for r in ctrl]  # the whole state
+        layout = self._layout_for(entries)
+        views = [t for _, t, _ in entries]
         # Finite flags cost a pass over the state: only when the replicas differ (one
         # more 8-byte exchange), or for mean mode's all-identical check, which needs
         # no exchange (identical replicas are all finite or all not).
@@ -583,6 +601,8 @@ class ReplicaSync:
             finite = [bool(r[0]) for r in self._gather_ints([int(_all_finite(views))])]
             bytes_sent, collectives = bytes_sent + 8, collectives + 1
         d = self._decide(fps, finite, tags)
+        if note:
+            d.note = f"{note}; {d.note}" if d.note else note
 
         snaps: list[Tensor | None] = []
         bufs: list[Tensor | None] = []
@@ -665,6 +685,7 @@ class ReplicaSync:
             works=works,
             fps=fps,
             reference=reference,
+            ctrl=ctrl,
             bytes_sent=bytes_sent,
             collectives=collectives,
             t0=t0,
@@ -745,8 +766,9 @@ class ReplicaSync:
         # 3. The reference for the next world-size-2 median: the state just agreed.
         self.syncs += 1
         if self._keeps_reference:
-            self._ref = self._capture(layout, p.reference if p.reference is not None else synced)
-            tag = torch.tensor([self.syncs, *p.fps], dtype=torch.int64)
+            # Merged: a buffers-only sync leaves the parameters' reference as it was.
+            self._ref = {**(self._ref or {}), **self._capture(layout, p.reference if p.reference is not None else synced)}
+            tag = torch.tensor([self.syncs, *(x for r in p.ctrl for x in r[:2])], dtype=torch.int64)
             self._ref_tag = fingerprint([tag])  # same on both ranks: same inputs
 
         t2 = time.perf_counter()

@@ -282,18 +282,18 @@ def test_three_ranks_repair_noop_nan_and_overlap():
         _assert_same(r["flip"]["state"], res[2]["clean"])
         assert rep.divergence > 1e20  # rank 1 was ~1e37 away
     _assert_replicas_identical([r["flip"] for r in res])
-    # no-op: only the fingerprints (8 bytes per rank), nothing else
+    # no-op: only the two fingerprints (16 bytes per rank), nothing else
     for r in res:
         rep = r["noop"]
-        assert rep.mode == "noop" and rep.bytes_sent == 8 and rep.collectives == 1
+        assert rep.mode == "noop" and rep.bytes_sent == 16 and rep.collectives == 1
         assert rep.divergence == 0.0 and rep.groups == [[0, 1, 2]]
     for r in res:
         assert r["flip_optim"].mode == "majority-copy" and r["flip_optim"].groups == [[0, 1], [2]]
         _assert_same(r["after_flip_optim"], res[0]["clean"])
     # one rank to repair: the source sends to it point-to-point, rank 2 moves nothing
     state_bytes = sum(t.numel() * t.element_size() for _, t in res[0]["clean"])
-    assert res[0]["flip"]["report"].bytes_sent == 16 + state_bytes + 8
-    assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == 16 + 8
+    assert res[0]["flip"]["report"].bytes_sent == 24 + state_bytes + 8
+    assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == 24 + 8
     assert res[2]["flip"]["report"].collectives == 3  # fingerprints, finite flags, divergence
 
     # a majority of identical but non-finite replicas is not copied
@@ -408,8 +408,8 @@ def test_four_ranks_split_broadcast_buckets_and_divergence():
         assert rep.mode == "broadcast" and rep.source_ranks == [2]
         # fingerprints + finite flags + buckets + divergence
         assert 2 + total // 64 + 1 <= rep.collectives <= 2 + buckets + 1
-    assert res[2]["bcast"]["report"].bytes_sent == 8 + 8 + total + 8
-    assert res[0]["bcast"]["report"].bytes_sent == 8 + 8 + 8
+    assert res[2]["bcast"]["report"].bytes_sent == 16 + 8 + total + 8
+    assert res[0]["bcast"]["report"].bytes_sent == 16 + 8 + 8
 
     # measure_divergence == hand computation
     params = [[t for n, t in r["div_state"] if n.startswith("param/")] for r in res]
@@ -500,7 +500,7 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
         for n, t in r["ref"]["state"]:
             if t.is_floating_point():
                 assert torch.isfinite(t).all() and t.abs().max() < 10, n  # the 1e37 never survives
-        assert r["noop"].mode == "noop" and r["noop"].bytes_sent == 16  # fingerprint, reference tag
+        assert r["noop"].mode == "noop" and r["noop"].bytes_sent == 24  # fingerprints, reference tag
         assert r["tags"][0] != 0 and r["tags"][0] == res[0]["tags"][0]
         assert r["tags"][1] == res[0]["tags"][1] == r["tags"][2]
     _assert_replicas_identical([r["disagree"] for r in res])
@@ -558,6 +558,16 @@ def _w_two_edges(rank: int, ws: int) -> dict:
     rep = sync.sync()
     out["after_noop"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
 
+    # BatchNorm statistics from each rank's own batch, parameters alike: the buffers only
+    model = _model("bn")
+    opt = _optim("adam", model.parameters())
+    _train(model, opt, "bn", steps=1, seed=0)  # the same on both ranks
+    sync = ReplicaSync(model, opt)  # the reference: the state both agree on
+    model(_batch("bn", torch.Generator().manual_seed(10 + rank)))  # a forward updates the stats
+    rep = sync.sync()
+    out["bn"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt),
+                 "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers())}
+
     # a bool buffer set during an overlapped sync stays a valid bool
     torch.manual_seed(0)
     model = _Flagged()
@@ -588,3 +598,9 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     _assert_replicas_identical([r["after_noop"] for r in res])
     assert res[0]["after_noop"]["report"].mode == "median-with-reference"
     assert res[0]["flag_bytes"] == [0, 0] and res[1]["flag_bytes"] == [1, 0]  # never 2
+    _assert_replicas_identical([r["bn"] for r in res])
+    for r in res:
+        rep = r["bn"]["report"]
+        assert rep.mode == "median-with-reference" and rep.note == "buffers only"
+        # fingerprints + tag, finite flags, the buffers, the divergence max
+        assert rep.bytes_sent == 24 + 8 + r["bn"]["buffer_bytes"] + 8 and rep.divergence == 0.0
