@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from paft.bench import add_bench_parser, run_bench
-from paft.options import add_train_options, config_from_namespace
+from paft.options import OptionParser, add_train_options, config_from_namespace
 
 __all__ = ["main", "build_parser"]
 
@@ -39,18 +39,8 @@ examples:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser without prefix matching, inherited by every subcommand's parser
-    (``add_subparsers`` builds them with the parent's class). With it, ``paft train
-    --out DIR`` would silently mean ``--outlier-threshold DIR`` and fail on its value."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OptionParser(
         prog="paft",
         description="Fault-tolerant data-parallel training: inject silent data corruption, "
         "diagnose worker inconsistency, re-synchronize replicas (PAFT-Sync/Dyn), guard updates.",

@@ -82,9 +82,10 @@ would reproduce the bad step (or none shows yet); the protector re-synchronizes 
 (robust: the majority's bits; with 2 ranks, which have no majority, a NaN/Inf replica
 is dropped, else the coordinate-wise median with the last agreed reference) and
 recomputes. Past a rerun cap the verdict is ``skip`` with detector
-``state_mismatch``: the protector still repairs, then skips the batch. The protector fingerprints the state on
-every recompute, which is how a corrupted replica is told from bad data; the state
-columns are left out of the comparison with a first attempt that did not check them.
+``state_mismatch``: the protector still repairs, then skips the batch. The protector
+fingerprints the state on every recompute, which is how a corrupted replica is told
+from bad data; the state columns are left out of the comparison with a first attempt
+that did not check them.
 
 Caps: at most ``max_reruns_per_step`` recomputes per step (pre- and post-step
 together) and ``max_reruns_per_run`` in the run; past either, ``skip``.
@@ -140,6 +141,7 @@ from paft.fingerprint import group_replicas
 __all__ = [
     "ACTIONS",
     "CAUSES",
+    "COUNTERS",
     "DETECTORS",
     "MAD_TO_STD",
     "REL_FLOOR_LOSS",
@@ -154,6 +156,7 @@ __all__ = [
 ]
 
 ACTIONS = ("proceed", "recompute", "repair", "skip", "stop")
+COUNTERS = ("detections", "recomputes", "skipped_batches", "rollbacks", "transient", "persistent", "data", "state")
 CAUSES = ("transient", "persistent", "data", "state")
 DETECTORS = ("state_mismatch", "nonfinite_loss", "nonfinite_local_grad", "nonfinite_agg_grad", "grad_mismatch",
              "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap")
@@ -339,9 +342,7 @@ class Guard:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.config = config
         self.world_size = world_size
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("detections", "recomputes", "skipped_batches", "transient", "persistent", "data", "state",
-             "rollbacks"), 0)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         w = config.window
         self._loss, self._grad, self._ratio = _Window(w), _Window(w), _Window(w)
         # Local values of all ranks pooled: ranks draw batches from one distribution,
@@ -364,8 +365,9 @@ class Guard:
         ):
             st = self._st = _StepState(step)
         state = view.state_fingerprints()
-        if state is not None and len(group_replicas(state)) > 1:
-            return self._repair(st, group_replicas(state), view)
+        groups = group_replicas(state) if state is not None else []
+        if len(groups) > 1:
+            return self._repair(st, groups, view)
         found = self._detect(view)
         prev = st.pending
         if found is None:

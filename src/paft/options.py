@@ -38,8 +38,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["OPTIONS", "ConfigFileError", "add_train_options", "parse_train_config", "config_from_namespace",
-           "parse_model_arg"]
+__all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
+           "config_from_namespace", "parse_model_arg"]
 
 
 class ConfigFileError(ValueError):
@@ -332,13 +332,23 @@ def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**top, **sections)  # type: ignore[arg-type]
 
 
+class OptionParser(argparse.ArgumentParser):
+    """An ArgumentParser without prefix matching, inherited by every subcommand's parser
+    (``add_subparsers`` builds them with the parent's class). With it, ``paft train
+    --out DIR`` would silently mean ``--outlier-threshold DIR`` and fail on its value."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def parse_train_config(
     argv: Sequence[str] | None = None,
     prog: str = "paft train",
     error: Callable[[str], Any] | None = None,
 ) -> TrainConfig:
     """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2."""
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)  # no --out meaning --outlier-...
+    parser = OptionParser(prog=prog)
     add_train_options(parser)
     ns = parser.parse_args(argv)
     try:

@@ -63,7 +63,7 @@ from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec, parse_specs
 from paft.fingerprint import group_replicas, state_fingerprint, state_tensors
-from paft.guard import Guard, GuardVerdict
+from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.records import RunRecorder
 from paft.sync import ReplicaSync, SyncReport
 
@@ -325,7 +325,8 @@ class Protector:
             view = pending.wait()
             verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
             if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
-                synced = self._repair(t) or synced  # at the rerun cap too: then the batch is skipped
+                self._repair(t)  # at the rerun cap too: then the batch is skipped
+                synced = True
             if verdict.action in ("recompute", "repair"):
                 rerun_from.restore()  # type: ignore[union-attr]
                 attempt += 1
@@ -408,8 +409,7 @@ class Protector:
         """Run totals: faults injected here, syncs, bytes, alerts, and the guard's counts."""
         guard = self.guard.counters if self.guard is not None else {}
         out = dict(self._counts)
-        for key in ("detections", "recomputes", "skipped_batches", "rollbacks", "transient", "persistent", "data",
-                    "state"):
+        for key in COUNTERS:
             out[key] = guard.get(key, 0)
         return out
 
@@ -572,20 +572,16 @@ class Protector:
             state_split = False
         return state_split or len(group_replicas(view.agg_fingerprints())) > 1
 
-    def _repair(self, step: int) -> bool:
+    def _repair(self, step: int) -> None:
         """The guard found replicas with different state: a blocking robust sync (the
         majority's bits; see :class:`~paft.sync.ReplicaSync`) before the recompute."""
         self._finish_sync(step)
         if self.sync is not None and self.sync.mode == "robust":
             self._on_sync(step, self.sync.sync())
-            return True
+            return
         if self._repairer is None:  # without PAFT-Sync, or with a mode that averages
             self._repairer = ReplicaSync(self.model, self.optimizer, mode="robust", group=self.group)
-        report = self._repairer.sync()
-        self._counts["syncs"] += 1
-        self._counts["sync_bytes"] += report.bytes_sent
-        self.recorder.event({"step": step, "event": "repair", **report.to_json()})
-        return True
+        self._record_sync(step, self._repairer.sync(), "repair")
 
     def _finish_sync(self, step: int) -> bool:
         if self.sync is None or not self.sync.in_flight:
@@ -595,10 +591,12 @@ class Protector:
 
     def _on_sync(self, step: int, report: SyncReport) -> None:
         assert self.scheduler is not None
+        self._record_sync(step, report, "sync", period=self.scheduler.observe(step, report.divergence))
+
+    def _record_sync(self, step: int, report: SyncReport, event: str, **extra: Any) -> None:
         self._counts["syncs"] += 1
         self._counts["sync_bytes"] += report.bytes_sent
-        period = self.scheduler.observe(step, report.divergence)
-        self.recorder.event({"step": step, "event": "sync", "period": period, **report.to_json()})
+        self.recorder.event({"step": step, "event": event, **extra, **report.to_json()})
 
     # -- checkpoints --------------------------------------------------------------
 

@@ -331,7 +331,6 @@ class _InFlight:
     bufs: list[Tensor | None]  # per dtype group: reduced / broadcast buffer
     gathered: list[list[Tensor]]  # per dtype group, per bucket: [ws, len]
     works: list[Any]
-    fps: list[int]
     reference: list[Tensor | None] | None  # no-op, world size 2: the agreed state at start
     ctrl: list[list[int]]  # every rank's fingerprints: the next reference's tag
     bytes_sent: int
@@ -683,7 +682,6 @@ class ReplicaSync:
             bufs=bufs,
             gathered=gathered,
             works=works,
-            fps=fps,
             reference=reference,
             ctrl=ctrl,
             bytes_sent=bytes_sent,
