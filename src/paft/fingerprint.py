@@ -186,9 +186,9 @@ class _Plan:
     big: tuple[tuple[int, int], ...]  # (tensor index, full rows reduced in place)
     pieces: tuple[tuple[int, int], ...]  # (tensor index, first byte) packed to the end
     pads: tuple[torch.Tensor, ...]  # zero bytes appended after each piece
-    row_weight: torch.Tensor  # [rows] wr[row index within its tensor], on the device
+    row_factor: torch.Tensor  # [rows] 1 + 2 * wr[row index within its tensor], on the device
     col_weight: torch.Tensor  # [_B] on the device
-    seg_start: np.ndarray  # [segments] first row of each segment
+    seg_last: torch.Tensor  # [segments] last row of each segment, on the device
     seg_owner: np.ndarray  # [segments] tensor index of each segment
     big_owner: np.ndarray  # [len(big)] tensor index of each big tensor
 
@@ -222,14 +222,15 @@ def _build_plan(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
         pad_sizes.append(rows * _ROW_BYTES - (nbytes[i] - first))
     wr = _row_weights(max(row_idx, default=0) + 1)
     zeros = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=device)
+    seg_last = [*seg_start[1:], len(row_idx)]
     return _Plan(
         count=len(nbytes),
         big=tuple(big),
         pieces=tuple((i, first) for i, first, _ in pieces),
         pads=tuple(zeros[:p] for p in pad_sizes),
-        row_weight=wr[torch.tensor(row_idx, dtype=torch.int64)].to(device),
+        row_factor=(1 + 2 * wr[torch.tensor(row_idx, dtype=torch.int64)]).to(device),
         col_weight=_COL_W.to(device),
-        seg_start=np.asarray(seg_start, dtype=np.intp),
+        seg_last=torch.tensor(seg_last, dtype=torch.int64, device=device) - 1,
         seg_owner=np.asarray(seg_owner, dtype=np.intp),
         big_owner=np.asarray([i for i, _ in big], dtype=np.intp),
     )
@@ -275,8 +276,9 @@ def _digests(views: list[torch.Tensor], plan: _Plan) -> list[int]:
 
     The device does only dense, deterministic reductions (no atomics, no
     ``index_add_``, so ``torch.use_deterministic_algorithms`` is no obstacle on
-    CUDA); one small transfer brings per-row and per-big-tensor partial sums to the
-    host, where numpy's well-defined uint64 wraparound finishes the segment sums.
+    CUDA; an integer ``cumsum`` is deterministic); one transfer of a few words per
+    tensor brings the partial sums to the host, where numpy's well-defined uint64
+    wraparound combines them.
     """
     row_sums: list[torch.Tensor] = []  # s0 of each row
     row_cols: list[torch.Tensor] = []  # sum_c wc[c] * x, for packed rows only
@@ -300,22 +302,25 @@ def _digests(views: list[torch.Tensor], plan: _Plan) -> list[int]:
         row_cols.append((packed * plan.col_weight).sum(1))
     if not row_sums:  # no tensor has a byte
         return [0] * plan.count
-    rows = torch.cat(row_sums)
-    s1_rows = rows * plan.row_weight
+    # Per row: (1 + 2 * wr) * s0, plus 2 * sum_c wc[c] * x for packed rows. Each
+    # segment is a run of consecutive rows, so its sum is a difference of two prefix
+    # sums (exact: integer addition wraps mod 2**64 in any order). Finishing on the
+    # device keeps the one transfer at a few words per tensor, not two per row.
+    rows = torch.cat(row_sums) * plan.row_factor
     if row_cols:
-        s1_rows[rows.numel() - row_cols[0].numel() :] += row_cols[0]
-    flat = [rows, s1_rows]
+        rows[rows.numel() - row_cols[0].numel() :] += 2 * row_cols[0]
+    ends = torch.cumsum(rows, 0)[plan.seg_last]
+    flat = [ends]
     if big_cols:
         flat.append((torch.stack(big_cols) * plan.col_weight).sum(1))
     host = torch.cat(flat).cpu().numpy().view(np.uint64)  # the one device sync
-    n = rows.numel()
+    segments = plan.seg_last.numel()
     with np.errstate(over="ignore"):
-        seg = np.add.reduceat(host[:n], plan.seg_start)
-        seg += np.uint64(2) * np.add.reduceat(host[n : 2 * n], plan.seg_start)
+        seg = np.diff(host[:segments], prepend=np.uint64(0))
         d = np.zeros(plan.count, dtype=np.uint64)
         np.add.at(d, plan.seg_owner, seg)
         if big_cols:
-            d[plan.big_owner] += np.uint64(2) * host[2 * n :]  # big_owner has no repeats
+            d[plan.big_owner] += np.uint64(2) * host[segments:]  # big_owner has no repeats
     return d.tolist()
 
 
