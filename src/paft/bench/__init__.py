@@ -21,7 +21,7 @@ import datetime
 import pathlib
 from typing import Any
 
-from paft.bench.overhead import WARMUP
+from paft.bench.overhead import VARIANTS, WARMUP
 from paft.options import parse_model_arg
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -66,7 +66,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                           "the work per rank grows [default: %(default)s, as paft train]")
     overhead.add_argument("--model", metavar="KEY=VALUE", action="append", type=parse_model_arg,
                           help="model size override, as paft train's (e.g. --model n_layer=12); repeatable")
-    overhead.add_argument("--variants", help="comma-separated subset of plain,monitor,monitor-fp1,guard,dyn,sync,averager")
+    overhead.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
 
     desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
     common(desync)
@@ -118,9 +118,9 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     if args.benchmark == "overhead" and args.batch_size % args.world_size:
         parser.error(f"--batch-size: {args.batch_size} cannot be split evenly across --world-size {args.world_size}")
     if args.benchmark == "overhead" and args.variants:
-        unknown = [v for v in args.variants.split(",") if v not in overhead.VARIANTS]
+        unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
         if unknown:
-            parser.error(f"--variants: unknown {unknown}; choose from {list(overhead.VARIANTS)}")
+            parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     if args.benchmark == "overhead" and args.workload not in WORKLOADS:
         parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")
     if args.benchmark == "matrix":

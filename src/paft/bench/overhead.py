@@ -6,6 +6,11 @@ Variants, on the default workload (gpt, 4 ranks), all without faults:
 - ``monitor``: the per-step monitor with its defaults (sketch cosine at interval 1,
   aggregated-gradient checksum every step, state fingerprint every 10 steps);
 - ``monitor-fp1``: the same with the state fingerprint every step;
+- ``monitor-nocos``: the monitor with ``--cosine off`` (no gradient sketch; the
+  guard and PAFT-Dyn's trigger do not need it);
+- ``monitor-floor``: the comm hook and the step's control collective with nothing
+  captured (metrics every 10000 steps, no state fingerprint): the monitor's fixed
+  cost, below which no setting goes;
 - ``guard``: monitor + guard;
 - ``dyn``: monitor + PAFT-Dyn with overlapped sync;
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
@@ -55,6 +60,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"monitor": {"enabled": False}},
     "monitor": {},
     "monitor-fp1": {"monitor": {"fingerprint_every": 1}},
+    "monitor-nocos": {"monitor": {"cosine": "off"}},
+    "monitor-floor": {"monitor": {"cosine": "off", "interval": 10_000, "fingerprint_every": 0}},
     "guard": {"guard": {"enabled": True}},
     "dyn": {"protect": {"mode": "dyn"}},
     "sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "overlap": False}},
