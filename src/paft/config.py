@@ -61,7 +61,8 @@ class MonitorConfig:
     fingerprint_every: int = 10
     """Fingerprint parameters + optimizer state every this many steps (memory SDC at rest
     shows within that many steps); 0 disables. The aggregated gradient is checksummed
-    every step regardless, so aggregation SDC shows at the step it happens. Each state
+    on every monitored step (every step at ``--monitor-interval 1`` or with the guard),
+    so aggregation SDC shows at the step it happens. Each state
     fingerprint reads the whole state twice: on CPU about 5% of a default gpt step, so
     every step (1) is for tests and small models (``--fingerprint-every``)."""
     alert_loss_cv: float = 0.5
@@ -221,7 +222,7 @@ class TrainConfig:
     resume: bool = False
     """Continue the run in ``--run-dir`` from its latest checkpoint (``--resume``), with
     its saved options; workload, model, world size, batch size, optimizer, seed,
-    protection and guard cannot change. A larger ``--steps`` trains on, with the
+    protection (with its ``--sync-mode``) and guard cannot change. A larger ``--steps`` trains on, with the
     learning-rate schedule stretched to the new length from that step on."""
     overwrite: bool = False
     """Delete an existing ``--run-dir`` and start afresh (``--overwrite``); only a

@@ -17,7 +17,8 @@ Metrics (namespaced keys, population statistics over ranks):
 - ``consistency/grad_cos_{mean,min}``: pairwise cosine of local gradients, and
   ``consistency/cos_to_mean`` (per rank) / ``consistency/cos_to_mean_min``;
 - ``replicas/grad_distinct`` and ``replicas/state_distinct``: number of distinct
-  aggregated-gradient checksums and state fingerprints, with ``replicas/minority_ranks``.
+  aggregated-gradient checksums and state fingerprints, with
+  ``replicas/grad_minority_ranks`` and ``replicas/state_minority_ranks``.
 """
 
 from __future__ import annotations
