@@ -199,6 +199,8 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     monitor = costs["monitor"]
     assert monitor["wall"] > 0 and monitor["cpu"] > 0
     assert len(monitor["wall_blocks"]) == len(monitor["cpu_blocks"]) == overhead.BLOCKS
+    assert math.isfinite(monitor["wall_median_extra_ms"])
+    assert "median step overhead %" in (out / "results.md").read_text()
     # Both trainers ran every step (2 untimed + 5 timed) in the same workers, each in its own run directory.
     for name in ("plain", "monitor"):
         steps = [r["step"] for r in read_jsonl(out / "runs" / name / "metrics" / "rank0.jsonl")]

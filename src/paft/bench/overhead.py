@@ -116,8 +116,11 @@ def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str
 
     Returns, per variant: ``wall`` and ``cpu``, each the ratio of summed step times to
     plain DDP's, with ``wall_blocks`` / ``cpu_blocks`` (the same ratio per block of
-    consecutive steps); for ``plain``, the median step in ms and the model's parameter
-    count. Run directories (metrics, events) go under ``runs_dir/<variant>``.
+    consecutive steps), and ``wall_median_extra_ms``, the median over steps of the
+    variant's wall time minus plain DDP's in the same round: a typical step's cost,
+    which a few stalled steps (a worker descheduled on an oversubscribed machine) do
+    not move, where they do move the sums; for ``plain``, the median step in ms and
+    the model's parameter count. Run directories (metrics, events) go under ``runs_dir/<variant>``.
     """
     if steps < BLOCKS:
         raise ValueError(f"steps: must be >= {BLOCKS} (one per block), got {steps}")
@@ -138,6 +141,7 @@ def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str
                                      "parameters": per_rank[0]["parameters"]}}
     for n in names[1:]:
         out[n] = {"wall": _ratio(wall[n], wall["plain"]), "wall_blocks": blocks(wall, n),
+                  "wall_median_extra_ms": 1e3 * statistics.median(a - b for a, b in zip(wall[n], wall["plain"])),
                   "cpu": _ratio(cpu[n], cpu["plain"]), "cpu_blocks": blocks(cpu, n)}
     return out
 
@@ -161,14 +165,16 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
     print(f"paft bench overhead: {len(variants) + 1} trainers x {total} paired steps ({workload}, {world_size} ranks, "
           f"device {device})")
     costs = measure(out / "runs", base, variants, steps=steps, world_size=world_size, warmup=warmup)
+    plain = costs["plain"]
     rows = []
     for v in variants:
         c = costs[v]
         rows.append([v, 1 / c["wall"], block_range([1 / b for b in c["wall_blocks"]]), (c["wall"] - 1) * 100,
+                     100 * c["wall_median_extra_ms"] / plain["wall_ms"],
                      c["cpu"], block_range(c["cpu_blocks"]), (c["cpu"] - 1) * 100])
     table = markdown_table(["variant", "throughput / plain DDP", f"range over {BLOCKS} blocks", "overhead %",
-                            "CPU per step / plain DDP", f"range over {BLOCKS} blocks", "CPU overhead %"], rows)
-    plain = costs["plain"]
+                            "median step overhead %", "CPU per step / plain DDP", f"range over {BLOCKS} blocks",
+                            "CPU overhead %"], rows)
     where = "CUDA" if uses_cuda(TrainConfig.from_dict(base)) else "CPU"
     size = "".join(f", {k}={v}" for k, v in (model or {}).items())
     params = plain["parameters"]
@@ -176,7 +182,8 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
             f"{batch_size}, {steps} paired steps per variant after {warmup} untimed, sync period {period}; "
             f"plain DDP: {plain['wall_ms']:.1f} ms per step (wall, slowest rank), {plain['cpu_ms']:.1f} ms CPU "
             f"per step and rank (medians). Overhead % is the extra time per step: (variant time / plain time "
-            f"- 1) x 100.")
+            f"- 1) x 100. Median step overhead % is the median over steps of (variant step - plain step in "
+            f"the same round), over plain's median step: a typical step's cost, unmoved by a few stalled steps.")
     results = {"costs": costs, "note": note, "steps": steps, "warmup": warmup, "batch_size": batch_size,
                "world_size": world_size, "workload": workload, "period": period, "device": where.lower(),
                "model": model or {}, "parameters": params}
