@@ -416,16 +416,15 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     cfg = run.config
     last = run.last_step + 1
     lines = [f"paft report: {run.path}"]
-    stopped = [g for g in run.events_of("guard") if g.get("action") == "stop"]
-    if stopped:
-        g = stopped[-1]
-        lines.append(f"note: the guard stopped the run at step {g.get('step')}: a persistent fault on "
-                     f"{_ranks(g.get('ranks') or [])} (--on-persistent stop)")
-    elif run.summary is None:
+    # paft train records a guard stop twice: the guard's verdict, and the trainer's "stop"
+    # event with its reason; a library user's run has the verdict only. One note either way.
+    stops = run.events_of("stop") or [g for g in run.events_of("guard") if g.get("action") == "stop"]
+    for stop in stops:
+        reason = stop.get("reason") or f"a persistent fault on {_ranks(stop.get('ranks') or [])}"
+        lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
+    if not stops and run.summary is None:
         lines.append(f"note: no summary.json: the run is still running or crashed; reported from the jsonl "
                      f"files ({last} of {cfg.get('steps', '?')} steps recorded)")
-    for stop in run.events_of("stop"):
-        lines.append(f"note: stopped at step {stop.get('step')}: {stop.get('reason', '')}")
     protect = s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))
     guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
     lines += [

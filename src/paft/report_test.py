@@ -115,6 +115,23 @@ def test_crashed_run_without_cosine(fault_run: pathlib.Path, tmp_path: pathlib.P
     assert alerts > 0 and f"alerts: {alerts} (" in report.text
 
 
+@pytest.mark.parametrize("trainer_event", [True, False], ids=["paft-train", "library"])
+def test_guard_stopped_run_gets_one_note(fault_run: pathlib.Path, tmp_path: pathlib.Path,
+                                         trainer_event: bool) -> None:
+    run = copy_run(fault_run, tmp_path / "stopped")
+    (run / "summary.json").unlink()  # a stopped run writes none
+    events = [{"step": 5, "event": "guard", "attempt": 1, "action": "stop", "detector": "grad_mismatch",
+               "cause": "persistent", "ranks": [1], "values": {}}]
+    if trainer_event:
+        events.append({"step": 5, "event": "stop", "ranks": [1], "reason": "step 5: rank(s) [1] reproduce it"})
+    with open(run / "events.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+    text = build_report(run).text
+    assert text.count("note: the guard stopped the run at step 5 (--on-persistent stop): ") == 1
+    assert ("step 5: rank(s) [1] reproduce it" in text) == trainer_event
+    assert "no summary.json" not in text
+
+
 def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     run = copy_run(clean_run, tmp_path / "unmonitored")
     build_report(run)  # an earlier report's plots must not survive the next one
