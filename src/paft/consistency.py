@@ -23,6 +23,7 @@ Metrics (namespaced keys, population statistics over ranks):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -203,9 +204,11 @@ def _array(values: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def dispersion(values: torch.Tensor | np.ndarray) -> dict[str, float]:
     """Population mean, std, coefficient of variation and max - min of per-rank values."""
-    v = _array(values)
-    mean = float(v.mean())
-    std = float(v.std()) if v.size > 1 else 0.0
+    # A handful of numpy calls, not np.std's generic machinery: this runs every step.
+    v = _array(values).ravel()
+    mean = float(v.sum()) / v.size
+    dev = v - mean
+    std = math.sqrt(float(dev @ dev) / v.size)
     cv = std / abs(mean) if mean != 0 else (0.0 if std == 0 else math.inf)
     return {"mean": mean, "std": std, "cv": cv, "range": float(v.max() - v.min())}
 
@@ -215,18 +218,30 @@ def pairwise_cosine(vectors: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.
 
     A row holding NaN/Inf (a rank whose local gradient is non-finite) gets NaN in its
     row and column and stays out of the mean, so the healthy pairs keep their values.
+    The norms and the cosines come from one Gram matrix (a per-step computation).
     """
     v = _array(vectors)
     finite = np.isfinite(v).all(axis=1)
-    v = np.where(finite[:, None], v, 0.0)
-    norms = np.maximum(np.linalg.norm(v, axis=1), 1e-300)
-    unit = v / norms[:, None]
-    cos = unit @ unit.T
-    mean = v[finite].mean(0) if finite.any() else np.zeros(v.shape[1])
-    to_mean = (v @ mean) / (norms * max(float(np.linalg.norm(mean)), 1e-300))
-    cos[~finite, :] = cos[:, ~finite] = np.nan
-    to_mean[~finite] = np.nan
+    healthy = bool(finite.all())
+    if not healthy:
+        v = np.where(finite[:, None], v, 0.0)
+    gram = v @ v.T
+    norms = np.maximum(np.sqrt(np.diagonal(gram)), 1e-300)
+    cos = gram / norms[:, None] / norms[None, :]  # one division each: 1e-300 squared underflows
+    # The mean row explicitly, not from the Gram matrix: when ranks' gradients nearly
+    # cancel, sum_ij <v_i, v_j> would lose its few significant digits.
+    mean = (v if healthy else v[finite]).mean(axis=0) if finite.any() else np.zeros(v.shape[1])
+    to_mean = (v @ mean) / norms / max(float(np.sqrt(mean @ mean)), 1e-300)
+    if not healthy:
+        cos[~finite, :] = cos[:, ~finite] = np.nan
+        to_mean[~finite] = np.nan
     return cos, to_mean
+
+
+@functools.lru_cache(maxsize=8)
+def _upper_pairs(world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the pairs ``i < j`` (computed once per world size, not every step)."""
+    return np.triu_indices(world_size, k=1)
 
 
 def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict[str, Any]:
@@ -242,12 +257,13 @@ def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict
     vectors = _array(grads) if grads is not None else view.sketches
     if vectors.shape[1] > 0 and view.world_size > 1:
         cos, to_mean = pairwise_cosine(vectors)
-        pairs = cos[np.triu_indices(view.world_size, k=1)]
+        pairs = cos[_upper_pairs(view.world_size)]
         pairs = pairs[np.isfinite(pairs)]  # the pairs of ranks with finite gradients
         out["consistency/grad_cos_mean"] = float(pairs.mean()) if pairs.size else math.nan
         out["consistency/grad_cos_min"] = float(pairs.min()) if pairs.size else math.nan
-        out["consistency/cos_to_mean"] = [float(c) for c in to_mean]
-        out["consistency/cos_to_mean_min"] = float(np.nanmin(to_mean)) if np.isfinite(to_mean).any() else math.nan
+        out["consistency/cos_to_mean"] = to_mean.tolist()
+        finite = [c for c in out["consistency/cos_to_mean"] if math.isfinite(c)]
+        out["consistency/cos_to_mean_min"] = min(finite) if finite else math.nan
     groups = group_replicas(view.agg_fingerprints())
     out["replicas/grad_distinct"] = len(groups)
     out["replicas/grad_minority_ranks"] = sorted(r for g in groups[1:] for r in g)

@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paft.comm import BucketCapture, CountSketch
 from paft.consistency import ControlVector, ControlView, pairwise_cosine, worker_metrics
@@ -60,6 +62,34 @@ def test_a_non_finite_gradient_leaves_the_healthy_pairs_their_cosine() -> None:
     to_mean = m["consistency/cos_to_mean"]
     assert math.isnan(to_mean[1]) and to_mean[0] == pytest.approx(2 / math.sqrt(5))
     assert m["consistency/cos_to_mean_min"] == pytest.approx(2 / math.sqrt(5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks=st.integers(2, 6), dim=st.integers(1, 12), bad=st.sets(st.integers(0, 5)), seed=st.integers(0, 2**16),
+       zero=st.booleans())
+def test_pairwise_cosine_matches_the_definition(ranks: int, dim: int, bad: set[int], seed: int, zero: bool) -> None:
+    """The Gram-matrix shortcut against the definition, row by row, non-finite rows and
+    an all-zero row (cosine 0 with everything) included."""
+    v = np.random.default_rng(seed).standard_normal((ranks, dim))
+    if zero:
+        v[ranks - 1] = 0.0
+    bad = {r for r in bad if r < ranks}
+    for r in bad:
+        v[r, r % dim] = math.nan if r % 2 else math.inf
+    cos, to_mean = pairwise_cosine(v)
+    healthy = [r for r in range(ranks) if r not in bad]
+    mean = v[healthy].mean(0) if healthy else None
+    for i in range(ranks):
+        if i in bad:
+            assert math.isnan(to_mean[i]) and np.isnan(cos[i]).all() and np.isnan(cos[:, i]).all()
+            continue
+        assert to_mean[i] == pytest.approx(v[i] @ mean / norm(v[i]) / norm(mean), abs=1e-12)
+        for j in healthy:
+            assert cos[i, j] == pytest.approx(v[i] @ v[j] / norm(v[i]) / norm(v[j]), abs=1e-12)
+
+
+def norm(x: np.ndarray) -> float:
+    return max(float(np.linalg.norm(x)), 1e-300)
 
 
 def test_two_ranks_and_replica_groups() -> None:
