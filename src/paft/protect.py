@@ -78,10 +78,10 @@ class _ForwardSnapshot:
     draws from are copied, both small.
     """
 
-    def __init__(self, model: DistributedDataParallel) -> None:
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.buffers = [(b, b.detach().clone()) for b in model.module.buffers()]
+        self.buffers = [(b, b.detach().clone()) for b in buffers]
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu_rng)
@@ -237,9 +237,11 @@ class Protector:
             raise ValueError(f"grad_clip must be >= 0, got {grad_clip}")
         self.model = model
         self.optimizer = optimizer
-        # Walking the module tree costs ~0.4 ms per call on a small model; the set of
-        # parameters is fixed once DDP wraps the model, so collect it once.
+        # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
+        # parameters and buffers are fixed once DDP wraps the model (DDP itself keeps
+        # the buffer list it broadcasts from construction on), so collect them once.
         self._params = list(model.parameters())
+        self._buffers = list(model.module.buffers())
         self.monitor_cfg = monitor
         self.protect_cfg = protect
         self.guard_cfg = guard
@@ -305,7 +307,7 @@ class Protector:
         check_state = self._due(self.monitor_cfg.fingerprint_every, t) or self._recheck_state
         self._recheck_state = False
         capture = self.guard is not None or check_state or self._due(self.monitor_cfg.interval, t)
-        rerun_from = _ForwardSnapshot(self.model) if self.guard is not None else None
+        rerun_from = _ForwardSnapshot(self._buffers) if self.guard is not None else None
         attempt, applied, ratio, synced = 0, True, None, False
         while True:
             self.hook.begin(t, attempt, capture=capture)
@@ -393,7 +395,7 @@ class Protector:
         restored; nothing is injected or recorded. Without it, the first two steps
         still inject reproducibly, but only into the buckets the hook knew of then.
         """
-        before = _ForwardSnapshot(self.model)
+        before = _ForwardSnapshot(self._buffers)
         for _ in range(2):
             self.hook.begin(self.step_idx, capture=False, inject=False)
             closure()
