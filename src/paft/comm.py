@@ -232,7 +232,9 @@ class CommHookState:
     def _capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
         self.current.add_aggregated(index, word_checksum_tensor(flat))
 
-    def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
+        """Launch the bucket's all-reduce; the future's value is the result tensor or,
+        from a process group's own work, a one-element list holding it."""
         if self.inner_hook is not None:
             return self.inner_hook(self.inner_state, bucket)
         # Bit-for-bit DDP's built-in reducer: multiply by 1/world_size, then sum.
@@ -240,8 +242,7 @@ class CommHookState:
         # when world_size is not a power of two.)
         tensor = bucket.buffer()
         tensor.mul_(1.0 / self.world_size)
-        work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return dist.all_reduce(tensor, group=self.process_group, async_op=True).get_future()
 
 
 def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -254,14 +255,14 @@ def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
     if state.capture_enabled:
         state._capture_local(index, buffer)
     fut = state._allreduce(bucket)
-    if state.injector is None and not state.capture_enabled:
-        return fut
+    capture = state.capture_enabled
 
     def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        # One callback per bucket unwraps the result and runs the aggregated-side chain.
         value = fut.value()
         result = value[0] if isinstance(value, (list, tuple)) else value
         state._inject("aggregation", index, result)
-        if state.capture_enabled:
+        if capture:
             state._capture_aggregated(index, result)
         return result
 
