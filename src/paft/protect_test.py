@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
@@ -32,6 +33,9 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(8, 1, generator=g)
 
 
+USER_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "divide": default_hooks.allreduce_hook}
+
+
 def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Train the toy model for ``steps``; ``opts`` picks the optimizer, faults and defenses."""
     steps = opts.get("steps", 10)
@@ -44,16 +48,19 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     nan_at = opts.get("nan_input_at")  # (rank, step): bad data on one rank
+    user_hook = USER_HOOKS.get(opts.get("comm_hook", ""))  # a comm hook of the user's own
     reports, divergence = [], []
     if opts.get("plain"):
         protector = None
+        if user_hook is not None:
+            model.register_comm_hook(None, user_hook)
     else:
         protector = protect(
             model, optimizer,
             monitor=MonitorConfig(**opts.get("monitor", {})),
             protect=ProtectConfig(**opts.get("protect", {})),
             guard=GuardConfig(**opts.get("guard", {})),
-            inject=opts.get("inject", []), seed=3,
+            inject=opts.get("inject", []), seed=3, comm_hook=user_hook,
         )
     for step in range(steps):
         x, y = batch(rank, step)
@@ -151,6 +158,24 @@ def test_aggregation_fault_splits_only_the_faulty_rank_and_is_reported_that_step
     # the state split shows from the next step on, naming the same rank
     assert out[0]["reports"][5]["metrics"]["replicas/state_minority_ranks"] == [1]
     assert out[1]["counters"]["faults_injected"] == 1 and out[0]["counters"]["faults_injected"] == 0
+
+
+@pytest.mark.parametrize("hook", ["fp16", "divide"])
+def test_a_users_comm_hook_is_wrapped_not_replaced(hook: str) -> None:
+    """paft around PyTorch's own hooks (fp16 compression; the all-reduce that divides by
+    the world size): fault-free, bit for bit the hook alone; an aggregation fault lands
+    in the hook's result and is reported that step. (bf16 compression needs NCCL.)"""
+    alone = run_workers(train_toy, 3, {"plain": True, "comm_hook": hook})
+    wrapped = run_workers(train_toy, 3, {"comm_hook": hook})
+    for a, w in zip(alone, wrapped):
+        assert same(a, w)
+    if hook == "fp16":  # the hook does change training: it was not silently dropped
+        assert not same(alone[0], run_workers(train_toy, 3, {"plain": True})[0])
+    m = wrapped[0]["reports"][0]["metrics"]
+    assert m["replicas/grad_distinct"] == 1 and -1 <= m["consistency/grad_cos_min"] <= 1
+    faulty = run_workers(train_toy, 3, {"comm_hook": hook, "inject": ["bitflip:steps=4,ranks=1,bits=exponent"]})
+    assert faulty[0]["reports"][4]["metrics"]["replicas/grad_minority_ranks"] == [1]
+    assert same(faulty[0], faulty[2]) and not same(faulty[0], faulty[1])
 
 
 def test_local_grad_fault_changes_the_model_on_every_rank_alike() -> None:
