@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +40,13 @@ from paft.cli import main
         # No prefix matching: --out is not --outlier-threshold, --step not --steps.
         (["--out", "elsewhere"], "unrecognized arguments: --out elsewhere"),
         (["--step", "5"], "unrecognized arguments: --step 5"),
+        (["--seed", "99999999999999999999"], "--seed: must be in [0, 2**32)"),
+        (["--model", "bias=maybe"], "--model: bias must be true or false, got 'maybe'"),
+        (["--model", "dropout=abc"], "--model: dropout must be a number, got 'abc'"),
+        (["--model", "n_layer=2.5"], "--model: n_layer must be an integer, got 2.5"),
+        (["--model", "block_size=2000000"], "--model: block_size 2000000 needs at least"),
+        (["--alert-cos-min", "5"], "--alert-cos-min: must be in [-1, 1], got 5.0"),
+        (["--alert-loss-cv", "nan"], "--alert-loss-cv: must be >= 0, got nan"),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(
@@ -64,6 +72,8 @@ def test_bad_input_exits_2_and_writes_nothing(
         ("twice.json", '{"steps": 3, "steps": 4}', "key 'steps' is given twice"),
         ("spellings.toml", "world-size = 2\nworld_size = 4\n", "option 'world-size' is given twice"),
         ("floats.yaml", "lr: 3e-3\nsteps: 0\n", "--steps"),  # 3e-3 is read as a float, then --steps fails
+        ("latin1.toml", "# caf\xe9\nsteps = 3\n", "--config: latin1.toml is not UTF-8 text"),
+        ("seed.toml", "seed = 99999999999999999999", "--seed"),
     ],
 )
 def test_bad_config_file_exits_2(
@@ -71,7 +81,7 @@ def test_bad_config_file_exits_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / name).write_text(text)
+    (tmp_path / name).write_text(text, encoding="latin-1")  # ASCII but for the one non-UTF-8 case
     with pytest.raises(SystemExit) as exc:
         main(["train", "--run-dir", "out", "--config", name])
     assert exc.value.code == 2
@@ -185,7 +195,7 @@ def test_paft_train_end_to_end_with_config_file(
     before = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
     for extra, needle in [
         ([], "--resume: r has trained 40 steps already (--steps 40); pass --steps above 40"),
-        (["--steps", "50", "--world-size", "4"], "has no checkpoint of rank(s) [2, 3]"),
+        (["--steps", "50", "--world-size", "4"], "--resume: cannot change --world-size (2 in r, 4 asked)"),
         (["--steps", "50", "--optimizer", "sgd"], "--resume: cannot change --optimizer ('adamw' in r, 'sgd' asked)"),
         (["--steps", "50", "--model", "n_embd=64"], "--resume: cannot change --model"),
     ]:
@@ -194,3 +204,46 @@ def test_paft_train_end_to_end_with_config_file(
         assert exc.value.code == 2
         assert needle in capsys.readouterr().err
     assert {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()} == before
+
+    # A damaged run directory: a clear error naming the file, and config.json untouched.
+    ckpts = tmp_path / "r" / "checkpoints"
+    damage = [
+        (ckpts / "latest", b"foo", "r/checkpoints/latest names 'foo', not a checkpoint folder"),
+        (ckpts / "latest", b"\xff\xfe", "--resume: cannot read r/checkpoints/latest"),
+        (tmp_path / "r" / "config.json", b"[]", "--resume: r/config.json must hold a mapping"),
+        (tmp_path / "r" / "config.json", b'{"guard": {"window": "big"}}', "r/config.json: guard.window: expected int"),
+    ]
+    for path, data, needle in damage:
+        path.write_bytes(data)
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--run-dir", "r", "--resume", "--steps", "50"])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+        path.write_bytes(before[path])
+    for rank_file in ckpts.glob("step*/rank1.pt"):  # every checkpoint of one rank truncated
+        rank_file.write_bytes(before[rank_file][:100])
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "r", "--resume", "--steps", "50", "--lr", "0.5"])
+    assert exc.value.code == 2
+    assert "has an intact file for every rank (step0000040: rank(s) [1] missing or damaged)" in capsys.readouterr().err
+    assert (tmp_path / "r" / "config.json").read_bytes() == before[tmp_path / "r" / "config.json"]
+
+
+def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(tmp_path: pathlib.Path) -> None:
+    from paft.launch import _set_aside, _settle
+
+    run = tmp_path / "run"
+    for keep_new, checkpoint, kept in [(False, False, "old"), (False, True, "new"), (True, False, "new")]:
+        run.mkdir()
+        (run / "summary.json").write_text("old")
+        aside = _set_aside(run)
+        assert aside is not None and not run.exists() and aside.parent == tmp_path
+        run.mkdir()
+        (run / "summary.json").write_text("new")
+        if checkpoint:
+            (run / "checkpoints").mkdir()
+            (run / "checkpoints" / "latest").write_text("step0000010")
+        _settle(aside, run, keep_new=keep_new)
+        assert (run / "summary.json").read_text() == kept
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing left aside
+        shutil.rmtree(run)
+    assert _set_aside(run) is None  # nothing to move

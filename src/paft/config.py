@@ -77,6 +77,9 @@ class MonitorConfig:
         _require(self.cosine in COSINE_MODES, "--cosine", f"must be one of {COSINE_MODES}, got {self.cosine!r}")
         _require(self.sketch_dim >= 8, "--sketch-dim", f"must be >= 8, got {self.sketch_dim}")
         _require(self.fingerprint_every >= 0, "--fingerprint-every", f"must be >= 0, got {self.fingerprint_every}")
+        # NaN would never fire and never say so; a cosine outside [-1, 1] is a typo.
+        _require(self.alert_loss_cv >= 0, "--alert-loss-cv", f"must be >= 0, got {self.alert_loss_cv}")
+        _require(-1 <= self.alert_cos_min <= 1, "--alert-cos-min", f"must be in [-1, 1], got {self.alert_cos_min}")
 
 
 @dataclass
@@ -205,7 +208,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the aggregated gradient to this global L2 norm; 0 disables (``--grad-clip``)."""
     seed: int = 0
-    """Seed for weights, data order, dropout and fault schedules (``--seed``)."""
+    """Seed for weights, data order, dropout and fault schedules, in [0, 2**32) (``--seed``)."""
     eval_every: int = 50
     """Evaluate on the validation split every this many steps, and at the end
     (``--eval-every``)."""
@@ -257,17 +260,19 @@ class TrainConfig:
         _require(self.workload in WORKLOADS, "--workload", f"must be one of {WORKLOADS}, got {self.workload!r}")
         try:
             model = model_config(self.workload, self.model)
+            items = train_items(self.workload, model)  # block_size decides the LM's items
         except (ValueError, TypeError) as err:
             raise ValueError(f"--model: {err}") from None
         _require(self.world_size >= 1, "--world-size", f"must be >= 1, got {self.world_size}")
         _require(self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
+        # Every seed paft derives (per rank, per purpose) must stay a valid torch seed.
+        _require(0 <= self.seed < 2**32, "--seed", f"must be in [0, 2**32), got {self.seed}")
         _require(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")
         _require(
             self.batch_size % self.world_size == 0,
             "--batch-size",
             f"{self.batch_size} cannot be split evenly across --world-size {self.world_size}",
         )
-        items = train_items(self.workload, model)
         _require(
             self.batch_size <= items,
             "--batch-size",
@@ -299,12 +304,15 @@ class TrainConfig:
         )
         # FaultSpecError messages already name --inject and the bad field.
         specs = parse_specs(self.inject)
-        FaultSchedule(specs, self.seed, self.world_size)
         for text, spec in zip(self.inject, specs):  # the workloads train in float32
+            if spec.ranks != "random":
+                _require(max(spec.ranks) < self.world_size, f"--inject {text!r}",
+                         f"field 'ranks' names rank {max(spec.ranks)} but --world-size is {self.world_size}")
             try:
                 spec.check_dtype(torch.float32)
             except ValueError as err:
                 raise ValueError(f"--inject {text!r}: {err}") from None
+        FaultSchedule(specs, self.seed, self.world_size)
 
     @property
     def per_rank_batch_size(self) -> int:

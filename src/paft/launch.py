@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import shutil
 import sys
 import uuid
 from typing import Any
@@ -22,6 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from paft.config import TrainConfig
 from paft.train import (
     EXIT_PERSISTENT_FAULT,
+    RunDirError,
     check_devices,
     check_run_dir,
     default_run_dir,
@@ -41,12 +43,51 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
 
     Raises :class:`paft.train.RunDirError` or :class:`paft.train.DeviceError` (before
     anything is written) when the run directory or the devices cannot be used.
+
+    ``--overwrite`` moves the old run aside instead of deleting it, and deletes it only
+    once the new run has finished or written its first checkpoint; a new run that fails
+    or is interrupted before that gives the old one back.
     """
     if not cfg.run_dir:
         cfg.run_dir = default_run_dir(cfg.workload)
     check_devices(cfg)
     check_run_dir(cfg)
-    prepare_run_dir(cfg)  # on --resume: config.json records the options the run goes on with
+    run_dir = pathlib.Path(cfg.run_dir)
+    replaced = _set_aside(run_dir) if cfg.overwrite else None
+    code = EXIT_WORKER_FAILED
+    try:
+        prepare_run_dir(cfg)  # on --resume: config.json records the options the run goes on with
+        code, summary = _run_workers(cfg, quiet)
+        return code, summary
+    finally:
+        if replaced is not None:
+            _settle(replaced, run_dir, keep_new=code in (0, EXIT_PERSISTENT_FAULT))
+
+
+def _set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
+    """Move an existing run directory to a hidden sibling (a rename: instant, same disk)."""
+    if not run_dir.exists():
+        return None
+    aside = run_dir.with_name(f".{run_dir.name}.replaced-{uuid.uuid4().hex[:8]}")
+    try:
+        run_dir.rename(aside)
+    except OSError as err:
+        raise RunDirError(f"--overwrite: cannot move {run_dir} aside: {err.strerror or err}") from None
+    return aside
+
+
+def _settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool) -> None:
+    """Delete the replaced run, or give it back when the new one has nothing worth keeping."""
+    if keep_new or (run_dir / "checkpoints" / "latest").is_file():
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    aside.rename(run_dir)
+    print(f"paft train: the new run stopped before its first checkpoint, so its output was discarded: "
+          f"{run_dir} holds the run it was to replace again", file=sys.stderr)
+
+
+def _run_workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any] | None]:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = LaunchConfig(
         min_nodes=1,

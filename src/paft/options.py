@@ -156,6 +156,8 @@ def parse_model_arg(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if raw.strip().lower() in ("true", "false"):  # as a config file writes them
+        return key.strip(), raw.strip().lower() == "true"
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -224,9 +226,11 @@ def _load_yaml(text: str) -> Any:
 def _read_config_file(path: str) -> dict[str, Any]:
     p = pathlib.Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigFileError(f"--config: cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigFileError(f"--config: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
             data = _load_yaml(text) or {}
@@ -280,18 +284,24 @@ def _coerce(opt: Option, value: Any, where: str) -> Any:
 
 
 def _saved_values(run_dir: str) -> dict[str, Any]:
-    """Option values of a run's ``config.json`` (the base of a ``--resume``)."""
+    """Option values of a run's ``config.json`` (the base of a ``--resume``), checked
+    like a ``--config`` file's: a hand-edited or damaged file gets a message naming it
+    and the field, not a traceback."""
     path = pathlib.Path(run_dir) / "config.json"
     try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
         raise ConfigFileError(f"--resume: cannot read {path}: {err}") from None
+    if not isinstance(saved, dict):
+        raise ConfigFileError(f"--resume: {path} must hold a mapping (a paft run's config), got {type(saved).__name__}")
     values: dict[str, Any] = {}
     for opt in OPTIONS:
         section = saved if opt.section is None else saved.get(opt.section, {})
+        if not isinstance(section, dict):
+            raise ConfigFileError(f"--resume: {path}: {opt.section!r} must be a mapping, got {section!r}")
         if opt.name in section:
-            value = section[opt.name]
-            values[opt.flag] = list(value.items()) if opt.kind == "model" else value
+            where = f"--resume: {path}: {'' if opt.section is None else opt.section + '.'}{opt.name}"
+            values[opt.flag] = _coerce(opt, section[opt.name], where)
     for flag in ("resume", "overwrite"):
         values.pop(flag, None)
     return values

@@ -18,9 +18,11 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import sys
 import time
+import zipfile
 from typing import Any, Sequence
 
 import torch
@@ -103,13 +105,9 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     latest = path / "checkpoints" / "latest"
     if not latest.is_file():
         raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing)")
-    name = latest.read_text().strip()
-    missing = [r for r in range(cfg.world_size) if not (path / "checkpoints" / name / f"rank{r}.pt").is_file()]
-    if missing:
-        raise RunDirError(f"--resume: {path / 'checkpoints' / name} has no checkpoint of rank(s) {missing}")
     try:
-        saved = TrainConfig.from_dict(json.loads((path / "config.json").read_text())).to_dict()
-    except (OSError, ValueError, TypeError) as err:
+        saved = TrainConfig.from_dict(json.loads((path / "config.json").read_text(encoding="utf-8"))).to_dict()
+    except (OSError, ValueError, TypeError, AttributeError) as err:
         raise RunDirError(f"--resume: cannot read {path / 'config.json'}: {err}") from None
     asked = cfg.to_dict()
     # Compare what takes effect: model fields at their defaults, no sync mode without a sync.
@@ -126,12 +124,43 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
                 keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
                 was, now = ({k: d.get(k) for k in keys} for d in (was, now))
             raise RunDirError(f"--resume: cannot change {flag} ({was!r} in {path}, {now!r} asked); start a new run")
-    done = int(name.removeprefix("step"))
+    # The workers fall back from a damaged latest checkpoint to older ones; check here,
+    # before config.json is rewritten, that one of them has every rank's file intact.
+    root = path / "checkpoints"
+    names = checkpoint_candidates(root)
+    damaged = {n: [r for r in range(cfg.world_size) if not _intact(root / n / f"rank{r}.pt")] for n in names}
+    usable = [n for n in names if not damaged[n]]
+    if not usable:
+        raise RunDirError(f"--resume: no checkpoint in {root} has an intact file for every rank "
+                          f"({names[0]}: rank(s) {damaged[names[0]]} missing or damaged)")
+    done = int(usable[0].removeprefix("step"))
     if done >= cfg.steps:
         raise RunDirError(
             f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
             f"pass --steps above {done} to train on"
         )
+
+
+_CHECKPOINT_NAME = re.compile(r"step\d+")
+
+
+def checkpoint_candidates(root: pathlib.Path) -> list[str]:
+    """Checkpoint folders in the order a resume tries them: the one ``latest`` names,
+    then the older ones, newest first."""
+    try:
+        latest = (root / "latest").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunDirError(f"--resume: cannot read {root / 'latest'}: {err}") from None
+    if not _CHECKPOINT_NAME.fullmatch(latest):
+        raise RunDirError(f"--resume: {root / 'latest'} names {latest[:40]!r}, not a checkpoint folder (stepNNNNNNN)")
+    older = (p.name for p in root.glob("step*") if _CHECKPOINT_NAME.fullmatch(p.name) and p.name < latest)
+    return [latest, *sorted(older, reverse=True)]
+
+
+def _intact(path: pathlib.Path) -> bool:
+    """A checkpoint file that exists and ends in a zip directory (torch.save's format):
+    a truncated or overwritten file does not. Cheap: the tensors are not read."""
+    return path.is_file() and zipfile.is_zipfile(path)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
@@ -351,8 +380,8 @@ class Trainer:
     def _read_checkpoint(self) -> tuple[str, dict[str, Any]]:
         """The newest checkpoint every rank can read (a collective decision): when a
         rank's file of ``latest`` is damaged, all ranks fall back to the one before."""
-        latest = (self._ckpt_root / "latest").read_text().strip()
-        names = [latest] + sorted((p.name for p in self._ckpt_root.glob("step*") if p.name < latest), reverse=True)
+        names = checkpoint_candidates(self._ckpt_root)
+        latest = names[0]
         for name in names:
             try:
                 # To the host: load_state_dict copies into the live tensors on their

@@ -136,13 +136,20 @@ class Workload:
 
 
 def _make_config(cls: type, defaults: dict[str, Any], model_args: dict[str, Any] | None) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in model_args or {}:
-        if key not in names:
-            raise ValueError(
-                f"unknown key {key!r} for {cls.__name__}; valid: {sorted(names)}"
-            )
-    return cls(**{**defaults, **(model_args or {})})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    args = dict(model_args or {})
+    for key, value in args.items():
+        if key not in fields:
+            raise ValueError(f"unknown key {key!r} for {cls.__name__}; valid: {sorted(fields)}")
+        # The type of the field's default is the type asked for (the fields are int,
+        # float or bool); an int is fine where a float is, nothing else is converted.
+        kind = type(fields[key].default)
+        if kind is float and type(value) is int:
+            args[key] = float(value)
+        elif type(value) is not kind:
+            want = {bool: "true or false", int: "an integer", float: "a number"}.get(kind, kind.__name__)
+            raise ValueError(f"{key} must be {want}, got {value!r}")
+    return cls(**{**defaults, **args})
 
 
 def model_config(name: str, model_args: dict[str, Any] | None = None) -> Any:
