@@ -30,6 +30,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from paft.records import output_dir_problem
+
 __all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
 
 # records.jsonable stores non-finite floats as these strings.
@@ -97,10 +99,19 @@ def _restore(value: Any) -> Any:
     return value
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ReportError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): damaged?") from None
+    except OSError as err:
+        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
-    lines = path.read_text().splitlines()
+    lines = _read_text(path).splitlines()
     out: list[dict[str, Any]] = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -111,8 +122,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             if i == len(lines) - 1:
                 break  # a crashed writer's partial last line: keep what came before
             raise ReportError(f"{path}: line {i + 1} is not JSON ({err})") from None
-        if isinstance(record, dict):
-            out.append(_restore(record))
+        if not isinstance(record, dict):
+            raise ReportError(f"{path}: line {i + 1} is not a JSON object (got {type(record).__name__})")
+        out.append(_restore(record))
     return out
 
 
@@ -126,10 +138,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_read_text(path))
     except json.JSONDecodeError as err:
         raise ReportError(f"{path} is not valid JSON ({err})") from None
-    return _restore(data) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return _restore(data)
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -486,7 +500,12 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     if any("consistency/grad_cos_min" in r for r in run.consistency):
         lines.append(f"min grad_cos_min: {_extreme(run, 'consistency/grad_cos_min', False)}")
     else:
-        why = "cosine monitoring off" if run.consistency else "no consistency.jsonl: monitoring off"
+        if run.consistency:
+            why = "cosine monitoring off"
+        elif (run.path / "consistency.jsonl").is_file():
+            why = "consistency.jsonl holds no complete record"
+        else:
+            why = "no consistency.jsonl: monitoring off"
         lines.append(f"min grad_cos_min: not recorded ({why})")
     alerts = run.events_of("alert")
     detail = f" ({_counts(alerts, 'detector')})" if alerts else ""
@@ -501,7 +520,15 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     """Plot a run directory and summarize it; files go to ``out_dir`` (default ``<run_dir>/report``)."""
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.path / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    # Writes only into a new folder or an earlier report's: never among a user's files.
+    problem = output_dir_problem(out.resolve() if out.is_symlink() else out, "--out-dir", ("report.md", *_PLOTS),
+                                 overwrite=True)
+    if problem:
+        raise ReportError(problem.replace("--overwrite: ", "--out-dir: ").replace("delete it", "write into it"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ReportError(f"--out-dir: cannot create {out}: {err.strerror or err}") from None
     for name in _PLOTS:  # a plot this run no longer has must not survive from an earlier report
         (out / name).unlink(missing_ok=True)
     files = [_plot_loss(run, out)]

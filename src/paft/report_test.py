@@ -7,6 +7,7 @@ guard and sync events, non-finite values) are derived from a real run's files.
 from __future__ import annotations
 
 import json
+import re
 import pathlib
 import shutil
 from typing import Any
@@ -188,3 +189,38 @@ def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
         build_report(started)
     assert issubclass(ReportError, ValueError)
     assert not (tmp_path / "plain" / "report").exists()
+
+
+@pytest.mark.parametrize("name,data,needle", [
+    ("consistency.jsonl", b"null\n", "consistency.jsonl: line 1 is not a JSON object (got NoneType)"),
+    ("summary.json", b"[]", "summary.json must hold a JSON object, got list"),
+    ("config.json", b"\xff\xfe{}", "config.json is not UTF-8 text"),
+])
+def test_damaged_files_are_named_not_taken_for_missing(fault_run: pathlib.Path, tmp_path: pathlib.Path,
+                                                       name: str, data: bytes, needle: str) -> None:
+    run = copy_run(fault_run, tmp_path / "damaged")
+    (run / name).write_bytes(data)
+    with pytest.raises(ReportError, match=re.escape(needle)):
+        build_report(run)
+    assert not (run / "report").exists()
+
+
+def test_a_consistency_file_without_a_complete_record_is_not_monitoring_off(
+        fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run = copy_run(fault_run, tmp_path / "cut")
+    (run / "consistency.jsonl").write_bytes(b'{"step": 0, "consis')  # cut inside its first record
+    assert "not recorded (consistency.jsonl holds no complete record)" in build_report(run).text
+
+
+def test_out_dir_is_never_among_other_files(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    (tmp_path / "afile").write_text("")
+    for out, needle in [(tmp_path / "mine", "--out-dir: " + str(tmp_path / "mine") + " holds no report.md"),
+                        (tmp_path / "afile", "exists and is not a directory"),
+                        (tmp_path / "afile" / "sub", "is not a directory")]:
+        with pytest.raises(ReportError, match=re.escape(needle)):
+            build_report(clean_run, out)
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    again = build_report(clean_run, tmp_path / "out")  # a report folder is replaced by the next report
+    assert build_report(clean_run, tmp_path / "out").files == again.files
