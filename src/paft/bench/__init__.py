@@ -117,7 +117,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(f"--warmup: must be >= 0, got {args.warmup}")
     if args.benchmark == "overhead" and args.batch_size % args.world_size:
         parser.error(f"--batch-size: {args.batch_size} cannot be split evenly across --world-size {args.world_size}")
-    if args.benchmark == "overhead" and args.variants:
+    if args.benchmark == "overhead" and args.variants is not None:  # "" is a typo, not "all"
         unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
@@ -167,15 +167,18 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         shutil.rmtree(out)
     # Written first, so that an interrupted benchmark's folder is still known as ours.
-    out.mkdir(parents=True, exist_ok=True)
-    (out / BENCH_MARKER).write_text(f"paft bench {args.benchmark}\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / BENCH_MARKER).write_text(f"paft bench {args.benchmark}\n")
+    except OSError as err:
+        parser.error(f"--out: cannot create {out}: {err.strerror or err}")
     if args.benchmark == "overhead":
         from paft.bench import overhead
 
         overhead.run(out, steps=args.steps, warmup=args.warmup, period=args.period, workload=args.workload,
                      world_size=args.world_size, batch_size=args.batch_size, device=args.device,
                      model=dict(args.model or []),
-                     variants=args.variants.split(",") if args.variants else None)
+                     variants=args.variants.split(",") if args.variants is not None else None)
     elif args.benchmark == "matrix":
         from paft.bench import matrix
 

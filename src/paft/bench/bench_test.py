@@ -211,6 +211,13 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
 # -- (d) bad input: exit 2, nothing written ---------------------------------------------------
 
 
+def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "desync", "--out", "/proc/paft-cannot-be-here"])
+    assert exc.value.code == 2
+    assert "--out: cannot create /proc/paft-cannot-be-here" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["matrix", "--steps", "0"], "--steps"),
     (["overhead", "--steps", "0"], "--steps"),
@@ -223,6 +230,7 @@ def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     (["detection", "--world-size", "0"], "--world-size"),
     (["matrix", "--workloads", "bert"], "--workloads"),
     (["overhead", "--variants", "plain,turbo"], "--variants"),
+    (["overhead", "--variants", ""], "--variants: unknown ['']"),  # not "every variant"
     (["overhead", "--workload", "bert"], "--workload"),
     (["overhead", "--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
     (["overhead", "--variant", "plain"], "unrecognized arguments: --variant plain"),  # no prefixes
