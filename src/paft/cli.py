@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from paft.bench import add_bench_parser, run_bench
 from paft.options import OptionParser, add_train_options, config_from_namespace
+
+if TYPE_CHECKING:
+    from paft.config import TrainConfig
 
 __all__ = ["main", "build_parser"]
 
@@ -76,11 +79,27 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = config_from_namespace(args)
     except ValueError as err:
         parser.error(str(err))
+    _warn_idle_faults(cfg)
     try:
         code, _ = launch(cfg)
     except (RunDirError, DeviceError) as err:
         parser.error(str(err))
     return code
+
+
+def _warn_idle_faults(cfg: TrainConfig) -> None:
+    """A fault spec that cannot fire within --steps is most likely a typo; not an error,
+    since a later --resume with more steps may reach it."""
+    from paft.faultspec import parse_specs
+
+    for text, spec in zip(cfg.inject, parse_specs(cfg.inject)):
+        first = spec.first_start()
+        if first is None:
+            print(f"paft train: warning: --inject {text!r} can never fire (rate 0, or its steps, start "
+                  "and stop leave no step)", file=sys.stderr)
+        elif first >= cfg.steps:
+            print(f"paft train: warning: --inject {text!r} cannot fire before step {first}, past --steps "
+                  f"{cfg.steps}", file=sys.stderr)
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -247,3 +247,19 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(tmp_p
         assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing left aside
         shutil.rmtree(run)
     assert _set_aside(run) is None  # nothing to move
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("bitflip:steps=100", "cannot fire before step 100, past --steps 3"),
+    ("bitflip:rate=0.1,start=10", "cannot fire before step 10, past --steps 3"),
+    ("bitflip:steps=5,start=10", "can never fire"),
+    ("bitflip:rate=0.5,start=1,stop=2", None),  # step 1 is in the run: no warning
+])
+def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from paft.cli import _warn_idle_faults
+    from paft.config import TrainConfig
+
+    _warn_idle_faults(TrainConfig(steps=3, inject=[spec]))
+    err = capsys.readouterr().err
+    assert (needle in err) if needle else err == ""

@@ -335,6 +335,17 @@ class FaultSpec:
 
     # ------------------------------------------------------------------ helpers
 
+    def first_start(self) -> int | None:
+        """The earliest step at which an event may start, or ``None`` if ``steps``,
+        ``start`` and ``stop`` leave no step at all (the spec can never fire)."""
+        if self.steps is None:
+            first: int | None = self.start
+        else:
+            first = next((max(lo, self.start) for lo, hi in self.steps if hi >= self.start), None)
+        if first is None or (self.stop is not None and first >= self.stop) or self.rate == 0:
+            return None
+        return first
+
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Raise :class:`FaultSpecError` (field ``bits``) if this spec cannot corrupt
         tensors of ``dtype``; call it before training starts to fail early."""
