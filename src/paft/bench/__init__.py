@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import pathlib
+import sys
 from typing import Any
 
 from paft.bench.overhead import VARIANTS, WARMUP
@@ -172,30 +173,44 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         (out / BENCH_MARKER).write_text(f"paft bench {args.benchmark}\n")
     except OSError as err:
         parser.error(f"--out: cannot create {out}: {err.strerror or err}")
-    if args.benchmark == "overhead":
-        from paft.bench import overhead
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-        overhead.run(out, steps=args.steps, warmup=args.warmup, period=args.period, workload=args.workload,
-                     world_size=args.world_size, batch_size=args.batch_size, device=args.device,
-                     model=dict(args.model or []),
-                     variants=args.variants.split(",") if args.variants is not None else None)
-    elif args.benchmark == "matrix":
-        from paft.bench import matrix
+    from paft.launch import EXIT_INTERRUPTED, EXIT_WORKER_FAILED
 
-        matrix.run(out, quick=args.quick, workloads=args.workloads.split(","), steps=args.steps,
-                   world_size=args.world_size, device=args.device)
-    elif args.benchmark == "desync":
-        from paft.bench import desync
+    try:
+        if args.benchmark == "overhead":
+            from paft.bench import overhead
 
-        desync.run(out, steps=args.steps, world_size=args.world_size, device=args.device)
-    elif args.benchmark == "scaling":
-        from paft.bench import scaling
+            overhead.run(out, steps=args.steps, warmup=args.warmup, period=args.period, workload=args.workload,
+                         world_size=args.world_size, batch_size=args.batch_size, device=args.device,
+                         model=dict(args.model or []),
+                         variants=args.variants.split(",") if args.variants is not None else None)
+        elif args.benchmark == "matrix":
+            from paft.bench import matrix
 
-        scaling.run(out, world_sizes=tuple(int(x) for x in args.world_sizes.split(",")), steps=args.steps,
-                    device=args.device)
-    elif args.benchmark == "detection":
-        from paft.bench import detection
+            matrix.run(out, quick=args.quick, workloads=args.workloads.split(","), steps=args.steps,
+                       world_size=args.world_size, device=args.device)
+        elif args.benchmark == "desync":
+            from paft.bench import desync
 
-        detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size, device=args.device)
+            desync.run(out, steps=args.steps, world_size=args.world_size, device=args.device)
+        elif args.benchmark == "scaling":
+            from paft.bench import scaling
+
+            scaling.run(out, world_sizes=tuple(int(x) for x in args.world_sizes.split(",")), steps=args.steps,
+                        device=args.device)
+        elif args.benchmark == "detection":
+            from paft.bench import detection
+
+            detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size, device=args.device)
+    except ChildFailedError as err:
+        print(f"paft bench: a worker failed (its traceback is above); {out} keeps what was written\n{err}",
+              file=sys.stderr)
+        return EXIT_WORKER_FAILED
+    except (KeyboardInterrupt, SignalException) as err:
+        print(f"\npaft bench: interrupted ({err or 'Ctrl-C'}); {out} keeps the runs finished so far",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"\nresults in {out}/ (results.md, results.json, plots)")
     return 0
