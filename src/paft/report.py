@@ -146,6 +146,18 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return _restore(data)
 
 
+# The summary fields the report computes with (the trainer writes them as numbers).
+_SUMMARY_NUMBERS = ("steps", "world_size", "steps_per_s", "wall_s", "replicas_distinct", "max_replica_rel_diff",
+                    "faults_injected", "syncs", "detections", "recomputes", "skipped_batches")
+
+
+def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:
+    for key, value in (summary or {}).items():
+        if key in _SUMMARY_NUMBERS or key.startswith(("initial_", "final_")):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ReportError(f"{path}: {key} must be a number, got {value!r}")
+
+
 def load_run(run_dir: str | Path) -> RunData:
     """Read a run directory; :class:`ReportError` naming it if it is not one."""
     path = Path(run_dir)
@@ -166,10 +178,12 @@ def load_run(run_dir: str | Path) -> RunData:
             f"{path}: no per-step metrics (metrics/rank*.jsonl is missing or empty); "
             "the run has not completed a step"
         )
+    summary = _read_json(path / "summary.json")
+    _check_numbers(path / "summary.json", summary)
     return RunData(
         path=path,
         config=config,
-        summary=_read_json(path / "summary.json"),
+        summary=summary,
         metrics=dict(sorted(metrics.items())),
         consistency=_by_step(_read_jsonl(path / "consistency.jsonl")),
         evals=_by_step(_read_jsonl(path / "evals.jsonl")),

@@ -194,6 +194,7 @@ def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize("name,data,needle", [
     ("consistency.jsonl", b"null\n", "consistency.jsonl: line 1 is not a JSON object (got NoneType)"),
     ("summary.json", b"[]", "summary.json must hold a JSON object, got list"),
+    ("summary.json", b'{"steps": "x"}', "summary.json: steps must be a number, got 'x'"),
     ("config.json", b"\xff\xfe{}", "config.json is not UTF-8 text"),
 ])
 def test_damaged_files_are_named_not_taken_for_missing(fault_run: pathlib.Path, tmp_path: pathlib.Path,
