@@ -228,25 +228,33 @@ def test_paft_train_end_to_end_with_config_file(
     assert (tmp_path / "r" / "config.json").read_bytes() == before[tmp_path / "r" / "config.json"]
 
 
-def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(tmp_path: pathlib.Path) -> None:
+def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from paft.launch import _set_aside, _settle
+    from paft.train import RunDirError
 
     run = tmp_path / "run"
-    for keep_new, checkpoint, kept in [(False, False, "old"), (False, True, "new"), (True, False, "new")]:
+    for finished, checkpoint in [(True, False), (False, True), (False, False)]:
+        shutil.rmtree(run, ignore_errors=True)
         run.mkdir()
         (run / "summary.json").write_text("old")
         aside = _set_aside(run)
         assert aside is not None and not run.exists() and aside.parent == tmp_path
+        assert (aside / "summary.json").read_text() == "old"
         run.mkdir()
         (run / "summary.json").write_text("new")
         if checkpoint:
             (run / "checkpoints").mkdir()
             (run / "checkpoints" / "latest").write_text("step0000010")
-        _settle(aside, run, keep_new=keep_new)
-        assert (run / "summary.json").read_text() == kept
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing left aside
-        shutil.rmtree(run)
-    assert _set_aside(run) is None  # nothing to move
+        _settle(aside, run, finished=finished)
+        assert (run / "summary.json").read_text() == "new"  # the new run's output is never deleted
+        assert aside.exists() == (not finished and not checkpoint)  # the old one only once it is kept
+    assert f"is kept in {aside}" in capsys.readouterr().err
+    assert _set_aside(tmp_path / "none") is None  # nothing to move
+    monkeypatch.chdir(run)
+    for here in (".", ".."):  # the working directory, or one that holds it, is never moved
+        with pytest.raises(RunDirError, match="is the working directory"):
+            _set_aside(pathlib.Path(here))
 
 
 @pytest.mark.parametrize("spec,needle", [
@@ -263,3 +271,27 @@ def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
     _warn_idle_faults(TrainConfig(steps=3, inject=[spec]))
     err = capsys.readouterr().err
     assert (needle in err) if needle else err == ""
+
+
+def test_a_config_with_infinite_values_comes_back_from_config_json() -> None:
+    """config.json stores inf as "inf" (records.jsonable); a --resume rebuilds the config from it."""
+    import math
+
+    from paft.config import GuardConfig, MonitorConfig, TrainConfig
+    from paft.records import jsonable
+
+    cfg = TrainConfig(monitor=MonitorConfig(alert_loss_cv=math.inf), guard=GuardConfig(update_ratio=math.inf))
+    assert TrainConfig.from_dict(json.loads(json.dumps(jsonable(cfg.to_dict())))) == cfg
+
+
+def test_model_fields_take_numbers_of_any_kind() -> None:
+    import numpy as np
+
+    from paft.workloads import model_config
+
+    c = model_config("llama", {"norm_eps": "1e-5", "rope_theta": np.int64(10000), "dropout": np.float64(0.1),
+                               "n_layer": np.int32(2)})
+    assert (c.norm_eps, c.rope_theta, c.dropout, c.n_layer) == (1e-5, 10000.0, 0.1, 2)
+    assert type(c.rope_theta) is float and type(c.n_layer) is int
+    with pytest.raises(ValueError, match="rope_theta must be a number in the float range"):
+        model_config("llama", {"rope_theta": 10**400})

@@ -38,6 +38,15 @@ SYNC_MODES = ("robust", "mean", "broadcast")
 COSINE_MODES = ("sketch", "exact", "off")
 
 
+def _floats_back(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with "inf" / "-inf" / "nan" turned back into floats in ``cls``'s float fields."""
+    for f in dataclasses.fields(cls):
+        value = data.get(f.name)
+        if isinstance(f.default, float) and isinstance(value, str) and value.lower() in ("inf", "-inf", "nan"):
+            data[f.name] = float(value)
+    return data
+
+
 def _require(ok: bool, option: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{option}: {message}")
@@ -323,10 +332,11 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Rebuild from :meth:`to_dict` output (``config.json``)."""
-        data = dict(data)
+        """Rebuild from :meth:`to_dict` output, also as read back from ``config.json``
+        (where ``records.jsonable`` wrote non-finite floats as "inf" / "nan")."""
+        data = _floats_back(cls, dict(data))
         sections = {"monitor": MonitorConfig, "protect": ProtectConfig, "guard": GuardConfig}
         for key, section in sections.items():
             if key in data:
-                data[key] = section(**data[key])
+                data[key] = section(**_floats_back(section, dict(data[key])))
         return cls(**data)

@@ -206,11 +206,16 @@ def dispersion(values: torch.Tensor | np.ndarray) -> dict[str, float]:
     """Population mean, std, coefficient of variation and max - min of per-rank values."""
     # A handful of numpy calls, not np.std's generic machinery: this runs every step.
     v = _array(values).ravel()
-    mean = float(v.sum()) / v.size
-    dev = v - mean
-    std = math.sqrt(float(dev @ dev) / v.size)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite loss gives NaN stats, quietly
+        mean = float(v.sum()) / v.size
+        if v.size > 1:
+            dev = v - mean
+            std = math.sqrt(float(dev @ dev) / v.size)
+        else:
+            std = 0.0  # one rank: no spread, even if its value is not finite
+        spread = float(v.max() - v.min())
     cv = std / abs(mean) if mean != 0 else (0.0 if std == 0 else math.inf)
-    return {"mean": mean, "std": std, "cv": cv, "range": float(v.max() - v.min())}
+    return {"mean": mean, "std": std, "cv": cv, "range": spread}
 
 
 def pairwise_cosine(vectors: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:

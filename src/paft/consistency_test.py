@@ -185,3 +185,10 @@ def test_capture_totals_match_the_host_arithmetic(device: str) -> None:
     assert checksum == (combined - (1 << 64) if combined >= 1 << 63 else combined)
     assert sketch is not None and torch.equal(sketch, cap.sketch.cpu())  # type: ignore[union-attr]
     assert BucketCapture().totals() == (0.0, 0, None)
+
+
+def test_one_rank_has_no_spread_even_when_its_value_is_not_finite() -> None:
+    from paft.consistency import dispersion
+
+    assert dispersion(np.array([math.inf]))["std"] == 0.0 and dispersion(np.array([math.inf]))["cv"] == 0.0
+    assert dispersion(np.array([2.0]))["std"] == 0.0

@@ -45,8 +45,8 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     anything is written) when the run directory or the devices cannot be used.
 
     ``--overwrite`` moves the old run aside instead of deleting it, and deletes it only
-    once the new run has finished or written its first checkpoint; a new run that fails
-    or is interrupted before that gives the old one back.
+    once the new run has finished or written its first checkpoint; when the new run
+    fails or is interrupted before that, both are kept and the message says where.
     """
     if not cfg.run_dir:
         cfg.run_dir = default_run_dir(cfg.workload)
@@ -61,30 +61,33 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
         return code, summary
     finally:
         if replaced is not None:
-            _settle(replaced, run_dir, keep_new=code in (0, EXIT_PERSISTENT_FAULT))
+            _settle(replaced, run_dir, finished=code in (0, EXIT_PERSISTENT_FAULT))
 
 
 def _set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
-    """Move an existing run directory to a hidden sibling (a rename: instant, same disk)."""
+    """Move an existing run directory to a sibling ``<name>.replaced-<id>`` (a rename:
+    instant, same disk)."""
     if not run_dir.exists():
         return None
-    aside = run_dir.with_name(f".{run_dir.name}.replaced-{uuid.uuid4().hex[:8]}")
+    real = run_dir.resolve()
+    if real == pathlib.Path.cwd().resolve() or real in pathlib.Path.cwd().resolve().parents:
+        raise RunDirError(f"--overwrite: {run_dir} is the working directory (or holds it); "
+                          "give the run directory's path from its parent")
+    aside = real.with_name(f"{real.name}.replaced-{uuid.uuid4().hex[:8]}")
     try:
-        run_dir.rename(aside)
+        real.rename(aside)
     except OSError as err:
         raise RunDirError(f"--overwrite: cannot move {run_dir} aside: {err.strerror or err}") from None
     return aside
 
 
-def _settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool) -> None:
-    """Delete the replaced run, or give it back when the new one has nothing worth keeping."""
-    if keep_new or (run_dir / "checkpoints" / "latest").is_file():
+def _settle(aside: pathlib.Path, run_dir: pathlib.Path, finished: bool) -> None:
+    """Delete the replaced run once the new one is worth keeping; else keep both."""
+    if finished or (run_dir / "checkpoints" / "latest").is_file():
         shutil.rmtree(aside, ignore_errors=True)
         return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    aside.rename(run_dir)
-    print(f"paft train: the new run stopped before its first checkpoint, so its output was discarded: "
-          f"{run_dir} holds the run it was to replace again", file=sys.stderr)
+    print(f"paft train: the new run stopped before its first checkpoint, so the run it was to replace "
+          f"is kept in {aside} (move it back to {run_dir}, or delete it)", file=sys.stderr)
 
 
 def _run_workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any] | None]:

@@ -23,6 +23,7 @@ Typical rank loop::
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,13 +143,29 @@ def _make_config(cls: type, defaults: dict[str, Any], model_args: dict[str, Any]
         if key not in fields:
             raise ValueError(f"unknown key {key!r} for {cls.__name__}; valid: {sorted(fields)}")
         # The type of the field's default is the type asked for (the fields are int,
-        # float or bool); an int is fine where a float is, nothing else is converted.
+        # float or bool); an integer is fine where a float is, and so is a YAML 1.1
+        # float read as a string ("1e-5"); numpy numbers count as numbers.
         kind = type(fields[key].default)
-        if kind is float and type(value) is int:
-            args[key] = float(value)
-        elif type(value) is not kind:
-            want = {bool: "true or false", int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        want = {bool: "true or false", int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        if kind is float and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
             raise ValueError(f"{key} must be {want}, got {value!r}")
+        try:
+            args[key] = kind(value)
+        except OverflowError:
+            raise ValueError(f"{key} must be {want} in the float range, got {value!r}") from None
     return cls(**{**defaults, **args})
 
 
