@@ -261,6 +261,8 @@ def _as_bytes(i: int, t: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"fingerprint: tensor {i} has layout {t.layout}; only strided tensors")
     if t.is_meta:
         raise ValueError(f"fingerprint: tensor {i} is on the meta device and holds no bytes")
+    if t.is_quantized:  # its uint8 view "works" and then crashes the process in torch.cat
+        raise TypeError(f"fingerprint: tensor {i} is quantized ({t.dtype}); fingerprint its int_repr() instead")
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -343,6 +345,8 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
         >>> fingerprint([a]) != fingerprint([b])
         True
     """
+    if isinstance(tensors, torch.Tensor):  # iterating it would fingerprint its rows
+        raise TypeError("fingerprint: pass a list of tensors, e.g. fingerprint([t]), not a tensor")
     tensors = list(tensors)
     with torch.no_grad():  # cheaper than detach() per tensor; views stay untracked
         views = [_as_bytes(i, t) for i, t in enumerate(tensors)]

@@ -4,6 +4,7 @@ the float64 carrying of fingerprints, and replica grouping."""
 from __future__ import annotations
 
 import doctest
+import warnings
 import math
 import time
 
@@ -219,6 +220,13 @@ def test_bad_input_is_rejected() -> None:
         fingerprint([torch.eye(3).to_sparse()])
     with pytest.raises(ValueError, match="tensor 1 is on the meta device"):
         fingerprint([torch.zeros(2), torch.zeros(2, device="meta")])
+    with warnings.catch_warnings():  # torch deprecates making quantized tensors; users may still have them
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    with pytest.raises(TypeError, match="tensor 0 is quantized"):  # it used to crash the process
+        fingerprint([quantized])
+    with pytest.raises(TypeError, match=r"pass a list of tensors, e.g. fingerprint\(\[t\]\)"):
+        fingerprint(torch.zeros(3))
 
 
 def test_docstring_example_runs() -> None:
