@@ -295,3 +295,13 @@ def test_model_fields_take_numbers_of_any_kind() -> None:
     assert type(c.rope_theta) is float and type(c.n_layer) is int
     with pytest.raises(ValueError, match="rope_theta must be a number in the float range"):
         model_config("llama", {"rope_theta": 10**400})
+
+
+def test_config_fields_keep_their_types_from_python() -> None:
+    from paft.config import GuardConfig, MonitorConfig, ProtectConfig
+
+    with pytest.raises(ValueError, match="GuardConfig.enabled: expected bool, got 'no'"):
+        GuardConfig(enabled="no")  # type: ignore[arg-type]  # it used to switch the guard on
+    with pytest.raises(ValueError, match="MonitorConfig.interval: expected int, got 2.5"):
+        MonitorConfig(interval=2.5)  # type: ignore[arg-type]
+    assert ProtectConfig(target=1).target == 1  # an int where a float is asked is fine

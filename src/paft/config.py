@@ -47,6 +47,21 @@ def _floats_back(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def _check_types(obj: Any) -> None:
+    """Each field with a plain default holds a value of that default's type (an int
+    where a float is asked is fine): from Python, ``enabled="no"`` would otherwise
+    switch a feature on and ``interval=2.5`` would monitor steps 0, 5, 10..."""
+    for f in dataclasses.fields(obj):
+        kind = type(f.default)
+        if kind not in (bool, int, float, str):
+            continue
+        value = getattr(obj, f.name)
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else (
+            type(value) is kind if kind is bool else isinstance(value, kind) and not isinstance(value, bool))
+        if not ok:  # the command line and config files are type-checked before this
+            raise ValueError(f"{type(obj).__name__}.{f.name}: expected {kind.__name__}, got {value!r}")
+
+
 def _require(ok: bool, option: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{option}: {message}")
@@ -82,6 +97,7 @@ class MonitorConfig:
     (``--alert-cos-min``)."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(self.interval >= 1, "--monitor-interval", f"must be >= 1, got {self.interval}")
         _require(self.cosine in COSINE_MODES, "--cosine", f"must be one of {COSINE_MODES}, got {self.cosine!r}")
         _require(self.sketch_dim >= 8, "--sketch-dim", f"must be >= 8, got {self.sketch_dim}")
@@ -119,6 +135,7 @@ class ProtectConfig:
     (``--dyn-target``)."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(self.mode in PROTECT_MODES, "--protect", f"must be one of {PROTECT_MODES}, got {self.mode!r}")
         _require(self.sync_period >= 1, "--sync-period", f"must be >= 1, got {self.sync_period}")
         _require(self.sync_mode in SYNC_MODES, "--sync-mode", f"must be one of {SYNC_MODES}, got {self.sync_mode!r}")
@@ -177,6 +194,7 @@ class GuardConfig:
     (exit code 3) (``--on-persistent``)."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(self.spike_threshold > 0, "--spike-threshold", f"must be > 0, got {self.spike_threshold}")
         _require(self.window >= 5, "--guard-window", f"must be >= 5, got {self.window}")
         _require(self.warmup >= 0, "--guard-warmup", f"must be >= 0, got {self.warmup}")
@@ -261,6 +279,7 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         # Local imports: the fault modules are leaves, and importing config stays cheap.
         from paft.faults import FaultSchedule
         from paft.faultspec import parse_specs

@@ -36,6 +36,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -213,6 +216,56 @@ def protect(
     )
 
 
+def _check_arguments(model: Any, optimizer: Any, monitor: Any, protect: Any, guard: Any, inject: Any,
+                     grad_clip: Any) -> None:
+    """Misuse that would otherwise fail deep inside a later step, or not at all."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"protect() needs a DistributedDataParallel model, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"protect() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(f"protect(): {type(optimizer).__name__}.step() needs a closure (it re-evaluates the loss); "
+                        "paft runs the closure once per step and calls optimizer.step() without one")
+    for name, cfg, cls in (("monitor", monitor, MonitorConfig), ("protect", protect, ProtectConfig),
+                           ("guard", guard, GuardConfig)):
+        if not isinstance(cfg, cls):
+            raise TypeError(f"protect(): {name}= must be a {cls.__name__}, got {type(cfg).__name__}")
+        dataclasses.replace(cfg)  # re-runs the checks: a field may have been changed since
+    if isinstance(inject, (str, FaultSpec)):
+        raise TypeError("protect(): inject= must be a list of fault specs, e.g. ['bitflip:steps=5,ranks=1']")
+    if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or not 0 <= grad_clip < math.inf:
+        raise ValueError(f"protect(): grad_clip must be a finite number >= 0 (0: no clipping), got {grad_clip!r}")
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise ValueError(f"protect(): the optimizer holds {foreign} parameter(s) that are not the model's; "
+                         "build it from ddp_model.parameters() (or a subset of them)")
+
+
+def _optimizer_order(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    """Per param group, the model positions of its parameters: optimizer state is synced by
+    this order, so ranks that list parameters differently would mix layers' state."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    return [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any]) -> None:
+    """One all_gather of a 64-bit digest per setting, once at construction: a setting that
+    differs between ranks would deadlock a later collective or silently mix state."""
+    names = list(parts)
+    digests = [int.from_bytes(hashlib.blake2b(repr(parts[n]).encode(), digest_size=8).digest(), "little",
+                              signed=True) for n in names]
+    mine = torch.tensor(digests, dtype=torch.int64, device=collective_device(group))
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows).cpu()
+    differ = [n for j, n in enumerate(names) if bool((table[:, j] != table[0, j]).any())]
+    if differ:
+        raise ValueError(f"protect(): ranks disagree on {', '.join(differ)}; every rank must call protect() "
+                         "with the same settings, model and optimizer (parameter order included)")
+
+
 class Protector:
     """Per-step protection of a DDP model; build it with :func:`protect`."""
 
@@ -231,10 +284,7 @@ class Protector:
         comm_hook: CommHook | None,
         comm_state: Any,
     ) -> None:
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"protect() needs a DistributedDataParallel model, got {type(model).__name__}")
-        if grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0, got {grad_clip}")
+        _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -263,8 +313,19 @@ class Protector:
             inner_state=comm_state,
         )
         # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
+        _check_ranks_agree(self.group, {
+            "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
+            "grad_clip": grad_clip, "seed": seed, "inject": [s.to_text() for s in specs],
+            "the optimizer's type": type(optimizer).__qualname__,
+            "the optimizer's parameter order": _optimizer_order(model, optimizer),
+            "the model's parameter shapes": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+        })
         if monitor.enabled or self.injector.enabled or comm_hook is not None:
-            model.register_comm_hook(self.hook, paft_comm_hook)
+            try:
+                model.register_comm_hook(self.hook, paft_comm_hook)
+            except RuntimeError as err:
+                raise RuntimeError(f"protect(): this DDP model already has a comm hook (an earlier protect() "
+                                   f"or register_comm_hook); DDP takes one: pass yours as comm_hook= ({err})") from None
         self.sketch_dim = monitor.sketch_dim if monitor.cosine == "sketch" else 0
         self.sync: ReplicaSync | None = None
         self.scheduler: SyncScheduler | None = None
@@ -313,7 +374,7 @@ class Protector:
             self.hook.begin(t, attempt, capture=capture)
             # A rerun always fingerprints the state: corrupted replicas would reproduce
             # the bad step, and only the fingerprints tell them from bad data.
-            pending = self._control(closure(), check_state or attempt > 0)
+            pending = self._control(self._run_closure(closure), check_state or attempt > 0)
             if self.guard is None:
                 # Nothing to decide before the update: let the control collective overlap it.
                 synced = self._finish_sync(t) or synced
@@ -373,7 +434,7 @@ class Protector:
     def _unmonitored_step(self, t: int, closure: Callable[[], torch.Tensor]) -> StepReport:
         """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
         self.hook.begin(t, 0, capture=False)
-        loss = float(closure().detach())
+        loss = float(self._run_closure(closure).detach())
         self._record_faults(self.hook.current.faults)
         synced = self._finish_sync(t)
         self._clip()
@@ -420,6 +481,18 @@ class Protector:
     @staticmethod
     def _due(every: int, step: int) -> bool:
         return every > 0 and step % every == 0
+
+    def _run_closure(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The closure's loss, checked: a wrong return value or a missing backward() would
+        otherwise fail deep inside the step, or train nothing without a word."""
+        loss = closure()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"the closure must return the loss as a one-element tensor, got {got}")
+        if all(p.grad is None for p in self._params):
+            raise RuntimeError("the closure ran no backward(): no parameter has a gradient; "
+                               "call loss.backward() inside it")
+        return loss
 
     def _inject_at_rest(self, step: int) -> None:
         for site, prefix in (("params", "param/"), ("optimizer-state", "optim/")):
@@ -620,15 +693,42 @@ class Protector:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output saved by a protector with the same settings.
+        Checked before anything changes, and all or nothing: on an error the protector
+        keeps its state."""
+        if self.sync is not None and self.sync.in_flight:
+            raise RuntimeError("Protector.load_state_dict(): an overlapped sync is in flight; call close() first")
+        if not isinstance(state, dict):
+            raise TypeError(f"Protector.load_state_dict(): expected a dict, got {type(state).__name__}")
+        missing = [k for k in ("step", "counters") if k not in state]
+        if missing:
+            raise ValueError(f"Protector.load_state_dict(): not a protector state (missing {missing})")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Protector.load_state_dict(): step must be an int >= 0, got {step!r}")
+        for part, mine in (("scheduler", self.scheduler), ("sync", self.sync), ("guard", self.guard)):
+            if (state.get(part) is None) != (mine is None):
+                has = "has" if state.get(part) is not None else "has no"
+                raise ValueError(f"Protector.load_state_dict(): the state {has} {part} part and this protector "
+                                 f"{'has none' if mine is None else 'has one'}: it was saved with other settings "
+                                 "(protect mode or guard)")
+        before = self.state_dict()
+        try:
+            self._load(state)
+        except Exception:
+            self._load(before)
+            raise
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.sync is not None:
+            self.sync.load_state_dict(state["sync"])
+        if self.guard is not None:
+            self.guard.load_state_dict(state["guard"])
         self.step_idx = state["step"]
         self._counts.update(state["counters"])
         self._recheck_state = bool(state.get("recheck_state", False))
         self._alerting = dict(state.get("alerting", {}))
         if self.averager is not None:
             self.averager.step = self.step_idx  # its own call counter decides when to average
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.sync is not None and state.get("sync") is not None:
-            self.sync.load_state_dict(state["sync"])
-        if self.guard is not None and state.get("guard") is not None:
-            self.guard.load_state_dict(state["guard"])

@@ -387,3 +387,63 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
         assert state_fingerprint(model, opt) == before
         assert {id(p): set(opt.state.get(p, {})) for p in model.parameters()} == keys
         step(k)  # then really take the step: the next round snapshots a grown state
+
+
+def misuse(rank: int, world_size: int) -> dict[str, str]:
+    """Each misuse on fresh DDP models; what protect() or the step raised ("" if nothing)."""
+    def fresh() -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+        model = DistributedDataParallel(toy_model())
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    x, y = batch(rank, 0)
+
+    def forward_only(model: DistributedDataParallel) -> Any:
+        return lambda: nn.functional.mse_loss(model(x), y)  # no backward()
+
+    cases: dict[str, Any] = {
+        "foreign optimizer": lambda m, o: protect(m, torch.optim.SGD(toy_model().parameters(), lr=0.1)),
+        "lbfgs": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters())),
+        "grad_clip nan": lambda m, o: protect(m, o, grad_clip=float("nan")),
+        "inject string": lambda m, o: protect(m, o, inject="bitflip:steps=1"),
+        "config dict": lambda m, o: protect(m, o, protect={"mode": "dyn"}),
+        "closure returns None": lambda m, o: protect(m, o).step(lambda: None),
+        "no backward": lambda m, o: protect(m, o).step(forward_only(m)),
+        "protect twice": lambda m, o: (protect(m, o), protect(m, o)),
+        "garbage state": lambda m, o: protect(m, o).load_state_dict({}),
+        "state of another mode": lambda m, o: protect(m, o).load_state_dict(
+            {"step": 3, "counters": {}, "scheduler": {"kind": "FixedScheduler", "period": 5}}),
+        "period per rank": lambda m, o: protect(m, o, protect=ProtectConfig(mode="sync", sync_period=1 + rank)),
+        "parameter order per rank": lambda m, o: protect(m, torch.optim.SGD(
+            list(m.parameters())[::1 - 2 * rank], lr=0.1)),
+    }
+    out = {}
+    for name, case in cases.items():
+        model, optimizer = fresh()
+        try:
+            case(model, optimizer)
+            out[name] = ""
+        except (TypeError, ValueError, RuntimeError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
+    out = run_workers(misuse, 2)
+    assert out[0] == out[1]  # every rank raises the same, so none is left waiting in a collective
+    expect = {
+        "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
+        "lbfgs": "TypeError: protect(): LBFGS.step() needs a closure",
+        "grad_clip nan": "ValueError: protect(): grad_clip must be a finite number >= 0",
+        "inject string": "TypeError: protect(): inject= must be a list of fault specs",
+        "config dict": "TypeError: protect(): protect= must be a ProtectConfig, got dict",
+        "closure returns None": "TypeError: the closure must return the loss as a one-element tensor, got NoneType",
+        "no backward": "RuntimeError: the closure ran no backward()",
+        "protect twice": "RuntimeError: protect(): this DDP model already has a comm hook",
+        "garbage state": "ValueError: Protector.load_state_dict(): not a protector state (missing ['step', 'counters'])",
+        "state of another mode": "ValueError: Protector.load_state_dict(): the state has scheduler part and this "
+                                 "protector has none",
+        "period per rank": "ValueError: protect(): ranks disagree on the protect config",
+        "parameter order per rank": "ValueError: protect(): ranks disagree on the optimizer's parameter order",
+    }
+    for name, needle in expect.items():
+        assert out[0][name].startswith(needle), (name, out[0][name])
