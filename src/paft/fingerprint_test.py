@@ -4,9 +4,9 @@ the float64 carrying of fingerprints, and replica grouping."""
 from __future__ import annotations
 
 import doctest
-import warnings
 import math
 import time
+import warnings
 
 import numpy as np
 import pytest
