@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from paft.records import from_jsonable_float
+
 __all__ = [
     "OPTIMIZERS",
     "PROTECT_MODES",
@@ -39,11 +41,11 @@ COSINE_MODES = ("sketch", "exact", "off")
 
 
 def _floats_back(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with "inf" / "-inf" / "nan" turned back into floats in ``cls``'s float fields."""
+    """``data`` with ``cls``'s float fields read back from :func:`paft.records.jsonable`'s
+    strings for non-finite values ("inf", "nan")."""
     for f in dataclasses.fields(cls):
-        value = data.get(f.name)
-        if isinstance(f.default, float) and isinstance(value, str) and value.lower() in ("inf", "-inf", "nan"):
-            data[f.name] = float(value)
+        if isinstance(f.default, float) and f.name in data:
+            data[f.name] = from_jsonable_float(data[f.name])
     return data
 
 

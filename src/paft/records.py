@@ -39,6 +39,16 @@ __all__ = [
 ]
 
 
+# What jsonable writes for a non-finite float (``str(value)``), with the spellings read back.
+NONFINITE_TEXT = {"inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "nan": math.nan, "-nan": math.nan}
+
+
+def from_jsonable_float(value: Any) -> Any:
+    """:func:`jsonable`'s inverse for one value: a non-finite float's string becomes the
+    float again (any case); every other value is returned unchanged."""
+    return NONFINITE_TEXT.get(value.lower(), value) if isinstance(value, str) else value
+
+
 def jsonable(value: Any) -> Any:
     """JSON-safe copy: non-finite floats become strings ("inf", "nan") instead of invalid JSON."""
     if isinstance(value, float) and not math.isfinite(value):

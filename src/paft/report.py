@@ -30,12 +30,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import output_dir_problem
+from paft.records import from_jsonable_float, output_dir_problem
 
 __all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
 
-# records.jsonable stores non-finite floats as these strings.
-_NONFINITE = {"inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "nan": math.nan, "-nan": math.nan}
 _PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png")
 _GUARD_MARKERS = {"recompute": ("X", "red"), "skip": ("s", "tab:purple"), "stop": ("*", "black")}
 _DISPERSION = [
@@ -90,13 +88,11 @@ class RunData:
 
 
 def _restore(value: Any) -> Any:
-    if isinstance(value, str) and value.lower() in _NONFINITE:
-        return _NONFINITE[value.lower()]
     if isinstance(value, dict):
         return {k: _restore(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_restore(v) for v in value]
-    return value
+    return from_jsonable_float(value)
 
 
 def _read_text(path: Path) -> str:
