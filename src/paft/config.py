@@ -335,10 +335,8 @@ class TrainConfig:
         # FaultSpecError messages already name --inject and the bad field.
         specs = parse_specs(self.inject)
         for text, spec in zip(self.inject, specs):  # the workloads train in float32
-            if spec.ranks != "random":
-                _require(max(spec.ranks) < self.world_size, f"--inject {text!r}",
-                         f"field 'ranks' names rank {max(spec.ranks)} but --world-size is {self.world_size}")
             try:
+                spec.check_ranks(self.world_size, "--world-size")
                 spec.check_dtype(torch.float32)
             except ValueError as err:
                 raise ValueError(f"--inject {text!r}: {err}") from None

@@ -258,10 +258,10 @@ class FaultSchedule:
         self.seed = seed
         self.world_size = world_size
         for i, s in enumerate(self.specs):
-            if s.ranks != "random" and max(s.ranks) >= world_size:
-                raise FaultSpecError(
-                    f"fault {i} '{s.to_text()}': field 'ranks' names rank {max(s.ranks)} "
-                    f"but world_size is {world_size}", "ranks")
+            try:
+                s.check_ranks(world_size)
+            except FaultSpecError as err:
+                raise FaultSpecError(f"fault {i} '{s.to_text()}': {err.reason}", err.field) from None
         # For bisect on the candidate steps.
         self._step_lows = [None if s.steps is None else [lo for lo, _ in s.steps]
                            for s in self.specs]

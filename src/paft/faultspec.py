@@ -346,6 +346,12 @@ class FaultSpec:
             return None
         return first
 
+    def check_ranks(self, world_size: int, name: str = "world_size") -> None:
+        """Raise :class:`FaultSpecError` (field ``ranks``) if a listed rank is not below
+        ``world_size`` (``name``: how the caller's users know it, e.g. ``--world-size``)."""
+        if self.ranks != "random" and max(self.ranks) >= world_size:
+            raise FaultSpecError(f"field 'ranks' names rank {max(self.ranks)} but {name} is {world_size}", "ranks")
+
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Raise :class:`FaultSpecError` (field ``bits``) if this spec cannot corrupt
         tensors of ``dtype``; call it before training starts to fail early."""
