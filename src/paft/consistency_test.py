@@ -192,3 +192,26 @@ def test_one_rank_has_no_spread_even_when_its_value_is_not_finite() -> None:
 
     assert dispersion(np.array([math.inf]))["std"] == 0.0 and dispersion(np.array([math.inf]))["cv"] == 0.0
     assert dispersion(np.array([2.0]))["std"] == 0.0
+
+
+def _control_rows(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch.distributed as dist
+
+    from paft.consistency import start_control
+
+    def vec(r: int) -> torch.Tensor:  # NaN, -0.0, a fingerprint's bits: every row its own
+        v = torch.arange(12, dtype=torch.float64) + 100 * r
+        v[1], v[2], v[3] = math.nan, -0.0, float(2**32 - 1 - r)
+        return v
+
+    got = torch.from_numpy(start_control(vec(rank)).wait().matrix.copy())
+    dist.barrier()
+    return got, torch.stack([vec(r) for r in range(world_size)])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_control_collective_gives_every_rank_every_row_bitwise(world_size: int) -> None:
+    from paft.testing import run_workers
+
+    for got, want in run_workers(_control_rows, world_size):
+        assert torch.equal(got.view(torch.int64), want.view(torch.int64))
