@@ -46,6 +46,7 @@ __all__ = [
     "ControlVector",
     "ControlView",
     "start_control",
+    "gather_rows",
     "collective_device",
     "PendingControl",
     "gather_exact_grads",
@@ -193,6 +194,18 @@ def start_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     out = torch.empty(world_size * vec.numel(), dtype=vec.dtype, device=device)
     work = _gather_rows(out, vec.to(device), group, async_op=True)
     return PendingControl(out, work, world_size)
+
+
+def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's 1-D ``row`` (same length and dtype everywhere) as a ``[world_size, n]``
+    tensor on the group's collective device: the blocking form of the control
+    collective, for the few-number exchanges outside the step (settings digests,
+    sync decisions, evaluation results, final fingerprints)."""
+    world_size = dist.get_world_size(group)
+    device = collective_device(group, row)
+    out = torch.empty(world_size * row.numel(), dtype=row.dtype, device=device)
+    _gather_rows(out, row.reshape(-1).to(device), group, async_op=False)
+    return out.view(world_size, -1)
 
 
 def gather_exact_grads(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -59,6 +59,7 @@ from paft.consistency import (
     PendingControl,
     collective_device,
     gather_exact_grads,
+    gather_rows,
     start_control,
     worker_metrics,
 )
@@ -251,15 +252,12 @@ def _optimizer_order(model: DistributedDataParallel, optimizer: torch.optim.Opti
 
 
 def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any]) -> None:
-    """One all_gather of a 64-bit digest per setting, once at construction: a setting that
+    """One gather of a 64-bit digest per setting, once at construction: a setting that
     differs between ranks would deadlock a later collective or silently mix state."""
     names = list(parts)
     digests = [int.from_bytes(hashlib.blake2b(repr(parts[n]).encode(), digest_size=8).digest(), "little",
                               signed=True) for n in names]
-    mine = torch.tensor(digests, dtype=torch.int64, device=collective_device(group))
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows).cpu()
+    table = gather_rows(torch.tensor(digests, dtype=torch.int64), group).cpu()
     differ = [n for j, n in enumerate(names) if bool((table[:, j] != table[0, j]).any())]
     if differ:
         raise ValueError(f"protect(): ranks disagree on {', '.join(differ)}; every rank must call protect() "

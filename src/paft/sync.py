@@ -87,7 +87,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from paft.consistency import collective_device
+from paft.consistency import collective_device, gather_rows
 from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
 from paft.robust import lower_median, median_of_three
 
@@ -563,11 +563,8 @@ class ReplicaSync:
         return _Decision("median", groups, good, finite, note=note.rstrip("; "))
 
     def _gather_ints(self, row: list[int]) -> list[list[int]]:
-        """Blocking all-gather of a few int64 per rank."""
-        mine = torch.tensor(row, dtype=torch.int64, device=self._device)
-        out = torch.empty(self.world_size, len(row), dtype=torch.int64, device=self._device)
-        dist.all_gather(list(out.unbind(0)), mine, group=self.group)
-        return out.tolist()
+        """Blocking gather of a few int64 per rank."""
+        return gather_rows(torch.tensor(row, dtype=torch.int64, device=self._device), self.group).tolist()
 
     def _launch(self, overlapped: bool) -> _InFlight:
         t0 = time.perf_counter()
@@ -871,9 +868,7 @@ def measure_divergence(
     entries = [(n, t) for n, t in entries if t.is_floating_point()]
     device = collective_device(group, entries[0][1] if entries else None)
     finite = _all_finite([t for _, t in entries])
-    flags = torch.empty(ws, 1, dtype=torch.int64, device=device)
-    mine_flag = torch.tensor([int(finite)], dtype=torch.int64, device=device)
-    dist.all_gather(list(flags.unbind(0)), mine_flag, group=group)
+    flags = gather_rows(torch.tensor([int(finite)], dtype=torch.int64, device=device), group)
     finite_all = [bool(x) for x in flags.reshape(-1).tolist()]
     count = sum(finite_all)
 
@@ -901,9 +896,7 @@ def measure_divergence(
     if not finite or not count:
         summary.fill_(math.inf)
     mine = torch.cat([summary, sq_t]) if per_tensor else summary
-    allv = torch.empty(ws, mine.numel(), dtype=torch.float64, device=device)
-    dist.all_gather(list(allv.unbind(0)), mine, group=group)
-    allv_l = allv.tolist()
+    allv_l = gather_rows(mine, group).tolist()
     param_msq = sum(m for m, p in zip(msq_l, is_param) if p)
     state_msq = sum(msq_l)
     per_rank = [_rel(allv_l[r][0], param_msq) for r in range(ws)]

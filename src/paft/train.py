@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import TrainConfig
+from paft.consistency import gather_rows
 from paft.fingerprint import group_replicas, state_fingerprint
 from paft.protect import PersistentFaultError, Protector, protect
 from paft.records import (
@@ -305,9 +306,7 @@ class Trainer:
         """Every rank evaluates its own replica on the same batches; rank 0 records all."""
         result = self.workload.evaluate(self.model, batch_size=64, max_batches=self.cfg.eval_batches)
         keys = sorted(result)
-        local = torch.tensor([result[k] for k in keys], dtype=torch.float64)
-        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local)
+        gathered = gather_rows(torch.tensor([result[k] for k in keys], dtype=torch.float64)).cpu()
         # Replica divergence at every evaluation: its magnitude over the run, not just at the end.
         record: dict[str, Any] = {"step": self.step, "replica_rel_diff": measure_divergence(self.model).max}
         for i, key in enumerate(keys):
@@ -428,9 +427,8 @@ class Trainer:
     def summarize(self) -> dict[str, Any]:
         # Parameters + optimizer state: BatchNorm buffers differ between ranks by DDP's design.
         fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
-        fps = [torch.zeros_like(fp) for _ in range(self.world_size)]
-        dist.all_gather(fps, fp)
-        groups = group_replicas([int(f) for f in fps])
+        fps = gather_rows(fp).reshape(-1).tolist()
+        groups = group_replicas(fps)
         divergence = self.evals[-1]["replica_rel_diff"]
         # Faults are injected per rank and CPU time is per process; the rest is identical everywhere.
         cpu_per_step = self._timed[2] / self._timed[0] if self._timed[0] else 0.0
@@ -451,7 +449,7 @@ class Trainer:
             "replicas_distinct": len(groups),
             "replica_groups": groups,
             # Rank 0's bits (parameters + optimizer state): equal fingerprints, equal runs.
-            "state_fingerprint": f"{int(fps[0]) & (2**64 - 1):016x}",
+            "state_fingerprint": f"{fps[0] & (2**64 - 1):016x}",
             "max_replica_rel_diff": divergence,
             "max_replica_rel_diff_run": max(e["replica_rel_diff"] for e in self.evals),
             "faults_injected": int(counters[0]),
