@@ -13,6 +13,9 @@ Variants, on the default workload (gpt, 4 ranks), all without faults:
   cost, below which no setting goes;
 - ``guard``: monitor + guard;
 - ``dyn``: monitor + PAFT-Dyn with overlapped sync;
+- ``guard-nocos`` / ``dyn-nocos``: the same with ``--cosine off``, i.e. with only what
+  the defense itself reads (neither uses the gradient cosine): its own cost, apart
+  from the diagnostics';
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
 - ``averager``: PyTorch's PeriodicModelAverager at the same period H.
 
@@ -64,6 +67,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "monitor-floor": {"monitor": {"cosine": "off", "interval": 10_000, "fingerprint_every": 0}},
     "guard": {"guard": {"enabled": True}},
     "dyn": {"protect": {"mode": "dyn"}},
+    "guard-nocos": {"guard": {"enabled": True}, "monitor": {"cosine": "off"}},
+    "dyn-nocos": {"protect": {"mode": "dyn"}, "monitor": {"cosine": "off"}},
     "sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "overlap": False}},
     "averager": {"monitor": {"enabled": False}, "protect": {"mode": "averager"}},
 }
