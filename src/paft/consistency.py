@@ -69,10 +69,12 @@ HEADER = 9
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _gather_rows(out: torch.Tensor, vec: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool) -> Any:
-    """``out[r] = vec`` of rank r, as an all-gather does.
+def _gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool) -> tuple[torch.Tensor, Any]:
+    """``(out, work)``: ``out[r]`` (``[world_size, n]``, on the group's collective device)
+    receives rank r's 1-D ``row``, as an all-gather does; ``work`` is the collective's
+    handle (``None`` when ``async_op`` is false: ``out`` is filled on return).
 
-    On gloo it is an all-to-all of ``vec`` repeated once per rank: gloo's all-gather is
+    On gloo it is an all-to-all of ``row`` repeated once per rank: gloo's all-gather is
     a ring of world_size - 1 dependent rounds, each a thread wake-up, whereas its
     all-to-all posts every send and receive at once. For the 2 KB control vector at 4
     ranks on 2 CPU cores, a collective alone took 0.9 against 1.6 ms of CPU per rank,
@@ -80,10 +82,15 @@ def _gather_rows(out: torch.Tensor, vec: torch.Tensor, group: dist.ProcessGroup 
     section). ``consistency_test`` checks the rows bit for bit. Other backends keep
     their own all-gather.
     """
+    world_size = dist.get_world_size(group)
+    device = collective_device(group, row)
+    row = row.reshape(-1).to(device)
+    out = torch.empty(world_size, row.numel(), dtype=row.dtype, device=device)
     if "gloo" in str(dist.get_backend(group)).lower():
-        world_size = dist.get_world_size(group)
-        return dist.all_to_all_single(out, vec.repeat(world_size), group=group, async_op=async_op)
-    return _all_gather_single(out, vec, group=group, async_op=async_op)
+        work = dist.all_to_all_single(out, row.repeat(world_size, 1), group=group, async_op=async_op)
+    else:
+        work = _all_gather_single(out, row, group=group, async_op=async_op)
+    return out, work
 
 
 @dataclass
@@ -171,14 +178,14 @@ class ControlView:
 class PendingControl:
     """The step's control collective in flight; :meth:`wait` gives the gathered view."""
 
-    def __init__(self, out: torch.Tensor, work: Any, world_size: int) -> None:
-        self._out, self._work, self._world_size = out, work, world_size
+    def __init__(self, out: torch.Tensor, work: Any) -> None:
+        self._out, self._work = out, work
         self._view: ControlView | None = None
 
     def wait(self) -> ControlView:
         if self._view is None:
             self._work.wait()
-            self._view = ControlView(self._out.view(self._world_size, -1))
+            self._view = ControlView(self._out)
         return self._view
 
 
@@ -189,11 +196,7 @@ def start_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     protector overlaps the two; on an oversubscribed CPU this also spares the ranks
     that arrive early from spinning in the collective.
     """
-    world_size = dist.get_world_size(group)
-    device = collective_device(group)
-    out = torch.empty(world_size * vec.numel(), dtype=vec.dtype, device=device)
-    work = _gather_rows(out, vec.to(device), group, async_op=True)
-    return PendingControl(out, work, world_size)
+    return PendingControl(*_gather_rows(vec, group, async_op=True))
 
 
 def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -201,11 +204,7 @@ def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> to
     tensor on the group's collective device: the blocking form of the control
     collective, for the few-number exchanges outside the step (settings digests,
     sync decisions, evaluation results, final fingerprints)."""
-    world_size = dist.get_world_size(group)
-    device = collective_device(group, row)
-    out = torch.empty(world_size * row.numel(), dtype=row.dtype, device=device)
-    _gather_rows(out, row.reshape(-1).to(device), group, async_op=False)
-    return out.view(world_size, -1)
+    return _gather_rows(row, group, async_op=False)[0]
 
 
 def gather_exact_grads(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
