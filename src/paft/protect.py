@@ -310,7 +310,6 @@ class Protector:
             inner_hook=comm_hook,
             inner_state=comm_state,
         )
-        # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
         _check_ranks_agree(self.group, {
             "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
             "grad_clip": grad_clip, "seed": seed, "inject": [s.to_text() for s in specs],
@@ -318,6 +317,7 @@ class Protector:
             "the optimizer's parameter order": _optimizer_order(model, optimizer),
             "the model's parameter shapes": [(tuple(p.shape), str(p.dtype)) for p in self._params],
         })
+        # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
         if monitor.enabled or self.injector.enabled or comm_hook is not None:
             try:
                 model.register_comm_hook(self.hook, paft_comm_hook)
