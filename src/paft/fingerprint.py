@@ -66,7 +66,7 @@ is in ``fingerprint_test.py`` (``test_speed_budget``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -441,7 +441,11 @@ def state_tensors(
     3. ``optim/<param index>/<state key>`` for every tensor in ``optimizer.state``,
        params numbered by their position in ``optimizer.param_groups`` order and
        keys sorted within a param (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``).
-       Non-tensor state entries are skipped.
+       Tensors nested in lists, tuples and dicts (L-BFGS's history, per-block
+       preconditioners of Shampoo-style optimizers) follow their entry as
+       ``optim/<param index>/<state key>/<position or key>/...``. Other values
+       (Python numbers, strings, None) are skipped: they are host-side bookkeeping
+       that every replica updates alike.
 
     The tensors are the live objects (not copies): writing into them writes the state.
 
@@ -463,11 +467,23 @@ def state_tensors(
                 state = optimizer.state.get(p)  # .get: never grows the defaultdict
                 if state:
                     for key in sorted(state, key=str):
-                        value = state[key]
-                        if isinstance(value, torch.Tensor):
-                            out.append((f"optim/{index}/{key}", value))
+                        out.extend(_nested_tensors(f"optim/{index}/{key}", state[key]))
                 index += 1
     return out
+
+
+def _nested_tensors(name: str, value: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for ``value`` itself or every tensor nested in its lists,
+    tuples and dicts (dict keys in sorted order, so the names and their order are
+    the same on every rank)."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _nested_tensors(f"{name}/{i}", item)
+    elif isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from _nested_tensors(f"{name}/{key}", value[key])
 
 
 def state_fingerprint(

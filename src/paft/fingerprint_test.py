@@ -27,7 +27,7 @@ from paft.fingerprint import (
     state_tensors,
     word_checksum,
 )
-from paft.testing import run_workers
+from paft.testing import NestedStateSGD, run_workers
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -320,6 +320,25 @@ def test_state_tensors_groups_missing_state_and_non_tensors() -> None:
     names = [n for n, _ in state_tensors(model, opt) if n.startswith("optim/")]
     assert names == ["optim/0/momentum_buffer", "optim/1/momentum_buffer"]
     assert model[0].bias not in opt.state  # listing never grows the defaultdict
+
+
+def test_state_tensors_reach_tensors_nested_in_optimizer_state() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = NestedStateSGD(model.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).square().sum().backward()
+        opt.step()
+    named = dict(state_tensors(model, opt))
+    optim = [n for n in named if n.startswith("optim/")]
+    # dict keys sorted, list positions in order; the Python int "count" is not a tensor
+    assert optim == [f"optim/{i}/{key}" for i in (0, 1) for key in ("history/0", "history/1", "stats/sq")]
+    assert named["optim/1/history/1"] is opt.state[model.bias]["history"][1]
+    before = state_fingerprint(model, opt)
+    with torch.no_grad():
+        opt.state[model.weight]["stats"]["sq"].view(-1).view(torch.int32)[3] ^= 1  # one mantissa bit
+    assert state_fingerprint(model, opt) != before
 
 
 @pytest.mark.parametrize(

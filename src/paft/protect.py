@@ -96,6 +96,17 @@ class _ForwardSnapshot:
                 live.copy_(saved)
 
 
+def _copy_structure(value: Any) -> Any:
+    """``value`` with its lists and dicts copied (recursively) and everything else,
+    tensors and immutable tuples included, shared: what a snapshot needs to undo
+    in-place appends."""
+    if isinstance(value, list):
+        return [_copy_structure(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _copy_structure(v) for k, v in value.items()}
+    return value
+
+
 class _StateSnapshot:
     """Parameters and optimizer state before ``optimizer.step()``, for a post-step rollback.
 
@@ -103,7 +114,9 @@ class _StateSnapshot:
     allocated once and reused, so a snapshot is one batched copy of the state (no
     allocation, no ``state_dict`` deep copy). Optimizer state that the step creates
     (the first step of Adam, SGD momentum) is removed again on restore; non-tensor
-    state entries are restored from a shallow copy.
+    state entries are restored from a copy of their structure (lists and dicts of
+    tensors that the step grows or rotates in place get their old members back, and
+    those tensors their old values).
     """
 
     def __init__(self) -> None:
@@ -127,7 +140,7 @@ class _StateSnapshot:
             for p in group["params"]:
                 state = optimizer.state.get(p)
                 self._extras[p] = (
-                    (set(state), {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)})
+                    (set(state), {k: _copy_structure(v) for k, v in state.items() if not isinstance(v, torch.Tensor)})
                     if state else None
                 )
         return self

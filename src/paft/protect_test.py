@@ -19,7 +19,7 @@ from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import pairwise_cosine
 from paft.fingerprint import group_replicas, state_fingerprint
 from paft.protect import PersistentFaultError, protect
-from paft.testing import run_workers
+from paft.testing import NestedStateSGD, run_workers
 
 
 def toy_model() -> nn.Module:
@@ -358,15 +358,18 @@ def test_overlapped_and_blocking_sync_agree() -> None:
     assert max(overlapped[0]["divergence"]) <= 2 * max(blocking[0]["divergence"])
 
 
-@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw"])
+@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw", "nested"])
 def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: str) -> None:
     """The guard's rollback: a snapshot (buffers reused across steps) undoes a step exactly,
-    including the optimizer state that a first step creates."""
+    including the optimizer state that a first step creates, and lists / dicts of
+    tensors in the state that the step grows or rotates in place ("nested")."""
     from paft.protect import _StateSnapshot
 
     model = toy_model()
     if opt_name == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    elif opt_name == "nested":
+        opt = NestedStateSGD(model.parameters(), lr=0.05)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -377,7 +380,7 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
         opt.step()
 
     snap = _StateSnapshot()
-    for k in range(3):  # k = 0: no optimizer state yet, so restore must remove what step() created
+    for k in range(4):  # k = 0: no optimizer state yet, so restore must remove what step() created
         before = state_fingerprint(model, opt)
         keys = {id(p): set(opt.state.get(p, {})) for p in model.parameters()}
         snap.capture(model, opt)
@@ -386,6 +389,9 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
         snap.restore(model, opt)
         assert state_fingerprint(model, opt) == before
         assert {id(p): set(opt.state.get(p, {})) for p in model.parameters()} == keys
+        if opt_name == "nested" and k:
+            assert {len(opt.state[p]["history"]) for p in model.parameters()} == {min(k, 2)}
+            assert {opt.state[p]["count"] for p in model.parameters()} == {k}
         step(k)  # then really take the step: the next round snapshots a grown state
 
 

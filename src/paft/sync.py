@@ -10,8 +10,10 @@ forward/backward (:meth:`ReplicaSync.start` / :meth:`ReplicaSync.finish`).
 
 Every sync begins with ONE small control collective: each rank contributes two state
 fingerprints (:func:`paft.fingerprint.fingerprint`), one of its parameters and optimizer
-state and one of its buffers, and, where a reference is kept, the reference's tag (16
-or 24 bytes). If all fingerprints agree the sync is a no-op in every mode -- the
+state and one of its buffers, a hash of its state's structure (names, dtypes, shapes)
+and, where a reference is kept, the reference's tag (24 or 32 bytes). Ranks whose
+structures differ cannot be merged value by value: every rank raises
+``RuntimeError`` (instead of launching collectives of mismatched sizes). If all fingerprints agree the sync is a no-op in every mode -- the
 replicas already are what a sync produces (a mean of identical values could even
 change their last bit) -- and the cheap common case moves no data. If only the buffers
 differ -- the normal case under DDP with BatchNorm, where each rank updates its running
@@ -77,6 +79,7 @@ not a boolean).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 import weakref
@@ -220,6 +223,9 @@ class _Group:
 class _Layout:
     key: tuple[Any, ...]
     groups: list[_Group]
+    digest: int = 0
+    """A hash of ``key`` (names, dtypes, shapes) that is equal on two ranks exactly
+    when their states have the same structure (up to 64-bit collisions)."""
 
 
 def _build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucket_bytes: int) -> _Layout:
@@ -241,7 +247,10 @@ def _build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucke
     for g in by_dtype.values():
         cap = max(1, bucket_bytes // torch.empty((), dtype=g.dtype).element_size())
         g.buckets = [(a, min(a + cap, g.numel)) for a in range(0, g.numel, cap)]
-    return _Layout(key, list(by_dtype.values()))
+    # repr() of names, dtypes and shape tuples is the same in every process (unlike
+    # hash(), which is salted per process for strings).
+    digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little", signed=True)
+    return _Layout(key, list(by_dtype.values()), digest)
 
 
 def _pack(flat: Tensor, tensors: list[Tensor]) -> Tensor:
@@ -422,7 +431,7 @@ class ReplicaSync:
 
     def start(self) -> None:
         """Snapshot the state into flat buffers and launch the collectives
-        asynchronously (only the 16-24-byte control exchange blocks)."""
+        asynchronously (only the 24-32-byte control exchange blocks)."""
         if self._pending is not None:
             raise RuntimeError("ReplicaSync.start(): a sync is already in flight; call finish() first")
         self._pending = self._launch(overlapped=True)
@@ -562,6 +571,18 @@ class ReplicaSync:
             note += f"non-finite ranks {[r for r in everyone if r not in good]} excluded"
         return _Decision("median", groups, good, finite, note=note.rstrip("; "))
 
+    def _check_structure(self, digests: list[int]) -> None:
+        """Raise on every rank if the ranks' states differ in structure: their flat
+        buffers would not line up, and no mode can merge them value by value."""
+        if len(set(digests)) > 1:
+            groups = group_replicas(digests)
+            raise RuntimeError(
+                f"ReplicaSync: the ranks' states differ in structure (tensor names, dtypes or shapes; "
+                f"ranks grouped by structure: {groups}), e.g. optimizer state created on some ranks only "
+                "or a history whose length depends on the values; a sync cannot merge them -- "
+                "restore a checkpoint"
+            )
+
     def _gather_ints(self, row: list[int]) -> list[list[int]]:
         """Blocking gather of a few int64 per rank."""
         return gather_rows(torch.tensor(row, dtype=torch.int64, device=self._device), self.group).tolist()
@@ -571,12 +592,15 @@ class ReplicaSync:
         entries = self._entries()
         ws, rank, group = self.world_size, self.rank, self.group
         is_buffer = [n.startswith("buffer/") for n, _, _ in entries]
-        # The control exchange: two fingerprints (+ the reference tag), 16-24 bytes.
+        # The control exchange: two fingerprints, the state's structure (+ the
+        # reference tag), 24-32 bytes.
         row = [fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if not b),
-               fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if b)]
+               fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if b),
+               self._layout_for(entries).digest]
         row += [self._ref_tag] if self._keeps_reference else []
         ctrl = self._gather_ints(row)
         bytes_sent, collectives = len(row) * 8, 1
+        self._check_structure([r[2] for r in ctrl])
         tags = [r[-1] for r in ctrl]
         note = ""
         if len({r[0] for r in ctrl}) == 1 and len({r[1] for r in ctrl}) > 1:

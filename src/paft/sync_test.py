@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.fingerprint import fingerprint, state_tensors
 from paft.sync import ReplicaSync, SyncReport, measure_divergence
-from paft.testing import run_workers
+from paft.testing import NestedStateSGD, run_workers
 
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 
@@ -282,18 +282,18 @@ def test_three_ranks_repair_noop_nan_and_overlap():
         _assert_same(r["flip"]["state"], res[2]["clean"])
         assert rep.divergence > 1e20  # rank 1 was ~1e37 away
     _assert_replicas_identical([r["flip"] for r in res])
-    # no-op: only the two fingerprints (16 bytes per rank), nothing else
+    # no-op: only the two fingerprints and the structure hash (24 bytes per rank)
     for r in res:
         rep = r["noop"]
-        assert rep.mode == "noop" and rep.bytes_sent == 16 and rep.collectives == 1
+        assert rep.mode == "noop" and rep.bytes_sent == 24 and rep.collectives == 1
         assert rep.divergence == 0.0 and rep.groups == [[0, 1, 2]]
     for r in res:
         assert r["flip_optim"].mode == "majority-copy" and r["flip_optim"].groups == [[0, 1], [2]]
         _assert_same(r["after_flip_optim"], res[0]["clean"])
     # one rank to repair: the source sends to it point-to-point, rank 2 moves nothing
     state_bytes = sum(t.numel() * t.element_size() for _, t in res[0]["clean"])
-    assert res[0]["flip"]["report"].bytes_sent == 24 + state_bytes + 8
-    assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == 24 + 8
+    assert res[0]["flip"]["report"].bytes_sent == 32 + state_bytes + 8
+    assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == 32 + 8
     assert res[2]["flip"]["report"].collectives == 3  # fingerprints, finite flags, divergence
 
     # a majority of identical but non-finite replicas is not copied
@@ -345,6 +345,36 @@ def test_three_ranks_repair_noop_nan_and_overlap():
 # ----------------------------------------------------------------------------
 # 4 ranks: 2-2 split -> median; broadcast; buckets; measure_divergence
 # ----------------------------------------------------------------------------
+
+
+def _w_nested(rank: int, ws: int) -> dict:
+    model = _model("mlp")
+    opt = NestedStateSGD(model.parameters())
+    _train(model, opt, "mlp", steps=3, seed=5)  # the same data: identical replicas
+    clean = _snap(model, opt)
+    sync = ReplicaSync(model, opt)
+    if rank == 1:  # corrupt a tensor nested in a dict of the optimizer state
+        _flip_exponent(opt.state[model[0].weight]["stats"]["sq"], 4)
+    rep = sync.sync()
+    out = {"repair": rep.mode, "groups": rep.groups, "state": _snap(model, opt), "fp": _fp(model, opt),
+           "clean": clean}
+    if rank == 2:  # a history one entry longer: the flat buffers no longer line up
+        opt.state[model[2].bias]["history"].append(torch.zeros(3))
+    try:
+        sync.sync()
+        out["mismatch"] = None
+    except RuntimeError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+def test_nested_optimizer_state_is_repaired_and_a_structure_mismatch_is_an_error_on_every_rank():
+    res = run_workers(_w_nested, 3)
+    for r in res:
+        assert r["repair"] == "majority-copy" and r["groups"] == [[0, 2], [1]]
+        _assert_same(r["state"], r["clean"])  # the nested tensor got the majority's bits back
+        assert "ranks grouped by structure: [[0, 1], [2]]" in r["mismatch"]
+    _assert_replicas_identical(res)
 
 
 def _w_four(rank: int, ws: int) -> dict:
@@ -408,8 +438,8 @@ def test_four_ranks_split_broadcast_buckets_and_divergence():
         assert rep.mode == "broadcast" and rep.source_ranks == [2]
         # fingerprints + finite flags + buckets + divergence
         assert 2 + total // 64 + 1 <= rep.collectives <= 2 + buckets + 1
-    assert res[2]["bcast"]["report"].bytes_sent == 16 + 8 + total + 8
-    assert res[0]["bcast"]["report"].bytes_sent == 16 + 8 + 8
+    assert res[2]["bcast"]["report"].bytes_sent == 24 + 8 + total + 8
+    assert res[0]["bcast"]["report"].bytes_sent == 24 + 8 + 8
 
     # measure_divergence == hand computation
     params = [[t for n, t in r["div_state"] if n.startswith("param/")] for r in res]
@@ -500,7 +530,7 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
         for n, t in r["ref"]["state"]:
             if t.is_floating_point():
                 assert torch.isfinite(t).all() and t.abs().max() < 10, n  # the 1e37 never survives
-        assert r["noop"].mode == "noop" and r["noop"].bytes_sent == 24  # fingerprints, reference tag
+        assert r["noop"].mode == "noop" and r["noop"].bytes_sent == 32  # fingerprints, structure, reference tag
         assert r["tags"][0] != 0 and r["tags"][0] == res[0]["tags"][0]
         assert r["tags"][1] == res[0]["tags"][1] == r["tags"][2]
     _assert_replicas_identical([r["disagree"] for r in res])
@@ -602,5 +632,5 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     for r in res:
         rep = r["bn"]["report"]
         assert rep.mode == "median-with-reference" and rep.note == "buffers only"
-        # fingerprints + tag, finite flags, the buffers, the divergence max
-        assert rep.bytes_sent == 24 + 8 + r["bn"]["buffer_bytes"] + 8 and rep.divergence == 0.0
+        # fingerprints + structure + tag, finite flags, the buffers, the divergence max
+        assert rep.bytes_sent == 32 + 8 + r["bn"]["buffer_bytes"] + 8 and rep.divergence == 0.0

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_workers", "WorkerError"]
+__all__ = ["run_workers", "WorkerError", "NestedStateSGD"]
 
 
 class WorkerError(RuntimeError):
@@ -111,3 +111,29 @@ def run_workers(
                 f"ranks {missing} returned nothing within {timeout}s (exit codes {codes})"
             )
         return [outs[r] for r in range(world_size)]
+
+
+class NestedStateSGD(torch.optim.Optimizer):
+    """A test optimizer whose state nests tensors, as L-BFGS and Shampoo-style
+    optimizers do: ``history`` (a list of the last two gradients), ``stats`` (a dict
+    holding a running mean of squared gradients) and ``count`` (a Python int).
+    The update is a normalized average of the history."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                history = state.setdefault("history", [])
+                history.append(p.grad.clone())
+                del history[:-2]
+                stats = state.setdefault("stats", {"sq": torch.zeros_like(p)})
+                stats["sq"].mul_(0.9).addcmul_(p.grad, p.grad, value=0.1)
+                state["count"] = state.get("count", 0) + 1
+                direction = torch.stack(history).mean(0) / (stats["sq"].sqrt() + 1e-8)
+                p.add_(direction, alpha=-group["lr"])
