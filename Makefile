@@ -1,6 +1,6 @@
 # Two commands set up everything on a fresh machine and are safe to repeat:
 #   make train   -> venv + CPU torch + paft, then `paft train` on its default (gpt, 4 workers)
-#   make test    -> the same set-up, then the test suite (slow experiments skipped)
+#   make test    -> the same set-up, then the lint check and the test suite (slow experiments skipped)
 # TORCH_SPEC picks the torch build; the default is the CPU wheel. On a GPU machine:
 #   make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126' test
 PYTHON ?= python3
@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.paft-installed
 
-.PHONY: setup train test test-slow clean
+.PHONY: setup train lint test test-slow clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,10 @@ $(STAMP): pyproject.toml
 train: setup
 	$(BIN)/paft train $(ARGS)
 
-test: setup
+lint: setup
+	$(BIN)/ruff check src
+
+test: lint
 	$(BIN)/python -m pytest $(ARGS)
 
 test-slow: setup

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from paft.bench import add_bench_parser, run_bench
 from paft.options import OptionParser, add_train_options, config_from_namespace

@@ -123,7 +123,8 @@ def test_overwrite_deletes_only_paft_output(
     (tmp_path / "afile").write_text("")
     for argv, needle in [
         (["train", "--run-dir", "mine", "--overwrite"], "--overwrite: mine holds no config.json"),
-        (["bench", "overhead", "--out", "mine", "--overwrite"], "--overwrite: mine holds no .paft-bench or results.json"),
+        (["bench", "overhead", "--out", "mine", "--overwrite"],
+         "--overwrite: mine holds no .paft-bench or results.json"),
         (["train", "--run-dir", "afile/run"], "--run-dir: cannot create afile/run: afile is not a directory"),
     ]:
         with pytest.raises(SystemExit) as exc:

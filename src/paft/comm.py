@@ -29,8 +29,9 @@ the fault-free path is bit-for-bit DDP's default all-reduce.
 
 # No `from __future__ import annotations` here: DDP inspects the hook's real
 # annotations (bucket: dist.GradBucket) when it is registered.
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -26,8 +26,9 @@ import bisect
 import dataclasses
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

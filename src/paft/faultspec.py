@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Union
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ FLOAT_LAYOUT: dict[torch.dtype, tuple[torch.dtype, int, int, tuple[int, int], tu
 }
 
 Steps = tuple[tuple[int, int], ...]
-Ranks = Union[str, tuple[int, ...]]
+Ranks = str | tuple[int, ...]
 
 
 class FaultSpecError(ValueError):

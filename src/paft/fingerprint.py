@@ -270,7 +270,7 @@ def _as_bytes(i: int, t: torch.Tensor) -> torch.Tensor:
     try:
         return t.reshape(-1).view(torch.uint8)
     except RuntimeError as e:  # quantized, sub-byte dtypes, ...
-        raise TypeError(f"fingerprint: cannot read the bytes of tensor {i} ({t.dtype}): {e}")
+        raise TypeError(f"fingerprint: cannot read the bytes of tensor {i} ({t.dtype}): {e}") from e
 
 
 def _digests(views: list[torch.Tensor], plan: _Plan) -> list[int]:

@@ -118,8 +118,9 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

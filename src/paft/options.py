@@ -19,8 +19,9 @@ import json
 import pathlib
 import re
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from paft.config import (
     OPTIMIZERS,
@@ -125,7 +126,7 @@ _GROUP_TITLES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each dataclass field (the help text of its option)."""
     tree = ast.parse(inspect.getsource(cls))

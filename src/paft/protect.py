@@ -40,8 +40,9 @@ import dataclasses
 import hashlib
 import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -591,7 +592,9 @@ class Protector:
             self.recorder.event({"step": step, "event": "guard", "attempt": attempt, **verdict.to_json()})
             cause = f", cause {verdict.cause}" if verdict.cause else ""
             ranks = f" on rank(s) {verdict.ranks}" if verdict.ranks else ""
-            self.recorder.say(f"[guard] step {step} attempt {attempt}: {verdict.detector}{ranks} -> {verdict.action}{cause}")
+            self.recorder.say(
+                f"[guard] step {step} attempt {attempt}: {verdict.detector}{ranks} -> {verdict.action}{cause}"
+            )
         if verdict.action == "stop":
             raise PersistentFaultError(step, verdict.ranks)
         return verdict

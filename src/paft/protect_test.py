@@ -67,7 +67,7 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         if nan_at == [rank, step]:
             x[0, 0] = float("nan")
 
-        def closure() -> torch.Tensor:
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -445,7 +445,8 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "closure returns None": "TypeError: the closure must return the loss as a one-element tensor, got NoneType",
         "no backward": "RuntimeError: the closure ran no backward()",
         "protect twice": "RuntimeError: protect(): this DDP model already has a comm hook",
-        "garbage state": "ValueError: Protector.load_state_dict(): not a protector state (missing ['step', 'counters'])",
+        "garbage state":
+            "ValueError: Protector.load_state_dict(): not a protector state (missing ['step', 'counters'])",
         "state of another mode": "ValueError: Protector.load_state_dict(): the state has scheduler part and this "
                                  "protector has none",
         "period per rank": "ValueError: protect(): ranks disagree on the protect config",

@@ -23,7 +23,8 @@ import math
 import os
 import pathlib
 import tempfile
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -78,7 +79,8 @@ def output_dir_problem(path: pathlib.Path, option: str, markers: tuple[str, ...]
             if not overwrite:
                 return f"{option}: {path} already exists; pass --overwrite to replace it"
             if not any((path / m).is_file() for m in markers):
-                return f"--overwrite: {path} holds no {' or '.join(markers)}, so it is not paft's output; refusing to delete it"
+                return (f"--overwrite: {path} holds no {' or '.join(markers)}, so it is not paft's output; "
+                        "refusing to delete it")
         return None if os.access(path, os.W_OK) else f"{option}: {path} is not writable"
     parent = path.parent
     while not parent.exists() and parent != parent.parent:

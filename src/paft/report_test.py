@@ -7,8 +7,8 @@ guard and sync events, non-finite values) are derived from a real run's files.
 from __future__ import annotations
 
 import json
-import re
 import pathlib
+import re
 import shutil
 from typing import Any
 

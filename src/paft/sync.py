@@ -13,13 +13,14 @@ fingerprints (:func:`paft.fingerprint.fingerprint`), one of its parameters and o
 state and one of its buffers, a hash of its state's structure (names, dtypes, shapes)
 and, where a reference is kept, the reference's tag (24 or 32 bytes). Ranks whose
 structures differ cannot be merged value by value: every rank raises
-``RuntimeError`` (instead of launching collectives of mismatched sizes). If all fingerprints agree the sync is a no-op in every mode -- the
-replicas already are what a sync produces (a mean of identical values could even
-change their last bit) -- and the cheap common case moves no data. If only the buffers
-differ -- the normal case under DDP with BatchNorm, where each rank updates its running
-statistics from its own batch -- only the buffers are synchronized (the report's note
-says ``buffers only``), not the whole state. Otherwise one
-more 8-byte all-gather carries each rank's finite flag (robust, mean), and per mode:
+``RuntimeError`` (instead of launching collectives of mismatched sizes). If all
+fingerprints agree the sync is a no-op in every mode -- the replicas already are
+what a sync produces (a mean of identical values could even change their last
+bit) -- and the cheap common case moves no data. If only the buffers differ -- the
+normal case under DDP with BatchNorm, where each rank updates its running
+statistics from its own batch -- only the buffers are synchronized (the report's
+note says ``buffers only``), not the whole state. Otherwise one more 8-byte
+all-gather carries each rank's finite flag (robust, mean), and per mode:
 
 * ``robust`` (default):
 
@@ -786,7 +787,8 @@ class ReplicaSync:
         self.syncs += 1
         if self._keeps_reference:
             # Merged: a buffers-only sync leaves the parameters' reference as it was.
-            self._ref = {**(self._ref or {}), **self._capture(layout, p.reference if p.reference is not None else synced)}
+            agreed = p.reference if p.reference is not None else synced
+            self._ref = {**(self._ref or {}), **self._capture(layout, agreed)}
             tag = torch.tensor([self.syncs, *(x for r in p.ctrl for x in r[:2])], dtype=torch.int64)
             self._ref_tag = fingerprint([tag])  # same on both ranks: same inputs
 

@@ -510,7 +510,8 @@ def _w_two(rank: int, ws: int) -> dict:
     if rank == 1:
         with torch.no_grad():
             model[2].bias[1] = -math.inf
-    out["mean"] = {"report": ReplicaSync(model, opt, mode="mean").sync(), "state": _snap(model, opt), "fp": _fp(model, opt)}
+    report = ReplicaSync(model, opt, mode="mean").sync()
+    out["mean"] = {"report": report, "state": _snap(model, opt), "fp": _fp(model, opt)}
     # and no finite replica at all: a clear error on every rank (no deadlock)
     with torch.no_grad():
         model[2].bias[1] = math.nan

@@ -4,7 +4,8 @@
 it also runs unchanged under torchrun::
 
     torchrun --standalone --nproc-per-node 2 -m paft.train --workload resnet --steps 100
-    torchrun --standalone --nproc-per-node 4 -m paft.train --inject bitflip:rate=0.05,bits=exponent,ranks=1 --protect dyn
+    torchrun --standalone --nproc-per-node 4 -m paft.train \\
+        --inject bitflip:rate=0.05,bits=exponent,ranks=1 --protect dyn
 
 The loop is short on purpose; each piece is a named method of :class:`Trainer`.
 """
@@ -23,7 +24,8 @@ import shutil
 import sys
 import time
 import zipfile
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -213,7 +215,8 @@ class Trainer:
             cfg.workload, seed=cfg.seed, model_args={**cfg.model, **self._dropout_arg(cfg)}
         )
         model = self.workload.model.to(self.device)
-        self.model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=device_ids)
         self.optimizer = _build_optimizer(cfg, self.model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
         per_rank_seed = cfg.seed + (7919 * self.rank if cfg.desync_seed else 0)

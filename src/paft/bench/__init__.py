@@ -113,7 +113,9 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     if args.benchmark in ("matrix", "desync", "detection") and args.world_size < 2:
         parser.error(f"--world-size: must be >= 2 for {args.benchmark}, got {args.world_size}")
     if args.benchmark == "overhead" and args.steps < overhead.BLOCKS:
-        parser.error(f"--steps: must be >= {overhead.BLOCKS} (the ratios are also reported per block), got {args.steps}")
+        parser.error(
+            f"--steps: must be >= {overhead.BLOCKS} (the ratios are also reported per block), got {args.steps}"
+        )
     if args.benchmark == "overhead" and args.warmup < 0:
         parser.error(f"--warmup: must be >= 0, got {args.warmup}")
     if args.benchmark == "overhead" and args.batch_size % args.world_size:

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import math
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from paft.bench import overhead
 from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs

@@ -49,7 +49,8 @@ from __future__ import annotations
 import pathlib
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

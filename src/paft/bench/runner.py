@@ -9,7 +9,8 @@ throughput ratios.
 
 Example::
 
-    runs = [Run("ref", make_config(base, out / "ref")), Run("dyn", make_config(base, out / "dyn", protect={"mode": "dyn"}))]
+    runs = [Run("ref", make_config(base, out / "ref")),
+            Run("dyn", make_config(base, out / "dyn", protect={"mode": "dyn"}))]
     run_all(runs, world_size=4)
     ratios = throughput_ratios([r.name for r in runs], [r.summary["steps_per_s"] for r in runs], "ref")
 """
@@ -25,8 +26,9 @@ import pathlib
 import statistics
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 

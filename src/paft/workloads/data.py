@@ -29,8 +29,9 @@ import functools
 import gzip
 import os
 import struct
+from collections.abc import Iterator
 from importlib import resources
-from typing import TYPE_CHECKING, Iterator, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ import torch
 if TYPE_CHECKING:  # importlib.abc.Traversable is deprecated; resources.abc is 3.11+
     from importlib.resources.abc import Traversable
 
-    PathLike = Union[str, os.PathLike[str], Traversable]
+    PathLike = str | os.PathLike[str] | Traversable
 
 __all__ = [
     "Dataset",
@@ -175,7 +176,7 @@ class CharVocab:
         return "".join(self.chars[i] for i in ids.tolist())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_shakespeare() -> tuple[torch.Tensor, CharVocab]:
     """The whole Tiny Shakespeare text as an int64 token tensor, and its vocabulary."""
     text = _data_file(SHAKESPEARE_FILE).read_text(encoding="utf-8")
@@ -248,7 +249,7 @@ def _load_mnist_from(images_src: PathLike, labels_src: PathLike) -> tuple[torch.
     return x, labels.to(torch.int64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_mnist() -> tuple[torch.Tensor, torch.Tensor]:
     """All 10k images ``(10000, 1, 28, 28)`` float32 (normalized) and int64 labels."""
     return _load_mnist_from(_data_file(MNIST_IMAGES_FILE), _data_file(MNIST_LABELS_FILE))

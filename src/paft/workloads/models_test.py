@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ from torch import nn
 
 from paft.testing import run_workers
 from paft.workloads import (
-    WORKLOADS,
     GPT,
+    WORKLOADS,
     GPTConfig,
     Llama,
     LlamaConfig,
@@ -22,6 +23,7 @@ from paft.workloads import (
     Workload,
     build_workload,
 )
+
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
