@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train on N local workers (DDP, gloo on CPU / NCCL on GPU)",
         description="Train one workload on N local workers launched through torch's elastic launcher, "
-        "writing a run directory (config.json, metrics/, consistency.jsonl, faults.jsonl, events.jsonl, "
-        "checkpoints/, summary.json).",
+        "writing a run directory (config.json, metrics/, consistency.jsonl, evals.jsonl, checkpoints/, "
+        "summary.json; faults.jsonl and events.jsonl once there is something to record; tb/ with --tensorboard).",
         epilog=_fault_grammar() + _TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -159,6 +159,22 @@ def test_missing_gpus_exit_2_before_anything_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tensorboard_without_its_package_exits_2_before_anything_is_written(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--tensorboard", "--run-dir", "r"])
+    assert exc.value.code == 2
+    assert "--tensorboard: needs the tensorboard package" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -227,6 +243,27 @@ def test_paft_train_end_to_end_with_config_file(
     assert exc.value.code == 2
     assert "has an intact file for every rank (step0000040: rank(s) [1] missing or damaged)" in capsys.readouterr().err
     assert (tmp_path / "r" / "config.json").read_bytes() == before[tmp_path / "r" / "config.json"]
+
+
+def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> None:
+    """``python -m paft.train`` takes the world size from torchrun, and refuses a
+    --world-size that differs from the processes torchrun started (exit 2 on every rank)."""
+    (tmp_path / "tiny.toml").write_text(
+        "steps = 3\nbatch-size = 8\neval-batches = 1\n[model]\nn_layer = 1\nn_embd = 16\nn_head = 2\nblock_size = 16\n"
+    )
+    torchrun = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
+                "-m", "paft.train", "--config", "tiny.toml", "--quiet"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run([*torchrun, "--run-dir", "r"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                        env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["world_size"] == 2
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["world_size"] == 2
+    bad = subprocess.run([*torchrun, "--run-dir", "r2", "--world-size", "4"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert bad.returncode != 0
+    assert "--world-size 4: torchrun started 2 processes; pass --world-size 2 or leave it out" in bad.stderr
+    assert not (tmp_path / "r2").exists()
 
 
 def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,8 +119,8 @@ class ProtectConfig:
     ``averager`` (PyTorch's PeriodicModelAverager at ``--sync-period``: parameters only,
     blocking; the in-tree baseline) (``--protect``)."""
     sync_period: int = 50
-    """H, steps between synchronizations for ``sync``; the initial H for ``dyn``
-    (``--sync-period``)."""
+    """H, steps between synchronizations for ``sync`` and ``averager``; the initial H
+    for ``dyn``, clamped into [--h-min, --h-max] (``--sync-period``)."""
     sync_mode: str = "robust"
     """How replicas are merged: ``robust`` (majority copy, else median), ``mean`` or
     ``broadcast`` (``--sync-mode``)."""
@@ -262,7 +263,9 @@ class TrainConfig:
     device: str = "auto"
     """``auto`` (CUDA if available, else CPU), ``cpu`` or ``cuda`` (``--device``)."""
     model: dict[str, Any] = field(default_factory=dict)
-    """Model size overrides, e.g. ``{"n_layer": 2}`` (``--model n_layer=2``)."""
+    """Model field overrides, one KEY=VALUE per ``--model`` (repeatable): ``--model
+    n_layer=2 --model n_embd=64``. gpt: block_size, n_layer, n_head, n_embd; llama: the
+    same and multiple_of; resnet: depth, width (``--model``)."""
     dropout: float = 0.0
     """Dropout probability in the transformer workloads (``--dropout``)."""
     desync_shuffle: bool = False
@@ -275,7 +278,8 @@ class TrainConfig:
     quiet: bool = False
     """No console progress from the workers (``--quiet``); the run directory is written as usual."""
     tensorboard: bool = False
-    """Also write TensorBoard scalars to ``<run-dir>/tb`` (``--tensorboard``)."""
+    """Also write TensorBoard scalars to ``<run-dir>/tb`` (``--tensorboard``); needs the
+    optional tensorboard package (``pip install 'paft[tensorboard]'``)."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     protect: ProtectConfig = field(default_factory=ProtectConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -298,6 +302,8 @@ class TrainConfig:
         # Every seed paft derives (per rank, per purpose) must stay a valid torch seed.
         _require(0 <= self.seed < 2**32, "--seed", f"must be in [0, 2**32), got {self.seed}")
         _require(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")
+        _require(not self.tensorboard or importlib.util.find_spec("tensorboard") is not None, "--tensorboard",
+                 "needs the tensorboard package, which is not installed: pip install 'paft[tensorboard]'")
         _require(
             self.batch_size % self.world_size == 0,
             "--batch-size",

@@ -8,7 +8,7 @@ naming the field.
 
 Grammar (one ``--inject`` value)::
 
-    KIND[:key=value,key=value,...]
+    KIND:key=value,key=value,...        (rate= or steps= is required)
 
     KIND        bitflip | scale | noise | zero | nan | inf | random | stale
     site=       aggregation (default) | local-grad | params | optimizer-state

@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,7 +180,8 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
         if group is None:
             group = groups[opt.section] = parser.add_argument_group(_GROUP_TITLES[opt.section])
         # The docstrings name their option for readers of the code; --help needs neither that nor RST.
-        doc = re.sub(r"\s*\(``--[a-z-]+``(, [^)]*)?\)", "", _field_docs(_SECTIONS[opt.section]).get(opt.name, ""))
+        doc = re.sub(r"\s*\(``--[a-z-]+``(?:, ([^)]*))?\)", lambda m: f" ({m[1]})" if m[1] else "",
+                     _field_docs(_SECTIONS[opt.section]).get(opt.name, ""))
         doc = doc.replace("``", "")
         default = _default(opt)
         kwargs: dict[str, Any] = {"dest": opt.flag, "default": argparse.SUPPRESS}
@@ -316,16 +317,17 @@ def _merge(values: dict[str, Any], new: dict[str, Any]) -> None:
         values[key] = value
 
 
-def config_from_namespace(ns: argparse.Namespace) -> TrainConfig:
+def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None = None) -> TrainConfig:
     """Build (and so validate) the config.
 
-    Precedence, lowest first: defaults, the resumed run's ``config.json`` (with
+    Precedence, lowest first: defaults, ``base`` (long option names to values, e.g.
+    the world size torchrun started), the resumed run's ``config.json`` (with
     ``--resume``), the ``--config`` file, the command line. A resumed run therefore
     keeps its settings; options given again (e.g. ``--steps``) change them.
     """
     given = {k: v for k, v in vars(ns).items() if k in _BY_KEY}
     from_file = _read_config_file(ns.config) if getattr(ns, "config", None) else {}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(base or {})
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if resume and run_dir and (pathlib.Path(run_dir) / "config.json").is_file():
@@ -357,13 +359,15 @@ def parse_train_config(
     argv: Sequence[str] | None = None,
     prog: str = "paft train",
     error: Callable[[str], Any] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> TrainConfig:
-    """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2."""
+    """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2.
+    ``base``: see :func:`config_from_namespace`."""
     parser = OptionParser(prog=prog)
     add_train_options(parser)
     ns = parser.parse_args(argv)
     try:
-        return config_from_namespace(ns)
+        return config_from_namespace(ns, base)
     except ValueError as err:
         (error or parser.error)(str(err))
         raise  # parser.error exits; a custom handler might not

@@ -496,14 +496,17 @@ class Protector:
 
     def _run_closure(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The closure's loss, checked: a wrong return value or a missing backward() would
-        otherwise fail deep inside the step, or train nothing without a word."""
+        otherwise fail deep inside the step, or train nothing without a word (a closure
+        without backward() after an earlier step would apply that step's gradients again)."""
+        # A backward pass creates each gradient or writes into it, which bumps its version.
+        before = [(p.grad, p.grad._version if p.grad is not None else 0) for p in self._params]
         loss = closure()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TypeError(f"the closure must return the loss as a one-element tensor, got {got}")
-        if all(p.grad is None for p in self._params):
-            raise RuntimeError("the closure ran no backward(): no parameter has a gradient; "
-                               "call loss.backward() inside it")
+        if all(p.grad is g and (g is None or g._version == v) for p, (g, v) in zip(self._params, before)):
+            raise RuntimeError("the closure ran no backward(): no parameter's gradient was created or changed; "
+                               "call optimizer.zero_grad() and loss.backward() inside it")
         return loss
 
     def _inject_at_rest(self, step: int) -> None:

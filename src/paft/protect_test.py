@@ -406,6 +406,18 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
     def forward_only(model: DistributedDataParallel) -> Any:
         return lambda: nn.functional.mse_loss(model(x), y)  # no backward()
 
+    def stale(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        protector = protect(model, optimizer)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        protector.step(closure)
+        protector.step(forward_only(model))  # the last step's gradients are still there
+
     cases: dict[str, Any] = {
         "foreign optimizer": lambda m, o: protect(m, torch.optim.SGD(toy_model().parameters(), lr=0.1)),
         "lbfgs": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters())),
@@ -414,6 +426,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "config dict": lambda m, o: protect(m, o, protect={"mode": "dyn"}),
         "closure returns None": lambda m, o: protect(m, o).step(lambda: None),
         "no backward": lambda m, o: protect(m, o).step(forward_only(m)),
+        "no backward after a step": stale,
         "protect twice": lambda m, o: (protect(m, o), protect(m, o)),
         "garbage state": lambda m, o: protect(m, o).load_state_dict({}),
         "state of another mode": lambda m, o: protect(m, o).load_state_dict(
@@ -444,6 +457,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "config dict": "TypeError: protect(): protect= must be a ProtectConfig, got dict",
         "closure returns None": "TypeError: the closure must return the loss as a one-element tensor, got NoneType",
         "no backward": "RuntimeError: the closure ran no backward()",
+        "no backward after a step": "RuntimeError: the closure ran no backward()",
         "protect twice": "RuntimeError: protect(): this DDP model already has a comm hook",
         "garbage state":
             "ValueError: Protector.load_state_dict(): not a protector state (missing ['step', 'counters'])",

@@ -7,6 +7,8 @@ it also runs unchanged under torchrun::
     torchrun --standalone --nproc-per-node 4 -m paft.train \\
         --inject bitflip:rate=0.05,bits=exponent,ranks=1 --protect dyn
 
+The world size is the number of processes torchrun starts.
+
 The loop is short on purpose; each piece is a named method of :class:`Trainer`.
 """
 
@@ -560,10 +562,21 @@ def run_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m paft.train`` under torchrun: every rank parses the same options."""
+    """``python -m paft.train`` under torchrun: every rank parses the same options.
+
+    The world size is torchrun's (``WORLD_SIZE``) unless ``--world-size`` or a config
+    file sets it; a value that differs from the processes torchrun started is refused
+    (exit 2), since the per-rank batch and the fault ranks are derived from it."""
     from paft.options import parse_train_config
 
-    cfg = parse_train_config(argv, prog="python -m paft.train")
+    prog = "python -m paft.train"
+    launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    cfg = parse_train_config(argv, prog=prog, base={"world-size": launched} if launched else None)
+    if launched is not None and cfg.world_size != launched:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{prog}: error: --world-size {cfg.world_size}: torchrun started {launched} processes; "
+                  f"pass --world-size {launched} or leave it out", file=sys.stderr)
+        return 2
     _set_threads()
     _init_process_group(cfg)
     # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.

@@ -1,6 +1,7 @@
 """``paft bench``: side-by-side experiments, measured in one session on this machine.
 
-Subcommands (each writes ``results.json``, ``results.md`` and plots into ``--out``):
+Subcommands (each writes ``results.json`` and ``results.md`` into ``--out``; matrix,
+desync and detection also plots):
 
 - ``matrix``: the PAFT evaluation matrix (:mod:`paft.bench.matrix`);
 - ``overhead``: cost of each defense without faults (:mod:`paft.bench.overhead`);
@@ -47,7 +48,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     matrix = kinds.add_parser("matrix", help="fault-free / unprotected / averager / PAFT-Sync / PAFT-Dyn / guard, "
                               "per workload and fault setting")
     common(matrix)
-    matrix.add_argument("--quick", action="store_true", help="one fault setting, fewer steps (under 5 minutes)")
+    matrix.add_argument("--quick", action="store_true",
+                        help="one aggregation and one local-gradient fault setting, fewer steps (under 5 minutes)")
     matrix.add_argument("--workloads", default="gpt,llama,resnet", help="comma-separated [default: %(default)s]")
     matrix.add_argument("--steps", type=int, help="steps per run [default: 40 with --quick, else 150]")
     matrix.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
@@ -56,7 +58,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                                 description="Every variant trains in the same worker processes, one step each in "
                                 "turn (paired steps), so machine drift cancels out of the ratios.")
     common(overhead)
-    overhead.add_argument("--steps", type=int, default=200, help="timed steps per variant [default: %(default)s]")
+    overhead.add_argument("--steps", type=int, default=200,
+                          help="timed steps per variant, at least 5 [default: %(default)s]")
     overhead.add_argument("--warmup", type=int, default=WARMUP,
                           help="untimed steps first (DDP set-up, the guard's warm-up) [default: %(default)s]")
     overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
@@ -67,7 +70,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                           "the work per rank grows [default: %(default)s, as paft train]")
     overhead.add_argument("--model", metavar="KEY=VALUE", action="append", type=parse_model_arg,
                           help="model size override, as paft train's (e.g. --model n_layer=12); repeatable")
-    overhead.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
+    overhead.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} [default: all]")
 
     desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
     common(desync)
@@ -214,5 +217,6 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"\npaft bench: interrupted ({err or 'Ctrl-C'}); {out} keeps the runs finished so far",
               file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"\nresults in {out}/ (results.md, results.json, plots)")
+    plots = ", plots" if args.benchmark in ("matrix", "desync", "detection") else ""
+    print(f"\nresults in {out}/ (results.md, results.json{plots})")
     return 0
