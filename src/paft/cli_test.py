@@ -266,28 +266,47 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
     assert not (tmp_path / "r2").exists()
 
 
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwrite_restores_the_old_run(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every replica NaN at step 1 and a mean sync: the workers stop with an error.
+    failing = ["--steps", "4", "--world-size", "2", "--batch-size", "4", "--eval-batches", "1", "--model", "n_layer=1",
+               "--model", "n_embd=16", "--model", "n_head=2", "--model", "block_size=16", "--inject",
+               "nan:site=params,steps=1,ranks=0+1", "--protect", "sync", "--sync-period", "1", "--sync-mode", "mean",
+               "--no-overlap", "--quiet"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *failing, "--run-dir", "r"]) == 1
+    assert "nothing in r could be resumed, so it was removed" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    (tmp_path / "old" / "summary.json").write_text("old run")
+    assert main(["train", *failing, "--run-dir", "old", "--overwrite"]) == 1
+    assert "the run it was to replace is back in old" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+    assert (tmp_path / "old" / "summary.json").read_text() == "old run"
+
+
 def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from paft.launch import _set_aside, _settle
     from paft.train import RunDirError
 
     run = tmp_path / "run"
-    for finished, checkpoint in [(True, False), (False, True), (False, False)]:
+    for keep_new in (True, False):
         shutil.rmtree(run, ignore_errors=True)
         run.mkdir()
         (run / "summary.json").write_text("old")
         aside = _set_aside(run)
         assert aside is not None and not run.exists() and aside.parent == tmp_path
         assert (aside / "summary.json").read_text() == "old"
-        run.mkdir()
-        (run / "summary.json").write_text("new")
-        if checkpoint:
-            (run / "checkpoints").mkdir()
-            (run / "checkpoints" / "latest").write_text("step0000010")
-        _settle(aside, run, finished=finished)
-        assert (run / "summary.json").read_text() == "new"  # the new run's output is never deleted
-        assert aside.exists() == (not finished and not checkpoint)  # the old one only once it is kept
-    assert f"is kept in {aside}" in capsys.readouterr().err
+        if keep_new:
+            run.mkdir()
+            (run / "summary.json").write_text("new")
+        _settle(aside, run, keep_new=keep_new)  # a new run not kept was removed before
+        assert (run / "summary.json").read_text() == ("new" if keep_new else "old")
+        assert not aside.exists()
+    assert f"the run it was to replace is back in {run}" in capsys.readouterr().err
     assert _set_aside(tmp_path / "none") is None  # nothing to move
     monkeypatch.chdir(run)
     for here in (".", ".."):  # the working directory, or one that holds it, is never moved

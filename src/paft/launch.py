@@ -44,9 +44,11 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     Raises :class:`paft.train.RunDirError` or :class:`paft.train.DeviceError` (before
     anything is written) when the run directory or the devices cannot be used.
 
-    ``--overwrite`` moves the old run aside instead of deleting it, and deletes it only
-    once the new run has finished or written its first checkpoint; when the new run
-    fails or is interrupted before that, both are kept and the message says where.
+    A new run that fails or is interrupted before its first checkpoint leaves nothing
+    behind: its directory could not be resumed, so it is removed (the console keeps
+    the traceback). ``--overwrite`` moves the old run aside instead of deleting it, and
+    deletes it only once the new run has finished or written its first checkpoint;
+    when the new run stops before that, the old run is moved back.
     """
     if not cfg.run_dir:
         cfg.run_dir = default_run_dir(cfg.workload)
@@ -60,8 +62,17 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
         code, summary = _run_workers(cfg, quiet)
         return code, summary
     finally:
+        keep = code in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or _has_checkpoint(run_dir)
+        if not keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"paft train: the run stopped before its first checkpoint; nothing in {run_dir} could be "
+                  "resumed, so it was removed", file=sys.stderr)
         if replaced is not None:
-            _settle(replaced, run_dir, finished=code in (0, EXIT_PERSISTENT_FAULT))
+            _settle(replaced, run_dir, keep_new=keep)
+
+
+def _has_checkpoint(run_dir: pathlib.Path) -> bool:
+    return (run_dir / "checkpoints" / "latest").is_file()
 
 
 def _set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
@@ -81,13 +92,18 @@ def _set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
     return aside
 
 
-def _settle(aside: pathlib.Path, run_dir: pathlib.Path, finished: bool) -> None:
-    """Delete the replaced run once the new one is worth keeping; else keep both."""
-    if finished or (run_dir / "checkpoints" / "latest").is_file():
+def _settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool) -> None:
+    """Delete the replaced run once the new one is kept; else move it back (the new
+    one's directory is gone by then)."""
+    if keep_new:
         shutil.rmtree(aside, ignore_errors=True)
         return
-    print(f"paft train: the new run stopped before its first checkpoint, so the run it was to replace "
-          f"is kept in {aside} (move it back to {run_dir}, or delete it)", file=sys.stderr)
+    try:
+        aside.rename(run_dir)
+        print(f"paft train: the run it was to replace is back in {run_dir}", file=sys.stderr)
+    except OSError as err:
+        print(f"paft train: the run it was to replace is kept in {aside} (moving it back to {run_dir} "
+              f"failed: {err.strerror or err})", file=sys.stderr)
 
 
 def _run_workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any] | None]:
@@ -106,15 +122,16 @@ def _run_workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any] | N
     try:
         results = elastic_launch(config, run_worker)(cfg.to_dict(), cfg.run_dir)
     except ChildFailedError as err:
-        print(f"paft train: a worker failed (its traceback is above); {cfg.run_dir} keeps what the run "
-              f"wrote until then\n{err}", file=sys.stderr)
+        kept = ""
+        if _has_checkpoint(pathlib.Path(cfg.run_dir)):
+            kept = f"; {cfg.run_dir} keeps its checkpoints (--resume continues from the last)"
+        print(f"paft train: a worker failed (its traceback is above){kept}\n{err}", file=sys.stderr)
         return EXIT_WORKER_FAILED, None
     except (KeyboardInterrupt, SignalException) as err:
-        if (pathlib.Path(cfg.run_dir) / "checkpoints" / "latest").is_file():
-            hint = f"to continue from the last checkpoint: paft train --run-dir {cfg.run_dir} --resume"
-        else:
-            hint = f"no checkpoint yet; to start again: paft train --run-dir {cfg.run_dir} --overwrite"
-        print(f"\npaft train: interrupted ({err or 'Ctrl-C'}); {hint}", file=sys.stderr)
+        hint = ""
+        if _has_checkpoint(pathlib.Path(cfg.run_dir)):
+            hint = f"; to continue from the last checkpoint: paft train --run-dir {cfg.run_dir} --resume"
+        print(f"\npaft train: interrupted ({err or 'Ctrl-C'}){hint}", file=sys.stderr)
         return EXIT_INTERRUPTED, None
     first = results[0]
     if first["status"] == "persistent_fault":
