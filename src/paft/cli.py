@@ -94,6 +94,10 @@ def _warn_idle_faults(cfg: TrainConfig) -> None:
     from paft.faultspec import parse_specs
 
     for text, spec in zip(cfg.inject, parse_specs(cfg.inject)):
+        if spec.site == "optimizer-state" and cfg.optimizer == "sgd":
+            print(f"paft train: warning: --inject {text!r} never fires: --optimizer sgd keeps no state "
+                  "(momentum, adam and adamw do)", file=sys.stderr)
+            continue
         first = spec.first_start()
         if first is None:
             print(f"paft train: warning: --inject {text!r} can never fire (rate 0, or its steps, start "

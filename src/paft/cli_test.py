@@ -42,7 +42,15 @@ from paft.cli import main
         (["--step", "5"], "unrecognized arguments: --step 5"),
         (["--seed", "99999999999999999999"], "--seed: must be in [0, 2**32)"),
         (["--model", "bias=maybe"], "--model: bias must be true or false, got 'maybe'"),
-        (["--model", "dropout=abc"], "--model: dropout must be a number, got 'abc'"),
+        (["--model", "dropout=abc"], "--model: dropout must be a finite number, got 'abc'"),
+        (["--workload", "llama", "--model", "norm_eps=inf"], "--model: norm_eps must be a finite number, got inf"),
+        (["--workload", "resnet", "--model", "num_classes=5"], "--model: num_classes must be >= 10"),
+        (["--workload", "resnet", "--model", "in_channels=3"], "--model: in_channels must be 1"),
+        (["--model", "n_embd=1048576", "--model", "n_head=1"], "--model: the gpt model would need about"),
+        (["--sketch-dim", "99999999"], "--sketch-dim: must be in [8, 65536]"),
+        (["--guard", "--guard-window", "99999999999"], "--guard-window: must be in [5, 1000000]"),
+        (["--weight-decay", "inf"], "--weight-decay: must be a finite number >= 0"),
+        (["--run-dir", ""], "--run-dir: must not be empty"),
         (["--model", "n_layer=2.5"], "--model: n_layer must be an integer, got 2.5"),
         (["--model", "block_size=2000000"], "--model: block_size 2000000 needs at least"),
         (["--alert-cos-min", "5"], "--alert-cos-min: must be in [-1, 1], got 5.0"),
@@ -319,13 +327,14 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
     ("bitflip:rate=0.1,start=10", "cannot fire before step 10, past --steps 3"),
     ("bitflip:steps=5,start=10", "can never fire"),
     ("bitflip:rate=0.5,start=1,stop=2", None),  # step 1 is in the run: no warning
+    ("bitflip:rate=0.5,site=optimizer-state", "never fires: --optimizer sgd keeps no state"),
 ])
 def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from paft.cli import _warn_idle_faults
     from paft.config import TrainConfig
 
-    _warn_idle_faults(TrainConfig(steps=3, inject=[spec]))
+    _warn_idle_faults(TrainConfig(steps=3, inject=[spec], optimizer="sgd"))
     err = capsys.readouterr().err
     assert (needle in err) if needle else err == ""
 
@@ -350,7 +359,7 @@ def test_model_fields_take_numbers_of_any_kind() -> None:
                                "n_layer": np.int32(2)})
     assert (c.norm_eps, c.rope_theta, c.dropout, c.n_layer) == (1e-5, 10000.0, 0.1, 2)
     assert type(c.rope_theta) is float and type(c.n_layer) is int
-    with pytest.raises(ValueError, match="rope_theta must be a number in the float range"):
+    with pytest.raises(ValueError, match="rope_theta must be a finite number"):
         model_config("llama", {"rope_theta": 10**400})
 
 

@@ -103,7 +103,7 @@ class MonitorConfig:
         _check_types(self)
         _require(self.interval >= 1, "--monitor-interval", f"must be >= 1, got {self.interval}")
         _require(self.cosine in COSINE_MODES, "--cosine", f"must be one of {COSINE_MODES}, got {self.cosine!r}")
-        _require(self.sketch_dim >= 8, "--sketch-dim", f"must be >= 8, got {self.sketch_dim}")
+        _require(8 <= self.sketch_dim <= 65536, "--sketch-dim", f"must be in [8, 65536], got {self.sketch_dim}")
         _require(self.fingerprint_every >= 0, "--fingerprint-every", f"must be >= 0, got {self.fingerprint_every}")
         # NaN would never fire and never say so; a cosine outside [-1, 1] is a typo.
         _require(self.alert_loss_cv >= 0, "--alert-loss-cv", f"must be >= 0, got {self.alert_loss_cv}")
@@ -199,7 +199,7 @@ class GuardConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _require(self.spike_threshold > 0, "--spike-threshold", f"must be > 0, got {self.spike_threshold}")
-        _require(self.window >= 5, "--guard-window", f"must be >= 5, got {self.window}")
+        _require(5 <= self.window <= 1_000_000, "--guard-window", f"must be in [5, 1000000], got {self.window}")
         _require(self.warmup >= 0, "--guard-warmup", f"must be >= 0, got {self.warmup}")
         _require(self.update_ratio >= 0, "--update-ratio", f"must be >= 0, got {self.update_ratio}")
         _require(self.outlier_threshold > 0, "--outlier-threshold", f"must be > 0, got {self.outlier_threshold}")
@@ -316,7 +316,8 @@ class TrainConfig:
         )
         _require(self.optimizer in OPTIMIZERS, "--optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         _require(self.lr > 0 and math.isfinite(self.lr), "--lr", f"must be > 0, got {self.lr}")
-        _require(self.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.weight_decay < math.inf, "--weight-decay",
+                 f"must be a finite number >= 0, got {self.weight_decay}")
         _require(self.warmup_steps >= 0, "--warmup-steps", f"must be >= 0, got {self.warmup_steps}")
         _require(0 <= self.min_lr_ratio <= 1, "--min-lr-ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _require(self.grad_clip >= 0, "--grad-clip", f"must be >= 0, got {self.grad_clip}")

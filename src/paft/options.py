@@ -330,6 +330,8 @@ def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None
     values: dict[str, Any] = dict(base or {})
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
+    if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
+        raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>)")
     if resume and run_dir and (pathlib.Path(run_dir) / "config.json").is_file():
         _merge(values, _saved_values(run_dir))
     _merge(values, from_file)

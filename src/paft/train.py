@@ -46,7 +46,7 @@ from paft.records import (
     truncate_jsonl,
 )
 from paft.sync import measure_divergence
-from paft.workloads import ShardedSampler, Workload, build_workload, model_config
+from paft.workloads import ShardedSampler, Workload, build_workload, model_config, parameter_count
 
 __all__ = [
     "Trainer",
@@ -63,6 +63,8 @@ __all__ = [
 ]
 
 EXIT_PERSISTENT_FAULT = 3
+BYTES_PER_PARAMETER = 20
+"""fp32 weights, gradients, DDP buckets and two optimizer moments (the memory check)."""
 _KEEP_CHECKPOINTS = 2
 _UNTIMED_STEPS = 3
 
@@ -512,6 +514,21 @@ def check_devices(cfg: TrainConfig) -> None:
             f"--world-size {cfg.world_size}: NCCL needs one GPU per worker and {count} "
             f"{'is' if count == 1 else 'are'} visible; use --world-size {count} or --device cpu (gloo)"
         )
+    # Weights, gradients, DDP's buckets and two optimizer moments: 20 bytes per fp32
+    # parameter per worker, before activations. Only sizes far beyond the machine are
+    # refused here; the rest is the allocator's to judge.
+    need = BYTES_PER_PARAMETER * parameter_count(cfg.workload, cfg.model)
+    if uses_cuda(cfg):
+        have, where = torch.cuda.get_device_properties(0).total_memory, "each GPU has"
+    else:
+        need *= cfg.world_size
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+    if need > have:
+        raise DeviceError(
+            f"--model: the {cfg.workload} model would need about {need / 2**30:,.0f} GiB for weights, gradients "
+            f"and optimizer state ({BYTES_PER_PARAMETER} bytes per parameter per worker) and {where} "
+            f"{have / 2**30:,.0f} GiB; make it smaller"
+        )
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -523,7 +540,7 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 
 def _hms(seconds: float) -> str:
-    if not math.isfinite(seconds):
+    if not 0 <= seconds < 1e9:  # NaN, inf, or beyond timedelta's range (and any use)
         return "?"
     return str(datetime.timedelta(seconds=int(seconds)))
 

@@ -23,6 +23,7 @@ Typical rank loop::
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "Workload",
     "build_workload",
     "model_config",
+    "parameter_count",
     "train_items",
     "Dataset",
     "ArrayDataset",
@@ -146,7 +148,7 @@ def _make_config(cls: type, defaults: dict[str, Any], model_args: dict[str, Any]
         # float or bool); an integer is fine where a float is, and so is a YAML 1.1
         # float read as a string ("1e-5"); numpy numbers count as numbers.
         kind = type(fields[key].default)
-        want = {bool: "true or false", int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        want = {bool: "true or false", int: "an integer", float: "a finite number"}.get(kind, kind.__name__)
         if kind is float and isinstance(value, str):
             try:
                 value = float(value)
@@ -157,15 +159,15 @@ def _make_config(cls: type, defaults: dict[str, Any], model_args: dict[str, Any]
         elif kind is int:
             ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
         elif kind is float:
-            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            try:  # an int beyond float's range overflows
+                ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            except OverflowError:
+                ok = False
         else:
             ok = isinstance(value, kind)
         if not ok:
             raise ValueError(f"{key} must be {want}, got {value!r}")
-        try:
-            args[key] = kind(value)
-        except OverflowError:
-            raise ValueError(f"{key} must be {want} in the float range, got {value!r}") from None
+        args[key] = kind(value)
     return cls(**{**defaults, **args})
 
 
@@ -175,7 +177,12 @@ def model_config(name: str, model_args: dict[str, Any] | None = None) -> Any:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
     if name == "resnet":
-        return _make_config(ResNetConfig, {}, model_args)
+        config = _make_config(ResNetConfig, {}, model_args)
+        if config.in_channels != 1:
+            raise ValueError(f"in_channels must be 1 (MNIST images have one channel), got {config.in_channels}")
+        if config.num_classes < 10:
+            raise ValueError(f"num_classes must be >= 10 (MNIST has 10 classes), got {config.num_classes}")
+        return config
     vocab_size = len(shakespeare_datasets()[2])
     config = _make_config(GPTConfig if name == "gpt" else LlamaConfig, {"vocab_size": vocab_size}, model_args)
     if config.vocab_size < vocab_size:
@@ -189,6 +196,18 @@ def train_items(name: str, config: Any) -> int:
     if name == "resnet":
         return MNIST_TRAIN_SIZE
     return len(shakespeare_datasets(config.block_size)[0])
+
+
+def parameter_count(name: str, model_args: dict[str, Any] | None = None) -> int:
+    """Parameters of workload ``name``'s model, counted on the meta device: nothing is
+    allocated, so an absurd ``--model`` size can be refused before any worker starts."""
+    config = model_config(name, model_args)
+    with torch.device("meta"):
+        if name == "resnet":
+            model: nn.Module = ResNet(config)
+        else:
+            model = GPT(config) if name == "gpt" else Llama(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def build_workload(
