@@ -290,7 +290,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwri
     (tmp_path / "old" / "config.json").write_text("{}")
     (tmp_path / "old" / "summary.json").write_text("old run")
     assert main(["train", *failing, "--run-dir", "old", "--overwrite"]) == 1
-    assert "the run it was to replace is back in old" in capsys.readouterr().err
+    assert "the output it was to replace is back in old" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
     assert (tmp_path / "old" / "summary.json").read_text() == "old run"
 
@@ -314,7 +314,7 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
         _settle(aside, run, keep_new=keep_new)  # a new run not kept was removed before
         assert (run / "summary.json").read_text() == ("new" if keep_new else "old")
         assert not aside.exists()
-    assert f"the run it was to replace is back in {run}" in capsys.readouterr().err
+    assert f"the output it was to replace is back in {run}" in capsys.readouterr().err
     assert _set_aside(tmp_path / "none") is None  # nothing to move
     monkeypatch.chdir(run)
     for here in (".", ".."):  # the working directory, or one that holds it, is never moved

@@ -92,17 +92,17 @@ def _set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
     return aside
 
 
-def _settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool) -> None:
-    """Delete the replaced run once the new one is kept; else move it back (the new
+def _settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str = "paft train") -> None:
+    """Delete the replaced output once the new one is kept; else move it back (the new
     one's directory is gone by then)."""
     if keep_new:
         shutil.rmtree(aside, ignore_errors=True)
         return
     try:
         aside.rename(run_dir)
-        print(f"paft train: the run it was to replace is back in {run_dir}", file=sys.stderr)
+        print(f"{prog}: the output it was to replace is back in {run_dir}", file=sys.stderr)
     except OSError as err:
-        print(f"paft train: the run it was to replace is kept in {aside} (moving it back to {run_dir} "
+        print(f"{prog}: the output it was to replace is kept in {aside} (moving it back to {run_dir} "
               f"failed: {err.strerror or err})", file=sys.stderr)
 
 

@@ -91,6 +91,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 BENCH_MARKER = ".paft-bench"
+MAX_LOCAL_WORLD_SIZE = 64
 
 
 def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathlib.Path:
@@ -130,9 +131,17 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     if args.benchmark == "overhead" and args.workload not in WORKLOADS:
         parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")
     if args.benchmark == "matrix":
-        unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+        names = args.workloads.split(",")
+        unknown = [w for w in names if w not in WORKLOADS]
         if unknown:
             parser.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
+        twice = sorted({w for w in names if names.count(w) > 1})
+        if twice:
+            parser.error(f"--workloads: {twice} listed more than once")
+    # One local process per rank: more than this is a typo on any one machine.
+    if args.benchmark != "scaling" and args.world_size > MAX_LOCAL_WORLD_SIZE:
+        parser.error(f"--world-size: must be <= {MAX_LOCAL_WORLD_SIZE} (one process per rank on this machine), "
+                     f"got {args.world_size}")
     if args.benchmark == "detection" and not 0 < args.rate <= 1:
         parser.error(f"--rate: must be in (0, 1], got {args.rate}")
     if args.benchmark == "scaling":
@@ -140,8 +149,10 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             sizes = [int(x) for x in args.world_sizes.split(",")]
         except ValueError:
             parser.error(f"--world-sizes: expected comma-separated integers, got {args.world_sizes!r}")
-        if any(x < 2 for x in sizes):
-            parser.error(f"--world-sizes: must all be >= 2, got {args.world_sizes}")
+        if any(x < 2 or x > MAX_LOCAL_WORLD_SIZE for x in sizes):
+            parser.error(f"--world-sizes: must all be in [2, {MAX_LOCAL_WORLD_SIZE}], got {args.world_sizes}")
+        if len(set(sizes)) < len(sizes):
+            parser.error(f"--world-sizes: a size is listed more than once in {args.world_sizes}")
     _check_devices(args, parser)
 
 
@@ -166,12 +177,32 @@ def _check_devices(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Validate, then run the benchmark into ``--out``. With ``--overwrite`` the old
+    results wait beside it (``<out>.replaced-<id>``) until the new benchmark finishes,
+    and come back if it does not."""
+    import shutil
+
+    from paft.launch import EXIT_WORKER_FAILED, _set_aside, _settle
+    from paft.train import RunDirError
+
     _validate(args, parser)
     out = _out_dir(args, parser)
-    if out.exists() and args.overwrite:
-        import shutil
+    try:
+        replaced = _set_aside(out) if args.overwrite else None
+    except RunDirError as err:
+        parser.error(str(err))
+    code = EXIT_WORKER_FAILED
+    try:
+        code = _run_into(out, args, parser)
+        return code
+    finally:
+        if replaced is not None:
+            if code != 0:
+                shutil.rmtree(out, ignore_errors=True)
+            _settle(replaced, out, keep_new=code == 0, prog="paft bench")
 
-        shutil.rmtree(out)
+
+def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Written first, so that an interrupted benchmark's folder is still known as ours.
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -210,12 +241,12 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
             detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size, device=args.device)
     except ChildFailedError as err:
-        print(f"paft bench: a worker failed (its traceback is above); {out} keeps what was written\n{err}",
-              file=sys.stderr)
+        kept = "" if args.overwrite else f"; {out} keeps what was written"
+        print(f"paft bench: a worker failed (its traceback is above){kept}\n{err}", file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        print(f"\npaft bench: interrupted ({err or 'Ctrl-C'}); {out} keeps the runs finished so far",
-              file=sys.stderr)
+        kept = "" if args.overwrite else f"; {out} keeps the runs finished so far"
+        print(f"\npaft bench: interrupted ({err or 'Ctrl-C'}){kept}", file=sys.stderr)
         return EXIT_INTERRUPTED
     plots = ", plots" if args.benchmark in ("matrix", "desync", "detection") else ""
     print(f"\nresults in {out}/ (results.md, results.json{plots})")

@@ -236,7 +236,10 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["overhead", "--variant", "plain"], "unrecognized arguments: --variant plain"),  # no prefixes
     (["detection", "--world-size", "1"], "--world-size: must be >= 2 for detection"),
     (["matrix", "--world-size", "1"], "--world-size: must be >= 2 for matrix"),
-    (["scaling", "--world-sizes", "1,2"], "--world-sizes: must all be >= 2"),
+    (["scaling", "--world-sizes", "1,2"], "--world-sizes: must all be in [2, 64]"),
+    (["scaling", "--world-sizes", "2,2"], "--world-sizes: a size is listed more than once"),
+    (["matrix", "--workloads", "gpt,gpt"], "--workloads: ['gpt'] listed more than once"),
+    (["matrix", "--world-size", "99999999999999999999"], "--world-size: must be <= 64"),
     (["overhead", "--batch-size", "100000", "--world-size", "2"], "--batch-size: 100000 is more than"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(argv: list[str], needle: str, tmp_path: pathlib.Path,
@@ -307,6 +310,25 @@ def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, mon
     monkeypatch.setattr(desync, "run", lambda out, **_: None)
     assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == [".paft-bench"]
+
+
+def test_overwrite_keeps_the_old_results_until_the_new_benchmark_finishes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from paft.bench import desync
+
+    def interrupted(out: pathlib.Path, **_: object) -> None:
+        (out / "runs").mkdir()
+        raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text("old results")
+    monkeypatch.setattr(desync, "run", interrupted)
+    assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left aside
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+    assert (out / "results.json").read_text() == "old results"
 
 
 def test_out_that_is_a_file_exits_2(tmp_path: pathlib.Path) -> None:
