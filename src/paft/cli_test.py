@@ -51,6 +51,8 @@ from paft.cli import main
         (["--guard", "--guard-window", "99999999999"], "--guard-window: must be in [5, 1000000]"),
         (["--weight-decay", "inf"], "--weight-decay: must be a finite number >= 0"),
         (["--run-dir", ""], "--run-dir: must not be empty"),
+        (["--run-dir", "r/" + "x" * 300], "is longer than the file system allows"),
+        (["--run-dir", "r/" + "x" * 300, "--resume"], "is longer than the file system allows"),
         (["--model", "n_layer=2.5"], "--model: n_layer must be an integer, got 2.5"),
         (["--model", "block_size=2000000"], "--model: block_size 2000000 needs at least"),
         (["--alert-cos-min", "5"], "--alert-cos-min: must be in [-1, 1], got 5.0"),

@@ -72,7 +72,10 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
 
 
 def _has_checkpoint(run_dir: pathlib.Path) -> bool:
-    return (run_dir / "checkpoints" / "latest").is_file()
+    try:
+        return (run_dir / "checkpoints" / "latest").is_file()
+    except OSError:
+        return False
 
 
 def _set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:

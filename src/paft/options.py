@@ -32,6 +32,7 @@ from paft.config import (
     ProtectConfig,
     TrainConfig,
 )
+from paft.records import path_name_problem
 from paft.workloads import WORKLOADS
 
 if sys.version_info >= (3, 11):
@@ -332,6 +333,9 @@ def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
         raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>)")
+    problem = path_name_problem(pathlib.Path(run_dir), "--run-dir") if run_dir else None
+    if problem:
+        raise ValueError(problem)
     if resume and run_dir and (pathlib.Path(run_dir) / "config.json").is_file():
         _merge(values, _saved_values(run_dir))
     _merge(values, from_file)

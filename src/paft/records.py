@@ -18,6 +18,7 @@ from several processes never interleave, and flushed so a crashed run keeps them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "truncate_jsonl",
     "jsonable",
     "output_dir_problem",
+    "path_name_problem",
 ]
 
 
@@ -70,6 +72,26 @@ def output_dir_problem(path: pathlib.Path, option: str, markers: tuple[str, ...]
     ``--overwrite`` deletes paft's own results, never a folder of other files, and
     never through a symbolic link.
     """
+    try:
+        return path_name_problem(path, option) or _output_dir_problem(path, option, markers, overwrite)
+    except OSError as err:  # a permission error on a parent, ...
+        return f"{option}: cannot use {path}: {err.strerror or err}"
+
+
+def path_name_problem(path: pathlib.Path, option: str) -> str | None:
+    """Why the file system cannot hold ``path``'s name (a component or the whole path
+    too long), or None. Checked up front: creating it would fail halfway, after its
+    parents were made."""
+    limit = 255
+    with contextlib.suppress(OSError, ValueError):
+        limit = os.pathconf(".", "PC_NAME_MAX")
+    for part in path.parts:
+        if len(os.fsencode(part)) > limit:
+            return f"{option}: {path}: the name {part[:24]}... is longer than the file system allows ({limit} bytes)"
+    return None
+
+
+def _output_dir_problem(path: pathlib.Path, option: str, markers: tuple[str, ...], overwrite: bool) -> str | None:
     if path.is_symlink() and overwrite:
         return f"--overwrite: {path} is a symbolic link; give the real directory to replace"
     if path.exists():

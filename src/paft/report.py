@@ -121,13 +121,18 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             raise ReportError(f"{path}: line {i + 1} is not JSON ({err})") from None
         if not isinstance(record, dict):
             raise ReportError(f"{path}: line {i + 1} is not a JSON object (got {type(record).__name__})")
-        out.append(_restore(record))
+        record = _restore(record)
+        for key in ("step", "rank"):  # every record has a step; faults name a rank
+            value = record.get(key, 0 if key == "rank" else None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ReportError(f"{path}: line {i + 1}: {key} must be an integer >= 0, got {value!r}")
+        out.append(record)
     return out
 
 
 def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     # One record per step, the last one winning: a resumed run re-does steps.
-    kept = {int(r["step"]): r for r in records if isinstance(r.get("step"), (int, float))}
+    kept = {r["step"]: r for r in records}
     return [kept[s] for s in sorted(kept)]
 
 
@@ -148,6 +153,16 @@ _SUMMARY_NUMBERS = ("steps", "world_size", "steps_per_s", "wall_s", "replicas_di
                     "faults_injected", "syncs", "detections", "recomputes", "skipped_batches")
 
 
+def _check_config(path: Path, config: dict[str, Any]) -> None:
+    """The config.json fields the report reads, checked for their types."""
+    for key, kind, name in (("protect", dict, "an object"), ("guard", dict, "an object"),
+                            ("inject", list, "a list"), ("steps", int, "an integer"),
+                            ("world_size", int, "an integer"), ("workload", str, "a string")):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise ReportError(f"{path}: {key} must be {name}, got {value!r}")
+
+
 def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:
     for key, value in (summary or {}).items():
         if key in _SUMMARY_NUMBERS or key.startswith(("initial_", "final_")):
@@ -158,11 +173,16 @@ def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:
 def load_run(run_dir: str | Path) -> RunData:
     """Read a run directory; :class:`ReportError` naming it if it is not one."""
     path = Path(run_dir)
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as err:  # e.g. a name too long for the file system
+        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
+    if not is_dir:
         raise ReportError(f"{path}: not a directory (expected a paft run directory, e.g. runs/<dir>)")
     config = _read_json(path / "config.json")
     if config is None:
         raise ReportError(f"{path}: not a paft run directory (no config.json)")
+    _check_config(path / "config.json", config)
     metrics: dict[int, list[dict[str, Any]]] = {}
     for file in sorted((path / "metrics").glob("rank*.jsonl")):
         suffix = file.stem[len("rank"):]
@@ -532,8 +552,11 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.path / "report"
     # Writes only into a new folder or an earlier report's: never among a user's files.
-    problem = output_dir_problem(out.resolve() if out.is_symlink() else out, "--out-dir", ("report.md", *_PLOTS),
-                                 overwrite=True)
+    try:
+        target = out.resolve() if out.is_symlink() else out
+    except OSError as err:  # e.g. a name too long for the file system
+        raise ReportError(f"--out-dir: cannot use {out}: {err.strerror or err}") from None
+    problem = output_dir_problem(target, "--out-dir", ("report.md", *_PLOTS), overwrite=True)
     if problem:
         raise ReportError(problem.replace("--overwrite: ", "--out-dir: ").replace("delete it", "write into it"))
     try:

@@ -42,6 +42,7 @@ from paft.records import (
     atomic_write_bytes,
     atomic_write_json,
     output_dir_problem,
+    path_name_problem,
     read_jsonl,
     truncate_jsonl,
 )
@@ -93,6 +94,16 @@ def check_run_dir(cfg: TrainConfig) -> None:
     """Refuse a run directory that would be overwritten, cannot be created, or cannot be
     resumed as asked. Writes nothing."""
     path = pathlib.Path(cfg.run_dir)
+    problem = path_name_problem(path, "--run-dir")
+    if problem:
+        raise RunDirError(problem)
+    try:
+        _check_run_dir(cfg, path)
+    except OSError as err:  # e.g. a name too long for the file system
+        raise RunDirError(f"--run-dir: cannot use {path}: {err.strerror or err}") from None
+
+
+def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
     if cfg.resume:
         _check_resume(cfg, path)
         return

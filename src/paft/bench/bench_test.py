@@ -239,6 +239,7 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["scaling", "--world-sizes", "1,2"], "--world-sizes: must all be in [2, 64]"),
     (["scaling", "--world-sizes", "2,2"], "--world-sizes: a size is listed more than once"),
     (["matrix", "--workloads", "gpt,gpt"], "--workloads: ['gpt'] listed more than once"),
+    (["desync", "--out", "o/" + "x" * 300], "--out: o/xxx"),
     (["matrix", "--world-size", "99999999999999999999"], "--world-size: must be <= 64"),
     (["overhead", "--batch-size", "100000", "--world-size", "2"], "--batch-size: 100000 is more than"),
 ])
