@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from paft.cli import main
 
@@ -239,6 +240,7 @@ def test_paft_train_end_to_end_with_config_file(
         (ckpts / "latest", b"\xff\xfe", "--resume: cannot read r/checkpoints/latest"),
         (tmp_path / "r" / "config.json", b"[]", "--resume: r/config.json must hold a mapping"),
         (tmp_path / "r" / "config.json", b'{"guard": {"window": "big"}}', "r/config.json: guard.window: expected int"),
+        (tmp_path / "r" / "evals.jsonl", b'{"step": 0}\n{"st\n{"step": 40}\n', "r/evals.jsonl: line 2 is not JSON"),
     ]
     for path, data, needle in damage:
         path.write_bytes(data)
@@ -252,7 +254,27 @@ def test_paft_train_end_to_end_with_config_file(
         main(["train", "--run-dir", "r", "--resume", "--steps", "50", "--lr", "0.5"])
     assert exc.value.code == 2
     assert "has an intact file for every rank (step0000040: rank(s) [1] missing or damaged)" in capsys.readouterr().err
+    for rank_file in ckpts.glob("step*/rank*.pt"):  # rank 1 intact again, rank 0 another torch file
+        if rank_file.name == "rank1.pt":
+            rank_file.write_bytes(before[rank_file])
+        else:
+            torch.save({"hello": 1}, rank_file)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "r", "--resume", "--steps", "50"])
+    assert exc.value.code == 2
+    assert "(step0000040: rank(s) [0] missing or damaged)" in capsys.readouterr().err
     assert (tmp_path / "r" / "config.json").read_bytes() == before[tmp_path / "r" / "config.json"]
+
+
+def test_read_jsonl_drops_a_partial_last_line_and_names_any_other_damage(tmp_path: pathlib.Path) -> None:
+    from paft.records import read_jsonl
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0}\n\n{"step": 1}\n{"step": 2, "lo')  # a writer killed mid-record
+    assert read_jsonl(log) == [{"step": 0}, {"step": 1}]
+    log.write_text('{"step": 0}\n\n[1]\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="log.jsonl: line 3 is not a JSON object"):
+        read_jsonl(log)
 
 
 def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> None:

@@ -136,11 +136,28 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All records of a ``.jsonl`` file (missing file: none)."""
+    """All records of a ``.jsonl`` file (missing file: none). A partial last line (a
+    writer killed mid-record) is dropped; any other line that is not a JSON object
+    raises ``ValueError`` naming the file and line."""
     p = pathlib.Path(path)
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    lines = p.read_text(encoding="utf-8").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == last:
+                break
+            raise ValueError(f"{p}: line {i + 1} is not JSON ({err})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{p}: line {i + 1} is not a JSON object (got {type(record).__name__})")
+        records.append(record)
+    return records
 
 
 class RunRecorder:

@@ -31,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import from_jsonable_float, output_dir_problem
+from paft.records import from_jsonable_float, output_dir_problem, read_jsonl
 
 __all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
 
@@ -108,26 +108,17 @@ def _read_text(path: Path) -> str:
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
-    lines = _read_text(path).splitlines()
-    out: list[dict[str, Any]] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:
-                break  # a crashed writer's partial last line: keep what came before
-            raise ReportError(f"{path}: line {i + 1} is not JSON ({err})") from None
-        if not isinstance(record, dict):
-            raise ReportError(f"{path}: line {i + 1} is not a JSON object (got {type(record).__name__})")
-        record = _restore(record)
+    _read_text(path)  # names an unreadable or non-UTF-8 file
+    try:
+        records = [_restore(r) for r in read_jsonl(path)]  # a crashed writer's partial last line is dropped
+    except ValueError as err:
+        raise ReportError(str(err)) from None
+    for i, record in enumerate(records):
         for key in ("step", "rank"):  # every record has a step; faults name a rank
             value = record.get(key, 0 if key == "rank" else None)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ReportError(f"{path}: line {i + 1}: {key} must be an integer >= 0, got {value!r}")
-        out.append(record)
-    return out
+                raise ReportError(f"{path}: record {i + 1}: {key} must be an integer >= 0, got {value!r}")
+    return records
 
 
 def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

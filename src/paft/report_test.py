@@ -197,9 +197,9 @@ def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
     ("summary.json", b'{"steps": "x"}', "summary.json: steps must be a number, got 'x'"),
     ("config.json", b"\xff\xfe{}", "config.json is not UTF-8 text"),
     ("config.json", b'{"protect": "x"}', "config.json: protect must be an object, got 'x'"),
-    ("metrics/rank0.jsonl", b'{"step": NaN}\n{"step": 1}\n', "rank0.jsonl: line 1: step must be an integer >= 0"),
-    ("events.jsonl", b'{"event": "sync"}\n{"step": 1}\n', "events.jsonl: line 1: step must be an integer >= 0"),
-    ("faults.jsonl", b'{"step": 2, "rank": "x"}\n{"step": 1}\n', "faults.jsonl: line 1: rank must be an integer"),
+    ("metrics/rank0.jsonl", b'{"step": NaN}\n{"step": 1}\n', "rank0.jsonl: record 1: step must be an integer >= 0"),
+    ("events.jsonl", b'{"event": "sync"}\n{"step": 1}\n', "events.jsonl: record 1: step must be an integer >= 0"),
+    ("faults.jsonl", b'{"step": 2, "rank": "x"}\n{"step": 1}\n', "faults.jsonl: record 1: rank must be an integer"),
 ])
 def test_damaged_files_are_named_not_taken_for_missing(fault_run: pathlib.Path, tmp_path: pathlib.Path,
                                                        name: str, data: bytes, needle: str) -> None:

@@ -142,6 +142,13 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
                 keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
                 was, now = ({k: d.get(k) for k in keys} for d in (was, now))
             raise RunDirError(f"--resume: cannot change {flag} ({was!r} in {path}, {now!r} asked); start a new run")
+    # The logs the resume reads back and cuts at the checkpoint's step.
+    logs = [path / n for n in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")]
+    for log in [*logs, *sorted((path / "metrics").glob("rank*.jsonl"))]:
+        try:
+            read_jsonl(log)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise RunDirError(f"--resume: {err}") from None
     # The workers fall back from a damaged latest checkpoint to older ones; check here,
     # before config.json is rewritten, that one of them has every rank's file intact.
     root = path / "checkpoints"
@@ -175,10 +182,31 @@ def checkpoint_candidates(root: pathlib.Path) -> list[str]:
     return [latest, *sorted(older, reverse=True)]
 
 
+_CHECKPOINT_KEYS = frozenset({"step", "model", "optimizer", "scheduler", "sampler", "protector", "rng_cpu"})
+
+
+def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, Any]:
+    """One rank's checkpoint; ``ValueError`` if it is not a paft checkpoint (truncated,
+    another zip, another torch file). With ``mmap`` the tensors are not read."""
+    if not zipfile.is_zipfile(path):  # torch.save's format ends in a zip directory
+        raise ValueError(f"{path} is not a torch checkpoint (truncated or overwritten)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as err:  # noqa: BLE001 - whatever torch.load finds wrong
+        raise ValueError(f"{path}: {type(err).__name__}: {err}") from None
+    if not isinstance(state, dict) or not _CHECKPOINT_KEYS <= state.keys():
+        raise ValueError(f"{path} is a torch file but not a paft checkpoint")
+    return state
+
+
 def _intact(path: pathlib.Path) -> bool:
-    """A checkpoint file that exists and ends in a zip directory (torch.save's format):
-    a truncated or overwritten file does not. Cheap: the tensors are not read."""
-    return path.is_file() and zipfile.is_zipfile(path)
+    """A checkpoint file that loads as a paft checkpoint. Cheap: memory-mapped, the
+    tensors are not read."""
+    try:
+        load_checkpoint_file(path, mmap=True)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
@@ -404,10 +432,9 @@ class Trainer:
                 # To the host: load_state_dict copies into the live tensors on their
                 # device, the RNG states must be CPU tensors, and a GPU run's
                 # checkpoint resumes on a machine without one.
-                state = torch.load(self._ckpt_root / name / f"rank{self.rank}.pt", map_location="cpu",
-                                   weights_only=False)
-            except Exception as err:  # noqa: BLE001 - any unreadable file: try the older one
-                state, problem = None, f"{type(err).__name__}: {err}"
+                state = load_checkpoint_file(self._ckpt_root / name / f"rank{self.rank}.pt")
+            except (OSError, ValueError) as err:  # unreadable: try the older one
+                state, problem = None, str(err)
             failed = torch.tensor([state is None], dtype=torch.int64)
             dist.all_reduce(failed)
             if not int(failed):
