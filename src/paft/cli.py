@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from paft.bench import add_bench_parser, run_bench
-from paft.options import OptionParser, add_train_options, config_from_namespace
+from paft.options import OptionParser, add_train_options, config_from_namespace, ignored_options
 
 if TYPE_CHECKING:
     from paft.config import TrainConfig
@@ -81,6 +81,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as err:
         parser.error(str(err))
     _warn_idle_faults(cfg)
+    for warning in ignored_options(args, cfg):
+        print(f"paft train: warning: {warning}", file=sys.stderr)
     try:
         code, _ = launch(cfg)
     except (RunDirError, DeviceError) as err:

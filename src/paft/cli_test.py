@@ -363,6 +363,28 @@ def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
     assert (needle in err) if needle else err == ""
 
 
+@pytest.mark.parametrize("argv,expect", [
+    (["--spike-threshold", "3"], ["--spike-threshold has no effect without --guard"]),
+    (["--guard", "--spike-threshold", "3"], []),
+    (["--broadcast-src", "1"],
+     ["--broadcast-src has no effect without --sync-mode broadcast and --protect sync or dyn"]),
+    (["--protect", "sync", "--sync-mode", "broadcast", "--broadcast-src", "1"], []),
+    (["--workload", "resnet", "--world-size", "2", "--dropout", "0.1"],
+     ["--dropout has no effect on the resnet workload"]),
+    (["--protect", "sync", "--h-min", "3"], ["--h-min has no effect without --protect dyn"]),
+    (["--no-monitor", "--cosine", "off"], ["--cosine has no effect with --no-monitor"]),
+    (["--protect", "averager", "--sync-period", "5", "--sync-mode", "mean"],
+     ["--sync-mode has no effect without --protect sync or dyn"]),
+])
+def test_options_that_change_nothing_are_named(argv: list[str], expect: list[str]) -> None:
+    from paft.options import OptionParser, add_train_options, config_from_namespace, ignored_options
+
+    parser = OptionParser()
+    add_train_options(parser)
+    ns = parser.parse_args(argv)
+    assert ignored_options(ns, config_from_namespace(ns)) == expect
+
+
 def test_a_config_with_infinite_values_comes_back_from_config_json() -> None:
     """config.json stores inf as "inf" (records.jsonable); a --resume rebuilds the config from it."""
     import math

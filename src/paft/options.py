@@ -41,7 +41,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
-           "config_from_namespace", "parse_model_arg"]
+           "config_from_namespace", "parse_model_arg", "ignored_options"]
 
 
 class ConfigFileError(ValueError):
@@ -349,6 +349,37 @@ def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None
     top = kwargs.pop(None)
     sections = {name: _SECTIONS[name](**kw) for name, kw in kwargs.items()}
     return TrainConfig(**top, **sections)  # type: ignore[arg-type]
+
+
+def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
+    """A warning for each option given on the command line that ``cfg`` makes
+    ineffective (a guard threshold without --guard, ...): most likely a slip."""
+    mode = cfg.protect.mode
+    needs: dict[str, tuple[bool, str]] = {
+        "broadcast-src": (mode in ("sync", "dyn") and cfg.protect.sync_mode == "broadcast",
+                          "without --sync-mode broadcast and --protect sync or dyn"),
+        "sketch-dim": (cfg.monitor.enabled and cfg.monitor.cosine == "sketch", "without --cosine sketch"),
+        "dropout": (cfg.workload != "resnet", "on the resnet workload"),
+        **{flag: (mode == "dyn", "without --protect dyn") for flag in ("h-min", "h-max", "dyn-target")},
+        **{flag: (mode in ("sync", "dyn"), "without --protect sync or dyn") for flag in ("sync-mode", "overlap")},
+        "sync-period": (mode != "none", "with --protect none"),
+    }
+    out = []
+    for flag in vars(ns):
+        opt = _BY_KEY.get(flag)
+        if opt is None or opt.name in ("enabled", "mode"):  # the switches themselves
+            continue
+        if flag in needs:
+            effective, why = needs[flag]
+        elif opt.section == "guard":
+            effective, why = cfg.guard.enabled, "without --guard"
+        elif opt.section == "monitor":
+            effective, why = cfg.monitor.enabled, "with --no-monitor"
+        else:
+            continue
+        if not effective:
+            out.append(f"--{flag} has no effect {why}")
+    return out
 
 
 class OptionParser(argparse.ArgumentParser):
