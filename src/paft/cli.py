@@ -8,6 +8,7 @@ nothing is written.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from paft.options import OptionParser, add_train_options, config_from_namespace,
 if TYPE_CHECKING:
     from paft.config import TrainConfig
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser"]
 
 EXIT_USAGE = 2
 
@@ -134,5 +135,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
+def run() -> None:
+    """The ``paft`` console script: :func:`main`, then exit with its code."""
+    from paft.launch import EXIT_INTERRUPTED
+
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        # One Ctrl-C is enough: a second one (a key held, a group signalled twice) would
+        # only interrupt torch's exit handlers, with tracebacks.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -75,7 +75,8 @@ def test_bad_input_exits_2_and_writes_nothing(
 @pytest.mark.parametrize(
     "name,text,needle",
     [
-        ("bad.toml", "steps = [", "not valid"),
+        ("bad.toml", "steps = [", "--config: bad.toml is not valid TOML: "),
+        ("bad.txt", "steps: 3", "--config: bad.txt is not valid TOML (read as TOML: not .yaml, .yml or .json)"),
         ("unknown.toml", "stepz = 3", "stepz"),
         ("typed.toml", 'steps = "many"', "steps"),
         ("bad.yaml", "steps: 0", "--steps"),

@@ -234,15 +234,18 @@ def _read_config_file(path: str) -> dict[str, Any]:
         raise ConfigFileError(f"--config: cannot read {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
         raise ConfigFileError(f"--config: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    suffix = p.suffix.lower()
+    kind = "YAML" if suffix in (".yaml", ".yml") else "JSON" if suffix == ".json" else "TOML"
     try:
-        if p.suffix.lower() in (".yaml", ".yml"):
+        if kind == "YAML":
             data = _load_yaml(text) or {}
-        elif p.suffix.lower() == ".json":
+        elif kind == "JSON":
             data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             data = tomllib.loads(text)
     except Exception as err:  # noqa: BLE001 - every parser error becomes one clear message
-        raise ConfigFileError(f"--config: {path} is not valid {p.suffix or 'TOML'}: {err}") from None
+        read_as = "" if suffix == ".toml" or kind != "TOML" else " (read as TOML: not .yaml, .yml or .json)"
+        raise ConfigFileError(f"--config: {path} is not valid {kind}{read_as}: {err}") from None
     if not isinstance(data, dict):
         raise ConfigFileError(f"--config: {path} must hold a mapping of option names to values")
     values: dict[str, Any] = {}

@@ -542,18 +542,20 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     """Plot a run directory and summarize it; files go to ``out_dir`` (default ``<run_dir>/report``)."""
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.path / "report"
+    # The option when one was given; else the default folder, which a user may have filled.
+    label = "--out-dir" if out_dir is not None else "the report folder"
     # Writes only into a new folder or an earlier report's: never among a user's files.
     try:
         target = out.resolve() if out.is_symlink() else out
     except OSError as err:  # e.g. a name too long for the file system
-        raise ReportError(f"--out-dir: cannot use {out}: {err.strerror or err}") from None
-    problem = output_dir_problem(target, "--out-dir", ("report.md", *_PLOTS), overwrite=True)
+        raise ReportError(f"{label}: cannot use {out}: {err.strerror or err}") from None
+    problem = output_dir_problem(target, label, ("report.md", *_PLOTS), overwrite=True)
     if problem:
-        raise ReportError(problem.replace("--overwrite: ", "--out-dir: ").replace("delete it", "write into it"))
+        raise ReportError(problem.replace("--overwrite: ", f"{label}: ").replace("delete it", "write into it"))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ReportError(f"--out-dir: cannot create {out}: {err.strerror or err}") from None
+        raise ReportError(f"{label}: cannot create {out}: {err.strerror or err}") from None
     for name in _PLOTS:  # a plot this run no longer has must not survive from an earlier report
         (out / name).unlink(missing_ok=True)
     files = [_plot_loss(run, out)]

@@ -227,5 +227,10 @@ def test_out_dir_is_never_among_other_files(clean_run: pathlib.Path, tmp_path: p
         with pytest.raises(ReportError, match=re.escape(needle)):
             build_report(clean_run, out)
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    run = copy_run(clean_run, tmp_path / "filled")
+    (run / "report").write_text("a user's file")  # the default folder's name taken: no --out-dir to blame
+    needle = f"the report folder: {run / 'report'} exists and is not a directory"
+    with pytest.raises(ReportError, match=re.escape(needle)):
+        build_report(run)
     again = build_report(clean_run, tmp_path / "out")  # a report folder is replaced by the next report
     assert build_report(clean_run, tmp_path / "out").files == again.files
