@@ -35,6 +35,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "read_jsonl",
+    "read_utf8",
     "truncate_jsonl",
     "jsonable",
     "output_dir_problem",
@@ -135,14 +136,22 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n").encode())
 
 
+def read_utf8(path: pathlib.Path) -> str:
+    """``path``'s text; ``ValueError`` naming the file if it is not UTF-8 (damaged)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): damaged?") from None
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All records of a ``.jsonl`` file (missing file: none). A partial last line (a
-    writer killed mid-record) is dropped; any other line that is not a JSON object
-    raises ``ValueError`` naming the file and line."""
+    writer killed mid-record) is dropped; any other line that is not a JSON object, or
+    text that is not UTF-8, raises ``ValueError`` naming the file (and line)."""
     p = pathlib.Path(path)
     if not p.exists():
         return []
-    lines = p.read_text(encoding="utf-8").splitlines()
+    lines = read_utf8(p).splitlines()
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     records = []
     for i, line in enumerate(lines):

@@ -31,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import from_jsonable_float, output_dir_problem, read_jsonl
+from paft.records import from_jsonable_float, output_dir_problem, read_jsonl, read_utf8
 
 __all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
 
@@ -98,9 +98,9 @@ def _restore(value: Any) -> Any:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ReportError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): damaged?") from None
+        return read_utf8(path)
+    except ValueError as err:
+        raise ReportError(str(err)) from None
     except OSError as err:
         raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
 
@@ -108,11 +108,12 @@ def _read_text(path: Path) -> str:
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
-    _read_text(path)  # names an unreadable or non-UTF-8 file
     try:
         records = [_restore(r) for r in read_jsonl(path)]  # a crashed writer's partial last line is dropped
     except ValueError as err:
         raise ReportError(str(err)) from None
+    except OSError as err:
+        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
     for i, record in enumerate(records):
         for key in ("step", "rank"):  # every record has a step; faults name a rank
             value = record.get(key, 0 if key == "rank" else None)

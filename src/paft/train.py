@@ -147,7 +147,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     for log in [*logs, *sorted((path / "metrics").glob("rank*.jsonl"))]:
         try:
             read_jsonl(log)
-        except (ValueError, UnicodeDecodeError) as err:
+        except ValueError as err:
             raise RunDirError(f"--resume: {err}") from None
     # The workers fall back from a damaged latest checkpoint to older ones; check here,
     # before config.json is rewritten, that one of them has every rank's file intact.

@@ -198,16 +198,20 @@ def train_items(name: str, config: Any) -> int:
     return len(shakespeare_datasets(config.block_size)[0])
 
 
+def _model(name: str, config: Any) -> nn.Module:
+    if name == "resnet":
+        return ResNet(config)
+    return GPT(config) if name == "gpt" else Llama(config)
+
+
 def parameter_count(name: str, model_args: dict[str, Any] | None = None) -> int:
-    """Parameters of workload ``name``'s model, counted on the meta device: nothing is
-    allocated, so an absurd ``--model`` size can be refused before any worker starts."""
+    """Parameters of workload ``name``'s model. Resized models are counted on the meta
+    device, where nothing is allocated, so an absurd ``--model`` size can be refused
+    before any worker starts; the default sizes (under a million parameters) are built
+    for real, since meta's first ``normal_`` imports torch._dynamo (1.5 s)."""
     config = model_config(name, model_args)
-    with torch.device("meta"):
-        if name == "resnet":
-            model: nn.Module = ResNet(config)
-        else:
-            model = GPT(config) if name == "gpt" else Llama(config)
-    return sum(p.numel() for p in model.parameters())
+    with torch.random.fork_rng(devices=[]), torch.device("meta" if model_args else "cpu"):
+        return sum(p.numel() for p in _model(name, config).parameters())
 
 
 def build_workload(
@@ -224,7 +228,6 @@ def build_workload(
         torch.manual_seed(seed)
         if name in ("gpt", "llama"):
             train, val, vocab = shakespeare_datasets(config.block_size)
-            model: nn.Module = GPT(config) if name == "gpt" else Llama(config)
-            return Workload(name, model, train, val, False, config, vocab)
+            return Workload(name, _model(name, config), train, val, False, config, vocab)
         mtrain, mval = mnist_datasets()
-        return Workload(name, ResNet(config), mtrain, mval, True, config, None)
+        return Workload(name, _model(name, config), mtrain, mval, True, config, None)
