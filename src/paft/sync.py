@@ -593,11 +593,12 @@ class ReplicaSync:
         entries = self._entries()
         ws, rank, group = self.world_size, self.rank, self.group
         is_buffer = [n.startswith("buffer/") for n, _, _ in entries]
+        layout = self._layout_for(entries)
         # The control exchange: two fingerprints, the state's structure (+ the
         # reference tag), 24-32 bytes.
         row = [fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if not b),
                fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if b),
-               self._layout_for(entries).digest]
+               layout.digest]
         row += [self._ref_tag] if self._keeps_reference else []
         ctrl = self._gather_ints(row)
         bytes_sent, collectives = len(row) * 8, 1
@@ -609,9 +610,9 @@ class ReplicaSync:
             entries = [e for e, b in zip(entries, is_buffer) if b]
             fps = [r[1] for r in ctrl]
             note = "buffers only"
+            layout = self._layout_for(entries)
         else:
             fps = [(r[0] << 64) + (r[1] & ((1 << 64) - 1)) for r in ctrl]  # the whole state
-        layout = self._layout_for(entries)
         views = [t for _, t, _ in entries]
         # Finite flags cost a pass over the state: only when the replicas differ (one
         # more 8-byte exchange), or for mean mode's all-identical check, which needs
