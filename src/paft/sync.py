@@ -93,6 +93,7 @@ from torch import Tensor, nn
 
 from paft.consistency import collective_device, gather_rows
 from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
+from paft.records import jsonable
 from paft.robust import lower_median, median_of_three
 
 __all__ = [
@@ -110,17 +111,6 @@ _COPY_MODES = ("majority-copy", "finite-copy", "broadcast")  # the result is one
 # ----------------------------------------------------------------------------
 # Reports
 # ----------------------------------------------------------------------------
-
-
-def _jsonable(value: Any) -> Any:
-    """JSON-safe copy: non-finite floats become strings ("inf", "nan")."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 @dataclass
@@ -160,7 +150,7 @@ class SyncReport:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite floats as strings), e.g. for ``events.jsonl``."""
-        return _jsonable(asdict(self))
+        return jsonable(asdict(self))
 
 
 @dataclass
@@ -182,7 +172,7 @@ class DivergenceReport:
     floating tensor, worst first."""
 
     def to_json(self) -> dict[str, Any]:
-        return _jsonable(asdict(self))
+        return jsonable(asdict(self))
 
 
 # ----------------------------------------------------------------------------
