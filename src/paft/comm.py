@@ -144,19 +144,27 @@ class BucketCapture:
 
     def totals(self) -> tuple[float, int, torch.Tensor | None]:
         """(local squared norm, aggregated checksum as a signed int64, sketch on the
-        host), read in ONE device-to-host transfer; zeros if nothing was captured."""
-        if self.local_sq is None or not self.agg_terms:  # capture off: no bucket came
+        host), read in ONE device-to-host transfer; zero (or ``None``) for what was
+        not captured."""
+        parts: list[torch.Tensor] = []
+        if self.local_sq is not None:
+            # Moved as int64 words: an integer copy keeps every bit of the float64 values.
+            parts.append(self.local_sq.reshape(1).view(torch.int64))
+            if self.sketch is not None:
+                parts.append(self.sketch.view(torch.int64))
+        if self.agg_terms:
+            # Every term is ready here: DDP waited for each bucket's callback before the
+            # backward pass returned (on CUDA, the current stream waits for their streams).
+            parts.append(torch.stack(list(self.agg_terms.values())).sum().reshape(1))
+        if not parts:  # nothing captured
             return 0.0, 0, None
-        # Every term is ready here: DDP waited for each bucket's callback before the
-        # backward pass returned (on CUDA, the current stream waits for their streams).
-        checksum = torch.stack(list(self.agg_terms.values())).sum()
-        # Moved as int64 words: an integer copy keeps every bit of the float64 values.
-        parts = [self.local_sq.reshape(1).view(torch.int64), checksum.reshape(1)]
-        if self.sketch is not None:
-            parts.append(self.sketch.view(torch.int64))
         host = torch.cat(parts).cpu()
-        sketch = host[2:].view(torch.float64) if self.sketch is not None else None
-        return float(host[:1].view(torch.float64)), int(host[1]), sketch
+        local_sq, sketch = 0.0, None
+        if self.local_sq is not None:
+            local_sq = float(host[:1].view(torch.float64))
+            if self.sketch is not None:
+                sketch = host[1 : 1 + self.sketch.numel()].view(torch.float64)
+        return local_sq, int(host[-1]) if self.agg_terms else 0, sketch
 
 
 class CommHookState:
@@ -167,8 +175,6 @@ class CommHookState:
         cosine: ``sketch`` (CountSketch of the local gradient), ``exact`` (keep a copy
             of the local gradient) or ``off``.
         sketch_dim: k for the sketch.
-        capture: compute norms and fingerprints (the protector turns this off for
-            steps it does not monitor).
         inner_hook / inner_state: a user's own comm hook to wrap; it performs the
             all-reduce, paft injects and captures around it.
     """
@@ -191,7 +197,8 @@ class CommHookState:
         self.inner_state = inner_state
         self.step = 0
         self.attempt = 0
-        self.capture_enabled = True
+        self.local_enabled = True
+        self.checksum_enabled = True
         self.inject_enabled = True
         # Buckets of the last completed backward pass (learned from its last bucket),
         # and the count this step's injection uses: fixed at begin(), never changed
@@ -200,12 +207,18 @@ class CommHookState:
         self.step_buckets = 1
         self.current = BucketCapture()
 
-    def begin(self, step: int, attempt: int = 0, capture: bool = True, inject: bool = True) -> None:
-        """Reset the capture before a forward/backward of ``step`` (retry ``attempt``)."""
-        self.step, self.attempt, self.capture_enabled = step, attempt, capture
-        self.inject_enabled = inject
+    def begin(self, step: int, attempt: int = 0, *, local: bool = True, checksum: bool = True,
+              inject: bool = True) -> None:
+        """Reset the capture before a forward/backward of ``step`` (retry ``attempt``).
+
+        ``local``: capture the local gradient (norm, sketch or copy), for the worker
+        metrics and the guard; ``checksum``: checksum the aggregated gradient, which
+        tells whether the ranks' replicas split at this step.
+        """
+        self.step, self.attempt = step, attempt
+        self.local_enabled, self.checksum_enabled, self.inject_enabled = local, checksum, inject
         self.step_buckets = self.num_buckets
-        dim = self.sketcher.dim if capture and self.sketcher is not None else 0
+        dim = self.sketcher.dim if local and self.sketcher is not None else 0
         self.current = BucketCapture(sketch_dim=dim)
 
     # -- the chain ---------------------------------------------------------------
@@ -253,17 +266,17 @@ def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
         state.num_buckets = index + 1  # for the next begin()
     buffer = bucket.buffer()
     state._inject("local-grad", index, buffer)
-    if state.capture_enabled:
+    if state.local_enabled:
         state._capture_local(index, buffer)
     fut = state._allreduce(bucket)
-    capture = state.capture_enabled
+    checksum = state.checksum_enabled
 
     def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
         # One callback per bucket unwraps the result and runs the aggregated-side chain.
         value = fut.value()
         result = value[0] if isinstance(value, (list, tuple)) else value
         state._inject("aggregation", index, result)
-        if capture:
+        if checksum:
             state._capture_aggregated(index, result)
         return result
 

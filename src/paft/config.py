@@ -79,7 +79,10 @@ class MonitorConfig:
     step. ``--no-monitor`` gives plain DDP (a baseline for benchmarks); the guard and
     PAFT-Dyn's fingerprint trigger need the monitor (``--monitor``)."""
     interval: int = 1
-    """Compute the worker metrics every this many steps (``--monitor-interval``)."""
+    """Compute the worker metrics (dispersion, cosine) every this many steps
+    (``--monitor-interval``). The aggregated-gradient checksum that sees replicas split
+    runs every step regardless (PAFT-Dyn's trigger; a record and an alert at the step
+    of a split); the guard captures every step."""
     cosine: str = "sketch"
     """Gradient-direction consistency: ``sketch`` (k floats per rank), ``exact`` (full
     gradients gathered; small models only) or ``off`` (``--cosine``)."""
@@ -88,8 +91,7 @@ class MonitorConfig:
     fingerprint_every: int = 10
     """Fingerprint parameters + optimizer state every this many steps (memory SDC at rest
     shows within that many steps); 0 disables. The aggregated gradient is checksummed
-    on every monitored step (every step at ``--monitor-interval 1`` or with the guard),
-    so aggregation SDC shows at the step it happens. Each state
+    every step, so aggregation SDC shows at the step it happens. Each state
     fingerprint reads the whole state twice: on CPU about 5% of a default gpt step, so
     every step (1) is for tests and small models (``--fingerprint-every``)."""
     alert_loss_cv: float = 0.5

@@ -51,6 +51,7 @@ __all__ = [
     "PendingControl",
     "gather_exact_grads",
     "worker_metrics",
+    "replica_metrics",
     "dispersion",
     "pairwise_cosine",
 ]
@@ -278,18 +279,20 @@ def _upper_pairs(world_size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(world_size, k=1)
 
 
-def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict[str, Any]:
+def worker_metrics(view: ControlView, grads: torch.Tensor | None = None, local: bool = True) -> dict[str, Any]:
     """All per-step consistency metrics from the gathered control matrix.
 
     ``grads`` overrides the sketches with full local gradients (``exact`` mode);
-    with neither (cosine ``off``, or k = 0) the cosine metrics are omitted.
+    with neither (cosine ``off``, or k = 0) the cosine metrics are omitted. With
+    ``local`` false (the step captured no local gradients) the gradient-norm and
+    cosine metrics are omitted.
     """
     out: dict[str, Any] = {}
-    for name, values in (("loss", view.losses), ("gnorm", view.local_norms)):
+    for name, values in (("loss", view.losses), ("gnorm", view.local_norms))[: 2 if local else 1]:
         for stat, value in dispersion(values).items():
             out[f"consistency/{name}_{stat}"] = value
     vectors = _array(grads) if grads is not None else view.sketches
-    if vectors.shape[1] > 0 and view.world_size > 1:
+    if local and vectors.shape[1] > 0 and view.world_size > 1:
         cos, to_mean = pairwise_cosine(vectors)
         pairs = cos[_upper_pairs(view.world_size)]
         pairs = pairs[np.isfinite(pairs)]  # the pairs of ranks with finite gradients
@@ -298,9 +301,19 @@ def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict
         out["consistency/cos_to_mean"] = to_mean.tolist()
         finite = [c for c in out["consistency/cos_to_mean"] if math.isfinite(c)]
         out["consistency/cos_to_mean_min"] = min(finite) if finite else math.nan
+    out.update(replica_metrics(view))
+    return out
+
+
+def replica_metrics(view: ControlView) -> dict[str, Any]:
+    """``replicas/*``: how many distinct aggregated gradients (and, when this step
+    fingerprinted it, training states) the ranks hold, and the ranks outside the
+    largest group."""
     groups = group_replicas(view.agg_fingerprints())
-    out["replicas/grad_distinct"] = len(groups)
-    out["replicas/grad_minority_ranks"] = sorted(r for g in groups[1:] for r in g)
+    out: dict[str, Any] = {
+        "replicas/grad_distinct": len(groups),
+        "replicas/grad_minority_ranks": sorted(r for g in groups[1:] for r in g),
+    }
     state = view.state_fingerprints()
     if state is not None:
         sgroups = group_replicas(state)

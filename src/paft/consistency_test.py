@@ -185,6 +185,10 @@ def test_capture_totals_match_the_host_arithmetic(device: str) -> None:
     assert checksum == (combined - (1 << 64) if combined >= 1 << 63 else combined)
     assert sketch is not None and torch.equal(sketch, cap.sketch.cpu())  # type: ignore[union-attr]
     assert BucketCapture().totals() == (0.0, 0, None)
+    # between metric steps only the checksum is captured; the same value comes back
+    only_checksum = BucketCapture()
+    only_checksum.agg_terms = cap.agg_terms
+    assert only_checksum.totals() == (0.0, checksum, None)
 
 
 def test_one_rank_has_no_spread_even_when_its_value_is_not_finite() -> None:

@@ -61,6 +61,7 @@ from paft.consistency import (
     collective_device,
     gather_exact_grads,
     gather_rows,
+    replica_metrics,
     start_control,
     worker_metrics,
 )
@@ -379,14 +380,17 @@ class Protector:
             return self._unmonitored_step(t, closure)
         check_state = self._due(self.monitor_cfg.fingerprint_every, t) or self._recheck_state
         self._recheck_state = False
-        capture = self.guard is not None or check_state or self._due(self.monitor_cfg.interval, t)
+        # The local gradient is captured for the worker metrics (every --monitor-interval
+        # steps) and for the guard; the aggregated gradient's checksum, which sees
+        # replicas split, every step.
+        local = self.guard is not None or self._due(self.monitor_cfg.interval, t)
         rerun_from = _ForwardSnapshot(self._buffers) if self.guard is not None else None
         attempt, applied, ratio, synced = 0, True, None, False
         while True:
-            self.hook.begin(t, attempt, capture=capture)
+            self.hook.begin(t, attempt, local=local)
             # A rerun always fingerprints the state: corrupted replicas would reproduce
             # the bad step, and only the fingerprints tell them from bad data.
-            pending = self._control(self._run_closure(closure), check_state or attempt > 0)
+            pending = self._control(self._run_closure(closure), check_state or attempt > 0, local)
             if self.guard is None:
                 # Nothing to decide before the update: let the control collective overlap it.
                 synced = self._finish_sync(t) or synced
@@ -429,7 +433,7 @@ class Protector:
             self.guard.accept(t, view, ratio)
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._metrics(t, view) if capture else {}
+        metrics = self._metrics(t, view, local)
         synced = self._maybe_sync(t, view, state_is_stale=synced) or synced
         self.step_idx += 1
         return StepReport(
@@ -445,7 +449,7 @@ class Protector:
 
     def _unmonitored_step(self, t: int, closure: Callable[[], torch.Tensor]) -> StepReport:
         """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
-        self.hook.begin(t, 0, capture=False)
+        self.hook.begin(t, 0, local=False, checksum=False)
         loss = float(self._run_closure(closure).detach())
         self._record_faults(self.hook.current.faults)
         synced = self._finish_sync(t)
@@ -470,7 +474,7 @@ class Protector:
         """
         before = _ForwardSnapshot(self._buffers)
         for _ in range(2):
-            self.hook.begin(self.step_idx, capture=False, inject=False)
+            self.hook.begin(self.step_idx, local=False, checksum=False, inject=False)
             closure()
             before.restore()
         self.optimizer.zero_grad(set_to_none=True)
@@ -523,7 +527,7 @@ class Protector:
             self._counts["faults_injected"] += len(records)
             self.recorder.faults(r.to_json() for r in records)
 
-    def _control(self, loss: torch.Tensor, check_state: bool) -> PendingControl:
+    def _control(self, loss: torch.Tensor, check_state: bool, local: bool) -> PendingControl:
         """Pack this rank's view of the step and launch the step's one control collective."""
         cap = self.hook.current
         self._record_faults(cap.faults)
@@ -553,34 +557,49 @@ class Protector:
             faults=len(cap.faults),
             sketch=sketch,
         )
-        return start_control(vec.pack(self.sketch_dim), self.group)
+        # Every rank agrees on ``local``, so on the length of the vectors.
+        return start_control(vec.pack(self.sketch_dim if local else 0), self.group)
 
-    def _metrics(self, step: int, view: ControlView) -> dict[str, Any]:
+    def _metrics(self, step: int, view: ControlView, local: bool) -> dict[str, Any]:
+        """The step's ``consistency.jsonl`` record and alerts. With the local gradients
+        captured: every metric. Otherwise (between --monitor-interval steps) a record
+        only where the replicas split, from what every step carries: the losses and
+        the checksums, so the split is on record at the step it happened."""
+        if not local:
+            split = replica_metrics(view)
+            if split["replicas/grad_distinct"] == 1 and split.get("replicas/state_distinct", 1) == 1:
+                self._alerts(step, split)  # a split that ended ends its alert
+                return {}
         grads = None
-        if self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
+        if local and self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
             grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
-        metrics = worker_metrics(view, grads)
+        metrics = worker_metrics(view, grads, local=local)
         metrics["step"] = step
         metrics["loss"] = view.global_loss
         metrics["local_losses"] = view.losses.tolist()
-        metrics["local_grad_norms"] = view.local_norms.tolist()
+        if local:
+            metrics["local_grad_norms"] = view.local_norms.tolist()
         metrics["faults"] = view.faults
         self.recorder.consistency(metrics)
         self._alerts(step, metrics)
         return metrics
 
     def _alerts(self, step: int, m: dict[str, Any]) -> None:
-        """Threshold alerts, edge-triggered: written when a condition starts, not every step."""
+        """Threshold alerts, edge-triggered: written when a condition starts, not every
+        step. A condition whose metric this step lacks (not computed at this step, e.g.
+        the state fingerprint between checks) keeps its state."""
         cfg = self.monitor_cfg
         conditions = {
-            "loss_cv": (m.get("consistency/loss_cv", 0.0), lambda v: v > cfg.alert_loss_cv, []),
-            "grad_cos_min": (m.get("consistency/grad_cos_min", 1.0), lambda v: v < cfg.alert_cos_min, []),
-            "replicas_split": (m.get("replicas/grad_distinct", 1), lambda v: v > 1,
-                               m.get("replicas/grad_minority_ranks", [])),
-            "state_split": (m.get("replicas/state_distinct", 1), lambda v: v > 1,
-                            m.get("replicas/state_minority_ranks", [])),
+            "loss_cv": ("consistency/loss_cv", lambda v: v > cfg.alert_loss_cv, None),
+            "grad_cos_min": ("consistency/grad_cos_min", lambda v: v < cfg.alert_cos_min, None),
+            "replicas_split": ("replicas/grad_distinct", lambda v: v > 1, "replicas/grad_minority_ranks"),
+            "state_split": ("replicas/state_distinct", lambda v: v > 1, "replicas/state_minority_ranks"),
         }
-        for name, (value, fires, ranks) in conditions.items():
+        for name, (key, fires, ranks_key) in conditions.items():
+            if key not in m:
+                continue
+            value = m[key]
+            ranks = m.get(ranks_key, []) if ranks_key else []
             active = bool(fires(value))
             if active and not self._alerting.get(name, False):
                 self._counts["alerts"] += 1

@@ -8,14 +8,18 @@ Variants, on the default workload (gpt, 4 ranks), all without faults:
 - ``monitor-fp1``: the same with the state fingerprint every step;
 - ``monitor-nocos``: the monitor with ``--cosine off`` (no gradient sketch; the
   guard and PAFT-Dyn's trigger do not need it);
-- ``monitor-floor``: the comm hook and the step's control collective with nothing
-  captured (metrics every 10000 steps, no state fingerprint): the monitor's fixed
-  cost, below which no setting goes;
+- ``monitor-i10``: the worker metrics every 10 steps (``--monitor-interval 10``); the
+  aggregated-gradient checksum, which sees replicas split, still every step;
+- ``monitor-floor``: the comm hook, the aggregated-gradient checksum and the step's
+  control collective, nothing else (metrics every 10000 steps, no state
+  fingerprint): the monitor's fixed cost, below which no setting goes;
 - ``guard``: monitor + guard;
 - ``dyn``: monitor + PAFT-Dyn with overlapped sync;
 - ``guard-nocos`` / ``dyn-nocos``: the same with ``--cosine off``, i.e. with only what
   the defense itself reads (neither uses the gradient cosine): its own cost, apart
   from the diagnostics';
+- ``dyn-i10``: PAFT-Dyn with the worker metrics every 10 steps: its trigger (the
+  checksums) still runs every step;
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
 - ``averager``: PyTorch's PeriodicModelAverager at the same period H.
 
@@ -65,11 +69,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "monitor": {},
     "monitor-fp1": {"monitor": {"fingerprint_every": 1}},
     "monitor-nocos": {"monitor": {"cosine": "off"}},
+    "monitor-i10": {"monitor": {"interval": 10}},
     "monitor-floor": {"monitor": {"cosine": "off", "interval": 10_000, "fingerprint_every": 0}},
     "guard": {"guard": {"enabled": True}},
     "dyn": {"protect": {"mode": "dyn"}},
     "guard-nocos": {"guard": {"enabled": True}, "monitor": {"cosine": "off"}},
     "dyn-nocos": {"protect": {"mode": "dyn"}, "monitor": {"cosine": "off"}},
+    "dyn-i10": {"protect": {"mode": "dyn"}, "monitor": {"interval": 10}},
     "sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "overlap": False}},
     "averager": {"monitor": {"enabled": False}, "protect": {"mode": "averager"}},
 }
