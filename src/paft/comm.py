@@ -198,6 +198,7 @@ class CommHookState:
         self.step = 0
         self.attempt = 0
         self.local_enabled = True
+        self.direction_enabled = True
         self.checksum_enabled = True
         self.inject_enabled = True
         # Buckets of the last completed backward pass (learned from its last bucket),
@@ -207,18 +208,20 @@ class CommHookState:
         self.step_buckets = 1
         self.current = BucketCapture()
 
-    def begin(self, step: int, attempt: int = 0, *, local: bool = True, checksum: bool = True,
-              inject: bool = True) -> None:
+    def begin(self, step: int, attempt: int = 0, *, local: bool = True, direction: bool = True,
+              checksum: bool = True, inject: bool = True) -> None:
         """Reset the capture before a forward/backward of ``step`` (retry ``attempt``).
 
-        ``local``: capture the local gradient (norm, sketch or copy), for the worker
-        metrics and the guard; ``checksum``: checksum the aggregated gradient, which
-        tells whether the ranks' replicas split at this step.
+        ``local``: capture the local gradient's squared norm and finiteness (the worker
+        metrics, the guard); with ``direction`` also what the cosine needs (the sketch,
+        or the copy in ``exact`` mode; metric steps only). ``checksum``: checksum the
+        aggregated gradient, which tells whether the ranks' replicas split at this step.
         """
         self.step, self.attempt = step, attempt
         self.local_enabled, self.checksum_enabled, self.inject_enabled = local, checksum, inject
+        self.direction_enabled = local and direction
         self.step_buckets = self.num_buckets
-        dim = self.sketcher.dim if local and self.sketcher is not None else 0
+        dim = self.sketcher.dim if self.direction_enabled and self.sketcher is not None else 0
         self.current = BucketCapture(sketch_dim=dim)
 
     # -- the chain ---------------------------------------------------------------
@@ -240,7 +243,7 @@ class CommHookState:
             cap.add_local(self.sketcher.add_(sketch, index, flat.detach()))
         else:
             cap.add_local(_squared_norm(flat.detach()))
-            if self.cosine == "exact":  # stays on the device: the gather happens there
+            if self.cosine == "exact" and self.direction_enabled:  # stays on the device: gathered there
                 cap.local_grads[index] = flat.detach().to(torch.float64, copy=True)
 
     def _capture_aggregated(self, index: int, flat: torch.Tensor) -> None:

@@ -82,7 +82,8 @@ class MonitorConfig:
     """Compute the worker metrics (dispersion, cosine) every this many steps
     (``--monitor-interval``). The aggregated-gradient checksum that sees replicas split
     runs every step regardless (PAFT-Dyn's trigger; a record and an alert at the step
-    of a split); the guard captures every step."""
+    of a split), and with the guard so do the local losses and gradient norms it
+    judges; the gradient sketch only on metric steps."""
     cosine: str = "sketch"
     """Gradient-direction consistency: ``sketch`` (k floats per rank), ``exact`` (full
     gradients gathered; small models only) or ``off`` (``--cosine``)."""

@@ -380,17 +380,17 @@ class Protector:
             return self._unmonitored_step(t, closure)
         check_state = self._due(self.monitor_cfg.fingerprint_every, t) or self._recheck_state
         self._recheck_state = False
-        # The local gradient is captured for the worker metrics (every --monitor-interval
-        # steps) and for the guard; the aggregated gradient's checksum, which sees
-        # replicas split, every step.
-        local = self.guard is not None or self._due(self.monitor_cfg.interval, t)
+        # The worker metrics (every --monitor-interval steps) need the local gradients'
+        # norms and directions; the guard, every step, their norms; the aggregated
+        # gradient's checksum, which sees replicas split, runs every step.
+        metric_step = self._due(self.monitor_cfg.interval, t)
         rerun_from = _ForwardSnapshot(self._buffers) if self.guard is not None else None
         attempt, applied, ratio, synced = 0, True, None, False
         while True:
-            self.hook.begin(t, attempt, local=local)
+            self.hook.begin(t, attempt, local=metric_step or self.guard is not None, direction=metric_step)
             # A rerun always fingerprints the state: corrupted replicas would reproduce
             # the bad step, and only the fingerprints tell them from bad data.
-            pending = self._control(self._run_closure(closure), check_state or attempt > 0, local)
+            pending = self._control(self._run_closure(closure), check_state or attempt > 0, metric_step)
             if self.guard is None:
                 # Nothing to decide before the update: let the control collective overlap it.
                 synced = self._finish_sync(t) or synced
@@ -433,7 +433,7 @@ class Protector:
             self.guard.accept(t, view, ratio)
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._metrics(t, view, local)
+        metrics = self._metrics(t, view, metric_step)
         synced = self._maybe_sync(t, view, state_is_stale=synced) or synced
         self.step_idx += 1
         return StepReport(
@@ -527,7 +527,7 @@ class Protector:
             self._counts["faults_injected"] += len(records)
             self.recorder.faults(r.to_json() for r in records)
 
-    def _control(self, loss: torch.Tensor, check_state: bool, local: bool) -> PendingControl:
+    def _control(self, loss: torch.Tensor, check_state: bool, metric_step: bool) -> PendingControl:
         """Pack this rank's view of the step and launch the step's one control collective."""
         cap = self.hook.current
         self._record_faults(cap.faults)
@@ -557,27 +557,29 @@ class Protector:
             faults=len(cap.faults),
             sketch=sketch,
         )
-        # Every rank agrees on ``local``, so on the length of the vectors.
-        return start_control(vec.pack(self.sketch_dim if local else 0), self.group)
+        # Every rank agrees on ``metric_step``, so on the length of the vectors.
+        return start_control(vec.pack(self.sketch_dim if metric_step else 0), self.group)
 
-    def _metrics(self, step: int, view: ControlView, local: bool) -> dict[str, Any]:
-        """The step's ``consistency.jsonl`` record and alerts. With the local gradients
-        captured: every metric. Otherwise (between --monitor-interval steps) a record
-        only where the replicas split, from what every step carries: the losses and
-        the checksums, so the split is on record at the step it happened."""
-        if not local:
+    def _metrics(self, step: int, view: ControlView, metric_step: bool) -> dict[str, Any]:
+        """The step's ``consistency.jsonl`` record and alerts: every metric on a metric
+        step. Between them (--monitor-interval) a record only where the replicas split,
+        from what every step carries (the losses and the checksums), so the split is on
+        record at the step it happened."""
+        if not metric_step:
             split = replica_metrics(view)
             if split["replicas/grad_distinct"] == 1 and split.get("replicas/state_distinct", 1) == 1:
                 self._alerts(step, split)  # a split that ended ends its alert
                 return {}
-        grads = None
-        if local and self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
-            grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
-        metrics = worker_metrics(view, grads, local=local)
+            metrics = worker_metrics(view, local=False)
+        else:
+            grads = None
+            if self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
+                grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
+            metrics = worker_metrics(view, grads)
         metrics["step"] = step
         metrics["loss"] = view.global_loss
         metrics["local_losses"] = view.losses.tolist()
-        if local:
+        if metric_step:
             metrics["local_grad_norms"] = view.local_norms.tolist()
         metrics["faults"] = view.faults
         self.recorder.consistency(metrics)

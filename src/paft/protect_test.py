@@ -6,6 +6,7 @@ injection is keyed by (rank, step) through the fault specs.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import pairwise_cosine
 from paft.fingerprint import group_replicas, state_fingerprint
 from paft.protect import PersistentFaultError, protect
+from paft.records import RunRecorder, read_jsonl
 from paft.testing import NestedStateSGD, run_workers
 
 
@@ -61,6 +63,7 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
             protect=ProtectConfig(**opts.get("protect", {})),
             guard=GuardConfig(**opts.get("guard", {})),
             inject=opts.get("inject", []), seed=3, comm_hook=user_hook,
+            recorder=RunRecorder(opts["run_dir"], rank, quiet=True) if "run_dir" in opts else None,
         )
     for step in range(steps):
         x, y = batch(rank, step)
@@ -223,13 +226,19 @@ def test_single_flipped_buffer_bit_names_the_rank() -> None:
 GUARD = {"enabled": True, "warmup": 3}
 
 
-@pytest.mark.parametrize("site", ["aggregation", "local-grad"])
-def test_guard_recomputes_a_transient_bit30_flip_exactly(site: str) -> None:
-    clean = run_workers(train_toy, 2, {"guard": GUARD, "steps": 12})
-    out = run_workers(train_toy, 2, {"guard": GUARD, "steps": 12,
+@pytest.mark.parametrize(("site", "interval"), [("aggregation", 1), ("local-grad", 1), ("local-grad", 5)])
+def test_guard_recomputes_a_transient_bit30_flip_exactly(site: str, interval: int, tmp_path: Path) -> None:
+    # At --monitor-interval 5, step 7 computes no worker metrics; the guard still
+    # reads every rank's local gradient norm there, and names the rank.
+    opts = {"guard": GUARD, "steps": 12, "monitor": {"interval": interval}}
+    clean = run_workers(train_toy, 2, opts)
+    out = run_workers(train_toy, 2, {**opts, "run_dir": str(tmp_path),
                                      "inject": [f"bitflip:site={site},steps=7,ranks=1,bits=30,count=4"]})
     assert same(out[0], clean[0]) and same(out[1], clean[1])
     assert out[0]["reports"][7]["attempts"] == 2
+    first = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "guard")
+    detector = "nonfinite_local_grad" if site == "local-grad" else "nonfinite_agg_grad"
+    assert (first["step"], first["detector"], first["ranks"]) == (7, detector, [1])
     c = out[0]["counters"]
     assert c["detections"] == 1 and c["recomputes"] == 1 and c["transient"] == 1 and c["skipped_batches"] == 0
 

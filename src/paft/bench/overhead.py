@@ -18,8 +18,9 @@ Variants, on the default workload (gpt, 4 ranks), all without faults:
 - ``guard-nocos`` / ``dyn-nocos``: the same with ``--cosine off``, i.e. with only what
   the defense itself reads (neither uses the gradient cosine): its own cost, apart
   from the diagnostics';
-- ``dyn-i10``: PAFT-Dyn with the worker metrics every 10 steps: its trigger (the
-  checksums) still runs every step;
+- ``dyn-i10`` / ``guard-i10``: PAFT-Dyn / the guard with the worker metrics every 10
+  steps: what the defense reads (the checksums; for the guard also the local losses
+  and gradient norms) still every step;
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
 - ``averager``: PyTorch's PeriodicModelAverager at the same period H.
 
@@ -76,6 +77,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "guard-nocos": {"guard": {"enabled": True}, "monitor": {"cosine": "off"}},
     "dyn-nocos": {"protect": {"mode": "dyn"}, "monitor": {"cosine": "off"}},
     "dyn-i10": {"protect": {"mode": "dyn"}, "monitor": {"interval": 10}},
+    "guard-i10": {"guard": {"enabled": True}, "monitor": {"interval": 10}},
     "sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "overlap": False}},
     "averager": {"monitor": {"enabled": False}, "protect": {"mode": "averager"}},
 }
