@@ -353,10 +353,27 @@ def _plot_cosine(run: RunData, out: Path) -> Path:
     return _save(fig, out / "cosine.png")
 
 
+def _one_step_each(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
+    """A split of the aggregated gradients lasts its own step: back to 1 at the next
+    one. Between metric steps (--monitor-interval) only splits are recorded, so a step
+    without a record had none."""
+    out_s: list[int] = []
+    out_v: list[float] = []
+    for i, (s, v) in enumerate(zip(steps, values)):
+        out_s.append(s)
+        out_v.append(v)
+        if v != 1 and (i + 1 == len(steps) or steps[i + 1] > s + 1):
+            out_s.append(s + 1)
+            out_v.append(1.0)
+    return out_s, out_v
+
+
 def _replica_panel(ax: Axes, run: RunData) -> None:
     for key, color, label in (("replicas/grad_distinct", "tab:purple", "aggregated gradients"),
                               ("replicas/state_distinct", "tab:orange", "training state")):
         steps, values = _series(run.consistency, key)
+        if key == "replicas/grad_distinct":
+            steps, values = _one_step_each(steps, values)
         if steps:
             ax.step(steps, values, where="post", color=color, lw=1.5, label=f"distinct {label}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
