@@ -4,7 +4,8 @@ paft never replaces DDP's reducer; it registers one hook through the public
 ``DistributedDataParallel.register_comm_hook``. Per gradient bucket the chain is:
 
 1. ``local-grad`` fault injection (compute SDC on this rank's own gradient; tests only);
-2. capture of the *local* gradient: squared norm, non-finite flag, a k-dim CountSketch
+2. capture of the *local* gradient (on the steps that ask, see
+   :meth:`CommHookState.begin`): squared norm, non-finite flag, a k-dim CountSketch
    for the inter-worker cosine (or a full copy in ``exact`` mode);
 3. the all-reduce (the user's own hook if one is given, else exactly the mean
    all-reduce of DDP's built-in reducer: scale by 1/world_size, then sum);

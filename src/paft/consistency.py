@@ -288,7 +288,10 @@ def worker_metrics(view: ControlView, grads: torch.Tensor | None = None, local: 
     cosine metrics are omitted.
     """
     out: dict[str, Any] = {}
-    for name, values in (("loss", view.losses), ("gnorm", view.local_norms))[: 2 if local else 1]:
+    columns = [("loss", view.losses)]
+    if local:
+        columns.append(("gnorm", view.local_norms))
+    for name, values in columns:
         for stat, value in dispersion(values).items():
             out[f"consistency/{name}_{stat}"] = value
     vectors = _array(grads) if grads is not None else view.sketches
