@@ -80,10 +80,10 @@ class MonitorConfig:
     PAFT-Dyn's fingerprint trigger need the monitor (``--monitor``)."""
     interval: int = 1
     """Compute the worker metrics (dispersion, cosine) every this many steps
-    (``--monitor-interval``). The aggregated-gradient checksum that sees replicas split
-    runs every step regardless (PAFT-Dyn's trigger; a record and an alert at the step
-    of a split), and with the guard so do the local losses and gradient norms it
-    judges; the gradient sketch only on metric steps."""
+    (``--monitor-interval``). The local losses and the aggregated-gradient checksum,
+    which sees replicas split, are exchanged every step regardless (PAFT-Dyn's trigger;
+    a record at a split, at its end and at each state fingerprint), with the guard the
+    local gradient norms too; the gradient sketch only on metric steps."""
     cosine: str = "sketch"
     """Gradient-direction consistency: ``sketch`` (k floats per rank), ``exact`` (full
     gradients gathered; small models only) or ``off`` (``--cosine``)."""
@@ -92,7 +92,7 @@ class MonitorConfig:
     fingerprint_every: int = 10
     """Fingerprint parameters + optimizer state every this many steps (memory SDC at rest
     shows within that many steps); 0 disables. The aggregated gradient is checksummed
-    every step, so aggregation SDC shows at the step it happens. Each state
+    every step the monitor runs, so aggregation SDC shows at the step it happens. Each state
     fingerprint reads the whole state twice: on CPU about 5% of a default gpt step, so
     every step (1) is for tests and small models (``--fingerprint-every``)."""
     alert_loss_cv: float = 0.5

@@ -279,23 +279,18 @@ def _upper_pairs(world_size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(world_size, k=1)
 
 
-def worker_metrics(view: ControlView, grads: torch.Tensor | None = None, local: bool = True) -> dict[str, Any]:
+def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict[str, Any]:
     """All per-step consistency metrics from the gathered control matrix.
 
     ``grads`` overrides the sketches with full local gradients (``exact`` mode);
-    with neither (cosine ``off``, or k = 0) the cosine metrics are omitted. With
-    ``local`` false (the step captured no local gradients) the gradient-norm and
-    cosine metrics are omitted.
+    with neither (cosine ``off``, or k = 0) the cosine metrics are omitted.
     """
     out: dict[str, Any] = {}
-    columns = [("loss", view.losses)]
-    if local:
-        columns.append(("gnorm", view.local_norms))
-    for name, values in columns:
+    for name, values in (("loss", view.losses), ("gnorm", view.local_norms)):
         for stat, value in dispersion(values).items():
             out[f"consistency/{name}_{stat}"] = value
     vectors = _array(grads) if grads is not None else view.sketches
-    if local and vectors.shape[1] > 0 and view.world_size > 1:
+    if vectors.shape[1] > 0 and view.world_size > 1:
         cos, to_mean = pairwise_cosine(vectors)
         pairs = cos[_upper_pairs(view.world_size)]
         pairs = pairs[np.isfinite(pairs)]  # the pairs of ranks with finite gradients

@@ -562,15 +562,14 @@ class Protector:
 
     def _metrics(self, step: int, view: ControlView, metric_step: bool) -> dict[str, Any]:
         """The step's ``consistency.jsonl`` record and alerts: every metric on a metric
-        step. Between them (--monitor-interval) a record only where the replicas split,
-        from what every step carries (the losses and the checksums), so the split is on
-        record at the step it happened."""
+        step. Between them (--monitor-interval) a record of what every step carries (the
+        losses, the ``replicas/*`` keys) where there is news of the replicas: a split,
+        the step after one (its end), a state fingerprint."""
         if not metric_step:
-            split = replica_metrics(view)
-            if split["replicas/grad_distinct"] == 1 and split.get("replicas/state_distinct", 1) == 1:
-                self._alerts(step, split)  # a split that ended ends its alert
+            metrics = replica_metrics(view)
+            was_split = self._alerting.get("replicas_split", False) or self._alerting.get("state_split", False)
+            if not (was_split or metrics["replicas/grad_distinct"] > 1 or "replicas/state_distinct" in metrics):
                 return {}
-            metrics = worker_metrics(view, local=False)
         else:
             grads = None
             if self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:

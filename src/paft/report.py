@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,9 +294,16 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
-    if any("loss" in r for r in run.consistency):
-        return _series(run.consistency, "loss")
-    return _series(next(iter(run.metrics.values())), "loss")
+    """Per step, the mean of the ranks' local losses, from every rank's metrics: they
+    have every step, where consistency.jsonl may have only every --monitor-interval-th
+    (and has nothing without the monitor)."""
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for records in run.metrics.values():
+        for r in records:
+            if "local_loss" in r:
+                by_step[int(r["step"])].append(_num(r["local_loss"]))
+    steps = [s for s in sorted(by_step) if len(by_step[s]) == len(run.metrics)]
+    return steps, [math.fsum(by_step[s]) / len(run.metrics) for s in steps]
 
 
 def _plot_loss(run: RunData, out: Path) -> Path:
@@ -353,27 +360,10 @@ def _plot_cosine(run: RunData, out: Path) -> Path:
     return _save(fig, out / "cosine.png")
 
 
-def _one_step_each(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
-    """A split of the aggregated gradients lasts its own step: back to 1 at the next
-    one. Between metric steps (--monitor-interval) only splits are recorded, so a step
-    without a record had none."""
-    out_s: list[int] = []
-    out_v: list[float] = []
-    for i, (s, v) in enumerate(zip(steps, values)):
-        out_s.append(s)
-        out_v.append(v)
-        if v != 1 and (i + 1 == len(steps) or steps[i + 1] > s + 1):
-            out_s.append(s + 1)
-            out_v.append(1.0)
-    return out_s, out_v
-
-
 def _replica_panel(ax: Axes, run: RunData) -> None:
     for key, color, label in (("replicas/grad_distinct", "tab:purple", "aggregated gradients"),
                               ("replicas/state_distinct", "tab:orange", "training state")):
         steps, values = _series(run.consistency, key)
-        if key == "replicas/grad_distinct":
-            steps, values = _one_step_each(steps, values)
         if steps:
             ax.step(steps, values, where="post", color=color, lw=1.5, label=f"distinct {label}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from paft.config import TrainConfig
-from paft.report import ReportError, _one_step_each, build_report, load_run
+from paft.report import ReportError, _global_loss, build_report, load_run
 from paft.testing import run_workers
 from paft.train import Trainer, prepare_run_dir
 
@@ -236,8 +236,12 @@ def test_out_dir_is_never_among_other_files(clean_run: pathlib.Path, tmp_path: p
     assert build_report(clean_run, tmp_path / "out").files == again.files
 
 
-def test_an_aggregated_gradient_split_is_drawn_for_its_own_step_only() -> None:
-    # between metric steps only splits are recorded: step 8 had none
-    assert _one_step_each([0, 5, 7, 10], [1, 1, 2, 1]) == ([0, 5, 7, 8, 10], [1, 1, 2, 1.0, 1])
-    assert _one_step_each([3, 4, 5], [1, 2, 1]) == ([3, 4, 5], [1, 2, 1])  # every step recorded
-    assert _one_step_each([9], [3]) == ([9, 10], [3, 1.0])
+def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_run: pathlib.Path,
+                                                                        tmp_path: pathlib.Path) -> None:
+    run_dir = copy_run(fault_run, tmp_path / "sparse")
+    path = run_dir / "consistency.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] % 5 == 0))  # --monitor-interval 5
+    steps, values = _global_loss(load_run(run_dir))
+    assert steps == [r["step"] for r in records] == list(range(12))
+    assert values == pytest.approx([r["loss"] for r in records], rel=1e-12)
