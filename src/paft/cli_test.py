@@ -322,7 +322,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwri
 
 def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from paft.launch import _set_aside, _settle
+    from paft.launch import set_aside, settle
     from paft.train import RunDirError
 
     run = tmp_path / "run"
@@ -330,21 +330,21 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
         shutil.rmtree(run, ignore_errors=True)
         run.mkdir()
         (run / "summary.json").write_text("old")
-        aside = _set_aside(run)
+        aside = set_aside(run)
         assert aside is not None and not run.exists() and aside.parent == tmp_path
         assert (aside / "summary.json").read_text() == "old"
         if keep_new:
             run.mkdir()
             (run / "summary.json").write_text("new")
-        _settle(aside, run, keep_new=keep_new)  # a new run not kept was removed before
+        settle(aside, run, keep_new=keep_new)  # a new run not kept was removed before
         assert (run / "summary.json").read_text() == ("new" if keep_new else "old")
         assert not aside.exists()
     assert f"the output it was to replace is back in {run}" in capsys.readouterr().err
-    assert _set_aside(tmp_path / "none") is None  # nothing to move
+    assert set_aside(tmp_path / "none") is None  # nothing to move
     monkeypatch.chdir(run)
     for here in (".", ".."):  # the working directory, or one that holds it, is never moved
         with pytest.raises(RunDirError, match="is the working directory"):
-            _set_aside(pathlib.Path(here))
+            set_aside(pathlib.Path(here))
 
 
 @pytest.mark.parametrize("spec,needle", [

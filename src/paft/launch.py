@@ -28,11 +28,12 @@ from paft.train import (
     check_run_dir,
     default_run_dir,
     format_summary,
+    has_checkpoint,
     prepare_run_dir,
     run_worker,
 )
 
-__all__ = ["launch"]
+__all__ = ["launch", "set_aside", "settle"]
 
 EXIT_WORKER_FAILED = 1
 EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
@@ -55,30 +56,23 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     check_devices(cfg)
     check_run_dir(cfg)
     run_dir = pathlib.Path(cfg.run_dir)
-    replaced = _set_aside(run_dir) if cfg.overwrite else None
+    replaced = set_aside(run_dir) if cfg.overwrite else None
     code = EXIT_WORKER_FAILED
     try:
         prepare_run_dir(cfg)  # on --resume: config.json records the options the run goes on with
         code, summary = _run_workers(cfg, quiet)
         return code, summary
     finally:
-        keep = code in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or _has_checkpoint(run_dir)
+        keep = code in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or has_checkpoint(run_dir)
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)
             print(f"paft train: the run stopped before its first checkpoint; nothing in {run_dir} could be "
                   "resumed, so it was removed", file=sys.stderr)
         if replaced is not None:
-            _settle(replaced, run_dir, keep_new=keep)
+            settle(replaced, run_dir, keep_new=keep)
 
 
-def _has_checkpoint(run_dir: pathlib.Path) -> bool:
-    try:
-        return (run_dir / "checkpoints" / "latest").is_file()
-    except OSError:
-        return False
-
-
-def _set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
+def set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
     """Move an existing run directory to a sibling ``<name>.replaced-<id>`` (a rename:
     instant, same disk)."""
     if not run_dir.exists():
@@ -95,7 +89,7 @@ def _set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
     return aside
 
 
-def _settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str = "paft train") -> None:
+def settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str = "paft train") -> None:
     """Delete the replaced output once the new one is kept; else move it back (the new
     one's directory is gone by then)."""
     if keep_new:
@@ -126,13 +120,13 @@ def _run_workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any] | N
         results = elastic_launch(config, run_worker)(cfg.to_dict(), cfg.run_dir)
     except ChildFailedError as err:
         kept = ""
-        if _has_checkpoint(pathlib.Path(cfg.run_dir)):
+        if has_checkpoint(pathlib.Path(cfg.run_dir)):
             kept = f"; {cfg.run_dir} keeps its checkpoints (--resume continues from the last)"
         print(f"paft train: a worker failed (its traceback is above){kept}\n{err}", file=sys.stderr)
         return EXIT_WORKER_FAILED, None
     except (KeyboardInterrupt, SignalException) as err:
         hint = ""
-        if _has_checkpoint(pathlib.Path(cfg.run_dir)):
+        if has_checkpoint(pathlib.Path(cfg.run_dir)):
             hint = f"; to continue from the last checkpoint: paft train --run-dir {cfg.run_dir} --resume"
         print(f"\npaft train: interrupted ({err or 'Ctrl-C'}){hint}", file=sys.stderr)
         return EXIT_INTERRUPTED, None

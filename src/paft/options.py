@@ -32,6 +32,7 @@ from paft.config import (
     ProtectConfig,
     TrainConfig,
 )
+from paft.records import is_file
 from paft.workloads import WORKLOADS
 
 if sys.version_info >= (3, 11):
@@ -320,13 +321,6 @@ def _merge(values: dict[str, Any], new: dict[str, Any]) -> None:
         values[key] = value
 
 
-def _is_file(path: pathlib.Path) -> bool:
-    try:
-        return path.is_file()
-    except OSError:  # e.g. a name too long for the file system: check_run_dir names it
-        return False
-
-
 def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None = None) -> TrainConfig:
     """Build (and so validate) the config.
 
@@ -342,7 +336,7 @@ def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
         raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>)")
-    if resume and run_dir and _is_file(pathlib.Path(run_dir) / "config.json"):
+    if resume and run_dir and is_file(pathlib.Path(run_dir) / "config.json"):
         _merge(values, _saved_values(run_dir))
     _merge(values, from_file)
     _merge(values, given)

@@ -36,6 +36,7 @@ __all__ = [
     "atomic_write_json",
     "read_jsonl",
     "read_utf8",
+    "is_file",
     "truncate_jsonl",
     "jsonable",
     "output_dir_problem",
@@ -134,6 +135,15 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n").encode())
+
+
+def is_file(path: pathlib.Path) -> bool:
+    """``path.is_file()``, but False where the file system cannot even look (a name too
+    long, a permission error on a parent): the callers' own checks then name the problem."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def read_utf8(path: pathlib.Path) -> str:

@@ -18,10 +18,11 @@ so reports can be built on headless machines and inside other programs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,24 +97,27 @@ def _restore(value: Any) -> Any:
     return from_jsonable_float(value)
 
 
-def _read_text(path: Path) -> str:
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A damaged (not UTF-8, not JSON) or unreadable ``path`` as a ReportError naming it."""
     try:
-        return read_utf8(path)
-    except ValueError as err:
+        yield
+    except ValueError as err:  # records.read_utf8 / read_jsonl name the file and line
         raise ReportError(str(err)) from None
     except OSError as err:
         raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
+
+
+def _read_text(path: Path) -> str:
+    with _reading(path):
+        return read_utf8(path)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
-    try:
+    with _reading(path):
         records = [_restore(r) for r in read_jsonl(path)]  # a crashed writer's partial last line is dropped
-    except ValueError as err:
-        raise ReportError(str(err)) from None
-    except OSError as err:
-        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
     for i, record in enumerate(records):
         for key in ("step", "rank"):  # every record has a step; faults name a rank
             value = record.get(key, 0 if key == "rank" else None)

@@ -41,6 +41,7 @@ from paft.records import (
     RunRecorder,
     atomic_write_bytes,
     atomic_write_json,
+    is_file,
     output_dir_problem,
     path_name_problem,
     read_jsonl,
@@ -55,6 +56,7 @@ __all__ = [
     "main",
     "prepare_run_dir",
     "check_run_dir",
+    "has_checkpoint",
     "format_summary",
     "RunDirError",
     "DeviceError",
@@ -117,6 +119,12 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
     problem = output_dir_problem(path, "--run-dir", ("config.json",), cfg.overwrite)
     if problem:
         raise RunDirError(problem)
+
+
+def has_checkpoint(run_dir: pathlib.Path) -> bool:
+    """Whether ``run_dir`` holds a checkpoint to resume (``checkpoints/latest``); False
+    where the file system cannot look (:func:`check_run_dir` names such errors)."""
+    return is_file(run_dir / "checkpoints" / "latest")
 
 
 def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:

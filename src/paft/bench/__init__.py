@@ -182,13 +182,13 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     and come back if it does not."""
     import shutil
 
-    from paft.launch import EXIT_WORKER_FAILED, _set_aside, _settle
+    from paft.launch import EXIT_WORKER_FAILED, set_aside, settle
     from paft.train import RunDirError
 
     _validate(args, parser)
     out = _out_dir(args, parser)
     try:
-        replaced = _set_aside(out) if args.overwrite else None
+        replaced = set_aside(out) if args.overwrite else None
     except RunDirError as err:
         parser.error(str(err))
     code = EXIT_WORKER_FAILED
@@ -199,7 +199,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if replaced is not None:
             if code != 0:
                 shutil.rmtree(out, ignore_errors=True)
-            _settle(replaced, out, keep_new=code == 0, prog="paft bench")
+            settle(replaced, out, keep_new=code == 0, prog="paft bench")
 
 
 def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
