@@ -11,7 +11,8 @@ and the helpers around it:
 * :func:`word_checksum` -- a one-pass checksum for the per-step aggregated gradient;
 * :func:`split_int64` / :func:`join_int64` -- carry a fingerprint exactly through
   the per-step float64 control collective;
-* :func:`group_replicas` / :func:`majority` -- who agrees with whom.
+* :func:`group_replicas` / :func:`majority` -- who agrees with whom; :func:`repr_digest`
+  -- a process-independent 64-bit digest, to check that ranks agree on settings.
 
 How the fingerprint is built
 ----------------------------
@@ -65,6 +66,7 @@ is in ``fingerprint_test.py`` (``test_speed_budget``).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -83,6 +85,7 @@ __all__ = [
     "join_int64",
     "group_replicas",
     "majority",
+    "repr_digest",
 ]
 
 _M64 = (1 << 64) - 1
@@ -529,6 +532,13 @@ def join_int64(hi: float, lo: float) -> int:
 # ----------------------------------------------------------------------------
 # Agreement between replicas
 # ----------------------------------------------------------------------------
+
+
+def repr_digest(value: object) -> int:
+    """A signed 64-bit digest of ``repr(value)``: equal on two ranks when their values
+    print alike (settings, a state's names, dtypes and shapes). Unlike ``hash()``,
+    which is salted per process for strings, it is the same in every process."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def group_replicas(fps: Sequence[int]) -> list[list[int]]:

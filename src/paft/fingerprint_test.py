@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import doctest
 import math
+import os
+import subprocess
+import sys
 import time
 import warnings
 
@@ -22,6 +25,7 @@ from paft.fingerprint import (
     group_replicas,
     join_int64,
     majority,
+    repr_digest,
     split_int64,
     state_fingerprint,
     state_tensors,
@@ -489,3 +493,13 @@ def test_group_replicas_and_majority(
 ) -> None:
     assert group_replicas(fps) == groups
     assert majority(fps) == maj
+
+
+def test_repr_digest_is_the_same_in_another_process() -> None:
+    # hash() of a str is salted per process; the digest ranks compare must not be.
+    value = (("optim/0/exp_avg", "torch.float32", (4, 3)), {"lr": 0.1})
+    code = f"from paft.fingerprint import repr_digest; print(repr_digest({value!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "random"})
+    assert int(out.stdout) == repr_digest(value)
+    assert repr_digest(value) != repr_digest((value[0], {"lr": 0.2}))

@@ -37,7 +37,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -68,7 +67,7 @@ from paft.consistency import (
 from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec, parse_specs
-from paft.fingerprint import group_replicas, state_fingerprint, state_tensors
+from paft.fingerprint import group_replicas, repr_digest, state_fingerprint, state_tensors
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.records import RunRecorder
 from paft.sync import ReplicaSync, SyncReport
@@ -270,8 +269,7 @@ def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any]) -> None:
     """One gather of a 64-bit digest per setting, once at construction: a setting that
     differs between ranks would deadlock a later collective or silently mix state."""
     names = list(parts)
-    digests = [int.from_bytes(hashlib.blake2b(repr(parts[n]).encode(), digest_size=8).digest(), "little",
-                              signed=True) for n in names]
+    digests = [repr_digest(parts[n]) for n in names]
     table = gather_rows(torch.tensor(digests, dtype=torch.int64), group).cpu()
     differ = [n for j, n in enumerate(names) if bool((table[:, j] != table[0, j]).any())]
     if differ:

@@ -80,7 +80,6 @@ not a boolean).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 import weakref
@@ -92,7 +91,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from paft.consistency import collective_device, gather_rows
-from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
+from paft.fingerprint import fingerprint, group_replicas, majority, repr_digest, state_tensors
 from paft.records import jsonable
 from paft.robust import lower_median, median_of_three
 
@@ -238,10 +237,7 @@ def _build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucke
     for g in by_dtype.values():
         cap = max(1, bucket_bytes // torch.empty((), dtype=g.dtype).element_size())
         g.buckets = [(a, min(a + cap, g.numel)) for a in range(0, g.numel, cap)]
-    # repr() of names, dtypes and shape tuples is the same in every process (unlike
-    # hash(), which is salted per process for strings).
-    digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little", signed=True)
-    return _Layout(key, list(by_dtype.values()), digest)
+    return _Layout(key, list(by_dtype.values()), repr_digest(key))
 
 
 def _pack(flat: Tensor, tensors: list[Tensor]) -> Tensor:
