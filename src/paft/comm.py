@@ -11,8 +11,9 @@ paft never replaces DDP's reducer; it registers one hook through the public
    all-reduce of DDP's built-in reducer: scale by 1/world_size, then sum);
 4. ``aggregation`` fault injection into the *result*, on the selected rank only
    (network / reduction SDC: ranks now hold different "aggregated" gradients);
-5. capture of the *aggregated* gradient: an exact 64-bit word checksum, so the
-   step's control collective can tell whether ranks hold the same result. (Its norm
+5. capture of the *aggregated* gradient: its exact 64-bit digest
+   (:func:`paft.fingerprint.digest_tensor`, position-sensitive), so the step's
+   control collective can tell whether ranks hold the same result. (Its norm
    and non-finite flag come from the protector's one ``get_total_norm`` over the
    gradients, which gradient clipping needs anyway: no second pass here.)
 
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from paft.faults import FaultInjector, FaultRecord
-from paft.fingerprint import word_checksum_tensor
+from paft.fingerprint import digest_tensor
 
 __all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch"]
 
@@ -117,11 +118,11 @@ class BucketCapture:
     local_sq: torch.Tensor | None = None
     """float64 0-dim: the local gradient's squared norm."""
     agg_terms: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per bucket index, int64 0-dim: (2 * index + 1) * the word checksum of the
+    """Per bucket index, int64 0-dim: (2 * index + 1) * the digest of the
     aggregated bucket. Kept apart, not summed in place: each bucket's all-reduce
     callback may run on its own thread (gloo) or CUDA stream, so in-place updates of
     one accumulator could race. :meth:`totals` sums them, wrapping mod 2**64; the sum
-    is order-independent and the odd factor keeps a one-word change visible."""
+    is order-independent and the odd factor keeps a one-lane change visible."""
     local_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     faults: list[FaultRecord] = field(default_factory=list)
 
@@ -248,7 +249,7 @@ class CommHookState:
                 cap.local_grads[index] = flat.detach().to(torch.float64, copy=True)
 
     def _capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
-        self.current.add_aggregated(index, word_checksum_tensor(flat))
+        self.current.add_aggregated(index, digest_tensor(flat))
 
     def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
         """Launch the bucket's all-reduce; the future's value is the result tensor or,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from paft.comm import BucketCapture, CountSketch
 from paft.consistency import ControlVector, ControlView, pairwise_cosine, worker_metrics
-from paft.fingerprint import word_checksum, word_checksum_tensor
+from paft.fingerprint import digest, digest_tensor
 from paft.workloads import build_workload
 
 
@@ -176,9 +176,9 @@ def test_capture_totals_match_the_host_arithmetic(device: str) -> None:
     sq_host, combined = 0.0, 0
     for i, flat in enumerate(buckets):
         cap.add_local(sketcher.add_(cap.sketch_on(flat.device), i, flat))  # type: ignore[arg-type]
-        cap.add_aggregated(i, word_checksum_tensor(flat))
+        cap.add_aggregated(i, digest_tensor(flat))
         sq_host += float(torch.dot(flat, flat))
-        combined = (combined + word_checksum(flat.cpu()) * (2 * i + 1)) & ((1 << 64) - 1)
+        combined = (combined + digest(flat.cpu()) * (2 * i + 1)) & ((1 << 64) - 1)
     local_sq, checksum, sketch = cap.totals()
     # bitwise on the CPU; a CUDA dot may sum in another order
     assert local_sq == (sq_host if device == "cpu" else pytest.approx(sq_host, rel=1e-12))
