@@ -57,6 +57,7 @@ of this step)::
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
     0        detected     -                                        recompute   None
     >= 1     detected     header rows bitwise equal (*)            skip        data
+    >= 1     grad_mismatch again (bitwise or not; data never does it)  stop/recompute  persistent
     >= 1     detected     suspects overlap prev's, other values    stop        persistent  (on_persistent=stop)
                                                                    recompute   persistent  (on_persistent=repair)
     >= 1     detected     anything else (new / unattributed)       recompute   as decided so far
@@ -417,18 +418,22 @@ class Guard:
             self.counters["detections"] += 1
             st.pending = _Incident("check", detector, ranks, bits)
             return self._rerun(st, detector, ranks, values)
-        if _reproduced(prev.bits, bits):
+        # Data cannot make ranks receive different aggregated gradients: a mismatch
+        # that comes back, bitwise or not, is a reduction failing again (persistent),
+        # even where 2 ranks leave the faulty one unnamed.
+        mismatch_again = detector == prev.detector == "grad_mismatch"
+        if not mismatch_again and _reproduced(prev.bits, bits):
             st.pending = None
             self._decide(st, "data")
             self.counters["skipped_batches"] += 1
             return GuardVerdict("skip", detector, ranks, "data", values)
         st.pending = _Incident("check", detector, ranks, bits)
         common = sorted(set(prev.ranks) & set(ranks))
-        if common:
+        if common or mismatch_again:
             self._decide(st, "persistent")
             if self.config.on_persistent == "stop":
                 return GuardVerdict("stop", detector, common, "persistent", values)
-            return self._rerun(st, detector, common, values)
+            return self._rerun(st, detector, common or ranks, values)
         return self._rerun(st, detector, ranks, values)
 
     # -- post-step ------------------------------------------------------------------

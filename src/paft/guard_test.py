@@ -405,6 +405,28 @@ def test_persistent_grad_mismatch_same_minority() -> None:
     assert (v.action, v.detector, v.ranks, v.cause) == ("stop", "grad_mismatch", [3], "persistent")
 
 
+def test_grad_mismatch_that_comes_back_is_never_data() -> None:
+    """Data cannot make ranks receive different aggregated gradients. A mismatch whose
+    norms agree within the rerun tolerance (a mantissa flip at another element) used to
+    read as reproduced, and the guard skipped the batch as bad data."""
+    g = guard(4, on_persistent="stop")
+    g.check(0, 0, make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, 5, FP, FP]))
+    v = g.check(0, 1, make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, 6, FP, FP]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("stop", "grad_mismatch", [1], "persistent")
+    # Bitwise the same split again: still the reduction, not the data.
+    g = guard(4)
+    view = make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, 5, FP, FP])
+    g.check(0, 0, view)
+    v = g.check(0, 1, view)
+    assert (v.action, v.ranks, v.cause) == ("recompute", [1], "persistent")
+    assert (g.counters["data"], g.counters["skipped_batches"]) == (0, 0)
+    # Two ranks: which one is faulty is unknown, that one is, is not.
+    g = guard(2, on_persistent="stop")
+    g.check(0, 0, make_view([2.0] * 2, [1.5] * 2, 1.0, fps=[FP, 5]))
+    v = g.check(0, 1, make_view([2.0] * 2, [1.5] * 2, 1.0, fps=[FP, 6]))
+    assert (v.action, v.ranks, v.cause) == ("stop", [], "persistent")
+
+
 def test_different_rank_on_rerun_is_a_new_fault() -> None:
     g = guard(4)
     t = warm(g)

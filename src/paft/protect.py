@@ -172,8 +172,9 @@ class PersistentFaultError(RuntimeError):
     """The guard found a persistently faulty rank and the policy is ``stop``."""
 
     def __init__(self, step: int, ranks: list[int]) -> None:
+        who = f"rank(s) {ranks}" if ranks else "a rank (which one the ranks' values cannot tell)"
         super().__init__(
-            f"step {step}: rank(s) {ranks} reproduce a harmful update on recomputation "
+            f"step {step}: {who} reproduced a harmful update on recomputation "
             "(persistent fault); stopping as --on-persistent=stop asks"
         )
         self.step = step
