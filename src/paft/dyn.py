@@ -172,6 +172,15 @@ class FixedScheduler(SyncScheduler):
     def _adapt(self, divergence: float) -> int:
         return self._period
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the schedule. The period stays this scheduler's own, so a resumed
+        run may change it (as PAFT-Dyn's bounds); a shorter one brings the next sync
+        forward by as much."""
+        period = self._period
+        super().load_state_dict(state)
+        self._next -= max(0, self._period - period)
+        self._period = self._period_before_trigger = period
+
 
 @dataclass
 class DynConfig:

@@ -224,3 +224,19 @@ def test_load_state_dict_checks_kind_and_clamps_to_own_config() -> None:
     small = DynScheduler(DynConfig(h_max=100, h_init=50))
     small.load_state_dict(big.state_dict())
     assert small.period == 100 and small.next_sync_step == 100  # last sync 0 + the clamped period
+
+
+def test_fixed_period_is_the_loading_schedulers_own() -> None:
+    """A resumed PAFT-Sync run may change --sync-period: the loaded state kept the saved
+    period, and the new setting was silently ignored for the rest of the run."""
+    short = FixedScheduler(2)
+    for step in (2, 4):
+        short.observe(step, 0.0)
+    longer = FixedScheduler(10)
+    longer.load_state_dict(short.state_dict())
+    assert (longer.period, longer.next_sync_step) == (10, 6)  # the sync already due stays due
+    longer.observe(6, 0.0)
+    assert longer.next_sync_step == 16
+    shorter = FixedScheduler(4)
+    shorter.load_state_dict(FixedScheduler(10).state_dict())
+    assert (shorter.period, shorter.next_sync_step) == (4, 4)  # brought forward by 10 - 4
