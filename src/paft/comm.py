@@ -208,6 +208,7 @@ class CommHookState:
         # mid-step, so an event hits exactly one bucket, the same one on every run.
         self.num_buckets = 1
         self.step_buckets = 1
+        self.buckets_seen = 0  # this attempt's buckets: none means DDP synced no gradient
         self.current = BucketCapture()
 
     def begin(self, step: int, attempt: int = 0, *, local: bool = True, direction: bool = True,
@@ -223,6 +224,7 @@ class CommHookState:
         self.local_enabled, self.checksum_enabled, self.inject_enabled = local, checksum, inject
         self.direction_enabled = local and direction
         self.step_buckets = self.num_buckets
+        self.buckets_seen = 0
         dim = self.sketcher.dim if self.direction_enabled and self.sketcher is not None else 0
         self.current = BucketCapture(sketch_dim=dim)
 
@@ -267,6 +269,7 @@ class CommHookState:
 def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The hook registered on DDP: see the module docstring for the chain."""
     index = bucket.index()
+    state.buckets_seen += 1
     if bucket.is_last():
         state.num_buckets = index + 1  # for the next begin()
     buffer = bucket.buffer()

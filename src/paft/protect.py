@@ -187,7 +187,8 @@ class StepReport:
 
     step: int
     loss: float
-    """Mean of the ranks' local losses (of the attempt that was applied)."""
+    """Mean of the ranks' local losses (of the attempt that was applied); with the
+    monitor off (no control collective), this rank's local loss."""
     local_loss: float
     grad_norm: float
     """Norm of this rank's aggregated gradient, before clipping."""
@@ -314,8 +315,20 @@ class Protector:
         self.world_size = dist.get_world_size(self.group)
         specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
         self.injector = FaultInjector(FaultSchedule(specs, seed, self.world_size), self.rank)
+        # Checked here, before the hook is registered: inside a step, a bit beyond the
+        # width would fail in one rank's hook callback and leave the others waiting.
+        for spec in specs:
+            for dtype in sorted({p.dtype for p in self._params if p.is_floating_point()}, key=str):
+                try:
+                    spec.check_dtype(dtype)
+                except ValueError as err:
+                    raise ValueError(f"protect(): inject {spec.to_text()!r}: {err}") from None
         if guard.enabled and not monitor.enabled:
             raise ValueError("the guard needs the per-step monitor (MonitorConfig.enabled)")
+        if protect.mode in ("sync", "dyn") and protect.sync_mode == "broadcast" and not (
+                0 <= protect.broadcast_src < self.world_size):
+            raise ValueError(f"protect(): ProtectConfig.broadcast_src must be a rank in [0, {self.world_size}), "
+                             f"got {protect.broadcast_src}")
         self.hook = CommHookState(
             self.injector,
             cosine=monitor.cosine,
@@ -328,11 +341,15 @@ class Protector:
             "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
             "grad_clip": grad_clip, "seed": seed, "inject": [s.to_text() for s in specs],
             "the optimizer's type": type(optimizer).__qualname__,
+            "the optimizer's hyperparameters": [  # plain values: an object's repr may hold its address
+                {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, tuple, type(None)))}
+                for g in optimizer.param_groups],
             "the optimizer's parameter order": _optimizer_order(model, optimizer),
             "the model's parameter shapes": [(tuple(p.shape), str(p.dtype)) for p in self._params],
         })
         # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
-        if monitor.enabled or self.injector.enabled or comm_hook is not None:
+        self._hooked = monitor.enabled or self.injector.enabled or comm_hook is not None
+        if self._hooked:
             try:
                 model.register_comm_hook(self.hook, paft_comm_hook)
             except RuntimeError as err:
@@ -501,15 +518,22 @@ class Protector:
         """The closure's loss, checked: a wrong return value or a missing backward() would
         otherwise fail deep inside the step, or train nothing without a word (a closure
         without backward() after an earlier step would apply that step's gradients again)."""
-        # A backward pass creates each gradient or writes into it, which bumps its version.
+        # Without paft's hook: a backward pass creates each gradient or writes into it,
+        # which bumps its version (so does a zero_grad(set_to_none=False): only the
+        # hook, which sees every bucket DDP all-reduces, tells that apart).
         before = [(p.grad, p.grad._version if p.grad is not None else 0) for p in self._params]
         loss = closure()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TypeError(f"the closure must return the loss as a one-element tensor, got {got}")
-        if all(p.grad is g and (g is None or g._version == v) for p, (g, v) in zip(self._params, before)):
-            raise RuntimeError("the closure ran no backward(): no parameter's gradient was created or changed; "
-                               "call optimizer.zero_grad() and loss.backward() inside it")
+        if self._hooked:
+            missing = "DDP all-reduced no gradient" if self.hook.buckets_seen == 0 else ""
+        else:
+            unchanged = all(p.grad is g and (g is None or g._version == v) for p, (g, v) in zip(self._params, before))
+            missing = "no parameter's gradient was created or changed" if unchanged else ""
+        if missing:
+            raise RuntimeError(f"the closure ran no backward(): {missing}; call optimizer.zero_grad() and "
+                               "loss.backward() inside it (with ddp.no_sync(), the last micro-batch outside it)")
         return loss
 
     def _inject_at_rest(self, step: int) -> None:

@@ -424,19 +424,42 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
     def forward_only(model: DistributedDataParallel) -> Any:
         return lambda: nn.functional.mse_loss(model(x), y)  # no backward()
 
-    def stale(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
-        protector = protect(model, optimizer)
-
+    def full(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> Any:
         def closure() -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             return loss
+        return closure
 
-        protector.step(closure)
+    def stale(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        protector = protect(model, optimizer)
+        protector.step(full(model, optimizer))
         protector.step(forward_only(model))  # the last step's gradients are still there
 
+    def zeroed_only(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        protector = protect(model, optimizer)
+        protector.step(full(model, optimizer))
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=False)  # bumps the gradients' versions, as backward() would
+            return nn.functional.mse_loss(model(x), y)
+
+        protector.step(closure)
+
+    def corrected(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
+        try:  # refused before paft's hook is registered: a corrected call still works
+            protect(m, o, protect=ProtectConfig(mode="sync", sync_mode="broadcast", broadcast_src=2))
+        except ValueError:
+            protect(m, o, protect=ProtectConfig(mode="sync", sync_mode="broadcast", broadcast_src=1))
+
     cases: dict[str, Any] = {
+        "bits beyond the dtype": lambda m, o: protect(m, o, inject=["bitflip:steps=1,bits=40"]),
+        "broadcast rank": lambda m, o: protect(m, o, protect=ProtectConfig(
+            mode="sync", sync_mode="broadcast", broadcast_src=2)),
+        "broadcast rank corrected": corrected,
+        "lr per rank": lambda m, o: protect(m, torch.optim.SGD(m.parameters(), lr=0.1 * (1 + rank))),
+        "zero_grad without backward": zeroed_only,
         "foreign optimizer": lambda m, o: protect(m, torch.optim.SGD(toy_model().parameters(), lr=0.1)),
         "lbfgs": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters())),
         "grad_clip nan": lambda m, o: protect(m, o, grad_clip=float("nan")),
@@ -468,6 +491,11 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
     out = run_workers(misuse, 2)
     assert out[0] == out[1]  # every rank raises the same, so none is left waiting in a collective
     expect = {
+        "bits beyond the dtype": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': ",
+        "broadcast rank": "ValueError: protect(): ProtectConfig.broadcast_src must be a rank in [0, 2), got 2",
+        "broadcast rank corrected": "",
+        "lr per rank": "ValueError: protect(): ranks disagree on the optimizer's hyperparameters",
+        "zero_grad without backward": "RuntimeError: the closure ran no backward(): DDP all-reduced no gradient",
         "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
         "lbfgs": "TypeError: protect(): LBFGS.step() needs a closure",
         "grad_clip nan": "ValueError: protect(): grad_clip must be a finite number >= 0",
