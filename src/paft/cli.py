@@ -33,7 +33,7 @@ def _fault_grammar() -> str:
 
 _TRAIN_EPILOG = """\
 exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop),
-            130 interrupted (continue with --resume)
+            130 interrupted (Ctrl-C; 143 for SIGTERM; continue with --resume)
 
 examples:
   paft train                                    # gpt, 4 workers, about 3 minutes on 2 cores
@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from paft.launch import launch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from paft.launch import interrupted, launch
     from paft.train import DeviceError, RunDirError
 
     try:
@@ -88,6 +90,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         code, _ = launch(cfg)
     except (RunDirError, DeviceError) as err:
         parser.error(str(err))
+    except (KeyboardInterrupt, SignalException) as err:  # before or after the workers ran
+        return interrupted(err)
     return code
 
 
@@ -101,10 +105,12 @@ def _warn_idle_faults(cfg: TrainConfig) -> None:
             print(f"paft train: warning: --inject {text!r} never fires: --optimizer sgd keeps no state "
                   "(momentum, adam and adamw do)", file=sys.stderr)
             continue
-        first = spec.first_start()
+        # Optimizer state is created by the first optimizer.step(): nothing to hit at step 0.
+        first = spec.first_start(after=1 if spec.site == "optimizer-state" else 0)
         if first is None:
+            late = ", and optimizer state exists only from step 1 on" if spec.site == "optimizer-state" else ""
             print(f"paft train: warning: --inject {text!r} can never fire (rate 0, or its steps, start "
-                  "and stop leave no step)", file=sys.stderr)
+                  f"and stop leave no step{late})", file=sys.stderr)
         elif first >= cfg.steps:
             print(f"paft train: warning: --inject {text!r} cannot fire before step {first}, past --steps "
                   f"{cfg.steps}", file=sys.stderr)
@@ -137,13 +143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run() -> None:
     """The ``paft`` console script: :func:`main`, then exit with its code."""
-    from paft.launch import EXIT_INTERRUPTED
+    from paft.launch import on_sigterm
 
+    signal.signal(signal.SIGTERM, on_sigterm)
     code = main()
-    if code == EXIT_INTERRUPTED:
-        # One Ctrl-C is enough: a second one (a key held, a group signalled twice) would
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        # One signal is enough: a second one (a key held, a group signalled twice) would
         # only interrupt torch's exit handlers, with tracebacks.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.exit(code)
 
 

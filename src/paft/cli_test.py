@@ -249,12 +249,18 @@ def test_paft_train_end_to_end_with_config_file(
             main(["train", "--run-dir", "r", "--resume", "--steps", "50"])
         assert exc.value.code == 2 and needle in capsys.readouterr().err
         path.write_bytes(before[path])
-    for rank_file in ckpts.glob("step*/rank1.pt"):  # every checkpoint of one rank truncated
-        rank_file.write_bytes(before[rank_file][:100])
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--run-dir", "r", "--resume", "--steps", "50", "--lr", "0.5"])
-    assert exc.value.code == 2
-    assert "has an intact file for every rank (step0000040: rank(s) [1] missing or damaged)" in capsys.readouterr().err
+    def flipped(data: bytes) -> bytes:  # bytes inside the tensors' data: still a valid zip
+        mid = len(data) // 2
+        return data[:mid] + bytes(b ^ 0x5A for b in data[mid : mid + 64]) + data[mid + 64 :]
+
+    for damaged in (lambda data: data[:100], flipped):  # every checkpoint of one rank damaged
+        for rank_file in ckpts.glob("step*/rank1.pt"):
+            rank_file.write_bytes(damaged(before[rank_file]))
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--run-dir", "r", "--resume", "--steps", "50", "--lr", "0.5"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "has an intact file for every rank (step0000040: rank(s) [1] missing or damaged)" in err
     for rank_file in ckpts.glob("step*/rank*.pt"):  # rank 1 intact again, rank 0 another torch file
         if rank_file.name == "rank1.pt":
             rank_file.write_bytes(before[rank_file])
@@ -353,13 +359,16 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
     ("bitflip:steps=5,start=10", "can never fire"),
     ("bitflip:rate=0.5,start=1,stop=2", None),  # step 1 is in the run: no warning
     ("bitflip:rate=0.5,site=optimizer-state", "never fires: --optimizer sgd keeps no state"),
+    ("bitflip:steps=0,site=optimizer-state,optimizer=adamw", "optimizer state exists only from step 1 on"),
+    ("bitflip:steps=0-1,site=optimizer-state,optimizer=adamw", None),
 ])
 def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from paft.cli import _warn_idle_faults
     from paft.config import TrainConfig
 
-    _warn_idle_faults(TrainConfig(steps=3, inject=[spec], optimizer="sgd"))
+    spec, _, optimizer = spec.partition(",optimizer=")
+    _warn_idle_faults(TrainConfig(steps=3, inject=[spec], optimizer=optimizer or "sgd"))
     err = capsys.readouterr().err
     assert (needle in err) if needle else err == ""
 
@@ -418,3 +427,57 @@ def test_config_fields_keep_their_types_from_python() -> None:
     with pytest.raises(ValueError, match="MonitorConfig.interval: expected int, got 2.5"):
         MonitorConfig(interval=2.5)  # type: ignore[arg-type]
     assert ProtectConfig(target=1).target == 1  # an int where a float is asked is fine
+
+
+def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad value in a --config file (or a hand-edited config.json) named only the
+    command-line option, as if the user had typed it."""
+    os.chdir(tmp_path)
+    pathlib.Path("neg.toml").write_text("lr = -1.0\n")
+    for argv, needle in ((["--config", "neg.toml"], "neg.toml: lr: must be > 0, got -1.0"),
+                         (["--config", "neg.toml", "--lr", "-2"], "--lr: must be > 0, got -2"),  # typed: the option
+                         (["--grad-clip", "inf"], "--grad-clip: must be a finite number >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--run-dir", "r", *argv])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+        assert not pathlib.Path("r").exists()
+
+
+def test_sigterm_unwinds_like_ctrl_c_with_its_own_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from paft.launch import interrupted, on_sigterm
+
+    before = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        with pytest.raises(SignalException) as exc:  # an exception: launch()'s clean-up runs
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert interrupted(exc.value, "; hint") == 143
+    assert "paft train: interrupted (SIGTERM); hint" in capsys.readouterr().err
+    assert interrupted(KeyboardInterrupt()) == 130
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().err
+
+
+def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two paft train processes in one run directory interleaved their records: a
+    --resume or --overwrite while another run holds the directory is refused."""
+    from paft.config import TrainConfig
+    from paft.launch import _lock
+
+    os.chdir(tmp_path)
+    run = pathlib.Path("r")
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
+    before = sorted(p.name for p in run.iterdir())
+    with _lock(run):  # as the launcher of a run in progress holds it
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--run-dir", "r", "--overwrite", "--steps", "1"])
+    assert exc.value.code == 2
+    assert "--run-dir: r is in use by another paft train" in capsys.readouterr().err
+    assert run.is_dir() and sorted(p.name for p in run.iterdir()) == sorted([*before, ".lock"])
+    assert not list(tmp_path.glob("r.replaced-*"))

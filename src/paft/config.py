@@ -323,7 +323,8 @@ class TrainConfig:
                  f"must be a finite number >= 0, got {self.weight_decay}")
         _require(self.warmup_steps >= 0, "--warmup-steps", f"must be >= 0, got {self.warmup_steps}")
         _require(0 <= self.min_lr_ratio <= 1, "--min-lr-ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _require(self.grad_clip >= 0, "--grad-clip", f"must be >= 0, got {self.grad_clip}")
+        _require(0 <= self.grad_clip < math.inf, "--grad-clip",
+                 f"must be a finite number >= 0 (0 disables), got {self.grad_clip}")
         _require(self.eval_every >= 1, "--eval-every", f"must be >= 1, got {self.eval_every}")
         _require(self.eval_batches >= 1, "--eval-batches", f"must be >= 1, got {self.eval_batches}")
         _require(self.log_every >= 1, "--log-every", f"must be >= 1, got {self.log_every}")

@@ -336,13 +336,14 @@ class FaultSpec:
 
     # ------------------------------------------------------------------ helpers
 
-    def first_start(self) -> int | None:
-        """The earliest step at which an event may start, or ``None`` if ``steps``,
-        ``start`` and ``stop`` leave no step at all (the spec can never fire)."""
+    def first_start(self, after: int = 0) -> int | None:
+        """The earliest step (from ``after`` on) at which an event may start, or ``None``
+        if ``steps``, ``start`` and ``stop`` leave no such step (the spec can never fire)."""
+        start = max(self.start, after)
         if self.steps is None:
-            first: int | None = self.start
+            first: int | None = start
         else:
-            first = next((max(lo, self.start) for lo, hi in self.steps if hi >= self.start), None)
+            first = next((max(lo, start) for lo, hi in self.steps if hi >= start), None)
         if first is None or (self.stop is not None and first >= self.stop) or self.rate == 0:
             return None
         return first

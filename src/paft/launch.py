@@ -9,11 +9,16 @@ c10d rendezvous on a free local port, one process per rank, failures propagated)
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
 import pathlib
 import shutil
+import signal
 import sys
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -33,10 +38,10 @@ from paft.train import (
     run_worker,
 )
 
-__all__ = ["launch", "set_aside", "settle"]
+__all__ = ["interrupted", "launch", "on_sigterm", "set_aside", "settle"]
 
 EXIT_WORKER_FAILED = 1
-EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
+LOCK_FILE = ".lock"
 
 
 def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] | None]:
@@ -56,20 +61,61 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     check_devices(cfg)
     check_run_dir(cfg)
     run_dir = pathlib.Path(cfg.run_dir)
-    replaced = set_aside(run_dir) if cfg.overwrite else None
-    code = EXIT_WORKER_FAILED
+    with contextlib.ExitStack() as locks:
+        if run_dir.is_dir():  # --resume or --overwrite: not while another paft train uses it
+            locks.enter_context(_lock(run_dir))
+        replaced = set_aside(run_dir) if cfg.overwrite else None
+        code = EXIT_WORKER_FAILED
+        try:
+            prepare_run_dir(cfg)  # on --resume: config.json records the options the run goes on with
+            if replaced is not None or not cfg.resume:
+                locks.enter_context(_lock(run_dir))
+            code, summary = _run_workers(cfg, quiet)
+            return code, summary
+        finally:
+            keep = code in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or has_checkpoint(run_dir)
+            if not keep:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                print(f"paft train: the run stopped before its first checkpoint; nothing in {run_dir} could be "
+                      "resumed, so it was removed", file=sys.stderr)
+            if replaced is not None:
+                settle(replaced, run_dir, keep_new=keep)
+
+
+@contextlib.contextmanager
+def _lock(run_dir: pathlib.Path) -> Iterator[None]:
+    """Hold ``run_dir/.lock`` (an advisory flock, released when the process ends, however
+    it ends): a second ``paft train --resume`` or ``--overwrite`` of a run in progress
+    would interleave two runs' records in one directory."""
     try:
-        prepare_run_dir(cfg)  # on --resume: config.json records the options the run goes on with
-        code, summary = _run_workers(cfg, quiet)
-        return code, summary
-    finally:
-        keep = code in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or has_checkpoint(run_dir)
-        if not keep:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            print(f"paft train: the run stopped before its first checkpoint; nothing in {run_dir} could be "
-                  "resumed, so it was removed", file=sys.stderr)
-        if replaced is not None:
-            settle(replaced, run_dir, keep_new=keep)
+        handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the run
+    except OSError as err:
+        raise RunDirError(f"--run-dir: cannot write {run_dir}: {err.strerror or err}") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirError(f"--run-dir: {run_dir} is in use by another paft train; wait for it to end "
+                              "or pick another --run-dir") from None
+        yield
+
+
+def on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (a scheduler's, ``kill``) unwinds like Ctrl-C, so the clean-up in
+    :func:`launch` runs: without it, a run killed while starting lost the run that
+    ``--overwrite`` had moved aside, and left a directory holding only config.json.
+    (torch's elastic launcher installs its own handler while the workers run, which
+    raises the same exception.)"""
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def interrupted(err: BaseException, hint: str = "", prog: str = "paft train") -> int:
+    """Say that the run was interrupted, and by what; the exit code the shell uses for
+    that signal (130 for Ctrl-C, 143 for SIGTERM)."""
+    sig = err.sigval if isinstance(err, SignalException) else signal.SIGINT
+    what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+    print(f"\n{prog}: interrupted ({what}){hint}", file=sys.stderr)
+    return 128 + int(sig)
 
 
 def set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
@@ -128,8 +174,7 @@ def _run_workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any] | N
         hint = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
             hint = f"; to continue from the last checkpoint: paft train --run-dir {cfg.run_dir} --resume"
-        print(f"\npaft train: interrupted ({err or 'Ctrl-C'}){hint}", file=sys.stderr)
-        return EXIT_INTERRUPTED, None
+        return interrupted(err, hint), None
     first = results[0]
     if first["status"] == "persistent_fault":
         print(f"paft train: {first['message']}", file=sys.stderr)

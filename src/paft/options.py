@@ -336,10 +336,16 @@ def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
         raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>)")
+    source: dict[str, str] = {}  # option -> the file its value came from (none: the command line)
     if resume and run_dir and is_file(pathlib.Path(run_dir) / "config.json"):
-        _merge(values, _saved_values(run_dir))
+        saved = _saved_values(run_dir)
+        _merge(values, saved)
+        source.update(dict.fromkeys(saved, f"--resume: {pathlib.Path(run_dir) / 'config.json'}"))
     _merge(values, from_file)
+    source.update(dict.fromkeys(from_file, str(ns.config) if from_file else ""))
     _merge(values, given)
+    for key in given:
+        source.pop(key, None)
     kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for key, value in values.items():
         opt = _BY_KEY[key]
@@ -347,8 +353,16 @@ def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None
             value = dict(value)
         kwargs[opt.section][opt.name] = value
     top = kwargs.pop(None)
-    sections = {name: _SECTIONS[name](**kw) for name, kw in kwargs.items()}
-    return TrainConfig(**top, **sections)  # type: ignore[arg-type]
+    try:
+        sections = {name: _SECTIONS[name](**kw) for name, kw in kwargs.items()}
+        return TrainConfig(**top, **sections)  # type: ignore[arg-type]
+    except ValueError as err:
+        # Checks name the option ("--lr: must be > 0"); a value read from a file is
+        # that file's, named the way its type errors are ("neg.toml: lr: ...").
+        flag, sep, rest = str(err).partition(": ")
+        if sep and flag.startswith("--") and source.get(flag[2:]):
+            raise ConfigFileError(f"{source[flag[2:]]}: {flag[2:]}: {rest}") from None
+        raise
 
 
 def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:

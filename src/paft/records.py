@@ -214,7 +214,10 @@ class RunRecorder:
     def say(self, message: str) -> None:
         """A console line from rank 0 (progress, alerts, guard decisions) unless quiet."""
         if self.rank == 0 and not self.quiet:
-            print(message, flush=True)
+            try:
+                print(message, flush=True)
+            except OSError:  # the console went away (`| head`, a closed terminal): train on, quietly
+                self.quiet = True
 
     def jsonl(self, name: str, record: dict[str, Any]) -> None:
         """Rank 0 appends ``record`` to ``<run_dir>/<name>``."""

@@ -153,6 +153,13 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             parser.error(f"--world-sizes: must all be in [2, {MAX_LOCAL_WORLD_SIZE}], got {args.world_sizes}")
         if len(set(sizes)) < len(sizes):
             parser.error(f"--world-sizes: a size is listed more than once in {args.world_sizes}")
+        from paft.config import TrainConfig
+
+        batch = TrainConfig.batch_size  # the scaling runs train the default global batch
+        uneven = [x for x in sizes if batch % x]
+        if uneven:
+            parser.error(f"--world-sizes: {uneven[0]} does not split the default global batch of {batch} evenly; "
+                         f"use divisors of {batch}")
     _check_devices(args, parser)
 
 
@@ -212,7 +219,7 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from paft.launch import EXIT_INTERRUPTED, EXIT_WORKER_FAILED
+    from paft.launch import EXIT_WORKER_FAILED, interrupted
 
     try:
         if args.benchmark == "overhead":
@@ -245,9 +252,7 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
         print(f"paft bench: a worker failed (its traceback is above){kept}\n{err}", file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        kept = "" if args.overwrite else f"; {out} keeps the runs finished so far"
-        print(f"\npaft bench: interrupted ({err or 'Ctrl-C'}){kept}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted(err, "" if args.overwrite else f"; {out} keeps the runs finished so far", "paft bench")
     plots = ", plots" if args.benchmark in ("matrix", "desync", "detection") else ""
     print(f"\nresults in {out}/ (results.md, results.json{plots})")
     return 0
