@@ -37,6 +37,8 @@ from paft.cli import main
         (["--workload", "resnet", "--model", "n_layer=2"], "--model: unknown key 'n_layer' for ResNetConfig"),
         (["--workload", "resnet", "--world-size", "2", "--batch-size", "100000"],
          "--batch-size: 100000 is more than the resnet training set holds (8000 items)"),
+        (["--model", "block_size=100000"],
+         "--batch-size: 64 is more than the gpt training set holds (10 windows of --model block_size=100000)"),
         (["--inject", "bitflip:steps=1,bits=40"], "--inject 'bitflip:steps=1,bits=40': field 'bits' must be < 32"),
         # No prefix matching: --out is not --outlier-threshold, --step not --steps.
         (["--out", "elsewhere"], "unrecognized arguments: --out elsewhere"),

@@ -312,10 +312,13 @@ class TrainConfig:
             "--batch-size",
             f"{self.batch_size} cannot be split evenly across --world-size {self.world_size}",
         )
+        # A language model's items are block_size-token windows: a huge block_size is the
+        # likelier typo, so the message names it.
+        unit = f"windows of --model block_size={model.block_size}" if hasattr(model, "block_size") else "items"
         _require(
             self.batch_size <= items,
             "--batch-size",
-            f"{self.batch_size} is more than the {self.workload} training set holds ({items} items)",
+            f"{self.batch_size} is more than the {self.workload} training set holds ({items} {unit})",
         )
         _require(self.optimizer in OPTIMIZERS, "--optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         _require(self.lr > 0 and math.isfinite(self.lr), "--lr", f"must be > 0, got {self.lr}")
