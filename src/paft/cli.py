@@ -143,10 +143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run() -> None:
     """The ``paft`` console script: :func:`main`, then exit with its code."""
-    from paft.launch import on_sigterm
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from paft.launch import interrupted, on_sigterm
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    code = main()
+    try:
+        code = main()
+    except SignalException as err:  # outside what train and bench catch (parsing, paft report)
+        code = interrupted(err, prog="paft")
     if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         # One signal is enough: a second one (a key held, a group signalled twice) would
         # only interrupt torch's exit handlers, with tracebacks.

@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -437,7 +438,10 @@ def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
     command-line option, as if the user had typed it."""
     os.chdir(tmp_path)
     pathlib.Path("neg.toml").write_text("lr = -1.0\n")
+    pathlib.Path("hmax.toml").write_text("h-max = 3\n")
     for argv, needle in ((["--config", "neg.toml"], "neg.toml: lr: must be > 0, got -1.0"),
+                         (["--config", "hmax.toml"], "hmax.toml: h-max: must be >= --h-min"),
+                         (["--config", "hmax.toml", "--h-min", "40"], "error: --h-max: must be >= --h-min"),
                          (["--config", "neg.toml", "--lr", "-2"], "--lr: must be > 0, got -2"),  # typed: the option
                          (["--grad-clip", "inf"], "--grad-clip: must be a finite number >= 0")):
         with pytest.raises(SystemExit) as exc:
@@ -483,3 +487,24 @@ def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, capsys: pytest.Capt
     assert "--run-dir: r is in use by another paft train" in capsys.readouterr().err
     assert run.is_dir() and sorted(p.name for p in run.iterdir()) == sorted([*before, ".lock"])
     assert not list(tmp_path.glob("r.replaced-*"))
+
+
+def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathlib.Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher locked an existing folder, then locked it again as a new run's: flock
+    locks belong to each open file, so it refused itself and removed the folder."""
+    from paft import launch as launcher
+    from paft.config import TrainConfig
+    from paft.train import RunDirError
+
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("d").mkdir()
+
+    def workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any]]:
+        with pytest.raises(RunDirError, match="in use"), launcher._lock(pathlib.Path("d")):
+            pass  # held by the launcher while the workers run
+        return 0, {}
+
+    monkeypatch.setattr(launcher, "_run_workers", workers)
+    assert launcher.launch(TrainConfig(run_dir="d", steps=1))[0] == 0
+    assert pathlib.Path("d/config.json").is_file()

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -209,7 +210,7 @@ class _Plan:
     big_owner: np.ndarray  # [len(big)] tensor index of each big tensor
 
 
-_PLANS: dict[tuple[torch.device, tuple[int, ...]], _Plan] = {}
+_PLANS: OrderedDict[tuple[torch.device, tuple[int, ...]], _Plan] = OrderedDict()
 _MAX_PLANS = 256  # the state's layouts, and each gradient bucket's (digest_tensor)
 
 
@@ -222,29 +223,22 @@ def _build_plan(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
             big.append((i, full))
         if n > full * _ROW_BYTES:
             pieces.append((i, full * _ROW_BYTES, -(-(n - full * _ROW_BYTES) // _ROW_BYTES)))
-    row_idx: list[int] = []
-    seg_start: list[int] = []
-    seg_owner: list[int] = []
-    for i, full in big:
-        seg_start.append(len(row_idx))
-        seg_owner.append(i)
-        row_idx.extend(range(full))
-    pad_sizes = []
-    for i, first, rows in pieces:
-        seg_start.append(len(row_idx))
-        seg_owner.append(i)
-        first_row = first // _ROW_BYTES
-        row_idx.extend(range(first_row, first_row + rows))
-        pad_sizes.append(rows * _ROW_BYTES - (nbytes[i] - first))
-    wr = _row_weights(max(row_idx, default=0) + 1)
+    # Each segment's rows, as (first row index within its tensor, row count); arrays,
+    # not Python lists of rows: a bucket of 25 MB has 50 K rows, a large state millions.
+    spans = [(0, full) for _, full in big] + [(first // _ROW_BYTES, rows) for _, first, rows in pieces]
+    seg_owner = [i for i, _ in big] + [i for i, _, _ in pieces]
+    pad_sizes = [rows * _ROW_BYTES - (nbytes[i] - first) for i, first, rows in pieces]
+    counts = np.array([rows for _, rows in spans], dtype=np.int64)
+    row_idx = np.concatenate([np.arange(lo, lo + rows) for lo, rows in spans]) if spans else np.zeros(0, np.int64)
+    wr = _row_weights(int(row_idx.max(initial=0)) + 1)
     zeros = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=device)
-    seg_last = [*seg_start[1:], len(row_idx)]
+    seg_last = np.cumsum(counts)
     return _Plan(
         count=len(nbytes),
         big=tuple(big),
         pieces=tuple((i, first) for i, first, _ in pieces),
         pads=tuple(zeros[:p] for p in pad_sizes),
-        row_factor=(1 + 2 * wr[torch.tensor(row_idx, dtype=torch.int64)]).to(device),
+        row_factor=(1 + 2 * wr[torch.from_numpy(row_idx)]).to(device),
         col_weight=_COL_W.to(device),
         seg_last=torch.tensor(seg_last, dtype=torch.int64, device=device) - 1,
         seg_owner=np.asarray(seg_owner, dtype=np.intp),
@@ -253,14 +247,19 @@ def _build_plan(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
 
 
 def _plan_for(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
+    """The cached plan (least recently used evicted first: the state's layout and the
+    gradient buckets' come back every step)."""
     key = (device, nbytes)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _build_plan(device, nbytes)
-        with _lock:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.pop(next(iter(_PLANS)))
-            _PLANS[key] = plan
+    with _lock:  # the comm hook's callbacks run on other threads
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    plan = _build_plan(device, nbytes)
+    with _lock:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.popitem(last=False)
+        _PLANS[key] = plan
     return plan
 
 

@@ -421,7 +421,8 @@ class Guard:
         # Data cannot make ranks receive different aggregated gradients: a mismatch
         # that comes back, bitwise or not, is a reduction failing again (persistent),
         # even where 2 ranks leave the faulty one unnamed.
-        mismatch_again = detector == prev.detector == "grad_mismatch"
+        mismatch_again = detector == prev.detector == "grad_mismatch" and (
+            not ranks or not prev.ranks or bool(set(ranks) & set(prev.ranks)))  # else: a new fault elsewhere
         if not mismatch_again and _reproduced(prev.bits, bits):
             st.pending = None
             self._decide(st, "data")

@@ -420,6 +420,11 @@ def test_grad_mismatch_that_comes_back_is_never_data() -> None:
     v = g.check(0, 1, view)
     assert (v.action, v.ranks, v.cause) == ("recompute", [1], "persistent")
     assert (g.counters["data"], g.counters["skipped_batches"]) == (0, 0)
+    # Another rank's mismatch on the rerun is a new fault, not this one again.
+    g = guard(4, on_persistent="stop")
+    g.check(0, 0, make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, 5, FP, FP]))
+    v = g.check(0, 1, make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, FP, 6, FP]))
+    assert (v.action, v.ranks, v.cause) == ("recompute", [2], None)
     # Two ranks: which one is faulty is unknown, that one is, is not.
     g = guard(2, on_persistent="stop")
     g.check(0, 0, make_view([2.0] * 2, [1.5] * 2, 1.0, fps=[FP, 5]))

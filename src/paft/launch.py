@@ -62,13 +62,14 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     check_run_dir(cfg)
     run_dir = pathlib.Path(cfg.run_dir)
     with contextlib.ExitStack() as locks:
-        if run_dir.is_dir():  # --resume or --overwrite: not while another paft train uses it
+        existed = run_dir.is_dir()
+        if existed:  # --resume or --overwrite: not while another paft train uses it
             locks.enter_context(_lock(run_dir))
         replaced = set_aside(run_dir) if cfg.overwrite else None
         code = EXIT_WORKER_FAILED
         try:
             prepare_run_dir(cfg)  # on --resume: config.json records the options the run goes on with
-            if replaced is not None or not cfg.resume:
+            if replaced is not None or not existed:  # a new directory (one process, one lock)
                 locks.enter_context(_lock(run_dir))
             code, summary = _run_workers(cfg, quiet)
             return code, summary
@@ -97,6 +98,9 @@ def _lock(run_dir: pathlib.Path) -> Iterator[None]:
         except BlockingIOError:
             raise RunDirError(f"--run-dir: {run_dir} is in use by another paft train; wait for it to end "
                               "or pick another --run-dir") from None
+        except OSError as err:  # a file system without flock (some network and FUSE mounts)
+            print(f"paft train: warning: cannot lock {run_dir} ({err.strerror or err}); "
+                  "nothing stops a second paft train from using it meanwhile", file=sys.stderr)
         yield
 
 

@@ -359,8 +359,11 @@ def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None
     except ValueError as err:
         # Checks name the option ("--lr: must be > 0"); a value read from a file is
         # that file's, named the way its type errors are ("neg.toml: lr: ...").
+        # A check across options ("--h-max: must be >= --h-min") blames the file only
+        # when no option it names was typed.
         flag, sep, rest = str(err).partition(": ")
-        if sep and flag.startswith("--") and source.get(flag[2:]):
+        named = {m[2:] for m in re.findall(r"--[a-z][\w-]*", str(err))}
+        if sep and flag.startswith("--") and source.get(flag[2:]) and not named & given.keys():
             raise ConfigFileError(f"{source[flag[2:]]}: {flag[2:]}: {rest}") from None
         raise
 

@@ -161,12 +161,15 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     # before config.json is rewritten, that one of them has every rank's file intact.
     root = path / "checkpoints"
     names = checkpoint_candidates(root)
-    damaged = {n: [r for r in range(cfg.world_size) if not _intact(root / n / f"rank{r}.pt")] for n in names}
-    usable = [n for n in names if not damaged[n]]
-    if not usable:
+    damaged: dict[str, list[int]] = {}
+    for name in names:  # newest first, as the workers try them
+        damaged[name] = [r for r in range(cfg.world_size) if not _intact(root / name / f"rank{r}.pt")]
+        if not damaged[name]:
+            break
+    else:
         raise RunDirError(f"--resume: no checkpoint in {root} has an intact file for every rank "
                           f"({names[0]}: rank(s) {damaged[names[0]]} missing or damaged)")
-    done = int(usable[0].removeprefix("step"))
+    done = int(name.removeprefix("step"))
     if done >= cfg.steps:
         raise RunDirError(
             f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
@@ -195,9 +198,19 @@ _CHECKPOINT_KEYS = frozenset({"step", "model", "optimizer", "scheduler", "sample
 
 def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, Any]:
     """One rank's checkpoint; ``ValueError`` if it is not a paft checkpoint (truncated,
-    another zip, another torch file). With ``mmap`` the tensors are not read."""
+    another zip, another torch file) or any byte differs from the CRC-32 torch.save
+    wrote beside it (torch.load does not check them: damage inside a tensor loaded as
+    wrong values). With ``mmap`` the tensors are not loaded, only read once for the
+    check."""
     if not zipfile.is_zipfile(path):  # torch.save's format ends in a zip directory
         raise ValueError(f"{path} is not a torch checkpoint (truncated or overwritten)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError) as err:
+        raise ValueError(f"{path}: {err}") from None
+    if bad is not None:
+        raise ValueError(f"{path} is damaged ({bad} does not match its CRC-32)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - whatever torch.load finds wrong
@@ -208,16 +221,13 @@ def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, An
 
 
 def _intact(path: pathlib.Path) -> bool:
-    """A checkpoint file that loads as a paft checkpoint and whose every byte matches
-    the CRC-32 torch.save wrote (a memory-mapped load reads the tensors' bytes only when
-    used, so damage inside them showed only in the workers, after config.json had been
-    rewritten). One sequential read, no tensor allocated."""
+    """A checkpoint file the workers will load (see :func:`load_checkpoint_file`),
+    checked without loading its tensors."""
     try:
         load_checkpoint_file(path, mmap=True)
-        with zipfile.ZipFile(path) as archive:
-            return archive.testzip() is None
-    except (OSError, ValueError, zipfile.BadZipFile):
+    except (OSError, ValueError):
         return False
+    return True
 
 
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:

@@ -147,3 +147,20 @@ def test_guard_has_no_false_positives_on_clean_runs(tmp_path: pathlib.Path, work
     summary = run(cfg)[0]["summary"]
     assert summary["detections"] == 0 and summary["recomputes"] == 0 and summary["skipped_batches"] == 0
     assert summary["final_val_loss"] < summary["initial_val_loss"]
+
+
+def test_a_checkpoint_damaged_inside_a_tensor_is_refused_by_every_reader(tmp_path: pathlib.Path) -> None:
+    """torch.load does not check the CRC-32s it writes: a flipped byte inside a tensor
+    loaded as wrong values, in the workers, after the pre-check had passed."""
+    from paft.train import _CHECKPOINT_KEYS, _intact, load_checkpoint_file
+
+    path = tmp_path / "rank0.pt"
+    weights = torch.arange(100_000, dtype=torch.float32)
+    torch.save({**dict.fromkeys(_CHECKPOINT_KEYS), "model": {"w": weights}}, path)
+    assert _intact(path) and torch.equal(load_checkpoint_file(path)["model"]["w"], weights)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40  # inside the tensor's bytes: the zip stays valid
+    path.write_bytes(bytes(data))
+    assert not _intact(path)
+    with pytest.raises(ValueError, match="does not match its CRC-32"):
+        load_checkpoint_file(path)
