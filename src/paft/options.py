@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,17 +321,19 @@ def _merge(values: dict[str, Any], new: dict[str, Any]) -> None:
         values[key] = value
 
 
-def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None = None) -> TrainConfig:
+def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -> TrainConfig:
     """Build (and so validate) the config.
 
-    Precedence, lowest first: defaults, ``base`` (long option names to values, e.g.
-    the world size torchrun started), the resumed run's ``config.json`` (with
-    ``--resume``), the ``--config`` file, the command line. A resumed run therefore
-    keeps its settings; options given again (e.g. ``--steps``) change them.
+    Precedence, lowest first: defaults, ``launched``, the resumed run's ``config.json``
+    (with ``--resume``), the ``--config`` file, the command line. A resumed run
+    therefore keeps its settings; options given again (e.g. ``--steps``) change them.
+    ``launched``: the processes torchrun started, the world size unless another is
+    asked, which is refused before anything else (the per-rank batch and the fault
+    ranks derive from it, so other checks would blame them).
     """
     given = {k: v for k, v in vars(ns).items() if k in _BY_KEY}
     from_file = _read_config_file(ns.config) if getattr(ns, "config", None) else {}
-    values: dict[str, Any] = dict(base or {})
+    values: dict[str, Any] = {"world-size": launched} if launched is not None else {}
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
@@ -346,6 +348,9 @@ def config_from_namespace(ns: argparse.Namespace, base: Mapping[str, Any] | None
     _merge(values, given)
     for key in given:
         source.pop(key, None)
+    if launched is not None and values["world-size"] != launched:
+        raise ValueError(f"--world-size {values['world-size']}: torchrun started {launched} processes; "
+                         f"pass --world-size {launched} or leave it out")
     kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for key, value in values.items():
         opt = _BY_KEY[key]
@@ -413,15 +418,15 @@ def parse_train_config(
     argv: Sequence[str] | None = None,
     prog: str = "paft train",
     error: Callable[[str], Any] | None = None,
-    base: Mapping[str, Any] | None = None,
+    launched: int | None = None,
 ) -> TrainConfig:
     """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2.
-    ``base``: see :func:`config_from_namespace`."""
+    ``launched``: see :func:`config_from_namespace`."""
     parser = OptionParser(prog=prog)
     add_train_options(parser)
     ns = parser.parse_args(argv)
     try:
-        return config_from_namespace(ns, base)
+        return config_from_namespace(ns, launched)
     except ValueError as err:
         (error or parser.error)(str(err))
         raise  # parser.error exits; a custom handler might not

@@ -646,13 +646,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     prog = "python -m paft.train"
     launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    cfg = parse_train_config(argv, prog=prog, base={"world-size": launched} if launched else None)
-    if launched is not None and cfg.world_size != launched:
-        # Every rank says it: the first to exit makes torchrun stop the others, maybe
-        # before rank 0 has written a word.
-        print(f"{prog}: error: --world-size {cfg.world_size}: torchrun started {launched} processes; "
-              f"pass --world-size {launched} or leave it out", file=sys.stderr, flush=True)
-        return 2
+    # Every rank parses and refuses alike: the first to exit makes torchrun stop the
+    # others, maybe before rank 0 has written a word.
+    cfg = parse_train_config(argv, prog=prog, launched=launched)
     _set_threads()
     _init_process_group(cfg)
     # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
