@@ -57,7 +57,8 @@ of this step)::
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
     0        detected     -                                        recompute   None
     >= 1     detected     header rows bitwise equal (*)            skip        data
-    >= 1     grad_mismatch again (bitwise or not; data never does it)  stop/recompute  persistent
+    >= 1     grad_mismatch again, same or unnamed suspects (bitwise   stop        persistent  (on_persistent=stop)
+             or not: data never makes ranks' aggregates differ)       recompute   persistent  (on_persistent=repair)
     >= 1     detected     suspects overlap prev's, other values    stop        persistent  (on_persistent=stop)
                                                                    recompute   persistent  (on_persistent=repair)
     >= 1     detected     anything else (new / unattributed)       recompute   as decided so far

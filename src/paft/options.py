@@ -344,7 +344,7 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
         _merge(values, saved)
         source.update(dict.fromkeys(saved, f"--resume: {pathlib.Path(run_dir) / 'config.json'}"))
     _merge(values, from_file)
-    source.update(dict.fromkeys(from_file, str(ns.config) if from_file else ""))
+    source.update(dict.fromkeys(from_file, str(ns.config)))
     _merge(values, given)
     for key in given:
         source.pop(key, None)

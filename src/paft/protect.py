@@ -317,8 +317,9 @@ class Protector:
         self.injector = FaultInjector(FaultSchedule(specs, seed, self.world_size), self.rank)
         # Checked here, before the hook is registered: inside a step, a bit beyond the
         # width would fail in one rank's hook callback and leave the others waiting.
+        dtypes = sorted({p.dtype for p in self._params if p.is_floating_point()}, key=str)
         for spec in specs:
-            for dtype in sorted({p.dtype for p in self._params if p.is_floating_point()}, key=str):
+            for dtype in dtypes:
                 try:
                     spec.check_dtype(dtype)
                 except ValueError as err:

@@ -128,8 +128,7 @@ def has_checkpoint(run_dir: pathlib.Path) -> bool:
 
 
 def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
-    latest = path / "checkpoints" / "latest"
-    if not latest.is_file():
+    if not has_checkpoint(path):
         raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing)")
     try:
         saved = TrainConfig.from_dict(json.loads((path / "config.json").read_text(encoding="utf-8"))).to_dict()
@@ -667,11 +666,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepare_run_dir(cfg)
     dist.barrier()
     result = run_worker(cfg.to_dict(), cfg.run_dir)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # the process group is gone by now
     if result["status"] == "persistent_fault":
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank0:
             print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
         return EXIT_PERSISTENT_FAULT
-    if not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
+    if not cfg.quiet and rank0:
         print(format_summary(result["summary"], cfg.run_dir))
     return 0
 
