@@ -356,10 +356,11 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
     """A 64-bit fingerprint of the exact bytes of ``tensors`` (and their order,
     dtypes and shapes), as a Python int in the signed int64 range.
 
-    Any change confined to one aligned 64-bit word of one tensor -- any single
-    bit flip, any change of one element of itemsize <= 8 -- changes the result by
-    construction; other changes are caught with probability about ``1 - 2**-64``
-    except for the structured blind spots documented in the module docstring.
+    Any change confined to one aligned 32-bit lane of one tensor -- any single
+    bit flip, any change of one element of itemsize <= 4 -- changes the result by
+    construction; other changes (a float64 element spans two lanes) are caught with
+    probability about ``1 - 2**-32`` except for the structured blind spots
+    documented in the module docstring.
     Not cryptographic. Works for any strided dtype (bool, ints, floats incl. NaN
     payloads, complex, float8), 0-dim, empty and non-contiguous tensors, on any
     devices (the value does not depend on where a tensor lives).

@@ -48,9 +48,10 @@ all-gather carries each rank's finite flag (robust, mean), and per mode:
     references disagree (constructed while the replicas differed, or loaded from
     different checkpoints) a zero reference is used and the report says so.
 
-* ``mean``: average over the FINITE replicas only. A non-finite replica contributes zeros to the sum-all-reduce and
-  the sum is divided by the number of finite replicas, so NaN/Inf never contaminate
-  the others. No finite replica at all raises :class:`RuntimeError` (on every rank).
+* ``mean``: average over the FINITE replicas only. Each finite replica contributes
+  its values times ``1 / count`` (the number of finite replicas) to a sum-all-reduce,
+  a non-finite one zeros, so NaN/Inf never contaminate the others, and scaling before
+  the sum keeps finite replicas finite (a sum first could overflow in float16). No finite replica at all raises :class:`RuntimeError` (on every rank).
 * ``broadcast``: copy rank ``src`` exactly. If ``src`` holds NaN/Inf, the lowest
   finite rank is copied instead (the report's note says so); none finite raises
   :class:`RuntimeError`, as in ``mean``.
@@ -657,8 +658,12 @@ class ReplicaSync:
                 collectives += len(g.buckets)
             elif d.mode == "mean":
                 snap = self._pack_group(g, entries)
-                # A non-finite replica contributes zeros: NaN * 0 would still be NaN.
-                buf = snap.clone() if d.finite[rank] else torch.zeros_like(snap)
+                # Each replica's share is scaled BEFORE the sum (as DDP's reducer does), so
+                # the sum of finite replicas cannot overflow: 40000 + 40992 is inf in
+                # float16 although both halves are finite. A non-finite replica
+                # contributes zeros (NaN * 0 would still be NaN). Integer tensors are
+                # copied, never averaged (copy_mode above).
+                buf = snap * (1.0 / d.count) if d.finite[rank] else torch.zeros_like(snap)
                 for a, b in g.buckets:
                     works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
                 bytes_sent += buf.numel() * buf.element_size()
@@ -743,8 +748,6 @@ class ReplicaSync:
                 synced.append(out_flat)
                 continue
             assert buf is not None
-            if d.mode == "mean" and g.floating:
-                buf.div_(d.count)
             synced.append(buf)
             if measure and g.floating and snap is not None:
                 for lo, hi in g.param_ranges:

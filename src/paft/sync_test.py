@@ -512,6 +512,11 @@ def _w_two(rank: int, ws: int) -> dict:
             model[2].bias[1] = -math.inf
     report = ReplicaSync(model, opt, mode="mean").sync()
     out["mean"] = {"report": report, "state": _snap(model, opt), "fp": _fp(model, opt)}
+    # finite float16 replicas whose sum overflows (40000 + 40992 > 65504): still finite
+    half = nn.Linear(2, 1, bias=False).half()
+    with torch.no_grad():
+        half.weight.fill_(40000.0 + 992.0 * rank)
+    out["half"] = ReplicaSync(half, None, mode="mean").sync(), half.weight.tolist()
     # and no finite replica at all: a clear error on every rank (no deadlock)
     with torch.no_grad():
         model[2].bias[1] = math.nan
@@ -540,6 +545,10 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
     _assert_replicas_identical([r["mean"] for r in res])
     _assert_same(res[1]["mean"]["state"], res[0]["mean_pre"])
     assert res[0]["mean"]["report"].source_ranks == [0]
+    for r in res:
+        report, weight = r["half"]
+        assert weight == [[40512.0, 40512.0]] and report.mode == "mean"  # 40496 in float16
+        assert 0 < report.divergence < 0.02  # 496 / 40496 on either rank
 
 
 class _Flagged(nn.Module):
