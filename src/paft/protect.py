@@ -379,11 +379,17 @@ class Protector:
             else:
                 self.scheduler = FixedScheduler(protect.sync_period)
         self.guard = Guard(guard, self.world_size) if guard.enabled else None
+        # The guard's repairs: PAFT-Sync's own when it is robust, else a robust one of the
+        # guard's, built now, while the replicas agree: with two ranks a repair takes the
+        # median with the last agreed state, which both ranks must hold alike.
+        self._repairer: ReplicaSync | None = None
+        if self.guard is not None:
+            robust = self.sync is not None and self.sync.mode == "robust"
+            self._repairer = self.sync if robust else ReplicaSync(model, optimizer, mode="robust", group=self.group)
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = _StateSnapshot()
         self._recheck_state = False  # fingerprint the state next step (see _maybe_sync)
-        self._repairer: ReplicaSync | None = None  # the guard's, when self.sync cannot repair
         self._alerting: dict[str, bool] = {}
         self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
 
@@ -427,10 +433,13 @@ class Protector:
                 rerun_from.restore()  # type: ignore[union-attr]
                 attempt += 1
                 continue
-            synced = self._finish_sync(t) or synced  # before a skip too: the next start needs it
+            finished = self._finish_sync(t)  # before a skip too: the next start needs it
+            synced = finished or synced
             if verdict.action == "skip":
                 applied = False
                 break
+            if not finished:  # else the state changed since this step's fingerprints
+                self._keep_agreed_state(view)
             armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
             before = self._snapshot.capture(self.model, self.optimizer) if armed else None
             self.optimizer.step()
@@ -711,13 +720,19 @@ class Protector:
     def _repair(self, step: int) -> None:
         """The guard found replicas with different state: a blocking robust sync (the
         majority's bits; see :class:`~paft.sync.ReplicaSync`) before the recompute."""
+        assert self._repairer is not None
         self._finish_sync(step)
-        if self.sync is not None and self.sync.mode == "robust":
-            self._on_sync(step, self.sync.sync())
-            return
-        if self._repairer is None:  # without PAFT-Sync, or with a mode that averages
-            self._repairer = ReplicaSync(self.model, self.optimizer, mode="robust", group=self.group)
-        self._record_sync(step, self._repairer.sync(), "repair")
+        if self._repairer is self.sync:
+            self._on_sync(step, self._repairer.sync())
+        else:  # without PAFT-Sync, or with a mode that averages
+            self._record_sync(step, self._repairer.sync(), "repair")
+
+    def _keep_agreed_state(self, view: ControlView) -> None:
+        """This step's state fingerprints agree: with two ranks, that state is what a
+        later repair takes the median with (see :meth:`ReplicaSync.set_reference`)."""
+        fps = view.state_fingerprints()
+        if self._repairer is not None and fps is not None and len(set(fps)) == 1:
+            self._repairer.set_reference(fps[0])
 
     def _finish_sync(self, step: int) -> bool:
         if self.sync is None or not self.sync.in_flight:
@@ -736,6 +751,11 @@ class Protector:
 
     # -- checkpoints --------------------------------------------------------------
 
+    @property
+    def _own_repairer(self) -> ReplicaSync | None:
+        """The guard's repairer when it is not PAFT-Sync's (whose state is saved as ``sync``)."""
+        return self._repairer if self._repairer is not self.sync else None
+
     def state_dict(self) -> dict[str, Any]:
         """The protector's part of a checkpoint. Call :meth:`close` first on every rank
         when an overlapped sync may be in flight: its result is not part of the state."""
@@ -749,6 +769,7 @@ class Protector:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "sync": self.sync.state_dict() if self.sync is not None else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
+            "repairer": self._own_repairer.state_dict() if self._own_repairer is not None else None,
             "recheck_state": self._recheck_state,
             "alerting": dict(self._alerting),  # an alert still active after a resume is not new
         }
@@ -787,6 +808,8 @@ class Protector:
             self.sync.load_state_dict(state["sync"])
         if self.guard is not None:
             self.guard.load_state_dict(state["guard"])
+        if self._own_repairer is not None and state.get("repairer") is not None:  # older checkpoints lack it
+            self._own_repairer.load_state_dict(state["repairer"])
         self.step_idx = state["step"]
         self._counts.update(state["counters"])
         self._recheck_state = bool(state.get("recheck_state", False))

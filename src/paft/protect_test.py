@@ -272,6 +272,27 @@ def test_guard_repairs_nan_optimizer_state_instead_of_skipping_as_data() -> None
     assert c["state"] >= 1 and c["data"] == 0 and c["skipped_batches"] == 0
 
 
+@pytest.mark.parametrize("protect_mode", ["none", "sync"])
+def test_two_rank_repair_takes_the_median_with_the_last_agreed_state(tmp_path: Path, protect_mode: str) -> None:
+    # Two ranks have no majority: a sign flip at rest on rank 1 is repaired to the
+    # median of the two replicas and the state both agreed on at the last check (step
+    # 4), never to a zero reference (the guard's repairer used to be built only at
+    # its first repair, from replicas that already differed).
+    opts = {"guard": GUARD, "monitor": {"fingerprint_every": 1}, "optimizer": "sgd", "steps": 6,
+            "protect": {"mode": protect_mode, "sync_mode": "mean", "sync_period": 1000}}
+    clean = run_workers(train_toy, 2, opts)
+    out = run_workers(train_toy, 2, {**opts, "run_dir": str(tmp_path),
+                                      "inject": ["bitflip:site=params,steps=5,ranks=1,bits=sign"]})
+    assert same(out[0], out[1])
+    (repair,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "repair"]
+    assert (repair["step"], repair["mode"], repair["note"]) == (5, "median-with-reference", "")
+    (fault,) = read_jsonl(tmp_path / "faults.jsonl")
+    layer = int(fault["target"].split("/")[1].split(".")[0]) // 2  # Linear layers sit at 0, 2, 4
+    index = fault["indices"][0]
+    got, want = (o["params"][2 * layer].view(-1)[index].item() for o in (out[0], clean[0]))
+    assert fault["target"].endswith(".weight") and abs(got - want) < 0.1 * abs(want)
+
+
 def persistent_run(rank: int, world_size: int, opts: dict[str, Any]) -> Any:
     try:
         return train_toy(rank, world_size, opts)

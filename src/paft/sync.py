@@ -46,12 +46,15 @@ all-gather carries each rank's finite flag (robust, mean), and per mode:
     state that did not exist at the last sync (optimizer state created later) has
     reference 0, which still keeps the smaller-magnitude value. If the two ranks'
     references disagree (constructed while the replicas differed, or loaded from
-    different checkpoints) a zero reference is used and the report says so.
+    different checkpoints) a zero reference is used and the report says so. The
+    guard, which repairs with a robust sync, also keeps the state of every state
+    check it passes as the reference (:meth:`ReplicaSync.set_reference`).
 
 * ``mean``: average over the FINITE replicas only. Each finite replica contributes
   its values times ``1 / count`` (the number of finite replicas) to a sum-all-reduce,
   a non-finite one zeros, so NaN/Inf never contaminate the others, and scaling before
-  the sum keeps finite replicas finite (a sum first could overflow in float16). No finite replica at all raises :class:`RuntimeError` (on every rank).
+  the sum keeps finite replicas finite (a sum first could overflow in float16). No
+  finite replica at all raises :class:`RuntimeError` (on every rank).
 * ``broadcast``: copy rank ``src`` exactly. If ``src`` holds NaN/Inf, the lowest
   finite rank is copied instead (the report's note says so); none finite raises
   :class:`RuntimeError`, as in ``mean``.
@@ -377,7 +380,7 @@ class ReplicaSync:
         self.src = src
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.syncs = 0
-        self._layouts: dict[tuple[Any, ...], _Layout] = {}  # all tensors, and buffers only
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}  # all tensors, buffers only, all but buffers
         self._pending: _InFlight | None = None
         self._device = collective_device(group, next(iter(model.parameters()), None))
         # Fused optimizers update parameters and state without bumping the tensors'
@@ -442,6 +445,28 @@ class ReplicaSync:
             raise RuntimeError("ReplicaSync.finish(): no sync in flight; call start() first")
         return self._complete(state_changed)
 
+    def set_reference(self, agreed: int) -> None:
+        """Keep the current parameters and optimizer state as the world-size-2 reference.
+
+        Call it on every rank right after checking that the replicas agree -- their
+        :func:`~paft.fingerprint.state_fingerprint` (``buffers=False``) values are all
+        ``agreed`` -- and before anything changes the state; the guard does so at each
+        state check it passes, so that a later repair takes the median with the last
+        agreed state, not with the state at the last sync. Buffers keep their reference
+        (under DDP they differ between ranks between syncs). A no-op unless a
+        reference is kept (robust mode, world size 2).
+        """
+        if self._pending is not None:
+            raise RuntimeError("ReplicaSync.set_reference(): a sync is in flight; call finish() first")
+        if not self._keeps_reference:
+            return
+        entries = [e for e in self._entries() if not e[0].startswith("buffer/")]
+        layout = self._layout_for(entries)
+        agreed_now = self._capture(layout, [self._pack_group(g, entries) for g in layout.groups])
+        self._ref = {**(self._ref or {}), **agreed_now}
+        # Equal on both ranks iff the references are: equal before, and the same state now.
+        self._ref_tag = fingerprint([torch.tensor([self._ref_tag, agreed], dtype=torch.int64)])
+
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint: the world-size-2 reference (else None)."""
         ref = None if self._ref is None else {k: v.detach().cpu().clone() for k, v in self._ref.items()}
@@ -479,7 +504,7 @@ class ReplicaSync:
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t, _ in entries)
         layout = self._layouts.get(key)
         if layout is None:
-            if len(self._layouts) >= 4:  # the state's shape changed (optimizer state created)
+            if len(self._layouts) >= 6:  # the state's shape changed (optimizer state created)
                 self._layouts.clear()
             layout = self._layouts[key] = _build_layout(key, [(n, t) for n, t, _ in entries], self.bucket_bytes)
         return layout
