@@ -8,6 +8,7 @@ nothing is written.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -123,8 +124,18 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         result = build_report(args.run_dir, args.out_dir)
     except ReportError as err:
         parser.error(str(err))
-    print(result.text)
+    try:
+        print(result.text, flush=True)
+    except BrokenPipeError:  # `paft report RUN | head`: the files are written; the reader has had enough
+        _quiet_stdout()
     return 0
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that Python's exit flush into a closed pipe cannot fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,6 +163,9 @@ def run() -> None:
         code = main()
     except SignalException as err:  # outside what train and bench catch (parsing, paft report)
         code = interrupted(err, prog="paft")
+    except BrokenPipeError:  # the console went away (`| head`) while a command printed
+        _quiet_stdout()
+        code = 1
     if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         # One signal is enough: a second one (a key held, a group signalled twice) would
         # only interrupt torch's exit handlers, with tracebacks.

@@ -70,6 +70,9 @@ class RunData:
     evals: list[dict[str, Any]]
     events: list[dict[str, Any]]
     faults: list[dict[str, Any]]
+    stale_summary: int | None = None
+    """The steps of a ``summary.json`` that the records have gone past (a resumed run
+    still running or interrupted): it is set aside, and the records speak."""
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == kind]
@@ -174,7 +177,8 @@ def load_run(run_dir: str | Path) -> RunData:
     except OSError as err:  # e.g. a name too long for the file system
         raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
     if not is_dir:
-        raise ReportError(f"{path}: not a directory (expected a paft run directory, e.g. runs/<dir>)")
+        what = "not a directory" if path.exists() else "does not exist"
+        raise ReportError(f"{path}: {what} (expected a paft run directory, e.g. runs/<dir>)")
     config = _read_json(path / "config.json")
     if config is None:
         raise ReportError(f"{path}: not a paft run directory (no config.json)")
@@ -193,7 +197,7 @@ def load_run(run_dir: str | Path) -> RunData:
         )
     summary = _read_json(path / "summary.json")
     _check_numbers(path / "summary.json", summary)
-    return RunData(
+    run = RunData(
         path=path,
         config=config,
         summary=summary,
@@ -203,6 +207,11 @@ def load_run(run_dir: str | Path) -> RunData:
         events=_read_jsonl(path / "events.jsonl"),
         faults=_read_jsonl(path / "faults.jsonl"),
     )
+    # A resume rewrites summary.json only when it ends: until then the old one describes
+    # fewer steps than the records hold, and mixing the two would contradict itself.
+    if summary is not None and isinstance(summary.get("steps"), int) and summary["steps"] <= run.last_step:
+        run.stale_summary, run.summary = summary["steps"], None
+    return run
 
 
 # -- plotting helpers -------------------------------------------------------------------
@@ -263,7 +272,7 @@ def _mark_events(ax: Axes, run: RunData) -> None:
 
     for step, rank in sorted({(int(f["step"]), int(f["rank"])) for f in run.faults if "step" in f and "rank" in f}):
         ax.axvline(step, color=_rank_color(rank), ls="--", lw=1.0, alpha=0.8, label=label(f"fault on rank {rank}"))
-    for sync in run.events_of("sync"):
+    for sync in _syncs(run):
         noop = sync.get("mode") == "noop"
         ax.plot([sync["step"]], [0.03], ls="", marker="^", ms=7, color="tab:green",
                 mfc="none" if noop else "tab:green", transform=ax.get_xaxis_transform(), clip_on=False,
@@ -275,6 +284,11 @@ def _mark_events(ax: Axes, run: RunData) -> None:
         marker, color = _GUARD_MARKERS.get(action, ("P", "tab:brown"))
         ax.plot([guard["step"]], [0.95], ls="", marker=marker, ms=8, color=color,
                 transform=ax.get_xaxis_transform(), clip_on=False, label=label(f"guard: {action}"))
+
+
+def _syncs(run: RunData) -> list[dict[str, Any]]:
+    """PAFT-Sync's syncs and the guard's repairs (a robust sync of its own), in file order."""
+    return [e for e in run.events if e.get("event") in ("sync", "repair")]
 
 
 def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
@@ -381,7 +395,7 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
 
 def _sync_panel(ax: Axes, run: RunData) -> None:
     # Syncs that found identical replicas (divergence 0) show only as the hollow triangles.
-    syncs = [(int(e["step"]), _num(e.get("divergence"))) for e in run.events_of("sync")]
+    syncs = [(int(e["step"]), _num(e.get("divergence"))) for e in _syncs(run)]
     pos = [(s, v) for s, v in syncs if math.isfinite(v) and v > 0]
     ax.plot([s for s, _ in pos], [v for _, v in pos], "o-", color="tab:green", lw=1.0, label="divergence before sync")
     bad = [s for s, v in syncs if not math.isfinite(v)]
@@ -402,11 +416,18 @@ def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> N
     _finish(ax, run, "PAFT sync period H (PAFT-Dyn adapts it)", "period (steps)")
 
 
+def _periods(run: RunData) -> list[tuple[int, float]]:
+    """(step, sync period) of every event that set one. Sorted by step only: within a
+    step the file's order holds (a trigger's period, then the sync's answer to it,
+    which is the period in force from that step on)."""
+    return sorted(((int(e["step"]), _num(e["period"])) for e in run.events
+                   if e.get("event") in ("sync", "dyn_trigger") and "period" in e), key=lambda p: p[0])
+
+
 def _plot_divergence(run: RunData, out: Path) -> Path | None:
-    periods = sorted((int(e["step"]), _num(e["period"])) for e in run.events
-                     if e.get("event") in ("sync", "dyn_trigger") and "period" in e)
+    periods = _periods(run)
     panels = [name for name, on in (("replicas", any("replicas/grad_distinct" in r for r in run.consistency)),
-                                    ("sync", bool(run.events_of("sync"))), ("period", bool(periods))) if on]
+                                    ("sync", bool(_syncs(run))), ("period", bool(periods))) if on]
     if not panels:
         return None
     fig, axes = _figure(len(panels), 1, f"Replica divergence: {run.path.name}")
@@ -428,18 +449,47 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks) if ranks else '?'}"
 
 
-def _first_split(run: RunData) -> tuple[int, list[int], list[str]] | None:
-    """(step, ranks outside the largest group, what differed) of the first split record."""
-    for rec in run.consistency:
-        ranks: set[int] = set()
-        what: list[str] = []
-        for kind, name in (("grad", "aggregated gradient"), ("state", "training state")):
-            if _num(rec.get(f"replicas/{kind}_distinct", 1)) > 1:
-                what.append(name)
-                ranks.update(int(r) for r in rec.get(f"replicas/{kind}_minority_ranks", []))
-        if what:
-            return int(rec["step"]), sorted(ranks), what
-    return None
+_MISMATCH = {"grad_mismatch": "aggregated gradient", "state_mismatch": "training state"}
+
+
+def _split_in(rec: dict[str, Any]) -> tuple[list[int], list[str]] | None:
+    """(ranks outside the largest group, what differed) if the record shows a split."""
+    ranks: set[int] = set()
+    what: list[str] = []
+    for kind, name in (("grad", "aggregated gradient"), ("state", "training state")):
+        if _num(rec.get(f"replicas/{kind}_distinct", 1)) > 1:
+            what.append(name)
+            ranks.update(int(r) for r in rec.get(f"replicas/{kind}_minority_ranks", []))
+    return (sorted(ranks), what) if what else None
+
+
+def _first_split(run: RunData) -> tuple[int, list[int], list[str], bool] | None:
+    """(step, ranks outside the largest group, what differed, whether the guard caught it
+    before the update) of the first split: a split record, or a mismatch the guard undid
+    (by a recompute or a repair) before the step's record."""
+    found = next(((int(r["step"]), *split, False) for r in run.consistency if (split := _split_in(r))), None)
+    caught = [g for g in run.events_of("guard") if g.get("detector") in _MISMATCH]
+    if caught and (found is None or int(caught[0]["step"]) < found[0]):
+        step = int(caught[0]["step"])
+        same_step = [g for g in caught if int(g["step"]) == step]
+        what = sorted({_MISMATCH[g["detector"]] for g in same_step})
+        return step, sorted({int(r) for g in same_step for r in g.get("ranks") or []}), what, True
+    return found
+
+
+def _last_state_check(run: RunData) -> str:
+    """What the last record with state fingerprints says (else the last gradient check):
+    the state's split shows only at a fingerprint step, and outlives the steps between."""
+    checked = [r for r in run.consistency if "replicas/state_distinct" in r]
+    if checked:
+        rec = checked[-1]
+        ranks = rec.get("replicas/state_minority_ranks") or []
+        differ = f"; minority: {_ranks(ranks)}" if ranks else ""
+        n = rec["replicas/state_distinct"]
+        return f"replicas distinct at the last state check (step {rec['step']}): {n}{differ}"
+    rec = run.consistency[-1]
+    return (f"distinct aggregated gradients at the last recorded step ({rec['step']}): "
+            f"{rec.get('replicas/grad_distinct', '?')} (no state fingerprint recorded)")
 
 
 def _extreme(run: RunData, key: str, pick_max: bool) -> str:
@@ -469,8 +519,13 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     stops = run.events_of("stop") or [g for g in run.events_of("guard") if g.get("action") == "stop"]
     for stop in stops:
         reason = stop.get("reason") or f"a persistent fault on {_ranks(stop.get('ranks') or [])}"
+        reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
         lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
-    if not stops and run.summary is None:
+    if run.stale_summary is not None:
+        lines.append(f"note: summary.json ends at step {run.stale_summary} but the records go on to step "
+                     f"{last} (a resume still running or interrupted): reported from the jsonl files "
+                     f"({last} of {cfg.get('steps', '?')} steps recorded)")
+    elif not stops and run.summary is None:
         lines.append(f"note: no summary.json: the run is still running or crashed; reported from the jsonl "
                      f"files ({last} of {cfg.get('steps', '?')} steps recorded)")
     protect = s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))
@@ -492,16 +547,15 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     if "steps_per_s" in s:
         lines.append(f"speed: {s['steps_per_s']:.2f} steps/s ({_num(s.get('wall_s')):.2f} s in training steps)")
     else:
-        times = [_num(r.get("step_time")) for r in next(iter(run.metrics.values()))]
+        rank, records = next(iter(run.metrics.items()))
+        times = [_num(r.get("step_time")) for r in records]
         total = sum(t for t in times if math.isfinite(t))
-        lines.append(f"speed: {len(times) / total:.2f} steps/s (rank 0 step times)" if total > 0 else "speed: ?")
+        lines.append(f"speed: {len(times) / total:.2f} steps/s (rank {rank} step times)" if total > 0 else "speed: ?")
     if "replicas_distinct" in s:
         lines.append(f"replicas distinct at the end: {s['replicas_distinct']} (groups {s.get('replica_groups', '?')}, "
                      f"max relative difference {_num(s.get('max_replica_rel_diff')):.3g})")
     elif run.consistency:
-        rec = run.consistency[-1]
-        n = rec.get("replicas/state_distinct", rec.get("replicas/grad_distinct", "?"))
-        lines.append(f"replicas distinct at the last recorded step ({rec['step']}): {n}")
+        lines.append(_last_state_check(run))
     n_faults = int(s.get("faults_injected", len(run.faults)))
     lines.append(f"faults injected: {n_faults}")
     if run.faults:
@@ -512,17 +566,18 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
         lines.append(f"  first: step {f0.get('step')}, rank {f0.get('rank')}, {f0.get('site')}/{f0.get('kind')}")
     split = _first_split(run)
     if split is not None:
-        step, ranks, what = split
+        step, ranks, what, caught = split
         tie = "; no strict majority" if 2 * len(ranks) >= run.world_size else ""
+        undone = "; the guard caught it before the update" if caught else ""
         lines.append(f"first replica split: step {step} on {_ranks(ranks)} "
-                     f"({' and '.join(what)} fingerprints differ{tie})")
+                     f"({' and '.join(what)} fingerprints differ{tie}{undone})")
     elif any("replicas/grad_distinct" in r for r in run.consistency):
         lines.append("first replica split: none (replicas identical at every recorded step)")
     else:
         lines.append("first replica split: not recorded (no fingerprints in consistency.jsonl)")
     guards = run.events_of("guard")
     counts = {
-        "syncs": s.get("syncs", len(run.events_of("sync"))),
+        "syncs": s.get("syncs", len(_syncs(run))),
         # Without a summary: each (step, detector) that made the guard act is one detection.
         "detections": s.get("detections", len({(g.get("step"), g.get("detector"))
                                                 for g in guards if g.get("action") != "proceed"})),

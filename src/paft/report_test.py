@@ -7,15 +7,18 @@ guard and sync events, non-finite values) are derived from a real run's files.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
 from paft.config import TrainConfig
-from paft.report import ReportError, _global_loss, build_report, load_run
+from paft.report import ReportError, _global_loss, _periods, build_report, load_run
 from paft.testing import run_workers
 from paft.train import Trainer, prepare_run_dir
 
@@ -110,6 +113,8 @@ def test_crashed_run_without_cosine(fault_run: pathlib.Path, tmp_path: pathlib.P
     assert_pngs(report.files, ["loss.png", "dispersion.png", "divergence.png"])
     assert "note: no summary.json" in report.text
     assert "first replica split: step 5 on rank 1 " in report.text
+    # The state split shows at the fingerprint step (10), not in the records after it.
+    assert "replicas distinct at the last state check (step 10): 2; minority: rank 1\n" in report.text
     assert "faults injected: 1\n" in report.text
     assert "not recorded (cosine monitoring off)" in report.text
     alerts = sum(1 for line in (run / "events.jsonl").read_text().splitlines() if '"alert"' in line)
@@ -129,7 +134,7 @@ def test_guard_stopped_run_gets_one_note(fault_run: pathlib.Path, tmp_path: path
         f.writelines(json.dumps(e) + "\n" for e in events)
     text = build_report(run).text
     assert text.count("note: the guard stopped the run at step 5 (--on-persistent stop): ") == 1
-    assert ("step 5: rank(s) [1] reproduce it" in text) == trainer_event
+    assert ("stop): rank(s) [1] reproduce it" in text) == trainer_event  # the step said once
     assert "no summary.json" not in text
 
 
@@ -177,7 +182,7 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
 
 
 def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
-    with pytest.raises(ReportError, match=str(tmp_path / "missing")):
+    with pytest.raises(ReportError, match=re.escape(f"{tmp_path / 'missing'}: does not exist")):
         build_report(tmp_path / "missing")
     (tmp_path / "plain").mkdir()
     with pytest.raises(ReportError, match=r"plain: not a paft run directory \(no config.json\)"):
@@ -245,3 +250,47 @@ def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_ru
     steps, values = _global_loss(load_run(run_dir))
     assert steps == [r["step"] for r in records] == list(range(12))
     assert values == pytest.approx([r["loss"] for r in records], rel=1e-12)
+
+
+def test_a_summary_the_records_went_past_is_set_aside(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # A resume of a finished run rewrites summary.json only when it ends: interrupted
+    # before, the old summary (8 steps here) must not speak for the records (12).
+    run = copy_run(fault_run, tmp_path / "resumed")
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "steps": 8, "final_val_loss": 99.0}))
+    text = build_report(run).text
+    assert "note: summary.json ends at step 8 but the records go on to step 12" in text
+    assert "steps: 12 of 12" in text and "99.0" not in text
+    final = json.loads((run / "evals.jsonl").read_text().splitlines()[-1])
+    assert f"-> {final['val_loss']:.4f} (step 12" in text
+
+
+def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run = copy_run(clean_run, tmp_path / "guarded")
+    (run / "summary.json").unlink()
+    with open(run / "events.jsonl", "a") as f:
+        for event in (
+            {"step": 3, "event": "guard", "attempt": 0, "action": "repair", "detector": "state_mismatch",
+             "cause": "state", "ranks": [1], "values": {}},
+            {"step": 3, "event": "repair", "mode": "median-with-reference", "divergence": 0.5},
+            {"step": 7, "event": "dyn_trigger", "period": 25},
+            {"step": 7, "event": "sync", "period": 5, "divergence": 0.1, "mode": "median"},
+        ):
+            f.write(json.dumps(event) + "\n")
+    text = build_report(run).text
+    assert ("first replica split: step 3 on rank 1 (training state fingerprints differ; no strict majority; "
+            "the guard caught it before the update)") in text
+    assert "syncs: 2   detections: 1" in text  # the guard's repair is a sync too
+    assert _periods(load_run(run)) == [(7, 25.0), (7, 5.0)]  # the sync's period is the one in force
+
+
+def test_a_closed_console_ends_the_report_quietly(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # `paft report RUN | head`: the reader is gone before the summary is printed.
+    paft = pathlib.Path(sys.executable).with_name("paft")
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "wb") as closed:
+        proc = subprocess.run([str(paft), "report", str(fault_run), "--out-dir", str(tmp_path / "out")],
+                              stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert (tmp_path / "out" / "report.md").is_file()
