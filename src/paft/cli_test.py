@@ -32,6 +32,7 @@ from paft.cli import main
         (["--inject", "melt:rate=0.1"], "melt"),
         (["--protect", "sometimes"], "--protect"),
         (["--h-min", "10", "--h-max", "5"], "--h-max"),
+        (["--broadcast-src", "-1"], "--broadcast-src: must be a rank >= 0, got -1"),
         (["--resume"], "--resume"),
         (["--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
         (["--model", "n_head=3"], "--model: n_embd (128) must be divisible by n_head (3)"),
@@ -389,6 +390,9 @@ def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
     (["--no-monitor", "--cosine", "off"], ["--cosine has no effect with --no-monitor"]),
     (["--protect", "averager", "--sync-period", "5", "--sync-mode", "mean"],
      ["--sync-mode has no effect without --protect sync or dyn"]),
+    (["--protect", "dyn", "--no-monitor"],
+     ["--protect dyn with --no-monitor has no fingerprint trigger: replicas that split stay split until the "
+      "next scheduled sync (the period still adapts at each sync)"]),
 ])
 def test_options_that_change_nothing_are_named(argv: list[str], expect: list[str]) -> None:
     from paft.options import OptionParser, add_train_options, config_from_namespace, ignored_options

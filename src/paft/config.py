@@ -82,7 +82,7 @@ class MonitorConfig:
     """Compute the worker metrics (dispersion, cosine) every this many steps
     (``--monitor-interval``). The local losses and the aggregated-gradient checksum,
     which sees replicas split, are exchanged every step regardless (PAFT-Dyn's trigger;
-    a record at a split, at its end and at each state fingerprint), with the guard the
+    a record at every step of a split, at its end and at each state fingerprint), with the guard the
     local gradient norms too; the gradient sketch only on metric steps."""
     cosine: str = "sketch"
     """Gradient-direction consistency: ``sketch`` (k floats per rank), ``exact`` (full
@@ -145,6 +145,7 @@ class ProtectConfig:
         _require(self.mode in PROTECT_MODES, "--protect", f"must be one of {PROTECT_MODES}, got {self.mode!r}")
         _require(self.sync_period >= 1, "--sync-period", f"must be >= 1, got {self.sync_period}")
         _require(self.sync_mode in SYNC_MODES, "--sync-mode", f"must be one of {SYNC_MODES}, got {self.sync_mode!r}")
+        _require(self.broadcast_src >= 0, "--broadcast-src", f"must be a rank >= 0, got {self.broadcast_src}")
         _require(self.h_min >= 1, "--h-min", f"must be >= 1, got {self.h_min}")
         _require(self.h_max >= self.h_min, "--h-max", f"must be >= --h-min ({self.h_min}), got {self.h_max}")
         _require(

@@ -387,6 +387,9 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
         "sync-period": (mode != "none", "with --protect none"),
     }
     out = []
+    if mode == "dyn" and not cfg.monitor.enabled:
+        out.append("--protect dyn with --no-monitor has no fingerprint trigger: replicas that split stay "
+                   "split until the next scheduled sync (the period still adapts at each sync)")
     for flag in vars(ns):
         opt = _BY_KEY.get(flag)
         if opt is None or opt.name in ("enabled", "mode"):  # the switches themselves

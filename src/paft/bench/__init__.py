@@ -21,6 +21,7 @@ import argparse
 import datetime
 import pathlib
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from paft.bench.overhead import VARIANTS, WARMUP
@@ -104,6 +105,12 @@ def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathl
     return out
 
 
+def _refuse_repeats(parser: argparse.ArgumentParser, option: str, names: Sequence[Any]) -> None:
+    twice = sorted({n for n in names if list(names).count(n) > 1})
+    if twice:
+        parser.error(f"{option}: {', '.join(map(str, twice))} listed more than once")
+
+
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Every check before anything is deleted or started."""
     from paft.bench import overhead
@@ -128,6 +135,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+        _refuse_repeats(parser, "--variants", args.variants.split(","))
     if args.benchmark == "overhead" and args.workload not in WORKLOADS:
         parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")
     if args.benchmark == "matrix":
@@ -135,9 +143,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         unknown = [w for w in names if w not in WORKLOADS]
         if unknown:
             parser.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
-        twice = sorted({w for w in names if names.count(w) > 1})
-        if twice:
-            parser.error(f"--workloads: {twice} listed more than once")
+        _refuse_repeats(parser, "--workloads", names)
     # One local process per rank: more than this is a typo on any one machine.
     if args.benchmark != "scaling" and args.world_size > MAX_LOCAL_WORLD_SIZE:
         parser.error(f"--world-size: must be <= {MAX_LOCAL_WORLD_SIZE} (one process per rank on this machine), "
@@ -151,8 +157,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             parser.error(f"--world-sizes: expected comma-separated integers, got {args.world_sizes!r}")
         if any(x < 2 or x > MAX_LOCAL_WORLD_SIZE for x in sizes):
             parser.error(f"--world-sizes: must all be in [2, {MAX_LOCAL_WORLD_SIZE}], got {args.world_sizes}")
-        if len(set(sizes)) < len(sizes):
-            parser.error(f"--world-sizes: a size is listed more than once in {args.world_sizes}")
+        _refuse_repeats(parser, "--world-sizes", sizes)
         from paft.config import TrainConfig
 
         batch = TrainConfig.batch_size  # the scaling runs train the default global batch

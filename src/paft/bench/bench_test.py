@@ -237,8 +237,9 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["detection", "--world-size", "1"], "--world-size: must be >= 2 for detection"),
     (["matrix", "--world-size", "1"], "--world-size: must be >= 2 for matrix"),
     (["scaling", "--world-sizes", "1,2"], "--world-sizes: must all be in [2, 64]"),
-    (["scaling", "--world-sizes", "2,2"], "--world-sizes: a size is listed more than once"),
-    (["matrix", "--workloads", "gpt,gpt"], "--workloads: ['gpt'] listed more than once"),
+    (["scaling", "--world-sizes", "2,4,2"], "--world-sizes: 2 listed more than once"),
+    (["matrix", "--workloads", "gpt,gpt"], "--workloads: gpt listed more than once"),
+    (["overhead", "--variants", "monitor,guard,monitor"], "--variants: monitor listed more than once"),
     (["desync", "--out", "o/" + "x" * 300], "--out: o/xxx"),
     (["matrix", "--world-size", "99999999999999999999"], "--world-size: must be <= 64"),
     (["overhead", "--batch-size", "100000", "--world-size", "2"], "--batch-size: 100000 is more than"),
@@ -386,7 +387,8 @@ def test_scaling_cost_model_matches_the_protocol() -> None:
     assert c["control_sent_B"] == 8 * (9 + 256) == 2120
     assert c["control_received_B"] == 2120 * 4
     assert c["grad_allreduce_B"] == 2 * 3 / 4 * 0.8e6 * 4  # ring all-reduce of fp32 gradients
-    assert c["sync_noop_B"] == 32
+    assert c["sync_noop_B"] == 24 and c["sync_noop_received_B"] == 96  # fingerprints + structure hash
+    assert model(2, 0.8e6)["sync_noop_B"] == 32  # + the reference's tag
     assert c["sync_majority_copy_B"] == 0.8e6 * 12  # fp32 weights + Adam's two moments
     big = model(1024, 7e9)
     assert big["sync_median_received_B"] == 7e9 * 12 * 1023

@@ -317,7 +317,7 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
                              world_size=world_size)
     clean_fp = assess_detection(out / "runs" / "overhead" / "guard")["false_positives"]
 
-    md, table = _markdown(rows, sites, targets, steps=steps, rate=rate, world_size=world_size, ref_loss=ref_loss,
+    md = _markdown(rows, sites, targets, steps=steps, rate=rate, world_size=world_size, ref_loss=ref_loss,
                           costs=costs, overhead_steps=overhead_steps, clean_fp=clean_fp,
                           clean_steps=clean_steps)
     plot = _plot(out, rows, sites, targets)
@@ -333,13 +333,13 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
         "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs],
     }
     write_outputs(out, "Guard detection per float32 bit", results, md)
-    print("\n" + table)
+    print("\n" + md)
     return results
 
 
 def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[int | str], *, steps: int,
               rate: float, world_size: int, ref_loss: float, costs: dict[str, dict[str, Any]],
-              overhead_steps: int, clean_fp: int, clean_steps: int) -> tuple[str, str]:
+              overhead_steps: int, clean_fp: int, clean_steps: int) -> str:
     by_key = {(r["site"], r["bits"]): r for r in rows}
     short = {"aggregation": "agg", "local-grad": "local"}
     header = ["bits"]
@@ -394,6 +394,9 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
         f"(late: within {LATE_WINDOW} steps after a fault); recomp: recomputations; gap %: final val loss vs "
         f"fault-free.\n"
     )
+    if not any(c["faults"] for c in rows):
+        note += (f"\n**No fault fired**: at rate {rate:g} per step, {steps} steps drew none. Every cell below "
+                 f"is empty; run more --steps or a higher --rate.\n")
     md = (f"{note}\n{table}\n\nTotals:\n\n" + "\n".join(totals) + "\n\n"
           f"Guard overhead without faults (same model; plain DDP, monitor and guard trainers in one worker "
           f"group, {overhead_steps} paired steps each after {overhead.WARMUP} untimed; plain DDP "
@@ -402,7 +405,7 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
           f"the control collective before each update), so on this tiny model the ratio is a worst case; "
           f"`paft bench overhead` measures it on the default workload. False positives in {clean_steps} "
           f"fault-free guarded steps: {clean_fp}.\n\n{otable}\n")
-    return md, table
+    return md
 
 
 def _missed(cells: list[dict[str, Any]]) -> str:

@@ -1,7 +1,7 @@
 """The PAFT evaluation matrix: defenses side by side under injected faults.
 
 Per workload (gpt, llama, resnet; bench-sized models so the full matrix fits in
-45 minutes on 2 cores), at 4 ranks, same seed and data order everywhere:
+about 40 minutes on 2 cores: 36 measured), at 4 ranks, same seed and data order everywhere:
 
 1. ``fault-free``: plain DDP without faults (the reference, re-run between cells);
 2. ``unprotected``: faults, plain DDP;

@@ -10,7 +10,8 @@ Measured (default gpt, gloo on this machine), per world size in ``--world-sizes`
 
 Calculated (:func:`model`) for larger jobs, e.g. 1024 ranks and 7B parameters, from
 the same formulas the measurements check: the control vector is ``8 * (9 + k)`` bytes
-per rank; a no-op sync moves 8 bytes per rank; a majority copy sends one replica's
+per rank; a no-op sync gathers 24 bytes per rank (two fingerprints and the state's
+structure hash; 32 at world size 2, with the reference's tag); a majority copy sends one replica's
 state (parameters + optimizer state) to each minority rank; a median gathers every
 replica's state.
 """
@@ -36,6 +37,12 @@ def _control_bytes(sketch_dim: int) -> int:
     return 8 * (HEADER + sketch_dim)
 
 
+def _noop_sync_bytes(ranks: int) -> int:
+    """What one rank sends in a sync that finds the replicas identical: two state
+    fingerprints and the structure hash (int64), and at world size 2 the reference's tag."""
+    return 8 * (3 + (ranks == 2))
+
+
 def model(ranks: int, params: float, *, sketch_dim: int = MonitorConfig.sketch_dim,
           state_bytes_per_param: int = 12, grad_bytes_per_param: int = 4,
           link_gbps: float = 400.0) -> dict[str, float]:
@@ -53,7 +60,8 @@ def model(ranks: int, params: float, *, sketch_dim: int = MonitorConfig.sketch_d
         "control_received_B": control * ranks,
         "control_vs_gradient_allreduce": control * ranks / grad_allreduce,
         "grad_allreduce_B": grad_allreduce,
-        "sync_noop_B": 8 * ranks,
+        "sync_noop_B": _noop_sync_bytes(ranks),
+        "sync_noop_received_B": _noop_sync_bytes(ranks) * ranks,
         "sync_majority_copy_B": state,
         "sync_majority_copy_s": state / link,
         "sync_median_received_B": state * (ranks - 1),
@@ -107,11 +115,12 @@ def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int 
     for ranks, params in ((4, 0.8e6), (64, 1.3e9), (1024, 7e9)):
         c = model(ranks, params)
         calc_rows.append([ranks, f"{params:.3g}", f"{c['control_received_B'] / 1e6:.3g} MB",
-                          f"{c['control_vs_gradient_allreduce']:.2e}", f"{c['sync_noop_B']} B",
+                          f"{c['control_vs_gradient_allreduce']:.2e}",
+                          f"{c['sync_noop_B']} B / {c['sync_noop_received_B'] / 1e3:.3g} KB",
                           f"{c['sync_majority_copy_B'] / _GB:.3g} GB ({c['sync_majority_copy_s']:.2f} s)",
                           f"{c['sync_median_received_B'] / _GB:.3g} GB ({c['sync_median_s']:.1f} s)"])
     calc_table = markdown_table(
-        ["ranks", "params", "control received/step", "control / grad all-reduce bytes", "noop sync",
+        ["ranks", "params", "control received/step", "control / grad all-reduce bytes", "noop sync sent / received",
          "majority copy (at 400 Gb/s)", "median gather (at 400 Gb/s)"], calc_rows)
     md = (f"Measured on this machine (gpt default, {steps} steps per run):\n\n{control_table}\n\n{sync_table}\n\n"
           f"Calculated (fp32 weights + Adam moments = 12 B/param, k = 256):\n\n{calc_table}\n")
