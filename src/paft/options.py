@@ -375,7 +375,8 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
 
 def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
     """A warning for each option given on the command line that ``cfg`` makes
-    ineffective (a guard threshold without --guard, ...): most likely a slip."""
+    ineffective (a guard threshold without --guard, ...): most likely a slip; and for
+    ``--protect dyn`` without the monitor (from any source), which loses its trigger."""
     mode = cfg.protect.mode
     needs: dict[str, tuple[bool, str]] = {
         "broadcast-src": (mode in ("sync", "dyn") and cfg.protect.sync_mode == "broadcast",

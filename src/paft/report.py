@@ -486,7 +486,11 @@ def _last_state_check(run: RunData) -> str:
         ranks = rec.get("replicas/state_minority_ranks") or []
         differ = f"; minority: {_ranks(ranks)}" if ranks else ""
         n = rec["replicas/state_distinct"]
-        return f"replicas distinct at the last state check (step {rec['step']}): {n}{differ}"
+        # An aggregated gradient that differed after the check split the replicas since.
+        later = [r["step"] for r in run.consistency
+                 if r["step"] > rec["step"] and _num(r.get("replicas/grad_distinct", 1)) > 1]
+        since = f"; aggregated gradients differed after it, first at step {later[0]}" if later else ""
+        return f"replicas distinct at the last state check (step {rec['step']}): {n}{differ}{since}"
     rec = run.consistency[-1]
     return (f"distinct aggregated gradients at the last recorded step ({rec['step']}): "
             f"{rec.get('replicas/grad_distinct', '?')} (no state fingerprint recorded)")
@@ -567,10 +571,11 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     split = _first_split(run)
     if split is not None:
         step, ranks, what, caught = split
-        tie = "; no strict majority" if 2 * len(ranks) >= run.world_size else ""
+        # No ranks named: the guard found no strict majority to tell the odd ones out.
+        tie = "; no strict majority" if not ranks or 2 * len(ranks) >= run.world_size else ""
         undone = "; the guard caught it before the update" if caught else ""
-        lines.append(f"first replica split: step {step} on {_ranks(ranks)} "
-                     f"({' and '.join(what)} fingerprints differ{tie}{undone})")
+        where = f" on {_ranks(ranks)}" if ranks else ""
+        lines.append(f"first replica split: step {step}{where} ({' and '.join(what)} fingerprints differ{tie}{undone})")
     elif any("replicas/grad_distinct" in r for r in run.consistency):
         lines.append("first replica split: none (replicas identical at every recorded step)")
     else:
@@ -581,7 +586,8 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
         # Without a summary: each (step, detector) that made the guard act is one detection.
         "detections": s.get("detections", len({(g.get("step"), g.get("detector"))
                                                 for g in guards if g.get("action") != "proceed"})),
-        "recomputes": s.get("recomputes", sum(1 for g in guards if g.get("action") == "recompute")),
+        # A repair is followed by a recompute of the step: the guard counts both alike.
+        "recomputes": s.get("recomputes", sum(1 for g in guards if g.get("action") in ("recompute", "repair"))),
         "skipped batches": s.get("skipped_batches", sum(1 for g in guards if g.get("action") == "skip")),
     }
     lines.append("   ".join(f"{k}: {v}" for k, v in counts.items()))

@@ -115,6 +115,11 @@ def test_crashed_run_without_cosine(fault_run: pathlib.Path, tmp_path: pathlib.P
     assert "first replica split: step 5 on rank 1 " in report.text
     # The state split shows at the fingerprint step (10), not in the records after it.
     assert "replicas distinct at the last state check (step 10): 2; minority: rank 1\n" in report.text
+    rewrite_jsonl(run / "consistency.jsonl", lambda r: {**r, "replicas/state_distinct": 1,
+                                                        "replicas/state_minority_ranks": []}
+                  if "replicas/state_distinct" in r else {**r, "replicas/grad_distinct": 2} if r["step"] == 11 else r)
+    assert ("replicas distinct at the last state check (step 10): 1; aggregated gradients differed after it, "
+            "first at step 11\n") in build_report(run).text
     assert "faults injected: 1\n" in report.text
     assert "not recorded (cosine monitoring off)" in report.text
     alerts = sum(1 for line in (run / "events.jsonl").read_text().splitlines() if '"alert"' in line)
@@ -270,17 +275,18 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
     (run / "summary.json").unlink()
     with open(run / "events.jsonl", "a") as f:
         for event in (
+            # Two ranks: no strict majority, so the guard names no rank.
             {"step": 3, "event": "guard", "attempt": 0, "action": "repair", "detector": "state_mismatch",
-             "cause": "state", "ranks": [1], "values": {}},
+             "cause": "state", "ranks": [], "values": {}},
             {"step": 3, "event": "repair", "mode": "median-with-reference", "divergence": 0.5},
             {"step": 7, "event": "dyn_trigger", "period": 25},
             {"step": 7, "event": "sync", "period": 5, "divergence": 0.1, "mode": "median"},
         ):
             f.write(json.dumps(event) + "\n")
     text = build_report(run).text
-    assert ("first replica split: step 3 on rank 1 (training state fingerprints differ; no strict majority; "
+    assert ("first replica split: step 3 (training state fingerprints differ; no strict majority; "
             "the guard caught it before the update)") in text
-    assert "syncs: 2   detections: 1" in text  # the guard's repair is a sync too
+    assert "syncs: 2   detections: 1   recomputes: 1" in text  # the guard's repair is a sync, and reruns
     assert _periods(load_run(run)) == [(7, 25.0), (7, 5.0)]  # the sync's period is the one in force
 
 

@@ -50,10 +50,12 @@ all-gather carries each rank's finite flag (robust, mean), and per mode:
     guard, which repairs with a robust sync, also keeps the state of every state
     check it passes as the reference (:meth:`ReplicaSync.set_reference`).
 
-* ``mean``: average over the FINITE replicas only. Each finite replica contributes
-  its values times ``1 / count`` (the number of finite replicas) to a sum-all-reduce,
-  a non-finite one zeros, so NaN/Inf never contaminate the others, and scaling before
-  the sum keeps finite replicas finite (a sum first could overflow in float16). No
+* ``mean``: average over the FINITE replicas only. A non-finite replica contributes
+  zeros to the sum-all-reduce and the sum is divided by the number of finite
+  replicas, so NaN/Inf never contaminate the others. Where the sum of finite
+  replicas overflows (two float16 values near 40000), the coordinate takes a second
+  sum instead, of each share scaled by ``1 / count`` first, so finite replicas stay
+  finite; elsewhere sum-then-divide keeps the values the replicas agree on exact. No
   finite replica at all raises :class:`RuntimeError` (on every rank).
 * ``broadcast``: copy rank ``src`` exactly. If ``src`` holds NaN/Inf, the lowest
   finite rank is copied instead (the report's note says so); none finite raises
@@ -461,9 +463,18 @@ class ReplicaSync:
         if not self._keeps_reference:
             return
         entries = [e for e in self._entries() if not e[0].startswith("buffer/")]
-        layout = self._layout_for(entries)
-        agreed_now = self._capture(layout, [self._pack_group(g, entries) for g in layout.groups])
-        self._ref = {**(self._ref or {}), **agreed_now}
+        ref = self._ref or {}
+        if all(n in ref and ref[n].dtype == t.dtype and ref[n].shape == t.shape for n, t, _ in entries):
+            dst, src = [ref[n] for n, _, _ in entries], [t for _, t, _ in entries]
+            with torch.no_grad():  # the usual case: the same tensors as last time, copied in place
+                if all(d.device == s.device for d, s in zip(dst, src)):
+                    torch._foreach_copy_(dst, src)
+                else:  # Adam's step counters on the CPU beside CUDA parameters
+                    for d, s in zip(dst, src):
+                        d.copy_(s)
+        else:  # state the reference has not seen yet (optimizer state created since)
+            layout = self._layout_for(entries)
+            self._ref = {**ref, **self._capture(layout, [self._pack_group(g, entries) for g in layout.groups])}
         # Equal on both ranks iff the references are: equal before, and the same state now.
         self._ref_tag = fingerprint([torch.tensor([self._ref_tag, agreed], dtype=torch.int64)])
 
@@ -476,8 +487,12 @@ class ReplicaSync:
         """Restore :meth:`state_dict`. A reference saved by a run of another world
         size or mode (an elastic restart) is ignored: the one captured at
         construction stays."""
-        self.syncs = int(state.get("syncs", 0))
         ref = state.get("reference")
+        if ref is not None and not (isinstance(ref, dict) and all(
+                isinstance(k, str) and isinstance(v, Tensor) for k, v in ref.items())):
+            raise ValueError("ReplicaSync.load_state_dict(): reference must map tensor names to tensors "
+                             f"(a ReplicaSync.state_dict()), got {type(ref).__name__}")
+        self.syncs = int(state.get("syncs", 0))
         same_run = state.get("world_size") == self.world_size and state.get("mode") == self.mode
         if self._keeps_reference and ref is not None and same_run:
             self._ref = {k: _transport(v).to(self._device).clone() for k, v in ref.items()}
@@ -683,12 +698,11 @@ class ReplicaSync:
                 collectives += len(g.buckets)
             elif d.mode == "mean":
                 snap = self._pack_group(g, entries)
-                # Each replica's share is scaled BEFORE the sum (as DDP's reducer does), so
-                # the sum of finite replicas cannot overflow: 40000 + 40992 is inf in
-                # float16 although both halves are finite. A non-finite replica
-                # contributes zeros (NaN * 0 would still be NaN). Integer tensors are
-                # copied, never averaged (copy_mode above).
-                buf = snap * (1.0 / d.count) if d.finite[rank] else torch.zeros_like(snap)
+                # Sum, then divide (in _complete): exact where the replicas agree (n * x / n
+                # is x) and for the smallest subnormals. A non-finite replica contributes
+                # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
+                # averaged (copy_mode above).
+                buf = snap.clone() if d.finite[rank] else torch.zeros_like(snap)
                 for a, b in g.buckets:
                     works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
                 bytes_sent += buf.numel() * buf.element_size()
@@ -773,6 +787,21 @@ class ReplicaSync:
                 synced.append(out_flat)
                 continue
             assert buf is not None
+            if d.mode == "mean" and g.floating:
+                buf.div_(d.count)
+                overflowed = ~torch.isfinite(buf)
+                if bool(overflowed.any()):
+                    # Finite replicas whose sum overflowed (40000 + 40992 in float16): sum
+                    # again with each share scaled first, and take that where the plain
+                    # sum overflowed. The all-reduce left the same result on every rank,
+                    # so every rank takes this branch alike.
+                    assert snap is not None
+                    scaled = snap * (1.0 / d.count) if d.finite[me] else torch.zeros_like(buf)
+                    for a, b in g.buckets:
+                        dist.all_reduce(scaled[a:b], group=self.group)
+                    buf = torch.where(overflowed, scaled, buf)
+                    bytes_sent += scaled.numel() * scaled.element_size()
+                    collectives += len(g.buckets)
             synced.append(buf)
             if measure and g.floating and snap is not None:
                 for lo, hi in g.param_ranges:

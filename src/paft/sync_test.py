@@ -513,9 +513,10 @@ def _w_two(rank: int, ws: int) -> dict:
     report = ReplicaSync(model, opt, mode="mean").sync()
     out["mean"] = {"report": report, "state": _snap(model, opt), "fp": _fp(model, opt)}
     # finite float16 replicas whose sum overflows (40000 + 40992 > 65504): still finite
+    # and a subnormal both ranks hold stays exactly itself (halving it first would round it to 0)
     half = nn.Linear(2, 1, bias=False).half()
     with torch.no_grad():
-        half.weight.fill_(40000.0 + 992.0 * rank)
+        half.weight.copy_(torch.tensor([[2.0**-24, 40000.0 + 992.0 * rank]]))
     out["half"] = ReplicaSync(half, None, mode="mean").sync(), half.weight.tolist()
     # and no finite replica at all: a clear error on every rank (no deadlock)
     with torch.no_grad():
@@ -547,7 +548,7 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
     assert res[0]["mean"]["report"].source_ranks == [0]
     for r in res:
         report, weight = r["half"]
-        assert weight == [[40512.0, 40512.0]] and report.mode == "mean"  # 40496 in float16
+        assert weight == [[2.0**-24, 40512.0]] and report.mode == "mean"  # 40496 in float16
         assert 0 < report.divergence < 0.02  # 496 / 40496 on either rank
 
 

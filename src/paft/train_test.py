@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from paft.config import GuardConfig, ProtectConfig, TrainConfig
+from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.records import read_jsonl
 from paft.testing import run_workers
 from paft.train import Trainer, prepare_run_dir
@@ -66,6 +66,13 @@ RESUME_CASES = {
         "protect": ProtectConfig(mode="dyn", sync_period=4, h_min=2),
         "guard": GuardConfig(enabled=True, warmup=2),
     },
+    # two ranks, guard only: a sign flip at rest on the first resumed step is repaired
+    # to the median with the state of the last passing check (step 4), which only the
+    # checkpoint holds (built afresh, the guard's repairer would start from step 0)
+    "guard-two-ranks": {
+        "optimizer": "adamw", "monitor": MonitorConfig(fingerprint_every=2),
+        "guard": GuardConfig(enabled=True, warmup=2), "inject": ["bitflip:site=params,steps=6,bits=sign,ranks=1"],
+    },
     # a model of two gradient buckets (1.6 MB; DDP's first bucket holds 1 MB): every
     # event hits the same one bucket in both runs, also on the first resumed step
     "two-buckets": {
@@ -93,7 +100,13 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
         # whose last bits may vary with the thread count a loaded machine grants.
         pa, pb = dict(a["protector"]), dict(b["protector"])
         ga, gb = pa.pop("guard"), pb.pop("guard")
+        ra, rb = pa.pop("repairer"), pb.pop("repairer")
         assert pa == pb
+        assert (ra is None) == (rb is None) == (case != "guard-two-ranks")
+        if ra is not None:
+            refs = ra.pop("reference"), rb.pop("reference")
+            assert ra == rb and refs[0].keys() == refs[1].keys()
+            assert all(torch.equal(refs[0][k], refs[1][k]) for k in refs[0])
         if ga is not None:
             wa, wb = ga.pop("windows"), gb.pop("windows")
             assert ga == gb

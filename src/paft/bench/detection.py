@@ -395,8 +395,8 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
         f"fault-free.\n"
     )
     if not any(c["faults"] for c in rows):
-        note += (f"\n**No fault fired**: at rate {rate:g} per step, {steps} steps drew none. Every cell below "
-                 f"is empty; run more --steps or a higher --rate.\n")
+        note += (f"\n**No fault fired**: at rate {rate:g} per step, {steps} steps drew none. The table below "
+                 f"holds only zeros; run more --steps or a higher --rate.\n")
     md = (f"{note}\n{table}\n\nTotals:\n\n" + "\n".join(totals) + "\n\n"
           f"Guard overhead without faults (same model; plain DDP, monitor and guard trainers in one worker "
           f"group, {overhead_steps} paired steps each after {overhead.WARMUP} untimed; plain DDP "
