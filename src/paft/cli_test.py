@@ -308,6 +308,20 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
         assert bad.returncode != 0
         assert f"--world-size {asked}: torchrun started 2 processes; pass --world-size 2 or leave it out" in bad.stderr
         assert not (tmp_path / "r2").exists()
+    # The run directory is claimed as paft train claims it: not while another run holds it.
+    from paft.launch import _lock
+
+    before = sorted(p.name for p in (tmp_path / "r").iterdir())
+    with _lock(tmp_path / "r"):
+        busy = subprocess.run([*torchrun, "--run-dir", "r", "--overwrite"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env=env)
+    assert busy.returncode != 0 and "--run-dir: r is in use by another paft train" in busy.stderr
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
+    if not torch.cuda.is_available():  # refused up front on every rank, as paft train refuses it
+        cuda = subprocess.run([*torchrun, "--run-dir", "r3", "--device", "cuda"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert cuda.returncode != 0 and "--device cuda: " in cuda.stderr and "]: Traceback" not in cuda.stderr
+        assert not (tmp_path / "r3").exists()
 
 
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwrite_restores_the_old_run(
@@ -492,6 +506,33 @@ def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, capsys: pytest.Capt
     assert "--run-dir: r is in use by another paft train" in capsys.readouterr().err
     assert run.is_dir() and sorted(p.name for p in run.iterdir()) == sorted([*before, ".lock"])
     assert not list(tmp_path.glob("r.replaced-*"))
+
+
+def test_a_run_dir_another_start_took_meanwhile_is_left_alone(tmp_path: pathlib.Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two new runs started together: the one that lost the directory removed the
+    winner's files on its way out (the lock came after the directory was written)."""
+    from paft.config import TrainConfig
+    from paft.launch import _lock, claim_run_dir
+    from paft.train import RunDirError
+
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig(run_dir="d", steps=1)
+    theirs = pathlib.Path("d")
+    theirs.mkdir()
+    (theirs / "config.json").write_text("theirs")
+    with _lock(theirs), pytest.raises(RunDirError, match="d is in use by another paft train"):
+        with claim_run_dir(cfg):
+            pass
+    with pytest.raises(RunDirError, match="d was just filled by another paft train"):  # not locked yet
+        with claim_run_dir(cfg):
+            pass
+    real_is_dir = pathlib.Path.is_dir
+    monkeypatch.setattr(pathlib.Path, "is_dir", lambda p: False if p == theirs else real_is_dir(p))
+    with pytest.raises(RunDirError, match="d was just created by another paft train"):  # seen missing, then made
+        with claim_run_dir(cfg):
+            pass
+    assert (theirs / "config.json").read_text() == "theirs"
 
 
 def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathlib.Path,

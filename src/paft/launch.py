@@ -34,11 +34,11 @@ from paft.train import (
     default_run_dir,
     format_summary,
     has_checkpoint,
-    prepare_run_dir,
     run_worker,
+    write_config,
 )
 
-__all__ = ["interrupted", "launch", "on_sigterm", "set_aside", "settle"]
+__all__ = ["claim_run_dir", "interrupted", "launch", "on_sigterm", "set_aside", "settle"]
 
 EXIT_WORKER_FAILED = 1
 LOCK_FILE = ".lock"
@@ -60,27 +60,63 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
         cfg.run_dir = default_run_dir(cfg.workload)
     check_devices(cfg)
     check_run_dir(cfg)
+    with claim_run_dir(cfg) as outcome:
+        code, summary = _run_workers(cfg, quiet)
+        outcome["code"] = code
+        return code, summary
+
+
+@contextlib.contextmanager
+def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[str, int]]:
+    """Hold ``cfg.run_dir`` for one run (``paft train``, and rank 0 under torchrun).
+
+    An existing directory (``--resume``, ``--overwrite``) is locked first: not while
+    another run uses it. ``--overwrite`` moves it aside; a new directory is created
+    exclusively, so a directory another start created meanwhile is never taken (nor
+    removed), and locked before anything is written; then ``config.json``. The caller
+    sets ``outcome["code"]`` to its exit code; on the way out a new run that stopped
+    before its first checkpoint is removed, and the run ``--overwrite`` set aside is
+    deleted or, when the new run is not kept, moved back.
+    """
     run_dir = pathlib.Path(cfg.run_dir)
+    outcome = {"code": EXIT_WORKER_FAILED}
     with contextlib.ExitStack() as locks:
         existed = run_dir.is_dir()
-        if existed:  # --resume or --overwrite: not while another paft train uses it
+        if existed:
             locks.enter_context(_lock(run_dir))
         replaced = set_aside(run_dir) if cfg.overwrite else None
-        code = EXIT_WORKER_FAILED
-        try:
-            prepare_run_dir(cfg)  # on --resume: config.json records the options the run goes on with
-            if replaced is not None or not existed:  # a new directory (one process, one lock)
+        if replaced is not None or not existed:
+            try:
+                _create(run_dir)
                 locks.enter_context(_lock(run_dir))
-            code, summary = _run_workers(cfg, quiet)
-            return code, summary
+            except RunDirError:
+                if replaced is not None:
+                    settle(replaced, run_dir, keep_new=False, prog=prog)
+                raise
+        elif not cfg.resume and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+            # An empty folder taken for a new run: another start filled it since the check.
+            raise RunDirError(f"--run-dir: {run_dir} was just filled by another paft train; pick another --run-dir")
+        try:
+            write_config(cfg)  # on --resume: the options the run goes on with
+            yield outcome
         finally:
-            keep = code in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or has_checkpoint(run_dir)
+            keep = outcome["code"] in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or has_checkpoint(run_dir)
             if not keep:
                 shutil.rmtree(run_dir, ignore_errors=True)
-                print(f"paft train: the run stopped before its first checkpoint; nothing in {run_dir} could be "
+                print(f"{prog}: the run stopped before its first checkpoint; nothing in {run_dir} could be "
                       "resumed, so it was removed", file=sys.stderr)
             if replaced is not None:
-                settle(replaced, run_dir, keep_new=keep)
+                settle(replaced, run_dir, keep_new=keep, prog=prog)
+
+
+def _create(run_dir: pathlib.Path) -> None:
+    try:
+        run_dir.mkdir(parents=True)
+    except FileExistsError:
+        raise RunDirError(f"--run-dir: {run_dir} was just created by another paft train; "
+                          "pick another --run-dir") from None
+    except OSError as err:
+        raise RunDirError(f"--run-dir: cannot create {run_dir}: {err.strerror or err}") from None
 
 
 @contextlib.contextmanager

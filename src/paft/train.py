@@ -14,6 +14,7 @@ The loop is short on purpose; each piece is a named method of :class:`Trainer`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import io
@@ -55,6 +56,7 @@ __all__ = [
     "run_worker",
     "main",
     "prepare_run_dir",
+    "write_config",
     "check_run_dir",
     "has_checkpoint",
     "format_summary",
@@ -230,17 +232,27 @@ def _intact(path: pathlib.Path) -> bool:
 
 
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
-    """Create (or, with --overwrite, replace) the run directory and write ``config.json``;
-    on --resume, rewrite ``config.json`` with the options the run continues under."""
+    """Create (or, with --overwrite, replace) the run directory and write ``config.json``:
+    for benchmarks and tests, which own their folders. ``paft train`` and its torchrun
+    form claim the directory under a lock instead (:func:`paft.launch.claim_run_dir`)."""
     path = pathlib.Path(cfg.run_dir)
     try:
         if cfg.overwrite and path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path / "config.json", cfg.to_dict())
     except OSError as err:
         raise RunDirError(f"--run-dir: cannot write {path}: {err.strerror or err}") from None
+    write_config(cfg)
     return path
+
+
+def write_config(cfg: TrainConfig) -> None:
+    """Write ``config.json`` into the existing run directory; on --resume, the options
+    the run continues under."""
+    try:
+        atomic_write_json(pathlib.Path(cfg.run_dir) / "config.json", cfg.to_dict())
+    except OSError as err:
+        raise RunDirError(f"--run-dir: cannot write {cfg.run_dir}: {err.strerror or err}") from None
 
 
 def _build_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -641,6 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     The world size is torchrun's (``WORLD_SIZE``) unless ``--world-size`` or a config
     file sets it; a value that differs from the processes torchrun started is refused
     (exit 2), since the per-rank batch and the fault ranks are derived from it."""
+    from paft.launch import claim_run_dir
     from paft.options import parse_train_config
 
     prog = "python -m paft.train"
@@ -648,29 +661,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every rank parses and refuses alike: the first to exit makes torchrun stop the
     # others, maybe before rank 0 has written a word.
     cfg = parse_train_config(argv, prog=prog, launched=launched)
+    try:
+        check_devices(cfg)
+    except DeviceError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
     _set_threads()
     _init_process_group(cfg)
+    rank0 = dist.get_rank() == 0
     # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
     name = [cfg.run_dir or default_run_dir(cfg.workload)]
     dist.broadcast_object_list(name, src=0)
     cfg.run_dir = name[0]
-    try:
-        check_run_dir(cfg)
-    except RunDirError as err:
-        if dist.get_rank() == 0:
-            print(f"python -m paft.train: error: {err}", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
-    dist.barrier()  # every rank checked before rank 0 creates anything
-    if dist.get_rank() == 0:
-        prepare_run_dir(cfg)
-    dist.barrier()
-    result = run_worker(cfg.to_dict(), cfg.run_dir)
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # the process group is gone by now
-    if result["status"] == "persistent_fault":
+    with contextlib.ExitStack() as claim:
+        # Rank 0 claims the directory as paft train does (the lock, --overwrite's set-aside,
+        # the clean-up of a run that stopped before its first checkpoint); every rank
+        # learns whether it could.
+        error, outcome = [""], {"code": 0}
+        if rank0:
+            try:
+                check_run_dir(cfg)
+                outcome = claim.enter_context(claim_run_dir(cfg, prog))
+            except RunDirError as err:
+                error = [str(err)]
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            if rank0:
+                print(f"{prog}: error: {error[0]}", file=sys.stderr)
+            dist.destroy_process_group()
+            return 2
+        result = run_worker(cfg.to_dict(), cfg.run_dir)
+        code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
+        outcome["code"] = code
+    if code == EXIT_PERSISTENT_FAULT:
         if rank0:
             print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
-        return EXIT_PERSISTENT_FAULT
+        return code
     if not cfg.quiet and rank0:
         print(format_summary(result["summary"], cfg.run_dir))
     return 0
