@@ -404,6 +404,9 @@ def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
     (["--no-monitor", "--cosine", "off"], ["--cosine has no effect with --no-monitor"]),
     (["--protect", "averager", "--sync-period", "5", "--sync-mode", "mean"],
      ["--sync-mode has no effect without --protect sync or dyn"]),
+    (["--warmup-steps", "50", "--steps", "5"],
+     ["--warmup-steps 50 is not below --steps 5: the learning rate never reaches --lr and never decays"]),
+    (["--steps", "5"], []),  # the default warm-up (20) is not a slip of the user's
     (["--protect", "dyn", "--no-monitor"],
      ["--protect dyn with --no-monitor has no fingerprint trigger: replicas that split stay split until the "
       "next scheduled sync (the period still adapts at each sync)"]),

@@ -238,7 +238,8 @@ class TrainConfig:
     warmup_steps: int = 20
     """Linear learning-rate warm-up steps before the cosine decay (``--warmup-steps``)."""
     min_lr_ratio: float = 0.1
-    """The cosine decays to lr * this at the last step (``--min-lr-ratio``)."""
+    """The cosine decays towards lr * this, reached at step ``--steps`` (the last step
+    trains just above it) (``--min-lr-ratio``)."""
     grad_clip: float = 1.0
     """Clip the aggregated gradient to this global L2 norm; 0 disables (``--grad-clip``)."""
     seed: int = 0
@@ -276,7 +277,8 @@ class TrainConfig:
     """Each rank shuffles the data with its own seed instead of one shared permutation
     (``--desync-shuffle``)."""
     desync_seed: bool = False
-    """Each rank seeds dropout and sampling with its own seed (``--desync-seed``)."""
+    """Each rank seeds its torch RNG (dropout, any sampling inside the model) with its
+    own seed; the data order is ``--desync-shuffle``'s alone (``--desync-seed``)."""
     inject: list[str] = field(default_factory=list)
     """Fault specs, e.g. ``bitflip:rate=0.01,bits=exponent,ranks=1`` (``--inject``, repeatable)."""
     quiet: bool = False

@@ -375,8 +375,9 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
 
 def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
     """A warning for each option given on the command line that ``cfg`` makes
-    ineffective (a guard threshold without --guard, ...): most likely a slip; and for
-    ``--protect dyn`` without the monitor (from any source), which loses its trigger."""
+    ineffective (a guard threshold without --guard, a warm-up as long as the run, ...):
+    most likely a slip; and for ``--protect dyn`` without the monitor (from any
+    source), which loses its trigger."""
     mode = cfg.protect.mode
     needs: dict[str, tuple[bool, str]] = {
         "broadcast-src": (mode in ("sync", "dyn") and cfg.protect.sync_mode == "broadcast",
@@ -388,6 +389,9 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
         "sync-period": (mode != "none", "with --protect none"),
     }
     out = []
+    if "warmup-steps" in vars(ns) and cfg.warmup_steps >= cfg.steps:
+        out.append(f"--warmup-steps {cfg.warmup_steps} is not below --steps {cfg.steps}: the learning rate "
+                   "never reaches --lr and never decays")
     if mode == "dyn" and not cfg.monitor.enabled:
         out.append("--protect dyn with --no-monitor has no fingerprint trigger: replicas that split stay "
                    "split until the next scheduled sync (the period still adapts at each sync)")

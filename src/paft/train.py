@@ -294,13 +294,14 @@ class Trainer:
         self.model = DistributedDataParallel(model, device_ids=device_ids)
         self.optimizer = _build_optimizer(cfg, self.model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
-        per_rank_seed = cfg.seed + (7919 * self.rank if cfg.desync_seed else 0)
+        # The data order is --desync-shuffle's alone, so that the two perturbations of the
+        # study stay apart: --desync-seed seeds only the torch RNG (dropout) per rank.
         self.sampler = ShardedSampler(
             len(self.workload.train), self.rank, self.world_size, cfg.per_rank_batch_size,
-            seed=per_rank_seed, desync=cfg.desync_shuffle,
+            seed=cfg.seed, desync=cfg.desync_shuffle,
         )
         # Dropout draws from this RNG; synchronized across ranks unless --desync-seed.
-        torch.manual_seed(per_rank_seed + 1)
+        torch.manual_seed(cfg.seed + 1 + (7919 * self.rank if cfg.desync_seed else 0))
         self.recorder = RunRecorder(run_dir, self.rank, tensorboard=cfg.tensorboard, quiet=cfg.quiet)
         self.protector: Protector = protect(
             self.model, self.optimizer, monitor=cfg.monitor, protect=cfg.protect, guard=cfg.guard,
@@ -359,6 +360,7 @@ class Trainer:
             loss.backward()
             return loss
 
+        lr = self.scheduler.get_last_lr()[0]  # what this step trains with
         start, cpu_start = time.perf_counter(), time.process_time()
         report = self.protector.step(closure)
         self.scheduler.step()
@@ -373,7 +375,7 @@ class Trainer:
             self._timed[2] += time.process_time() - cpu_start
         self.recorder.metrics({
             "step": report.step, "local_loss": report.local_loss, "loss": report.loss,
-            "grad_norm": report.grad_norm, "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": report.grad_norm, "lr": lr,
             "step_time": elapsed, "applied": report.applied, "attempts": report.attempts,
         })
         return report
@@ -477,11 +479,23 @@ class Trainer:
                 print(f"rank {self.rank}: cannot read checkpoint {name}: {problem}", file=sys.stderr)
         raise RuntimeError(f"--resume: no checkpoint in {self._ckpt_root} is readable on every rank")
 
+    def _apply_schedule_options(self) -> None:
+        """The options this leg of the run goes on with take effect from its first step:
+        the checkpoint's optimizer and scheduler carry the old ``--lr``, ``--weight-decay``
+        and the learning rate the old schedule computed (a longer ``--steps`` stretches
+        the cosine). Unchanged options give the very same values, bit for bit."""
+        factor = _lr_lambda(self.cfg)(self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [self.cfg.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, lr=self.cfg.lr * factor)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
     def load_checkpoint(self) -> None:
         name, state = self._read_checkpoint()
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_schedule_options()
         self.sampler.load_state_dict(state["sampler"])
         self.protector.load_state_dict(state["protector"])
         torch.set_rng_state(state["rng_cpu"])
@@ -502,13 +516,15 @@ class Trainer:
     # -- the end -----------------------------------------------------------------------
 
     def summarize(self) -> dict[str, Any]:
-        # Parameters + optimizer state: BatchNorm buffers differ between ranks by DDP's design.
-        fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
-        fps = gather_rows(fp).reshape(-1).tolist()
+        # Replicas compare parameters + optimizer state (BatchNorm buffers differ between
+        # ranks by DDP's design); the run's own fingerprint is rank 0's whole state.
+        fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False),
+                           state_fingerprint(self.model, self.optimizer)], dtype=torch.int64)
+        fps, whole = gather_rows(fp).T.tolist()
         groups = group_replicas(fps)
         divergence = self.evals[-1]["replica_rel_diff"]
         # Faults are injected per rank and CPU time is per process; the rest is identical everywhere.
-        cpu_per_step = self._timed[2] / self._timed[0] if self._timed[0] else 0.0
+        cpu_per_step = self._timed[2] / self._timed[0] if self._timed[0] else math.nan
         counters = torch.tensor([self.protector.counters["faults_injected"], cpu_per_step], dtype=torch.float64)
         dist.all_reduce(counters)
         first, last = self.evals[0], self.evals[-1]
@@ -521,12 +537,13 @@ class Trainer:
             "final_val_loss": last["val_loss"],
             "final_val_loss_max": max(last["val_loss_per_rank"]),
             "steps_per_s": self.step_rate(),
-            "cpu_ms_per_step": 1e3 * float(counters[1]) / self.world_size,
+            # None when no step was timed (the first few are not: see _UNTIMED_STEPS).
+            "cpu_ms_per_step": None if math.isnan(counters[1]) else 1e3 * float(counters[1]) / self.world_size,
             "wall_s": self.train_seconds,
             "replicas_distinct": len(groups),
             "replica_groups": groups,
-            # Rank 0's bits (parameters + optimizer state): equal fingerprints, equal runs.
-            "state_fingerprint": f"{fps[0] & (2**64 - 1):016x}",
+            # Rank 0's bits (parameters, buffers, optimizer state): equal fingerprints, equal runs.
+            "state_fingerprint": f"{whole[0] & (2**64 - 1):016x}",
             "max_replica_rel_diff": divergence,
             "max_replica_rel_diff_run": max(e["replica_rel_diff"] for e in self.evals),
             "faults_injected": int(counters[0]),

@@ -12,7 +12,7 @@ import torch
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.records import read_jsonl
 from paft.testing import run_workers
-from paft.train import Trainer, prepare_run_dir
+from paft.train import Trainer, _lr_lambda, prepare_run_dir
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
@@ -122,6 +122,24 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
     assert faults("a") == faults("b")
     if case == "two-buckets":
         assert {f["target"] for f in faults("a")} == {0, 1}
+
+
+def test_resume_takes_the_new_learning_rate_weight_decay_and_length(tmp_path: pathlib.Path) -> None:
+    # Given again with --resume, --lr, --weight-decay and --steps take effect from the
+    # first resumed step (the checkpoint's optimizer and scheduler held the old ones,
+    # while config.json said the new); metrics record the rate each step trained with.
+    first = tiny_config(tmp_path / "r", steps=12, warmup_steps=4, lr=3e-3, optimizer="adamw")
+    run(first)
+    (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000006")
+    again = tiny_config(tmp_path / "r", steps=20, warmup_steps=4, lr=1e-2, weight_decay=0.5, optimizer="adamw",
+                        resume=True)
+    run(again)
+    lrs = [m["lr"] for m in read_jsonl(tmp_path / "r" / "metrics" / "rank0.jsonl")]
+    old, new = _lr_lambda(first), _lr_lambda(again)
+    assert lrs == pytest.approx([3e-3 * old(s) for s in range(6)] + [1e-2 * new(s) for s in range(6, 20)], rel=1e-12)
+    assert lrs[0] == 3e-3 / 4  # step 0 trains with the first warm-up rate
+    state = torch.load(tmp_path / "r" / "checkpoints" / "step0000020" / "rank1.pt", weights_only=False)
+    assert [(g["weight_decay"], g["initial_lr"]) for g in state["optimizer"]["param_groups"]] == [(0.5, 1e-2)]
 
 
 def test_resume_falls_back_to_the_older_checkpoint_when_the_newest_is_damaged(tmp_path: pathlib.Path) -> None:

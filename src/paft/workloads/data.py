@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import os
 import struct
 from collections.abc import Iterator
@@ -269,13 +270,14 @@ class ShardedSampler:
     """Seeded, infinite, resumable sharding of ``range(num_items)`` into per-rank batches.
 
     Each epoch ``e`` all ranks draw the same permutation from a generator seeded with
-    ``seed + e`` (or ``arange`` when ``shuffle=False``), drop the tail so it splits into
+    ``seed`` in epoch 0 and a 32-bit hash of ``(seed, e)`` after it (or ``arange`` when
+    ``shuffle=False``), drop the tail so it splits into
     ``world_size * batch_size * batches_per_epoch`` items, and rank ``r`` takes the
     strided shard ``perm[r::world_size]``: shards are disjoint and every rank gets the
     same number of full batches. ``batch_size`` is per rank.
 
     ``desync=True`` reproduces desynchronized shuffling: each rank permutes with its own
-    seed ``seed + 1000003 * rank + epoch`` and then takes its strided shard, so ranks'
+    seed ``seed + 1000003 * rank`` (hashed with the epoch, as above) and then takes its strided shard, so ranks'
     data overlap and are no longer coordinated. (Without ``shuffle`` it changes nothing.)
 
     Iteration never ends: after the last batch of an epoch the next epoch starts.
@@ -321,9 +323,9 @@ class ShardedSampler:
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         """This rank's item order for ``epoch`` (length ``batches_per_epoch * batch_size``)."""
         if self.shuffle:
-            seed = self.seed + epoch
-            if self.desync:
-                seed += 1000003 * self.rank
+            seed = self.seed + (1000003 * self.rank if self.desync else 0)
+            if epoch:  # a hash, not seed + epoch: seed s + 1's first epoch was seed s's second
+                seed = int.from_bytes(hashlib.blake2b(f"{seed}/{epoch}".encode(), digest_size=4).digest(), "little")
             g = torch.Generator().manual_seed(seed)
             perm = torch.randperm(self.num_items, generator=g)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import struct
 from importlib import resources
 from pathlib import Path
@@ -166,8 +167,11 @@ def test_sampler_matches_the_shared_permutation() -> None:
     s = ShardedSampler(50, 1, 2, 4, seed=3)
     perm = torch.randperm(50, generator=torch.Generator().manual_seed(3))
     assert torch.equal(_epoch(s), perm[:48][1::2])
-    perm = torch.randperm(50, generator=torch.Generator().manual_seed(4))
+    second = int.from_bytes(hashlib.blake2b(b"3/1", digest_size=4).digest(), "little")
+    perm = torch.randperm(50, generator=torch.Generator().manual_seed(second))
     assert torch.equal(_epoch(s), perm[:48][1::2])
+    # Seed 4's first epoch is not seed 3's second (the epoch is not added to the seed).
+    assert not torch.equal(_epoch(ShardedSampler(50, 1, 2, 4, seed=4)), perm[:48][1::2])
 
 
 def test_sampler_is_deterministic_and_infinite() -> None:
