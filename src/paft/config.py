@@ -248,7 +248,8 @@ class TrainConfig:
     """Evaluate on the validation split every this many steps, and at the end
     (``--eval-every``)."""
     eval_batches: int = 8
-    """Validation batches per evaluation (``--eval-batches``)."""
+    """Validation batches of 64 items per evaluation, the same on every rank
+    (``--eval-batches``)."""
     log_every: int = 10
     """Console progress line every this many steps (``--log-every``)."""
     checkpoint_every: int = 100

@@ -49,7 +49,8 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     """Base of the rotary embedding frequencies."""
     dropout: float = 0.0
-    """Dropout on attention probabilities and residual branches; 0 disables it."""
+    """Dropout on the token embeddings, attention probabilities and residual branches;
+    0 disables it."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
