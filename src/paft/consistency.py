@@ -18,7 +18,9 @@ Metrics (namespaced keys, population statistics over ranks):
   ``consistency/cos_to_mean`` (per rank) / ``consistency/cos_to_mean_min``;
 - ``replicas/grad_distinct`` and ``replicas/state_distinct``: number of distinct
   aggregated-gradient checksums and state fingerprints, with
-  ``replicas/grad_minority_ranks`` and ``replicas/state_minority_ranks``.
+  ``replicas/grad_minority_ranks`` and ``replicas/state_minority_ranks`` (the ranks
+  outside a strict majority; none without one) and, at a split,
+  ``replicas/grad_groups`` / ``replicas/state_groups``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paft.fingerprint import group_replicas, join_int64, split_int64
+from paft.fingerprint import group_replicas, join_int64, majority, split_int64
 
 __all__ = [
     "FLAG_LOSS_NONFINITE",
@@ -305,16 +307,21 @@ def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict
 
 def replica_metrics(view: ControlView) -> dict[str, Any]:
     """``replicas/*``: how many distinct aggregated gradients (and, when this step
-    fingerprinted it, training states) the ranks hold, and the ranks outside the
-    largest group."""
-    groups = group_replicas(view.agg_fingerprints())
-    out: dict[str, Any] = {
-        "replicas/grad_distinct": len(groups),
-        "replicas/grad_minority_ranks": sorted(r for g in groups[1:] for r in g),
-    }
+    fingerprinted it, training states) the ranks hold; the ranks outside a strict
+    majority (none when no group holds one: with two ranks that disagree, or an even
+    split, which side is faulty is unknown); and, at a split, the groups themselves."""
+    out: dict[str, Any] = {}
+    _replica_keys(out, "grad", view.agg_fingerprints())
     state = view.state_fingerprints()
     if state is not None:
-        sgroups = group_replicas(state)
-        out["replicas/state_distinct"] = len(sgroups)
-        out["replicas/state_minority_ranks"] = sorted(r for g in sgroups[1:] for r in g)
+        _replica_keys(out, "state", state)
     return out
+
+
+def _replica_keys(out: dict[str, Any], kind: str, fps: list[int]) -> None:
+    groups = group_replicas(fps)
+    out[f"replicas/{kind}_distinct"] = len(groups)
+    out[f"replicas/{kind}_minority_ranks"] = (
+        sorted(r for g in groups[1:] for r in g) if majority(fps) is not None else [])
+    if len(groups) > 1:
+        out[f"replicas/{kind}_groups"] = groups

@@ -95,8 +95,9 @@ def norm(x: np.ndarray) -> float:
 def test_two_ranks_and_replica_groups() -> None:
     m = worker_metrics(view_of([2.0, 4.0], [1.0, 1.0], agg_fps=[5, 9], state_fps=[1, 1]))
     assert m["consistency/loss_std"] == 1.0 and m["consistency/loss_cv"] == pytest.approx(1 / 3)
-    assert m["replicas/grad_distinct"] == 2 and m["replicas/grad_minority_ranks"] == [1]
-    assert m["replicas/state_distinct"] == 1
+    assert m["replicas/grad_distinct"] == 2 and m["replicas/grad_groups"] == [[0], [1]]
+    assert m["replicas/grad_minority_ranks"] == []  # no majority: neither rank is named
+    assert m["replicas/state_distinct"] == 1 and "replicas/state_groups" not in m
 
 
 def sketch_of(flat: torch.Tensor, sketcher: CountSketch, bucket: int = 0) -> torch.Tensor:

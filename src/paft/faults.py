@@ -511,8 +511,10 @@ class FaultInjector:
         """Corrupt tensors at rest (params / optimizer-state) in place; return records.
 
         Each event picks ONE tensor among the floating-point, non-empty ``named``
-        tensors (taken in sorted name order), with probability proportional to its
-        number of elements; non-float entries (e.g. integer step counters) are skipped.
+        tensors (taken in sorted name order) whose dtype its spec can corrupt (``bits=40``
+        skips Adam's float32 ``step`` beside float64 weights), with probability
+        proportional to its number of elements; non-float entries (e.g. integer step
+        counters) are skipped.
         """
         if not self.enabled or site not in self._sites:
             return []
@@ -528,7 +530,10 @@ class FaultInjector:
         numels = [named[n].numel() for n in names]
         records = []
         for ev in events:
-            name = self.schedule.tensor_for(ev, names, numels)
+            fits = [i for i, n in enumerate(names) if ev.spec.takes(named[n].dtype)]
+            if not fits:
+                continue
+            name = self.schedule.tensor_for(ev, [names[i] for i in fits], [numels[i] for i in fits])
             applied = apply_fault(ev.spec, named[name], self.schedule.generator(ev, name),
                                   previous.get(name))
             if applied is not None:

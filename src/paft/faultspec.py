@@ -367,6 +367,14 @@ class FaultSpec:
             raise _err("bits", f"must be < {width} for {str(dtype).replace('torch.', '')}",
                        self.bits)
 
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`check_dtype` accepts ``dtype``."""
+        try:
+            self.check_dtype(dtype)
+        except FaultSpecError:
+            return False
+        return True
+
     def may_hit_rank(self, rank: int) -> bool:
         """Whether an event of this spec can ever fire on ``rank``."""
         return self.ranks == "random" or rank in self.ranks

@@ -52,6 +52,8 @@ of this step)::
 
     attempt  this view    relation to prev                         action      cause
     any      state fingerprints disagree (tried first)             repair      state
+    >= 1     state fingerprints disagree again, same minority      stop        persistent  (on_persistent=stop)
+             (the repaired rank corrupted again: stuck memory)     repair      persistent  (on_persistent=repair)
     any      clean        no prev                                  proceed     None
     >= 1     clean        prev from check                          proceed     transient (persistent if decided)
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
@@ -623,14 +625,19 @@ class Guard:
         reproduce it, so re-synchronize from the majority first, then recompute."""
         st.incident = True
         self.counters["detections"] += 1
-        self._decide(st, "state")
         ws = self.world_size
         minority = sorted(r for g in groups[1:] for r in g) if 2 * len(groups[0]) > ws else []
+        prev = st.pending
+        again = sorted(set(prev.ranks) & set(minority)) if (
+            prev is not None and prev.source == "check" and prev.detector == "state_mismatch") else []
+        self._decide(st, "persistent" if again else "state")
         st.pending = _Incident("check", "state_mismatch", minority, view.header_bits())
+        if again and self.config.on_persistent == "stop":
+            return GuardVerdict("stop", "state_mismatch", again, "persistent", {"distinct": float(len(groups))})
         verdict = self._rerun(st, "state_mismatch", minority, {"distinct": float(len(groups))})
         # Past a cap: the replicas are still repaired, and the batch is skipped.
         action = "repair" if verdict.action == "recompute" else "skip"
-        return GuardVerdict(action, "state_mismatch", minority, "state", verdict.values)
+        return GuardVerdict(action, "state_mismatch", minority, st.cause or "state", verdict.values)
 
     def _rerun(self, st: _StepState, detector: str, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
         cfg = self.config

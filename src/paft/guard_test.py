@@ -327,6 +327,22 @@ def test_state_mismatch_repairs_then_recomputes(ws: int, states: list[int], mino
     assert (g.counters["detections"], g.counters["recomputes"], g.counters["state"], g.counters["data"]) == (1, 1, 1, 0)
 
 
+@pytest.mark.parametrize("policy,action", [("stop", "stop"), ("repair", "repair")])
+def test_a_replica_corrupted_again_after_its_repair_is_persistent(policy: str, action: str) -> None:
+    # Stuck memory: the repaired rank's state differs again on the rerun.
+    g = guard(3, on_persistent=policy)
+    t = warm(g)
+    split = make_view([2.0] * 3, [1.5] * 3, 1.0, states=[5, 9, 5])
+    assert g.check(t, 0, split).action == "repair"
+    v1 = g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[6, 8, 6]))
+    assert (v1.action, v1.detector, v1.ranks, v1.cause) == (action, "state_mismatch", [1], "persistent")
+    assert (g.counters["persistent"], g.counters["state"]) == (1, 0)
+    other = guard(3, on_persistent=policy)  # another rank corrupted on the rerun: a new fault
+    t = warm(other)
+    other.check(t, 0, split)
+    assert other.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[6, 6, 8])).cause == "state"
+
+
 @pytest.mark.parametrize("ws", [2, 4])
 def test_data_nan_is_skipped(ws: int) -> None:
     g = guard(ws)

@@ -398,7 +398,7 @@ class Protector:
     def step(self, closure: Callable[[], torch.Tensor]) -> StepReport:
         """Run one protected training step; ``closure`` zeroes grads, runs forward and backward."""
         t = self.step_idx
-        self._inject_at_rest(t)
+        rest_faults = self._inject_at_rest(t)
         if not self.monitor_cfg.enabled:
             return self._unmonitored_step(t, closure)
         check_state = self._due(self.monitor_cfg.fingerprint_every, t) or self._recheck_state
@@ -410,10 +410,13 @@ class Protector:
         rerun_from = _ForwardSnapshot(self._buffers) if self.guard is not None else None
         attempt, applied, ratio, synced = 0, True, None, False
         while True:
+            if attempt:  # a persistent fault at rest (stuck memory) strikes the rerun too
+                rest_faults = self._inject_at_rest(t, attempt)
             self.hook.begin(t, attempt, local=metric_step or self.guard is not None, direction=metric_step)
             # A rerun always fingerprints the state: corrupted replicas would reproduce
             # the bad step, and only the fingerprints tell them from bad data.
-            pending = self._control(self._run_closure(closure), check_state or attempt > 0, metric_step)
+            pending = self._control(self._run_closure(closure), check_state or attempt > 0, metric_step,
+                                    rest_faults)
             if self.guard is None:
                 # Nothing to decide before the update: let the control collective overlap it.
                 synced = self._finish_sync(t) or synced
@@ -546,22 +549,27 @@ class Protector:
                                "loss.backward() inside it (with ddp.no_sync(), the last micro-batch outside it)")
         return loss
 
-    def _inject_at_rest(self, step: int) -> None:
+    def _inject_at_rest(self, step: int, attempt: int = 0) -> int:
+        """Faults at rest (``params`` / ``optimizer-state``) of this attempt; how many."""
+        count = 0
         for site, prefix in (("params", "param/"), ("optimizer-state", "optim/")):
             if not self.injector.has_site(site):
                 continue
             named = {n: t for n, t in state_tensors(self.model, self.optimizer) if n.startswith(prefix)}
             with torch.no_grad():
-                records = self.injector.inject_tensors(site, step, named)
+                records = self.injector.inject_tensors(site, step, named, attempt=attempt)
             self._record_faults(records)
+            count += len(records)
+        return count
 
     def _record_faults(self, records: Sequence[Any]) -> None:
         if records:
             self._counts["faults_injected"] += len(records)
             self.recorder.faults(r.to_json() for r in records)
 
-    def _control(self, loss: torch.Tensor, check_state: bool, metric_step: bool) -> PendingControl:
-        """Pack this rank's view of the step and launch the step's one control collective."""
+    def _control(self, loss: torch.Tensor, check_state: bool, metric_step: bool, rest_faults: int) -> PendingControl:
+        """Pack this rank's view of the step and launch the step's one control collective
+        (``rest_faults``: the attempt's faults at rest, counted with the hook's)."""
         cap = self.hook.current
         self._record_faults(cap.faults)
         # The aggregated gradient's norm, computed once: clipping reuses it (see _clip).
@@ -587,7 +595,7 @@ class Protector:
             agg_fingerprint=agg_checksum,
             state_fingerprint=state_fp,
             flags=flags,
-            faults=len(cap.faults),
+            faults=len(cap.faults) + rest_faults,
             sketch=sketch,
         )
         # Every rank agrees on ``metric_step``, so on the length of the vectors.
@@ -624,21 +632,27 @@ class Protector:
         the state fingerprint between checks) keeps its state."""
         cfg = self.monitor_cfg
         conditions = {
-            "loss_cv": ("consistency/loss_cv", lambda v: v > cfg.alert_loss_cv, None),
-            "grad_cos_min": ("consistency/grad_cos_min", lambda v: v < cfg.alert_cos_min, None),
-            "replicas_split": ("replicas/grad_distinct", lambda v: v > 1, "replicas/grad_minority_ranks"),
-            "state_split": ("replicas/state_distinct", lambda v: v > 1, "replicas/state_minority_ranks"),
+            # Written so that NaN fires too: a rank's non-finite loss or gradient is news.
+            "loss_cv": ("consistency/loss_cv", lambda v: not v <= cfg.alert_loss_cv, None),
+            "grad_cos_min": ("consistency/grad_cos_min", lambda v: not v >= cfg.alert_cos_min, None),
+            "replicas_split": ("replicas/grad_distinct", lambda v: v > 1, "grad"),
+            "state_split": ("replicas/state_distinct", lambda v: v > 1, "state"),
         }
-        for name, (key, fires, ranks_key) in conditions.items():
+        for name, (key, fires, kind) in conditions.items():
             if key not in m:
                 continue
             value = m[key]
-            ranks = m.get(ranks_key, []) if ranks_key else []
+            ranks = m.get(f"replicas/{kind}_minority_ranks", []) if kind else []
             active = bool(fires(value))
             if active and not self._alerting.get(name, False):
                 self._counts["alerts"] += 1
                 self.recorder.event({"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks})
-                who = f" (rank(s) {ranks} disagree)" if ranks else ""
+                if ranks:
+                    who = f" (rank(s) {ranks} disagree)"
+                elif kind:  # no strict majority: which side is faulty is unknown
+                    who = f" (no majority: groups {m[f'replicas/{kind}_groups']})"
+                else:
+                    who = ""
                 self.recorder.say(f"[alert] step {step}: {name} = {value:.4g}{who}")
             self._alerting[name] = active
 

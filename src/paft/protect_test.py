@@ -191,7 +191,18 @@ def test_local_grad_fault_changes_the_model_on_every_rank_alike() -> None:
 def test_stale_aggregation_delivers_the_previous_result() -> None:
     out = run_workers(train_toy, 2, {"inject": ["stale:steps=5,ranks=1"]})
     assert not same(out[0], out[1])
-    assert out[0]["reports"][5]["metrics"]["replicas/grad_minority_ranks"] in ([0], [1])
+    m = out[0]["reports"][5]["metrics"]
+    # two ranks that disagree: no majority, so no rank is named, and the groups are given
+    assert m["replicas/grad_minority_ranks"] == [] and m["replicas/grad_groups"] == [[0], [1]]
+
+
+def test_a_rank_gone_non_finite_raises_an_alert(tmp_path: Path) -> None:
+    # An inf in rank 1's weights: its loss and gradient are non-finite, the metrics NaN,
+    # which no threshold comparison used to cross.
+    run_workers(train_toy, 2, {"steps": 4, "optimizer": "sgd", "run_dir": str(tmp_path),
+                               "inject": ["inf:site=params,steps=2,ranks=1"]})
+    alerts = {(e["step"], e["detector"]) for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "alert"}
+    assert (2, "grad_cos_min") in alerts
 
 
 @pytest.mark.parametrize("site", ["params", "optimizer-state"])
@@ -306,6 +317,16 @@ def test_persistent_faulty_rank_is_named_and_stops() -> None:
         "inject": ["bitflip:steps=6,ranks=2,bits=30,count=4,persistent=true"],
     })
     assert all(o == {"stopped": 6, "ranks": [2]} for o in out)
+
+
+def test_a_persistent_fault_at_rest_strikes_the_rerun_and_names_the_rank() -> None:
+    # Stuck memory: the repaired replica is corrupted again (elsewhere) when the step is
+    # recomputed, so the state mismatch recurs on the same rank: persistent, not transient.
+    out = run_workers(persistent_run, 3, {
+        "guard": {**GUARD, "on_persistent": "stop"}, "monitor": {"fingerprint_every": 1},
+        "inject": ["bitflip:site=params,steps=6,ranks=1,bits=30,persistent=true"],
+    })
+    assert all(o == {"stopped": 6, "ranks": [1]} for o in out)
 
 
 def test_rerun_cap_holds() -> None:
