@@ -58,18 +58,33 @@ def _squared_norm(flat: torch.Tensor) -> torch.Tensor:
     return torch.dot(flat, flat)
 
 
+def _prime_at_least(n: int) -> int:
+    def prime(m: int) -> bool:
+        return m > 1 and all(m % d for d in range(2, int(m**0.5) + 1))
+
+    while not prime(n):
+        n += 1
+    return n
+
+
 class CountSketch:
     """A fixed-seed CountSketch of a flat vector into ``dim`` coordinates.
 
-    Coordinate i of a bucket goes to slot ``i mod dim`` with a random sign. The signs
-    depend only on (bucket index, bucket length, seed), so every rank sketches the
-    same way and ``<S a, S b>`` is an unbiased estimate of ``<a, b>`` with standard
-    deviation about ``||a|| ||b|| / sqrt(dim)``. Cost: one multiply and one
-    reduction over the bucket, no scatter, on the bucket's own device.
+    Coordinate i of a bucket goes to slot ``i mod p`` with a random sign, p the
+    smallest prime >= ``dim`` (257 for 256), and the ``p - dim`` slots past ``dim`` are
+    folded onto the first ones. A prime stride spreads each column of a weight matrix
+    over all slots: with ``i mod dim``, a matrix whose rows are a multiple of ``dim``
+    long (512, 768 for k = 256) put a whole column into one slot, and one outlier input
+    feature then dominated the sketch (the cosine off by 17 standard errors, its sign
+    flipped). The signs depend only on (bucket index, bucket length, seed), so every
+    rank sketches the same way and ``<S a, S b>`` is an unbiased estimate of ``<a, b>``
+    with standard deviation about ``||a|| ||b|| / sqrt(dim)``. Cost: one multiply and
+    one reduction over the bucket, no scatter, on the bucket's own device.
     """
 
     def __init__(self, dim: int, seed: int = 0x5EED) -> None:
         self.dim = dim
+        self.stride = _prime_at_least(dim)
         self.seed = seed
         self._signs: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -92,15 +107,23 @@ class CountSketch:
         """
         flat = _widened(flat)
         signed = flat * self.signs(index, flat)
-        n, k = signed.numel(), self.dim
-        full = n - n % k
+        n, p = signed.numel(), self.stride
+        full = n - n % p
         if full:
             # Reduce in the gradient's own dtype (a cast to float64 first costs 5x);
-            # each slot sums n/k values, far from float32's precision limits.
-            out += signed[:full].view(-1, k).sum(0).to(out.device, torch.float64)
+            # each slot sums n/p values, far from float32's precision limits.
+            self._fold(out, signed[:full].view(-1, p).sum(0))
         if n > full:
-            out[: n - full] += signed[full:].to(out.device, torch.float64)
+            self._fold(out, signed[full:])
         return torch.dot(signed, signed)
+
+    def _fold(self, out: torch.Tensor, slots: torch.Tensor) -> None:
+        """``out += slots`` for up to ``stride`` slots, those past ``dim`` onto the first."""
+        slots = slots.to(out.device, torch.float64)
+        k = self.dim
+        out[: min(k, slots.numel())] += slots[:k]
+        if slots.numel() > k:
+            out[: slots.numel() - k] += slots[k:]
 
 
 @dataclass
