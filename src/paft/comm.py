@@ -31,6 +31,7 @@ the fault-free path is bit-for-bit DDP's default all-reduce.
 
 # No `from __future__ import annotations` here: DDP inspects the hook's real
 # annotations (bucket: dist.GradBucket) when it is registered.
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from paft.faults import FaultInjector, FaultRecord
 from paft.fingerprint import digest_tensor
 
-__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch"]
+__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch", "total_norm"]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -52,10 +53,34 @@ def _widened(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _squared_norm(flat: torch.Tensor) -> torch.Tensor:
-    """||flat||^2 (0-dim, on ``flat``'s device) via one BLAS dot; inf/NaN anywhere in
-    ``flat`` makes it non-finite."""
+    """||flat||^2 (0-dim, on ``flat``'s device) via one BLAS dot; non-finite exactly
+    when inf/NaN is in ``flat``."""
     flat = _widened(flat)
-    return torch.dot(flat, flat)
+    return _unless_overflowed(torch.dot(flat, flat), flat)
+
+
+def _unless_overflowed(sq: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``sq`` (a float32 sum of squares), or the sum again in float64 where it came out
+    inf: finite entries above ~1.8e19 (a flipped exponent bit) overflow float32's
+    squares, which read as a non-finite gradient. On a GPU both are computed (a host
+    read per bucket would drain the launch queue); on the CPU only when needed."""
+    if sq.dtype == torch.float64:
+        return sq
+    if flat.device.type == "cpu":
+        return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2 if math.isinf(sq) else sq
+    return torch.where(torch.isinf(sq), torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2, sq)
+
+
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` of ``tensors`` (what clipping uses), summed
+    again in float64 where float32's squares overflowed on finite entries (a host read
+    of the norm: the caller reads it anyway), then back in the norm's dtype: inf/NaN
+    only when an entry is, or the norm itself is past the dtype's range."""
+    norm = torch.nn.utils.get_total_norm(tensors)
+    if norm.dtype != torch.float64 and math.isinf(norm):
+        wide = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])
+        norm = torch.linalg.vector_norm(wide).to(norm.dtype)
+    return norm
 
 
 def _prime_at_least(n: int) -> int:
@@ -115,7 +140,7 @@ class CountSketch:
             self._fold(out, signed[:full].view(-1, p).sum(0))
         if n > full:
             self._fold(out, signed[full:])
-        return torch.dot(signed, signed)
+        return _unless_overflowed(torch.dot(signed, signed), signed)
 
     def _fold(self, out: torch.Tensor, slots: torch.Tensor) -> None:
         """``out += slots`` for up to ``stride`` slots, those past ``dim`` onto the first."""

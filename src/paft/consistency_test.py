@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from paft.comm import BucketCapture, CountSketch
+from paft.comm import BucketCapture, CountSketch, total_norm
 from paft.consistency import ControlVector, ControlView, pairwise_cosine, worker_metrics
 from paft.fingerprint import digest, digest_tensor
 from paft.workloads import build_workload
@@ -185,8 +185,13 @@ def test_sketch_returns_the_exact_squared_norm(dtype: torch.dtype) -> None:
     sq = CountSketch(64).add_(torch.zeros(64, dtype=torch.float64), 0, flat)
     wide = flat.float()
     assert float(sq) == float(torch.dot(wide, wide))
+    flat[17] = 3e19 if dtype == torch.float32 else 1e30  # finite, but its square overflows the dtype
+    assert float(CountSketch(64).add_(torch.zeros(64, dtype=torch.float64), 0, flat)) == pytest.approx(
+        float(torch.dot(flat.double(), flat.double())), rel=1e-6)
+    assert float(total_norm([flat])) == pytest.approx(float(flat.double().norm()), rel=1e-6)
     flat[17] = float("inf")
     assert not math.isfinite(CountSketch(64).add_(torch.zeros(64, dtype=torch.float64), 0, flat))
+    assert not math.isfinite(total_norm([flat]))
 
 
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]

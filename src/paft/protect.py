@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
-from paft.comm import CommHook, CommHookState, paft_comm_hook
+from paft.comm import CommHook, CommHookState, paft_comm_hook, total_norm
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import (
     FLAG_AGG_NONFINITE,
@@ -573,7 +573,7 @@ class Protector:
         cap = self.hook.current
         self._record_faults(cap.faults)
         # The aggregated gradient's norm, computed once: clipping reuses it (see _clip).
-        self._grad_norm = torch.nn.utils.get_total_norm(self._grads())
+        self._grad_norm = total_norm(self._grads())
         # The step's host reads, after the backward pass (none inside the hook).
         local_loss = float(loss.detach())
         agg_norm = float(self._grad_norm)
@@ -677,7 +677,7 @@ class Protector:
         if self.grad_clip > 0:
             norm = self._grad_norm
             if norm is None:  # unmonitored step: nothing computed it yet
-                norm = torch.nn.utils.get_total_norm(self._grads())
+                norm = total_norm(self._grads())
             torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm)
         self._grad_norm = None
 
