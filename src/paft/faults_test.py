@@ -448,6 +448,11 @@ BAD = [
     ("nan:rate=1,persistent=yes", "persistent", None),
     ("nan:rate=1,start=-1", "start", None),
     ("nan:rate=1,start=5,stop=5", "stop", None),
+    # plain ASCII numbers only: int() and float() would take these
+    ("bitflip:rate=1,count=1_000", "count", "must be an integer"),
+    ("bitflip:steps=\u0663", "steps", None),  # an Arabic-Indic 3
+    ("bitflip:rate=\u0661", "rate", "must be a number"),
+    ("bitflip:steps=1,bits=0_1", "bits", None),
 ]
 
 
@@ -463,6 +468,15 @@ def test_malformed_spec_names_the_field(text, field, fragment):
         assert f"'{field}'" in msg
     if fragment:
         assert fragment in msg
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"steps": [True]}, "steps"), ({"steps": [(1, 2, 3)]}, "steps"), ({"steps": "5"}, "steps"),
+    ({"steps": 5.0}, "steps"), ({"steps": 5, "ranks": 5.0}, "ranks"),
+])
+def test_direct_construction_names_the_field_of_a_wrong_type(kwargs: dict, field: str) -> None:
+    with pytest.raises(FaultSpecError, match=f"field '{field}'"):
+        FaultSpec("nan", **kwargs)
 
 
 def test_direct_construction_validates_too():

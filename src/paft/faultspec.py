@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,8 @@ def _normalize_steps(value: Any) -> Steps:
 
     Accepts an int, ``range`` objects, ``(lo, hi)`` pairs and ints, in any mix.
     """
+    if isinstance(value, (str, bytes)) or not (is_int(value) or isinstance(value, Iterable)):
+        raise _err("steps", "must be an int, a range or a sequence of steps and (lo, hi) pairs", value)
     items = [value] if is_int(value) or isinstance(value, range) else list(value)
     ranges: list[tuple[int, int]] = []
     for item in items:
@@ -117,8 +120,10 @@ def _normalize_steps(value: Any) -> Steps:
             lo, hi = item.start, item.stop - 1
         elif is_int(item):
             lo = hi = item
-        else:
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
             lo, hi = item
+        else:
+            raise _err("steps", "must be steps >= 0 or ranges lo-hi with lo <= hi", item)
         if not (is_int(lo) and is_int(hi)) or lo < 0 or hi < lo:
             raise _err("steps", "must be steps >= 0 or ranges lo-hi with lo <= hi", item)
         ranges.append((lo, hi))
@@ -209,7 +214,7 @@ class FaultSpec:
         if self.rate is None and self.steps is None:
             raise _err("rate", "or 'steps' must be given (a fault needs to know when to fire)")
         if self.ranks != "random":
-            if isinstance(self.ranks, str) or is_int(self.ranks):
+            if isinstance(self.ranks, str) or is_int(self.ranks) or not isinstance(self.ranks, Iterable):
                 raise _err("ranks", "must be 'random' or a tuple of ranks", self.ranks)
             ranks = tuple(self.ranks)
             if not ranks or not all(is_int(r) and r >= 0 for r in ranks):
@@ -386,13 +391,26 @@ _DEFAULTS = {
 }
 
 
+_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf|infinity|nan)",
+                    re.ASCII | re.IGNORECASE)
+
+
+def _strict(cast: type[int | float], raw: str) -> int | float:
+    """``cast(raw)`` for plain ASCII numbers only: Python's int() and float() also take
+    ``1_000``, ``+5`` and other scripts' digits, which a fault spec should not."""
+    if not (_INT if cast is int else _FLOAT).fullmatch(raw.strip()):
+        raise ValueError(raw)
+    return cast(raw)
+
+
 def _parse_number(key: str, cast: type[int | float]) -> Callable[[str], int | float]:
     """A parser of field ``key``'s text as ``cast``, raising a FaultSpecError that names it."""
     what = "an integer" if cast is int else "a number"
 
     def parse(raw: str) -> int | float:
         try:
-            return cast(raw)
+            return _strict(cast, raw)
         except ValueError:
             raise _err(key, f"must be {what}", raw) from None
 
@@ -404,8 +422,8 @@ def _parse_steps(raw: str) -> Steps:
     for tok in raw.split("+"):
         lo, dash, hi = tok.strip().partition("-")
         try:
-            a = int(lo)
-            b = int(hi) if dash else a
+            a = int(_strict(int, lo))
+            b = int(_strict(int, hi)) if dash else a
         except ValueError:
             raise _err("steps", "must look like 10+20+30, 10-20 or 5+10-12", raw) from None
         if a < 0 or b < a:
@@ -418,7 +436,7 @@ def _parse_ranks(raw: str) -> Ranks:
     if raw.lower() == "random":
         return "random"
     try:
-        return tuple(int(t) for t in raw.split("+"))
+        return tuple(int(_strict(int, t)) for t in raw.split("+"))
     except ValueError:
         raise _err("ranks", "must be 'random' or ranks like 1 or 0+2", raw) from None
 
@@ -427,7 +445,7 @@ def _parse_bits(raw: str) -> int | str:
     if raw.lower() in BIT_CLASSES:
         return raw.lower()
     try:
-        return int(raw)
+        return int(_strict(int, raw))
     except ValueError:
         raise _err("bits", f"must be a bit index or one of {', '.join(BIT_CLASSES)}",
                    raw) from None
