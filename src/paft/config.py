@@ -194,6 +194,12 @@ class GuardConfig:
     max_reruns_per_run: int = 100
     """Recomputations over the whole run; once spent, every detection skips its batch
     (``--max-reruns-total``)."""
+    shift_after: int = 5
+    """After this many consecutive batches skipped as data for a spike (finite values
+    that reproduce on recomputation), the next such batch is applied and the spike
+    statistics start over with a warm-up: the level itself moved (a learning-rate
+    restart, a harder data phase), and skipping on would stall the run. 0: skip such
+    batches forever (``--shift-after``)."""
     on_persistent: str = "repair"
     """A rank reproduces a harmful update on recomputation with different values
     (persistent fault): ``repair`` (recompute up to ``--max-reruns``, then skip the
@@ -209,6 +215,7 @@ class GuardConfig:
         _require(self.outlier_threshold > 0, "--outlier-threshold", f"must be > 0, got {self.outlier_threshold}")
         _require(self.max_reruns_per_step >= 1, "--max-reruns", f"must be >= 1, got {self.max_reruns_per_step}")
         _require(self.max_reruns_per_run >= 1, "--max-reruns-total", f"must be >= 1, got {self.max_reruns_per_run}")
+        _require(self.shift_after >= 0, "--shift-after", f"must be >= 0, got {self.shift_after}")
         _require(
             self.on_persistent in ("repair", "stop"),
             "--on-persistent",

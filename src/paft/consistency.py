@@ -42,6 +42,8 @@ __all__ = [
     "FLAG_AGG_NONFINITE",
     "FLAG_STATE_CHECKED",
     "HEADER",
+    "COL_LOSS",
+    "COL_LOCAL_SQ",
     "COL_AGG_HI",
     "COL_AGG_LO",
     "COL_STATE_HI",

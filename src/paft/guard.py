@@ -59,15 +59,21 @@ of this step)::
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
     0        detected     -                                        recompute   None
     >= 1     detected     header rows bitwise equal (*)            skip        data
+    >= 1     a spike so, after shift_after such skips in a row         proceed     data, detector level_shift
+             (the level moved: the spike statistics start over)
     >= 1     grad_mismatch again, same or unnamed suspects (bitwise   stop        persistent  (on_persistent=stop)
              or not: data never makes ranks' aggregates differ)       recompute   persistent  (on_persistent=repair)
     >= 1     detected     suspects overlap prev's, other values    stop        persistent  (on_persistent=stop)
-                                                                   recompute   persistent  (on_persistent=repair)
+             (unnamed both times, same detector: the suspects      recompute   persistent  (on_persistent=repair)
+             are the ranks whose own loss / local norm moved, if
+             only some did: healthy ranks recompute them bitwise)
     >= 1     detected     anything else (new / unattributed)       recompute   as decided so far
     any      recompute wanted but a cap is spent                   skip        as decided, detector rerun_cap
 
 (*) header columns 0..8 of every rank (loss, local_sq, agg_norm, fingerprints,
-flags, faults) compared as int64 bit patterns, so NaN == NaN. When every compared
+flags, faults) compared as int64 bit patterns, so NaN == NaN; of the suspects' rows
+only, without the replica grouping, when both attempts name the same suspects (a
+transient fault on another rank's first attempt does not make bad data persistent). When every compared
 value is finite, a rerun within RERUN_RTOL (1e-3) with equal flags, fault counts,
 state fingerprints and replica grouping also counts as reproduced: GPU kernels with
 atomics do not reproduce the low bits, and a persistent fault does not reproduce a
@@ -133,6 +139,8 @@ from paft.consistency import (
     COL_AGG_HI,
     COL_AGG_LO,
     COL_FLAGS,
+    COL_LOCAL_SQ,
+    COL_LOSS,
     COL_STATE_HI,
     COL_STATE_LO,
     FLAG_AGG_NONFINITE,
@@ -164,7 +172,8 @@ ACTIONS = ("proceed", "recompute", "repair", "skip", "stop")
 COUNTERS = ("detections", "recomputes", "skipped_batches", "rollbacks", "transient", "persistent", "data", "state")
 CAUSES = ("transient", "persistent", "data", "state")
 DETECTORS = ("state_mismatch", "nonfinite_loss", "nonfinite_local_grad", "nonfinite_agg_grad", "grad_mismatch",
-             "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap")
+             "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap", "level_shift")
+_SPIKES = ("loss_spike", "grad_spike", "rank_outlier")  # finite values judged against the history
 
 MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
 REL_FLOOR_LOSS = 0.05  # default T=10: the loss must rise >= 50% over its median
@@ -314,10 +323,13 @@ def _state_checked(bits: list[list[int]]) -> bool:
     return all(int(_bits_f64(row[COL_FLAGS])) & FLAG_STATE_CHECKED for row in bits)
 
 
-def _reproduced(prev: list[list[int]], cur: list[list[int]]) -> bool:
+def _reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | None = None) -> bool:
     """Whether a rerun reproduced the first result: bitwise, or within RERUN_RTOL when all
-    finite. A rerun fingerprints the state, the first attempt may not have: the state
+    finite; only the ``rows`` given (the suspects), if any, and then without the replica
+    grouping. A rerun fingerprints the state, the first attempt may not have: the state
     columns then take no part."""
+    if rows is not None:
+        prev, cur = [prev[r] for r in rows], [cur[r] for r in rows]
     if _state_checked(prev) != _state_checked(cur):
         prev, cur = _without_state(prev), _without_state(cur)
     if prev == cur:
@@ -335,7 +347,16 @@ def _reproduced(prev: list[list[int]], cur: list[list[int]]) -> bool:
             _close(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])
         ):
             return False
-    return group_replicas(_fp_keys(prev)) == group_replicas(_fp_keys(cur))
+    return rows is not None or group_replicas(_fp_keys(prev)) == group_replicas(_fp_keys(cur))
+
+
+def _unsteady_ranks(prev: list[list[int]], cur: list[list[int]]) -> list[int]:
+    """The ranks whose own values (local loss, local gradient norm) changed on the rerun,
+    if only some did (where every rank's did, as non-deterministic GPU kernels can make
+    them, they tell nothing)."""
+    own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
+    moved = [r for r, (a, b) in enumerate(zip(prev, cur)) if a[own] != b[own]]
+    return moved if len(moved) < len(cur) else []
 
 
 def _fp_keys(bits: list[list[int]]) -> list[int]:
@@ -388,6 +409,7 @@ class Guard:
         self._rank_loss, self._rank_norm = _Window(w * world_size), _Window(w * world_size)
         self._accepted = 0
         self._ratios_seen = 0
+        self._data_skips = 0  # consecutive batches skipped as data for a spike
         self._st: _StepState | None = None
         self._armed_step: int | None = None
 
@@ -426,13 +448,25 @@ class Guard:
         # even where 2 ranks leave the faulty one unnamed.
         mismatch_again = detector == prev.detector == "grad_mismatch" and (
             not ranks or not prev.ranks or bool(set(ranks) & set(prev.ranks)))  # else: a new fault elsewhere
-        if not mismatch_again and _reproduced(prev.bits, bits):
+        # The same suspects again: only their rows must reproduce (another rank's transient
+        # fault on the first attempt does not make one rank's bad data a persistent fault).
+        rows = ranks if ranks and set(ranks) == set(prev.ranks) else None
+        if not mismatch_again and _reproduced(prev.bits, bits, rows):
             st.pending = None
             self._decide(st, "data")
+            if detector in _SPIKES and self.config.shift_after and self._data_skips >= self.config.shift_after:
+                self._restart_history()
+                return GuardVerdict("proceed", "level_shift", ranks, "data", values)
             self.counters["skipped_batches"] += 1
+            self._data_skips += detector in _SPIKES
             return GuardVerdict("skip", detector, ranks, "data", values)
         st.pending = _Incident("check", detector, ranks, bits)
         common = sorted(set(prev.ranks) & set(ranks))
+        if not (common or prev.ranks or ranks) and detector == prev.detector:
+            # Unnamed both times (two faulty ranks of four pull the ranks' median along):
+            # healthy ranks recompute their own values bit for bit; the ranks whose
+            # values moved are the ones the recurring anomaly comes from.
+            common = _unsteady_ranks(prev.bits, bits)
         if common or mismatch_again:
             self._decide(st, "persistent")
             if self.config.on_persistent == "stop":
@@ -537,11 +571,19 @@ class Guard:
             for x in view.local_norms.tolist():
                 self._rank_norm.push(x)
             self._accepted += 1
+            self._data_skips = 0
             if ratio is not None and math.isfinite(ratio):
                 self._ratio.push(float(ratio))
                 self._ratios_seen += 1
         self._st = None
         self._armed_step = None
+
+    def _restart_history(self) -> None:
+        """Forget the spike statistics: they re-warm from the new level."""
+        w = self.config.window
+        self._loss, self._grad, self._ratio = _Window(w), _Window(w), _Window(w)
+        self._rank_loss, self._rank_norm = _Window(w * self.world_size), _Window(w * self.world_size)
+        self._accepted = self._ratios_seen = self._data_skips = 0
 
     # -- detectors ------------------------------------------------------------------
 
@@ -673,6 +715,7 @@ class Guard:
             "world_size": self.world_size,
             "accepted": self._accepted,
             "ratios_seen": self._ratios_seen,
+            "data_skips": self._data_skips,
             "counters": dict(self.counters),
             "windows": {name: list(w.values) for name, w in self._windows().items()},
             "step": None if st is None else {
@@ -690,6 +733,7 @@ class Guard:
             raise ValueError(f"unsupported guard state version {state.get('version')!r}")
         self._accepted = int(state["accepted"])
         self._ratios_seen = int(state["ratios_seen"])
+        self._data_skips = int(state.get("data_skips", 0))  # older checkpoints lack it
         self.counters.update({k: int(v) for k, v in state["counters"].items()})
         for name, w in self._windows().items():
             setattr(self, f"_{name}", _Window(w.values.maxlen or 1, state["windows"][name]))

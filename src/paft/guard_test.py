@@ -356,6 +356,51 @@ def test_data_nan_is_skipped(ws: int) -> None:
     assert g.check(t + 1, 0, steady(ws)).action == "proceed"
 
 
+def test_a_lasting_rise_is_taken_as_the_new_level_after_shift_after_skips() -> None:
+    # A learning-rate restart lifts the loss for good: every batch is a spike that
+    # reproduces, and skipping each as data would stall the run for ever.
+    g = guard(4, shift_after=3)
+    t = warm(g)
+    high = make_view([9.0] * 4, [1.5] * 4, 1.0)
+    for step in range(t, t + 3):
+        assert g.check(step, 0, high).action == "recompute"
+        assert (g.check(step, 1, high).action, g.counters["skipped_batches"]) == ("skip", step - t + 1)
+    g.check(t + 3, 0, high)
+    v = g.check(t + 3, 1, high)
+    assert (v.action, v.detector, v.cause) == ("proceed", "level_shift", "data")
+    g.wants_snapshot(t + 3, high)
+    g.accept(t + 3, high, 0.01)
+    assert g.check(t + 4, 0, high).action == "proceed"  # the statistics start over, at the new level
+    assert g.state_dict()["data_skips"] == 0
+    never = guard(4, shift_after=0)  # skip for ever, as asked
+    t = warm(never)
+    for step in range(t, t + 8):
+        never.check(step, 0, high)
+        assert never.check(step, 1, high).action == "skip"
+
+
+def test_unnamed_recurring_anomaly_is_pinned_on_the_ranks_whose_values_moved() -> None:
+    # Two of four ranks persistently faulty: the ranks' median moves with them and
+    # names nobody, but healthy ranks recompute their own values bit for bit.
+    g = guard(4, on_persistent="stop")
+    t = warm(g)
+    v0 = g.check(t, 0, make_view([2.0] * 4, [1.5, 40.0, 50.0, 1.5], 1e4))
+    assert (v0.action, v0.detector, v0.ranks) == ("recompute", "grad_spike", [])
+    v1 = g.check(t, 1, make_view([2.0] * 4, [1.5, 60.0, 30.0, 1.5], 2e4))
+    assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("stop", "grad_spike", [1, 2], "persistent")
+
+
+def test_bad_data_on_one_rank_is_data_despite_another_ranks_transient_fault() -> None:
+    # Rank 3's aggregate was hit on the first attempt only; rank 1's NaN batch reproduces.
+    g = guard(4, on_persistent="stop")
+    t = warm(g)
+    first = nan_data_view(4, 1).matrix.copy()
+    first[3, 2] = 5e30  # rank 3's aggregated norm, corrupted on attempt 0
+    assert g.check(t, 0, ControlView(first)).ranks == [1]
+    v1 = g.check(t, 1, nan_data_view(4, 1))
+    assert (v1.action, v1.ranks, v1.cause) == ("skip", [1], "data")
+
+
 def test_reproduced_spike_within_tolerance_is_data() -> None:
     """GPU kernels with atomics do not reproduce low bits; a bad batch still reproduces."""
     g = guard(4)

@@ -115,6 +115,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("outlier-threshold", "guard", "outlier_threshold", float),
     Option("max-reruns", "guard", "max_reruns_per_step", int),
     Option("max-reruns-total", "guard", "max_reruns_per_run", int),
+    Option("shift-after", "guard", "shift_after", int),
     Option("on-persistent", "guard", "on_persistent", str, ("repair", "stop")),
 )
 _BY_KEY = {opt.flag: opt for opt in OPTIONS}

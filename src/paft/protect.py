@@ -429,11 +429,14 @@ class Protector:
             self._clip()
             view = pending.wait()
             verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
+            if verdict.action != "proceed":
+                # The attempt leaves no trace (its RNG draws, its BatchNorm statistics), on
+                # every rank before a repair: a skipped NaN batch poisoned the running stats.
+                rerun_from.restore()  # type: ignore[union-attr]
             if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
                 self._repair(t)  # at the rerun cap too: then the batch is skipped
                 synced = True
             if verdict.action in ("recompute", "repair"):
-                rerun_from.restore()  # type: ignore[union-attr]
                 attempt += 1
                 continue
             finished = self._finish_sync(t)  # before a skip too: the next start needs it
@@ -453,10 +456,10 @@ class Protector:
             if verdict.action == "proceed":
                 break
             before.restore(self.model, self.optimizer)
+            rerun_from.restore()  # type: ignore[union-attr]
             if verdict.action == "skip":
                 applied = False
                 break
-            rerun_from.restore()  # type: ignore[union-attr]
             attempt += 1
         if self.guard is not None and applied:
             self.guard.accept(t, view, ratio)
