@@ -24,9 +24,10 @@ from paft.records import RunRecorder, read_jsonl
 from paft.testing import NestedStateSGD, run_workers
 
 
-def toy_model() -> nn.Module:
+def toy_model(batchnorm: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    norm = [nn.BatchNorm1d(64)] if batchnorm else []
+    return nn.Sequential(nn.Linear(16, 64), *norm, nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +42,7 @@ USER_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "divide": default_hooks.
 def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Train the toy model for ``steps``; ``opts`` picks the optimizer, faults and defenses."""
     steps = opts.get("steps", 10)
-    model = DistributedDataParallel(toy_model())
+    model = DistributedDataParallel(toy_model(opts.get("batchnorm", False)))
     opt_name = opts.get("optimizer", "adam")
     if opt_name == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -88,6 +89,7 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         protector.close()
     return {
         "params": [p.detach().clone() for p in model.module.parameters()],
+        "buffers": [b.detach().clone() for b in model.module.buffers()],
         "fingerprint": state_fingerprint(model, optimizer, buffers=False),
         "reports": reports,
         "divergence": divergence,
@@ -304,36 +306,14 @@ def test_two_rank_repair_takes_the_median_with_the_last_agreed_state(tmp_path: P
     assert fault["target"].endswith(".weight") and abs(got - want) < 0.1 * abs(want)
 
 
-def _bn_skip_run(rank: int, world_size: int) -> tuple[list[bool], bool, dict[str, int]]:
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    protector = protect(model, opt, guard=GuardConfig(**GUARD))
-    applied = []
-    for step in range(8):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
-        if (rank, step) == (0, 5):
-            x[3, 2] = float("nan")
-
-        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
-
-        applied.append(protector.step(closure).applied)
-    bn = model.module[1]
-    return applied, bool(torch.isfinite(bn.running_mean).all() and torch.isfinite(bn.running_var).all()), \
-        protector.counters
-
-
 def test_a_skipped_batch_leaves_no_trace_in_batchnorm_statistics() -> None:
     # The NaN batch's forward wrote its statistics into the running mean; the skip kept
     # them, DDP broadcast rank 0's buffers, and every later evaluation was NaN.
-    for applied, finite, counters in run_workers(_bn_skip_run, 2):
-        assert applied == [True] * 5 + [False] + [True] * 2 and counters["data"] == 1
-        assert finite
+    out = run_workers(train_toy, 2, {"guard": GUARD, "batchnorm": True, "optimizer": "sgd", "steps": 8,
+                                     "nan_input_at": [0, 5]})
+    for o in out:
+        assert [r["applied"] for r in o["reports"]] == [True] * 5 + [False] + [True] * 2
+        assert o["counters"]["data"] == 1 and all(torch.isfinite(b).all() for b in o["buffers"])
 
 
 def persistent_run(rank: int, world_size: int, opts: dict[str, Any]) -> Any:
