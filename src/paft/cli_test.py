@@ -6,8 +6,10 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -317,6 +319,20 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
                               text=True, timeout=300, env=env)
     assert busy.returncode != 0 and "--run-dir: r is in use by another paft train" in busy.stderr
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
+    # Stopped (SIGTERM, as a scheduler or a failing peer does) before its first checkpoint,
+    # an --overwrite under torchrun puts the old run back, as paft train does.
+    proc = subprocess.Popen([*torchrun, "--run-dir", "r", "--overwrite", "--steps", "100000", "--checkpoint-every",
+                             "100000", "--eval-every", "100000"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    for _ in range(600):  # training has started once the old run is set aside and the new one logs
+        if list(tmp_path.glob("r.replaced-*")) and (tmp_path / "r" / "metrics" / "rank0.jsonl").is_file():
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert "the output it was to replace is back in r" in err
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
+    assert not list(tmp_path.glob("r.replaced-*"))
     if not torch.cuda.is_available():  # refused up front on every rank, as paft train refuses it
         cuda = subprocess.run([*torchrun, "--run-dir", "r3", "--device", "cuda"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300, env=env)
@@ -473,7 +489,6 @@ def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
 
 
 def test_sigterm_unwinds_like_ctrl_c_with_its_own_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-    import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 

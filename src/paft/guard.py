@@ -351,12 +351,18 @@ def _reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | N
 
 
 def _unsteady_ranks(prev: list[list[int]], cur: list[list[int]]) -> list[int]:
-    """The ranks whose own values (local loss, local gradient norm) changed on the rerun,
-    if only some did (where every rank's did, as non-deterministic GPU kernels can make
-    them, they tell nothing)."""
+    """The ranks whose own values (local loss, local gradient norm) changed on the rerun
+    AND still lie outside the range of the ranks whose values did not: if only some
+    moved (where every rank's did, as non-deterministic GPU kernels can make them, they
+    tell nothing), and not a one-off fault on the first attempt that has since gone."""
     own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
     moved = [r for r, (a, b) in enumerate(zip(prev, cur)) if a[own] != b[own]]
-    return moved if len(moved) < len(cur) else []
+    steady = [r for r in range(len(cur)) if r not in moved]
+    if not moved or not steady:
+        return []
+    values = [[_bits_f64(x) for x in row[own]] for row in cur]
+    bounds = [(min(values[r][c] for r in steady), max(values[r][c] for r in steady)) for c in range(2)]
+    return [r for r in moved if any(not lo <= values[r][c] <= hi for c, (lo, hi) in enumerate(bounds))]
 
 
 def _fp_keys(bits: list[list[int]]) -> list[int]:
@@ -442,7 +448,10 @@ class Guard:
         if prev is None or prev.source != "check":
             self.counters["detections"] += 1
             st.pending = _Incident("check", detector, ranks, bits)
-            return self._rerun(st, detector, ranks, values)
+            verdict = self._rerun(st, detector, ranks, values)
+            if verdict.detector == "rerun_cap" and detector in _SPIKES:  # no rerun left to tell
+                return self._spike_skipped(verdict, ranks, values)
+            return verdict
         # Data cannot make ranks receive different aggregated gradients: a mismatch
         # that comes back, bitwise or not, is a reduction failing again (persistent),
         # even where 2 ranks leave the faulty one unnamed.
@@ -454,12 +463,9 @@ class Guard:
         if not mismatch_again and _reproduced(prev.bits, bits, rows):
             st.pending = None
             self._decide(st, "data")
-            if detector in _SPIKES and self.config.shift_after and self._data_skips >= self.config.shift_after:
-                self._restart_history()
-                return GuardVerdict("proceed", "level_shift", ranks, "data", values)
             self.counters["skipped_batches"] += 1
-            self._data_skips += detector in _SPIKES
-            return GuardVerdict("skip", detector, ranks, "data", values)
+            skip = GuardVerdict("skip", detector, ranks, "data", values)
+            return self._spike_skipped(skip, ranks, values) if detector in _SPIKES else skip
         st.pending = _Incident("check", detector, ranks, bits)
         common = sorted(set(prev.ranks) & set(ranks))
         if not (common or prev.ranks or ranks) and detector == prev.detector:
@@ -577,6 +583,17 @@ class Guard:
                 self._ratios_seen += 1
         self._st = None
         self._armed_step = None
+
+    def _spike_skipped(self, skip: GuardVerdict, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
+        """``skip`` drops a batch for a spike (reproduced, or past the run's rerun cap).
+        After ``shift_after`` such skips in a row the level itself moved: this batch is
+        applied instead, and the spike statistics start over."""
+        if not self.config.shift_after or self._data_skips < self.config.shift_after:
+            self._data_skips += 1
+            return skip
+        self.counters["skipped_batches"] -= 1
+        self._restart_history()
+        return GuardVerdict("proceed", "level_shift", ranks, skip.cause, values)
 
     def _restart_history(self) -> None:
         """Forget the spike statistics: they re-warm from the new level."""

@@ -372,6 +372,19 @@ def test_a_lasting_rise_is_taken_as_the_new_level_after_shift_after_skips() -> N
     g.accept(t + 3, high, 0.01)
     assert g.check(t + 4, 0, high).action == "proceed"  # the statistics start over, at the new level
     assert g.state_dict()["data_skips"] == 0
+    spent = guard(4, shift_after=3, max_reruns_per_run=2)  # no rerun left: the rerun cap skips count too
+    t = warm(spent)
+    verdicts = []
+    for step in range(t, t + 8):
+        v = spent.check(step, 0, high)
+        if v.action == "recompute":
+            v = spent.check(step, 1, high)
+        verdicts.append((v.action, v.detector))
+        if v.action == "proceed":
+            spent.wants_snapshot(step, high)
+            spent.accept(step, high, 0.01)
+    assert verdicts[:3] == [("skip", "loss_spike")] * 2 + [("skip", "rerun_cap")]  # 3 skips in a row
+    assert verdicts[3] == ("proceed", "level_shift") and verdicts[4:] == [("proceed", None)] * 4
     never = guard(4, shift_after=0)  # skip for ever, as asked
     t = warm(never)
     for step in range(t, t + 8):
@@ -388,6 +401,14 @@ def test_unnamed_recurring_anomaly_is_pinned_on_the_ranks_whose_values_moved() -
     assert (v0.action, v0.detector, v0.ranks) == ("recompute", "grad_spike", [])
     v1 = g.check(t, 1, make_view([2.0] * 4, [1.5, 60.0, 30.0, 1.5], 2e4))
     assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("stop", "grad_spike", [1, 2], "persistent")
+    # A rank that moved only because a one-off fault hit its first attempt is not blamed:
+    # on the rerun it sits among the others, and the all-rank spike reproduces (data).
+    g = guard(4, on_persistent="stop")
+    t = warm(g)
+    assert g.check(t, 0, make_view([9.0, 9.5, 9.0, 9.0], [1.5] * 4, 1.0)).ranks == []
+    v1 = g.check(t, 1, make_view([9.0] * 4, [1.5] * 4, 1.0))
+    assert (v1.action, v1.ranks) == ("recompute", [])
+    assert g.check(t, 2, make_view([9.0] * 4, [1.5] * 4, 1.0)).cause == "data"
 
 
 def test_bad_data_on_one_rank_is_data_despite_another_ranks_transient_fault() -> None:

@@ -149,12 +149,13 @@ def on_sigterm(signum: int, frame: Any) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
-def interrupted(err: BaseException, hint: str = "", prog: str = "paft train") -> int:
-    """Say that the run was interrupted, and by what; the exit code the shell uses for
-    that signal (130 for Ctrl-C, 143 for SIGTERM)."""
+def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", say: bool = True) -> int:
+    """Say (unless ``say`` is false) that the run was interrupted, and by what; the exit
+    code the shell uses for that signal (130 for Ctrl-C, 143 for SIGTERM)."""
     sig = err.sigval if isinstance(err, SignalException) else signal.SIGINT
     what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
-    print(f"\n{prog}: interrupted ({what}){hint}", file=sys.stderr)
+    if say:
+        print(f"\n{prog}: interrupted ({what}){hint}", file=sys.stderr)
     return 128 + int(sig)
 
 

@@ -24,6 +24,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import sys
 import time
 import zipfile
@@ -670,7 +671,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     The world size is torchrun's (``WORLD_SIZE``) unless ``--world-size`` or a config
     file sets it; a value that differs from the processes torchrun started is refused
     (exit 2), since the per-rank batch and the fault ranks are derived from it."""
-    from paft.launch import claim_run_dir
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from paft.launch import interrupted, on_sigterm
     from paft.options import parse_train_config
 
     prog = "python -m paft.train"
@@ -683,9 +686,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeviceError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    # torchrun stops the ranks with SIGTERM (when one fails, or when it is stopped): unwind,
+    # so that rank 0's claim cleans up as paft train's launcher does.
+    signal.signal(signal.SIGTERM, on_sigterm)
     _set_threads()
     _init_process_group(cfg)
     rank0 = dist.get_rank() == 0
+    try:
+        return _main(cfg, prog, rank0)
+    except (KeyboardInterrupt, SignalException) as err:
+        return interrupted(err, prog=prog, say=rank0)
+
+
+def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
+    """:func:`main` once the process group is up."""
+    from paft.launch import claim_run_dir  # launch imports this module
     # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
     name = [cfg.run_dir or default_run_dir(cfg.workload)]
     dist.broadcast_object_list(name, src=0)
