@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paft.fingerprint import group_replicas, join_int64, majority, split_int64
+from paft.fingerprint import group_replicas, join_int64, outside_majority, split_int64
 
 __all__ = [
     "FLAG_LOSS_NONFINITE",
@@ -323,7 +323,6 @@ def replica_metrics(view: ControlView) -> dict[str, Any]:
 def _replica_keys(out: dict[str, Any], kind: str, fps: list[int]) -> None:
     groups = group_replicas(fps)
     out[f"replicas/{kind}_distinct"] = len(groups)
-    out[f"replicas/{kind}_minority_ranks"] = (
-        sorted(r for g in groups[1:] for r in g) if majority(fps) is not None else [])
+    out[f"replicas/{kind}_minority_ranks"] = outside_majority(groups, len(fps))
     if len(groups) > 1:
         out[f"replicas/{kind}_groups"] = groups

@@ -99,6 +99,7 @@ __all__ = [
     "join_int64",
     "group_replicas",
     "majority",
+    "outside_majority",
     "repr_digest",
 ]
 
@@ -570,6 +571,13 @@ def group_replicas(fps: Sequence[int]) -> list[list[int]]:
     for rank, fp in enumerate(fps):
         groups.setdefault(int(fp), []).append(rank)
     return sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+
+
+def outside_majority(groups: list[list[int]], world_size: int) -> list[int]:
+    """The ranks outside the group that holds a strict majority of ``world_size`` ranks
+    (``groups`` as :func:`group_replicas` orders them), or none when no group holds one:
+    with two ranks that disagree, or an even split, which side is faulty is unknown."""
+    return sorted(r for g in groups[1:] for r in g) if groups and 2 * len(groups[0]) > world_size else []
 
 
 def majority(fps: Sequence[int]) -> list[int] | None:

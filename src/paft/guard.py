@@ -149,7 +149,7 @@ from paft.consistency import (
     FLAG_STATE_CHECKED,
     ControlView,
 )
-from paft.fingerprint import group_replicas
+from paft.fingerprint import group_replicas, outside_majority
 
 __all__ = [
     "ACTIONS",
@@ -665,8 +665,9 @@ class Guard:
         return ranks if len(ranks) < self.world_size else []
 
     def _mismatch_suspects(self, groups: list[list[int]], agg: list[float]) -> list[int]:
-        if 2 * len(groups[0]) > self.world_size:
-            return sorted(r for g in groups[1:] for r in g)
+        minority = outside_majority(groups, self.world_size)  # groups hold a split: never empty with a majority
+        if minority:
+            return minority
         # No strict majority: blame the groups whose aggregated norm is far from
         # the history (either way: a flip can also shrink a value).
         if not self._grad.values:
@@ -684,8 +685,7 @@ class Guard:
         reproduce it, so re-synchronize from the majority first, then recompute."""
         st.incident = True
         self.counters["detections"] += 1
-        ws = self.world_size
-        minority = sorted(r for g in groups[1:] for r in g) if 2 * len(groups[0]) > ws else []
+        minority = outside_majority(groups, self.world_size)
         prev = st.pending
         again = sorted(set(prev.ranks) & set(minority)) if (
             prev is not None and prev.source == "check" and prev.detector == "state_mismatch") else []
