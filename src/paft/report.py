@@ -388,7 +388,8 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
     ax.set_ylim(0, max(2, run.world_size) + 0.5)
     split = _first_split(run)
     if split is not None:
-        ax.annotate(f"first split: step {split[0]}, {_ranks(split[1])}", xy=(split[0], 1),
+        who = _ranks(split[1]) if split[1] else "no majority"  # not "rank ?"
+        ax.annotate(f"first split: step {split[0]}, {who}", xy=(split[0], 1),
                     xytext=(8, 20), textcoords="offset points", arrowprops={"arrowstyle": "->"})
     _finish(ax, run, "distinct replicas (fingerprint groups)", "replicas")
 
