@@ -172,11 +172,23 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
         raise RunDirError(f"--resume: no checkpoint in {root} has an intact file for every rank "
                           f"({names[0]}: rank(s) {damaged[names[0]]} missing or damaged)")
     done = int(name.removeprefix("step"))
-    if done >= cfg.steps:
+    # A run stopped after its final checkpoint but before summary.json only lacks the
+    # summary: resuming it at the same --steps writes it (Trainer.train trains nothing).
+    if done > cfg.steps or (done == cfg.steps and _summary_steps(path) == done):
         raise RunDirError(
             f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
             f"pass --steps above {done} to train on"
         )
+
+
+def _summary_steps(path: pathlib.Path) -> int | None:
+    """The steps ``summary.json`` in run directory ``path`` reports; None where it is
+    missing or unreadable (an interrupted end: the resume rewrites it)."""
+    try:
+        steps = json.loads((path / "summary.json").read_text(encoding="utf-8"))["steps"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 _CHECKPOINT_NAME = re.compile(r"step\d+")
@@ -326,6 +338,7 @@ class Trainer:
         self.prime()
         if self.step == 0:
             self.evaluate()
+        finished = self.step == self.cfg.steps  # resumed at the final checkpoint: only the summary is missing
         while self.step < self.cfg.steps:
             report = self.train_step()
             if self.step == self.cfg.steps:
@@ -335,7 +348,7 @@ class Trainer:
                 self.evaluate()
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self.save_checkpoint()
-        if not self.cfg.checkpoint_every or self.cfg.steps % self.cfg.checkpoint_every:
+        if not finished and (not self.cfg.checkpoint_every or self.cfg.steps % self.cfg.checkpoint_every):
             self.save_checkpoint()
         return self.summarize()
 

@@ -12,7 +12,7 @@ import torch
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.records import read_jsonl
 from paft.testing import run_workers
-from paft.train import Trainer, _lr_lambda, prepare_run_dir
+from paft.train import RunDirError, Trainer, _lr_lambda, check_run_dir, prepare_run_dir
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
@@ -152,6 +152,29 @@ def test_resume_falls_back_to_the_older_checkpoint_when_the_newest_is_damaged(tm
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
     assert [m["step"] for m in read_jsonl(tmp_path / "b" / "metrics" / "rank0.jsonl")] == list(range(12))
+
+
+def test_resume_of_a_run_stopped_before_its_summary_writes_only_the_summary(tmp_path: pathlib.Path) -> None:
+    # Stopped between the final checkpoint and summary.json: a resume at the same
+    # --steps trains nothing, keeps the checkpoint, and writes the summary the run
+    # would have written (it used to ask for more --steps, so the run never ended).
+    opts = {**RESUME_CASES["plain"], "checkpoint_every": 5}  # the final checkpoint is the one after the loop
+    straight = run(tiny_config(tmp_path / "r", **opts))[0]["summary"]
+    with pytest.raises(RunDirError, match="has trained 12 steps already"):
+        check_run_dir(tiny_config(tmp_path / "r", resume=True, **opts))
+    (tmp_path / "r" / "summary.json").unlink()
+    final = tmp_path / "r" / "checkpoints" / "step0000012" / "rank0.pt"
+    saved = final.stat().st_mtime_ns, final.read_bytes()
+    resume = tiny_config(tmp_path / "r", resume=True, **opts)
+    check_run_dir(resume)  # what paft train checks first
+    finished = run(resume)[0]["summary"]
+    timing = {"steps_per_s", "cpu_ms_per_step", "wall_s"}
+    assert {k: v for k, v in finished.items() if k not in timing} == {
+        k: v for k, v in straight.items() if k not in timing}
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["state_fingerprint"] == straight[
+        "state_fingerprint"]
+    assert (final.stat().st_mtime_ns, final.read_bytes()) == saved
+    assert [m["step"] for m in read_jsonl(tmp_path / "r" / "metrics" / "rank0.jsonl")] == list(range(12))
 
 
 @pytest.mark.parametrize(
