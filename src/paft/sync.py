@@ -55,8 +55,12 @@ all-gather carries each rank's finite flag (robust, mean), and per mode:
   replicas, so NaN/Inf never contaminate the others. Where the sum of finite
   replicas overflows (two float16 values near 40000), the coordinate takes a second
   sum instead, of each share scaled by ``1 / count`` first, so finite replicas stay
-  finite; elsewhere sum-then-divide keeps the values the replicas agree on exact. No
-  finite replica at all raises :class:`RuntimeError` (on every rank).
+  finite. With a power-of-two count of finite replicas (2, 4, 8) sum-then-divide keeps
+  the values they agree on exact; with 3 an agreed ``x`` becomes ``fl(fl(3x) / 3)``,
+  which moves about one float32 value in five by one ulp (identically on every
+  rank: replicas still end bitwise equal). ``robust`` never
+  touches agreed values. No finite replica at all raises :class:`RuntimeError` (on
+  every rank).
 * ``broadcast``: copy rank ``src`` exactly. If ``src`` holds NaN/Inf, the lowest
   finite rank is copied instead (the report's note says so); none finite raises
   :class:`RuntimeError`, as in ``mean``.
@@ -290,14 +294,15 @@ def _sq_norm(x: Tensor) -> float:
 
 def _all_finite(tensors: list[Tensor]) -> bool:
     """Whether no floating tensor holds NaN/Inf: min and max of each (one pass, no
-    temporaries, no overflow on huge finite values), one host sync per device."""
+    temporaries), one host sync per device. The extremes are compared in float64,
+    which holds every float dtype's range (in float32 a finite 1e300 read as inf)."""
     by_dev: dict[torch.device, list[Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
             by_dev.setdefault(t.device, []).append(t)
     ok = True
     for ts in by_dev.values():
-        ext = torch.stack([v.float() for t in ts for v in torch.aminmax(t)])
+        ext = torch.stack([v.double() for t in ts for v in torch.aminmax(t)])
         ok = ok and bool(torch.isfinite(ext).all())
     return ok
 
@@ -698,8 +703,9 @@ class ReplicaSync:
                 collectives += len(g.buckets)
             elif d.mode == "mean":
                 snap = self._pack_group(g, entries)
-                # Sum, then divide (in _complete): exact where the replicas agree (n * x / n
-                # is x) and for the smallest subnormals. A non-finite replica contributes
+                # Sum, then divide (in _complete): exact where the replicas agree for a
+                # power-of-two count (n * x / n is x) and for the smallest subnormals
+                # (halving first would round them to 0). A non-finite replica contributes
                 # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
                 # averaged (copy_mode above).
                 buf = snap.clone() if d.finite[rank] else torch.zeros_like(snap)
