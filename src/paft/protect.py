@@ -389,7 +389,6 @@ class Protector:
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = _StateSnapshot()
-        self._recheck_state = False  # fingerprint the state next step (see _maybe_sync)
         self._alerting: dict[str, bool] = {}
         self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
 
@@ -401,8 +400,7 @@ class Protector:
         rest_faults = self._inject_at_rest(t)
         if not self.monitor_cfg.enabled:
             return self._unmonitored_step(t, closure)
-        check_state = self._due(self.monitor_cfg.fingerprint_every, t) or self._recheck_state
-        self._recheck_state = False
+        check_state = self._due(self.monitor_cfg.fingerprint_every, t)
         # The worker metrics (every --monitor-interval steps) need the local gradients'
         # norms and directions; the guard, every step, their norms; the aggregated
         # gradient's checksum, which sees replicas split, runs every step.
@@ -698,8 +696,8 @@ class Protector:
         """After the update of ``step``: start (overlap) or run (blocking) a sync if due.
 
         ``state_is_stale``: a sync finished during this step, after ``view``'s state
-        fingerprints were taken, so a split they show may be repaired already; the next
-        step checks the state again instead of triggering a sync on old news.
+        fingerprints were taken, so a split they show may be repaired already: the
+        state is fingerprinted again before a sync is triggered on old news.
         """
         if self.averager is not None:
             due = step % self.averager.period == 0
@@ -730,8 +728,12 @@ class Protector:
         state_fps = view.state_fingerprints()
         state_split = state_fps is not None and len(group_replicas(state_fps)) > 1
         if state_split and state_is_stale:
-            self._recheck_state = True
-            state_split = False
+            # The finished sync may have repaired the split, or not: a no-op or buffers-only
+            # sync, or a fault after its snapshot, which its correction w + (synced -
+            # snapshot) keeps. Look again now (every rank alike: the view is shared), so a
+            # split still there is repaired in this step, not the next.
+            fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
+            state_split = len(group_replicas(gather_rows(fp, self.group)[:, 0].tolist())) > 1
         return state_split or len(group_replicas(view.agg_fingerprints())) > 1
 
     def _repair(self, step: int) -> None:
@@ -787,7 +789,6 @@ class Protector:
             "sync": self.sync.state_dict() if self.sync is not None else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
             "repairer": self._own_repairer.state_dict() if self._own_repairer is not None else None,
-            "recheck_state": self._recheck_state,
             "alerting": dict(self._alerting),  # an alert still active after a resume is not new
         }
 
@@ -829,7 +830,6 @@ class Protector:
             self._own_repairer.load_state_dict(state["repairer"])
         self.step_idx = state["step"]
         self._counts.update(state["counters"])
-        self._recheck_state = bool(state.get("recheck_state", False))
         self._alerting = dict(state.get("alerting", {}))
         if self.averager is not None:
             self.averager.step = self.step_idx  # its own call counter decides when to average

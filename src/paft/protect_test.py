@@ -395,7 +395,7 @@ def test_dyn_repairs_a_split_within_one_step(optimizer: str, interval: int) -> N
 def test_dyn_ignores_a_split_the_overlapped_sync_repaired_meanwhile() -> None:
     # The sync started after step 9 repairs rank 1's corrupted weights before step 10's
     # update; step 10's state fingerprint predates that repair. It must not trigger a
-    # second sync: the state is checked again at step 11 and agrees.
+    # second sync: the state, fingerprinted again, agrees.
     out = run_workers(train_toy, 3, {
         "steps": 12, "monitor": {"fingerprint_every": 10},
         "protect": {"mode": "dyn", "sync_period": 9, "h_min": 1, "overlap": True},
@@ -403,9 +403,26 @@ def test_dyn_ignores_a_split_the_overlapped_sync_repaired_meanwhile() -> None:
     })
     reports = out[0]["reports"]
     assert reports[10]["metrics"]["replicas/state_minority_ranks"] == [1]  # seen, but stale
-    assert reports[11]["metrics"]["replicas/state_distinct"] == 1  # the recheck
-    assert out[0]["counters"]["syncs"] == 1
+    assert out[0]["counters"]["syncs"] == 1 and out[0]["divergence"][10] == 0.0
     assert len({o["fingerprint"] for o in out}) == 1
+
+
+def test_dyn_repairs_at_once_a_split_the_overlapped_sync_finishing_meanwhile_could_not() -> None:
+    # The no-op sync started after step 4 finishes in step 5, after step 5's state
+    # fingerprints, which show rank 1's weights corrupted at rest in step 5. A no-op
+    # repairs nothing (nor would a full sync: its correction keeps a fault after its
+    # snapshot): the split is repaired in step 5, as without overlap. It used to wait
+    # for a recheck at step 6, which trained on rank 1's corrupted gradient.
+    opts = {"steps": 8, "monitor": {"fingerprint_every": 1},
+            "inject": ["bitflip:site=params,steps=5,ranks=1,bits=exponent,count=4"]}
+    runs = {overlap: run_workers(train_toy, 3, {**opts, "protect": {"mode": "dyn", "sync_period": 4, "h_min": 1,
+                                                                      "overlap": overlap}})
+            for overlap in (False, True)}
+    for out in runs.values():
+        reports = out[0]["reports"]
+        assert reports[5]["metrics"]["replicas/state_minority_ranks"] == [1] and reports[5]["synced"]
+        assert out[0]["divergence"][5] == 0.0 and reports[6]["metrics"]["replicas/state_distinct"] == 1
+    assert runs[True][0]["fingerprint"] == runs[False][0]["fingerprint"]
 
 
 def test_guard_skip_while_an_overlapped_sync_is_in_flight() -> None:
