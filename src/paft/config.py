@@ -177,11 +177,13 @@ class GuardConfig:
     snapshot before every update. The non-finite and gradient-mismatch detectors are
     always armed (``--guard-warmup``)."""
     update_ratio: float = 1.0
-    """Post-step detector: ||w_new - w_old|| / ||w_old|| (max over ranks) above this
-    cap, non-finite, or spiking (``--spike-threshold`` rule) rolls the step back to the
-    pre-step snapshot and recomputes it, on steps where the guard asked for a
-    snapshot; elsewhere it is recorded only. 0 disables the detector and the
-    snapshots (``--update-ratio``)."""
+    """Post-step detector: ||w_new - w_old|| / ||w_old|| (max over ranks) non-finite,
+    spiking (``--spike-threshold`` rule), or, once ``warmup`` positive ratios were
+    accepted, above this cap rolls the step back to the pre-step snapshot and
+    recomputes it, on steps where the guard asked for a snapshot; elsewhere it is
+    recorded only. (The first updates of a small or zero initialisation legitimately
+    exceed the weights.) A reproduced ratio skips the batch, and ``shift_after`` such
+    skips in a row apply it. 0 disables the detector and the snapshots (``--update-ratio``)."""
     outlier_threshold: float = 20.0
     """Rank outlier: a rank's local loss or local grad norm above the ranks' median by
     more than this many MADs (floored at 25% of |median|) AND above the pooled

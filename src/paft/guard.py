@@ -530,8 +530,13 @@ class Guard:
         if st is None or st.step != step:
             st = self._st = _StepState(step)
         ratio = float(ratio)
-        limit = min(cfg.update_ratio, self._ratio.limit(
-            cfg.spike_threshold, REL_FLOOR_GRAD, self._ratios_seen >= cfg.warmup))
+        # The cap holds once the ratios are warm: from a small or zero initialisation the
+        # first updates are legitimately larger than the weights (Adam's first steps on
+        # weights of std 1e-3: ratio 10), and a recompute reproduces them exactly.
+        armed = self._ratios_seen >= cfg.warmup
+        limit = self._ratio.limit(cfg.spike_threshold, REL_FLOOR_GRAD, armed)
+        if armed:
+            limit = min(cfg.update_ratio, limit)
         values = {"ratio": ratio, "limit": limit}
         prev = st.pending
         if math.isfinite(ratio) and ratio <= limit:
@@ -555,11 +560,13 @@ class Guard:
             st.pending = None
             self._decide(st, "data")
             self.counters["skipped_batches"] += 1
-            verdict = GuardVerdict("skip", "update_ratio", [], "data", values)
+            # As for a reproduced loss spike: a lasting rise is applied after --shift-after skips.
+            verdict = self._spike_skipped(GuardVerdict("skip", "update_ratio", [], "data", values), [], values)
         else:
             st.pending = _Incident("update", "update_ratio", [], bits)
             verdict = self._rerun(st, "update_ratio", [], values)
-        self.counters["rollbacks"] += 1
+        if verdict.action != "proceed":  # a level shift keeps the update
+            self.counters["rollbacks"] += 1
         return verdict
 
     def accept(self, step: int, view: ControlView, ratio: float | None = None) -> None:
@@ -578,7 +585,10 @@ class Guard:
                 self._rank_norm.push(x)
             self._accepted += 1
             self._data_skips = 0
-            if ratio is not None and math.isfinite(ratio):
+            # A zero ratio (a zero learning rate, as warm-ups from 0 start; or all-zero
+            # weights) says nothing of the updates' scale: kept, every later update would
+            # be a gross jump over 0.
+            if ratio is not None and math.isfinite(ratio) and ratio > 0:
                 self._ratio.push(float(ratio))
                 self._ratios_seen += 1
         self._st = None

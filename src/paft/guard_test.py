@@ -586,6 +586,34 @@ def test_update_ratio_spike_reproduced_is_data() -> None:
     assert g.counters["rollbacks"] == 2
 
 
+def test_update_ratio_from_a_zero_learning_rate_or_a_small_init_is_no_detection() -> None:
+    # A warm-up from lr 0 makes step 0's ratio 0, and a small initialisation makes the
+    # first ratios exceed the cap of 1.0. Kept in the history, the 0 made every later
+    # update a gross jump; capped from the start, every update of a std-1e-3 model
+    # was rolled back, reproduced and skipped as data.
+    g = guard(2, update_ratio=1.0, warmup=3)
+    for t, ratio in enumerate([0.0, 10.0, 4.0, 2.0]):
+        assert g.check(t, 0, steady(2)).action == "proceed"
+        assert g.wants_snapshot(t, steady(2))  # the ratios' warm-up: 3 positive ones
+        assert g.check_update(t, 0, ratio).action == "proceed", t
+        g.accept(t, steady(2), ratio)
+    assert g.counters["detections"] == 0 and not g.wants_snapshot(4, steady(2))
+    # Warm, the cap holds, and a reproduced ratio over it is a spike like a loss spike:
+    # skipped as data, then applied once --shift-after such skips came in a row.
+    near_miss = make_view([2.8, 2.8], [1.5, 1.5], 1.0)
+    actions = []
+    for t in range(4, 4 + g.config.shift_after + 1):
+        for attempt in (0, 1):
+            assert g.check(t, attempt, near_miss).action == "proceed"
+            assert g.wants_snapshot(t, near_miss)
+            actions.append(g.check_update(t, attempt, 1.5))
+        if actions[-1].action == "proceed":
+            g.accept(t, near_miss, 1.5)
+    assert [v.action for v in actions] == ["recompute", "skip"] * g.config.shift_after + ["recompute", "proceed"]
+    assert actions[-1].detector == "level_shift"
+    assert g.counters["skipped_batches"] == g.config.shift_after
+
+
 def test_rollback_recompute_numbered_from_zero_keeps_the_step_state() -> None:
     """A protector that restarts its attempt counter after a rollback still gets attribution and caps."""
     g = guard(4, max_reruns_per_step=2)

@@ -108,6 +108,11 @@ def _copy_structure(value: Any) -> Any:
     return value
 
 
+def _total(norms: Sequence[torch.Tensor]) -> float:
+    """The 2-norm of per-tensor 2-norms, in float64 (float64 weights' squares may overflow)."""
+    return float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms]))) if norms else 0.0
+
+
 class _StateSnapshot:
     """Parameters and optimizer state before ``optimizer.step()``, for a post-step rollback.
 
@@ -147,12 +152,16 @@ class _StateSnapshot:
         return self
 
     def update_ratio(self) -> float:
-        """||w_new - w_old|| / ||w_old|| over all parameters (the live ones against the copy)."""
+        """||w_new - w_old|| / ||w_old|| over all parameters (the live ones against the
+        copy): inf when the update is not finite, 0 when every old weight is 0 (a
+        zero-initialised model has no scale to compare its first update with)."""
         old, new = self._saved[: self._num_params], self._live[: self._num_params]
         with torch.no_grad():
-            num = sum(float(n) ** 2 for n in torch._foreach_norm(torch._foreach_sub(new, old)))
-            den = sum(float(n) ** 2 for n in torch._foreach_norm(old))
-        return math.sqrt(num / den) if den > 0 else math.inf
+            num = _total(torch._foreach_norm(torch._foreach_sub(new, old)))
+            den = _total(torch._foreach_norm(old))
+        if not math.isfinite(num):
+            return math.inf
+        return num / den if den > 0 else 0.0
 
     def restore(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():

@@ -425,6 +425,46 @@ def test_dyn_repairs_at_once_a_split_the_overlapped_sync_finishing_meanwhile_cou
     assert runs[True][0]["fingerprint"] == runs[False][0]["fingerprint"]
 
 
+def _train_probe(rank: int, world_size: int, init_std: float, guarded: bool) -> dict[str, Any]:
+    """A linear probe initialised at ``init_std`` (0: zeros), Adam, 8 steps, no faults."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    nn.init.normal_(model.weight, std=init_std) if init_std else nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    protector = protect(ddp, optimizer, guard=GuardConfig(enabled=True)) if guarded else None
+    applied = []
+    for step in range(8):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), x @ torch.arange(8.0).unsqueeze(1))
+            loss.backward()
+            return loss
+
+        if protector is None:
+            closure()
+            optimizer.step()
+        else:
+            applied.append(protector.step(closure).applied)
+    return {"params": [p.detach().clone() for p in model.parameters()], "applied": applied,
+            "counters": protector.counters if protector is not None else {}}
+
+
+@pytest.mark.parametrize("init_std", [0.0, 1e-3])
+def test_guard_trains_a_zero_or_small_initialised_model_like_ddp(init_std: float) -> None:
+    # The first updates of such a model exceed its weights (from zeros: no ratio at all).
+    # The cap on the update ratio rolled every step back, the recompute reproduced it,
+    # and the batch was skipped as data: the model never left its initialisation.
+    plain = run_workers(_train_probe, 2, init_std, False)
+    guarded = run_workers(_train_probe, 2, init_std, True)
+    assert guarded[0]["applied"] == [True] * 8 and guarded[0]["counters"]["detections"] == 0
+    for a, b in zip(plain, guarded):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
 def test_guard_skip_while_an_overlapped_sync_is_in_flight() -> None:
     # Step 1's sync is in flight when step 2's batch (NaN on rank 1) is skipped.
     out = run_workers(train_toy, 2, {
