@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.comm import CommHook, CommHookState, paft_comm_hook, total_norm
@@ -249,6 +250,12 @@ def _check_arguments(model: Any, optimizer: Any, monitor: Any, protect: Any, gua
         raise TypeError(f"protect() needs a DistributedDataParallel model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"protect() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        # Its state lives sharded in optimizer.optim.state: paft could neither fingerprint
+        # nor sync it, and a rolled-back step would keep the state it advanced.
+        raise TypeError("protect(): ZeroRedundancyOptimizer is not supported (each rank holds only its shard of "
+                        "the optimizer state, which replicas cannot be compared or repaired from); "
+                        "pass the optimizer it wraps")
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise TypeError(f"protect(): {type(optimizer).__name__}.step() needs a closure (it re-evaluates the loss); "

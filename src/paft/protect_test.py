@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
@@ -573,6 +574,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "zero_grad without backward": zeroed_only,
         "foreign optimizer": lambda m, o: protect(m, torch.optim.SGD(toy_model().parameters(), lr=0.1)),
         "lbfgs": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters())),
+        "zero": lambda m, o: protect(m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam)),
         "grad_clip nan": lambda m, o: protect(m, o, grad_clip=float("nan")),
         "inject string": lambda m, o: protect(m, o, inject="bitflip:steps=1"),
         "config dict": lambda m, o: protect(m, o, protect={"mode": "dyn"}),
@@ -609,6 +611,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "zero_grad without backward": "RuntimeError: the closure ran no backward(): DDP all-reduced no gradient",
         "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
         "lbfgs": "TypeError: protect(): LBFGS.step() needs a closure",
+        "zero": "TypeError: protect(): ZeroRedundancyOptimizer is not supported",
         "grad_clip nan": "ValueError: protect(): grad_clip must be a finite number >= 0",
         "inject string": "TypeError: protect(): inject= must be a list of fault specs",
         "config dict": "TypeError: protect(): protect= must be a ProtectConfig, got dict",
