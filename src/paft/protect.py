@@ -201,7 +201,8 @@ class StepReport:
     monitor off (no control collective), this rank's local loss."""
     local_loss: float
     grad_norm: float
-    """Norm of this rank's aggregated gradient, before clipping."""
+    """Norm of this rank's aggregated gradient, before clipping; NaN with the monitor
+    off (nothing computes it)."""
     applied: bool = True
     """False when the guard skipped the batch."""
     attempts: int = 1
