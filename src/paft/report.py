@@ -37,6 +37,8 @@ from paft.records import from_jsonable_float, output_dir_problem, read_jsonl, re
 __all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
 
 _PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png")
+REPORT_MARKER = ".paft-report"  # marks a folder paft report wrote, which it may write into again
+_TITLE = "# paft report: "
 _GUARD_MARKERS = {"recompute": ("X", "red"), "skip": ("s", "tab:purple"), "stop": ("*", "black")}
 _DISPERSION = [
     ("consistency/loss_std", "local-loss std over ranks", "std"),
@@ -623,13 +625,17 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         target = out.resolve() if out.is_symlink() else out
     except OSError as err:  # e.g. a name too long for the file system
         raise ReportError(f"{label}: cannot use {out}: {err.strerror or err}") from None
-    problem = output_dir_problem(target, label, ("report.md", *_PLOTS), overwrite=True)
+    # A user's folder that happens to hold a report.md or a loss.png is not ours; a report
+    # written before the marker existed is recognised by its title line.
+    markers = (REPORT_MARKER, "report.md") if _titled_report(target / "report.md") else (REPORT_MARKER,)
+    problem = output_dir_problem(target, label, markers, overwrite=True)
     if problem:
         raise ReportError(problem.replace("--overwrite: ", f"{label}: ").replace("delete it", "write into it"))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ReportError(f"{label}: cannot create {out}: {err.strerror or err}") from None
+    (out / REPORT_MARKER).write_text("paft report\n")
     for name in _PLOTS:  # a plot this run no longer has must not survive from an earlier report
         (out / name).unlink(missing_ok=True)
     files = [_plot_loss(run, out)]
@@ -643,5 +649,14 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     text = summary_text(run, files)
     images = "\n".join(f"![{f.stem}]({f.name})" for f in files)
     md = out / "report.md"
-    md.write_text(f"# paft report: {run.path.name}\n\n```text\n{text}```\n\n{images}\n")
+    md.write_text(f"{_TITLE}{run.path.name}\n\n```text\n{text}```\n\n{images}\n")
     return Report(files=[*files, md], text=text)
+
+
+def _titled_report(path: Path) -> bool:
+    """Whether ``path`` is a ``report.md`` that ``paft report`` wrote (by its first line)."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            return f.readline().startswith(_TITLE)
+    except (OSError, UnicodeDecodeError):
+        return False

@@ -231,19 +231,28 @@ def test_a_consistency_file_without_a_complete_record_is_not_monitoring_off(
 def test_out_dir_is_never_among_other_files(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    # A user's own report.md and loss.png (generic names) do not make a folder paft's.
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "report.md").write_text("my notes")
+    (tmp_path / "proj" / "loss.png").write_bytes(b"my plot")
     (tmp_path / "afile").write_text("")
-    for out, needle in [(tmp_path / "mine", "--out-dir: " + str(tmp_path / "mine") + " holds no report.md"),
+    for out, needle in [(tmp_path / "mine", "--out-dir: " + str(tmp_path / "mine") + " holds no .paft-report"),
+                        (tmp_path / "proj", "--out-dir: " + str(tmp_path / "proj") + " holds no .paft-report"),
                         (tmp_path / "afile", "exists and is not a directory"),
                         (tmp_path / "afile" / "sub", "is not a directory")]:
         with pytest.raises(ReportError, match=re.escape(needle)):
             build_report(clean_run, out)
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    assert (tmp_path / "proj" / "report.md").read_text() == "my notes"
+    assert (tmp_path / "proj" / "loss.png").read_bytes() == b"my plot"
     run = copy_run(clean_run, tmp_path / "filled")
     (run / "report").write_text("a user's file")  # the default folder's name taken: no --out-dir to blame
     needle = f"the report folder: {run / 'report'} exists and is not a directory"
     with pytest.raises(ReportError, match=re.escape(needle)):
         build_report(run)
     again = build_report(clean_run, tmp_path / "out")  # a report folder is replaced by the next report
+    assert build_report(clean_run, tmp_path / "out").files == again.files
+    (tmp_path / "out" / ".paft-report").unlink()  # a report written before the marker: known by its title
     assert build_report(clean_run, tmp_path / "out").files == again.files
 
 
