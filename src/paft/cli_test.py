@@ -352,6 +352,12 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwri
     assert main(["train", *failing, "--run-dir", "r"]) == 1
     assert "nothing in r could be resumed, so it was removed" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+    # The parents it created go too; an empty folder of the user's is emptied, not removed.
+    assert main(["train", *failing, "--run-dir", "nest/a/b"]) == 1
+    (tmp_path / "empty").mkdir()
+    assert main(["train", *failing, "--run-dir", "empty"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+    (tmp_path / "empty").rmdir()
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.json").write_text("{}")
     (tmp_path / "old" / "summary.json").write_text("old run")

@@ -82,6 +82,8 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
     outcome = {"code": EXIT_WORKER_FAILED}
     with contextlib.ExitStack() as locks:
         existed = run_dir.is_dir()
+        # The folders this run creates, innermost first: an early stop removes them again.
+        made = [] if existed else [d for d in (run_dir, *run_dir.parents) if not d.exists()]
         if existed:
             locks.enter_context(_lock(run_dir))
         replaced = set_aside(run_dir) if cfg.overwrite else None
@@ -102,11 +104,27 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
         finally:
             keep = outcome["code"] in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or has_checkpoint(run_dir)
             if not keep:
-                shutil.rmtree(run_dir, ignore_errors=True)
+                _remove_new_run(run_dir, made if replaced is None else [run_dir])
                 print(f"{prog}: the run stopped before its first checkpoint; nothing in {run_dir} could be "
                       "resumed, so it was removed", file=sys.stderr)
             if replaced is not None:
                 settle(replaced, run_dir, keep_new=keep, prog=prog)
+
+
+def _remove_new_run(run_dir: pathlib.Path, made: list[pathlib.Path]) -> None:
+    """Remove what a run that cannot be resumed wrote: the folders it created (``made``,
+    innermost first; parents only while empty), or, in an empty folder it was given, the
+    files it wrote (the folder is the user's)."""
+    if not made:
+        for child in run_dir.iterdir():
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in made[1:]:
+        try:
+            parent.rmdir()
+        except OSError:  # another file was put there meanwhile: it stays, and so do its parents
+            return
 
 
 def _create(run_dir: pathlib.Path) -> None:
