@@ -323,7 +323,7 @@ class Trainer:
         self.step = 0
         self._start_step = 0
         self.train_seconds = 0.0
-        self._timed = [0, 0.0, 0.0]  # (steps, seconds, CPU seconds) after the first steps of this process
+        self._timed = [0, 0.0, 0.0]  # (steps, seconds, CPU seconds) after the first steps of each leg
         self.evals: list[dict[str, Any]] = read_jsonl(run_dir / "evals.jsonl") if cfg.resume else []
 
     @staticmethod
@@ -459,6 +459,7 @@ class Trainer:
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "train_seconds": self.train_seconds,
+            "timed": list(self._timed),
         }
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -518,6 +519,9 @@ class Trainer:
         self.step = state["step"]
         self._start_step = self.step
         self.train_seconds = float(state.get("train_seconds", 0.0))  # over every leg of the run
+        if "timed" in state:  # the timed steps of every leg (older checkpoints: this leg's only)
+            steps, seconds, cpu = state["timed"]
+            self._timed = [int(steps), float(seconds), float(cpu)]
         # The interrupted run may have logged steps past its last checkpoint: drop them.
         truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", self.step)
         if self.rank == 0:
