@@ -49,6 +49,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from paft.amp import OptimizerStep
 from paft.comm import CommHook, CommHookState, paft_comm_hook, total_norm
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import (
@@ -204,7 +205,7 @@ class StepReport:
     """Norm of this rank's aggregated gradient, before clipping; NaN with the monitor
     off (nothing computes it)."""
     applied: bool = True
-    """False when the guard skipped the batch."""
+    """False when the guard skipped the batch, or the loss scaler the step (an overflow)."""
     attempts: int = 1
     metrics: dict[str, Any] = field(default_factory=dict)
     synced: bool = False
@@ -223,11 +224,14 @@ def protect(
     recorder: RunRecorder | None = None,
     comm_hook: CommHook | None = None,
     comm_state: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Protector:
     """Wrap ``model`` (DDP) and ``optimizer``; see :class:`Protector`.
 
     ``comm_hook`` / ``comm_state``: a comm hook of your own (e.g. a compression hook),
-    which paft wraps instead of the default all-reduce.
+    which paft wraps instead of the default all-reduce. ``scaler``: the loss scaler of
+    float16 mixed precision; the closure calls ``scaler.scale(loss).backward()``, and
+    paft unscales, steps and updates it (see :mod:`paft.amp`).
     """
     return Protector(
         model,
@@ -241,6 +245,7 @@ def protect(
         recorder=recorder,
         comm_hook=comm_hook,
         comm_state=comm_state,
+        scaler=scaler,
     )
 
 
@@ -313,8 +318,10 @@ class Protector:
         recorder: RunRecorder | None,
         comm_hook: CommHook | None,
         comm_state: Any,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
+        self._stepper = OptimizerStep(optimizer, scaler)
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -364,6 +371,7 @@ class Protector:
                 for g in optimizer.param_groups],
             "the optimizer's parameter order": _optimizer_order(model, optimizer),
             "the model's parameter shapes": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+            "the loss scaler": self._stepper.state(),
         })
         # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
         self._hooked = monitor.enabled or self.injector.enabled or comm_hook is not None
@@ -427,22 +435,30 @@ class Protector:
         while True:
             if attempt:  # a persistent fault at rest (stuck memory) strikes the rerun too
                 rest_faults = self._inject_at_rest(t, attempt)
+                self._stepper.discard()  # the loss scaler unscales the rerun's gradients afresh
             self.hook.begin(t, attempt, local=metric_step or self.guard is not None, direction=metric_step)
             # A rerun always fingerprints the state: corrupted replicas would reproduce
             # the bad step, and only the fingerprints tell them from bad data.
-            pending = self._control(self._run_closure(closure), check_state or attempt > 0, metric_step,
+            loss = self._run_closure(closure)
+            pending = self._control(loss, self._stepper.unscale(), check_state or attempt > 0, metric_step,
                                     rest_faults)
             if self.guard is None:
                 # Nothing to decide before the update: let the control collective overlap it.
                 synced = self._finish_sync(t) or synced
                 self._clip()
-                self.optimizer.step()
+                self._stepper.step()
                 view = pending.wait()
+                applied = not self._scaler_skips(view)
                 break
             # Clipping touches only the gradients, which a recompute or a skip discards
             # anyway: do it while the collective is in flight, not after.
             self._clip()
             view = pending.wait()
+            if self._scaler_skips(view):  # the loss scaler's overflow, not a fault: it skips the
+                synced = self._finish_sync(t) or synced  # step and backs off its scale
+                self._stepper.step()
+                applied = False
+                break
             verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
             if verdict.action != "proceed":
                 # The attempt leaves no trace (its RNG draws, its BatchNorm statistics), on
@@ -457,13 +473,15 @@ class Protector:
             finished = self._finish_sync(t)  # before a skip too: the next start needs it
             synced = finished or synced
             if verdict.action == "skip":
+                self._stepper.discard()
                 applied = False
                 break
             if not finished:  # else the state changed since this step's fingerprints
                 self._keep_agreed_state(view)
             armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
             before = self._snapshot.capture(self.model, self.optimizer) if armed else None
-            self.optimizer.step()
+            scaler_state = self._stepper.state() if armed else None
+            self._stepper.step()
             if before is None:
                 break
             ratio = self._max_over_ranks(before.update_ratio())
@@ -471,6 +489,7 @@ class Protector:
             if verdict.action == "proceed":
                 break
             before.restore(self.model, self.optimizer)
+            self._stepper.restore(scaler_state)
             rerun_from.restore()  # type: ignore[union-attr]
             if verdict.action == "skip":
                 applied = False
@@ -480,7 +499,7 @@ class Protector:
             self.guard.accept(t, view, ratio)
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._metrics(t, view, metric_step)
+        metrics = self._metrics(t, view, metric_step, alerts=not self._scaler_skips(view))
         synced = self._maybe_sync(t, view, state_is_stale=synced) or synced
         self.step_idx += 1
         return StepReport(
@@ -498,10 +517,11 @@ class Protector:
         """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
         self.hook.begin(t, 0, local=False, checksum=False)
         loss = float(self._run_closure(closure).detach())
+        self._stepper.unscale()
         self._record_faults(self.hook.current.faults)
         synced = self._finish_sync(t)
         self._clip()
-        self.optimizer.step()
+        self._stepper.step()
         synced = self._maybe_sync(t, None) or synced
         self.step_idx += 1
         return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, synced=synced)
@@ -585,9 +605,11 @@ class Protector:
             self._counts["faults_injected"] += len(records)
             self.recorder.faults(r.to_json() for r in records)
 
-    def _control(self, loss: torch.Tensor, check_state: bool, metric_step: bool, rest_faults: int) -> PendingControl:
+    def _control(self, loss: torch.Tensor, scale: float, check_state: bool, metric_step: bool,
+                 rest_faults: int) -> PendingControl:
         """Pack this rank's view of the step and launch the step's one control collective
-        (``rest_faults``: the attempt's faults at rest, counted with the hook's)."""
+        (``scale``: the loss scaler's, which the hook's captures carry; ``rest_faults``: the
+        attempt's faults at rest, counted with the hook's)."""
         cap = self.hook.current
         self._record_faults(cap.faults)
         # The aggregated gradient's norm, computed once: clipping reuses it (see _clip).
@@ -596,6 +618,9 @@ class Protector:
         local_loss = float(loss.detach())
         agg_norm = float(self._grad_norm)
         local_sq, agg_checksum, sketch = cap.totals()
+        if scale != 1.0:  # captured from the scaled gradients (a power of two: exact)
+            local_sq /= scale * scale
+            sketch = sketch / scale if sketch is not None else None
         flags = 0
         if not math.isfinite(local_loss):
             flags |= FLAG_LOSS_NONFINITE
@@ -619,7 +644,7 @@ class Protector:
         # Every rank agrees on ``metric_step``, so on the length of the vectors.
         return start_control(vec.pack(self.sketch_dim if metric_step else 0), self.group)
 
-    def _metrics(self, step: int, view: ControlView, metric_step: bool) -> dict[str, Any]:
+    def _metrics(self, step: int, view: ControlView, metric_step: bool, alerts: bool = True) -> dict[str, Any]:
         """The step's ``consistency.jsonl`` record and alerts: every metric on a metric
         step. Between them (--monitor-interval) a record of what every step carries (the
         losses, the ``replicas/*`` keys) where there is news of the replicas: a split,
@@ -641,7 +666,8 @@ class Protector:
             metrics["local_grad_norms"] = view.local_norms.tolist()
         metrics["faults"] = view.faults
         self.recorder.consistency(metrics)
-        self._alerts(step, metrics)
+        if alerts:  # (not on a loss scaler's overflow: its non-finite norms are routine)
+            self._alerts(step, metrics)
         return metrics
 
     def _alerts(self, step: int, m: dict[str, Any]) -> None:
@@ -686,6 +712,12 @@ class Protector:
         if verdict.action == "stop":
             raise PersistentFaultError(step, verdict.ranks)
         return verdict
+
+    def _scaler_skips(self, view: ControlView) -> bool:
+        """Whether the loss scaler skips this step: every rank holds the same non-finite
+        aggregated gradient (an overflow). Ranks that disagree are a fault's doing."""
+        return (self._stepper.scaler is not None and len(view.ranks_with(FLAG_AGG_NONFINITE)) == self.world_size
+                and len(set(view.agg_fingerprints())) == 1)
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params if p.grad is not None]

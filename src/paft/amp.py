@@ -1,0 +1,76 @@
+"""The optimizer step, with or without a ``torch.amp.GradScaler``, made re-runnable.
+
+A loss scaler's protocol is one pass per iteration: ``scaler.scale(loss).backward()``,
+``scaler.unscale_(opt)`` (at most once), ``scaler.step(opt)`` (skipped when a gradient
+overflowed), ``scaler.update()`` (the scale backs off after an overflow and grows
+after ``growth_interval`` clean steps). The protector runs the backward pass again
+on a recompute and may drop or roll back a step, which that protocol does not allow
+(``unscale_() has already been called``). :class:`OptimizerStep` keeps the two in step:
+
+* :meth:`~OptimizerStep.unscale` after every backward attempt, so that the norms, the
+  guard and clipping see the true gradients; it returns the scale the loss was
+  multiplied by, which the comm hook's captures (taken during the backward pass) are
+  divided by;
+* :meth:`~OptimizerStep.discard` for an attempt that will not be stepped: its inf
+  checks are forgotten and the scale is left as it was (``update(new_scale=...)`` is
+  the scaler's public reset);
+* :meth:`~OptimizerStep.step`: ``scaler.step`` then ``scaler.update``;
+* :meth:`~OptimizerStep.state` / :meth:`~OptimizerStep.restore` around a step the
+  guard rolls back, so a recomputed step starts from the scale the first one had.
+
+Without a scaler every method but :meth:`~OptimizerStep.step` does nothing.
+
+Example::
+
+    >>> stepper = OptimizerStep(opt, torch.amp.GradScaler("cpu"))
+    >>> stepper.scaler.scale(loss).backward()
+    >>> scale = stepper.unscale()   # the gradients are true gradients now
+    >>> stepper.step()              # skipped by the scaler if one overflowed
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerStep"]
+
+
+class OptimizerStep:
+    """``optimizer.step()``, or a loss scaler's unscale / step / update around it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"protect(): scaler= must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.optimizer = optimizer
+        # A disabled scaler (GradScaler(enabled=False)) scales nothing: the plain step.
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+
+    def unscale(self) -> float:
+        """Divide the gradients by the scale (``scaler.unscale_``); the scale, 1.0 without."""
+        if self.scaler is None:
+            return 1.0
+        scale = self.scaler.get_scale()
+        self.scaler.unscale_(self.optimizer)
+        return scale
+
+    def step(self) -> None:
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def discard(self) -> None:
+        """Forget this attempt's unscale and inf checks; the scale stays as it was."""
+        if self.scaler is not None:
+            self.scaler.update(self.scaler.get_scale())
+
+    def state(self) -> dict[str, Any] | None:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        if self.scaler is not None and state is not None:
+            self.scaler.load_state_dict(state)
+            self.discard()

@@ -1,0 +1,90 @@
+"""A loss scaler (``torch.amp.GradScaler``) under paft: multi-process tests (gloo, CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.amp import OptimizerStep
+from paft.config import GuardConfig, MonitorConfig
+from paft.protect import protect
+from paft.testing import run_workers
+
+# 2**127 scales the first losses past float32's range: the first steps overflow and are
+# skipped while the scale backs off; a growth interval of 3 doubles it again later.
+SCALER = {"init_scale": 2.0**127, "growth_interval": 3}
+
+
+def _train(rank: int, world_size: int, mode: str, inject: list[str]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    protector = None
+    if mode != "plain":
+        protector = protect(ddp, optimizer, scaler=scaler, guard=GuardConfig(enabled=mode == "guard", warmup=2),
+                            monitor=MonitorConfig(enabled=mode != "unmonitored"), inject=inject)
+    scales, applied = [], []
+    for step in range(16):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True) * 3)
+            scaler.scale(loss).backward()
+            return loss
+
+        if protector is None:
+            closure()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            applied.append(protector.step(closure).applied)
+        scales.append(scaler.get_scale())
+    return {"params": [p.detach().clone() for p in model.parameters()], "scales": scales, "applied": applied,
+            "counters": protector.counters if protector is not None else {}}
+
+
+def _same_params(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+@pytest.mark.parametrize("mode", ["monitor", "guard", "unmonitored"])
+def test_a_loss_scaler_trains_as_with_plain_ddp(mode: str) -> None:
+    # The scaler's overflows (the first steps) are skipped and back the scale off, its
+    # clean steps grow it, exactly as without paft; the guard sees no fault in them.
+    plain = run_workers(_train, 2, "plain", [])
+    out = run_workers(_train, 2, mode, [])
+    assert out[0]["scales"] == plain[0]["scales"]
+    assert out[0]["scales"][0] < SCALER["init_scale"] and max(out[0]["scales"][6:]) > min(out[0]["scales"])
+    if mode != "unmonitored":  # without the control collective, no rank knows the others skipped
+        skipped = out[0]["applied"].count(False)
+        assert 1 <= skipped < 8 and out[0]["applied"] == out[1]["applied"]
+    assert out[0]["counters"]["detections"] == 0
+    for a, b in zip(plain, out):
+        assert _same_params(a, b)
+
+
+def test_the_guard_recomputes_a_scaled_step_and_tells_a_fault_from_an_overflow() -> None:
+    # A bit-30 flip in rank 1's aggregated (scaled) gradient at a clean step: the ranks'
+    # gradients differ, so it is no overflow; the recompute unscales afresh (a second
+    # unscale_() would raise) and the run ends as the fault-free one, scale included.
+    clean = run_workers(_train, 2, "guard", [])
+    hit = run_workers(_train, 2, "guard", ["bitflip:steps=9,bits=30,ranks=1"])
+    assert hit[0]["counters"]["detections"] >= 1 and hit[0]["counters"]["recomputes"] >= 1
+    assert hit[0]["scales"] == clean[0]["scales"] and hit[0]["applied"] == clean[0]["applied"]
+    for a, b in zip(clean, hit):
+        assert _same_params(a, b)
+
+
+def test_a_scaler_that_is_not_one_is_refused() -> None:
+    model = nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="scaler= must be a torch.amp.GradScaler, got dict"):
+        OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), {"init_scale": 1.0})  # type: ignore[arg-type]
+    disabled = OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False))
+    assert disabled.scaler is None and disabled.unscale() == 1.0 and disabled.state() is None
