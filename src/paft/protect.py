@@ -833,6 +833,7 @@ class Protector:
             )
         return {
             "step": self.step_idx,
+            "mode": self.protect_cfg.mode,
             "counters": dict(self._counts),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "sync": self.sync.state_dict() if self.sync is not None else None,
@@ -855,6 +856,10 @@ class Protector:
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"Protector.load_state_dict(): step must be an int >= 0, got {step!r}")
+        mode = state.get("mode", self.protect_cfg.mode)  # older states lack it
+        if mode != self.protect_cfg.mode:  # none and averager have no parts to tell them apart
+            raise ValueError(f"Protector.load_state_dict(): the state was saved with protect mode {mode!r}, this "
+                             f"protector has {self.protect_cfg.mode!r}")
         for part, mine in (("scheduler", self.scheduler), ("sync", self.sync), ("guard", self.guard)):
             if (state.get(part) is None) != (mine is None):
                 has = "has" if state.get(part) is not None else "has no"

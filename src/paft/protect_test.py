@@ -585,6 +585,8 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "garbage state": lambda m, o: protect(m, o).load_state_dict({}),
         "state of another mode": lambda m, o: protect(m, o).load_state_dict(
             {"step": 3, "counters": {}, "scheduler": {"kind": "FixedScheduler", "period": 5}}),
+        "averager state": lambda m, o: protect(m, o).load_state_dict(
+            protect(*fresh(), protect=ProtectConfig(mode="averager")).state_dict()),
         "period per rank": lambda m, o: protect(m, o, protect=ProtectConfig(mode="sync", sync_period=1 + rank)),
         "parameter order per rank": lambda m, o: protect(m, torch.optim.SGD(
             list(m.parameters())[::1 - 2 * rank], lr=0.1)),
@@ -623,6 +625,8 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
             "ValueError: Protector.load_state_dict(): not a protector state (missing ['step', 'counters'])",
         "state of another mode": "ValueError: Protector.load_state_dict(): the state has scheduler part and this "
                                  "protector has none",
+        "averager state": "ValueError: Protector.load_state_dict(): the state was saved with protect mode "
+                          "'averager', this protector has 'none'",
         "period per rank": "ValueError: protect(): ranks disagree on the protect config",
         "parameter order per rank": "ValueError: protect(): ranks disagree on the optimizer's parameter order",
     }
