@@ -25,10 +25,17 @@ from paft.records import RunRecorder, read_jsonl
 from paft.testing import NestedStateSGD, run_workers
 
 
-def toy_model(batchnorm: bool = False) -> nn.Module:
+def toy_model(batchnorm: bool = False, init_std: float | None = None) -> nn.Module:
+    """``init_std``: weights drawn at that scale (0: zeros) and zero biases, not torch's default."""
     torch.manual_seed(0)
     norm = [nn.BatchNorm1d(64)] if batchnorm else []
-    return nn.Sequential(nn.Linear(16, 64), *norm, nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Linear(16, 64), *norm, nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    if init_std is not None:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=init_std) if init_std else nn.init.zeros_(layer.weight)
+                nn.init.zeros_(layer.bias)
+    return model
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +50,7 @@ USER_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "divide": default_hooks.
 def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Train the toy model for ``steps``; ``opts`` picks the optimizer, faults and defenses."""
     steps = opts.get("steps", 10)
-    model = DistributedDataParallel(toy_model(opts.get("batchnorm", False)))
+    model = DistributedDataParallel(toy_model(opts.get("batchnorm", False), opts.get("init_std")))
     opt_name = opts.get("optimizer", "adam")
     if opt_name == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -426,44 +433,18 @@ def test_dyn_repairs_at_once_a_split_the_overlapped_sync_finishing_meanwhile_cou
     assert runs[True][0]["fingerprint"] == runs[False][0]["fingerprint"]
 
 
-def _train_probe(rank: int, world_size: int, init_std: float, guarded: bool) -> dict[str, Any]:
-    """A linear probe initialised at ``init_std`` (0: zeros), Adam, 8 steps, no faults."""
-    torch.manual_seed(0)
-    model = nn.Linear(8, 1)
-    nn.init.normal_(model.weight, std=init_std) if init_std else nn.init.zeros_(model.weight)
-    nn.init.zeros_(model.bias)
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
-    protector = protect(ddp, optimizer, guard=GuardConfig(enabled=True)) if guarded else None
-    applied = []
-    for step in range(8):
-        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-
-        def closure(x: torch.Tensor = x) -> torch.Tensor:
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(ddp(x), x @ torch.arange(8.0).unsqueeze(1))
-            loss.backward()
-            return loss
-
-        if protector is None:
-            closure()
-            optimizer.step()
-        else:
-            applied.append(protector.step(closure).applied)
-    return {"params": [p.detach().clone() for p in model.parameters()], "applied": applied,
-            "counters": protector.counters if protector is not None else {}}
-
-
 @pytest.mark.parametrize("init_std", [0.0, 1e-3])
 def test_guard_trains_a_zero_or_small_initialised_model_like_ddp(init_std: float) -> None:
     # The first updates of such a model exceed its weights (from zeros: no ratio at all).
     # The cap on the update ratio rolled every step back, the recompute reproduced it,
     # and the batch was skipped as data: the model never left its initialisation.
-    plain = run_workers(_train_probe, 2, init_std, False)
-    guarded = run_workers(_train_probe, 2, init_std, True)
-    assert guarded[0]["applied"] == [True] * 8 and guarded[0]["counters"]["detections"] == 0
+    opts = {"steps": 8, "init_std": init_std}
+    plain = run_workers(train_toy, 2, {**opts, "plain": True})
+    guarded = run_workers(train_toy, 2, {**opts, "guard": {"enabled": True}})
+    assert [r["applied"] for r in guarded[0]["reports"]] == [True] * 8
+    assert guarded[0]["counters"]["detections"] == 0
     for a, b in zip(plain, guarded):
-        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+        assert same(a, b)
 
 
 def test_guard_skip_while_an_overlapped_sync_is_in_flight() -> None:
