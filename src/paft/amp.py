@@ -14,7 +14,8 @@ on a recompute and may drop or roll back a step, which that protocol does not al
 * :meth:`~OptimizerStep.discard` for an attempt that will not be stepped: its inf
   checks are forgotten and the scale is left as it was (``update(new_scale=...)`` is
   the scaler's public reset);
-* :meth:`~OptimizerStep.step`: ``scaler.step`` then ``scaler.update``;
+* :meth:`~OptimizerStep.step`: ``scaler.step`` then ``scaler.update``; :meth:`~OptimizerStep.skip`
+  when the ranks agreed that some rank overflowed, so every rank's scale backs off alike;
 * :meth:`~OptimizerStep.state` / :meth:`~OptimizerStep.restore` around a step the
   guard rolls back, so a recomputed step starts from the scale the first one had.
 
@@ -61,6 +62,18 @@ class OptimizerStep:
             return
         self.scaler.step(self.optimizer)
         self.scaler.update()
+
+    def skip(self) -> None:
+        """No step, and the scale backs off as after an overflow (``scaler.update`` after a
+        found inf: scale times ``backoff_factor``, growth count back to 0), on a rank whose
+        own gradients may be finite: every rank skips when any rank overflowed."""
+        if self.scaler is None:
+            raise RuntimeError("OptimizerStep.skip(): no loss scaler (without one, skipping is the guard's)")
+        state = self.scaler.state_dict()
+        backed_off = torch.tensor(state["scale"], dtype=torch.float32) * state["backoff_factor"]
+        state.update(scale=float(backed_off), _growth_tracker=0)
+        self.scaler.load_state_dict(state)
+        self.discard()
 
     def discard(self) -> None:
         """Forget this attempt's unscale and inf checks; the scale stays as it was."""

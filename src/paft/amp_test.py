@@ -82,6 +82,31 @@ def test_the_guard_recomputes_a_scaled_step_and_tells_a_fault_from_an_overflow()
         assert _same_params(a, b)
 
 
+@pytest.mark.parametrize("mode", ["monitor", "unmonitored"])
+def test_one_ranks_non_finite_gradient_skips_the_step_on_every_rank(mode: str) -> None:
+    # inf in rank 1's aggregated gradient at a clean step: each scaler alone would skip
+    # only there, and from then on the ranks unscaled by different scales (gradients
+    # 2x apart at every step). The ranks agree: every one skips and backs off.
+    out = run_workers(_train, 2, mode, ["inf:steps=9,ranks=1"])
+    clean = run_workers(_train, 2, mode, [])
+    assert out[0]["scales"] == out[1]["scales"] and out[0]["scales"][9] == clean[0]["scales"][8] / 2
+    if mode == "monitor":
+        assert out[0]["applied"][9] is out[1]["applied"][9] is False and clean[0]["applied"][9]
+    assert _same_params(out[0], out[1])
+
+
+def test_a_replica_gone_nan_is_a_fault_not_an_overflow() -> None:
+    # NaN in rank 1's weights spreads through the all-reduce like an overflow, but its
+    # loss is NaN: the guard repairs the replica (then the run is the fault-free one)
+    # instead of the scaler skipping every later step with a halving scale.
+    clean = run_workers(_train, 2, "guard", [])
+    out = run_workers(_train, 2, "guard", ["nan:site=params,steps=9,ranks=1"])
+    assert out[0]["counters"]["detections"] >= 1 and out[0]["counters"]["state"] == 1
+    assert out[0]["applied"] == clean[0]["applied"] and out[0]["scales"] == clean[0]["scales"]
+    for a, b in zip(clean, out):
+        assert _same_params(a, b)
+
+
 def test_a_scaler_that_is_not_one_is_refused() -> None:
     model = nn.Linear(2, 1)
     with pytest.raises(TypeError, match="scaler= must be a torch.amp.GradScaler, got dict"):

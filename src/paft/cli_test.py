@@ -357,6 +357,9 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwri
     (tmp_path / "empty").mkdir()
     assert main(["train", *failing, "--run-dir", "empty"]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+    # "new/../empty/r" creates new/ and r, not empty/ (which existed): the user's folder stays.
+    assert main(["train", *failing, "--run-dir", "new/../empty/r"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
     (tmp_path / "empty").rmdir()
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.json").write_text("{}")

@@ -560,8 +560,9 @@ class Guard:
             st.pending = None
             self._decide(st, "data")
             self.counters["skipped_batches"] += 1
-            # As for a reproduced loss spike: a lasting rise is applied after --shift-after skips.
-            verdict = self._spike_skipped(GuardVerdict("skip", "update_ratio", [], "data", values), [], values)
+            verdict = GuardVerdict("skip", "update_ratio", [], "data", values)
+            if math.isfinite(ratio):  # as for a reproduced loss spike: a lasting rise is applied
+                verdict = self._spike_skipped(verdict, [], values)  # after --shift-after skips; NaN never
         else:
             st.pending = _Incident("update", "update_ratio", [], bits)
             verdict = self._rerun(st, "update_ratio", [], values)

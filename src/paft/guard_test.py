@@ -614,6 +614,20 @@ def test_update_ratio_from_a_zero_learning_rate_or_a_small_init_is_no_detection(
     assert g.counters["skipped_batches"] == g.config.shift_after
 
 
+def test_a_reproduced_non_finite_update_is_always_skipped() -> None:
+    # Adam's eps=0 on a feature that is always 0: the update is 0/0 = NaN every time.
+    # The level shift applies reproduced spikes after --shift-after skips; never NaN.
+    g = guard(2, shift_after=2)
+    t = warm(g)
+    near_miss = make_view([2.8, 2.8], [1.5, 1.5], 1.0)  # arms the snapshot
+    for s in range(t, t + 4):
+        for attempt, expect in ((0, "recompute"), (1, "skip")):
+            assert g.check(s, attempt, near_miss).action == "proceed"
+            assert g.wants_snapshot(s, near_miss)
+            assert g.check_update(s, attempt, math.inf).action == expect, (s, attempt)
+    assert g.counters["skipped_batches"] == 4
+
+
 def test_rollback_recompute_numbered_from_zero_keeps_the_step_state() -> None:
     """A protector that restarts its attempt counter after a rollback still gets attribution and caps."""
     g = guard(4, max_reruns_per_step=2)

@@ -83,7 +83,7 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
     with contextlib.ExitStack() as locks:
         existed = run_dir.is_dir()
         # The folders this run creates, innermost first: an early stop removes them again.
-        made = [] if existed else [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+        made = [] if existed else _missing_folders(run_dir)
         if existed:
             locks.enter_context(_lock(run_dir))
         replaced = set_aside(run_dir) if cfg.overwrite else None
@@ -111,6 +111,21 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
                 settle(replaced, run_dir, keep_new=keep, prog=prog)
 
 
+def _missing_folders(run_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The folders ``run_dir.mkdir(parents=True)`` creates, innermost first: each prefix
+    of the path as written that does not exist yet ("new/../data/r" creates new/ and r,
+    not data/), as an absolute path with ".." folded."""
+    path = pathlib.Path.cwd() / run_dir  # absolute, ".." kept: mkdir walks it so
+    made: list[pathlib.Path] = []
+    for i in range(len(path.parts), 1, -1):
+        if path.parts[i - 1] in ("..", "."):
+            continue
+        folder = pathlib.Path(os.path.normpath(pathlib.Path(*path.parts[:i])))
+        if not folder.exists() and folder not in made:
+            made.append(folder)
+    return made
+
+
 def _remove_new_run(run_dir: pathlib.Path, made: list[pathlib.Path]) -> None:
     """Remove what a run that cannot be resumed wrote: the folders it created (``made``,
     innermost first; parents only while empty), or, in an empty folder it was given, the
@@ -119,12 +134,10 @@ def _remove_new_run(run_dir: pathlib.Path, made: list[pathlib.Path]) -> None:
         for child in run_dir.iterdir():
             shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
         return
-    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(made[0], ignore_errors=True)
     for parent in made[1:]:
-        try:
+        with contextlib.suppress(OSError):  # a file was put there meanwhile: it stays
             parent.rmdir()
-        except OSError:  # another file was put there meanwhile: it stays, and so do its parents
-            return
 
 
 def _create(run_dir: pathlib.Path) -> None:

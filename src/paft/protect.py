@@ -111,8 +111,11 @@ def _copy_structure(value: Any) -> Any:
 
 
 def _total(norms: Sequence[torch.Tensor]) -> float:
-    """The 2-norm of per-tensor 2-norms, in float64 (float64 weights' squares may overflow)."""
-    return float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms]))) if norms else 0.0
+    """The 2-norm of per-tensor 2-norms, in float64 (float64 weights' squares may overflow),
+    on the first norm's device (a module may span several)."""
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device, torch.float64) for n in norms])))
 
 
 class _StateSnapshot:
@@ -443,21 +446,24 @@ class Protector:
             pending = self._control(loss, self._stepper.unscale(), check_state or attempt > 0, metric_step,
                                     rest_faults)
             if self.guard is None:
-                # Nothing to decide before the update: let the control collective overlap it.
+                # Nothing to decide before the update: let the control collective overlap it
+                # (a loss scaler's step waits for it: the ranks agree on its skips).
                 synced = self._finish_sync(t) or synced
                 self._clip()
-                self._stepper.step()
-                view = pending.wait()
-                applied = not self._scaler_skips(view)
+                if self._stepper.scaler is None:
+                    self._stepper.step()
+                    view = pending.wait()
+                else:
+                    view = pending.wait()
+                    applied = self._scaled_step(bool(view.ranks_with(FLAG_AGG_NONFINITE)))
                 break
             # Clipping touches only the gradients, which a recompute or a skip discards
             # anyway: do it while the collective is in flight, not after.
             self._clip()
             view = pending.wait()
-            if self._scaler_skips(view):  # the loss scaler's overflow, not a fault: it skips the
-                synced = self._finish_sync(t) or synced  # step and backs off its scale
-                self._stepper.step()
-                applied = False
+            if self._overflow(view):  # the loss scaler's, not a fault: the step is skipped
+                synced = self._finish_sync(t) or synced
+                applied = self._scaled_step(True)
                 break
             verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
             if verdict.action != "proceed":
@@ -481,7 +487,7 @@ class Protector:
             armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
             before = self._snapshot.capture(self.model, self.optimizer) if armed else None
             scaler_state = self._stepper.state() if armed else None
-            self._stepper.step()
+            self._stepper.step()  # every rank's aggregated gradient is finite here: no skip
             if before is None:
                 break
             ratio = self._max_over_ranks(before.update_ratio())
@@ -499,7 +505,7 @@ class Protector:
             self.guard.accept(t, view, ratio)
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._metrics(t, view, metric_step, alerts=not self._scaler_skips(view))
+        metrics = self._metrics(t, view, metric_step, alerts=not self._overflow(view))
         synced = self._maybe_sync(t, view, state_is_stale=synced) or synced
         self.step_idx += 1
         return StepReport(
@@ -520,11 +526,18 @@ class Protector:
         self._stepper.unscale()
         self._record_faults(self.hook.current.faults)
         synced = self._finish_sync(t)
-        self._clip()
-        self._stepper.step()
+        applied = True
+        if self._stepper.scaler is None:
+            self._clip()
+            self._stepper.step()
+        else:  # one flag all-reduced: the ranks agree on the scaler's skips, as the monitor's view makes them
+            self._grad_norm = total_norm(self._grads())
+            overflow = self._max_over_ranks(0.0 if math.isfinite(self._grad_norm) else 1.0) > 0
+            self._clip()
+            applied = self._scaled_step(overflow)
         synced = self._maybe_sync(t, None) or synced
         self.step_idx += 1
-        return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, synced=synced)
+        return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, applied=applied, synced=synced)
 
     def prime(self, closure: Callable[[], torch.Tensor]) -> None:
         """Forward/backward passes that change nothing, so DDP builds its final buckets now.
@@ -710,14 +723,31 @@ class Protector:
                 f"[guard] step {step} attempt {attempt}: {verdict.detector}{ranks} -> {verdict.action}{cause}"
             )
         if verdict.action == "stop":
+            self._stepper.discard()  # a caller that catches the error may step on
             raise PersistentFaultError(step, verdict.ranks)
         return verdict
 
-    def _scaler_skips(self, view: ControlView) -> bool:
-        """Whether the loss scaler skips this step: every rank holds the same non-finite
-        aggregated gradient (an overflow). Ranks that disagree are a fault's doing."""
+    def _scaled_step(self, skip: bool) -> bool:
+        """The loss scaler's step; ``skip`` (known alike on every rank: some rank's
+        aggregated gradient is non-finite) skips it on every rank and backs the scale off,
+        so the ranks' scales never part (each scaler alone decides from its own rank's
+        gradients, which a fault makes differ). Whether the step was applied."""
+        if skip:
+            self._stepper.skip()
+        else:
+            self._stepper.step()
+        return not skip
+
+    def _overflow(self, view: ControlView) -> bool:
+        """Whether the step is a loss scaler's overflow, not a fault: every rank holds the
+        same non-finite aggregated gradient, from finite losses and agreeing state (a NaN
+        in one rank's weights spreads through the all-reduce alike, but its loss is NaN
+        and its fingerprint differs). A fault that makes one rank's local gradient
+        non-finite looks the same, and is skipped as the scaler would skip it."""
+        states = view.state_fingerprints()
         return (self._stepper.scaler is not None and len(view.ranks_with(FLAG_AGG_NONFINITE)) == self.world_size
-                and len(set(view.agg_fingerprints())) == 1)
+                and len(set(view.agg_fingerprints())) == 1 and not view.ranks_with(FLAG_LOSS_NONFINITE)
+                and (states is None or len(set(states)) == 1))
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params if p.grad is not None]
