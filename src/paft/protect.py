@@ -110,6 +110,16 @@ def _copy_structure(value: Any) -> Any:
     return value
 
 
+def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor 2-norms, in some order; half-precision tensors' in float64 (float16's
+    range ends at 65504, so a large layer's norm read as inf; bfloat16's squares
+    overflow float32 as float32's own do)."""
+    half = [t for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
+    rest = [t for t in tensors if t.dtype not in (torch.float16, torch.bfloat16)]
+    return [*(torch._foreach_norm(half, 2, dtype=torch.float64) if half else ()),
+            *(torch._foreach_norm(rest) if rest else ())]
+
+
 def _total(norms: Sequence[torch.Tensor]) -> float:
     """The 2-norm of per-tensor 2-norms, in float64 (float64 weights' squares may overflow),
     on the first norm's device (a module may span several)."""
@@ -162,8 +172,8 @@ class _StateSnapshot:
         zero-initialised model has no scale to compare its first update with)."""
         old, new = self._saved[: self._num_params], self._live[: self._num_params]
         with torch.no_grad():
-            num = _total(torch._foreach_norm(torch._foreach_sub(new, old)))
-            den = _total(torch._foreach_norm(old))
+            num = _total(_norms(torch._foreach_sub(new, old)))
+            den = _total(_norms(old))
         if not math.isfinite(num):
             return math.inf
         return num / den if den > 0 else 0.0

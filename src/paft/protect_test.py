@@ -6,6 +6,7 @@ injection is keyed by (rank, step) through the fault specs.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import pairwise_cosine
 from paft.fingerprint import group_replicas, state_fingerprint
-from paft.protect import PersistentFaultError, protect
+from paft.protect import PersistentFaultError, _norms, _total, protect
 from paft.records import RunRecorder, read_jsonl
 from paft.testing import NestedStateSGD, run_workers
 
@@ -431,6 +432,16 @@ def test_dyn_repairs_at_once_a_split_the_overlapped_sync_finishing_meanwhile_cou
         assert reports[5]["metrics"]["replicas/state_minority_ranks"] == [1] and reports[5]["synced"]
         assert out[0]["divergence"][5] == 0.0 and reports[6]["metrics"]["replicas/state_distinct"] == 1
     assert runs[True][0]["fingerprint"] == runs[False][0]["fingerprint"]
+
+
+def test_update_norms_of_half_precision_and_float64_tensors_do_not_overflow() -> None:
+    # float16 norms ended at 65504 (a 1000 x 1000.0 layer read as inf: an update "ratio"
+    # of inf or 0); float64 weights' squares summed as Python floats raised OverflowError.
+    tensors = [torch.full((1000,), 1000.0, dtype=torch.float16), torch.full((4,), 3e38, dtype=torch.bfloat16),
+               torch.full((2,), 1e150, dtype=torch.float64), torch.ones(9)]
+    expected = math.hypot(*[float(x) for t in tensors for x in t])
+    assert _total(_norms(tensors)) == pytest.approx(expected, rel=1e-6)
+    assert _total(_norms(tensors[:1])) == pytest.approx(1000 * math.sqrt(1000), rel=1e-6)
 
 
 @pytest.mark.parametrize("init_std", [0.0, 1e-3])
