@@ -150,7 +150,7 @@ def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None
     (run / "consistency.jsonl").unlink()
     report = build_report(run)
     assert_pngs(report.files, ["loss.png"])
-    assert sorted(p.name for p in (run / "report").iterdir()) == ["loss.png", "report.md"]
+    assert sorted(p.name for p in (run / "report").iterdir()) == [".paft-report", "loss.png", "report.md"]
     assert "first replica split: not recorded" in report.text
     assert "max loss_cv: not recorded" in report.text
 
