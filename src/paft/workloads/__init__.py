@@ -110,6 +110,8 @@ class Workload:
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_batches is not None and max_batches < 1:
+            raise ValueError(f"max_batches must be >= 1 (or None: the whole split), got {max_batches}")
         module = _unwrap(model)
         was_training = module.training
         device = next(module.parameters()).device
@@ -225,7 +227,9 @@ def build_workload(
     """
     config = model_config(name, model_args)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # The CPU generator only (what fork_rng restores): torch.manual_seed would also
+        # reseed every CUDA generator, for good. The model is built on the CPU.
+        torch.default_generator.manual_seed(seed)
         if name in ("gpt", "llama"):
             train, val, vocab = shakespeare_datasets(config.block_size)
             return Workload(name, _model(name, config), train, val, False, config, vocab)

@@ -75,6 +75,15 @@ def test_build_is_deterministic_for_a_seed(name: str) -> None:
     assert torch.equal(torch.get_rng_state(), rng_before)  # build leaves global RNG alone
 
 
+def test_build_leaves_the_cuda_generators_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.manual_seed also reseeds every CUDA generator, which fork_rng(devices=[])
+    # does not restore: a caller's seeded GPU dropout changed after a build.
+    seeded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    build_workload("gpt", seed=5, model_args={"n_layer": 1})
+    assert seeded == []
+
+
 @pytest.mark.parametrize("cls, cfg", [(GPT, GPTConfig()), (Llama, LlamaConfig())])
 def test_causal_masking(cls: type, cfg: Any) -> None:
     torch.manual_seed(0)
@@ -191,6 +200,8 @@ def test_evaluate_metrics_mode_and_determinism() -> None:
     wl = build_workload("resnet", model_args={"width": 4})
     full = wl.evaluate(wl.model, batch_size=512, max_batches=None)  # 4 batches, last partial
     assert 0.0 <= full["val_acc"] <= 1.0
+    with pytest.raises(ValueError, match="max_batches must be >= 1"):  # it divided by zero
+        wl.evaluate(wl.model, batch_size=512, max_batches=0)
 
 
 def _ddp_worker(rank: int, world_size: int, name: str, model_args: dict[str, Any]) -> Any:
