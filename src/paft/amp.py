@@ -70,7 +70,8 @@ class OptimizerStep:
         if self.scaler is None:
             raise RuntimeError("OptimizerStep.skip(): no loss scaler (without one, skipping is the guard's)")
         state = self.scaler.state_dict()
-        backed_off = torch.tensor(state["scale"], dtype=torch.float32) * state["backoff_factor"]
+        # As torch's update kernel rounds it: float scale times double factor, rounded once.
+        backed_off = torch.tensor(state["scale"] * state["backoff_factor"], dtype=torch.float32)
         state.update(scale=float(backed_off), _growth_tracker=0)
         self.scaler.load_state_dict(state)
         self.discard()

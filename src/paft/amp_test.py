@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -95,16 +96,57 @@ def test_one_ranks_non_finite_gradient_skips_the_step_on_every_rank(mode: str) -
     assert _same_params(out[0], out[1])
 
 
-def test_a_replica_gone_nan_is_a_fault_not_an_overflow() -> None:
+@pytest.mark.parametrize("fault", ["nan:site=params,steps=9,ranks=1", "scale:site=params,steps=5,ranks=1,factor=100"])
+def test_a_corrupted_replica_is_a_fault_not_an_overflow(fault: str) -> None:
     # NaN in rank 1's weights spreads through the all-reduce like an overflow, but its
-    # loss is NaN: the guard repairs the replica (then the run is the fault-free one)
-    # instead of the scaler skipping every later step with a halving scale.
+    # loss is NaN; weights x100 at a step that overflows anyway keep the loss finite, but
+    # not the state fingerprints (taken then, though step 5 is no state-check step). The
+    # guard repairs the replica (then the run is the fault-free one) instead of the
+    # scaler skipping every later step with a halving scale, or until the next check.
     clean = run_workers(_train, 2, "guard", [])
-    out = run_workers(_train, 2, "guard", ["nan:site=params,steps=9,ranks=1"])
+    out = run_workers(_train, 2, "guard", [fault])
     assert out[0]["counters"]["detections"] >= 1 and out[0]["counters"]["state"] == 1
     assert out[0]["applied"] == clean[0]["applied"] and out[0]["scales"] == clean[0]["scales"]
     for a, b in zip(clean, out):
         assert _same_params(a, b)
+
+
+@pytest.mark.parametrize(("init", "backoff"), [(12345.678, 0.45), (3.0, 0.3), (0.0077, 0.3), (2.0**20, 0.5)])
+def test_a_skip_backs_the_scale_off_exactly_as_the_scaler_does(init: float, backoff: float) -> None:
+    # The factor was rounded to float32 before the multiply; torch multiplies in double
+    # and rounds once, so a backoff of 0.3 parted the scales by an ulp at the first skip.
+    scales = []
+    for own in (True, False):
+        p = nn.Parameter(torch.ones(1))
+        optimizer = torch.optim.SGD([p], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init, backoff_factor=backoff)
+        scaler.scale(p.sum()).backward()
+        if own:
+            OptimizerStep(optimizer, scaler).skip()
+        else:  # the scaler's own path: an inf found, the step skipped, the scale backed off
+            p.grad.fill_(math.inf)
+            scaler.step(optimizer)
+            scaler.update()
+        scales.append(scaler.get_scale())
+        assert scaler.state_dict()["_growth_tracker"] == 0 and torch.equal(p.detach(), torch.ones(1))
+    assert scales[0] == scales[1] != init
+
+
+def _partial_optimizer(rank: int, world_size: int) -> str:
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
+    optimizer = torch.optim.SGD(model.module[0].parameters(), lr=0.1)
+    try:
+        protect(model, optimizer, scaler=torch.amp.GradScaler("cpu"))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_a_scaler_needs_the_optimizer_to_hold_every_trained_parameter() -> None:
+    # unscale_ unscales the optimizer's parameters only: the rest stayed scaled in the
+    # norms, the guard's statistics and clipping.
+    out = run_workers(_partial_optimizer, 2)
+    assert out[0] == out[1] and "the optimizer must hold every parameter that requires a gradient" in out[0]
 
 
 def test_a_scaler_that_is_not_one_is_refused() -> None:

@@ -335,6 +335,13 @@ class Protector:
     ) -> None:
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         self._stepper = OptimizerStep(optimizer, scaler)
+        if self._stepper.scaler is not None:
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if any(p.requires_grad and id(p) not in held for p in model.parameters()):
+                # scaler.unscale_ unscales the optimizer's parameters only: the others'
+                # gradients would stay scaled in the norms, the guard and clipping.
+                raise ValueError("protect(): with scaler=, the optimizer must hold every parameter that "
+                                 "requires a gradient (freeze the others with requires_grad_(False))")
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -444,7 +451,7 @@ class Protector:
         # gradient's checksum, which sees replicas split, runs every step.
         metric_step = self._due(self.monitor_cfg.interval, t)
         rerun_from = _ForwardSnapshot(self._buffers) if self.guard is not None else None
-        attempt, applied, ratio, synced = 0, True, None, False
+        attempt, applied, ratio, synced, overflow = 0, True, None, False, False
         while True:
             if attempt:  # a persistent fault at rest (stuck memory) strikes the rerun too
                 rest_faults = self._inject_at_rest(t, attempt)
@@ -466,12 +473,14 @@ class Protector:
                 else:
                     view = pending.wait()
                     applied = self._scaled_step(bool(view.ranks_with(FLAG_AGG_NONFINITE)))
+                    overflow = not applied and self._overflow(view)
                 break
             # Clipping touches only the gradients, which a recompute or a skip discards
             # anyway: do it while the collective is in flight, not after.
             self._clip()
             view = pending.wait()
-            if self._overflow(view):  # the loss scaler's, not a fault: the step is skipped
+            overflow = self._overflow(view)
+            if overflow:  # the loss scaler's, not a fault: the step is skipped
                 synced = self._finish_sync(t) or synced
                 applied = self._scaled_step(True)
                 break
@@ -515,7 +524,7 @@ class Protector:
             self.guard.accept(t, view, ratio)
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._metrics(t, view, metric_step, alerts=not self._overflow(view))
+        metrics = self._metrics(t, view, metric_step, alerts=not overflow)
         synced = self._maybe_sync(t, view, state_is_stale=synced) or synced
         self.step_idx += 1
         return StepReport(
@@ -752,12 +761,17 @@ class Protector:
         """Whether the step is a loss scaler's overflow, not a fault: every rank holds the
         same non-finite aggregated gradient, from finite losses and agreeing state (a NaN
         in one rank's weights spreads through the all-reduce alike, but its loss is NaN
-        and its fingerprint differs). A fault that makes one rank's local gradient
-        non-finite looks the same, and is skipped as the scaler would skip it."""
+        and its fingerprint differs: the state is fingerprinted here when this step did
+        not). A fault that makes one rank's local gradient non-finite looks the same, and
+        is skipped as the scaler would skip it."""
+        if not (self._stepper.scaler is not None and len(view.ranks_with(FLAG_AGG_NONFINITE)) == self.world_size
+                and len(set(view.agg_fingerprints())) == 1 and not view.ranks_with(FLAG_LOSS_NONFINITE)):
+            return False
         states = view.state_fingerprints()
-        return (self._stepper.scaler is not None and len(view.ranks_with(FLAG_AGG_NONFINITE)) == self.world_size
-                and len(set(view.agg_fingerprints())) == 1 and not view.ranks_with(FLAG_LOSS_NONFINITE)
-                and (states is None or len(set(states)) == 1))
+        if states is None:  # not a state-check step: look now (every rank alike; overflows are rare)
+            fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
+            states = gather_rows(fp, self.group)[:, 0].tolist()
+        return len(set(states)) == 1
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params if p.grad is not None]
