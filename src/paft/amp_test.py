@@ -132,9 +132,10 @@ def test_a_skip_backs_the_scale_off_exactly_as_the_scaler_does(init: float, back
     assert scales[0] == scales[1] != init
 
 
-def _partial_optimizer(rank: int, world_size: int) -> str:
+def _partial_optimizer(rank: int, world_size: int, partial_on: list[int]) -> str:
     model = DistributedDataParallel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
-    optimizer = torch.optim.SGD(model.module[0].parameters(), lr=0.1)
+    held = model.module[0] if rank in partial_on else model
+    optimizer = torch.optim.SGD(held.parameters(), lr=0.1)
     try:
         protect(model, optimizer, scaler=torch.amp.GradScaler("cpu"))
     except ValueError as err:
@@ -145,8 +146,12 @@ def _partial_optimizer(rank: int, world_size: int) -> str:
 def test_a_scaler_needs_the_optimizer_to_hold_every_trained_parameter() -> None:
     # unscale_ unscales the optimizer's parameters only: the rest stayed scaled in the
     # norms, the guard's statistics and clipping.
-    out = run_workers(_partial_optimizer, 2)
+    out = run_workers(_partial_optimizer, 2, [0, 1])
     assert out[0] == out[1] and "the optimizer must hold every parameter that requires a gradient" in out[0]
+    # On one rank only, every rank raises (after the agreement collective; checked
+    # before it, rank 1 raised alone and left rank 0 waiting in that collective).
+    out = run_workers(_partial_optimizer, 2, [1])
+    assert out[0] == out[1] and "ranks disagree on the optimizer's parameter order" in out[0]
 
 
 def test_a_scaler_that_is_not_one_is_refused() -> None:

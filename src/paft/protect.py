@@ -335,13 +335,6 @@ class Protector:
     ) -> None:
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         self._stepper = OptimizerStep(optimizer, scaler)
-        if self._stepper.scaler is not None:
-            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            if any(p.requires_grad and id(p) not in held for p in model.parameters()):
-                # scaler.unscale_ unscales the optimizer's parameters only: the others'
-                # gradients would stay scaled in the norms, the guard and clipping.
-                raise ValueError("protect(): with scaler=, the optimizer must hold every parameter that "
-                                 "requires a gradient (freeze the others with requires_grad_(False))")
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -390,9 +383,17 @@ class Protector:
                 {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, tuple, type(None)))}
                 for g in optimizer.param_groups],
             "the optimizer's parameter order": _optimizer_order(model, optimizer),
-            "the model's parameter shapes": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+            "the model's parameter shapes": [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in self._params],
             "the loss scaler": self._stepper.state(),
         })
+        # After the agreement above, so every rank reaches the same answer.
+        if self._stepper.scaler is not None:
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if any(p.requires_grad and id(p) not in held for p in self._params):
+                # scaler.unscale_ unscales the optimizer's parameters only: the others'
+                # gradients would stay scaled in the norms, the guard and clipping.
+                raise ValueError("protect(): with scaler=, the optimizer must hold every parameter that "
+                                 "requires a gradient (freeze the others with requires_grad_(False))")
         # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
         self._hooked = monitor.enabled or self.injector.enabled or comm_hook is not None
         if self._hooked:
@@ -554,6 +555,8 @@ class Protector:
             overflow = self._max_over_ranks(0.0 if math.isfinite(self._grad_norm) else 1.0) > 0
             self._clip()
             applied = self._scaled_step(overflow)
+            if not applied:  # as a monitored skip: no non-finite gradient is left behind
+                self.optimizer.zero_grad(set_to_none=True)
         synced = self._maybe_sync(t, None) or synced
         self.step_idx += 1
         return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, applied=applied, synced=synced)
