@@ -228,8 +228,9 @@ def test_digest_sees_what_a_word_sum_misses() -> None:
         _flip(c, 1, 30 if a.dtype == torch.float32 else 62)
         _flip(e, 5, 30 if a.dtype == torch.float32 else 62)
         assert digest(c) != digest(e)
-    wrap = torch.tensor([2**31 - 1, 1], dtype=torch.int32)  # the lane sums wrap, as documented
-    assert int(wrap.sum(dtype=torch.int32)) == -(2**31)
+    # Row and column sums that wrap in 32 bits (in place and packed), as documented.
+    for wrap in (torch.full((8 * 128,), 2**31 - 1, dtype=torch.int32), torch.tensor([2**31 - 1, 1], dtype=torch.int32)):
+        assert digest(wrap) & F._M64 == _ref_digest(wrap)
 
 
 def test_order_dtype_and_shape_are_part_of_the_fingerprint() -> None:

@@ -251,7 +251,11 @@ def test_out_dir_is_never_among_other_files(clean_run: pathlib.Path, tmp_path: p
     with pytest.raises(ReportError, match=re.escape(needle)):
         build_report(run)
     again = build_report(clean_run, tmp_path / "out")  # a report folder is replaced by the next report
+    (tmp_path / "out" / "report.md").write_text("stale")
+    (tmp_path / "out" / "cosine.png").write_bytes(b"stale")
     assert build_report(clean_run, tmp_path / "out").files == again.files
+    assert (tmp_path / "out" / "report.md").read_text().startswith("# paft report: ")
+    assert (tmp_path / "out" / "cosine.png").read_bytes() != b"stale"
     (tmp_path / "out" / ".paft-report").unlink()  # a report written before the marker: known by its title
     assert build_report(clean_run, tmp_path / "out").files == again.files
 

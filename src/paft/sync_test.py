@@ -498,12 +498,18 @@ def _w_two(rank: int, ws: int) -> dict:
     rep = sync.sync()
     out["ref"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
     out["noop"] = sync.sync()
-    # checkpoint: a fresh ReplicaSync loading the state dict agrees with the old one
+    # checkpoint: a fresh ReplicaSync loading the state dict agrees with the old one. It
+    # is built on replicas moved apart, so only a restored reference makes it agree.
     sd = sync.state_dict()
+    _train(model, opt, "bn", steps=1, seed=50 + rank)
     fresh = ReplicaSync(model, opt)
     fresh.load_state_dict(sd)
+    got = fresh.state_dict()["reference"]
+    assert got.keys() == sd["reference"].keys()
+    assert all(torch.equal(got[k], sd["reference"][k]) for k in got)
     out["tags"] = (sync._ref_tag, fresh._ref_tag)
     fresh.load_state_dict({**sd, "world_size": 3, "reference": {}})  # elastic restart: ignored
+    assert all(torch.equal(fresh.state_dict()["reference"][k], got[k]) for k in got)  # kept
     out["tags"] += (fresh._ref_tag,)
 
     # references that disagree (constructed on differing replicas): zero reference

@@ -119,7 +119,7 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
         lines = read_jsonl(tmp_path / run / "faults.jsonl") if opts.get("inject") else []
         return sorted(lines, key=lambda f: json.dumps(f, sort_keys=True))
 
-    assert faults("a") == faults("b")
+    assert faults("a") == faults("b") and bool(faults("a")) == bool(opts.get("inject"))  # they fired
     if case == "two-buckets":
         assert {f["target"] for f in faults("a")} == {0, 1}
 
