@@ -59,7 +59,7 @@ of this step)::
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
     0        detected     -                                        recompute   None
     >= 1     detected     header rows bitwise equal (*)            skip        data
-    >= 1     a spike so, after shift_after such skips in a row         proceed     data, detector level_shift
+    >= 1     a spike reproduced, after shift_after such skips in a row proceed    data, detector level_shift
              (the level moved: the spike statistics start over)
     >= 1     grad_mismatch again, same or unnamed suspects (bitwise   stop        persistent  (on_persistent=stop)
              or not: data never makes ranks' aggregates differ)       recompute   persistent  (on_persistent=repair)
@@ -408,14 +408,7 @@ class Guard:
         self.config = config
         self.world_size = world_size
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        w = config.window
-        self._loss, self._grad, self._ratio = _Window(w), _Window(w), _Window(w)
-        # Local values of all ranks pooled: ranks draw batches from one distribution,
-        # and world_size times the samples describe its tails better than one rank's.
-        self._rank_loss, self._rank_norm = _Window(w * world_size), _Window(w * world_size)
-        self._accepted = 0
-        self._ratios_seen = 0
-        self._data_skips = 0  # consecutive batches skipped as data for a spike
+        self._restart_history()
         self._st: _StepState | None = None
         self._armed_step: int | None = None
 
@@ -607,11 +600,15 @@ class Guard:
         return GuardVerdict("proceed", "level_shift", ranks, skip.cause, values)
 
     def _restart_history(self) -> None:
-        """Forget the spike statistics: they re-warm from the new level."""
+        """Start the spike statistics afresh (at construction, and at a level shift: they
+        re-warm from the new level)."""
         w = self.config.window
         self._loss, self._grad, self._ratio = _Window(w), _Window(w), _Window(w)
+        # Local values of all ranks pooled: ranks draw batches from one distribution,
+        # and world_size times the samples describe its tails better than one rank's.
         self._rank_loss, self._rank_norm = _Window(w * self.world_size), _Window(w * self.world_size)
-        self._accepted = self._ratios_seen = self._data_skips = 0
+        self._accepted = self._ratios_seen = 0
+        self._data_skips = 0  # consecutive batches skipped as data for a spike
 
     # -- detectors ------------------------------------------------------------------
 

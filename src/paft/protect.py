@@ -772,9 +772,13 @@ class Protector:
             return False
         states = view.state_fingerprints()
         if states is None:  # not a state-check step: look now (every rank alike; overflows are rare)
-            fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
-            states = gather_rows(fp, self.group)[:, 0].tolist()
+            states = self._state_fingerprints_now()
         return len(set(states)) == 1
+
+    def _state_fingerprints_now(self) -> list[int]:
+        """Every rank's state fingerprint as it is now (a collective: call it on every rank)."""
+        fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
+        return gather_rows(fp, self.group)[:, 0].tolist()
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params if p.grad is not None]
@@ -838,8 +842,7 @@ class Protector:
             # sync, or a fault after its snapshot, which its correction w + (synced -
             # snapshot) keeps. Look again now (every rank alike: the view is shared), so a
             # split still there is repaired in this step, not the next.
-            fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
-            state_split = len(group_replicas(gather_rows(fp, self.group)[:, 0].tolist())) > 1
+            state_split = len(group_replicas(self._state_fingerprints_now())) > 1
         return state_split or len(group_replicas(view.agg_fingerprints())) > 1
 
     def _repair(self, step: int) -> None:
