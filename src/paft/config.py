@@ -79,11 +79,12 @@ class MonitorConfig:
     step. ``--no-monitor`` gives plain DDP (a baseline for benchmarks); the guard and
     PAFT-Dyn's fingerprint trigger need the monitor (``--monitor``)."""
     interval: int = 1
-    """Compute the worker metrics (dispersion, cosine) every this many steps
-    (``--monitor-interval``). The local losses and the aggregated-gradient checksum,
-    which sees replicas split, are exchanged every step regardless (PAFT-Dyn's trigger;
-    a record at every step of a split, at its end and at each state fingerprint), with the guard the
-    local gradient norms too; the gradient sketch only on metric steps."""
+    """Compute the worker metrics (dispersion, cosine) every this many steps; 0: never,
+    only the replica checks that the guard and PAFT-Dyn read (``--monitor-interval``).
+    The local losses and the aggregated-gradient checksum, which sees replicas split,
+    are exchanged every step regardless (PAFT-Dyn's trigger; a record at every step of a
+    split, at its end and at each state fingerprint), with the guard the local gradient
+    norms too; the gradient sketch only on metric steps."""
     cosine: str = "sketch"
     """Gradient-direction consistency: ``sketch`` (k floats per rank), ``exact`` (full
     gradients gathered; small models only) or ``off`` (``--cosine``)."""
@@ -104,7 +105,7 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _require(self.interval >= 1, "--monitor-interval", f"must be >= 1, got {self.interval}")
+        _require(self.interval >= 0, "--monitor-interval", f"must be >= 0, got {self.interval}")
         _require(self.cosine in COSINE_MODES, "--cosine", f"must be one of {COSINE_MODES}, got {self.cosine!r}")
         _require(8 <= self.sketch_dim <= 65536, "--sketch-dim", f"must be in [8, 65536], got {self.sketch_dim}")
         _require(self.fingerprint_every >= 0, "--fingerprint-every", f"must be >= 0, got {self.fingerprint_every}")

@@ -379,22 +379,25 @@ def test_sync_bounds_divergence_that_grows_without_it() -> None:
     assert max(div) < unprotected[-1]
 
 
-@pytest.mark.parametrize(("optimizer", "interval"), [("sgd", 1), ("momentum", 1), ("adam", 1), ("adam", 10)])
+@pytest.mark.parametrize(("optimizer", "interval"), [("sgd", 1), ("momentum", 1), ("adam", 1), ("adam", 10),
+                                                     ("adam", 0)])
 def test_dyn_repairs_a_split_within_one_step(optimizer: str, interval: int) -> None:
-    # At --monitor-interval 10 step 4 computes no worker metrics, but its checksums
-    # still see the split: Dyn's trigger does not wait for the next metric step.
+    # At --monitor-interval 10 step 4 computes no worker metrics (at 0 no step does), but
+    # its checksums still see the split: Dyn's trigger does not wait for a metric step.
     opts = {"optimizer": optimizer, "steps": 12, "monitor": {"interval": interval},
             "protect": {"mode": "dyn", "sync_period": 50, "overlap": True}}
     clean = run_workers(train_toy, 3, opts)
     out = run_workers(train_toy, 3, {**opts, "inject": ["bitflip:steps=4,ranks=1,bits=exponent,count=8"]})
     report = out[0]["reports"][4]
     assert report["metrics"]["replicas/grad_minority_ranks"] == [1]
-    if interval > 1:  # the split's record: the losses and replicas, no worker metrics
+    if interval != 1:  # the split's record: the losses and replicas, no worker metrics
         assert report["metrics"]["local_losses"] and "consistency/loss_cv" not in report["metrics"]
-        after = [out[0]["reports"][s]["metrics"] for s in (3, 5, 6, 10)]
-        assert after[0] == {} and after[2] == {}  # nothing to say of the replicas
-        assert after[1]["replicas/grad_distinct"] == 1  # the step after the split: its end
-        assert "consistency/gnorm_cv" in after[3]  # the next metric step
+        after = [out[0]["reports"][s]["metrics"] for s in (0, 3, 5, 6, 10)]
+        assert after[1] == {} and after[3] == {}  # nothing to say of the replicas
+        assert after[2]["replicas/grad_distinct"] == 1  # the step after the split: its end
+        # The metric steps (0 and 10 at interval 10), or at interval 0 the state checks' records.
+        assert all(("consistency/gnorm_cv" in m) == (interval > 0) for m in (after[0], after[4]))
+        assert "replicas/state_distinct" in after[4]
     assert report["synced"] and out[0]["divergence"][4] == 0.0  # repaired in the step it happened
     # the majority's bits were copied to rank 1: the run is the fault-free run, bit for bit
     for o, c in zip(out, clean):

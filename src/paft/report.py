@@ -157,7 +157,7 @@ _SUMMARY_NUMBERS = ("steps", "world_size", "steps_per_s", "wall_s", "replicas_di
 def _check_config(path: Path, config: dict[str, Any]) -> None:
     """The config.json fields the report reads, checked for their types."""
     for key, kind, name in (("protect", dict, "an object"), ("guard", dict, "an object"),
-                            ("inject", list, "a list"), ("steps", int, "an integer"),
+                            ("monitor", dict, "an object"), ("inject", list, "a list"), ("steps", int, "an integer"),
                             ("world_size", int, "an integer"), ("workload", str, "a string")):
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
@@ -594,11 +594,15 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
         "skipped batches": s.get("skipped_batches", sum(1 for g in guards if g.get("action") == "skip")),
     }
     lines.append("   ".join(f"{k}: {v}" for k, v in counts.items()))
-    lines.append(f"max loss_cv: {_extreme(run, 'consistency/loss_cv', True)}")
+    no_metrics = (cfg.get("monitor") or {}).get("interval") == 0
+    loss_cv = _extreme(run, "consistency/loss_cv", True)
+    lines.append(f"max loss_cv: {loss_cv}{' (worker metrics off: --monitor-interval 0)' if no_metrics else ''}")
     if any("consistency/grad_cos_min" in r for r in run.consistency):
         lines.append(f"min grad_cos_min: {_extreme(run, 'consistency/grad_cos_min', False)}")
     else:
-        if run.consistency:
+        if no_metrics:
+            why = "worker metrics off: --monitor-interval 0"
+        elif run.consistency:
             why = "cosine monitoring off"
         elif (run.path / "consistency.jsonl").is_file():
             why = "consistency.jsonl holds no complete record"

@@ -271,6 +271,24 @@ def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_ru
     assert values == pytest.approx([r["loss"] for r in records], rel=1e-12)
 
 
+def test_a_run_without_worker_metrics_is_reported(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # --monitor-interval 0: only the replica checks' records (the split, its end, the
+    # state fingerprints), no dispersion or cosine. The report says why they are missing.
+    run = copy_run(fault_run, tmp_path / "no-metrics")
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "monitor": {**config["monitor"], "interval": 0}}))
+    metric = re.compile(r"consistency/|local_grad_norms$")
+    rewrite_jsonl(run / "consistency.jsonl", lambda r: {k: v for k, v in r.items() if not metric.match(k)})
+    report = build_report(run)
+    assert_pngs(report.files, ["loss.png", "dispersion.png", "divergence.png"])
+    assert "max loss_cv: not recorded (worker metrics off: --monitor-interval 0)" in report.text
+    assert "min grad_cos_min: not recorded (worker metrics off: --monitor-interval 0)" in report.text
+    assert "first replica split: step 5 (aggregated gradient" in report.text
+    (run / "config.json").write_text(json.dumps({**config, "monitor": "on"}))
+    with pytest.raises(ReportError, match="monitor must be an object"):
+        build_report(run)
+
+
 def test_a_summary_the_records_went_past_is_set_aside(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     # A resume of a finished run rewrites summary.json only when it ends: interrupted
     # before, the old summary (8 steps here) must not speak for the records (12).

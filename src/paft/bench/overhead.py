@@ -21,6 +21,8 @@ Variants, on the default workload (gpt, 4 ranks), all without faults:
 - ``dyn-i10`` / ``guard-i10``: PAFT-Dyn / the guard with the worker metrics every 10
   steps: what the defense reads (the checksums; for the guard also the local losses
   and gradient norms) still every step;
+- ``dyn-i0`` / ``guard-i0``: the same with no worker metrics at all
+  (``--monitor-interval 0``): the defense alone, what it costs apart from the diagnostics;
 - ``sync``: PAFT-Sync, blocking, at period H (no per-step monitor);
 - ``averager``: PyTorch's PeriodicModelAverager at the same period H.
 
@@ -78,6 +80,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dyn-nocos": {"protect": {"mode": "dyn"}, "monitor": {"cosine": "off"}},
     "dyn-i10": {"protect": {"mode": "dyn"}, "monitor": {"interval": 10}},
     "guard-i10": {"guard": {"enabled": True}, "monitor": {"interval": 10}},
+    "dyn-i0": {"protect": {"mode": "dyn"}, "monitor": {"interval": 0}},
+    "guard-i0": {"guard": {"enabled": True}, "monitor": {"interval": 0}},
     "sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "overlap": False}},
     "averager": {"monitor": {"enabled": False}, "protect": {"mode": "averager"}},
 }
