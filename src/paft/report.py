@@ -643,7 +643,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     for name in _PLOTS:  # a plot this run no longer has must not survive from an earlier report
         (out / name).unlink(missing_ok=True)
     files = [_plot_loss(run, out)]
-    if run.consistency:
+    # Only what was recorded: --monitor-interval 0 leaves the replica records alone.
+    if any(key in r for r in run.consistency for key, *_ in _DISPERSION):
         files.append(_plot_dispersion(run, out))
         if any("consistency/grad_cos_mean" in r for r in run.consistency):
             files.append(_plot_cosine(run, out))
