@@ -315,11 +315,31 @@ class FaultSchedule:
     def burst_start(self, spec_index: int, step: int, rank: int) -> int | None:
         """The start step of the (latest) burst of spec ``spec_index`` covering
         ``step`` on ``rank``, or None if it does not fire there."""
-        burst = self.specs[spec_index].burst
-        for s in range(step, max(-1, step - burst), -1):
-            if self.starts(spec_index, s, rank):
-                return s
+        for lo, hi in self._start_ranges(spec_index, step):
+            for s in range(hi, lo - 1, -1):
+                if self.starts(spec_index, s, rank):
+                    return s
         return None
+
+    def _start_ranges(self, i: int, step: int) -> list[tuple[int, int]]:
+        """The steps where a burst covering ``step`` may have started, as ranges, latest
+        first: only listed steps (``steps=``), so a long burst from one listed step (a
+        fault stuck on for the rest of the run) is found without walking back step by
+        step through the whole burst."""
+        s = self.specs[i]
+        first = max(0, step - s.burst + 1, s.start)
+        if first > step:
+            return []
+        lows = self._step_lows[i]
+        if lows is None:
+            return [(first, step)]
+        ranges = []
+        for j in range(bisect.bisect_right(lows, step) - 1, -1, -1):
+            lo, hi = s.steps[j]  # type: ignore[index]
+            if hi < first:
+                break
+            ranges.append((max(lo, first), min(hi, step)))
+        return ranges
 
     def events(self, step: int, rank: int, site: str, attempt: int = 0) -> list[FaultEvent]:
         """The events firing at (step, rank, site), in spec order. ``attempt > 0`` is a

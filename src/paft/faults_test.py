@@ -327,6 +327,30 @@ def test_burst_repeats_on_the_same_rank():
     assert fired(sched, range(20)) == [9, 10, 11]
 
 
+@pytest.mark.parametrize("text", [
+    "nan:rate=0.05,burst=7,ranks=0", "nan:steps=3-9+40+100-120,rate=0.5,burst=30,ranks=0",
+    "nan:steps=5+50,burst=1000000,ranks=0", "nan:rate=0.3,burst=4,start=20,stop=60,ranks=0",
+    "nan:steps=0-200,rate=0.02,burst=25,start=10,ranks=0"])
+def test_burst_start_is_the_latest_start_within_the_burst(text):
+    # Against the definition, walked back step by step: the listed ranges are skipped
+    # through, not walked (a burst of a million steps from step 5 is found at once).
+    sched = FaultSchedule([text], seed=3, world_size=1)
+    burst = sched.specs[0].burst
+    for step in [*range(260), 10**5]:
+        # (the million-step burst can only start at its listed steps, 50 and 5)
+        walk = range(step, max(-1, step - burst), -1) if burst < 10**4 else [s for s in (50, 5) if s <= step]
+        expect = next((s for s in walk if sched.starts(0, s, 0)), None)
+        assert sched.burst_start(0, step, 0) == expect, step
+
+
+def test_random_value_beyond_the_dtype_is_refused():
+    spec = FaultSpec.parse("random:rate=1,value=1e6")
+    spec.check_dtype(torch.float32)
+    with pytest.raises(FaultSpecError, match="'value' must be <= 65504 for float16") as e:
+        spec.check_dtype(torch.float16)
+    assert e.value.field == "value"
+
+
 def test_persistent_vs_transient_on_recompute():
     specs = ["nan:steps=4,ranks=0", "zero:steps=4,ranks=0,persistent=true"]
     sched = FaultSchedule(specs, seed=0, world_size=1)
@@ -373,9 +397,9 @@ def specs(draw) -> FaultSpec:
     if kind == "bitflip":
         kw["bits"] = draw(st.sampled_from(BIT_CLASSES) | st.integers(0, 63))
     if kind == "scale":
-        kw["factor"] = draw(finite)
+        kw["factor"] = draw(finite.filter(lambda f: f != 1))
     if kind == "noise":
-        kw["sigma"] = draw(st.floats(0, 1e6))
+        kw["sigma"] = draw(st.floats(0, 1e6, exclude_min=True))
     if kind == "random":
         kw["value"] = draw(st.none() | st.floats(1e-30, 1e30))
     kw["burst"] = draw(st.integers(1, 100))
@@ -440,6 +464,8 @@ BAD = [
     ("bitflip:rate=1,factor=2", "factor", None),
     ("scale:rate=1,factor=inf", "factor", None),
     ("noise:rate=1,sigma=-1", "sigma", None),
+    ("noise:rate=1,sigma=0", "sigma", "unchanged"),  # recorded and counted, corrupting nothing
+    ("scale:rate=1,factor=1", "factor", "unchanged"),
     ("random:rate=1,value=0", "value", None),
     ("zero:rate=1,value=1", "value", None),
     ("stale:rate=1,count=2", "count", None),
@@ -450,6 +476,8 @@ BAD = [
     ("nan:rate=1,start=5,stop=5", "stop", None),
     # plain ASCII numbers only: int() and float() would take these
     ("bitflip:rate=1,count=1_000", "count", "must be an integer"),
+    ("bitflip:rate=1,count=+3", "count", "must be an integer"),
+    ("bitflip:rate=+0.5", "rate", "must be a number"),
     ("bitflip:steps=\u0663", "steps", None),  # an Arabic-Indic 3
     ("bitflip:rate=\u0661", "rate", "must be a number"),
     ("bitflip:steps=1,bits=0_1", "bits", None),

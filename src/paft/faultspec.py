@@ -22,9 +22,10 @@ Grammar (one ``--inject`` value)::
     count=N     elements hit per event (default 1) ...
     fraction=F  ... or this fraction of the tensor's elements, in (0, 1]
     bits=B      bitflip only: bit index, or sign | exponent | mantissa | any (default)
-    factor=X    scale only: multiply by X (default 1000)
-    sigma=X     noise only: x += N(0, 1) * X * |x| (default 0.1)
-    value=X     random only: replace with U[-X, X] (default X = max |finite x|)
+    factor=X    scale only: multiply by X, not 1 (default 1000)
+    sigma=X     noise only: x += N(0, 1) * X * |x|, X > 0 (default 0.1)
+    value=X     random only: replace with U[-X, X], X within the dtype's range
+                (default X = max |finite x|)
     burst=N     an event that starts at step s on a rank also fires on s+1 .. s+N-1
     persistent= true | false (default): true fires again when a step is recomputed
                 (attempt > 0), as faulty hardware would; false is transient.
@@ -247,8 +248,11 @@ class FaultSpec:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise _err(name, "must be a finite number", v)
             set_(name, float(v))
-        if self.sigma < 0:
-            raise _err("sigma", "must be >= 0", self.sigma)
+        # A fault that leaves every value as it was would still be recorded and counted.
+        if self.sigma <= 0:
+            raise _err("sigma", "must be > 0 (0 leaves the values unchanged)", self.sigma)
+        if self.factor == 1:
+            raise _err("factor", "must not be 1 (it leaves the values unchanged)", self.factor)
         if self.value is not None:
             v = self.value
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
@@ -360,8 +364,12 @@ class FaultSpec:
             raise FaultSpecError(f"field 'ranks' names rank {max(self.ranks)} but {name} is {world_size}", "ranks")
 
     def check_dtype(self, dtype: torch.dtype) -> None:
-        """Raise :class:`FaultSpecError` (field ``bits``) if this spec cannot corrupt
-        tensors of ``dtype``; call it before training starts to fail early."""
+        """Raise :class:`FaultSpecError` (field ``bits``, or ``value``) if this spec cannot
+        corrupt tensors of ``dtype`` as written; call it before training starts to fail early."""
+        if self.kind == "random" and self.value is not None and dtype.is_floating_point:
+            top = torch.finfo(dtype).max  # beyond it a "random" value rounds to inf: another fault
+            if self.value > top:
+                raise _err("value", f"must be <= {top:g} for {str(dtype).replace('torch.', '')}", self.value)
         if self.kind != "bitflip":
             return
         if dtype not in FLOAT_LAYOUT:
@@ -391,8 +399,8 @@ _DEFAULTS = {
 }
 
 
-_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
-_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf|infinity|nan)",
+_INT = re.compile(r"-?[0-9]+", re.ASCII)
+_FLOAT = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|-?(?:inf|infinity|nan)",
                     re.ASCII | re.IGNORECASE)
 
 

@@ -283,6 +283,8 @@ def _as_bytes(i: int, t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    if not t.is_contiguous():  # a strided 1-D tensor (x[::2], an expand) reshapes to itself
+        t = t.contiguous()
     try:
         return t.reshape(-1).view(torch.uint8)
     except RuntimeError as e:  # quantized, sub-byte dtypes, ...

@@ -103,6 +103,10 @@ def test_matches_reference_formula() -> None:
         torch.randn(10000),  # in-place rows + ragged end
         torch.randn(128 * 16),  # exactly 16 rows
         torch.randn(3, 5).t(),  # non-contiguous
+        base[::2],  # strided 1-D: reshape(-1) returns it as it is
+        torch.randn(4, 5)[:, 1],  # a column
+        torch.randint(0, 255, (9000,), dtype=torch.uint8)[::2],  # strided bytes, in-place rows
+        torch.ones(1).expand(1000),  # stride 0
         base[1:9001],  # storage offset not 8-byte aligned
         base.to(torch.bfloat16)[1:9001],  # nor 4-byte aligned
         torch.tensor(2.5),  # 0-dim, 4 bytes

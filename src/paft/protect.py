@@ -353,14 +353,19 @@ class Protector:
         specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
         self.injector = FaultInjector(FaultSchedule(specs, seed, self.world_size), self.rank)
         # Checked here, before the hook is registered: inside a step, a bit beyond the
-        # width would fail in one rank's hook callback and leave the others waiting.
+        # width would fail in one rank's hook callback and leave the others waiting. A
+        # gradient bucket can hold any of the dtypes; faults at rest pick, among the
+        # tensors, those they can corrupt, so there one dtype is enough.
         dtypes = sorted({p.dtype for p in self._params if p.is_floating_point()}, key=str)
         for spec in specs:
+            errors = []
             for dtype in dtypes:
                 try:
                     spec.check_dtype(dtype)
                 except ValueError as err:
-                    raise ValueError(f"protect(): inject {spec.to_text()!r}: {err}") from None
+                    errors.append(err)
+            if errors and (spec.site in ("aggregation", "local-grad") or len(errors) == len(dtypes)):
+                raise ValueError(f"protect(): inject {spec.to_text()!r}: {errors[0]}")
         if guard.enabled and not monitor.enabled:
             raise ValueError("the guard needs the per-step monitor (MonitorConfig.enabled)")
         if protect.mode in ("sync", "dyn") and protect.sync_mode == "broadcast" and not (
