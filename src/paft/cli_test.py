@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from paft.cli import main
+from paft.config import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -117,12 +118,13 @@ def test_existing_run_dir_is_never_overwritten(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / name).write_text("{}")
+    text = json.dumps(TrainConfig().to_dict())  # a run's own config.json (a user's is no run: see below)
+    (tmp_path / "out" / name).write_text(text)
     with pytest.raises(SystemExit) as exc:
         main(["train", "--run-dir", "out"])
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
-    assert (tmp_path / "out" / name).read_text() == "{}"
+    assert (tmp_path / "out" / name).read_text() == text
 
 
 def test_resume_needs_a_run_dir(capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,11 +140,15 @@ def test_overwrite_deletes_only_paft_output(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    # Names any project may hold: a user's own config.json and results.json are no
+    # marks of paft's output (paft's config.json is recognised by its keys).
+    (tmp_path / "mine" / "config.json").write_text('{"lr": 3}')
+    (tmp_path / "mine" / "results.json").write_text('{"my": "experiment"}')
     (tmp_path / "afile").write_text("")
     for argv, needle in [
-        (["train", "--run-dir", "mine", "--overwrite"], "--overwrite: mine holds no config.json"),
-        (["bench", "overhead", "--out", "mine", "--overwrite"],
-         "--overwrite: mine holds no .paft-bench or results.json"),
+        (["train", "--run-dir", "mine", "--overwrite"], "--overwrite: mine holds no config.json of paft's"),
+        (["train", "--run-dir", "mine"], "--run-dir: mine already exists; pass --resume"),
+        (["bench", "overhead", "--out", "mine", "--overwrite"], "--overwrite: mine holds no .paft-bench of paft's"),
         (["train", "--run-dir", "afile/run"], "--run-dir: cannot create afile/run: afile is not a directory"),
     ]:
         with pytest.raises(SystemExit) as exc:
@@ -150,6 +156,7 @@ def test_overwrite_deletes_only_paft_output(
         assert exc.value.code == 2
         assert needle in capsys.readouterr().err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["config.json", "notes.txt", "results.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "mine"]
 
 
@@ -362,7 +369,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwri
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
     (tmp_path / "empty").rmdir()
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "config.json").write_text("{}")
+    (tmp_path / "old" / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
     (tmp_path / "old" / "summary.json").write_text("old run")
     assert main(["train", *failing, "--run-dir", "old", "--overwrite"]) == 1
     assert "the output it was to replace is back in old" in capsys.readouterr().err

@@ -24,7 +24,7 @@ import math
 import os
 import pathlib
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 _UMASK = os.umask(0)
@@ -39,6 +39,7 @@ __all__ = [
     "is_file",
     "truncate_jsonl",
     "jsonable",
+    "Marker",
     "output_dir_problem",
     "path_name_problem",
 ]
@@ -65,14 +66,20 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def output_dir_problem(path: pathlib.Path, option: str, markers: tuple[str, ...], overwrite: bool) -> str | None:
+Marker = Mapping[str, Callable[[pathlib.Path], bool]]
+"""File name -> whether the file of that name in a folder is paft's own: what tells
+paft's output folders from a user's."""
+
+
+def output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwrite: bool) -> str | None:
     """Why ``path`` cannot become an output folder, or None; touches nothing.
 
     It must be creatable (its nearest existing ancestor a writable directory). An
     existing, non-empty folder is replaced only with ``overwrite``, and only if it
-    holds one of ``markers`` (a run's ``config.json``, a benchmark's marker file):
-    ``--overwrite`` deletes paft's own results, never a folder of other files, and
-    never through a symbolic link.
+    holds one of ``markers`` that its check recognises as paft's (a benchmark's
+    marker file; a run's ``config.json`` with a run config's keys, not a user's own
+    ``config.json``): ``--overwrite`` deletes paft's own results, never a folder of
+    other files, and never through a symbolic link.
     """
     try:
         return path_name_problem(path, option) or _output_dir_problem(path, option, markers, overwrite)
@@ -93,7 +100,7 @@ def path_name_problem(path: pathlib.Path, option: str) -> str | None:
     return None
 
 
-def _output_dir_problem(path: pathlib.Path, option: str, markers: tuple[str, ...], overwrite: bool) -> str | None:
+def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwrite: bool) -> str | None:
     if path.is_symlink() and overwrite:
         return f"--overwrite: {path} is a symbolic link; give the real directory to replace"
     if path.exists():
@@ -102,9 +109,9 @@ def _output_dir_problem(path: pathlib.Path, option: str, markers: tuple[str, ...
         if any(path.iterdir()):
             if not overwrite:
                 return f"{option}: {path} already exists; pass --overwrite to replace it"
-            if not any((path / m).is_file() for m in markers):
-                return (f"--overwrite: {path} holds no {' or '.join(markers)}, so it is not paft's output; "
-                        "refusing to delete it")
+            if not any(ours(path / name) for name, ours in markers.items()):
+                return (f"--overwrite: {path} holds no {' or '.join(markers)} of paft's, so it is not paft's "
+                        "output; refusing to delete it")
         return None if os.access(path, os.W_OK) else f"{option}: {path} is not writable"
     parent = path.parent
     while not parent.exists() and parent != parent.parent:

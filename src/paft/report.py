@@ -32,7 +32,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import from_jsonable_float, output_dir_problem, read_jsonl, read_utf8
+from paft.records import from_jsonable_float, is_file, output_dir_problem, read_jsonl, read_utf8
 
 __all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
 
@@ -631,8 +631,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         raise ReportError(f"{label}: cannot use {out}: {err.strerror or err}") from None
     # A user's folder that happens to hold a report.md or a loss.png is not ours; a report
     # written before the marker existed is recognised by its title line.
-    markers = (REPORT_MARKER, "report.md") if _titled_report(target / "report.md") else (REPORT_MARKER,)
-    problem = output_dir_problem(target, label, markers, overwrite=True)
+    problem = output_dir_problem(target, label, {REPORT_MARKER: is_file, "report.md": _titled_report},
+                                 overwrite=True)
     if problem:
         raise ReportError(problem.replace("--overwrite: ", f"{label}: ").replace("delete it", "write into it"))
     try:

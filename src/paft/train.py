@@ -47,6 +47,7 @@ from paft.records import (
     output_dir_problem,
     path_name_problem,
     read_jsonl,
+    read_utf8,
     truncate_jsonl,
 )
 from paft.sync import measure_divergence
@@ -113,15 +114,29 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         _check_resume(cfg, path)
         return
     if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
-        if (path / "config.json").is_file() and not (path / "checkpoints" / "latest").is_file():
+        if _is_run_config(path / "config.json") and not (path / "checkpoints" / "latest").is_file():
             raise RunDirError(f"--run-dir: {path} holds a run that stopped before its first checkpoint; "
                               "pass --overwrite to start it again")
         raise RunDirError(
             f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
         )
-    problem = output_dir_problem(path, "--run-dir", ("config.json",), cfg.overwrite)
+    problem = output_dir_problem(path, "--run-dir", {"config.json": _is_run_config}, cfg.overwrite)
     if problem:
         raise RunDirError(problem)
+
+
+# Keys every paft run's config.json has had: a user's own config.json is not a run's.
+_RUN_CONFIG_KEYS = frozenset({"workload", "world_size", "steps", "seed", "inject", "monitor", "protect", "guard"})
+
+
+def _is_run_config(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a ``config.json`` that ``paft train`` wrote (what marks a run
+    directory that ``--overwrite`` may replace)."""
+    try:
+        data = json.loads(read_utf8(path))
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
+        return False
+    return isinstance(data, dict) and _RUN_CONFIG_KEYS <= data.keys()
 
 
 def has_checkpoint(run_dir: pathlib.Path) -> bool:

@@ -96,10 +96,11 @@ MAX_LOCAL_WORLD_SIZE = 64
 
 
 def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathlib.Path:
-    from paft.records import output_dir_problem
+    from paft.records import is_file, output_dir_problem
 
     out = pathlib.Path(args.out or f"bench/{args.benchmark}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    problem = output_dir_problem(out, "--out", (BENCH_MARKER, "results.json"), args.overwrite)
+    # Only the marker: "results.json" is a name anyone's folder may hold.
+    problem = output_dir_problem(out, "--out", {BENCH_MARKER: is_file}, args.overwrite)
     if problem:
         parser.error(problem)
     return out

@@ -289,13 +289,17 @@ def test_existing_out_without_overwrite_exits_2_and_keeps_it(benchmark: str, tmp
     assert (out / "keep.txt").read_text() == "earlier results"
 
 
-def test_overwrite_with_bad_option_keeps_existing_out(tmp_path: pathlib.Path) -> None:
+def test_overwrite_with_bad_option_keeps_existing_out(tmp_path: pathlib.Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("earlier results")
-    with pytest.raises(SystemExit):
+    (out / ".paft-bench").write_text("paft bench matrix\n")  # an earlier benchmark's: --overwrite may replace it
+    (out / "results.json").write_text("earlier results")
+    with pytest.raises(SystemExit) as exc:
         main(["bench", "matrix", "--workloads", "bert", "--overwrite", "--out", str(out)])
-    assert (out / "keep.txt").exists()
+    assert exc.value.code == 2 and "--workloads" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "results.json").read_text() == "earlier results"
 
 
 def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -325,11 +329,12 @@ def test_overwrite_keeps_the_old_results_until_the_new_benchmark_finishes(
 
     out = tmp_path / "out"
     out.mkdir()
+    (out / ".paft-bench").write_text("paft bench desync\n")
     (out / "results.json").write_text("old results")
     monkeypatch.setattr(desync, "run", interrupted)
     assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left aside
-    assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".paft-bench", "results.json"]
     assert (out / "results.json").read_text() == "old results"
 
 
