@@ -743,7 +743,9 @@ class Protector:
     def _judge(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
         """Record a guard verdict that says something; stop the run if it must."""
         if verdict.detector is not None or verdict.action != "proceed":
-            self.recorder.event({"step": step, "event": "guard", "attempt": attempt, **verdict.to_json()})
+            # With the run's counts so far: a run that ends without summary.json is still counted right.
+            self.recorder.event({"step": step, "event": "guard", "attempt": attempt, **verdict.to_json(),
+                                 "totals": dict(self.guard.counters)})  # type: ignore[union-attr]
             cause = f", cause {verdict.cause}" if verdict.cause else ""
             ranks = f" on rank(s) {verdict.ranks}" if verdict.ranks else ""
             self.recorder.say(

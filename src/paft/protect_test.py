@@ -263,6 +263,9 @@ def test_guard_recomputes_a_transient_bit30_flip_exactly(site: str, interval: in
     assert (first["step"], first["detector"], first["ranks"]) == (7, detector, [1])
     c = out[0]["counters"]
     assert c["detections"] == 1 and c["recomputes"] == 1 and c["transient"] == 1 and c["skipped_batches"] == 0
+    last = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "guard"][-1]
+    # The guard's counts so far, for a run that ends without its summary.
+    assert last["totals"] and last["totals"] == {k: c[k] for k in last["totals"]}
 
 
 def test_nan_in_input_data_is_attributed_to_data_and_skipped() -> None:

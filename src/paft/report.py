@@ -584,14 +584,19 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     else:
         lines.append("first replica split: not recorded (no fingerprints in consistency.jsonl)")
     guards = run.events_of("guard")
+    # Without a summary: the guard's own counts, which each of its events carries; a run
+    # recorded before they did is counted from the events (an incident's first attempt
+    # that made the guard act is one detection; a repair is followed by a recompute).
+    totals = next((g["totals"] for g in reversed(guards) if isinstance(g.get("totals"), dict)), None) or {
+        "detections": len({g.get("step") for g in guards if g.get("action") != "proceed" and not g.get("attempt")}),
+        "recomputes": sum(1 for g in guards if g.get("action") in ("recompute", "repair")),
+        "skipped_batches": sum(1 for g in guards if g.get("action") == "skip"),
+    }
     counts = {
         "syncs": s.get("syncs", len(_syncs(run))),
-        # Without a summary: each (step, detector) that made the guard act is one detection.
-        "detections": s.get("detections", len({(g.get("step"), g.get("detector"))
-                                                for g in guards if g.get("action") != "proceed"})),
-        # A repair is followed by a recompute of the step: the guard counts both alike.
-        "recomputes": s.get("recomputes", sum(1 for g in guards if g.get("action") in ("recompute", "repair"))),
-        "skipped batches": s.get("skipped_batches", sum(1 for g in guards if g.get("action") == "skip")),
+        "detections": s.get("detections", totals.get("detections", 0)),
+        "recomputes": s.get("recomputes", totals.get("recomputes", 0)),
+        "skipped batches": s.get("skipped_batches", totals.get("skipped_batches", 0)),
     }
     lines.append("   ".join(f"{k}: {v}" for k, v in counts.items()))
     no_metrics = (cfg.get("monitor") or {}).get("interval") == 0

@@ -320,6 +320,19 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
             "the guard caught it before the update)") in text
     assert "syncs: 2   detections: 1   recomputes: 1" in text  # the guard's repair is a sync, and reruns
     assert _periods(load_run(run)) == [(7, 25.0), (7, 5.0)]  # the sync's period is the one in force
+    # One incident whose recompute trips another detector is one detection (a run
+    # recorded before the events carried the guard's own counts)...
+    with open(run / "events.jsonl", "a") as f:
+        for attempt, detector in ((0, "grad_mismatch"), (1, "rank_outlier")):
+            f.write(json.dumps({"step": 9, "event": "guard", "attempt": attempt, "action": "recompute",
+                                "detector": detector, "cause": None, "ranks": [1], "values": {}}) + "\n")
+    assert "detections: 2   recomputes: 3   skipped batches: 0" in build_report(run).text
+    # ... and the guard's own counts, when its events carry them, are the ones reported.
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 9, "event": "guard", "attempt": 2, "action": "proceed", "detector": "rank_outlier",
+                            "cause": "transient", "ranks": [1], "values": {},
+                            "totals": {"detections": 7, "recomputes": 8, "skipped_batches": 1}}) + "\n")
+    assert "detections: 7   recomputes: 8   skipped batches: 1" in build_report(run).text
 
 
 def test_a_closed_console_ends_the_report_quietly(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
