@@ -80,6 +80,11 @@ class RunData:
         return [e for e in self.events if e.get("event") == kind]
 
     @property
+    def name(self) -> str:
+        """The run directory's name, also when it was given as ``.``."""
+        return self.path.resolve().name
+
+    @property
     def last_step(self) -> int:
         """The last step index any rank recorded."""
         return max((recs[-1]["step"] for recs in self.metrics.values() if recs), default=-1)
@@ -232,9 +237,17 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [s for s, _ in rows], [v for _, v in rows]
 
 
+def _lone(values: Sequence[float], kw: dict[str, Any]) -> dict[str, Any]:
+    """``kw`` with a marker where fewer than two finite points make no line to draw (a
+    one-step run, a sparse record): else the series is in the legend and nowhere else."""
+    if sum(1 for v in values if math.isfinite(v)) < 2 and "marker" not in kw:
+        return {**kw, "marker": "o", "ms": 4}
+    return kw
+
+
 def _plot(ax: Axes, steps: Sequence[int], values: Sequence[float], **kw: Any) -> None:
     """A line of the finite values; non-finite ones as markers on the top edge."""
-    ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], **kw)
+    ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], **_lone(values, kw))
     bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
     if bad:
         first = "non-finite value (color: series)" not in ax.get_legend_handles_labels()[1]
@@ -301,6 +314,8 @@ def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
         ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
+    lo, hi = ax.get_xlim()  # the whole run, also where a panel's record is sparse (one point: ±0.04)
+    ax.set_xlim(min(lo, 0), max(hi, run.last_step + 1))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
@@ -327,7 +342,7 @@ def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
 
 
 def _plot_loss(run: RunData, out: Path) -> Path:
-    fig, (ax,) = _figure(1, 1, f"Loss: {run.path.name}")
+    fig, (ax,) = _figure(1, 1, f"Loss: {run.name}")
     everything: list[float] = []
     for rank, records in run.metrics.items():
         steps, values = _series(records, "local_loss")
@@ -354,7 +369,7 @@ def _plot_loss(run: RunData, out: Path) -> Path:
 
 
 def _plot_dispersion(run: RunData, out: Path) -> Path:
-    fig, axes = _figure(2, 2, f"Worker dispersion: {run.path.name}")
+    fig, axes = _figure(2, 2, f"Worker dispersion: {run.name}")
     for ax, (key, title, ylabel) in zip(axes, _DISPERSION):
         steps, values = _series(run.consistency, key)
         _plot(ax, steps, values, color="black", lw=1.2, label=key)
@@ -364,7 +379,7 @@ def _plot_dispersion(run: RunData, out: Path) -> Path:
 
 
 def _plot_cosine(run: RunData, out: Path) -> Path:
-    fig, (pairs, to_mean) = _figure(2, 1, f"Gradient cosine similarity between workers: {run.path.name}")
+    fig, (pairs, to_mean) = _figure(2, 1, f"Gradient cosine similarity between workers: {run.name}")
     # Drawn wide then thin: with two ranks there is one pair, and min == mean.
     for key, color, width in (("consistency/grad_cos_mean", "0.6", 3.0), ("consistency/grad_cos_min", "tab:red", 1.2)):
         steps, values = _series(run.consistency, key)
@@ -385,7 +400,8 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
                               ("replicas/state_distinct", "tab:orange", "training state")):
         steps, values = _series(run.consistency, key)
         if steps:
-            ax.step(steps, values, where="post", color=color, lw=1.5, label=f"distinct {label}")
+            ax.step(steps, values, where="post", **_lone(values, {"color": color, "lw": 1.5}),
+                    label=f"distinct {label}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max(2, run.world_size) + 0.5)
     split = _first_split(run)
@@ -433,7 +449,7 @@ def _plot_divergence(run: RunData, out: Path) -> Path | None:
                                     ("sync", bool(_syncs(run))), ("period", bool(periods))) if on]
     if not panels:
         return None
-    fig, axes = _figure(len(panels), 1, f"Replica divergence: {run.path.name}")
+    fig, axes = _figure(len(panels), 1, f"Replica divergence: {run.name}")
     for ax, name in zip(axes, panels):
         if name == "replicas":
             _replica_panel(ax, run)
@@ -599,21 +615,19 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
         "skipped batches": s.get("skipped_batches", totals.get("skipped_batches", 0)),
     }
     lines.append("   ".join(f"{k}: {v}" for k, v in counts.items()))
-    no_metrics = (cfg.get("monitor") or {}).get("interval") == 0
-    loss_cv = _extreme(run, "consistency/loss_cv", True)
-    lines.append(f"max loss_cv: {loss_cv}{' (worker metrics off: --monitor-interval 0)' if no_metrics else ''}")
-    if any("consistency/grad_cos_min" in r for r in run.consistency):
-        lines.append(f"min grad_cos_min: {_extreme(run, 'consistency/grad_cos_min', False)}")
+    # Why a metric is missing, when it is: the same reason for both lines.
+    if (cfg.get("monitor") or {}).get("interval") == 0:
+        why = "worker metrics off: --monitor-interval 0"
+    elif run.consistency:
+        why = "cosine monitoring off"
+    elif (run.path / "consistency.jsonl").is_file():
+        why = "consistency.jsonl holds no complete record"
     else:
-        if no_metrics:
-            why = "worker metrics off: --monitor-interval 0"
-        elif run.consistency:
-            why = "cosine monitoring off"
-        elif (run.path / "consistency.jsonl").is_file():
-            why = "consistency.jsonl holds no complete record"
-        else:
-            why = "no consistency.jsonl: monitoring off"
-        lines.append(f"min grad_cos_min: not recorded ({why})")
+        why = "no consistency.jsonl: monitoring off"
+    loss_cv = _extreme(run, "consistency/loss_cv", True)
+    lines.append(f"max loss_cv: {loss_cv}{f' ({why})' if loss_cv == 'not recorded' else ''}")
+    cos_min = _extreme(run, "consistency/grad_cos_min", False)
+    lines.append(f"min grad_cos_min: {cos_min}{f' ({why})' if cos_min == 'not recorded' else ''}")
     alerts = run.events_of("alert")
     detail = f" ({_counts(alerts, 'detector')})" if alerts else ""
     lines.append(f"alerts: {s.get('alerts', len(alerts))}{detail}")
@@ -659,7 +673,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     text = summary_text(run, files)
     images = "\n".join(f"![{f.stem}]({f.name})" for f in files)
     md = out / "report.md"
-    md.write_text(f"{_TITLE}{run.path.name}\n\n```text\n{text}```\n\n{images}\n")
+    md.write_text(f"{_TITLE}{run.name}\n\n```text\n{text}```\n\n{images}\n")
     return Report(files=[*files, md], text=text)
 
 

@@ -7,6 +7,7 @@ guard and sync events, non-finite values) are derived from a real run's files.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from paft.config import TrainConfig
-from paft.report import ReportError, _global_loss, _periods, build_report, load_run
+from paft.report import ReportError, _figure, _global_loss, _periods, _plot, _replica_panel, build_report, load_run
 from paft.testing import run_workers
 from paft.train import Trainer, prepare_run_dir
 
@@ -144,7 +145,7 @@ def test_guard_stopped_run_gets_one_note(fault_run: pathlib.Path, tmp_path: path
     assert "no summary.json" not in text
 
 
-def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = copy_run(clean_run, tmp_path / "unmonitored")
     build_report(run)  # an earlier report's plots must not survive the next one
     (run / "consistency.jsonl").unlink()
@@ -152,7 +153,10 @@ def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None
     assert_pngs(report.files, ["loss.png"])
     assert sorted(p.name for p in (run / "report").iterdir()) == [".paft-report", "loss.png", "report.md"]
     assert "first replica split: not recorded" in report.text
-    assert "max loss_cv: not recorded" in report.text
+    assert "max loss_cv: not recorded (no consistency.jsonl: monitoring off)" in report.text
+    # Given as "." from inside the run directory: still named.
+    monkeypatch.chdir(run)
+    assert build_report(".").files[-1].read_text().startswith("# paft report: unmonitored\n")
 
 
 def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -287,6 +291,23 @@ def test_a_run_without_worker_metrics_is_reported(fault_run: pathlib.Path, tmp_p
     (run / "config.json").write_text(json.dumps({**config, "monitor": "on"}))
     with pytest.raises(ReportError, match="monitor must be an object"):
         build_report(run)
+
+
+def test_a_lone_point_is_drawn_over_the_whole_run(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # A series with one point has no line to draw: without a marker it was in the legend
+    # only, on an x axis of ±0.04 around the point (a 1-step run; --monitor-interval 0).
+    run_dir = copy_run(fault_run, tmp_path / "lone")
+    path = run_dir / "consistency.jsonl"
+    path.write_text(path.read_text().splitlines()[0] + "\n")  # step 0's record only
+    run = load_run(run_dir)
+    _, (ax, other) = _figure(1, 2, "lone")
+    _replica_panel(ax, run)
+    assert ax.get_lines()[0].get_marker() == "o"
+    lo, hi = ax.get_xlim()
+    assert lo <= 0 and hi == run.last_step + 1
+    _plot(other, [0, 1], [1.0, 2.0])  # a line: no marker added
+    _plot(other, [0, 1], [1.0, math.nan])
+    assert [line.get_marker() for line in other.get_lines()[:2]] == ["None", "o"]
 
 
 def test_a_summary_the_records_went_past_is_set_aside(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:

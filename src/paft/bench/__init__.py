@@ -71,7 +71,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                           "the work per rank grows [default: %(default)s, as paft train]")
     overhead.add_argument("--model", metavar="KEY=VALUE", action="append", type=parse_model_arg,
                           help="model size override, as paft train's (e.g. --model n_layer=12); repeatable")
-    overhead.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} [default: all]")
+    overhead.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} [default: all]; "
+                          "plain DDP, the reference, always runs")
 
     desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
     common(desync)
@@ -136,6 +137,9 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+        if args.variants == "plain":
+            parser.error("--variants: plain alone measures nothing: plain DDP is the reference the variants are "
+                         "measured against (it always runs); name a variant")
         _refuse_repeats(parser, "--variants", args.variants.split(","))
     if args.benchmark == "overhead" and args.workload not in WORKLOADS:
         parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")

@@ -231,6 +231,7 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["matrix", "--workloads", "bert"], "--workloads"),
     (["overhead", "--variants", "plain,turbo"], "--variants"),
     (["overhead", "--variants", ""], "--variants: unknown ['']"),  # not "every variant"
+    (["overhead", "--variants", "plain"], "--variants: plain alone measures nothing"),  # an empty table
     (["overhead", "--workload", "bert"], "--workload"),
     (["overhead", "--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
     (["overhead", "--variant", "plain"], "unrecognized arguments: --variant plain"),  # no prefixes
