@@ -145,8 +145,13 @@ def test_overwrite_deletes_only_paft_output(
     (tmp_path / "mine" / "config.json").write_text('{"lr": 3}')
     (tmp_path / "mine" / "results.json").write_text('{"my": "experiment"}')
     (tmp_path / "afile").write_text("")
+    os.symlink("nowhere", tmp_path / "dangling")
     for argv, needle in [
         (["train", "--run-dir", "mine", "--overwrite"], "--overwrite: mine holds no config.json of paft's"),
+        # The folder a run's files land in: "new/../mine" is mine (it used to be taken for a
+        # new folder, and new/ was left behind).
+        (["train", "--run-dir", "new/../mine"], f"--run-dir: {tmp_path / 'mine'} already exists; pass --resume"),
+        (["train", "--run-dir", "dangling"], "--run-dir: dangling is a symbolic link to nothing (nowhere)"),
         (["train", "--run-dir", "mine"], "--run-dir: mine already exists; pass --resume"),
         (["bench", "overhead", "--out", "mine", "--overwrite"], "--overwrite: mine holds no .paft-bench of paft's"),
         (["train", "--run-dir", "afile/run"], "--run-dir: cannot create afile/run: afile is not a directory"),
@@ -157,7 +162,7 @@ def test_overwrite_deletes_only_paft_output(
         assert needle in capsys.readouterr().err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["config.json", "notes.txt", "results.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "mine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling", "mine"]
 
 
 def test_missing_gpus_exit_2_before_anything_is_written(
@@ -416,7 +421,6 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
 def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from paft.cli import _warn_idle_faults
-    from paft.config import TrainConfig
 
     spec, _, optimizer = spec.partition(",optimizer=")
     _warn_idle_faults(TrainConfig(steps=3, inject=[spec], optimizer=optimizer or "sgd"))
@@ -486,17 +490,21 @@ def test_config_fields_keep_their_types_from_python() -> None:
     assert ProtectConfig(target=1).target == 1  # an int where a float is asked is fine
 
 
-def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
+def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """A bad value in a --config file (or a hand-edited config.json) named only the
     command-line option, as if the user had typed it."""
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     pathlib.Path("neg.toml").write_text("lr = -1.0\n")
     pathlib.Path("hmax.toml").write_text("h-max = 3\n")
+    pathlib.Path("guard.toml").write_text("guard = true\n")
     for argv, needle in ((["--config", "neg.toml"], "neg.toml: lr: must be > 0, got -1.0"),
                          (["--config", "hmax.toml"], "hmax.toml: h-max: must be >= --h-min"),
                          (["--config", "hmax.toml", "--h-min", "40"], "error: --h-max: must be >= --h-min"),
                          (["--config", "neg.toml", "--lr", "-2"], "--lr: must be > 0, got -2"),  # typed: the option
+                         # --no-monitor, typed, is the option "monitor": not the file's doing
+                         (["--config", "guard.toml", "--no-monitor"],
+                          "error: --guard: needs the per-step monitor; drop --no-monitor"),
                          (["--grad-clip", "inf"], "--grad-clip: must be a finite number >= 0")):
         with pytest.raises(SystemExit) as exc:
             main(["train", "--run-dir", "r", *argv])
@@ -522,13 +530,13 @@ def test_sigterm_unwinds_like_ctrl_c_with_its_own_exit_code(capsys: pytest.Captu
     assert "interrupted (Ctrl-C)" in capsys.readouterr().err
 
 
-def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Two paft train processes in one run directory interleaved their records: a
     --resume or --overwrite while another run holds the directory is refused."""
-    from paft.config import TrainConfig
     from paft.launch import _lock
 
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     run = pathlib.Path("r")
     run.mkdir()
     (run / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
@@ -546,7 +554,6 @@ def test_a_run_dir_another_start_took_meanwhile_is_left_alone(tmp_path: pathlib.
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Two new runs started together: the one that lost the directory removed the
     winner's files on its way out (the lock came after the directory was written)."""
-    from paft.config import TrainConfig
     from paft.launch import _lock, claim_run_dir
     from paft.train import RunDirError
 
@@ -574,7 +581,6 @@ def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathli
     """The launcher locked an existing folder, then locked it again as a new run's: flock
     locks belong to each open file, so it refused itself and removed the folder."""
     from paft import launch as launcher
-    from paft.config import TrainConfig
     from paft.train import RunDirError
 
     monkeypatch.chdir(tmp_path)

@@ -34,6 +34,7 @@ from paft.train import (
     default_run_dir,
     format_summary,
     has_checkpoint,
+    resolve_run_dir,
     run_worker,
     write_config,
 )
@@ -56,8 +57,7 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     deletes it only once the new run has finished or written its first checkpoint;
     when the new run stops before that, the old run is moved back.
     """
-    if not cfg.run_dir:
-        cfg.run_dir = default_run_dir(cfg.workload)
+    cfg.run_dir = resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))
     check_devices(cfg)
     check_run_dir(cfg)
     with claim_run_dir(cfg) as outcome:

@@ -368,7 +368,8 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
         # A check across options ("--h-max: must be >= --h-min") blames the file only
         # when no option it names was typed.
         flag, sep, rest = str(err).partition(": ")
-        named = {m[2:] for m in re.findall(r"--[a-z][\w-]*", str(err))}
+        # (--no-monitor is typed for the option "monitor")
+        named = {m[2:].removeprefix("no-") for m in re.findall(r"--[a-z][\w-]*", str(err))}
         if sep and flag.startswith("--") and source.get(flag[2:]) and not named & given.keys():
             raise ConfigFileError(f"{source[flag[2:]]}: {flag[2:]}: {rest}") from None
         raise

@@ -101,6 +101,8 @@ def path_name_problem(path: pathlib.Path, option: str) -> str | None:
 
 
 def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwrite: bool) -> str | None:
+    if path.is_symlink() and not path.exists():
+        return f"{option}: {path} is a symbolic link to nothing ({os.readlink(path)})"
     if path.is_symlink() and overwrite:
         return f"--overwrite: {path} is a symbolic link; give the real directory to replace"
     if path.exists():

@@ -60,7 +60,9 @@ __all__ = [
     "prepare_run_dir",
     "write_config",
     "check_run_dir",
+    "resolve_run_dir",
     "has_checkpoint",
+    "stale_checkpoints",
     "format_summary",
     "RunDirError",
     "DeviceError",
@@ -94,6 +96,15 @@ _FIXED_ON_RESUME = (
     ("batch_size", "--batch-size"), ("optimizer", "--optimizer"), ("seed", "--seed"),
     ("protect.mode", "--protect"), ("protect.sync_mode", "--sync-mode"), ("guard.enabled", "--guard"),
 )
+
+
+def resolve_run_dir(run_dir: str) -> str:
+    """``run_dir`` as the kernel walks it, where the text says otherwise: a path with
+    ".." is resolved (symbolic links, then "..") up front, so the checks, the folders a
+    run creates and their clean-up all mean the folder its files land in
+    ("missing/../a" is ``a`` and creates no ``missing/``; "link/../r" is beside the
+    link's target, not beside the link)."""
+    return os.path.realpath(run_dir) if ".." in pathlib.PurePath(run_dir).parts else run_dir
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -137,6 +148,16 @@ def _is_run_config(path: pathlib.Path) -> bool:
     except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
         return False
     return isinstance(data, dict) and _RUN_CONFIG_KEYS <= data.keys()
+
+
+def stale_checkpoints(folders: list[pathlib.Path], latest: str) -> list[pathlib.Path]:
+    """The checkpoint folders to delete once ``latest`` is written: all but the newest
+    ``_KEEP_CHECKPOINTS`` up to it, and every one past it. Those are from a timeline a
+    resume fell back from (``latest`` was damaged): kept, a damaged newer folder would
+    outlive the good ones, each new checkpoint deleting the one before."""
+    # Zero-padded step numbers: names sort as the steps do.
+    upto = sorted(f for f in folders if f.name <= latest)
+    return upto[:-_KEEP_CHECKPOINTS] + sorted(f for f in folders if f.name > latest)
 
 
 def has_checkpoint(run_dir: pathlib.Path) -> bool:
@@ -482,7 +503,7 @@ class Trainer:
         dist.barrier()
         if self.rank == 0:
             atomic_write_bytes(self._ckpt_root / "latest", folder.name.encode())
-            for old in sorted(self._ckpt_root.glob("step*"))[:-_KEEP_CHECKPOINTS]:
+            for old in stale_checkpoints(list(self._ckpt_root.glob("step*")), folder.name):
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
 
@@ -734,7 +755,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
     """:func:`main` once the process group is up."""
     from paft.launch import claim_run_dir  # launch imports this module
     # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
-    name = [cfg.run_dir or default_run_dir(cfg.workload)]
+    name = [resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))]
     dist.broadcast_object_list(name, src=0)
     cfg.run_dir = name[0]
     with contextlib.ExitStack() as claim:

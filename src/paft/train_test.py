@@ -12,7 +12,7 @@ import torch
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.records import read_jsonl
 from paft.testing import run_workers
-from paft.train import RunDirError, Trainer, _lr_lambda, check_run_dir, prepare_run_dir
+from paft.train import RunDirError, Trainer, _lr_lambda, check_run_dir, prepare_run_dir, stale_checkpoints
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
@@ -152,6 +152,15 @@ def test_resume_falls_back_to_the_older_checkpoint_when_the_newest_is_damaged(tm
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
     assert [m["step"] for m in read_jsonl(tmp_path / "b" / "metrics" / "rank0.jsonl")] == list(range(12))
+
+
+def test_checkpoints_past_the_latest_are_pruned() -> None:
+    # A resume fell back from a damaged step 250 to step 200 and checkpoints every 20:
+    # at step 240 the damaged folder goes, and 220 and 240 stay (step 250 was kept,
+    # newest by name, and each new checkpoint deleted the good one before it).
+    folders = [pathlib.Path("ckpt", f"step{s:07d}") for s in (200, 220, 240, 250)]
+    assert [f.name for f in stale_checkpoints(folders, "step0000240")] == ["step0000200", "step0000250"]
+    assert [f.name for f in stale_checkpoints(folders[:2], "step0000220")] == []
 
 
 def test_resume_of_a_run_stopped_before_its_summary_writes_only_the_summary(tmp_path: pathlib.Path) -> None:
