@@ -42,7 +42,7 @@ import torch.distributed as dist
 from paft.faults import FaultInjector, FaultRecord
 from paft.fingerprint import digest_tensor
 
-__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch", "total_norm"]
+__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch", "total_norm", "judged_norm"]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -71,6 +71,10 @@ def _unless_overflowed(sq: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(sq), torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2, sq)
 
 
+def _float64_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]))
+
+
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``torch.nn.utils.get_total_norm`` of ``tensors`` (what clipping uses), summed
     again in float64 where float32's squares overflowed on finite entries (a host read
@@ -78,9 +82,20 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     only when an entry is, or the norm itself is past the dtype's range."""
     norm = torch.nn.utils.get_total_norm(tensors)
     if norm.dtype != torch.float64 and math.isinf(norm):
-        wide = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])
-        norm = torch.linalg.vector_norm(wide).to(norm.dtype)
+        norm = _float64_norm(tensors).to(norm.dtype)
     return norm
+
+
+def judged_norm(norm: torch.Tensor, tensors: list[torch.Tensor]) -> float:
+    """``norm`` (:func:`total_norm`'s, which clipping keeps, as torch's does) as a float,
+    or where it is inf past its dtype's range on finite entries (float16 gradients of
+    norm above 65504) the float64 norm: what the guard, the loss scaler's agreed skips
+    and the metrics judge, so finite gradients never read as non-finite. (Float64
+    gradients of norm above ~1.3e154 still do: their squares pass float64's range.)"""
+    value = float(norm)
+    if math.isinf(value) and norm.dtype != torch.float64:
+        value = float(_float64_norm(tensors))
+    return value
 
 
 def _prime_at_least(n: int) -> int:

@@ -50,7 +50,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.amp import OptimizerStep
-from paft.comm import CommHook, CommHookState, paft_comm_hook, total_norm
+from paft.comm import CommHook, CommHookState, judged_norm, paft_comm_hook, total_norm
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import (
     FLAG_AGG_NONFINITE,
@@ -556,8 +556,9 @@ class Protector:
             self._clip()
             self._stepper.step()
         else:  # one flag all-reduced: the ranks agree on the scaler's skips, as the monitor's view makes them
-            self._grad_norm = total_norm(self._grads())
-            overflow = self._max_over_ranks(0.0 if math.isfinite(self._grad_norm) else 1.0) > 0
+            grads = self._grads()
+            self._grad_norm = total_norm(grads)
+            overflow = self._max_over_ranks(0.0 if math.isfinite(judged_norm(self._grad_norm, grads)) else 1.0) > 0
             self._clip()
             applied = self._scaled_step(overflow)
             if not applied:  # as a monitored skip: no non-finite gradient is left behind
@@ -653,10 +654,11 @@ class Protector:
         cap = self.hook.current
         self._record_faults(cap.faults)
         # The aggregated gradient's norm, computed once: clipping reuses it (see _clip).
-        self._grad_norm = total_norm(self._grads())
+        grads = self._grads()
+        self._grad_norm = total_norm(grads)
         # The step's host reads, after the backward pass (none inside the hook).
         local_loss = float(loss.detach())
-        agg_norm = float(self._grad_norm)
+        agg_norm = judged_norm(self._grad_norm, grads)
         local_sq, agg_checksum, sketch = cap.totals()
         if scale != 1.0:  # captured from the scaled gradients (a power of two: exact)
             local_sq /= scale * scale

@@ -268,6 +268,35 @@ def test_guard_recomputes_a_transient_bit30_flip_exactly(site: str, interval: in
     assert last["totals"] and last["totals"] == {k: c[k] for k in last["totals"]}
 
 
+def half_model_run(rank: int, world_size: int) -> list[tuple[bool, int, float]]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(8, 8).half())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
+    protector = protect(model, optimizer, guard=GuardConfig(enabled=True))
+    x = torch.ones(4, 8, dtype=torch.float16) * (rank + 1)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        # Weight gradients of 1e4 and 2e4 per entry, 1.5e4 averaged: all finite in
+        # float16, their norm (about 1.2e5) past its 65504.
+        loss = model(x).float().sum() * 2500
+        loss.backward()
+        return loss
+
+    reports = [protector.step(closure) for _ in range(3)]
+    return [(r.applied, r.attempts, r.grad_norm) for r in reports]
+
+
+def test_finite_half_precision_gradients_past_the_dtypes_range_are_not_judged_non_finite() -> None:
+    # Their float16 norm is inf: the guard recomputed every such step and skipped it as
+    # bad data, and training stalled. The guard judges the float64 norm.
+    out = run_workers(half_model_run, 2)
+    assert out[0] == out[1]
+    for applied, attempts, norm in out[0]:
+        assert applied and attempts == 1
+        assert 1.2e5 < norm < 1.3e5
+
+
 def test_nan_in_input_data_is_attributed_to_data_and_skipped() -> None:
     out = run_workers(train_toy, 2, {"guard": GUARD, "nan_input_at": [1, 6]})
     assert same(out[0], out[1])
