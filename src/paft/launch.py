@@ -76,14 +76,16 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
     removed), and locked before anything is written; then ``config.json``. The caller
     sets ``outcome["code"]`` to its exit code; on the way out a new run that stopped
     before its first checkpoint is removed, and the run ``--overwrite`` set aside is
-    deleted or, when the new run is not kept, moved back.
+    deleted or, when the new run is not kept, moved back. ``cfg.run_dir`` holds no ".."
+    (callers pass it through :func:`~paft.train.resolve_run_dir`), so the folders it
+    creates are the path's missing prefixes as written.
     """
     run_dir = pathlib.Path(cfg.run_dir)
     outcome = {"code": EXIT_WORKER_FAILED}
     with contextlib.ExitStack() as locks:
         existed = run_dir.is_dir()
         # The folders this run creates, innermost first: an early stop removes them again.
-        made = [] if existed else _missing_folders(run_dir)
+        made = [] if existed else [d for d in (run_dir, *run_dir.parents) if not d.exists()]
         if existed:
             locks.enter_context(_lock(run_dir))
         replaced = set_aside(run_dir) if cfg.overwrite else None
@@ -109,21 +111,6 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
                       "resumed, so it was removed", file=sys.stderr)
             if replaced is not None:
                 settle(replaced, run_dir, keep_new=keep, prog=prog)
-
-
-def _missing_folders(run_dir: pathlib.Path) -> list[pathlib.Path]:
-    """The folders ``run_dir.mkdir(parents=True)`` creates, innermost first: each prefix
-    of the path as written that does not exist yet ("new/../data/r" creates new/ and r,
-    not data/), as an absolute path with ".." folded."""
-    path = pathlib.Path.cwd() / run_dir  # absolute, ".." kept: mkdir walks it so
-    made: list[pathlib.Path] = []
-    for i in range(len(path.parts), 1, -1):
-        if path.parts[i - 1] in ("..", "."):
-            continue
-        folder = pathlib.Path(os.path.normpath(pathlib.Path(*path.parts[:i])))
-        if not folder.exists() and folder not in made:
-            made.append(folder)
-    return made
 
 
 def _remove_new_run(run_dir: pathlib.Path, made: list[pathlib.Path]) -> None:

@@ -556,9 +556,7 @@ class Protector:
             self._clip()
             self._stepper.step()
         else:  # one flag all-reduced: the ranks agree on the scaler's skips, as the monitor's view makes them
-            grads = self._grads()
-            self._grad_norm = total_norm(grads)
-            overflow = self._max_over_ranks(0.0 if math.isfinite(judged_norm(self._grad_norm, grads)) else 1.0) > 0
+            overflow = self._max_over_ranks(0.0 if math.isfinite(self._aggregated_norm()) else 1.0) > 0
             self._clip()
             applied = self._scaled_step(overflow)
             if not applied:  # as a monitored skip: no non-finite gradient is left behind
@@ -653,12 +651,9 @@ class Protector:
         attempt's faults at rest, counted with the hook's)."""
         cap = self.hook.current
         self._record_faults(cap.faults)
-        # The aggregated gradient's norm, computed once: clipping reuses it (see _clip).
-        grads = self._grads()
-        self._grad_norm = total_norm(grads)
+        agg_norm = self._aggregated_norm()
         # The step's host reads, after the backward pass (none inside the hook).
         local_loss = float(loss.detach())
-        agg_norm = judged_norm(self._grad_norm, grads)
         local_sq, agg_checksum, sketch = cap.totals()
         if scale != 1.0:  # captured from the scaled gradients (a power of two: exact)
             local_sq /= scale * scale
@@ -788,6 +783,13 @@ class Protector:
         """Every rank's state fingerprint as it is now (a collective: call it on every rank)."""
         fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
         return gather_rows(fp, self.group)[:, 0].tolist()
+
+    def _aggregated_norm(self) -> float:
+        """The aggregated gradient's norm as the guard, the metrics and the scaler's agreed
+        skips judge it; torch's, which clipping reuses (see _clip), is kept in ``_grad_norm``."""
+        grads = self._grads()
+        self._grad_norm = total_norm(grads)
+        return judged_norm(self._grad_norm, grads)
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params if p.grad is not None]
