@@ -323,7 +323,11 @@ class CommHookState:
             return self.inner_hook(self.inner_state, bucket)
         # Bit-for-bit DDP's built-in reducer: multiply by 1/world_size, then sum.
         # (torch's allreduce_hook divides instead, which differs in the last bit
-        # when world_size is not a power of two.)
+        # when world_size is not a power of two. So does the reducer itself for a
+        # gradient that already is its bucket view: gradient_as_bucket_view=True with
+        # zero_grad(set_to_none=False). The hook cannot tell that case apart, as every
+        # gradient is a bucket view by the time it runs; with zero_grad's default,
+        # set_to_none=True, the gradients are fresh and the reducer multiplies.)
         tensor = bucket.buffer()
         tensor.mul_(1.0 / self.world_size)
         return dist.all_reduce(tensor, group=self.process_group, async_op=True).get_future()

@@ -51,7 +51,8 @@ USER_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "divide": default_hooks.
 def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Train the toy model for ``steps``; ``opts`` picks the optimizer, faults and defenses."""
     steps = opts.get("steps", 10)
-    model = DistributedDataParallel(toy_model(opts.get("batchnorm", False), opts.get("init_std")))
+    model = DistributedDataParallel(toy_model(opts.get("batchnorm", False), opts.get("init_std")),
+                                    gradient_as_bucket_view=opts.get("bucket_view", False))
     opt_name = opts.get("optimizer", "adam")
     if opt_name == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -124,12 +125,13 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 # -- fault injection and the monitor ---------------------------------------------------
 
 
-def test_protected_fault_free_path_is_bitwise_plain_ddp() -> None:
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_protected_fault_free_path_is_bitwise_plain_ddp(bucket_view: bool) -> None:
     # world size 3: DDP's scaling by 1/3 must be reproduced bit for bit
-    plain = run_workers(train_toy, 3, {"plain": True})
-    monitored = run_workers(train_toy, 3, {})
+    plain = run_workers(train_toy, 3, {"plain": True, "bucket_view": bucket_view})
+    monitored = run_workers(train_toy, 3, {"bucket_view": bucket_view})
     rate_zero = run_workers(train_toy, 3, {"inject": ["bitflip:rate=0,bits=exponent"],
-                                           "monitor": {"enabled": False}})
+                                           "monitor": {"enabled": False}, "bucket_view": bucket_view})
     for p, m, z in zip(plain, monitored, rate_zero):
         assert same(p, m) and same(p, z)
     assert same(plain[0], plain[2])
