@@ -1,0 +1,136 @@
+"""Snapshots that let the guard undo part of a step, bit for bit.
+
+* :class:`ForwardSnapshot` -- what a recomputation of the step starts from: the RNG
+  states and the buffers the forward pass mutates (BatchNorm statistics);
+* :class:`StateSnapshot` -- parameters and optimizer state before
+  ``optimizer.step()``, for the rollback after a harmful update, and the
+  update-to-weight ratio that decides it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.fingerprint import state_tensors
+
+__all__ = ["ForwardSnapshot", "StateSnapshot"]
+
+
+class ForwardSnapshot:
+    """What a recomputation of the step must start from: RNG states and buffers.
+
+    Parameters and optimizer state are untouched until ``optimizer.step()``; only
+    what the forward itself mutates (BatchNorm statistics) and the RNG that dropout
+    draws from are copied, both small.
+    """
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.buffers = [(b, b.detach().clone()) for b in buffers]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        with torch.no_grad():
+            for live, saved in self.buffers:
+                live.copy_(saved)
+
+
+def _copy_structure(value: Any) -> Any:
+    """``value`` with its lists and dicts copied (recursively) and everything else,
+    tensors and immutable tuples included, shared: what a snapshot needs to undo
+    in-place appends."""
+    if isinstance(value, list):
+        return [_copy_structure(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _copy_structure(v) for k, v in value.items()}
+    return value
+
+
+def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor 2-norms, in some order; half-precision tensors' in float64 (float16's
+    range ends at 65504, so a large layer's norm read as inf; bfloat16's squares
+    overflow float32 as float32's own do)."""
+    half = [t for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
+    rest = [t for t in tensors if t.dtype not in (torch.float16, torch.bfloat16)]
+    return [*(torch._foreach_norm(half, 2, dtype=torch.float64) if half else ()),
+            *(torch._foreach_norm(rest) if rest else ())]
+
+
+def _total(norms: Sequence[torch.Tensor]) -> float:
+    """The 2-norm of per-tensor 2-norms, in float64 (float64 weights' squares may overflow),
+    on the first norm's device (a module may span several)."""
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device, torch.float64) for n in norms])))
+
+
+class StateSnapshot:
+    """Parameters and optimizer state before ``optimizer.step()``, for a post-step rollback.
+
+    Taken only when the guard arms it (:meth:`Guard.wants_snapshot`). The copies are
+    allocated once and reused, so a snapshot is one batched copy of the state (no
+    allocation, no ``state_dict`` deep copy). Optimizer state that the step creates
+    (the first step of Adam, SGD momentum) is removed again on restore; non-tensor
+    state entries are restored from a copy of their structure (lists and dicts of
+    tensors that the step grows or rotates in place get their old members back, and
+    those tensors their old values).
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[torch.Tensor] = []
+        self._live: list[torch.Tensor] = []
+        self._num_params = 0
+        # Per parameter: its state's keys and non-tensor entries (None: no state yet).
+        self._extras: dict[torch.Tensor, tuple[set[Any], dict[Any, Any]] | None] = {}
+
+    def capture(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> StateSnapshot:
+        live = [t for _, t in state_tensors(model, optimizer, buffers=False)]
+        layout = [(t.shape, t.dtype, t.device) for t in live]
+        if layout != [(t.shape, t.dtype, t.device) for t in self._saved]:
+            self._saved = [torch.empty_like(t) for t in live]
+        with torch.no_grad():
+            torch._foreach_copy_(self._saved, live)
+        self._live = live
+        self._num_params = sum(1 for _ in model.parameters())
+        self._extras = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                self._extras[p] = (
+                    (set(state), {k: _copy_structure(v) for k, v in state.items() if not isinstance(v, torch.Tensor)})
+                    if state else None
+                )
+        return self
+
+    def update_ratio(self) -> float:
+        """||w_new - w_old|| / ||w_old|| over all parameters (the live ones against the
+        copy): inf when the update is not finite, 0 when every old weight is 0 (a
+        zero-initialised model has no scale to compare its first update with)."""
+        old, new = self._saved[: self._num_params], self._live[: self._num_params]
+        with torch.no_grad():
+            num = _total(_norms(torch._foreach_sub(new, old)))
+            den = _total(_norms(old))
+        if not math.isfinite(num):
+            return math.inf
+        return num / den if den > 0 else 0.0
+
+    def restore(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self._live, self._saved)
+        for p, extras in self._extras.items():
+            if extras is None:
+                optimizer.state.pop(p, None)  # the step created this state: undo it
+                continue
+            keys, values = extras
+            state = optimizer.state[p]
+            for key in set(state) - keys:
+                del state[key]
+            state.update(values)

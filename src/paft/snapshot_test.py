@@ -1,0 +1,59 @@
+"""The guard's snapshots undo what they promise, bit for bit (single process)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from paft.fingerprint import state_fingerprint
+from paft.protect_test import batch, toy_model
+from paft.snapshot import StateSnapshot, _norms, _total
+from paft.testing import NestedStateSGD
+
+
+def test_update_norms_of_half_precision_and_float64_tensors_do_not_overflow() -> None:
+    # float16 norms ended at 65504 (a 1000 x 1000.0 layer read as inf: an update "ratio"
+    # of inf or 0); float64 weights' squares summed as Python floats raised OverflowError.
+    tensors = [torch.full((1000,), 1000.0, dtype=torch.float16), torch.full((4,), 3e38, dtype=torch.bfloat16),
+               torch.full((2,), 1e150, dtype=torch.float64), torch.ones(9)]
+    expected = math.hypot(*[float(x) for t in tensors for x in t])
+    assert _total(_norms(tensors)) == pytest.approx(expected, rel=1e-6)
+    assert _total(_norms(tensors[:1])) == pytest.approx(1000 * math.sqrt(1000), rel=1e-6)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw", "nested"])
+def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: str) -> None:
+    """The guard's rollback: a snapshot (buffers reused across steps) undoes a step exactly,
+    including the optimizer state that a first step creates, and lists / dicts of
+    tensors in the state that the step grows or rotates in place ("nested")."""
+    model = toy_model()
+    if opt_name == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    elif opt_name == "nested":
+        opt = NestedStateSGD(model.parameters(), lr=0.05)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(k: int) -> None:
+        opt.zero_grad()
+        x, y = batch(0, k)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    snap = StateSnapshot()
+    for k in range(4):  # k = 0: no optimizer state yet, so restore must remove what step() created
+        before = state_fingerprint(model, opt)
+        keys = {id(p): set(opt.state.get(p, {})) for p in model.parameters()}
+        snap.capture(model, opt)
+        step(k)
+        assert snap.update_ratio() > 0 and state_fingerprint(model, opt) != before
+        snap.restore(model, opt)
+        assert state_fingerprint(model, opt) == before
+        assert {id(p): set(opt.state.get(p, {})) for p in model.parameters()} == keys
+        if opt_name == "nested" and k:
+            assert {len(opt.state[p]["history"]) for p in model.parameters()} == {min(k, 2)}
+            assert {opt.state[p]["count"] for p in model.parameters()} == {k}
+        step(k)  # then really take the step: the next round snapshots a grown state
