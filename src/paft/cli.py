@@ -78,7 +78,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from paft.launch import interrupted, launch
-    from paft.train import DeviceError, RunDirError
+    from paft.rundir import RunDirError
+    from paft.train import DeviceError
 
     try:
         cfg = config_from_namespace(args)

@@ -385,7 +385,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwri
 def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from paft.launch import set_aside, settle
-    from paft.train import RunDirError
+    from paft.rundir import RunDirError
 
     run = tmp_path / "run"
     for keep_new in (True, False):
@@ -555,7 +555,7 @@ def test_a_run_dir_another_start_took_meanwhile_is_left_alone(tmp_path: pathlib.
     """Two new runs started together: the one that lost the directory removed the
     winner's files on its way out (the lock came after the directory was written)."""
     from paft.launch import _lock, claim_run_dir
-    from paft.train import RunDirError
+    from paft.rundir import RunDirError
 
     monkeypatch.chdir(tmp_path)
     cfg = TrainConfig(run_dir="d", steps=1)
@@ -581,7 +581,7 @@ def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathli
     """The launcher locked an existing folder, then locked it again as a new run's: flock
     locks belong to each open file, so it refused itself and removed the folder."""
     from paft import launch as launcher
-    from paft.train import RunDirError
+    from paft.rundir import RunDirError
 
     monkeypatch.chdir(tmp_path)
     pathlib.Path("d").mkdir()

@@ -26,18 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paft.config import TrainConfig
-from paft.train import (
-    EXIT_PERSISTENT_FAULT,
-    RunDirError,
-    check_devices,
-    check_run_dir,
-    default_run_dir,
-    format_summary,
-    has_checkpoint,
-    resolve_run_dir,
-    run_worker,
-    write_config,
-)
+from paft.rundir import RunDirError, check_run_dir, default_run_dir, has_checkpoint, resolve_run_dir, write_config
+from paft.train import EXIT_PERSISTENT_FAULT, check_devices, format_summary, run_worker
 
 __all__ = ["claim_run_dir", "interrupted", "launch", "on_sigterm", "set_aside", "settle"]
 
@@ -48,7 +38,7 @@ LOCK_FILE = ".lock"
 def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] | None]:
     """Run ``cfg`` on ``cfg.world_size`` local workers; returns (exit code, rank 0's summary).
 
-    Raises :class:`paft.train.RunDirError` or :class:`paft.train.DeviceError` (before
+    Raises :class:`paft.rundir.RunDirError` or :class:`paft.train.DeviceError` (before
     anything is written) when the run directory or the devices cannot be used.
 
     A new run that fails or is interrupted before its first checkpoint leaves nothing
@@ -77,7 +67,7 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
     sets ``outcome["code"]`` to its exit code; on the way out a new run that stopped
     before its first checkpoint is removed, and the run ``--overwrite`` set aside is
     deleted or, when the new run is not kept, moved back. ``cfg.run_dir`` holds no ".."
-    (callers pass it through :func:`~paft.train.resolve_run_dir`), so the folders it
+    (callers pass it through :func:`~paft.rundir.resolve_run_dir`), so the folders it
     creates are the path's missing prefixes as written.
     """
     run_dir = pathlib.Path(cfg.run_dir)

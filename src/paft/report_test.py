@@ -20,8 +20,9 @@ import pytest
 
 from paft.config import TrainConfig
 from paft.report import ReportError, _figure, _global_loss, _periods, _plot, _replica_panel, build_report, load_run
+from paft.rundir import prepare_run_dir
 from paft.testing import run_workers
-from paft.train import Trainer, prepare_run_dir
+from paft.train import Trainer
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -15,19 +15,15 @@ The loop is short on purpose; each piece is a named method of :class:`Trainer`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import io
-import json
 import math
 import os
 import pathlib
-import re
 import shutil
 import signal
 import sys
 import time
-import zipfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,28 +39,26 @@ from paft.records import (
     RunRecorder,
     atomic_write_bytes,
     atomic_write_json,
-    is_file,
-    output_dir_problem,
-    path_name_problem,
     read_jsonl,
-    read_utf8,
     truncate_jsonl,
 )
+from paft.rundir import (
+    RunDirError,
+    check_run_dir,
+    checkpoint_candidates,
+    default_run_dir,
+    load_checkpoint_file,
+    resolve_run_dir,
+    stale_checkpoints,
+)
 from paft.sync import measure_divergence
-from paft.workloads import ShardedSampler, Workload, build_workload, model_config, parameter_count
+from paft.workloads import ShardedSampler, Workload, build_workload, parameter_count
 
 __all__ = [
     "Trainer",
     "run_worker",
     "main",
-    "prepare_run_dir",
-    "write_config",
-    "check_run_dir",
-    "resolve_run_dir",
-    "has_checkpoint",
-    "stale_checkpoints",
     "format_summary",
-    "RunDirError",
     "DeviceError",
     "check_devices",
     "uses_cuda",
@@ -74,234 +68,11 @@ __all__ = [
 EXIT_PERSISTENT_FAULT = 3
 BYTES_PER_PARAMETER = 20
 """fp32 weights, gradients, DDP buckets and two optimizer moments (the memory check)."""
-_KEEP_CHECKPOINTS = 2
 _UNTIMED_STEPS = 3
-
-
-class RunDirError(ValueError):
-    """The run directory cannot be used as asked (exists, or nothing to resume)."""
 
 
 class DeviceError(ValueError):
     """The devices asked for are not there (no GPU, or fewer GPUs than workers)."""
-
-
-def default_run_dir(workload: str) -> str:
-    return os.path.join("runs", f"{workload}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-
-
-# What a resumed run cannot change: its state would not load, or it would be another run.
-_FIXED_ON_RESUME = (
-    ("workload", "--workload"), ("model", "--model"), ("world_size", "--world-size"),
-    ("batch_size", "--batch-size"), ("optimizer", "--optimizer"), ("seed", "--seed"),
-    ("protect.mode", "--protect"), ("protect.sync_mode", "--sync-mode"), ("guard.enabled", "--guard"),
-)
-
-
-def resolve_run_dir(run_dir: str) -> str:
-    """``run_dir`` as the kernel walks it, where the text says otherwise: a path with
-    ".." is resolved (symbolic links, then "..") up front, so the checks, the folders a
-    run creates and their clean-up all mean the folder its files land in
-    ("missing/../a" is ``a`` and creates no ``missing/``; "link/../r" is beside the
-    link's target, not beside the link)."""
-    return os.path.realpath(run_dir) if ".." in pathlib.PurePath(run_dir).parts else run_dir
-
-
-def check_run_dir(cfg: TrainConfig) -> None:
-    """Refuse a run directory that would be overwritten, cannot be created, or cannot be
-    resumed as asked. Writes nothing."""
-    path = pathlib.Path(cfg.run_dir)
-    problem = path_name_problem(path, "--run-dir")
-    if problem:
-        raise RunDirError(problem)
-    try:
-        _check_run_dir(cfg, path)
-    except OSError as err:  # e.g. a name too long for the file system
-        raise RunDirError(f"--run-dir: cannot use {path}: {err.strerror or err}") from None
-
-
-def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
-    if cfg.resume:
-        _check_resume(cfg, path)
-        return
-    if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
-        if _is_run_config(path / "config.json") and not (path / "checkpoints" / "latest").is_file():
-            raise RunDirError(f"--run-dir: {path} holds a run that stopped before its first checkpoint; "
-                              "pass --overwrite to start it again")
-        raise RunDirError(
-            f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
-        )
-    problem = output_dir_problem(path, "--run-dir", {"config.json": _is_run_config}, cfg.overwrite)
-    if problem:
-        raise RunDirError(problem)
-
-
-# Keys every paft run's config.json has had: a user's own config.json is not a run's.
-_RUN_CONFIG_KEYS = frozenset({"workload", "world_size", "steps", "seed", "inject", "monitor", "protect", "guard"})
-
-
-def _is_run_config(path: pathlib.Path) -> bool:
-    """Whether ``path`` is a ``config.json`` that ``paft train`` wrote (what marks a run
-    directory that ``--overwrite`` may replace)."""
-    try:
-        data = json.loads(read_utf8(path))
-    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
-        return False
-    return isinstance(data, dict) and _RUN_CONFIG_KEYS <= data.keys()
-
-
-def stale_checkpoints(folders: list[pathlib.Path], latest: str) -> list[pathlib.Path]:
-    """The checkpoint folders to delete once ``latest`` is written: all but the newest
-    ``_KEEP_CHECKPOINTS`` up to it, and every one past it. Those are from a timeline a
-    resume fell back from (``latest`` was damaged): kept, a damaged newer folder would
-    outlive the good ones, each new checkpoint deleting the one before."""
-    # Zero-padded step numbers: names sort as the steps do.
-    upto = sorted(f for f in folders if f.name <= latest)
-    return upto[:-_KEEP_CHECKPOINTS] + sorted(f for f in folders if f.name > latest)
-
-
-def has_checkpoint(run_dir: pathlib.Path) -> bool:
-    """Whether ``run_dir`` holds a checkpoint to resume (``checkpoints/latest``); False
-    where the file system cannot look (:func:`check_run_dir` names such errors)."""
-    return is_file(run_dir / "checkpoints" / "latest")
-
-
-def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
-    if not has_checkpoint(path):
-        raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing)")
-    try:
-        saved = TrainConfig.from_dict(json.loads((path / "config.json").read_text(encoding="utf-8"))).to_dict()
-    except (OSError, ValueError, TypeError, AttributeError) as err:
-        raise RunDirError(f"--resume: cannot read {path / 'config.json'}: {err}") from None
-    asked = cfg.to_dict()
-    # Compare what takes effect: model fields at their defaults, no sync mode without a sync.
-    for d in (saved, asked):
-        d["model"] = dataclasses.asdict(model_config(d["workload"], d["model"]))
-        if d["protect"]["mode"] not in ("sync", "dyn"):
-            d["protect"]["sync_mode"] = None
-    for key, flag in _FIXED_ON_RESUME:
-        was, now = saved, asked
-        for part in key.split("."):
-            was, now = was[part], now[part]
-        if was != now:
-            if isinstance(was, dict):  # name only the fields that differ
-                keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
-                was, now = ({k: d.get(k) for k in keys} for d in (was, now))
-            raise RunDirError(f"--resume: cannot change {flag} ({was!r} in {path}, {now!r} asked); start a new run")
-    # The logs the resume reads back and cuts at the checkpoint's step.
-    logs = [path / n for n in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")]
-    for log in [*logs, *sorted((path / "metrics").glob("rank*.jsonl"))]:
-        try:
-            read_jsonl(log)
-        except ValueError as err:
-            raise RunDirError(f"--resume: {err}") from None
-    # The workers fall back from a damaged latest checkpoint to older ones; check here,
-    # before config.json is rewritten, that one of them has every rank's file intact.
-    root = path / "checkpoints"
-    names = checkpoint_candidates(root)
-    damaged: dict[str, list[int]] = {}
-    for name in names:  # newest first, as the workers try them
-        damaged[name] = [r for r in range(cfg.world_size) if not _intact(root / name / f"rank{r}.pt")]
-        if not damaged[name]:
-            break
-    else:
-        raise RunDirError(f"--resume: no checkpoint in {root} has an intact file for every rank "
-                          f"({names[0]}: rank(s) {damaged[names[0]]} missing or damaged)")
-    done = int(name.removeprefix("step"))
-    # A run stopped after its final checkpoint but before summary.json only lacks the
-    # summary: resuming it at the same --steps writes it (Trainer.train trains nothing).
-    if done > cfg.steps or (done == cfg.steps and _summary_steps(path) == done):
-        raise RunDirError(
-            f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
-            f"pass --steps above {done} to train on"
-        )
-
-
-def _summary_steps(path: pathlib.Path) -> int | None:
-    """The steps ``summary.json`` in run directory ``path`` reports; None where it is
-    missing or unreadable (an interrupted end: the resume rewrites it)."""
-    try:
-        steps = json.loads((path / "summary.json").read_text(encoding="utf-8"))["steps"]
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return steps if isinstance(steps, int) else None
-
-
-_CHECKPOINT_NAME = re.compile(r"step\d+")
-
-
-def checkpoint_candidates(root: pathlib.Path) -> list[str]:
-    """Checkpoint folders in the order a resume tries them: the one ``latest`` names,
-    then the older ones, newest first."""
-    try:
-        latest = (root / "latest").read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError) as err:
-        raise RunDirError(f"--resume: cannot read {root / 'latest'}: {err}") from None
-    if not _CHECKPOINT_NAME.fullmatch(latest):
-        raise RunDirError(f"--resume: {root / 'latest'} names {latest[:40]!r}, not a checkpoint folder (stepNNNNNNN)")
-    older = (p.name for p in root.glob("step*") if _CHECKPOINT_NAME.fullmatch(p.name) and p.name < latest)
-    return [latest, *sorted(older, reverse=True)]
-
-
-_CHECKPOINT_KEYS = frozenset({"step", "model", "optimizer", "scheduler", "sampler", "protector", "rng_cpu"})
-
-
-def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, Any]:
-    """One rank's checkpoint; ``ValueError`` if it is not a paft checkpoint (truncated,
-    another zip, another torch file) or any byte differs from the CRC-32 torch.save
-    wrote beside it (torch.load does not check them: damage inside a tensor loaded as
-    wrong values). With ``mmap`` the tensors are not loaded, only read once for the
-    check."""
-    if not zipfile.is_zipfile(path):  # torch.save's format ends in a zip directory
-        raise ValueError(f"{path} is not a torch checkpoint (truncated or overwritten)")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, EOFError) as err:
-        raise ValueError(f"{path}: {err}") from None
-    if bad is not None:
-        raise ValueError(f"{path} is damaged ({bad} does not match its CRC-32)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except Exception as err:  # noqa: BLE001 - whatever torch.load finds wrong
-        raise ValueError(f"{path}: {type(err).__name__}: {err}") from None
-    if not isinstance(state, dict) or not _CHECKPOINT_KEYS <= state.keys():
-        raise ValueError(f"{path} is a torch file but not a paft checkpoint")
-    return state
-
-
-def _intact(path: pathlib.Path) -> bool:
-    """A checkpoint file the workers will load (see :func:`load_checkpoint_file`),
-    checked without loading its tensors."""
-    try:
-        load_checkpoint_file(path, mmap=True)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
-    """Create (or, with --overwrite, replace) the run directory and write ``config.json``:
-    for benchmarks and tests, which own their folders. ``paft train`` and its torchrun
-    form claim the directory under a lock instead (:func:`paft.launch.claim_run_dir`)."""
-    path = pathlib.Path(cfg.run_dir)
-    try:
-        if cfg.overwrite and path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise RunDirError(f"--run-dir: cannot write {path}: {err.strerror or err}") from None
-    write_config(cfg)
-    return path
-
-
-def write_config(cfg: TrainConfig) -> None:
-    """Write ``config.json`` into the existing run directory; on --resume, the options
-    the run continues under."""
-    try:
-        atomic_write_json(pathlib.Path(cfg.run_dir) / "config.json", cfg.to_dict())
-    except OSError as err:
-        raise RunDirError(f"--run-dir: cannot write {cfg.run_dir}: {err.strerror or err}") from None
 
 
 def _build_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:

@@ -11,8 +11,9 @@ import torch
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.records import read_jsonl
+from paft.rundir import RunDirError, check_run_dir, prepare_run_dir, stale_checkpoints
 from paft.testing import run_workers
-from paft.train import RunDirError, Trainer, _lr_lambda, check_run_dir, prepare_run_dir, stale_checkpoints
+from paft.train import Trainer, _lr_lambda
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
@@ -213,7 +214,7 @@ def test_guard_has_no_false_positives_on_clean_runs(tmp_path: pathlib.Path, work
 def test_a_checkpoint_damaged_inside_a_tensor_is_refused_by_every_reader(tmp_path: pathlib.Path) -> None:
     """torch.load does not check the CRC-32s it writes: a flipped byte inside a tensor
     loaded as wrong values, in the workers, after the pre-check had passed."""
-    from paft.train import _CHECKPOINT_KEYS, _intact, load_checkpoint_file
+    from paft.rundir import _CHECKPOINT_KEYS, _intact, load_checkpoint_file
 
     path = tmp_path / "rank0.pt"
     weights = torch.arange(100_000, dtype=torch.float32)

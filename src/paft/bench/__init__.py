@@ -200,7 +200,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import shutil
 
     from paft.launch import EXIT_WORKER_FAILED, set_aside, settle
-    from paft.train import RunDirError
+    from paft.rundir import RunDirError
 
     _validate(args, parser)
     out = _out_dir(args, parser)

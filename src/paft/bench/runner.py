@@ -125,7 +125,8 @@ def worker_group(cfg_dict: dict[str, Any]) -> Iterator[None]:
 def new_trainer(cfg_dict: dict[str, Any]) -> Trainer:
     """A fresh :class:`~paft.train.Trainer` for ``cfg_dict`` in its own run directory
     (rank 0 creates it, every rank waits for that)."""
-    from paft.train import Trainer, prepare_run_dir
+    from paft.rundir import prepare_run_dir
+    from paft.train import Trainer
 
     cfg = TrainConfig.from_dict(cfg_dict)
     if dist.get_rank() == 0:
