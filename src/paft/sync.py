@@ -16,11 +16,17 @@ structures differ cannot be merged value by value: every rank raises
 ``RuntimeError`` (instead of launching collectives of mismatched sizes). If all
 fingerprints agree the sync is a no-op in every mode -- the replicas already are
 what a sync produces (a mean of identical values could even change their last
-bit) -- and the cheap common case moves no data. If only the buffers differ -- the
-normal case under DDP with BatchNorm, where each rank updates its running
-statistics from its own batch -- only the buffers are synchronized (the report's
-note says ``buffers only``), not the whole state. Otherwise one more 8-byte
-all-gather carries each rank's finite flag (robust, mean), and per mode:
+bit) -- and the cheap common case moves no data.
+
+The two parts are then synchronized apart, each by its own fingerprints: the
+buffers, which legitimately differ under DDP with BatchNorm (each rank updates its
+running statistics from its own batch), and the parameters with the optimizer
+state. So buffers apart never hide a majority of the rest: one rank's flipped weight
+is a majority copy, not a median of everything, and the buffers take their own
+median. When only the buffers differ (every fault-free sync of a BatchNorm model)
+only they move (the report's note says ``buffers only``). For each part whose
+replicas differ one more exchange carries each rank's finite flag (8 bytes per
+part), and per mode:
 
 * ``robust`` (default):
 
@@ -32,8 +38,10 @@ all-gather carries each rank's finite flag (robust, mean), and per mode:
   - no (finite) majority, world size >= 3 (``"median"``): all-gather and take, per
     coordinate, the LOWER median of the replicas' values. It is always one
     replica's value (never an average, so a flipped exponent cannot leak into it)
-    and any minority of outliers on either side loses. Replicas holding NaN/Inf sit
-    it out (if none is finite, NaN counts as +inf so that it loses);
+    and any minority of outliers on either side loses. NaN counts as +inf per
+    coordinate, so a replica holding NaN/Inf somewhere still votes everywhere else;
+    where too many values of a coordinate are non-finite for its median to be
+    finite, the median of the finite replicas is taken;
   - world size 2 (``"median-with-reference"``): two replicas never form a majority,
     and a plain mean would spread a flipped exponent (1e30 / 2) to both. A third
     opinion breaks the tie: the REFERENCE, the state at the last completed sync
@@ -78,14 +86,18 @@ algorithm-dependent wire traffic. Every non-no-op sync ends with one 8-byte
 all-reduce (max) of the divergence, so all ranks report the same number.
 
 After any completed blocking sync every rank holds bitwise identical parameters,
-buffers and optimizer state. In the overlapped form the same holds when nothing
-changed the state between :meth:`~ReplicaSync.start` and :meth:`~ReplicaSync.finish`.
-If something did (an optimizer step, or the forward updating BatchNorm running stats),
-finish applies the correction ``w <- synced + (w - snapshot)`` per coordinate: the
-progress made meanwhile is kept and the replicas are equal only up to the rounding of
-that addition and the rank-dependence of the progress itself. Boolean tensors take
-the live value where it changed and the synced one elsewhere (a sum of booleans is
-not a boolean).
+buffers and optimizer state. The overlapped form syncs the buffers at
+:meth:`~ReplicaSync.start`, blocking: they are small, and the next forward updates
+them by running averages, which no additive correction can carry over (it put a
+replica's deviation back with the opposite sign: a negative running variance).
+Parameters and optimizer state are snapshotted and their collectives overlap the
+next forward/backward; they end bitwise identical when nothing changed them before
+:meth:`~ReplicaSync.finish`, as in the per-step protocol, where finish comes before
+the next ``optimizer.step()``. If something did (an optimizer step), finish applies
+``w <- synced + (w - snapshot)`` per coordinate: additive progress is kept and the
+replicas are equal up to the rounding of that addition. Boolean tensors take the
+live value where it changed and the synced one elsewhere (a sum of booleans is not
+a boolean).
 """
 
 from __future__ import annotations
@@ -140,12 +152,14 @@ class SyncReport:
     seconds: float
     """Time on the caller's critical path (for an overlapped sync: start + finish)."""
     divergence: float
-    """Max over ranks of ``||w_r - c|| / ||c||`` over the parameters, before the sync.
+    """Max over ranks of ``||w_r - c|| / ||c||`` over the parameters, before the sync
+    (optimizer state and buffers are synchronized, not measured).
     ``c`` is the mean replica (``median``, ``median-with-reference``: mean of the
     finite replicas; ``mean``: the finite mean), or the source replica for
     ``majority-copy`` / ``broadcast`` -- the mean would need another O(parameters)
-    collective there; :func:`measure_divergence` gives it on demand. 0.0 for ``noop``;
-    ``inf`` when a replica is non-finite."""
+    collective there; :func:`measure_divergence` gives it on demand. ``inf`` when a
+    replica is non-finite; 0.0 for ``noop``, identical replicas, even all non-finite
+    (nothing to repair from)."""
     collectives: int = 0
     """Collectives (and point-to-point sends/receives) this rank launched, the control
     exchange included."""
@@ -202,7 +216,6 @@ def _transport(t: Tensor) -> Tensor:
 @dataclass
 class _Slot:
     name: str
-    kind: str  # "param" | "buffer" | "optim"
     offset: int
     numel: int
     shape: tuple[int, ...]
@@ -234,11 +247,10 @@ def _build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucke
         g = by_dtype.get(t.dtype)
         if g is None:
             g = by_dtype[t.dtype] = _Group(t.dtype, t.is_floating_point())
-        kind = name.split("/", 1)[0]
-        slot = _Slot(name, kind, g.numel, t.numel(), tuple(t.shape))
+        slot = _Slot(name, g.numel, t.numel(), tuple(t.shape))
         g.slots.append(slot)
         g.members.append(i)
-        if kind == "param" and t.numel():
+        if name.startswith("param/") and t.numel():
             if g.param_ranges and g.param_ranges[-1][1] == slot.offset:
                 g.param_ranges[-1] = (g.param_ranges[-1][0], slot.offset + slot.numel)
             else:
@@ -328,6 +340,8 @@ class _Decision:
 
 @dataclass
 class _InFlight:
+    """One part of a sync (the parameters and optimizer state, or the buffers) in flight."""
+
     decision: _Decision
     layout: _Layout
     originals: list[Tensor]  # the live objects, for identity / version checks
@@ -339,11 +353,24 @@ class _InFlight:
     gathered: list[list[Tensor]]  # per dtype group, per bucket: [ws, len]
     works: list[Any]
     reference: list[Tensor | None] | None  # no-op, world size 2: the agreed state at start
-    ctrl: list[list[int]]  # every rank's fingerprints: the next reference's tag
     bytes_sent: int
     collectives: int
-    t0: float
-    critical: float
+    # Set on the parameters' and optimizer state's part, which finish() completes:
+    ctrl: list[list[int]] = field(default_factory=list)  # every rank's fingerprints: the next reference's tag
+    buffers_done: _Done | None = None  # the buffers' part, completed at start
+    t0: float = 0.0
+    critical: float = 0.0
+
+
+@dataclass
+class _Done:
+    """A completed part: what the report says of it."""
+
+    decision: _Decision
+    divergence: float
+    bytes_sent: int
+    collectives: int
+    delta_tensors: int
 
 
 class ReplicaSync:
@@ -428,8 +455,10 @@ class ReplicaSync:
         return self._complete(state_changed=False)
 
     def start(self) -> None:
-        """Snapshot the state into flat buffers and launch the collectives
-        asynchronously (only the 24-32-byte control exchange blocks)."""
+        """Sync the buffers (blocking: they are small, and the next forward updates
+        them), then snapshot the parameters and optimizer state into flat buffers and
+        launch their collectives asynchronously (with no buffers to sync, only the
+        24-32-byte control exchange blocks)."""
         if self._pending is not None:
             raise RuntimeError("ReplicaSync.start(): a sync is already in flight; call finish() first")
         self._pending = self._launch(overlapped=True)
@@ -437,16 +466,17 @@ class ReplicaSync:
     def finish(self, state_changed: bool | None = None) -> SyncReport:
         """Wait for the collectives of :meth:`start` and apply the result.
 
-        ``state_changed``: ``False`` promises that nothing touched the state since
-        :meth:`start` (pure copy: bitwise identical replicas); ``True`` applies the
-        correction ``synced + (w - snapshot)`` to every tensor; ``None`` (default)
-        decides per tensor: a tensor that was replaced, whose version counter moved,
-        or -- for parameters and optimizer state -- when the optimizer stepped since
-        start, gets the correction; buffers always get it (BatchNorm kernels update
-        running stats without bumping version counters). The correction is exact
-        wherever a coordinate did not change (it yields the synced bits there), so it
-        is only slower than a copy, never wrong. Changes made through ``.data`` or
-        other kernels that bypass version counters must be declared with ``True``.
+        Only parameters and optimizer state are in flight: :meth:`start` synced the
+        buffers already. ``state_changed``: ``False`` promises that nothing touched
+        them since :meth:`start` (pure copy: bitwise identical replicas); ``True``
+        applies the correction ``synced + (w - snapshot)`` to every tensor; ``None``
+        (default) decides per tensor: one that was replaced, whose version counter
+        moved, or any when the optimizer stepped since start, gets the correction.
+        The correction yields the synced bits wherever a coordinate did not change, and
+        keeps additive progress (an SGD step) exactly; a running average's is not
+        additive (Adam's moments), so call finish() before the next optimizer step, as
+        :class:`paft.protect.Protector` does. Changes made through ``.data`` or other
+        kernels that bypass version counters must be declared with ``True``.
         """
         if self._pending is None:
             raise RuntimeError("ReplicaSync.finish(): no sync in flight; call start() first")
@@ -598,11 +628,10 @@ class ReplicaSync:
             if not ok:
                 note += "references disagree; used a zero reference"
             return _Decision("median-with-reference", groups, everyone, finite, ref_ok=ok, note=note.rstrip("; "))
-        # Non-finite replicas sit the median out (if any replica is finite at all).
-        good = good or everyone
-        if len(good) < ws:
-            note += f"non-finite ranks {[r for r in everyone if r not in good]} excluded"
-        return _Decision("median", groups, good, finite, note=note.rstrip("; "))
+        # Replicas holding NaN/Inf vote where they are finite (see _finite_where_outvoted).
+        if 0 < len(good) < ws:
+            note += f"non-finite ranks {[r for r in everyone if r not in good]} outvoted where non-finite"
+        return _Decision("median", groups, everyone, finite, note=note.rstrip("; "))
 
     def _check_structure(self, digests: list[int]) -> None:
         """Raise on every rank if the ranks' states differ in structure: their flat
@@ -623,41 +652,52 @@ class ReplicaSync:
     def _launch(self, overlapped: bool) -> _InFlight:
         t0 = time.perf_counter()
         entries = self._entries()
-        ws, rank, group = self.world_size, self.rank, self.group
         is_buffer = [n.startswith("buffer/") for n, _, _ in entries]
-        layout = self._layout_for(entries)
+        state = [e for e, b in zip(entries, is_buffer) if not b]
+        buffers = [e for e, b in zip(entries, is_buffer) if b]
         # The control exchange: two fingerprints, the state's structure (+ the
         # reference tag), 24-32 bytes.
-        row = [fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if not b),
-               fingerprint(t for (_, t, _), b in zip(entries, is_buffer) if b),
-               layout.digest]
+        row = [fingerprint(t for _, t, _ in state), fingerprint(t for _, t, _ in buffers),
+               self._layout_for(entries).digest]
         row += [self._ref_tag] if self._keeps_reference else []
         ctrl = self._gather_ints(row)
         bytes_sent, collectives = len(row) * 8, 1
         self._check_structure([r[2] for r in ctrl])
         tags = [r[-1] for r in ctrl]
-        note = ""
-        if len({r[0] for r in ctrl}) == 1 and len({r[1] for r in ctrl}) > 1:
-            # Parameters and optimizer state agree: only the buffers need the sync.
-            entries = [e for e, b in zip(entries, is_buffer) if b]
-            fps = [r[1] for r in ctrl]
-            note = "buffers only"
-            layout = self._layout_for(entries)
-        else:
-            fps = [(r[0] << 64) + (r[1] & ((1 << 64) - 1)) for r in ctrl]  # the whole state
-        views = [t for _, t, _ in entries]
-        # Finite flags cost a pass over the state: only when the replicas differ (one
-        # more 8-byte exchange), or for mean mode's all-identical check, which needs
-        # no exchange (identical replicas are all finite or all not).
-        if len(set(fps)) == 1:
-            finite = [self.mode != "mean" or _all_finite(views)] * ws
-        else:
-            finite = [bool(r[0]) for r in self._gather_ints([int(_all_finite(views))])]
-            bytes_sent, collectives = bytes_sent + 8, collectives + 1
-        d = self._decide(fps, finite, tags)
-        if note:
-            d.note = f"{note}; {d.note}" if d.note else note
+        parts = [(state, [r[0] for r in ctrl]), (buffers, [r[1] for r in ctrl])]
+        # Finite flags cost a pass over a part: only where its replicas differ (one more
+        # exchange, 8 bytes per such part), or for mean mode's all-identical check, which
+        # needs no exchange (identical replicas are all finite or all not).
+        differ = [len(set(fps)) > 1 for _, fps in parts]
+        mine = [int(_all_finite([t for _, t, _ in part])) for (part, _), d in zip(parts, differ) if d]
+        columns = iter(zip(*self._gather_ints(mine))) if mine else iter(())  # per differing part, per rank
+        bytes_sent, collectives = bytes_sent + 8 * len(mine), collectives + bool(mine)
+        decisions = []
+        for (part, fps), d in zip(parts, differ):
+            if d:
+                finite = [bool(x) for x in next(columns)]
+            else:
+                finite = [self.mode != "mean" or _all_finite([t for _, t, _ in part])] * self.world_size
+            decisions.append(self._decide(fps, finite, tags))
+        state_d, buffers_d = decisions
+        # The buffers first, now and blocking, before the next forward updates them:
+        # their updates (BatchNorm's running averages) are not additive, so the overlapped
+        # correction synced + (w - snapshot) would put a replica's deviation back with the
+        # opposite sign (a negative running variance). They are small.
+        buffers_done = self._finish_transfer(self._transfer(buffers_d, buffers, overlapped=False), False)
+        pending = self._transfer(state_d, state, overlapped)
+        pending.ctrl, pending.buffers_done, pending.t0 = ctrl, buffers_done, t0
+        pending.bytes_sent += bytes_sent
+        pending.collectives += collectives
+        pending.critical = time.perf_counter() - t0
+        return pending
 
+    def _transfer(self, d: _Decision, entries: list[tuple[str, Tensor, Tensor]], overlapped: bool) -> _InFlight:
+        """Launch the collectives of one part (the parameters and optimizer state, or the
+        buffers) as decided by ``d``."""
+        ws, rank, group = self.world_size, self.rank, self.group
+        layout = self._layout_for(entries)
+        bytes_sent = collectives = 0
         snaps: list[Tensor | None] = []
         bufs: list[Tensor | None] = []
         gathered: list[list[Tensor]] = []
@@ -742,18 +782,44 @@ class ReplicaSync:
             gathered=gathered,
             works=works,
             reference=reference,
-            ctrl=ctrl,
             bytes_sent=bytes_sent,
             collectives=collectives,
-            t0=t0,
-            critical=time.perf_counter() - t0,
         )
 
     def _complete(self, state_changed: bool | None) -> SyncReport:
         p = self._pending
-        assert p is not None
+        assert p is not None and p.buffers_done is not None
         self._pending = None
         t1 = time.perf_counter()
+        done, buffers = self._finish_transfer(p, state_changed), p.buffers_done
+        self.syncs += 1
+        if self._keeps_reference:
+            tag = torch.tensor([self.syncs, *(x for r in p.ctrl for x in r[:2])], dtype=torch.int64)
+            self._ref_tag = fingerprint([tag])  # same on both ranks: same inputs
+        d, note = done.decision, done.decision.note
+        if buffers.decision.mode != "noop":
+            if d.mode == "noop":  # parameters and optimizer state agree: only the buffers moved
+                d, note = buffers.decision, "; ".join(filter(None, ["buffers only", buffers.decision.note]))
+            else:
+                extra = f" ({buffers.decision.note})" if buffers.decision.note else ""
+                note = "; ".join(filter(None, [note, f"buffers: {buffers.decision.mode}{extra}"]))
+        t2 = time.perf_counter()
+        return SyncReport(
+            mode=d.mode,
+            groups=d.groups,
+            source_ranks=d.sources,
+            bytes_sent=done.bytes_sent + buffers.bytes_sent,
+            seconds=p.critical + (t2 - t1),
+            divergence=max(done.divergence, buffers.divergence),
+            collectives=done.collectives + buffers.collectives,
+            wall_seconds=t2 - p.t0,
+            overlapped=p.overlapped,
+            delta_tensors=done.delta_tensors,
+            note=note,
+        )
+
+    def _finish_transfer(self, p: _InFlight, state_changed: bool | None) -> _Done:
+        """Wait for one part's collectives, merge, measure and apply them."""
         d, layout = p.decision, p.layout
         for w in p.works:
             w.wait()
@@ -779,10 +845,10 @@ class ReplicaSync:
                 for (a, b), rows in zip(g.buckets, p.gathered[gi]):
                     if ref is not None:
                         median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
-                    elif nan_free or not good:
-                        lower_median(rows, out=out_flat[a:b], nan_free=nan_free)
-                    else:  # the finite replicas only: nothing non-finite spreads
-                        lower_median(rows[good], out=out_flat[a:b], nan_free=True)
+                    else:
+                        merged = lower_median(rows, out=out_flat[a:b], nan_free=nan_free)
+                        if not nan_free and good:
+                            self._finite_where_outvoted(merged, rows[good])
                     if not (measure and g.floating):
                         continue
                     for lo, hi in _ranges_in(g.param_ranges, a, b):
@@ -815,9 +881,13 @@ class ReplicaSync:
                     ref_sq += _sq_norm(buf[lo:hi])
 
         # The max over ranks: one 8-byte all-reduce, so that every rank reports the
-        # very same number (PAFT-Dyn takes its decisions from it on every rank).
+        # very same number (PAFT-Dyn takes its decisions from it on every rank). A part
+        # without parameters (the buffers) is not measured: its finite flags, which every
+        # rank holds, say all there is.
         if d.mode == "noop":
             divergence = 0.0
+        elif not any(g.param_ranges for g in layout.groups):
+            divergence = 0.0 if all(d.finite) else math.inf
         else:
             mine = _rel(local_sq, ref_sq) if measure else 0.0
             if not d.finite[me]:
@@ -833,29 +903,23 @@ class ReplicaSync:
         if d.mode != "noop" and not d.holds_result:
             delta_tensors = self._apply(p, synced, state_changed)
 
-        # 3. The reference for the next world-size-2 median: the state just agreed.
-        self.syncs += 1
+        # 3. The reference for the next world-size-2 median: the state just agreed
+        # (merged by name: each part replaces its own tensors' reference).
         if self._keeps_reference:
-            # Merged: a buffers-only sync leaves the parameters' reference as it was.
             agreed = p.reference if p.reference is not None else synced
             self._ref = {**(self._ref or {}), **self._capture(layout, agreed)}
-            tag = torch.tensor([self.syncs, *(x for r in p.ctrl for x in r[:2])], dtype=torch.int64)
-            self._ref_tag = fingerprint([tag])  # same on both ranks: same inputs
+        return _Done(d, divergence, bytes_sent, collectives, delta_tensors)
 
-        t2 = time.perf_counter()
-        return SyncReport(
-            mode=d.mode,
-            groups=d.groups,
-            source_ranks=d.sources,
-            bytes_sent=bytes_sent,
-            seconds=p.critical + (t2 - t1),
-            divergence=divergence,
-            collectives=collectives,
-            wall_seconds=t2 - p.t0,
-            overlapped=p.overlapped,
-            delta_tensors=delta_tensors,
-            note=d.note,
-        )
+    @staticmethod
+    def _finite_where_outvoted(merged: Tensor, finite_rows: Tensor) -> None:
+        """Per coordinate NaN counts as +inf in the median, so a replica holding NaN or
+        Inf somewhere still votes everywhere else (dropping it whole left two replicas
+        with three ranks, whose lower median is their minimum: a -1e30 on the other
+        won). Where so many values are non-finite that the median is too, take the
+        median of the finite replicas instead: nothing non-finite spreads."""
+        bad = ~torch.isfinite(merged)
+        if bool(bad.any()):
+            merged[bad] = lower_median(finite_rows[:, bad], nan_free=True)
 
     def _apply(self, p: _InFlight, synced: list[Tensor | None], state_changed: bool | None) -> int:
         d, layout = p.decision, p.layout
@@ -888,12 +952,7 @@ class ReplicaSync:
                     elif state_changed is not None:
                         changed = state_changed
                     else:
-                        changed = (
-                            live is not orig
-                            or live._version != p.versions[i]
-                            or s.kind == "buffer"
-                            or (stepped and s.kind in ("param", "optim"))
-                        )
+                        changed = live is not orig or live._version != p.versions[i] or stepped
                     if not changed:
                         copy_dst.append(target)
                         copy_src.append(new)

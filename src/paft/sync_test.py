@@ -181,9 +181,10 @@ def test_all_optimizers_and_modes_give_bitwise_identical_replicas():
             assert any(n.endswith("/step") for n in names) and any(n.endswith("exp_avg_sq") for n in names)
         if opt_kind == "sgd-momentum":
             assert any(n.endswith("momentum_buffer") for n in names)
-        # one collective per dtype bucket (+ control, + divergence max), not per tensor
-        dtypes = len({t.dtype for _, t in per_rank[0]["state"]})
-        assert per_rank[0]["collectives"] == 1 + 1 + dtypes + 1  # + the finite-flag exchange
+        # one collective per dtype bucket of each part (the buffers, the rest), not per
+        # tensor, + control, finite flags and the divergence max
+        parts = [[t.dtype for n, t in per_rank[0]["state"] if n.startswith("buffer/") == b] for b in (True, False)]
+        assert per_rank[0]["collectives"] == 1 + 1 + sum(len(set(p)) for p in parts) + 1
 
 
 # ----------------------------------------------------------------------------
@@ -262,8 +263,9 @@ def _w_three(rank: int, ws: int) -> dict:
             "state": _snap(model, opt),
             "fp": _fp(model, opt),
         }
-        # with an optimizer step (and BatchNorm running-stat updates) in between:
-        # the correction synced + (w - snapshot) keeps the progress
+        # with an optimizer step (and BatchNorm running-stat updates) in between: the
+        # correction synced + (w - snapshot) keeps the parameters' and optimizer
+        # state's progress; start() synced the buffers, which the forward then updated
         _restore(model, opt, pre)
         sync.start()
         _train(model, opt, "bn", steps=1, seed=30)  # like DDP: the same gradient data
@@ -272,7 +274,7 @@ def _w_three(rank: int, ws: int) -> dict:
         expected = []
         for (n, s), (_, w), (_, p) in zip(synced, stepped, pre):
             prog = w - p
-            expected.append((n, torch.where(prog == 0, s, s + prog)))
+            expected.append((n, w if n.startswith("buffer/") else torch.where(prog == 0, s, s + prog)))
         out[f"overlap_step_{mode}"] = {
             "report": rep,
             "state": _snap(model, opt),
@@ -302,8 +304,9 @@ def test_three_ranks_repair_noop_nan_and_overlap():
     for r in res:
         assert r["flip_optim"].mode == "majority-copy" and r["flip_optim"].groups == [[0, 1], [2]]
         _assert_same(r["after_flip_optim"], res[0]["clean"])
-    # one rank to repair: the source sends to it point-to-point, rank 2 moves nothing
-    state_bytes = sum(t.numel() * t.element_size() for _, t in res[0]["clean"])
+    # one rank to repair: the source sends to it point-to-point, rank 2 moves nothing;
+    # the buffers agree, so only the parameters and optimizer state move
+    state_bytes = sum(t.numel() * t.element_size() for n, t in res[0]["clean"] if not n.startswith("buffer/"))
     assert res[0]["flip"]["report"].bytes_sent == 32 + state_bytes + 8
     assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == 32 + 8
     assert res[2]["flip"]["report"].collectives == 3  # fingerprints, finite flags, divergence
@@ -320,8 +323,10 @@ def test_three_ranks_repair_noop_nan_and_overlap():
     for r in res:
         assert r["mean"]["report"].mode == "mean" and r["mean"]["report"].source_ranks == [0, 1]
         assert math.isinf(r["mean"]["report"].divergence)
-    for (n, got), (_, a), (_, b) in zip(res[0]["mean"]["state"], res[0]["mean_pre"], res[1]["mean_pre"]):
-        if got.is_floating_point():
+    for (n, got), (_, a), (_, b), (_, c) in zip(res[0]["mean"]["state"], *(r["mean_pre"] for r in res)):
+        if n.startswith("buffer/") and got.is_floating_point():  # rank 2's buffers are finite: they count
+            assert torch.allclose(got, (a + b + c) / 3, rtol=1e-6, atol=0), n
+        elif got.is_floating_point():
             assert torch.equal(got, (a + b) / 2), n
             assert torch.isfinite(got).all(), n
         else:
@@ -332,9 +337,7 @@ def test_three_ranks_repair_noop_nan_and_overlap():
         _assert_replicas_identical(o)
         for r in o:
             assert r["report"].mode == r["blocking"].mode == expected_mode
-            assert r["report"].overlapped and r["report"].delta_tensors == len(
-                [n for n, _ in r["state"] if n.startswith("buffer/")]
-            )
+            assert r["report"].overlapped and r["report"].delta_tensors == 0  # the buffers were synced at start
             _assert_same(r["state"], r["synced"])  # overlapped == blocking, bitwise
             _assert_same(r["synced"], o[0]["synced"])
         s = [r[f"overlap_step_{mode}"] for r in res]
@@ -357,6 +360,80 @@ def test_three_ranks_repair_noop_nan_and_overlap():
 # ----------------------------------------------------------------------------
 # 4 ranks: 2-2 split -> median; broadcast; buckets; measure_divergence
 # ----------------------------------------------------------------------------
+
+
+def _w_buffers_apart(rank: int, ws: int) -> dict:
+    out: dict = {}
+    # -- a running variance gone huge on rank 0 (a flipped exponent), then an overlapped
+    # sync with the next forward in its window: as blocking, then that forward
+    for overlapped in (False, True):
+        model = _model("bn")
+        opt = _optim("adam", model.parameters())
+        _train(model, opt, "bn", steps=1, seed=0)  # parameters alike, buffers too
+        model(_batch("bn", torch.Generator().manual_seed(40 + rank)))  # buffers now differ, as under DDP
+        if rank == 0:
+            with torch.no_grad():
+                model[1].running_var[:2] = 1e30
+        sync = ReplicaSync(model, opt)
+        if overlapped:
+            sync.start()
+            model(_batch("bn", torch.Generator().manual_seed(50 + rank)))
+            rep = sync.finish()
+        else:
+            rep = sync.sync()
+            model(_batch("bn", torch.Generator().manual_seed(50 + rank)))
+        out[overlapped] = {"report": rep, "running_var": model[1].running_var.clone(), "state": _snap(model, opt)}
+    # -- a parameter flipped on rank 1 while the buffers differ: the parameters and the
+    # optimizer state take the majority's bits, the buffers their median
+    model = _model("bn")
+    opt = _optim("adam", model.parameters())
+    _train(model, opt, "bn", steps=1, seed=0)
+    model(_batch("bn", torch.Generator().manual_seed(40 + rank)))
+    out["clean"] = _snap(model, opt)
+    if rank == 1:
+        _flip_exponent(model[0].weight, 7)
+    out["flip"] = {"report": ReplicaSync(model, opt).sync(), "state": _snap(model, opt), "fp": _fp(model, opt)}
+    # -- a NaN on rank 1 and a -1e30 on rank 2, each in one coordinate: every coordinate
+    # has a majority of sound values, which the median keeps
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    _train(model, opt, "mlp", steps=1, seed=0)
+    out["sound"] = _snap(model, opt)
+    with torch.no_grad():
+        if rank == 1:
+            model[0].weight[0, 0] = math.nan
+        if rank == 2:
+            model[0].weight[1, 1] = -1e30
+        if rank == 0:
+            model[2].bias[0] += 1.0  # all three differ: no majority, a median
+    rep = ReplicaSync(model, opt).sync()
+    out["outvoted"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+    return out
+
+
+def test_buffers_sync_apart_from_parameters_and_optimizer_state():
+    res = run_workers(_w_buffers_apart, 3)
+    # Overlapped == blocking then the forward, bitwise: the buffers were synced at start
+    # (the additive correction made rank 0's running variance -1e29, DDP then spread it).
+    for r in res:
+        assert torch.equal(r[True]["running_var"], r[False]["running_var"])
+        assert bool((r[True]["running_var"] > 0).all()) and r[True]["running_var"].max() < 10
+        assert r[True]["report"].mode == "median" and r[True]["report"].note == "buffers only"
+        _assert_same(r[True]["state"], r[False]["state"])
+    # Buffers apart do not hide the majority of the parameters and optimizer state.
+    _assert_replicas_identical([r["flip"] for r in res])
+    for r in res:
+        assert r["flip"]["report"].mode == "majority-copy" and r["flip"]["report"].groups == [[0, 2], [1]]
+        assert r["flip"]["report"].note == "buffers: median"
+    for (n, got), (_, clean) in zip(res[1]["flip"]["state"], res[0]["clean"]):
+        if not n.startswith("buffer/"):
+            assert torch.equal(got, clean), n
+    # One NaN does not cost a replica its vote everywhere: the healthy bits, exactly.
+    _assert_replicas_identical([r["outvoted"] for r in res])
+    rep = res[0]["outvoted"]["report"]
+    assert rep.mode == "median" and rep.note == "non-finite ranks [1] outvoted where non-finite"
+    for (n, got), (_, sound) in zip(res[0]["outvoted"]["state"], res[0]["sound"]):
+        assert torch.equal(got, sound), n
 
 
 def _w_nested(rank: int, ws: int) -> dict:
@@ -661,5 +738,6 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     for r in res:
         rep = r["bn"]["report"]
         assert rep.mode == "median-with-reference" and rep.note == "buffers only"
-        # fingerprints + structure + tag, finite flags, the buffers, the divergence max
-        assert rep.bytes_sent == 32 + 8 + r["bn"]["buffer_bytes"] + 8 and rep.divergence == 0.0
+        # fingerprints + structure + tag, finite flags, the buffers (their divergence is
+        # not measured: no max to exchange)
+        assert rep.bytes_sent == 32 + 8 + r["bn"]["buffer_bytes"] and rep.divergence == 0.0
