@@ -417,7 +417,7 @@ class Protector:
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
         metrics = self._metrics(t, view, metric_step, alerts=not overflow)
-        synced = self._maybe_sync(t, view, state_is_stale=synced) or synced
+        synced = self._maybe_sync(t, view, state_is_stale=synced, applied=applied) or synced
         self.step_idx += 1
         return StepReport(
             step=t,
@@ -699,12 +699,15 @@ class Protector:
 
     # -- PAFT-Sync / PAFT-Dyn --------------------------------------------------------
 
-    def _maybe_sync(self, step: int, view: ControlView | None, state_is_stale: bool = False) -> bool:
+    def _maybe_sync(self, step: int, view: ControlView | None, state_is_stale: bool = False,
+                    applied: bool = True) -> bool:
         """After the update of ``step``: start (overlap) or run (blocking) a sync if due.
 
         ``state_is_stale``: a sync finished during this step, after ``view``'s state
         fingerprints were taken, so a split they show may be repaired already: the
         state is fingerprinted again before a sync is triggered on old news.
+        ``applied``: whether the step's update was (a skipped one split nothing, whatever
+        its aggregated gradients were).
         """
         if self.averager is not None:
             due = step % self.averager.period == 0
@@ -716,7 +719,8 @@ class Protector:
         if self.sync is None or self.scheduler is None:
             return False
         triggered = (
-            view is not None and isinstance(self.scheduler, DynScheduler) and self._replicas_split(view, state_is_stale)
+            view is not None and isinstance(self.scheduler, DynScheduler)
+            and self._replicas_split(view, state_is_stale, applied)
         )
         if triggered:
             self.scheduler.trigger(step)
@@ -731,7 +735,7 @@ class Protector:
         self._on_sync(step, self.sync.sync())
         return True
 
-    def _replicas_split(self, view: ControlView, state_is_stale: bool) -> bool:
+    def _replicas_split(self, view: ControlView, state_is_stale: bool, applied: bool) -> bool:
         state_fps = view.state_fingerprints()
         state_split = state_fps is not None and len(group_replicas(state_fps)) > 1
         if state_split and state_is_stale:
@@ -740,7 +744,7 @@ class Protector:
             # snapshot) keeps. Look again now (every rank alike: the view is shared), so a
             # split still there is repaired in this step, not the next.
             state_split = len(group_replicas(self._state_fingerprints_now())) > 1
-        return state_split or len(group_replicas(view.agg_fingerprints())) > 1
+        return state_split or (applied and len(group_replicas(view.agg_fingerprints())) > 1)
 
     def _repair(self, step: int) -> None:
         """The guard found replicas with different state: a blocking robust sync (the

@@ -438,6 +438,20 @@ def test_dyn_repairs_a_split_within_one_step(optimizer: str, interval: int) -> N
         assert same(o, c) and o["fingerprint"] == c["fingerprint"]
 
 
+def test_dyn_is_not_triggered_by_the_aggregated_gradients_of_a_skipped_step() -> None:
+    # A persistent aggregation fault on rank 2: the guard skips each batch, nothing is
+    # applied and the replicas agree; PAFT-Dyn synced at once and halved H each time.
+    out = run_workers(train_toy, 3, {
+        "steps": 12, "protect": {"mode": "dyn", "sync_period": 16, "h_min": 2, "h_max": 64},
+        "guard": {"enabled": True, "warmup": 2},
+        "inject": ["bitflip:site=aggregation,steps=6+8+10,bits=30,ranks=2,persistent=true"],
+    })
+    reports = out[0]["reports"]
+    assert [r["step"] for r in reports if not r["applied"]] == [6, 8, 10]
+    assert not any(r["synced"] for r in reports)
+    assert len({o["fingerprint"] for o in out}) == 1
+
+
 def test_dyn_ignores_a_split_the_overlapped_sync_repaired_meanwhile() -> None:
     # The sync started after step 9 repairs rank 1's corrupted weights before step 10's
     # update; step 10's state fingerprint predates that repair. It must not trigger a
