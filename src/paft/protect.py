@@ -416,7 +416,7 @@ class Protector:
             self.guard.accept(t, view, ratio)
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._metrics(t, view, metric_step, alerts=not overflow)
+        metrics = self._metrics(t, view, metric_step, alerts=not overflow, applied=applied)
         synced = self._maybe_sync(t, view, state_is_stale=synced, applied=applied) or synced
         self.step_idx += 1
         return StepReport(
@@ -567,21 +567,26 @@ class Protector:
         # Every rank agrees on ``metric_step``, so on the length of the vectors.
         return start_control(vec.pack(self.sketch_dim if metric_step else 0), self.group)
 
-    def _metrics(self, step: int, view: ControlView, metric_step: bool, alerts: bool = True) -> dict[str, Any]:
+    def _metrics(self, step: int, view: ControlView, metric_step: bool, alerts: bool = True,
+                 applied: bool = True) -> dict[str, Any]:
         """The step's ``consistency.jsonl`` record and alerts: every metric on a metric
         step. Between them (--monitor-interval) a record of what every step carries (the
         losses, the ``replicas/*`` keys) where there is news of the replicas: a split,
-        the step after one (its end), a state fingerprint."""
-        if not metric_step:
-            metrics = replica_metrics(view)
-            was_split = self._alerting.get("replicas_split", False) or self._alerting.get("state_split", False)
-            if not (was_split or metrics["replicas/grad_distinct"] > 1 or "replicas/state_distinct" in metrics):
-                return {}
-        else:
+        the step after one (its end), a state fingerprint. The aggregated gradients of
+        an update that was not ``applied`` split no replicas: their keys are left out."""
+        if metric_step:
             grads = None
             if self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
                 grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
             metrics = worker_metrics(view, grads)
+        else:
+            metrics = replica_metrics(view)
+        if not applied:
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("replicas/grad_")}
+        if not metric_step:
+            was_split = self._alerting.get("replicas_split", False) or self._alerting.get("state_split", False)
+            if not (was_split or metrics.get("replicas/grad_distinct", 1) > 1 or "replicas/state_distinct" in metrics):
+                return {}
         metrics["step"] = step
         metrics["loss"] = view.global_loss
         metrics["local_losses"] = view.losses.tolist()

@@ -438,18 +438,26 @@ def test_dyn_repairs_a_split_within_one_step(optimizer: str, interval: int) -> N
         assert same(o, c) and o["fingerprint"] == c["fingerprint"]
 
 
-def test_dyn_is_not_triggered_by_the_aggregated_gradients_of_a_skipped_step() -> None:
+def test_the_aggregated_gradients_of_a_skipped_step_split_no_replicas(tmp_path: Path) -> None:
     # A persistent aggregation fault on rank 2: the guard skips each batch, nothing is
-    # applied and the replicas agree; PAFT-Dyn synced at once and halved H each time.
+    # applied and the replicas agree. PAFT-Dyn synced at once and halved H each time,
+    # and the records said the replicas split (an alert, grad_distinct 2).
     out = run_workers(train_toy, 3, {
         "steps": 12, "protect": {"mode": "dyn", "sync_period": 16, "h_min": 2, "h_max": 64},
-        "guard": {"enabled": True, "warmup": 2},
+        "guard": {"enabled": True, "warmup": 2}, "run_dir": str(tmp_path),
         "inject": ["bitflip:site=aggregation,steps=6+8+10,bits=30,ranks=2,persistent=true"],
     })
     reports = out[0]["reports"]
     assert [r["step"] for r in reports if not r["applied"]] == [6, 8, 10]
     assert not any(r["synced"] for r in reports)
     assert len({o["fingerprint"] for o in out}) == 1
+    records = read_jsonl(tmp_path / "consistency.jsonl")
+    assert [r["step"] for r in records] == list(range(12))
+    assert all(r.get("replicas/grad_distinct", 1) == 1 for r in records)
+    assert "replicas/grad_distinct" not in records[6] and records[7]["replicas/grad_distinct"] == 1
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert not [e for e in events if e["event"] == "dyn_trigger" or e.get("detector") == "replicas_split"]
+    assert [e["step"] for e in events if e["event"] == "guard" and e["action"] == "skip"] == [6, 8, 10]
 
 
 def test_dyn_ignores_a_split_the_overlapped_sync_repaired_meanwhile() -> None:
