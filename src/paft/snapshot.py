@@ -46,7 +46,7 @@ class ForwardSnapshot:
 def _copy_structure(value: Any) -> Any:
     """``value`` with its lists and dicts copied (recursively) and everything else,
     tensors and immutable tuples included, shared: what a snapshot needs to undo
-    in-place appends."""
+    in-place appends and replaced entries."""
     if isinstance(value, list):
         return [_copy_structure(v) for v in value]
     if isinstance(value, dict):
@@ -78,17 +78,19 @@ class StateSnapshot:
     Taken only when the guard arms it (:meth:`Guard.wants_snapshot`). The copies are
     allocated once and reused, so a snapshot is one batched copy of the state (no
     allocation, no ``state_dict`` deep copy). Optimizer state that the step creates
-    (the first step of Adam, SGD momentum) is removed again on restore; non-tensor
-    state entries are restored from a copy of their structure (lists and dicts of
-    tensors that the step grows or rotates in place get their old members back, and
-    those tensors their old values).
+    (the first step of Adam, SGD momentum) is removed again on restore; every state
+    entry is put back: a tensor the step replaced by a new one (``state["m"] = beta
+    * m + g``, as hand-written optimizers do) by the old object, and non-tensor
+    entries from a copy of their structure (lists and dicts of tensors that the step
+    grows or rotates in place get their old members back), the tensors with their
+    old values.
     """
 
     def __init__(self) -> None:
         self._saved: list[torch.Tensor] = []
         self._live: list[torch.Tensor] = []
         self._num_params = 0
-        # Per parameter: its state's keys and non-tensor entries (None: no state yet).
+        # Per parameter: its state's keys and entries (None: no state yet).
         self._extras: dict[torch.Tensor, tuple[set[Any], dict[Any, Any]] | None] = {}
 
     def capture(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> StateSnapshot:
@@ -104,10 +106,7 @@ class StateSnapshot:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p)
-                self._extras[p] = (
-                    (set(state), {k: _copy_structure(v) for k, v in state.items() if not isinstance(v, torch.Tensor)})
-                    if state else None
-                )
+                self._extras[p] = (set(state), {k: _copy_structure(v) for k, v in state.items()}) if state else None
         return self
 
     def update_ratio(self) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,23 @@ def test_update_norms_of_half_precision_and_float64_tensors_do_not_overflow() ->
     assert _total(_norms(tensors[:1])) == pytest.approx(1000 * math.sqrt(1000), rel=1e-6)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw", "nested"])
+class RebindingMomentum(torch.optim.Optimizer):
+    """SGD with momentum as hand-written optimizers often have it: a new state tensor
+    each step (``state["m"] = 0.9 * m + g``), not an update in place."""
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["m"] = 0.9 * state["m"] + p.grad if "m" in state else p.grad.clone()
+                p.add_(state["m"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw", "nested", "rebinding"])
 def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: str) -> None:
     """The guard's rollback: a snapshot (buffers reused across steps) undoes a step exactly,
     including the optimizer state that a first step creates, and lists / dicts of
@@ -34,6 +51,8 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     elif opt_name == "nested":
         opt = NestedStateSGD(model.parameters(), lr=0.05)
+    elif opt_name == "rebinding":
+        opt = RebindingMomentum(model.parameters())
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
