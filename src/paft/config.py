@@ -181,8 +181,9 @@ class GuardConfig:
     """Post-step detector: ||w_new - w_old|| / ||w_old|| (max over ranks) non-finite,
     spiking (``--spike-threshold`` rule), or, once ``warmup`` positive ratios were
     accepted, above this cap rolls the step back to the pre-step snapshot and
-    recomputes it, on steps where the guard asked for a snapshot; elsewhere it is
-    recorded only. (The first updates of a small or zero initialisation legitimately
+    recomputes it, on steps where the guard asked for a snapshot (see the README's
+    Guard section); elsewhere the ratio is not measured: it needs the pre-step
+    weights. (The first updates of a small or zero initialisation legitimately
     exceed the weights.) A reproduced ratio skips the batch, and ``shift_after`` such
     skips in a row apply it. 0 disables the detector and the snapshots (``--update-ratio``)."""
     outlier_threshold: float = 20.0
