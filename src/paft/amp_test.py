@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.amp import OptimizerStep
 from paft.config import GuardConfig, MonitorConfig
 from paft.protect import protect
+from paft.records import RunRecorder, read_jsonl
 from paft.testing import run_workers
 
 # 2**127 scales the first losses past float32's range: the first steps overflow and are
@@ -20,7 +22,7 @@ from paft.testing import run_workers
 SCALER = {"init_scale": 2.0**127, "growth_interval": 3}
 
 
-def _train(rank: int, world_size: int, mode: str, inject: list[str]) -> dict[str, Any]:
+def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: str = "") -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     ddp = DistributedDataParallel(model)
@@ -29,7 +31,8 @@ def _train(rank: int, world_size: int, mode: str, inject: list[str]) -> dict[str
     protector = None
     if mode != "plain":
         protector = protect(ddp, optimizer, scaler=scaler, guard=GuardConfig(enabled=mode == "guard", warmup=2),
-                            monitor=MonitorConfig(enabled=mode != "unmonitored"), inject=inject)
+                            monitor=MonitorConfig(enabled=mode != "unmonitored"), inject=inject,
+                            recorder=RunRecorder(run_dir, rank, quiet=True) if run_dir else None)
     scales, applied = [], []
     for step in range(16):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -80,6 +83,23 @@ def test_the_guard_recomputes_a_scaled_step_and_tells_a_fault_from_an_overflow()
     assert hit[0]["counters"]["detections"] >= 1 and hit[0]["counters"]["recomputes"] >= 1
     assert hit[0]["scales"] == clean[0]["scales"] and hit[0]["applied"] == clean[0]["applied"]
     for a, b in zip(clean, hit):
+        assert _same_params(a, b)
+
+
+def test_a_recompute_that_overflows_closes_the_detections_record(tmp_path: Path) -> None:
+    # Step 1 overflows (the scale is still 2**126) and an inf lands in rank 1's
+    # aggregated gradient, where the overflow had left a finite value: the ranks'
+    # gradients differ, so the guard detects and recomputes; the recompute is a plain
+    # overflow, skipped as the scaler skips it. The detection's record ended at
+    # "recompute", with no verdict after it.
+    clean = run_workers(_train, 2, "guard", [])
+    out = run_workers(_train, 2, "guard", ["inf:steps=1,ranks=1"], str(tmp_path))
+    guard = [(e["step"], e["attempt"], e["action"], e["detector"])
+             for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "guard"]
+    assert [g[:3] for g in guard] == [(1, 0, "recompute"), (1, 1, "skip")]
+    assert guard[1][3] == "loss_scale_overflow" and out[0]["counters"]["skipped_batches"] == 0
+    assert out[0]["applied"] == clean[0]["applied"] and out[0]["scales"] == clean[0]["scales"]
+    for a, b in zip(clean, out):
         assert _same_params(a, b)
 
 

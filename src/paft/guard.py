@@ -172,7 +172,8 @@ ACTIONS = ("proceed", "recompute", "repair", "skip", "stop")
 COUNTERS = ("detections", "recomputes", "skipped_batches", "rollbacks", "transient", "persistent", "data", "state")
 CAUSES = ("transient", "persistent", "data", "state")
 DETECTORS = ("state_mismatch", "nonfinite_loss", "nonfinite_local_grad", "nonfinite_agg_grad", "grad_mismatch",
-             "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap", "level_shift")
+             "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap", "level_shift",
+             "loss_scale_overflow")
 _SPIKES = ("loss_spike", "grad_spike", "rank_outlier")  # finite values judged against the history
 
 MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation

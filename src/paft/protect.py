@@ -373,6 +373,8 @@ class Protector:
             view = pending.wait()
             overflow = self._overflow(view)
             if overflow:  # the loss scaler's, not a fault: the step is skipped
+                if attempt:  # the recompute of a detection: its record ends here, undecided
+                    self._judge(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
                 synced = self._finish_sync(t) or synced
                 applied = self._scaled_step(True)
                 break
