@@ -693,11 +693,12 @@ class Guard:
         fault inside ``optimizer.step()``): recomputing from that state would only
         reproduce it, so re-synchronize from the majority first, then recompute."""
         st.incident = True
-        self.counters["detections"] += 1
         minority = outside_majority(groups, self.world_size)
         prev = st.pending
         again = sorted(set(prev.ranks) & set(minority)) if (
             prev is not None and prev.source == "check" and prev.detector == "state_mismatch") else []
+        if not again:  # the same rank corrupted again is the incident already counted
+            self.counters["detections"] += 1
         self._decide(st, "persistent" if again else "state")
         st.pending = _Incident("check", "state_mismatch", minority, view.header_bits())
         if again and self.config.on_persistent == "stop":

@@ -336,11 +336,12 @@ def test_a_replica_corrupted_again_after_its_repair_is_persistent(policy: str, a
     assert g.check(t, 0, split).action == "repair"
     v1 = g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[6, 8, 6]))
     assert (v1.action, v1.detector, v1.ranks, v1.cause) == (action, "state_mismatch", [1], "persistent")
-    assert (g.counters["persistent"], g.counters["state"]) == (1, 0)
+    assert (g.counters["persistent"], g.counters["state"], g.counters["detections"]) == (1, 0, 1)
     other = guard(3, on_persistent=policy)  # another rank corrupted on the rerun: a new fault
     t = warm(other)
     other.check(t, 0, split)
     assert other.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[6, 6, 8])).cause == "state"
+    assert other.counters["detections"] == 2
 
 
 @pytest.mark.parametrize("ws", [2, 4])
