@@ -355,11 +355,6 @@ class _InFlight:
     reference: list[Tensor | None] | None  # no-op, world size 2: the agreed state at start
     bytes_sent: int
     collectives: int
-    # Set on the parameters' and optimizer state's part, which finish() completes:
-    ctrl: list[list[int]] = field(default_factory=list)  # every rank's fingerprints: the next reference's tag
-    buffers_done: _Done | None = None  # the buffers' part, completed at start
-    t0: float = 0.0
-    critical: float = 0.0
 
 
 @dataclass
@@ -371,6 +366,20 @@ class _Done:
     bytes_sent: int
     collectives: int
     delta_tensors: int
+
+
+@dataclass
+class _Sync:
+    """A sync between start and finish: its control exchange, the buffers' part
+    (completed at start) and the parameters' and optimizer state's part in flight."""
+
+    ctrl: list[list[int]]  # every rank's fingerprints: the next reference's tag
+    control_bytes: int  # the control and finite-flag exchanges
+    control_collectives: int
+    buffers: _Done
+    state: _InFlight
+    t0: float
+    critical: float
 
 
 class ReplicaSync:
@@ -415,7 +424,7 @@ class ReplicaSync:
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.syncs = 0
         self._layouts: dict[tuple[Any, ...], _Layout] = {}  # all tensors, buffers only, all but buffers
-        self._pending: _InFlight | None = None
+        self._pending: _Sync | None = None
         self._device = collective_device(group, next(iter(model.parameters()), None))
         # Fused optimizers update parameters and state without bumping the tensors'
         # version counters; a step hook tells finish() that a step happened anyway.
@@ -649,7 +658,7 @@ class ReplicaSync:
         """Blocking gather of a few int64 per rank."""
         return gather_rows(torch.tensor(row, dtype=torch.int64, device=self._device), self.group).tolist()
 
-    def _launch(self, overlapped: bool) -> _InFlight:
+    def _launch(self, overlapped: bool) -> _Sync:
         t0 = time.perf_counter()
         entries = self._entries()
         is_buffer = [n.startswith("buffer/") for n, _, _ in entries]
@@ -686,11 +695,7 @@ class ReplicaSync:
         # opposite sign (a negative running variance). They are small.
         buffers_done = self._finish_transfer(self._transfer(buffers_d, buffers, overlapped=False), False)
         pending = self._transfer(state_d, state, overlapped)
-        pending.ctrl, pending.buffers_done, pending.t0 = ctrl, buffers_done, t0
-        pending.bytes_sent += bytes_sent
-        pending.collectives += collectives
-        pending.critical = time.perf_counter() - t0
-        return pending
+        return _Sync(ctrl, bytes_sent, collectives, buffers_done, pending, t0, critical=time.perf_counter() - t0)
 
     def _transfer(self, d: _Decision, entries: list[tuple[str, Tensor, Tensor]], overlapped: bool) -> _InFlight:
         """Launch the collectives of one part (the parameters and optimizer state, or the
@@ -788,10 +793,10 @@ class ReplicaSync:
 
     def _complete(self, state_changed: bool | None) -> SyncReport:
         p = self._pending
-        assert p is not None and p.buffers_done is not None
+        assert p is not None
         self._pending = None
         t1 = time.perf_counter()
-        done, buffers = self._finish_transfer(p, state_changed), p.buffers_done
+        done, buffers = self._finish_transfer(p.state, state_changed), p.buffers
         self.syncs += 1
         if self._keeps_reference:
             tag = torch.tensor([self.syncs, *(x for r in p.ctrl for x in r[:2])], dtype=torch.int64)
@@ -808,12 +813,12 @@ class ReplicaSync:
             mode=d.mode,
             groups=d.groups,
             source_ranks=d.sources,
-            bytes_sent=done.bytes_sent + buffers.bytes_sent,
+            bytes_sent=p.control_bytes + done.bytes_sent + buffers.bytes_sent,
             seconds=p.critical + (t2 - t1),
             divergence=max(done.divergence, buffers.divergence),
-            collectives=done.collectives + buffers.collectives,
+            collectives=p.control_collectives + done.collectives + buffers.collectives,
             wall_seconds=t2 - p.t0,
-            overlapped=p.overlapped,
+            overlapped=p.state.overlapped,
             delta_tensors=done.delta_tensors,
             note=note,
         )
