@@ -442,10 +442,7 @@ class Guard:
         if prev is None or prev.source != "check":
             self.counters["detections"] += 1
             st.pending = _Incident("check", detector, ranks, bits)
-            verdict = self._rerun(st, detector, ranks, values)
-            if verdict.detector == "rerun_cap" and detector in _SPIKES:  # no rerun left to tell
-                return self._spike_skipped(verdict, ranks, values)
-            return verdict
+            return self._rerun(st, detector, ranks, values)
         # Data cannot make ranks receive different aggregated gradients: a mismatch
         # that comes back, bitwise or not, is a reduction failing again (persistent),
         # even where 2 ranks leave the faulty one unnamed.
@@ -590,9 +587,11 @@ class Guard:
         self._armed_step = None
 
     def _spike_skipped(self, skip: GuardVerdict, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
-        """``skip`` drops a batch for a spike (reproduced, or past the run's rerun cap).
-        After ``shift_after`` such skips in a row the level itself moved: this batch is
-        applied instead, and the spike statistics start over."""
+        """``skip`` drops a batch for a spike that reproduced on recomputation (a spike
+        skipped at the rerun cap never reproduced, so it does not count: it may be a
+        faulty rank's, which a level shift would apply). After ``shift_after`` such
+        skips in a row the level itself moved: this batch is applied instead, and the
+        spike statistics start over."""
         if not self.config.shift_after or self._data_skips < self.config.shift_after:
             self._data_skips += 1
             return skip

@@ -385,6 +385,7 @@ class Protector:
                 rerun_from.restore()  # type: ignore[union-attr]
             if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
                 self._repair(t)  # at the rerun cap too: then the batch is skipped
+                rerun_from.keep_buffers()  # type: ignore[union-attr]
                 synced = True
             if verdict.action in ("recompute", "repair"):
                 attempt += 1

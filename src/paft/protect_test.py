@@ -359,6 +359,50 @@ def test_a_skipped_batch_leaves_no_trace_in_batchnorm_statistics() -> None:
         assert o["counters"]["data"] == 1 and all(torch.isfinite(b).all() for b in o["buffers"])
 
 
+def bn_repair_then_rerun(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
+    """3 ranks, conv + BatchNorm, the guard on, state checked every 2nd step. Step 7:
+    rank 0's conv weights x1000 at rest, unchecked; BatchNorm hides them from the loss,
+    but rank 0's running variance grows ~1e4-fold. Step 8: the state check fails and
+    the guard repairs (majority copy; buffers: median); stuck hardware on rank 2 then
+    fails every recompute of step 8 until the rerun cap skips the batch."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 1)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    protector = protect(model, optimizer, monitor=MonitorConfig(fingerprint_every=2),
+                        guard=GuardConfig(enabled=True, warmup=5), seed=1, inject=[
+                            "scale:site=params,steps=7,ranks=0,factor=1000,count=36",
+                            "scale:site=local-grad,steps=8,ranks=2,factor=1e6,count=4,persistent=true"])
+    out: dict[str, list[torch.Tensor]] = {}
+    for step in range(10):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(8, 1, 6, 6, generator=g)
+
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), x.mean(dim=(1, 2, 3)).unsqueeze(1))
+            loss.backward()
+            return loss
+
+        protector.step(closure)
+        if step == 8:
+            out["after_repair"] = [b.detach().clone() for b in model.module.buffers()]
+    protector.close()
+    out["end"] = [b.detach().clone() for b in model.module.buffers()]
+    return out
+
+
+def test_a_recompute_after_a_repair_keeps_the_repaired_buffers() -> None:
+    # The recompute restored the buffers saved at the start of the step, from before
+    # the repair: rank 0's corrupted running variance came back, and at the next
+    # forward DDP broadcast it to every rank (~2.4e4 instead of ~0.5 everywhere).
+    out = run_workers(bn_repair_then_rerun, 3)
+    for o in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0]["after_repair"], o["after_repair"]))
+    for o in out:
+        assert float(o["end"][1].max()) < 10.0  # running_var: the corrupted value neither kept nor spread
+
+
 def persistent_run(rank: int, world_size: int, opts: dict[str, Any]) -> Any:
     try:
         return train_toy(rank, world_size, opts)

@@ -34,6 +34,14 @@ class ForwardSnapshot:
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         self.buffers = [(b, b.detach().clone()) for b in buffers]
 
+    def keep_buffers(self) -> None:
+        """Take the buffers as they are now as the ones to restore: a repair synced
+        them, and a later recompute of the same step must not bring back the
+        corrupted statistics the repair replaced."""
+        with torch.no_grad():
+            for live, saved in self.buffers:
+                saved.copy_(live)
+
     def restore(self) -> None:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
