@@ -66,7 +66,9 @@ part), and per mode:
   finite. With a power-of-two count of finite replicas (2, 4, 8) sum-then-divide keeps
   the values they agree on exact; with 3 an agreed ``x`` becomes ``fl(fl(3x) / 3)``,
   which moves about one float32 value in five by one ulp (identically on every
-  rank: replicas still end bitwise equal). ``robust`` never
+  rank: replicas still end bitwise equal). float16 and bfloat16 are summed and
+  divided in float32 and rounded once, so their agreed values stay exact (and the
+  measured divergence has no floor of one 16-bit ulp). ``robust`` never
   touches agreed values. No finite replica at all raises :class:`RuntimeError` (on
   every rank).
 * ``broadcast``: copy rank ``src`` exactly. If ``src`` holds NaN/Inf, the lowest
@@ -295,8 +297,15 @@ def _rel(sq: float, ref_sq: float) -> float:
 
 
 def _sq_norm(x: Tensor) -> float:
-    """``||x||^2``, accumulated in float64 (huge finite values do not overflow)."""
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    """``||x||^2``, accumulated in float64 (huge finite values do not overflow); inf
+    past float64's range (a Python ``** 2`` would raise OverflowError there)."""
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64).square())
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit floats, else ``dtype``: means and divergences of float16 /
+    bfloat16 state computed in their own dtype round by a 16-bit ulp."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 # ----------------------------------------------------------------------------
@@ -556,8 +565,21 @@ class ReplicaSync:
         return self.mode == "robust" and self.world_size == 2
 
     def _entries(self) -> list[tuple[str, Tensor, Tensor]]:
-        """(name, transport view, live object) for every state tensor."""
-        return [(n, _transport(t), t) for n, t in state_tensors(self.model, self.optimizer)]
+        """(name, transport view, live object) for every state tensor, each memory once:
+        a tensor that is another's exact alias (two Parameter objects over one storage,
+        optimizer state that *is* its parameter) is left out. The overlapped correction
+        ``synced + (w - snapshot)`` written through both would add the progress twice."""
+        seen: set[tuple[Any, ...]] = set()
+        entries = []
+        for n, t in state_tensors(self.model, self.optimizer):
+            if t.layout == torch.strided and t.numel():
+                where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype,
+                         tuple(t.shape), t.stride())
+                if where in seen:
+                    continue
+                seen.add(where)
+            entries.append((n, _transport(t), t))
+        return entries
 
     def _layout_for(self, entries: list[tuple[str, Tensor, Tensor]]) -> _Layout:
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t, _ in entries)
@@ -753,7 +775,8 @@ class ReplicaSync:
                 # (halving first would round them to 0). A non-finite replica contributes
                 # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
                 # averaged (copy_mode above).
-                buf = snap.clone() if d.finite[rank] else torch.zeros_like(snap)
+                wide = _wide(g.dtype)
+                buf = snap.to(wide, copy=True) if d.finite[rank] else torch.zeros_like(snap, dtype=wide)
                 for a, b in g.buckets:
                     works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
                 bytes_sent += buf.numel() * buf.element_size()
@@ -857,7 +880,7 @@ class ReplicaSync:
                     if not (measure and g.floating):
                         continue
                     for lo, hi in _ranges_in(g.param_ranges, a, b):
-                        part = rows[:, lo:hi]
+                        part = rows[:, lo:hi].to(_wide(g.dtype))
                         c = (part if len(good) == self.world_size else part[good]).mean(0)
                         ref_sq += _sq_norm(c)
                         local_sq += _sq_norm(part[me] - c)
@@ -873,17 +896,17 @@ class ReplicaSync:
                     # sum overflowed. The all-reduce left the same result on every rank,
                     # so every rank takes this branch alike.
                     assert snap is not None
-                    scaled = snap * (1.0 / d.count) if d.finite[me] else torch.zeros_like(buf)
+                    scaled = snap.to(buf.dtype) * (1.0 / d.count) if d.finite[me] else torch.zeros_like(buf)
                     for a, b in g.buckets:
                         dist.all_reduce(scaled[a:b], group=self.group)
                     buf = torch.where(overflowed, scaled, buf)
                     bytes_sent += scaled.numel() * scaled.element_size()
                     collectives += len(g.buckets)
-            synced.append(buf)
             if measure and g.floating and snap is not None:
                 for lo, hi in g.param_ranges:
                     local_sq += _sq_norm(snap[lo:hi] - buf[lo:hi])
                     ref_sq += _sq_norm(buf[lo:hi])
+            synced.append(buf.to(g.dtype))  # a float32 mean of 16-bit state, rounded once
 
         # The max over ranks: one 8-byte all-reduce, so that every rank reports the
         # very same number (PAFT-Dyn takes its decisions from it on every rank). A part
