@@ -19,6 +19,7 @@ so reports can be built on headless machines and inside other programs.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 from collections import Counter, defaultdict
@@ -32,7 +33,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import from_jsonable_float, is_file, output_dir_problem, read_jsonl, read_utf8
+from paft.records import atomic_write_bytes, from_jsonable_float, is_file, output_dir_problem, read_jsonl, read_utf8
 
 __all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
 
@@ -321,7 +322,11 @@ def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=110)
+    """Write ``fig`` to ``path`` whole or not at all (an interrupted report leaves the
+    earlier one's plot, never half a PNG)."""
+    data = io.BytesIO()
+    fig.savefig(data, format="png", dpi=110)
+    atomic_write_bytes(path, data.getvalue())
     return path
 
 
@@ -659,8 +664,6 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     except OSError as err:
         raise ReportError(f"{label}: cannot create {out}: {err.strerror or err}") from None
     (out / REPORT_MARKER).write_text("paft report\n")
-    for name in _PLOTS:  # a plot this run no longer has must not survive from an earlier report
-        (out / name).unlink(missing_ok=True)
     files = [_plot_loss(run, out)]
     # Only what was recorded: --monitor-interval 0 leaves the replica records alone.
     if any(key in r for r in run.consistency for key, *_ in _DISPERSION):
@@ -673,7 +676,11 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     text = summary_text(run, files)
     images = "\n".join(f"![{f.stem}]({f.name})" for f in files)
     md = out / "report.md"
-    md.write_text(f"{_TITLE}{run.name}\n\n```text\n{text}```\n\n{images}\n")
+    atomic_write_bytes(md, f"{_TITLE}{run.name}\n\n```text\n{text}```\n\n{images}\n".encode())
+    # Last, so that every plot the report.md on disk links to exists at every moment:
+    # a plot this run no longer has must not survive from an earlier report.
+    for name in set(_PLOTS) - {f.name for f in files}:
+        (out / name).unlink(missing_ok=True)
     return Report(files=[*files, md], text=text)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import paft.report as report_module
 from paft.config import TrainConfig
 from paft.report import ReportError, _figure, _global_loss, _periods, _plot, _replica_panel, build_report, load_run
 from paft.rundir import prepare_run_dir
@@ -263,6 +264,31 @@ def test_out_dir_is_never_among_other_files(clean_run: pathlib.Path, tmp_path: p
     assert (tmp_path / "out" / "cosine.png").read_bytes() != b"stale"
     (tmp_path / "out" / ".paft-report").unlink()  # a report written before the marker: known by its title
     assert build_report(clean_run, tmp_path / "out").files == again.files
+
+
+def test_an_interrupted_report_leaves_the_earlier_one_whole(clean_run: pathlib.Path, tmp_path: pathlib.Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # The earlier report's plots were deleted up front: a Ctrl-C after the first plot
+    # left a report.md linking to three missing files.
+    out = tmp_path / "out"
+    first = build_report(clean_run, out)
+    before = {f.name: f.read_bytes() for f in first.files}
+    real_save = report_module._save
+
+    def interrupted_after_loss(fig: Any, path: pathlib.Path) -> pathlib.Path:
+        if path.name != "loss.png":
+            raise KeyboardInterrupt
+        return real_save(fig, path)
+
+    monkeypatch.setattr(report_module, "_save", interrupted_after_loss)
+    with pytest.raises(KeyboardInterrupt):
+        build_report(clean_run, out)
+    linked = re.findall(r"\]\(([^)]+)\)", (out / "report.md").read_text())
+    assert len(linked) == len(first.files) - 1 and all((out / name).is_file() for name in linked)
+    assert (out / "report.md").read_bytes() == before["report.md"]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ".paft-report"]
+    monkeypatch.undo()
+    assert {f.name: f.read_bytes() for f in build_report(clean_run, out).files}.keys() == before.keys()
 
 
 def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_run: pathlib.Path,
