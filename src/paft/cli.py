@@ -162,7 +162,7 @@ def run() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         code = main()
-    except SignalException as err:  # outside what train and bench catch (parsing, paft report)
+    except (KeyboardInterrupt, SignalException) as err:  # outside what train and bench catch (parsing, report)
         code = interrupted(err, prog="paft")
     except BrokenPipeError:  # the console went away (`| head`) while a command printed
         _quiet_stdout()

@@ -57,6 +57,7 @@ from paft.workloads import ShardedSampler, Workload, build_workload, parameter_c
 __all__ = [
     "Trainer",
     "run_worker",
+    "start_launched_worker",
     "main",
     "format_summary",
     "DeviceError",
@@ -471,11 +472,24 @@ def _set_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
+def start_launched_worker(cfg: TrainConfig) -> None:
+    """Set up a worker that ``paft train`` or ``paft bench`` launched: its threads, its
+    process group, and Ctrl-C, which ends it at once. The terminal signals the launcher
+    too, which stops every worker and cleans up; a KeyboardInterrupt here only printed
+    each worker's traceback, and a worker waiting in C++ (the rendezvous, a collective)
+    never saw it, so the launcher waited 30 s before killing it. Records are flushed
+    line by line and checkpoints written atomically: a worker killed mid-write leaves
+    nothing half-written. (Under torchrun rank 0 holds the run directory itself and
+    must unwind: :func:`main` keeps Python's handler.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _set_threads()
+    _init_process_group(cfg)
+
+
 def run_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
     """Entry point of one worker launched by ``paft train`` (elastic launcher, env:// rendezvous)."""
     cfg = TrainConfig.from_dict(cfg_dict)
-    _set_threads()
-    _init_process_group(cfg)
+    start_launched_worker(cfg)
     try:
         trainer = Trainer(cfg, pathlib.Path(run_dir))
         try:

@@ -112,10 +112,9 @@ def throughput_ratios(schedule: Sequence[str], rates: Sequence[float], reference
 def worker_group(cfg_dict: dict[str, Any]) -> Iterator[None]:
     """Inside a launched worker: threads and the process group for ``cfg_dict``'s device,
     torn down on exit, even after an error."""
-    from paft.train import _init_process_group, _set_threads
+    from paft.train import start_launched_worker
 
-    _set_threads()
-    _init_process_group(TrainConfig.from_dict(cfg_dict))
+    start_launched_worker(TrainConfig.from_dict(cfg_dict))
     try:
         yield
     finally:
