@@ -17,6 +17,7 @@ import torch
 
 from paft.cli import main
 from paft.config import TrainConfig
+from paft.records import read_jsonl
 
 
 @pytest.mark.parametrize(
@@ -292,8 +293,6 @@ def test_paft_train_end_to_end_with_config_file(
 
 
 def test_read_jsonl_drops_a_partial_last_line_and_names_any_other_damage(tmp_path: pathlib.Path) -> None:
-    from paft.records import read_jsonl
-
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 0}\n\n{"step": 1}\n{"step": 2, "lo')  # a writer killed mid-record
     assert read_jsonl(log) == [{"step": 0}, {"step": 1}]
@@ -352,22 +351,29 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
         assert not (tmp_path / "r3").exists()
 
 
-def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwrite_restores_the_old_run(
+def _failing(step: int, steps: int = 4) -> list[str]:
+    """A tiny run whose replicas all turn NaN at ``step`` (each in its own place): PAFT-Dyn
+    repairs the split at once, and its mean sync stops the workers with an error there,
+    before that step is recorded."""
+    return ["--steps", str(steps), "--world-size", "2", "--batch-size", "4", "--eval-batches", "1",
+            "--model", "n_layer=1", "--model", "n_embd=16", "--model", "n_head=2", "--model", "block_size=16",
+            "--inject", f"nan:site=params,steps={step},ranks=0+1", "--protect", "dyn", "--sync-mode", "mean",
+            "--no-overlap", "--monitor-interval", "1", "--fingerprint-every", "1", "--quiet"]
+
+
+def test_a_run_that_fails_before_a_step_leaves_nothing_and_overwrite_restores_the_old_run(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Every replica NaN at step 1 and a mean sync: the workers stop with an error.
-    failing = ["--steps", "4", "--world-size", "2", "--batch-size", "4", "--eval-batches", "1", "--model", "n_layer=1",
-               "--model", "n_embd=16", "--model", "n_head=2", "--model", "block_size=16", "--inject",
-               "nan:site=params,steps=1,ranks=0+1", "--protect", "sync", "--sync-period", "1", "--sync-mode", "mean",
-               "--no-overlap", "--quiet"]
+    failing = _failing(0)
     monkeypatch.chdir(tmp_path)
     assert main(["train", *failing, "--run-dir", "r"]) == 1
-    assert "nothing in r could be resumed, so it was removed" in capsys.readouterr().err
+    assert "the run stopped before a step; r was removed" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
     # The parents it created go too; an empty folder of the user's is emptied, not removed.
     assert main(["train", *failing, "--run-dir", "nest/a/b"]) == 1
     (tmp_path / "empty").mkdir()
     assert main(["train", *failing, "--run-dir", "empty"]) == 1
+    assert "what it wrote in empty was removed" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
     # "new/../empty/r" creates new/ and r, not empty/ (which existed): the user's folder stays.
     assert main(["train", *failing, "--run-dir", "new/../empty/r"]) == 1
@@ -376,10 +382,38 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_overwri
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
     (tmp_path / "old" / "summary.json").write_text("old run")
-    assert main(["train", *failing, "--run-dir", "old", "--overwrite"]) == 1
+    # Trained steps but no checkpoint: not worth the run it was to replace.
+    assert main(["train", *_failing(2), "--run-dir", "old", "--overwrite"]) == 1
     assert "the output it was to replace is back in old" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
     assert (tmp_path / "old" / "summary.json").read_text() == "old run"
+
+
+def test_a_run_that_fails_after_some_steps_keeps_its_records(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # They may be what explains the failure; before, the whole directory was removed.
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *_failing(2), "--run-dir", "r"]) == 1
+    assert "its records stay in r (paft report r); --resume cannot continue it" in capsys.readouterr().err
+    assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics" / "rank0.jsonl")] == [0, 1]
+    assert [f["step"] for f in read_jsonl(tmp_path / "r" / "faults.jsonl")] == [2, 2]
+    assert main(["report", "r"]) == 0 and (tmp_path / "r" / "report" / "loss.png").is_file()
+    with pytest.raises(SystemExit):
+        main(["train", *_failing(2), "--run-dir", "r"])
+    assert "r holds a run that stopped before its first checkpoint; pass --overwrite" in capsys.readouterr().err
+
+
+def test_a_resume_that_trains_nothing_leaves_the_runs_options(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A plain --resume later took the options of the attempt that never ran.
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *_failing(100), "--run-dir", "r"]) == 0
+    before = (tmp_path / "r" / "config.json").read_bytes()
+    assert main(["train", *_failing(4, steps=8), "--run-dir", "r", "--resume"]) == 1
+    assert "no step ran with the new options: r/config.json keeps the run's own" in capsys.readouterr().err
+    assert (tmp_path / "r" / "config.json").read_bytes() == before
 
 
 def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
@@ -544,8 +578,12 @@ def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest
     with _lock(run):  # as the launcher of a run in progress holds it
         with pytest.raises(SystemExit) as exc:
             main(["train", "--run-dir", "r", "--overwrite", "--steps", "1"])
-    assert exc.value.code == 2
-    assert "--run-dir: r is in use by another paft train" in capsys.readouterr().err
+        assert exc.value.code == 2
+        assert "--run-dir: r is in use by another paft train" in capsys.readouterr().err
+        # Without --resume or --overwrite: not "a run that stopped" (no checkpoint yet).
+        with pytest.raises(SystemExit):
+            main(["train", "--run-dir", "r", "--steps", "1"])
+        assert "--run-dir: r is in use by another paft train (a run in progress)" in capsys.readouterr().err
     assert run.is_dir() and sorted(p.name for p in run.iterdir()) == sorted([*before, ".lock"])
     assert not list(tmp_path.glob("r.replaced-*"))
 

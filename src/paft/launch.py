@@ -26,13 +26,22 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paft.config import TrainConfig
-from paft.rundir import RunDirError, check_run_dir, default_run_dir, has_checkpoint, resolve_run_dir, write_config
+from paft.records import atomic_write_bytes
+from paft.rundir import (
+    LOCK_FILE,
+    RunDirError,
+    check_run_dir,
+    default_run_dir,
+    has_checkpoint,
+    records_size,
+    resolve_run_dir,
+    write_config,
+)
 from paft.train import EXIT_PERSISTENT_FAULT, check_devices, format_summary, run_worker
 
 __all__ = ["claim_run_dir", "interrupted", "launch", "on_sigterm", "set_aside", "settle"]
 
 EXIT_WORKER_FAILED = 1
-LOCK_FILE = ".lock"
 
 
 def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] | None]:
@@ -41,11 +50,14 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     Raises :class:`paft.rundir.RunDirError` or :class:`paft.train.DeviceError` (before
     anything is written) when the run directory or the devices cannot be used.
 
-    A new run that fails or is interrupted before its first checkpoint leaves nothing
-    behind: its directory could not be resumed, so it is removed (the console keeps
-    the traceback). ``--overwrite`` moves the old run aside instead of deleting it, and
-    deletes it only once the new run has finished or written its first checkpoint;
-    when the new run stops before that, the old run is moved back.
+    A new run that fails or is interrupted before it trained a step leaves nothing
+    behind; one that trained steps keeps its records (what ``paft report`` reads: they
+    may explain the failure), even before its first checkpoint, when ``--resume``
+    cannot continue it. ``--overwrite`` moves the old run aside instead of deleting it,
+    and deletes it only once the new run has finished or written its first checkpoint;
+    when the new run stops before that, the old run is moved back. A ``--resume``
+    that stops before it trained a step leaves ``config.json`` as it was, so a plain
+    ``--resume`` later does not take the options of an attempt that never ran.
     """
     cfg.run_dir = resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))
     check_devices(cfg)
@@ -64,9 +76,8 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
     another run uses it. ``--overwrite`` moves it aside; a new directory is created
     exclusively, so a directory another start created meanwhile is never taken (nor
     removed), and locked before anything is written; then ``config.json``. The caller
-    sets ``outcome["code"]`` to its exit code; on the way out a new run that stopped
-    before its first checkpoint is removed, and the run ``--overwrite`` set aside is
-    deleted or, when the new run is not kept, moved back. ``cfg.run_dir`` holds no ".."
+    sets ``outcome["code"]`` to its exit code; on the way out what :func:`launch`
+    describes is settled. ``cfg.run_dir`` holds no ".."
     (callers pass it through :func:`~paft.rundir.resolve_run_dir`), so the folders it
     creates are the path's missing prefixes as written.
     """
@@ -90,17 +101,40 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
         elif not cfg.resume and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
             # An empty folder taken for a new run: another start filled it since the check.
             raise RunDirError(f"--run-dir: {run_dir} was just filled by another paft train; pick another --run-dir")
+        saved = (run_dir / "config.json").read_bytes() if cfg.resume else b""  # resume checked it
+        recorded = records_size(run_dir)
         try:
             write_config(cfg)  # on --resume: the options the run goes on with
             yield outcome
         finally:
-            keep = outcome["code"] in (0, EXIT_PERSISTENT_FAULT) or cfg.resume or has_checkpoint(run_dir)
-            if not keep:
-                _remove_new_run(run_dir, made if replaced is None else [run_dir])
-                print(f"{prog}: the run stopped before its first checkpoint; nothing in {run_dir} could be "
-                      "resumed, so it was removed", file=sys.stderr)
-            if replaced is not None:
-                settle(replaced, run_dir, keep_new=keep, prog=prog)
+            ended = outcome["code"] in (0, EXIT_PERSISTENT_FAULT)
+            trained = records_size(run_dir) > recorded
+            if cfg.resume:
+                if not (ended or trained):
+                    atomic_write_bytes(run_dir / "config.json", saved)
+                    print(f"{prog}: no step ran with the new options: {run_dir}/config.json keeps the run's "
+                          "own", file=sys.stderr)
+            else:
+                _settle_new_run(run_dir, made, replaced, ended, trained, prog)
+
+
+def _settle_new_run(run_dir: pathlib.Path, made: list[pathlib.Path], replaced: pathlib.Path | None, ended: bool,
+                    trained: bool, prog: str) -> None:
+    """Keep a new run that ended, checkpointed, or (not replacing another) trained a
+    step; remove it otherwise. Then delete the run it replaced, or move that one back."""
+    resumable = ended or has_checkpoint(run_dir)
+    keep = resumable or (trained and replaced is None)
+    if not keep:
+        _remove_new_run(run_dir, made if replaced is None else [run_dir])
+        what = f"{run_dir} was removed" if made or replaced is not None else f"what it wrote in {run_dir} was removed"
+        print(f"{prog}: the run stopped before {'its first checkpoint' if trained else 'a step'}; {what}",
+              file=sys.stderr)
+    elif not resumable:
+        print(f"{prog}: the run stopped before its first checkpoint; its records stay in {run_dir} "
+              f"(paft report {run_dir}); --resume cannot continue it, --overwrite starts it again",
+              file=sys.stderr)
+    if replaced is not None:
+        settle(replaced, run_dir, keep_new=keep, prog=prog)
 
 
 def _remove_new_run(run_dir: pathlib.Path, made: list[pathlib.Path]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import json
 import os
 import pathlib
@@ -33,11 +34,14 @@ from paft.records import (
 from paft.workloads import model_config
 
 __all__ = [
+    "LOCK_FILE",
     "RunDirError",
     "default_run_dir",
     "resolve_run_dir",
     "check_run_dir",
     "has_checkpoint",
+    "in_use",
+    "records_size",
     "stale_checkpoints",
     "checkpoint_candidates",
     "load_checkpoint_file",
@@ -46,6 +50,7 @@ __all__ = [
 ]
 
 _KEEP_CHECKPOINTS = 2
+LOCK_FILE = ".lock"  # held (flock) by the paft train that uses the directory
 
 
 class RunDirError(ValueError):
@@ -91,6 +96,9 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         _check_resume(cfg, path)
         return
     if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
+        if in_use(path):  # before its first checkpoint a run in progress looks stopped
+            raise RunDirError(f"--run-dir: {path} is in use by another paft train (a run in progress); "
+                              "wait for it to end or pick another --run-dir")
         if _is_run_config(path / "config.json") and not (path / "checkpoints" / "latest").is_file():
             raise RunDirError(f"--run-dir: {path} holds a run that stopped before its first checkpoint; "
                               "pass --overwrite to start it again")
@@ -130,6 +138,27 @@ def has_checkpoint(run_dir: pathlib.Path) -> bool:
     """Whether ``run_dir`` holds a checkpoint to resume (``checkpoints/latest``); False
     where the file system cannot look (:func:`check_run_dir` names such errors)."""
     return is_file(run_dir / "checkpoints" / "latest")
+
+
+def in_use(run_dir: pathlib.Path) -> bool:
+    """Whether a paft train holds ``run_dir``'s lock now (a probe: taken and let go)."""
+    try:
+        with open(run_dir / LOCK_FILE, "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no lock file, or a file system without flock
+        return False
+    return False
+
+
+def records_size(run_dir: pathlib.Path) -> int:
+    """Bytes of rank 0's per-step records (``metrics/rank0.jsonl``; 0 without): grows by
+    a line with every step trained, so a caller tells whether a run got anywhere."""
+    try:
+        return (run_dir / "metrics" / "rank0.jsonl").stat().st_size
+    except OSError:
+        return 0
 
 
 def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
