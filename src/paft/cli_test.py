@@ -532,6 +532,8 @@ def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
     pathlib.Path("neg.toml").write_text("lr = -1.0\n")
     pathlib.Path("hmax.toml").write_text("h-max = 3\n")
     pathlib.Path("guard.toml").write_text("guard = true\n")
+    pathlib.Path("ws3.toml").write_text("world-size = 3\n")
+    pathlib.Path("over.toml").write_text("overwrite = true\n")
     for argv, needle in ((["--config", "neg.toml"], "neg.toml: lr: must be > 0, got -1.0"),
                          (["--config", "hmax.toml"], "hmax.toml: h-max: must be >= --h-min"),
                          (["--config", "hmax.toml", "--h-min", "40"], "error: --h-max: must be >= --h-min"),
@@ -539,7 +541,11 @@ def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
                          # --no-monitor, typed, is the option "monitor": not the file's doing
                          (["--config", "guard.toml", "--no-monitor"],
                           "error: --guard: needs the per-step monitor; drop --no-monitor"),
-                         (["--grad-clip", "inf"], "--grad-clip: must be a finite number >= 0")):
+                         (["--grad-clip", "inf"], "--grad-clip: must be a finite number >= 0"),
+                         # Checks across options say which of them a file set.
+                         (["--config", "hmax.toml", "--h-min", "40"], "(--h-max is set in hmax.toml)"),
+                         (["--config", "ws3.toml"], "across --world-size 3 (--world-size is set in ws3.toml)"),
+                         (["--config", "over.toml", "--resume"], "(--overwrite is set in over.toml)")):
         with pytest.raises(SystemExit) as exc:
             main(["train", "--run-dir", "r", *argv])
         assert exc.value.code == 2 and needle in capsys.readouterr().err

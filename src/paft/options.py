@@ -372,6 +372,11 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
         named = {m[2:].removeprefix("no-") for m in re.findall(r"--[a-z][\w-]*", str(err))}
         if sep and flag.startswith("--") and source.get(flag[2:]) and not named & given.keys():
             raise ConfigFileError(f"{source[flag[2:]]}: {flag[2:]}: {rest}") from None
+        # Else say where the options it names that were not typed come from.
+        filed = sorted(n for n in named if n in source and n not in given)
+        if filed:
+            where = "; ".join(f"--{n} is set in {source[n].removeprefix('--resume: ')}" for n in filed)
+            raise ValueError(f"{err} ({where})") from None
         raise
 
 
