@@ -330,20 +330,26 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
                               text=True, timeout=300, env=env)
     assert busy.returncode != 0 and "--run-dir: r is in use by another paft train" in busy.stderr
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
-    # Stopped (SIGTERM, as a scheduler or a failing peer does) before its first checkpoint,
-    # an --overwrite under torchrun puts the old run back, as paft train does.
-    proc = subprocess.Popen([*torchrun, "--run-dir", "r", "--overwrite", "--steps", "100000", "--checkpoint-every",
-                             "100000", "--eval-every", "100000"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    for _ in range(600):  # training has started once the old run is set aside and the new one logs
-        if list(tmp_path.glob("r.replaced-*")) and (tmp_path / "r" / "metrics" / "rank0.jsonl").is_file():
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=120)[1]
-    assert "the output it was to replace is back in r" in err
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
-    assert not list(tmp_path.glob("r.replaced-*"))
+    # Stopped before its first checkpoint (SIGTERM, as a scheduler or a failing peer
+    # sends it; or Ctrl-C, to the whole process group), an --overwrite under torchrun
+    # puts the old run back, as paft train does.
+    for ctrl_c in (False, True):
+        proc = subprocess.Popen([*torchrun, "--run-dir", "r", "--overwrite", "--steps", "100000",
+                                 "--checkpoint-every", "100000", "--eval-every", "100000"], cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=ctrl_c)
+        for _ in range(600):  # training has started once the old run is set aside and the new one logs
+            if list(tmp_path.glob("r.replaced-*")) and (tmp_path / "r" / "metrics" / "rank0.jsonl").is_file():
+                break
+            time.sleep(0.2)
+        if ctrl_c:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+        assert "the output it was to replace is back in r" in err, (ctrl_c, err[-2000:])
+        assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
+        assert not list(tmp_path.glob("r.replaced-*"))
     if not torch.cuda.is_available():  # refused up front on every rank, as paft train refuses it
         cuda = subprocess.run([*torchrun, "--run-dir", "r3", "--device", "cuda"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300, env=env)

@@ -490,6 +490,12 @@ def run_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
     """Entry point of one worker launched by ``paft train`` (elastic launcher, env:// rendezvous)."""
     cfg = TrainConfig.from_dict(cfg_dict)
     start_launched_worker(cfg)
+    return _train_in_group(cfg, run_dir)
+
+
+def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
+    """Train in the process group already up (a launched worker's, or a torchrun rank's),
+    then take it down; a persistent fault the guard stops on is a result, not an error."""
     try:
         trainer = Trainer(cfg, pathlib.Path(run_dir))
         try:
@@ -560,7 +566,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
                 print(f"{prog}: error: {error[0]}", file=sys.stderr)
             dist.destroy_process_group()
             return 2
-        result = run_worker(cfg.to_dict(), cfg.run_dir)
+        result = _train_in_group(cfg, cfg.run_dir)
         code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
         outcome["code"] = code
     if code == EXIT_PERSISTENT_FAULT:
