@@ -410,16 +410,20 @@ def test_a_run_that_fails_after_some_steps_keeps_its_records(
     assert "r holds a run that stopped before its first checkpoint; pass --overwrite" in capsys.readouterr().err
 
 
-def test_a_resume_that_trains_nothing_leaves_the_runs_options(
+def test_a_resume_commits_its_options_with_its_first_checkpoint(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A plain --resume later took the options of the attempt that never ran.
+    # A plain --resume later took the options of an attempt that never got anywhere.
     monkeypatch.chdir(tmp_path)
     assert main(["train", *_failing(100), "--run-dir", "r"]) == 0
     before = (tmp_path / "r" / "config.json").read_bytes()
     assert main(["train", *_failing(4, steps=8), "--run-dir", "r", "--resume"]) == 1
-    assert "no step ran with the new options: r/config.json keeps the run's own" in capsys.readouterr().err
+    assert "stopped before a checkpoint: r/config.json keeps the options of its last one" in capsys.readouterr().err
     assert (tmp_path / "r" / "config.json").read_bytes() == before
+    # Checkpoints at steps 5 and 6 trained with --steps 8: a later --resume goes on with it.
+    assert main(["train", *_failing(6, steps=8), "--run-dir", "r", "--resume", "--checkpoint-every", "1"]) == 1
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step0000006"
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 8
 
 
 def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(

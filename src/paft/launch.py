@@ -56,8 +56,8 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     cannot continue it. ``--overwrite`` moves the old run aside instead of deleting it,
     and deletes it only once the new run has finished or written its first checkpoint;
     when the new run stops before that, the old run is moved back. A ``--resume``
-    that stops before it trained a step leaves ``config.json`` as it was, so a plain
-    ``--resume`` later does not take the options of an attempt that never ran.
+    that stops before its next checkpoint leaves ``config.json`` as it was: the
+    options of the checkpoint a later plain ``--resume`` goes on from.
     """
     cfg.run_dir = resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))
     check_devices(cfg)
@@ -102,20 +102,28 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
             # An empty folder taken for a new run: another start filled it since the check.
             raise RunDirError(f"--run-dir: {run_dir} was just filled by another paft train; pick another --run-dir")
         saved = (run_dir / "config.json").read_bytes() if cfg.resume else b""  # resume checked it
-        recorded = records_size(run_dir)
+        latest, recorded = _latest(run_dir), records_size(run_dir)
         try:
             write_config(cfg)  # on --resume: the options the run goes on with
             yield outcome
         finally:
             ended = outcome["code"] in (0, EXIT_PERSISTENT_FAULT)
-            trained = records_size(run_dir) > recorded
             if cfg.resume:
-                if not (ended or trained):
+                # The options belong with the checkpoint: a resume goes on from there.
+                if not ended and _latest(run_dir) == latest:
                     atomic_write_bytes(run_dir / "config.json", saved)
-                    print(f"{prog}: no step ran with the new options: {run_dir}/config.json keeps the run's "
-                          "own", file=sys.stderr)
+                    print(f"{prog}: the resumed run stopped before a checkpoint: {run_dir}/config.json keeps "
+                          "the options of its last one", file=sys.stderr)
             else:
-                _settle_new_run(run_dir, made, replaced, ended, trained, prog)
+                _settle_new_run(run_dir, made, replaced, ended, records_size(run_dir) > recorded, prog)
+
+
+def _latest(run_dir: pathlib.Path) -> str:
+    """The name ``checkpoints/latest`` holds ("" without one)."""
+    try:
+        return (run_dir / "checkpoints" / "latest").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def _settle_new_run(run_dir: pathlib.Path, made: list[pathlib.Path], replaced: pathlib.Path | None, ended: bool,
