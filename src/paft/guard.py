@@ -442,7 +442,12 @@ class Guard:
         if prev is None or prev.source != "check":
             self.counters["detections"] += 1
             st.pending = _Incident("check", detector, ranks, bits)
-            return self._rerun(st, detector, ranks, values)
+            verdict = self._rerun(st, detector, ranks, values)
+            if verdict.detector == "rerun_cap" and detector in _SPIKES and not ranks:
+                # No rerun left to tell data from a fault: a rise no rank stands out in
+                # counts towards a level shift (skipping on would stall training for good).
+                return self._spike_skipped(verdict, ranks, values)
+            return verdict
         # Data cannot make ranks receive different aggregated gradients: a mismatch
         # that comes back, bitwise or not, is a reduction failing again (persistent),
         # even where 2 ranks leave the faulty one unnamed.
@@ -587,11 +592,11 @@ class Guard:
         self._armed_step = None
 
     def _spike_skipped(self, skip: GuardVerdict, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
-        """``skip`` drops a batch for a spike that reproduced on recomputation (a spike
-        skipped at the rerun cap never reproduced, so it does not count: it may be a
-        faulty rank's, which a level shift would apply). After ``shift_after`` such
-        skips in a row the level itself moved: this batch is applied instead, and the
-        spike statistics start over."""
+        """``skip`` drops a batch for a spike that reproduced on recomputation, or that
+        the run's rerun cap skipped with no rank standing out in it (one a rank stands
+        out in may be that rank's fault, which a level shift would apply). After
+        ``shift_after`` such skips in a row the level itself moved: this batch is
+        applied instead, and the spike statistics start over."""
         if not self.config.shift_after or self._data_skips < self.config.shift_after:
             self._data_skips += 1
             return skip

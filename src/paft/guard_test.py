@@ -380,7 +380,7 @@ def test_a_lasting_rise_is_taken_as_the_new_level_after_shift_after_skips() -> N
         assert never.check(step, 1, high).action == "skip"
 
 
-def test_spikes_skipped_at_the_rerun_cap_never_count_towards_a_level_shift() -> None:
+def test_spikes_skipped_at_the_rerun_cap_count_towards_a_level_shift_only_when_no_rank_stands_out() -> None:
     # Once the run's rerun budget is spent every detection skips its batch unrecomputed.
     # Counted as data, five such skips made a stuck rank's 1000-fold gradient norms a
     # "level_shift" that was applied, and the restarted statistics let the next ones by.
@@ -394,6 +394,21 @@ def test_spikes_skipped_at_the_rerun_cap_never_count_towards_a_level_shift() -> 
         v = spent.check(step, 0, faulty)
         assert (v.action, v.detector) == ("skip", "rerun_cap"), (step, v)
     assert spent.state_dict()["data_skips"] == 1
+    # A rise of every rank alike names no rank: skipped at the cap, it still counts, or
+    # a real new level would stall the run for good once the budget is spent.
+    shift = guard(4, shift_after=3, max_reruns_per_run=2)
+    t = warm(shift)
+    verdicts = []
+    for step in range(t, t + 8):
+        v = shift.check(step, 0, high)
+        if v.action == "recompute":
+            v = shift.check(step, 1, high)
+        verdicts.append((v.action, v.detector))
+        if v.action == "proceed":
+            shift.wants_snapshot(step, high)
+            shift.accept(step, high, 0.01)
+    assert verdicts[:3] == [("skip", "loss_spike")] * 2 + [("skip", "rerun_cap")]
+    assert verdicts[3] == ("proceed", "level_shift") and verdicts[4:] == [("proceed", None)] * 4
 
 
 def test_unnamed_recurring_anomaly_is_pinned_on_the_ranks_whose_values_moved() -> None:
