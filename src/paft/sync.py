@@ -107,6 +107,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -300,6 +301,17 @@ def _sq_norm(x: Tensor) -> float:
     """``||x||^2``, accumulated in float64 (huge finite values do not overflow); inf
     past float64's range (a Python ``** 2`` would raise OverflowError there)."""
     return float(torch.linalg.vector_norm(x, dtype=torch.float64).square())
+
+
+def _storage_of(t: Tensor) -> tuple[torch.device, int] | None:
+    """Which memory ``t`` lives in (None for tensors without one: empty, sparse)."""
+    if t.layout != torch.strided or not t.numel():
+        return None
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _copy_into(pair: tuple[Tensor, Tensor]) -> None:
+    pair[0].copy_(pair[1])
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -568,13 +580,14 @@ class ReplicaSync:
         """(name, transport view, live object) for every state tensor, each memory once:
         a tensor that is another's exact alias (two Parameter objects over one storage,
         optimizer state that *is* its parameter) is left out. The overlapped correction
-        ``synced + (w - snapshot)`` written through both would add the progress twice."""
+        ``synced + (w - snapshot)`` written through both would add the progress twice
+        (partial overlaps, which cannot be left out, are corrected apart: see _apply)."""
         seen: set[tuple[Any, ...]] = set()
         entries = []
         for n, t in state_tensors(self.model, self.optimizer):
-            if t.layout == torch.strided and t.numel():
-                where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype,
-                         tuple(t.shape), t.stride())
+            storage = _storage_of(t)
+            if storage is not None:
+                where = (*storage, t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
                 if where in seen:
                     continue
                 seen.add(where)
@@ -960,6 +973,12 @@ class ReplicaSync:
         delta_tensors = 0
         copy_dst: list[Tensor] = []
         copy_src: list[Tensor] = []
+        # Tensors over one memory, partly overlapping (a Parameter over a view of another):
+        # each correction reads the progress through its own view, so all are computed
+        # before any is written; the overlap's synced values agree, so either write is right.
+        storages = Counter(_storage_of(o) for o in p.originals)
+        shared = {k for k, n in storages.items() if k is not None and n > 1}
+        later: list[tuple[Tensor, Tensor]] = []
         with torch.no_grad():
             for gi, g in enumerate(layout.groups):
                 flat, snap = synced[gi], p.snaps[gi]
@@ -987,8 +1006,9 @@ class ReplicaSync:
                         continue
                     delta_tensors += 1
                     old = snap[s.offset : s.offset + s.numel].view(s.shape)
+                    write = later.append if _storage_of(target) in shared else _copy_into
                     if live.dtype == torch.bool:  # flags: the live value where it changed
-                        target.copy_(torch.where(target != old.to(target.device), target, new.to(target.device)))
+                        write((target, torch.where(target != old.to(target.device), target, new.to(target.device))))
                         continue
                     progress = target - old.to(target.device)
                     res = new.to(target.device) + progress
@@ -997,7 +1017,7 @@ class ReplicaSync:
                     keep = progress == 0
                     if res.is_floating_point():
                         keep |= ~torch.isfinite(res)
-                    target.copy_(torch.where(keep, new.to(target.device), res))
+                    write((target, torch.where(keep, new.to(target.device), res)))
             same = [(a, b) for a, b in zip(copy_dst, copy_src) if a.device == b.device]
             if same and hasattr(torch, "_foreach_copy_"):
                 torch._foreach_copy_([a for a, _ in same], [b for _, b in same])
@@ -1007,6 +1027,8 @@ class ReplicaSync:
             for a, b in zip(copy_dst, copy_src):
                 if a.device != b.device:
                     a.copy_(b)
+            for pair in later:  # after the copies: a correction wins over a plain copy
+                _copy_into(pair)
         return delta_tensors
 
 
