@@ -443,8 +443,8 @@ class Guard:
             self.counters["detections"] += 1
             st.pending = _Incident("check", detector, ranks, bits)
             verdict = self._rerun(st, detector, ranks, values)
-            if verdict.detector == "rerun_cap" and detector in _SPIKES and not ranks:
-                # No rerun left to tell data from a fault: a rise no rank stands out in
+            if verdict.detector == "rerun_cap" and detector in _SPIKES and not ranks and self._rose_alike(view):
+                # No rerun left to tell data from a fault: a rise of every rank alike
                 # counts towards a level shift (skipping on would stall training for good).
                 return self._spike_skipped(verdict, ranks, values)
             return verdict
@@ -593,8 +593,8 @@ class Guard:
 
     def _spike_skipped(self, skip: GuardVerdict, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
         """``skip`` drops a batch for a spike that reproduced on recomputation, or that
-        the run's rerun cap skipped with no rank standing out in it (one a rank stands
-        out in may be that rank's fault, which a level shift would apply). After
+        the run's rerun cap skipped where every rank rose alike (where some ranks
+        stand out it may be their fault, which a level shift would apply). After
         ``shift_after`` such skips in a row the level itself moved: this batch is
         applied instead, and the spike statistics start over."""
         if not self.config.shift_after or self._data_skips < self.config.shift_after:
@@ -670,6 +670,17 @@ class Guard:
                 values.setdefault(f"{name}_limit", limit)
                 ranks.update(hits)
         return sorted(ranks), values
+
+    def _rose_alike(self, view: ControlView) -> bool:
+        """Whether every rank's local loss and norm rose above its history, or none did.
+        Some but not all is a fault's pattern even where no rank was named (two faulty
+        ranks of four pull the ranks' median along, so the cross-rank test names none)."""
+        armed = self._accepted >= self.config.warmup
+        moved: set[int] = set()
+        for xs, window in ((view.losses.tolist(), self._rank_loss), (view.local_norms.tolist(), self._rank_norm)):
+            limit = window.limit(self.config.spike_threshold, REL_FLOOR_RANK, armed)
+            moved |= {r for r, x in enumerate(xs) if x > limit}
+        return len(moved) in (0, self.world_size)
 
     def _local_suspects(self, losses: list[float], local: list[float]) -> list[int]:
         """Attribution of a global anomaly: ranks whose local values spike (spike_threshold)."""

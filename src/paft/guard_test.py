@@ -380,7 +380,7 @@ def test_a_lasting_rise_is_taken_as_the_new_level_after_shift_after_skips() -> N
         assert never.check(step, 1, high).action == "skip"
 
 
-def test_spikes_skipped_at_the_rerun_cap_count_towards_a_level_shift_only_when_no_rank_stands_out() -> None:
+def test_spikes_skipped_at_the_rerun_cap_count_towards_a_level_shift_only_when_every_rank_rose() -> None:
     # Once the run's rerun budget is spent every detection skips its batch unrecomputed.
     # Counted as data, five such skips made a stuck rank's 1000-fold gradient norms a
     # "level_shift" that was applied, and the restarted statistics let the next ones by.
@@ -393,6 +393,13 @@ def test_spikes_skipped_at_the_rerun_cap_count_towards_a_level_shift_only_when_n
         faulty = make_view([2.0, 60.0 + 2 * k, 2.0, 2.0], [1.5, 1.5e3 * (1 + k), 1.5, 1.5], 1.0)
         v = spent.check(step, 0, faulty)
         assert (v.action, v.detector) == ("skip", "rerun_cap"), (step, v)
+    assert spent.state_dict()["data_skips"] == 1
+    # Two stuck ranks of four: the ranks' median moves with them, the spike names no
+    # rank, yet only two ranks rose. Not a new level either.
+    for k, step in enumerate(range(t + 10, t + 16)):
+        pair = make_view([2.0] * 4, [1.5, 40.0 + k, 50.0 + 2 * k, 1.5], 1e4 * (1 + k))
+        v = spent.check(step, 0, pair)
+        assert (v.action, v.detector, v.ranks) == ("skip", "rerun_cap", []), (step, v)
     assert spent.state_dict()["data_skips"] == 1
     # A rise of every rank alike names no rank: skipped at the cap, it still counts, or
     # a real new level would stall the run for good once the budget is spent.
