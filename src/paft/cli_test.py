@@ -424,6 +424,13 @@ def test_a_resume_commits_its_options_with_its_first_checkpoint(
     assert main(["train", *_failing(6, steps=8), "--run-dir", "r", "--resume", "--checkpoint-every", "1"]) == 1
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step0000006"
     assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 8
+    # Falling back from a damaged step 6 to step 5, it writes a new step0000006: the
+    # same name in checkpoints/latest, a checkpoint trained with --steps 10.
+    damaged = tmp_path / "r" / "checkpoints" / "step0000006" / "rank1.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    assert main(["train", *_failing(6, steps=10), "--run-dir", "r", "--resume", "--checkpoint-every", "1"]) == 1
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step0000006"
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 10
 
 
 def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(

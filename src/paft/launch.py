@@ -118,12 +118,15 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
                 _settle_new_run(run_dir, made, replaced, ended, records_size(run_dir) > recorded, prog)
 
 
-def _latest(run_dir: pathlib.Path) -> str:
-    """The name ``checkpoints/latest`` holds ("" without one)."""
+def _latest(run_dir: pathlib.Path) -> tuple[int, ...]:
+    """Which ``checkpoints/latest`` file is there (() without one): it is replaced whole
+    with each checkpoint, and a resume that fell back from a damaged one writes the
+    same name again, so its name alone cannot tell."""
     try:
-        return (run_dir / "checkpoints" / "latest").read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
+        st = os.stat(run_dir / "checkpoints" / "latest")
+    except OSError:
+        return ()
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 def _settle_new_run(run_dir: pathlib.Path, made: list[pathlib.Path], replaced: pathlib.Path | None, ended: bool,
