@@ -653,14 +653,16 @@ class Guard:
         return None
 
     def _rank_outliers(self, losses: list[float], local: list[float], threshold: float,
-                       armed: bool) -> tuple[list[int], dict[str, float]]:
-        """Ranks whose local loss or norm fires every available test (pooled history; 3+ ranks: cross-rank)."""
+                       armed: bool, peers: bool = True) -> tuple[list[int], dict[str, float]]:
+        """Ranks whose local loss or norm fires every available test (pooled history; 3+
+        ranks, unless ``peers`` is false: cross-rank)."""
         ranks: set[int] = set()
         values: dict[str, float] = {}
+        cross_rank = peers and self.world_size >= 3
         for name, xs, window in (("loss", losses, self._rank_loss), ("grad_norm", local, self._rank_norm)):
             own = window.limit(threshold, REL_FLOOR_RANK, armed)
-            cross = _cross_limit(xs, threshold, armed) if self.world_size >= 3 else -math.inf
-            if own == math.inf and self.world_size < 3:
+            cross = _cross_limit(xs, threshold, armed) if cross_rank else -math.inf
+            if own == math.inf and not cross_rank:
                 continue  # no test available: no history, no peers
             limit = max(own if own < math.inf else -math.inf, cross)
             hits = [r for r, x in enumerate(xs) if x > limit]
@@ -675,11 +677,8 @@ class Guard:
         """Whether every rank's local loss and norm rose above its history, or none did.
         Some but not all is a fault's pattern even where no rank was named (two faulty
         ranks of four pull the ranks' median along, so the cross-rank test names none)."""
-        armed = self._accepted >= self.config.warmup
-        moved: set[int] = set()
-        for xs, window in ((view.losses.tolist(), self._rank_loss), (view.local_norms.tolist(), self._rank_norm)):
-            limit = window.limit(self.config.spike_threshold, REL_FLOOR_RANK, armed)
-            moved |= {r for r, x in enumerate(xs) if x > limit}
+        moved, _ = self._rank_outliers(view.losses.tolist(), view.local_norms.tolist(), self.config.spike_threshold,
+                                       self._accepted >= self.config.warmup, peers=False)
         return len(moved) in (0, self.world_size)
 
     def _local_suspects(self, losses: list[float], local: list[float]) -> list[int]:

@@ -310,10 +310,6 @@ def _storage_of(t: Tensor) -> tuple[torch.device, int] | None:
     return t.device, t.untyped_storage().data_ptr()
 
 
-def _copy_into(pair: tuple[Tensor, Tensor]) -> None:
-    pair[0].copy_(pair[1])
-
-
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """float32 for 16-bit floats, else ``dtype``: means and divergences of float16 /
     bfloat16 state computed in their own dtype round by a 16-bit ulp."""
@@ -1006,18 +1002,21 @@ class ReplicaSync:
                         continue
                     delta_tensors += 1
                     old = snap[s.offset : s.offset + s.numel].view(s.shape)
-                    write = later.append if _storage_of(target) in shared else _copy_into
                     if live.dtype == torch.bool:  # flags: the live value where it changed
-                        write((target, torch.where(target != old.to(target.device), target, new.to(target.device))))
-                        continue
-                    progress = target - old.to(target.device)
-                    res = new.to(target.device) + progress
-                    # Untouched coordinates (progress 0) get the synced bits exactly;
-                    # a non-finite result (a NaN replica's progress) falls back to them.
-                    keep = progress == 0
-                    if res.is_floating_point():
-                        keep |= ~torch.isfinite(res)
-                    write((target, torch.where(keep, new.to(target.device), res)))
+                        value = torch.where(target != old.to(target.device), target, new.to(target.device))
+                    else:
+                        progress = target - old.to(target.device)
+                        res = new.to(target.device) + progress
+                        # Untouched coordinates (progress 0) get the synced bits exactly;
+                        # a non-finite result (a NaN replica's progress) falls back to them.
+                        keep = progress == 0
+                        if res.is_floating_point():
+                            keep |= ~torch.isfinite(res)
+                        value = torch.where(keep, new.to(target.device), res)
+                    if shared and _storage_of(target) in shared:
+                        later.append((target, value))
+                    else:
+                        target.copy_(value)
             same = [(a, b) for a, b in zip(copy_dst, copy_src) if a.device == b.device]
             if same and hasattr(torch, "_foreach_copy_"):
                 torch._foreach_copy_([a for a, _ in same], [b for _, b in same])
@@ -1027,8 +1026,8 @@ class ReplicaSync:
             for a, b in zip(copy_dst, copy_src):
                 if a.device != b.device:
                     a.copy_(b)
-            for pair in later:  # after the copies: a correction wins over a plain copy
-                _copy_into(pair)
+            for a, b in later:  # after the copies: a correction wins over a plain copy
+                a.copy_(b)
         return delta_tensors
 
 
