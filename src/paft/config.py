@@ -200,7 +200,8 @@ class GuardConfig:
     (``--max-reruns-total``)."""
     shift_after: int = 5
     """After this many consecutive batches skipped as data for a spike (finite values
-    that reproduce on recomputation), the next such batch is applied and the spike
+    that reproduce on recomputation; once ``--max-reruns-total`` is spent, a spike in
+    which every rank's own values rose alike), the next such batch is applied and the spike
     statistics start over with a warm-up: the level itself moved (a learning-rate
     restart, a harder data phase), and skipping on would stall the run. 0: skip such
     batches forever (``--shift-after``)."""
