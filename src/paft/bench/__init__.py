@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from paft.bench.overhead import VARIANTS, WARMUP
+from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
 from paft.options import parse_model_arg
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -82,7 +82,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     scaling = kinds.add_parser("scaling", help="control-collective and sync bytes/time at several world sizes")
     common(scaling)
     scaling.add_argument("--world-sizes", default="2,4", help="comma-separated [default: %(default)s]")
-    scaling.add_argument("--steps", type=int, default=40, help="steps per run [default: %(default)s]")
+    scaling.add_argument("--steps", type=int, default=40,
+                         help="steps per sync run, and timed paired steps of the monitor against plain DDP, at "
+                         f"least {BLOCKS} [default: %(default)s]")
 
     detection = kinds.add_parser("detection", help="the guard's detection table per float32 bit and site")
     common(detection)
@@ -115,7 +117,6 @@ def _refuse_repeats(parser: argparse.ArgumentParser, option: str, names: Sequenc
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Every check before anything is deleted or started."""
-    from paft.bench import overhead
     from paft.workloads import WORKLOADS
 
     for name in ("steps", "world_size", "period", "batch_size"):
@@ -125,9 +126,9 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     # Across-rank comparisons: one worker has nothing to compare (and no rank 1 to fault).
     if args.benchmark in ("matrix", "desync", "detection") and args.world_size < 2:
         parser.error(f"--world-size: must be >= 2 for {args.benchmark}, got {args.world_size}")
-    if args.benchmark == "overhead" and args.steps < overhead.BLOCKS:
+    if args.benchmark in ("overhead", "scaling") and args.steps < BLOCKS:
         parser.error(
-            f"--steps: must be >= {overhead.BLOCKS} (the ratios are also reported per block), got {args.steps}"
+            f"--steps: must be >= {BLOCKS} (the ratios are also reported per block), got {args.steps}"
         )
     if args.benchmark == "overhead" and args.warmup < 0:
         parser.error(f"--warmup: must be >= 0, got {args.warmup}")

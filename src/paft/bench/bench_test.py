@@ -154,6 +154,15 @@ def test_detection_assess_detection(tmp_path: pathlib.Path) -> None:
     assert (det["faults"], det["detected"], det["late"], det["false_positives"]) == (3, 2, 1, 1)
     assert det["false_positive_steps"] == [12]
     assert det["detectors"] == {"grad_mismatch": 1, "update_ratio": 1}
+    assert det["detected_fault_steps"] == [2, 15]
+
+
+def test_detection_harmful_missed_matches_faults_by_step() -> None:
+    per_fault = [{"step": 2, "harm": "loss"}, {"step": 9, "harm": None}, {"step": 15, "harm": "collapsed"}]
+    # The harmful fault was caught and a harmless one missed: nothing harmful was missed.
+    assert detection.harmful_missed(per_fault, [2]) == 0
+    assert detection.harmful_missed(per_fault, [9, 15]) == 1
+    assert detection.harmful_missed([{"step": 4, "harm": "split"}, {"step": 6, "harm": "nonfinite"}], []) == 2
 
 
 def test_detection_bits_and_specs() -> None:
@@ -184,6 +193,9 @@ def test_matrix_quick_end_to_end(tmp_path: pathlib.Path) -> None:
     for r in results["rows"]:
         assert math.isfinite(r["final_val_loss"]) and r["throughput_ratio"] > 0
     assert (out / "resnet.png").stat().st_size > 0
+    # Throughput is over plain DDP: the reference runs without the monitor's hook and collective.
+    reference = json.loads((out / "runs" / "resnet" / f"{matrix.REFERENCE}-0" / "config.json").read_text())
+    assert reference["monitor"]["enabled"] is False and reference["protect"]["mode"] == "none"
 
 
 def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
@@ -222,6 +234,7 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["matrix", "--steps", "0"], "--steps"),
     (["overhead", "--steps", "0"], "--steps"),
     (["overhead", "--steps", "4"], "--steps"),
+    (["scaling", "--steps", "4"], "--steps: must be >= 5"),
     (["overhead", "--warmup", "-1"], "--warmup"),
     (["overhead", "--batch-size", "6"], "--batch-size"),
     (["desync", "--steps", "0"], "--steps"),
@@ -390,11 +403,11 @@ def test_scaling_cost_model_matches_the_protocol() -> None:
     from paft.bench.scaling import model
 
     c = model(4, 0.8e6)
-    assert c["control_sent_B"] == 8 * (9 + 256) == 2120
-    assert c["control_received_B"] == 2120 * 4
+    assert c["control_row_B"] == 8 * (9 + 256) == 2120
+    assert c["control_received_B"] == 2120 * 3  # the other ranks' rows
     assert c["grad_allreduce_B"] == 2 * 3 / 4 * 0.8e6 * 4  # ring all-reduce of fp32 gradients
-    assert c["sync_noop_B"] == 24 and c["sync_noop_received_B"] == 96  # fingerprints + structure hash
-    assert model(2, 0.8e6)["sync_noop_B"] == 32  # + the reference's tag
+    assert c["sync_noop_row_B"] == 24 and c["sync_noop_received_B"] == 72  # fingerprints + structure hash
+    assert model(2, 0.8e6)["sync_noop_row_B"] == 32  # + the reference's tag
     assert c["sync_majority_copy_B"] == 0.8e6 * 12  # fp32 weights + Adam's two moments
     big = model(1024, 7e9)
     assert big["sync_median_received_B"] == 7e9 * 12 * 1023

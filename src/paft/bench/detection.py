@@ -65,6 +65,7 @@ __all__ = [
     "plan",
     "assess_harm",
     "assess_detection",
+    "harmful_missed",
     "run",
 ]
 
@@ -245,11 +246,20 @@ def assess_detection(run_dir: pathlib.Path) -> dict[str, Any]:
     return {
         "faults": len(faults),
         "detected": len(fault_set & set(detected_steps)),
+        "detected_fault_steps": sorted(fault_set & set(detected_steps)),
         "late": len(late),
         "false_positives": len(false_pos),
         "false_positive_steps": false_pos,
         "detectors": detectors,
     }
+
+
+def harmful_missed(per_fault: list[dict[str, Any]], detected_fault_steps: Sequence[int]) -> int:
+    """Faults harmful in the unguarded run (:func:`assess_harm`'s ``per_fault``) whose
+    step the guarded run did not detect: both runs share the fault schedule, keyed by
+    rank and step, so a fault is matched by its step."""
+    caught = set(detected_fault_steps)
+    return sum(p["harm"] not in (None, "collapsed") and p["step"] not in caught for p in per_fault)
 
 
 # -- the benchmark -----------------------------------------------------------------------
@@ -293,7 +303,8 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
         if r.labels["guard"]:
             det = assess_detection(run_dir)
             cell.update({
-                "faults_guarded": s["faults_injected"], "detected": det["detected"], "late": det["late"],
+                "faults_guarded": s["faults_injected"], "detected": det["detected"],
+                "detected_fault_steps": det["detected_fault_steps"], "late": det["late"],
                 "false_positives": det["false_positives"], "false_positive_steps": det["false_positive_steps"],
                 "detectors": det["detectors"], "recomputes": s["recomputes"], "skipped": s["skipped_batches"],
                 "gap_guard_pct": gap, "replicas_guard": s["replicas_distinct"],
@@ -309,6 +320,8 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
                 "harmful_share": _share(harm["harmful"], harm["assessed"]),
             })
     rows = list(cells.values())
+    for c in rows:
+        c["harmful_missed"] = harmful_missed(c["per_fault"], c["detected_fault_steps"])
 
     # Guard overhead without faults (paired steps); its guarded trainer also counts false positives.
     clean_steps = overhead.WARMUP + overhead_steps
@@ -409,8 +422,8 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
 
 
 def _missed(cells: list[dict[str, Any]]) -> str:
-    """Bit targets whose unguarded run had harm while the guard missed a fault."""
-    out = [str(c["bits"]) for c in cells if c["harmful"] and c["detected"] < c["faults_guarded"]]
+    """Bit targets with a fault that was harmful in the unguarded run and missed by the guard."""
+    out = [str(c["bits"]) for c in cells if c["harmful_missed"]]
     return ", ".join(out) if out else "none"
 
 
@@ -434,7 +447,8 @@ def _plot(out: pathlib.Path, rows: list[dict[str, Any]], sites: Sequence[str],
                 color = "tab:purple" if b == 31 else "tab:orange" if b >= 23 else "tab:gray"
                 ax.axvspan(x - 0.5, x + 0.5, color=color, alpha=0.08, lw=0)
         ax.set_xticks(xs, [str(b) for b in targets], rotation=90, fontsize=8)
-        ax.set(title=f"site {site}: share of injected faults per bit target "
+        ax.set(title=f"site {site}, per bit target: harmful share of the assessed faults, detected share of "
+                     f"the injected ones "
                      f"(shaded: mantissa grey, exponent orange, sign purple)",
                ylabel="share", ylim=(0, 1.25))
         ax.grid(alpha=0.3, axis="y")

@@ -1,9 +1,10 @@
 """The PAFT evaluation matrix: defenses side by side under injected faults.
 
-Per workload (gpt, llama, resnet; bench-sized models so the full matrix fits in
-about 40 minutes on 2 cores: 36 measured), at 4 ranks, same seed and data order everywhere:
+Per workload (gpt, llama, resnet; bench-sized models so the full matrix of 180 runs
+fits in about 20 minutes on 2 cores), at 4 ranks, same seed and data order everywhere:
 
-1. ``fault-free``: plain DDP without faults (the reference, re-run between cells);
+1. ``fault-free``: plain DDP without faults (the reference, re-run between cells; no
+   comm hook, no control collective, as ``unprotected``);
 2. ``unprotected``: faults, plain DDP;
 3. ``averager``: faults + ``torch.distributed.algorithms.model_averaging``'s
    PeriodicModelAverager at period H (the in-tree anchor);
@@ -49,10 +50,14 @@ __all__ = ["SCENARIOS", "fault_settings", "plan", "run"]
 
 REFERENCE = "fault-free"
 
+# The reference and the unprotected runs are plain DDP: no comm hook, no control
+# collective (the monitor is on by default in a TrainConfig).
+PLAIN_DDP: dict[str, Any] = {"monitor": {"enabled": False}}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "unprotected": {"monitor": {"enabled": False}},
-    "averager": {"monitor": {"enabled": False}, "protect": {"mode": "averager"}},
-    "paft-sync": {"monitor": {"enabled": False}, "protect": {"mode": "sync"}},
+    "unprotected": PLAIN_DDP,
+    "averager": {**PLAIN_DDP, "protect": {"mode": "averager"}},
+    "paft-sync": {**PLAIN_DDP, "protect": {"mode": "sync"}},
     "paft-dyn": {"protect": {"mode": "dyn"}},
     "guard": {"guard": {"enabled": True}},
     "dyn+guard": {"protect": {"mode": "dyn"}, "guard": {"enabled": True}},
@@ -100,8 +105,8 @@ def plan(out: pathlib.Path, workloads: list[str], quick: bool, steps: int, world
         for name in alternate(REFERENCE, names, every=3 if quick else 2):
             if name == REFERENCE:
                 run_dir = out / "runs" / workload / f"{REFERENCE}-{ref_count}"
-                runs.append(Run(f"{workload}/{REFERENCE}-{ref_count}", make_config(base, run_dir), group=workload,
-                                labels={"scenario": REFERENCE, "setting": "none"}))
+                runs.append(Run(f"{workload}/{REFERENCE}-{ref_count}", make_config(base, run_dir, **PLAIN_DDP),
+                                group=workload, labels={"scenario": REFERENCE, "setting": "none"}))
                 ref_count += 1
                 continue
             setting, spec, scenario = by_name[name]
