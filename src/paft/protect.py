@@ -332,7 +332,10 @@ class Protector:
     # -- one step -----------------------------------------------------------------
 
     def step(self, closure: Callable[[], torch.Tensor]) -> StepReport:
-        """Run one protected training step; ``closure`` zeroes grads, runs forward and backward."""
+        """Run one protected training step; ``closure`` zeroes grads, runs forward and backward.
+
+        The closure builds the step's whole gradient from zero (gradient accumulation
+        inside it): the guard recomputes a step by calling it again."""
         t = self.step_idx
         rest_faults = self._inject_at_rest(t)
         if not self.monitor_cfg.enabled:
@@ -511,8 +514,12 @@ class Protector:
             unchanged = all(p.grad is g and (g is None or g._version == v) for p, (g, v) in zip(self._params, before))
             missing = "no parameter's gradient was created or changed" if unchanged else ""
         if missing:
-            raise RuntimeError(f"the closure ran no backward(): {missing}; call optimizer.zero_grad() and "
-                               "loss.backward() inside it (with ddp.no_sync(), the last micro-batch outside it)")
+            raise RuntimeError(
+                f"the closure ran no backward(): {missing}; call optimizer.zero_grad() and loss.backward() inside "
+                "it (with ddp.no_sync(), the last micro-batch outside it). A backward() that ran and still left DDP "
+                "nothing to reduce had parameters the forward did not use: pass find_unused_parameters=True to "
+                "DistributedDataParallel"
+            )
         return loss
 
     def _inject_at_rest(self, step: int, attempt: int = 0) -> int:
@@ -782,6 +789,9 @@ class Protector:
         self._record_sync(step, report, "sync", period=self.scheduler.observe(step, report.divergence))
 
     def _record_sync(self, step: int, report: SyncReport, event: str, **extra: Any) -> None:
+        # The sync leaves the replicas identical: a split the next fingerprint finds is
+        # a new one, and gets its own alert.
+        self._alerting["state_split"] = False
         self._counts["syncs"] += 1
         self._counts["sync_bytes"] += report.bytes_sent
         self.recorder.event({"step": step, "event": event, **extra, **report.to_json()})

@@ -218,6 +218,18 @@ def test_a_rank_gone_non_finite_raises_an_alert(tmp_path: Path) -> None:
     assert [step for step, detector in alerts if detector == "grad_cos_min"] == [2], alerts
 
 
+def test_a_split_after_a_repairing_sync_raises_a_new_alert(tmp_path: Path) -> None:
+    # Two faults at rest on rank 1, each found by the fingerprint at the next sync and
+    # repaired there: two incidents, two alerts (the first used to stay "active" until a
+    # fingerprint agreed, which a sync's repair never recorded).
+    run_workers(train_toy, 3, {"steps": 12, "run_dir": str(tmp_path), "protect": {"mode": "sync", "sync_period": 5},
+                               "monitor": {"fingerprint_every": 5},
+                               "inject": ["bitflip:site=params,steps=2+7,ranks=1,bits=mantissa"]})
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert [(e["step"], e["ranks"]) for e in events if e.get("detector") == "state_split"] == [(5, [1]), (10, [1])]
+    assert [e["mode"] for e in events if e["event"] == "sync"] == ["majority-copy", "majority-copy"]
+
+
 @pytest.mark.parametrize("site", ["params", "optimizer-state"])
 def test_state_fault_at_rest_is_detected_and_the_rank_named(site: str) -> None:
     out = run_workers(train_toy, 3, {"inject": [f"bitflip:site={site},steps=6,ranks=2,bits=mantissa"],
@@ -614,6 +626,17 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
 
         protector.step(closure)
 
+    class Spare(nn.Module):  # a parameter the forward never uses, without find_unused_parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.spare = toy_model(), nn.Linear(16, 1)
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return self.used(inputs)
+
+    def unused(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        protect(model, optimizer).step(full(model, optimizer))
+
     def corrected(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
         try:  # refused before paft's hook is registered: a corrected call still works
             protect(m, o, protect=ProtectConfig(mode="sync", sync_mode="broadcast", broadcast_src=2))
@@ -643,6 +666,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "closure returns None": lambda m, o: protect(m, o).step(lambda: None),
         "no backward": lambda m, o: protect(m, o).step(forward_only(m)),
         "no backward after a step": stale,
+        "unused parameters": lambda m, o: unused(*wrapped(Spare())),
         "protect twice": lambda m, o: (protect(m, o), protect(m, o)),
         "garbage state": lambda m, o: protect(m, o).load_state_dict({}),
         "state of another mode": lambda m, o: protect(m, o).load_state_dict(
@@ -687,6 +711,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "closure returns None": "TypeError: the closure must return the loss as a one-element tensor, got NoneType",
         "no backward": "RuntimeError: the closure ran no backward()",
         "no backward after a step": "RuntimeError: the closure ran no backward()",
+        "unused parameters": "RuntimeError: the closure ran no backward(): DDP all-reduced no gradient",
         "protect twice": "RuntimeError: protect(): this DDP model already has a comm hook",
         "garbage state":
             "ValueError: Protector.load_state_dict(): not a protector state (missing ['step', 'counters'])",
@@ -699,3 +724,4 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
     }
     for name, needle in expect.items():  # "": accepted, nothing raised
         assert out[0][name].startswith(needle) and (needle or not out[0][name]), (name, out[0][name])
+    assert "pass find_unused_parameters=True" in out[0]["unused parameters"]

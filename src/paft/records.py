@@ -39,6 +39,8 @@ __all__ = [
     "is_file",
     "truncate_jsonl",
     "jsonable",
+    "from_jsonable",
+    "max_or_nan",
     "Marker",
     "output_dir_problem",
     "path_name_problem",
@@ -53,6 +55,22 @@ def from_jsonable_float(value: Any) -> Any:
     """:func:`jsonable`'s inverse for one value: a non-finite float's string becomes the
     float again (any case); every other value is returned unchanged."""
     return NONFINITE_TEXT.get(value.lower(), value) if isinstance(value, str) else value
+
+
+def from_jsonable(value: Any) -> Any:
+    """:func:`jsonable`'s inverse: :func:`from_jsonable_float` through dicts and lists."""
+    if isinstance(value, dict):
+        return {k: from_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_jsonable(v) for v in value]
+    return from_jsonable_float(value)
+
+
+def max_or_nan(values: Iterable[float]) -> float:
+    """The largest of ``values``, NaN if any is NaN (``max`` skips a NaN unless it comes
+    first): the worst replica's loss, where a NaN replica is the worst."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def jsonable(value: Any) -> Any:

@@ -33,7 +33,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import atomic_write_bytes, from_jsonable_float, is_file, output_dir_problem, read_jsonl, read_utf8
+from paft.records import (
+    atomic_write_bytes,
+    from_jsonable,
+    is_file,
+    max_or_nan,
+    output_dir_problem,
+    read_jsonl,
+    read_utf8,
+)
 
 __all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
 
@@ -100,14 +108,6 @@ class RunData:
 # -- reading -------------------------------------------------------------------------
 
 
-def _restore(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _restore(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_restore(v) for v in value]
-    return from_jsonable_float(value)
-
-
 @contextlib.contextmanager
 def _reading(path: Path) -> Iterator[None]:
     """A damaged (not UTF-8, not JSON) or unreadable ``path`` as a ReportError naming it."""
@@ -128,7 +128,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     with _reading(path):
-        records = [_restore(r) for r in read_jsonl(path)]  # a crashed writer's partial last line is dropped
+        records = [from_jsonable(r) for r in read_jsonl(path)]  # a crashed writer's partial last line is dropped
     for i, record in enumerate(records):
         for key in ("step", "rank"):  # every record has a step; faults name a rank
             value = record.get(key, 0 if key == "rank" else None)
@@ -152,7 +152,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         raise ReportError(f"{path} is not valid JSON ({err})") from None
     if not isinstance(data, dict):
         raise ReportError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return _restore(data)
+    return from_jsonable(data)
 
 
 # The summary fields the report computes with (the trainer writes them as numbers).
@@ -568,8 +568,10 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     for key, name in (("val_loss", "val loss"), ("val_acc", "val acc")):
         a, b = s.get(f"initial_{key}", first.get(key)), s.get(f"final_{key}", final.get(key))
         if a is not None and b is not None:
-            worst = max((_num(v) for v in final.get(f"{key}_per_rank", [])), default=_num(b))
-            spread = f", worst rank {worst:.4f}" if key == "val_loss" and worst != _num(b) else ""
+            per_rank = [_num(v) for v in final.get(f"{key}_per_rank", [])]
+            worst = max_or_nan(per_rank) if per_rank else _num(b)
+            shown = worst != _num(b) and not (math.isnan(worst) and math.isnan(_num(b)))
+            spread = f", worst rank {worst:.4f}" if key == "val_loss" and shown else ""
             lines.append(f"{name}: {_num(a):.4f} (step {first.get('step', 0)}) -> {_num(b):.4f} "
                          f"(step {final.get('step', last)}{spread})")
     if "steps_per_s" in s:

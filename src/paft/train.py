@@ -39,6 +39,8 @@ from paft.records import (
     RunRecorder,
     atomic_write_bytes,
     atomic_write_json,
+    from_jsonable,
+    max_or_nan,
     read_jsonl,
     truncate_jsonl,
 )
@@ -132,7 +134,10 @@ class Trainer:
         self._start_step = 0
         self.train_seconds = 0.0
         self._timed = [0, 0.0, 0.0]  # (steps, seconds, CPU seconds) after the first steps of each leg
-        self.evals: list[dict[str, Any]] = read_jsonl(run_dir / "evals.jsonl") if cfg.resume else []
+        # A resume reads back the evaluations so far (non-finite values as floats again).
+        self.evals: list[dict[str, Any]] = (
+            [from_jsonable(e) for e in read_jsonl(run_dir / "evals.jsonl")] if cfg.resume else []
+        )
 
     @staticmethod
     def _dropout_arg(cfg: TrainConfig) -> dict[str, Any]:
@@ -361,7 +366,7 @@ class Trainer:
             "steps": self.step,
             "initial_val_loss": first["val_loss"],
             "final_val_loss": last["val_loss"],
-            "final_val_loss_max": max(last["val_loss_per_rank"]),
+            "final_val_loss_max": max_or_nan(last["val_loss_per_rank"]),
             "steps_per_s": self.step_rate(),
             # None when no step was timed (the first few are not: see _UNTIMED_STEPS).
             "cpu_ms_per_step": None if math.isnan(counters[1]) else 1e3 * float(counters[1]) / self.world_size,
@@ -371,7 +376,7 @@ class Trainer:
             # Rank 0's bits (parameters, buffers, optimizer state): equal fingerprints, equal runs.
             "state_fingerprint": f"{whole[0] & (2**64 - 1):016x}",
             "max_replica_rel_diff": divergence,
-            "max_replica_rel_diff_run": max(e["replica_rel_diff"] for e in self.evals),
+            "max_replica_rel_diff_run": max_or_nan(e["replica_rel_diff"] for e in self.evals),
             "faults_injected": int(counters[0]),
             "syncs": c["syncs"],
             "sync_bytes": c["sync_bytes"],

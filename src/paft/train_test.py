@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any
 
@@ -183,6 +184,18 @@ def test_resume_of_a_run_stopped_before_its_summary_writes_only_the_summary(tmp_
         "state_fingerprint"]
     assert (final.stat().st_mtime_ns, final.read_bytes()) == saved
     assert [m["step"] for m in read_jsonl(tmp_path / "r" / "metrics" / "rank0.jsonl")] == list(range(12))
+
+
+def test_non_finite_evaluations_count_and_survive_a_resume(tmp_path: pathlib.Path) -> None:
+    # A NaN in rank 1's aggregated gradient: its replica evaluates to NaN from step 6 on.
+    opts: dict[str, Any] = dict(world_size=3, batch_size=12, inject=["nan:site=aggregation,steps=4,ranks=1"])
+    first = run(tiny_config(tmp_path / "r", **opts))[0]["summary"]
+    # The NaN replica is the worst one (max() skipped a NaN that did not come first).
+    assert math.isnan(first["final_val_loss_max"]) and first["max_replica_rel_diff_run"] == math.inf
+    # A resume reads the evaluations back ("nan" and "inf" in evals.jsonl) and finishes.
+    resumed = run(tiny_config(tmp_path / "r", steps=18, resume=True, **opts))[0]["summary"]
+    assert resumed["steps"] == 18 and math.isnan(resumed["final_val_loss_max"])
+    assert resumed["max_replica_rel_diff_run"] == math.inf
 
 
 @pytest.mark.parametrize(
