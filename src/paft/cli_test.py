@@ -94,6 +94,8 @@ def test_bad_input_exits_2_and_writes_nothing(
         ("floats.yaml", "lr: 3e-3\nsteps: 0\n", "--steps"),  # 3e-3 is read as a float, then --steps fails
         ("latin1.toml", "# caf\xe9\nsteps = 3\n", "--config: latin1.toml is not UTF-8 text"),
         ("seed.toml", "seed = 99999999999999999999", "--seed"),
+        ("huge.json", '{"lr": 1' + "0" * 400 + "}",
+         "--config: huge.json: lr: expected a number, got an integer too large for a float"),
     ],
 )
 def test_bad_config_file_exits_2(
@@ -246,6 +248,8 @@ def test_paft_train_end_to_end_with_config_file(
         (["--steps", "50", "--world-size", "4"], "--resume: cannot change --world-size (2 in r, 4 asked)"),
         (["--steps", "50", "--optimizer", "sgd"], "--resume: cannot change --optimizer ('adamw' in r, 'sgd' asked)"),
         (["--steps", "50", "--model", "n_embd=64"], "--resume: cannot change --model"),
+        # The checkpoint's RNG state would undo the per-rank seeding.
+        (["--steps", "50", "--desync-seed"], "--resume: cannot change --desync-seed (False in r, True asked)"),
     ]:
         with pytest.raises(SystemExit) as exc:
             main(["train", "--run-dir", "r", "--resume", *extra])
@@ -315,6 +319,12 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
     assert ok.returncode == 0, ok.stderr
     assert json.loads((tmp_path / "r" / "config.json").read_text())["world_size"] == 2
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["world_size"] == 2
+    assert "final_val_loss" in ok.stdout  # --quiet silences progress, not the summary, as paft train
+    bare = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}
+    alone = subprocess.run([sys.executable, "-m", "paft.train", "--run-dir", "r3"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env=bare)
+    assert alone.returncode == 2 and "run it under torchrun" in alone.stderr and "Traceback" not in alone.stderr
+    assert not (tmp_path / "r3").exists()
     for asked in ("4", "3"):  # 3 does not split the batch: the mismatch is still what is said
         bad = subprocess.run([*torchrun, "--run-dir", "r2", "--world-size", asked], cwd=tmp_path,
                              capture_output=True, text=True, timeout=300, env=env)

@@ -273,8 +273,9 @@ class TrainConfig:
     resume: bool = False
     """Continue the run in ``--run-dir`` from its latest checkpoint (``--resume``), with
     its saved options; workload, model, world size, batch size, optimizer, seed,
-    protection (with its ``--sync-mode``) and guard cannot change. A larger ``--steps`` trains on, with the
-    learning-rate schedule stretched to the new length from that step on."""
+    ``--desync-seed``, protection (with its ``--sync-mode``) and guard cannot change. A
+    larger ``--steps`` trains on, with the learning-rate schedule stretched to the new
+    length from that step on."""
     overwrite: bool = False
     """Delete an existing ``--run-dir`` and start afresh (``--overwrite``); only a
     folder paft wrote (it holds ``config.json``) is ever deleted."""

@@ -277,7 +277,10 @@ def _coerce(opt: Option, value: Any, where: str) -> Any:
             raise ConfigFileError(f"{where}: expected true or false, got {value!r}")
         return value
     if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ConfigFileError(f"{where}: expected a number, got an integer too large for a float") from None
     if opt.kind is float and isinstance(value, str):  # YAML 1.1 reads 3e-3 as a string
         try:
             value = float(value)

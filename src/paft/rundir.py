@@ -66,6 +66,8 @@ _FIXED_ON_RESUME = (
     ("workload", "--workload"), ("model", "--model"), ("world_size", "--world-size"),
     ("batch_size", "--batch-size"), ("optimizer", "--optimizer"), ("seed", "--seed"),
     ("protect.mode", "--protect"), ("protect.sync_mode", "--sync-mode"), ("guard.enabled", "--guard"),
+    # The checkpoint's RNG state replaces the seeding: a changed flag would not take effect.
+    ("desync_seed", "--desync-seed"),
 )
 
 

@@ -530,6 +530,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every rank parses and refuses alike: the first to exit makes torchrun stop the
     # others, maybe before rank 0 has written a word.
     cfg = parse_train_config(argv, prog=prog, launched=launched)
+    if launched is None or "RANK" not in os.environ:
+        print(f"{prog}: error: run it under torchrun, which sets RANK and WORLD_SIZE (e.g. torchrun "
+              f"--standalone --nproc-per-node 4 -m paft.train), or use paft train, which starts its own "
+              f"workers", file=sys.stderr)
+        return 2
     try:
         check_devices(cfg)
     except DeviceError as err:
@@ -578,7 +583,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         if rank0:
             print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
         return code
-    if not cfg.quiet and rank0:
+    if rank0:  # --quiet silences progress, not the result (as paft train)
         print(format_summary(result["summary"], cfg.run_dir))
     return 0
 
