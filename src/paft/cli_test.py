@@ -478,6 +478,8 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
     ("bitflip:rate=0.5,site=optimizer-state", "never fires: --optimizer sgd keeps no state"),
     ("bitflip:steps=0,site=optimizer-state,optimizer=adamw", "optimizer state exists only from step 1 on"),
     ("bitflip:steps=0-1,site=optimizer-state,optimizer=adamw", None),
+    ("bitflip:steps=0,burst=3,site=optimizer-state,optimizer=adamw", None),  # the burst fires on steps 1 and 2
+    ("bitflip:steps=0,burst=3,start=4", "can never fire"),
 ])
 def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
                                                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,8 @@ Grammar (one ``--inject`` value)::
 
     KIND        bitflip | scale | noise | zero | nan | inf | random | stale
     site=       aggregation (default) | local-grad | params | optimizer-state
+                (optimizer state exists from step 1 on: at step 0 such an event
+                finds nothing to hit and is not recorded)
     rate=P      per-step probability in [0, 1] that an event starts
     steps=S     steps where an event may start: 10+20+30, 10-20 (inclusive), 5+10-12
                 (with rate: each listed step fires with probability P; without: always)
@@ -182,7 +184,9 @@ class FaultSpec:
     per element (so zeros stay zero); >= 0."""
     value: float | None = None
     """``random`` only: replace with uniform values in ``[-value, value]``; ``None``
-    uses the largest finite ``|x|`` of the whole tensor (0 if none)."""
+    uses the largest finite ``|x|`` of the whole tensor (0 if none). In a gradient
+    bucket under a float16 loss scaler the values are the scaled gradient's: the
+    optimizer sees ``value / scale``."""
     burst: int = 1
     """An event that starts at step ``s`` on a rank fires on steps ``s .. s+burst-1``
     there (same rank for ``ranks='random'``). ``start``/``stop``/``steps``/``rate``
