@@ -220,13 +220,29 @@ class RunRecorder:
         self.rank = rank
         self.quiet = quiet
         self._files: dict[str, Any] = {}
-        self._tb = None
+        self._tensorboard = tensorboard and rank == 0 and self.run_dir is not None
+        self._tb: Any = None  # the SummaryWriter, opened by the first scalar
+        self._purge_step: int | None = None
         if self.run_dir is not None:
             (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-            if tensorboard and rank == 0:
-                from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+    def resumed_at(self, step: int) -> None:
+        """A resumed run re-does the steps after ``step``: TensorBoard hides what the
+        interrupted leg logged for them (``purge_step``), as the jsonl files drop them.
+        Call before the first record."""
+        self._purge_step = step + 1
+
+    def _add_scalars(self, step: int, values: Iterable[tuple[str, float]]) -> None:
+        if not self._tensorboard:
+            return
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            assert self.run_dir is not None  # _tensorboard says so
+
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._purge_step)
+        for key, value in values:
+            self._tb.add_scalar(key, value, step)
 
     def _append(self, name: str, records: Iterable[dict[str, Any]]) -> None:
         if self.run_dir is None:
@@ -260,20 +276,15 @@ class RunRecorder:
     def consistency(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
             self._append("consistency.jsonl", [record])
-            if self._tb is not None:
-                step = record["step"]
-                for key, value in record.items():
-                    if isinstance(value, (int, float)) and "/" in key:
-                        self._tb.add_scalar(key, value, step)
+            self._add_scalars(record["step"], ((key, value) for key, value in record.items()
+                                               if isinstance(value, (int, float)) and "/" in key))
 
     def event(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
             self._append("events.jsonl", [record])
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self._tb is not None:
-            for key, value in values.items():
-                self._tb.add_scalar(key, value, step)
+        self._add_scalars(step, values.items())
 
     def close(self) -> None:
         for f in self._files.values():

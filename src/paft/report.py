@@ -400,10 +400,23 @@ def _plot_cosine(run: RunData, out: Path) -> Path:
     return _save(fig, out / "cosine.png")
 
 
+def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
+    """The distinct training states: each fingerprint's count, and 1 from the step after a
+    sync or repair (it leaves the replicas identical) until the next fingerprint says
+    otherwise. Without the syncs the line held a repaired split until the next check."""
+    steps, values = _series(run.consistency, "replicas/state_distinct")
+    if not steps:
+        return steps, values
+    synced = [(int(e["step"]) + 1, 1.0) for e in _syncs(run) if int(e["step"]) >= steps[0]]
+    # Stable sort: a fingerprint of the same step, listed after, has the last word.
+    points = sorted([*synced, *zip(steps, values)], key=lambda p: p[0])
+    return [p[0] for p in points], [p[1] for p in points]
+
+
 def _replica_panel(ax: Axes, run: RunData) -> None:
     for key, color, label in (("replicas/grad_distinct", "tab:purple", "aggregated gradients"),
                               ("replicas/state_distinct", "tab:orange", "training state")):
-        steps, values = _series(run.consistency, key)
+        steps, values = _state_distinct(run) if key == "replicas/state_distinct" else _series(run.consistency, key)
         if steps:
             ax.step(steps, values, where="post", **_lone(values, {"color": color, "lw": 1.5}),
                     label=f"distinct {label}")
@@ -417,18 +430,28 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
     _finish(ax, run, "distinct replicas (fingerprint groups)", "replicas")
 
 
-def _sync_panel(ax: Axes, run: RunData) -> None:
+def _eval_divergence(run: RunData) -> tuple[list[int], list[float]]:
+    """Measured at every evaluation (max over ranks); empty when it never left 0."""
+    steps, values = _series(run.evals, "replica_rel_diff")
+    return (steps, values) if any(v != 0 for v in values) else ([], [])
+
+
+def _divergence_panel(ax: Axes, run: RunData) -> None:
+    steps, values = _eval_divergence(run)
+    if steps:
+        _plot(ax, steps, values, color="tab:red", lw=1.2, label="at evaluations")
     # Syncs that found identical replicas (divergence 0) show only as the hollow triangles.
     syncs = [(int(e["step"]), _num(e.get("divergence"))) for e in _syncs(run)]
     pos = [(s, v) for s, v in syncs if math.isfinite(v) and v > 0]
-    ax.plot([s for s, _ in pos], [v for _, v in pos], "o-", color="tab:green", lw=1.0, label="divergence before sync")
+    if pos:
+        ax.plot([s for s, _ in pos], [v for _, v in pos], "o-", color="tab:green", lw=1.0,
+                label="before each sync")
     bad = [s for s, v in syncs if not math.isfinite(v)]
     if bad:
         ax.plot(bad, [0.88] * len(bad), ls="", marker="$!$", ms=10, color="red",
-                transform=ax.get_xaxis_transform(), label="non-finite replica")
-    if pos:
-        ax.set_yscale("log")
-    _finish(ax, run, "relative L2 distance of replicas to their mean, before each sync", "divergence")
+                transform=ax.get_xaxis_transform(), label="non-finite replica at a sync")
+    _scale(ax, [*values, *(v for _, v in pos)])
+    _finish(ax, run, "relative L2 distance of the replicas to their mean (max over ranks)", "divergence")
 
 
 def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> None:
@@ -451,15 +474,16 @@ def _periods(run: RunData) -> list[tuple[int, float]]:
 def _plot_divergence(run: RunData, out: Path) -> Path | None:
     periods = _periods(run)
     panels = [name for name, on in (("replicas", any("replicas/grad_distinct" in r for r in run.consistency)),
-                                    ("sync", bool(_syncs(run))), ("period", bool(periods))) if on]
+                                    ("divergence", bool(_syncs(run) or _eval_divergence(run)[0])),
+                                    ("period", bool(periods))) if on]
     if not panels:
         return None
     fig, axes = _figure(len(panels), 1, f"Replica divergence: {run.name}")
     for ax, name in zip(axes, panels):
         if name == "replicas":
             _replica_panel(ax, run)
-        elif name == "sync":
-            _sync_panel(ax, run)
+        elif name == "divergence":
+            _divergence_panel(ax, run)
         else:
             _period_panel(ax, run, periods)
     return _save(fig, out / "divergence.png")

@@ -20,7 +20,18 @@ import pytest
 
 import paft.report as report_module
 from paft.config import TrainConfig
-from paft.report import ReportError, _figure, _global_loss, _periods, _plot, _replica_panel, build_report, load_run
+from paft.report import (
+    ReportError,
+    _eval_divergence,
+    _figure,
+    _global_loss,
+    _periods,
+    _plot,
+    _replica_panel,
+    _state_distinct,
+    build_report,
+    load_run,
+)
 from paft.rundir import prepare_run_dir
 from paft.testing import run_workers
 from paft.train import Trainer
@@ -191,6 +202,38 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     assert "syncs: 3   detections: 1   recomputes: 1   skipped batches: 0" in text
     assert "by rank: rank 0 (1), rank 1 (1)" in text
     assert "max loss_cv: nan at step 8" in text
+
+
+def test_a_sync_ends_a_state_split_and_evaluations_show_the_divergence(
+        fault_run: pathlib.Path, clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run_dir = copy_run(fault_run, tmp_path / "synced")
+    # A state fingerprint every 5 steps found a split at step 5, which a sync at step 5
+    # repaired: the training-state line is 2 at step 5 only, not until the next check.
+    states = {0: 1, 5: 2, 10: 1}
+    rewrite_jsonl(run_dir / "consistency.jsonl", lambda r: {
+        **{k: v for k, v in r.items() if k != "replicas/state_distinct"},
+        **({"replicas/state_distinct": states[r["step"]]} if r["step"] in states else {})})
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "event": "sync", "period": 5, "divergence": 1e-3, "mode": "majority-copy"})
+                + "\n")
+    run = load_run(run_dir)
+    steps, values = _state_distinct(run)
+    assert list(zip(steps, values)) == [(0, 1), (5, 2), (6, 1), (10, 1)]
+    # The divergence measured at every evaluation: the split at step 5 shows at 6 and 12.
+    steps, values = _eval_divergence(run)
+    assert steps == [0, 6, 12] and values[0] == 0 and min(values[1:]) > 0
+    assert _eval_divergence(load_run(clean_run)) == ([], [])  # never left 0: no panel for it
+    report = build_report(run_dir)
+    assert_pngs(report.files, PLOTS)
+
+
+def test_a_nan_replica_is_the_worst_in_the_text(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run_dir = copy_run(fault_run, tmp_path / "nan-replica")
+    (run_dir / "summary.json").unlink()
+    rewrite_jsonl(run_dir / "evals.jsonl", lambda r: {**r, "val_loss": "nan", "val_loss_per_rank": [3.9, "nan"]}
+                  if r["step"] == 12 else r)
+    text = build_report(run_dir).text
+    assert "-> nan (step 12)" in text and "worst rank 3.9" not in text
 
 
 def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:

@@ -336,6 +336,7 @@ class Trainer:
             steps, seconds, cpu = state["timed"]
             self._timed = [int(steps), float(seconds), float(cpu)]
         # The interrupted run may have logged steps past its last checkpoint: drop them.
+        self.recorder.resumed_at(self.step)
         truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", self.step)
         if self.rank == 0:
             for log in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl"):

@@ -1,0 +1,60 @@
+"""Tests of the run directory's record helpers (single process)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paft.records import RunRecorder, from_jsonable, jsonable, max_or_nan
+
+floats = st.floats(allow_nan=True, allow_infinity=True)
+values = st.recursive(floats | st.integers() | st.text(alphabet="abc"),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text("xyz"), inner, max_size=3))
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@given(values)
+def test_from_jsonable_inverts_jsonable_through_json(value: object) -> None:
+    assert _same(from_jsonable(json.loads(json.dumps(jsonable(value)))), value)
+
+
+def test_max_or_nan_takes_a_nan_wherever_it_is() -> None:
+    assert math.isnan(max_or_nan([1.0, math.nan, 3.0]))  # max() gives 3.0
+    assert math.isnan(max_or_nan([math.nan, 1.0]))
+    assert max_or_nan([1.0, math.inf, 3.0]) == math.inf
+    assert max_or_nan(iter([2.0, 5.0])) == 5.0
+
+
+def _scalars(tb: pathlib.Path, key: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(key)]
+
+
+def test_a_resume_hides_the_interrupted_legs_tensorboard_scalars(tmp_path: pathlib.Path) -> None:
+    first = RunRecorder(tmp_path, 0, tensorboard=True, quiet=True)
+    for step in range(10):  # checkpointed at step 4, interrupted after step 9
+        first.scalars(step, {"train/loss": float(step)})
+    first.close()
+    resumed = RunRecorder(tmp_path, 0, tensorboard=True, quiet=True)
+    resumed.resumed_at(4)
+    for step in range(5, 8):  # the resumed leg re-does steps 5.. (other values here, to tell them apart)
+        resumed.scalars(step, {"train/loss": 100.0 + step})
+    resumed.close()
+    assert _scalars(tmp_path / "tb", "train/loss") == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4),
+                                                       (5, 105), (6, 106), (7, 107)]
