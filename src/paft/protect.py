@@ -424,6 +424,11 @@ class Protector:
             self.optimizer.zero_grad(set_to_none=True)
         metrics = self._metrics(t, view, metric_step, alerts=not overflow, applied=applied)
         synced = self._maybe_sync(t, view, state_is_stale=synced, applied=applied) or synced
+        if synced and self.averager is None:
+            # A sync or repair made the replicas identical after this step's fingerprints
+            # (an overlapped one finishes during the next step, before them): a split the
+            # next fingerprint finds is a new one, and gets its own alert.
+            self._alerting["state_split"] = False
         self.step_idx += 1
         return StepReport(
             step=t,
@@ -789,9 +794,6 @@ class Protector:
         self._record_sync(step, report, "sync", period=self.scheduler.observe(step, report.divergence))
 
     def _record_sync(self, step: int, report: SyncReport, event: str, **extra: Any) -> None:
-        # The sync leaves the replicas identical: a split the next fingerprint finds is
-        # a new one, and gets its own alert.
-        self._alerting["state_split"] = False
         self._counts["syncs"] += 1
         self._counts["sync_bytes"] += report.bytes_sent
         self.recorder.event({"step": step, "event": event, **extra, **report.to_json()})

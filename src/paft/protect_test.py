@@ -218,15 +218,21 @@ def test_a_rank_gone_non_finite_raises_an_alert(tmp_path: Path) -> None:
     assert [step for step, detector in alerts if detector == "grad_cos_min"] == [2], alerts
 
 
-def test_a_split_after_a_repairing_sync_raises_a_new_alert(tmp_path: Path) -> None:
-    # Two faults at rest on rank 1, each found by the fingerprint at the next sync and
-    # repaired there: two incidents, two alerts (the first used to stay "active" until a
-    # fingerprint agreed, which a sync's repair never recorded).
-    run_workers(train_toy, 3, {"steps": 12, "run_dir": str(tmp_path), "protect": {"mode": "sync", "sync_period": 5},
-                               "monitor": {"fingerprint_every": 5},
+@pytest.mark.parametrize("fingerprint_every,alerted", [(5, [5, 10]), (1, [2, 7])])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_split_after_a_repairing_sync_raises_a_new_alert(tmp_path: Path, overlap: bool, fingerprint_every: int,
+                                                          alerted: list[int]) -> None:
+    # Two faults at rest on rank 1, each repaired by the next sync: two incidents, two
+    # alerts. The first used to stay "active" until a fingerprint agreed, which a sync's
+    # repair never recorded; and an overlapped sync, which finishes during the next
+    # step, must not make that step's fingerprint (taken before it) a new incident.
+    run_workers(train_toy, 3, {"steps": 12, "run_dir": str(tmp_path),
+                               "monitor": {"fingerprint_every": fingerprint_every},
+                               "protect": {"mode": "sync", "sync_period": 5, "overlap": overlap},
                                "inject": ["bitflip:site=params,steps=2+7,ranks=1,bits=mantissa"]})
     events = read_jsonl(tmp_path / "events.jsonl")
-    assert [(e["step"], e["ranks"]) for e in events if e.get("detector") == "state_split"] == [(5, [1]), (10, [1])]
+    assert [(e["step"], e["ranks"]) for e in events if e.get("detector") == "state_split"] == [
+        (step, [1]) for step in alerted]
     assert [e["mode"] for e in events if e["event"] == "sync"] == ["majority-copy", "majority-copy"]
 
 

@@ -276,8 +276,10 @@ class RunRecorder:
     def consistency(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
             self._append("consistency.jsonl", [record])
-            self._add_scalars(record["step"], ((key, value) for key, value in record.items()
-                                               if isinstance(value, (int, float)) and "/" in key))
+            # TensorBoard's step is the number of steps done, as for the training and
+            # evaluation scalars: the record of 0-based step t goes to t + 1.
+            self._add_scalars(record["step"] + 1, ((key, value) for key, value in record.items()
+                                                   if isinstance(value, (int, float)) and "/" in key))
 
     def event(self, record: dict[str, Any]) -> None:
         if self.rank == 0:

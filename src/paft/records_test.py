@@ -47,14 +47,19 @@ def _scalars(tb: pathlib.Path, key: str) -> list[tuple[int, float]]:
 
 
 def test_a_resume_hides_the_interrupted_legs_tensorboard_scalars(tmp_path: pathlib.Path) -> None:
+    # As the trainer logs: training scalars at the steps done, the consistency record
+    # of 0-based step t (which the resume's truncation drops from t = 4 on) at t + 1.
     first = RunRecorder(tmp_path, 0, tensorboard=True, quiet=True)
-    for step in range(10):  # checkpointed at step 4, interrupted after step 9
-        first.scalars(step, {"train/loss": float(step)})
+    for done in range(1, 10):  # checkpointed after 4 steps, interrupted after 9
+        first.consistency({"step": done - 1, "consistency/loss_cv": float(done)})
+        first.scalars(done, {"train/loss": float(done)})
     first.close()
     resumed = RunRecorder(tmp_path, 0, tensorboard=True, quiet=True)
     resumed.resumed_at(4)
-    for step in range(5, 8):  # the resumed leg re-does steps 5.. (other values here, to tell them apart)
-        resumed.scalars(step, {"train/loss": 100.0 + step})
+    for done in range(5, 8):  # the resumed leg re-does steps 5.. (other values here, to tell them apart)
+        resumed.consistency({"step": done - 1, "consistency/loss_cv": 100.0 + done})
+        resumed.scalars(done, {"train/loss": 100.0 + done})
     resumed.close()
-    assert _scalars(tmp_path / "tb", "train/loss") == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4),
-                                                       (5, 105), (6, 106), (7, 107)]
+    expect = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 105), (6, 106), (7, 107)]
+    assert _scalars(tmp_path / "tb", "train/loss") == expect
+    assert _scalars(tmp_path / "tb", "consistency/loss_cv") == expect

@@ -213,12 +213,16 @@ def test_a_sync_ends_a_state_split_and_evaluations_show_the_divergence(
     rewrite_jsonl(run_dir / "consistency.jsonl", lambda r: {
         **{k: v for k, v in r.items() if k != "replicas/state_distinct"},
         **({"replicas/state_distinct": states[r["step"]]} if r["step"] in states else {})})
+    sync = {"step": 5, "event": "sync", "period": 5, "divergence": 1e-3, "mode": "majority-copy"}
     with open(run_dir / "events.jsonl", "a") as f:
-        f.write(json.dumps({"step": 5, "event": "sync", "period": 5, "divergence": 1e-3, "mode": "majority-copy"})
-                + "\n")
+        f.write(json.dumps(sync) + "\n")
     run = load_run(run_dir)
     steps, values = _state_distinct(run)
     assert list(zip(steps, values)) == [(0, 1), (5, 2), (6, 1), (10, 1)]
+    # An overlapped sync started after step 5 lands during step 6, after its fingerprint.
+    rewrite_jsonl(run_dir / "events.jsonl", lambda e: {**e, "overlapped": True} if e == sync else e)
+    steps, values = _state_distinct(load_run(run_dir))
+    assert list(zip(steps, values)) == [(0, 1), (5, 2), (7, 1), (10, 1)]
     # The divergence measured at every evaluation: the split at step 5 shows at 6 and 12.
     steps, values = _eval_divergence(run)
     assert steps == [0, 6, 12] and values[0] == 0 and min(values[1:]) > 0

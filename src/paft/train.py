@@ -527,12 +527,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from paft.options import parse_train_config
 
     prog = "python -m paft.train"
-    launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    # What torchrun sets for the env:// rendezvous; without it, the process group's set-up
+    # fails with a traceback.
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    launched = None if missing else int(os.environ["WORLD_SIZE"])
     # Every rank parses and refuses alike: the first to exit makes torchrun stop the
     # others, maybe before rank 0 has written a word.
     cfg = parse_train_config(argv, prog=prog, launched=launched)
-    if launched is None or "RANK" not in os.environ:
-        print(f"{prog}: error: run it under torchrun, which sets RANK and WORLD_SIZE (e.g. torchrun "
+    if missing:
+        print(f"{prog}: error: run it under torchrun, which sets {', '.join(missing)} (e.g. torchrun "
               f"--standalone --nproc-per-node 4 -m paft.train), or use paft train, which starts its own "
               f"workers", file=sys.stderr)
         return 2
