@@ -321,7 +321,9 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["world_size"] == 2
     assert "final_val_loss" in ok.stdout  # --quiet silences progress, not the summary, as paft train
     bare = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    for extra in ({}, {"WORLD_SIZE": "4"}, {"RANK": "0", "WORLD_SIZE": "1"}):  # stale or partial variables
+    partial = ({}, {"WORLD_SIZE": "4"}, {"RANK": "0", "WORLD_SIZE": "1"},
+               {"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"})
+    for extra in partial:  # stale, partial or garbled variables
         alone = subprocess.run([sys.executable, "-m", "paft.train", "--run-dir", "r3", "--world-size", "2"],
                                cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**bare, **extra})
         assert alone.returncode == 2 and "run it under torchrun" in alone.stderr, (extra, alone.stderr)

@@ -327,6 +327,9 @@ class Protector:
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = StateSnapshot()
         self._alerting: dict[str, bool] = {}
+        # A sync landed in this step after its state fingerprints and changed the state:
+        # the alerts do not judge those fingerprints (they would re-alert a repaired split).
+        self._stale_fingerprints = False
         self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
 
     # -- one step -----------------------------------------------------------------
@@ -348,6 +351,7 @@ class Protector:
         rerun_from = ForwardSnapshot(self._buffers) if self.guard is not None else None
         attempt, applied, ratio, synced, overflow = 0, True, None, False, False
         while True:
+            self._stale_fingerprints = False  # this attempt fingerprints afresh
             if attempt:  # a persistent fault at rest (stuck memory) strikes the rerun too
                 rest_faults = self._inject_at_rest(t, attempt)
                 self._stepper.discard()  # the loss scaler unscales the rerun's gradients afresh
@@ -387,7 +391,7 @@ class Protector:
                 # every rank before a repair: a skipped NaN batch poisoned the running stats.
                 rerun_from.restore()  # type: ignore[union-attr]
             if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
-                self._repair(t)  # at the rerun cap too: then the batch is skipped
+                self._repair(t, rerun=verdict.action == "repair")  # at the rerun cap too: the batch is skipped
                 rerun_from.keep_buffers()  # type: ignore[union-attr]
                 synced = True
             if verdict.action in ("recompute", "repair"):
@@ -424,11 +428,6 @@ class Protector:
             self.optimizer.zero_grad(set_to_none=True)
         metrics = self._metrics(t, view, metric_step, alerts=not overflow, applied=applied)
         synced = self._maybe_sync(t, view, state_is_stale=synced, applied=applied) or synced
-        if synced and self.averager is None:
-            # A sync or repair made the replicas identical after this step's fingerprints
-            # (an overlapped one finishes during the next step, before them): a split the
-            # next fingerprint finds is a new one, and gets its own alert.
-            self._alerting["state_split"] = False
         self.step_idx += 1
         return StepReport(
             step=t,
@@ -484,7 +483,7 @@ class Protector:
 
     def close(self) -> None:
         """Finish an in-flight overlapped sync so that training ends on identical replicas."""
-        self._finish_sync(self.step_idx)
+        self._finish_sync(self.step_idx, in_step=False)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -626,7 +625,7 @@ class Protector:
             "state_split": ("replicas/state_distinct", lambda v: v > 1, "state"),
         }
         for name, (key, fires, kind) in conditions.items():
-            if key not in m:
+            if key not in m or (name == "state_split" and self._stale_fingerprints):
                 continue
             value = m[key]
             ranks = m.get(f"replicas/{kind}_minority_ranks", []) if kind else []
@@ -752,7 +751,7 @@ class Protector:
             return False
         # A repair blocks: the next gradient must come from repaired replicas, so that a
         # majority copy puts the faulty rank back on the exact fault-free trajectory.
-        self._on_sync(step, self.sync.sync())
+        self._on_sync(step, self.sync.sync(), seen_from=step + 1)
         return True
 
     def _replicas_split(self, view: ControlView, state_is_stale: bool, applied: bool) -> bool:
@@ -766,15 +765,20 @@ class Protector:
             state_split = len(group_replicas(self._state_fingerprints_now())) > 1
         return state_split or (applied and len(group_replicas(view.agg_fingerprints())) > 1)
 
-    def _repair(self, step: int) -> None:
+    def _repair(self, step: int, rerun: bool) -> None:
         """The guard found replicas with different state: a blocking robust sync (the
-        majority's bits; see :class:`~paft.sync.ReplicaSync`) before the recompute."""
+        majority's bits; see :class:`~paft.sync.ReplicaSync`) before the recompute, or
+        (``rerun`` false, at the rerun cap) before the batch is skipped."""
         assert self._repairer is not None
         self._finish_sync(step)
+        # A recompute fingerprints the repaired state again, in this step; a skip leaves
+        # the step's fingerprints from before the repair.
+        seen_from = step if rerun else step + 1
+        self._stale_fingerprints = True  # until the recompute's own
         if self._repairer is self.sync:
-            self._on_sync(step, self._repairer.sync())
+            self._on_sync(step, self._repairer.sync(), seen_from=seen_from)
         else:  # without PAFT-Sync, or with a mode that averages
-            self._record_sync(step, self._repairer.sync(), "repair")
+            self._record_sync(step, self._repairer.sync(), "repair", seen_from=seen_from)
 
     def _keep_agreed_state(self, view: ControlView) -> None:
         """This step's state fingerprints agree: with two ranks, that state is what a
@@ -783,17 +787,29 @@ class Protector:
         if self._repairer is not None and fps is not None and len(set(fps)) == 1:
             self._repairer.set_reference(fps[0])
 
-    def _finish_sync(self, step: int) -> bool:
+    def _finish_sync(self, step: int, in_step: bool = True) -> bool:
+        """Land an in-flight overlapped sync (recorded at the step it started after):
+        during ``step``, after its state fingerprints, or (``in_step`` false, from
+        :meth:`close`) between steps, before them."""
         if self.sync is None or not self.sync.in_flight:
             return False
-        self._on_sync(step - 1, self.sync.finish())
+        report = self.sync.finish()
+        if in_step and report.mode != "noop":
+            self._stale_fingerprints = True  # this step's show the state before the sync
+        self._on_sync(step - 1, report, seen_from=step + 1 if in_step else step)
         return True
 
-    def _on_sync(self, step: int, report: SyncReport) -> None:
+    def _on_sync(self, step: int, report: SyncReport, seen_from: int) -> None:
         assert self.scheduler is not None
-        self._record_sync(step, report, "sync", period=self.scheduler.observe(step, report.divergence))
+        self._record_sync(step, report, "sync", seen_from, period=self.scheduler.observe(step, report.divergence))
 
-    def _record_sync(self, step: int, report: SyncReport, event: str, **extra: Any) -> None:
+    def _record_sync(self, step: int, report: SyncReport, event: str, seen_from: int, **extra: Any) -> None:
+        """Count and record a sync or repair. ``seen_from``: the first step whose state
+        fingerprints see its result (what ``paft report`` plots it from)."""
+        # The replicas are identical now: a split a later fingerprint finds is a new one,
+        # and gets its own alert.
+        self._alerting["state_split"] = False
+        extra["seen_from"] = seen_from
         self._counts["syncs"] += 1
         self._counts["sync_bytes"] += report.bytes_sent
         self.recorder.event({"step": step, "event": event, **extra, **report.to_json()})

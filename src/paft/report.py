@@ -401,17 +401,15 @@ def _plot_cosine(run: RunData, out: Path) -> Path:
 
 
 def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
-    """The distinct training states: each fingerprint's count, and 1 from the first
-    fingerprint a sync or repair precedes (it leaves the replicas identical) until the
-    next fingerprint says otherwise. Without the syncs the line held a repaired split
-    until the next check. A sync recorded at step s ran after that step's fingerprint;
-    an overlapped one, recorded at the step it started after, lands during step s + 1,
-    after that step's fingerprint too."""
+    """The distinct training states: each fingerprint's count, and 1 from the first step
+    whose fingerprints see a sync or repair (it leaves the replicas identical: the
+    event's ``seen_from``; a sync recorded without it ran after its step's fingerprints)
+    until the next fingerprint says otherwise. Without the syncs the line held a
+    repaired split until the next check."""
     steps, values = _series(run.consistency, "replicas/state_distinct")
     if not steps:
         return steps, values
-    synced = [(int(e["step"]) + (2 if e.get("overlapped") else 1), 1.0) for e in _syncs(run)
-              if int(e["step"]) >= steps[0]]
+    synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0) for e in _syncs(run) if int(e["step"]) >= steps[0]]
     # Stable sort: a fingerprint of the same step, listed after, has the last word.
     points = sorted([*synced, *zip(steps, values)], key=lambda p: p[0])
     return [p[0] for p in points], [p[1] for p in points]

@@ -220,7 +220,7 @@ def test_a_sync_ends_a_state_split_and_evaluations_show_the_divergence(
     steps, values = _state_distinct(run)
     assert list(zip(steps, values)) == [(0, 1), (5, 2), (6, 1), (10, 1)]
     # An overlapped sync started after step 5 lands during step 6, after its fingerprint.
-    rewrite_jsonl(run_dir / "events.jsonl", lambda e: {**e, "overlapped": True} if e == sync else e)
+    rewrite_jsonl(run_dir / "events.jsonl", lambda e: {**e, "overlapped": True, "seen_from": 7} if e == sync else e)
     steps, values = _state_distinct(load_run(run_dir))
     assert list(zip(steps, values)) == [(0, 1), (5, 2), (7, 1), (10, 1)]
     # The divergence measured at every evaluation: the split at step 5 shows at 6 and 12.

@@ -529,14 +529,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = "python -m paft.train"
     # What torchrun sets for the env:// rendezvous; without it, the process group's set-up
     # fails with a traceback.
-    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    launched = None if missing else int(os.environ["WORLD_SIZE"])
+    torchrun_env = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    problem = ", ".join(f"{name} not set" for name in torchrun_env if name not in os.environ)
+    launched = None
+    if not problem:
+        try:
+            launched = int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            problem = f"WORLD_SIZE={os.environ['WORLD_SIZE']!r}"
     # Every rank parses and refuses alike: the first to exit makes torchrun stop the
     # others, maybe before rank 0 has written a word.
     cfg = parse_train_config(argv, prog=prog, launched=launched)
-    if missing:
-        print(f"{prog}: error: run it under torchrun, which sets {', '.join(missing)} (e.g. torchrun "
-              f"--standalone --nproc-per-node 4 -m paft.train), or use paft train, which starts its own "
+    if problem:
+        print(f"{prog}: error: {problem}: run it under torchrun, which sets {', '.join(torchrun_env)} (e.g. "
+              f"torchrun --standalone --nproc-per-node 4 -m paft.train), or use paft train, which starts its own "
               f"workers", file=sys.stderr)
         return 2
     try:
