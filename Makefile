@@ -1,7 +1,8 @@
 # Two commands set up everything on a fresh machine and are safe to repeat:
 #   make train   -> venv + CPU torch + paft, then `paft train` on its default (gpt, 4 workers)
 #   make test    -> the same set-up, then the lint check and the test suite (slow experiments skipped)
-# TORCH_SPEC picks the torch build; the default is the CPU wheel. On a GPU machine:
+# TORCH_SPEC picks the torch build. The default pin takes the CPU wheel where pip finds it
+# locally (as on this project's machines); from plain PyPI on Linux it is the CUDA build. On a GPU machine:
 #   make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126' test
 PYTHON ?= python3
 VENV ?= .venv

@@ -649,10 +649,10 @@ class Protector:
             self.recorder.event({"step": step, "event": "guard", "attempt": attempt, **verdict.to_json(),
                                  "totals": dict(self.guard.counters)})  # type: ignore[union-attr]
             cause = f", cause {verdict.cause}" if verdict.cause else ""
-            ranks = f" on rank(s) {verdict.ranks}" if verdict.ranks else ""
-            self.recorder.say(
-                f"[guard] step {step} attempt {attempt}: {verdict.detector}{ranks} -> {verdict.action}{cause}"
-            )
+            what = f"{verdict.detector}{f' on rank(s) {verdict.ranks}' if verdict.ranks else ''}"
+            if attempt and verdict.action == "proceed":  # the record keeps the detection it answers
+                what = f"clean recompute (of {what})"
+            self.recorder.say(f"[guard] step {step} attempt {attempt}: {what} -> {verdict.action}{cause}")
         if verdict.action == "stop":
             self._stepper.discard()  # a caller that catches the error may step on
             raise PersistentFaultError(step, verdict.ranks)

@@ -165,7 +165,8 @@ def records_size(run_dir: pathlib.Path) -> int:
 
 def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     if not has_checkpoint(path):
-        raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing)")
+        raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing); "
+                          "pass --overwrite instead of --resume to start it again")
     try:
         saved = TrainConfig.from_dict(json.loads((path / "config.json").read_text(encoding="utf-8"))).to_dict()
     except (OSError, ValueError, TypeError, AttributeError) as err:

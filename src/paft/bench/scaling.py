@@ -90,10 +90,11 @@ def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int 
         cost = overhead.measure(out / "runs" / f"ws{ws}-paired", _base(ws, overhead.WARMUP + steps, device),
                                 ["monitor"], steps=steps, world_size=ws)
         base = _base(ws, steps, device)
+        period = min(5, steps // 2)  # two syncs or more: --steps may be as few as 5
         variants = {
-            "sync-noop": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "sync_period": 5,
+            "sync-noop": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "sync_period": period,
                                                                      "overlap": False}},
-            "sync-repair": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "sync_period": 5,
+            "sync-repair": {"monitor": {"enabled": False}, "protect": {"mode": "sync", "sync_period": period,
                                                                        "overlap": False},
                             "inject": ["bitflip:rate=1,bits=mantissa,ranks=1"]},
         }
