@@ -108,11 +108,7 @@ def _warn_idle_faults(cfg: TrainConfig) -> None:
                   "(momentum, adam and adamw do)", file=sys.stderr)
             continue
         # Optimizer state is created by the first optimizer.step(): nothing to hit at step 0.
-        after = 1 if spec.site == "optimizer-state" else 0
-        # An event that starts before then still fires while its burst lasts.
-        first = spec.first_start(after=max(0, after - spec.burst + 1))
-        if first is not None:
-            first = max(first, after)
+        first = spec.first_firing(after=1 if spec.site == "optimizer-state" else 0)
         if first is None:
             late = ", and optimizer state exists only from step 1 on" if spec.site == "optimizer-state" else ""
             print(f"paft train: warning: --inject {text!r} can never fire (rate 0, or its steps, start "

@@ -349,17 +349,18 @@ class FaultSpec:
 
     # ------------------------------------------------------------------ helpers
 
-    def first_start(self, after: int = 0) -> int | None:
-        """The earliest step (from ``after`` on) at which an event may start, or ``None``
-        if ``steps``, ``start`` and ``stop`` leave no such step (the spec can never fire)."""
-        start = max(self.start, after)
+    def first_firing(self, after: int = 0) -> int | None:
+        """The earliest step (from ``after`` on) at which the spec may fire, or ``None``
+        if ``steps``, ``start`` and ``stop`` leave no such step (it can never fire there).
+        An event that starts up to ``burst - 1`` steps before ``after`` fires at ``after``."""
+        start = max(self.start, after - self.burst + 1)
         if self.steps is None:
             first: int | None = start
         else:
             first = next((max(lo, start) for lo, hi in self.steps if hi >= start), None)
         if first is None or (self.stop is not None and first >= self.stop) or self.rate == 0:
             return None
-        return first
+        return max(first, after)
 
     def check_ranks(self, world_size: int, name: str = "world_size") -> None:
         """Raise :class:`FaultSpecError` (field ``ranks``) if a listed rank is not below

@@ -239,7 +239,6 @@ class RunRecorder:
             from torch.utils.tensorboard import SummaryWriter
 
             assert self.run_dir is not None  # _tensorboard says so
-
             self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._purge_step)
         for key, value in values:
             self._tb.add_scalar(key, value, step)
