@@ -6,7 +6,17 @@ PAFT-Dyn, :mod:`paft.sync`, :mod:`paft.dyn`) and guard updates (:mod:`paft.guard
 all wired around a standard DDP model by :func:`paft.protect`.
 """
 
+from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.protect import PersistentFaultError, Protector, StepReport, protect
 
-__all__ = ["protect", "Protector", "StepReport", "PersistentFaultError", "__version__"]
+__all__ = [
+    "protect",
+    "Protector",
+    "StepReport",
+    "PersistentFaultError",
+    "MonitorConfig",
+    "ProtectConfig",
+    "GuardConfig",
+    "__version__",
+]
 __version__ = "0.1.0"

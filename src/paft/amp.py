@@ -23,9 +23,12 @@ Without a scaler every method but :meth:`~OptimizerStep.step` does nothing.
 
 Example::
 
-    >>> stepper = OptimizerStep(opt, torch.amp.GradScaler("cpu"))
-    >>> stepper.scaler.scale(loss).backward()
-    >>> scale = stepper.unscale()   # the gradients are true gradients now
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> stepper = OptimizerStep(opt, torch.amp.GradScaler("cpu", init_scale=1024.0))
+    >>> stepper.scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+    >>> stepper.unscale()           # the scale the loss was multiplied by
+    1024.0
     >>> stepper.step()              # skipped by the scaler if one overflowed
 """
 

@@ -10,7 +10,7 @@ Example::
 
     >>> cfg = TrainConfig(workload="resnet", world_size=2, steps=20)
     >>> cfg.per_rank_batch_size
-    16
+    32
 """
 
 from __future__ import annotations

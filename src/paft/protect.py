@@ -19,19 +19,7 @@ runs one protected step:
    buffers and optimizer state, blocking or overlapped with the next step's
    forward/backward.
 
-Example::
-
-    >>> ddp = DistributedDataParallel(model)
-    >>> opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    >>> protector = paft.protect(ddp, opt, protect=ProtectConfig(mode="dyn"))
-    >>> for x, y in loader:
-    ...     def closure():
-    ...         opt.zero_grad()
-    ...         loss = F.cross_entropy(ddp(x), y)
-    ...         loss.backward()
-    ...         return loss
-    ...     report = protector.step(closure)
-    >>> protector.close()  # finish an in-flight sync
+Usage: :func:`protect`, whose docstring has a complete example.
 """
 
 from __future__ import annotations
@@ -125,12 +113,59 @@ def protect(
     comm_state: Any = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> Protector:
-    """Wrap ``model`` (DDP) and ``optimizer``; see :class:`Protector`.
+    """Wrap ``model`` (DDP) and ``optimizer``; train with :meth:`Protector.step`.
 
-    ``comm_hook`` / ``comm_state``: a comm hook of your own (e.g. a compression hook),
-    which paft wraps instead of the default all-reduce. ``scaler``: the loss scaler of
-    float16 mixed precision; the closure calls ``scaler.scale(loss).backward()``, and
-    paft unscales, steps and updates it (see :mod:`paft.amp`).
+    A collective: every rank of the model's process group calls it with the same
+    settings (checked by one collective, so all ranks raise the same error).
+
+    Args:
+        model: the DDP-wrapped model; paft registers its comm hook on it.
+        optimizer: the optimizer over ``model``'s parameters, in the same order on
+            every rank.
+        monitor: the worker metrics, fingerprints and alerts (default: on).
+        protect: PAFT-Sync / PAFT-Dyn / model averaging (default: none).
+        guard: harmful-update detection and recomputation (default: off).
+        inject: fault specs (:mod:`paft.faultspec`) to inject; tests and benchmarks.
+        seed: the seed of the fault schedule, the same on every rank.
+        grad_clip: clip the aggregated gradient to this norm (0: no clipping); paft
+            clips with the norm it computes anyway.
+        recorder: where ``consistency.jsonl``, ``events.jsonl`` and ``faults.jsonl``
+            go (:class:`paft.records.RunRecorder`); default: the console only.
+        comm_hook / comm_state: a comm hook of your own (e.g. a compression hook),
+            which paft wraps instead of the default all-reduce.
+        scaler: the loss scaler of float16 mixed precision; the closure calls
+            ``scaler.scale(loss).backward()``, and paft unscales, steps and updates
+            it (see :mod:`paft.amp`).
+
+    Example (a script, ``torchrun --nproc-per-node 2 example.py``)::
+
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from torch.nn.parallel import DistributedDataParallel
+
+        import paft
+
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)  # the same initial weights on every rank
+        ddp = DistributedDataParallel(torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        protector = paft.protect(ddp, opt, protect=paft.ProtectConfig(mode="dyn", sync_period=10),
+                                 guard=paft.GuardConfig(enabled=True))
+        gen = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data
+        for _ in range(30):
+            x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 2, (16,), generator=gen)
+
+            def closure():  # the closure optimizer.step(closure) takes
+                opt.zero_grad()
+                loss = F.cross_entropy(ddp(x), y)
+                loss.backward()
+                return loss
+
+            report = protector.step(closure)  # .loss, .metrics, .applied, .attempts, .synced
+        protector.close()  # finish an in-flight overlapped sync
+        print(f"rank {dist.get_rank()}: {protector.counters['syncs']} syncs, loss {report.loss:.3f}")
+        dist.destroy_process_group()
     """
     return Protector(
         model,

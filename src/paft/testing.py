@@ -5,14 +5,20 @@ process groups. A worker function ``fn(rank, world_size, *args)`` runs inside an
 initialized default process group; whatever it returns comes back to the caller,
 indexed by rank.
 
-Example::
+Example (a script: spawned workers import ``fn`` from it, so it must be a module-level
+function and the launch must sit under the ``__main__`` guard)::
 
-    >>> def work(rank, world_size):
-    ...     t = torch.tensor([float(rank)])
-    ...     dist.all_reduce(t)
-    ...     return t.item()
-    >>> run_workers(work, 2)
-    [1.0, 1.0]
+    import torch
+    import torch.distributed as dist
+    from paft.testing import run_workers
+
+    def work(rank, world_size):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+        return t.item()
+
+    if __name__ == "__main__":
+        print(run_workers(work, 2))  # [1.0, 1.0]
 """
 
 from __future__ import annotations
