@@ -25,8 +25,11 @@ state. So buffers apart never hide a majority of the rest: one rank's flipped we
 is a majority copy, not a median of everything, and the buffers take their own
 median. When only the buffers differ (every fault-free sync of a BatchNorm model)
 only they move (the report's note says ``buffers only``). For each part whose
-replicas differ one more exchange carries each rank's finite flag (8 bytes per
-part), and per mode:
+replicas differ one more exchange carries, per tensor, how many NaN/Inf entries the
+rank holds and where (16 bytes per tensor). "Finite" below is relative to the
+others: a replica counts as non-finite where it holds NaN/Inf beyond the fewest any
+replica holds at the same places, so a ``-inf`` every replica holds alike (an
+attention-mask buffer) is state, not corruption. Then, per mode:
 
 * ``robust`` (default):
 
@@ -84,8 +87,10 @@ one flat buffer per dtype, cut into buckets of at most ``bucket_mb``; ONE collec
 per bucket, never one per tensor. ``bytes_sent`` counts the logical payload this rank
 hands to the collectives it launched (all-reduce: the buffer; all-gather: its own
 contribution; broadcast / send: the buffer on the source, 0 on receivers), not the
-algorithm-dependent wire traffic. Every non-no-op sync ends with one 8-byte
-all-reduce (max) of the divergence, so all ranks report the same number.
+algorithm-dependent wire traffic. Every sync that moves parameters or optimizer
+state ends with one 8-byte all-reduce (max) of their divergence, so all ranks report
+the same number (the buffers are not measured: a replica whose buffers hold NaN/Inf
+of its own makes the divergence ``inf``, else they add nothing).
 
 After any completed blocking sync every rank holds bitwise identical parameters,
 buffers and optimizer state. The overlapped form syncs the buffers at
@@ -116,7 +121,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from paft.consistency import collective_device, gather_rows
-from paft.fingerprint import fingerprint, group_replicas, majority, repr_digest, state_tensors
+from paft.fingerprint import digest, fingerprint, group_replicas, majority, repr_digest, state_tensors
 from paft.records import jsonable
 from paft.robust import lower_median, median_of_three
 
@@ -181,14 +186,16 @@ class SyncReport:
 
 @dataclass
 class DivergenceReport:
-    """Relative L2 distance of each rank's state to the mean replica (of the finite
-    replicas); a non-finite replica reports ``inf``. Identical on every rank."""
+    """Relative L2 distance of each rank's state to the mean replica (per tensor, of
+    the replicas without NaN/Inf of their own); a replica with NaN/Inf of its own
+    reports ``inf``. Identical on every rank."""
 
     max: float
     """Max over ranks of ``||p_r - mean(p)|| / ||mean(p)||`` over the parameters."""
     per_rank: list[float]
     finite: list[bool]
-    """Whether each rank's measured state is finite (it then counts in the mean)."""
+    """Whether each rank's measured state holds no NaN/Inf beyond what every replica
+    holds alike (it then counts in the mean of every tensor)."""
     state_max: float
     """The same over every floating tensor measured: parameters, floating buffers and,
     when an optimizer was given, its floating state."""
@@ -334,6 +341,41 @@ def _all_finite(tensors: list[Tensor]) -> bool:
         ext = torch.stack([v.double() for t in ts for v in torch.aminmax(t)])
         ok = ok and bool(torch.isfinite(ext).all())
     return ok
+
+
+def _nonfinite_patterns(tensors: list[Tensor]) -> list[int]:
+    """Per tensor, ``count, pattern``: how many NaN/Inf entries it holds and a digest
+    of where it holds which (NaN, +inf, -inf); ``0, 0`` for one without. Only the
+    :func:`_all_finite` pass when no tensor has any, as usual."""
+    if _all_finite(tensors):
+        return [0, 0] * len(tensors)
+    out = []
+    for t in tensors:
+        bad = ~torch.isfinite(t)
+        count = int(bad.sum())
+        kind = torch.where(torch.isnan(t), 2.0, torch.sign(t.float())) if count else None
+        out += [count, digest(torch.where(bad, kind, 0.0).to(torch.int8)) if kind is not None else 0]
+    return out
+
+
+def _sound(rows: list[list[int]]) -> list[list[bool]]:
+    """Per rank and tensor: whether the rank's copy holds no NaN/Inf beyond what the
+    replicas share. ``rows[rank]`` is :func:`_nonfinite_patterns` of the rank's
+    tensors. Per tensor the shared pattern is that of the ranks holding the fewest
+    NaN/Inf entries, when they all hold them at the same places; a rank is sound
+    where its pattern is that one. So a ``-inf`` every replica holds (an
+    attention-mask buffer) is state, not corruption, while one rank's extra NaN, or
+    each rank's own NaN, is."""
+    n = len(rows[0]) // 2 if rows else 0
+    sound = [[False] * n for _ in rows]
+    for j in range(n):
+        counts, patterns = [row[2 * j] for row in rows], [row[2 * j + 1] for row in rows]
+        fewest = {p for c, p in zip(counts, patterns) if c == min(counts)}
+        if len(fewest) == 1:
+            (shared,) = fewest
+            for r, p in enumerate(patterns):
+                sound[r][j] = p == shared
+    return sound
 
 
 # ----------------------------------------------------------------------------
@@ -483,8 +525,9 @@ class ReplicaSync:
     def start(self) -> None:
         """Sync the buffers (blocking: they are small, and the next forward updates
         them), then snapshot the parameters and optimizer state into flat buffers and
-        launch their collectives asynchronously (with no buffers to sync, only the
-        24-32-byte control exchange blocks)."""
+        launch their collectives asynchronously. What blocks besides the buffers is the
+        24-32-byte control exchange and, where the replicas differ, the NaN/Inf
+        exchange with its pass over the state."""
         if self._pending is not None:
             raise RuntimeError("ReplicaSync.start(): a sync is already in flight; call finish() first")
         self._pending = self._launch(overlapped=True)
@@ -541,6 +584,8 @@ class ReplicaSync:
 
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint: the world-size-2 reference (else None)."""
+        if self._pending is not None:
+            raise RuntimeError("ReplicaSync.state_dict(): a sync is in flight; call finish() first")
         ref = None if self._ref is None else {k: v.detach().cpu().clone() for k, v in self._ref.items()}
         return {"mode": self.mode, "world_size": self.world_size, "syncs": self.syncs, "reference": ref}
 
@@ -628,13 +673,13 @@ class ReplicaSync:
         ws, rank = self.world_size, self.rank
         groups = group_replicas(fps)
         everyone = list(range(ws))
+        if len(groups) == 1:
+            return _Decision("noop", groups, everyone, finite, holds_result=True)
         if self.mode == "mean" and not any(finite):
             raise RuntimeError(
                 f"ReplicaSync(mode='mean'): no replica is finite (NaN/Inf on all {ws} ranks); "
                 "nothing to average from -- restore a checkpoint"
             )
-        if len(groups) == 1:
-            return _Decision("noop", groups, everyone, finite, holds_result=True)
         if self.mode == "broadcast":
             src = self.src if finite[self.src] else next((r for r in everyone if finite[r]), None)
             if src is None:
@@ -706,18 +751,19 @@ class ReplicaSync:
         tags = [r[-1] for r in ctrl]
         parts = [(state, [r[0] for r in ctrl]), (buffers, [r[1] for r in ctrl])]
         # Finite flags cost a pass over a part: only where its replicas differ (one more
-        # exchange, 8 bytes per such part), or for mean mode's all-identical check, which
-        # needs no exchange (identical replicas are all finite or all not).
+        # exchange, 16 bytes per tensor of such a part; identical replicas are a no-op
+        # whatever they hold). "Finite" is relative (see _sound): a replica counts as
+        # non-finite where it holds NaN/Inf the others do not.
         differ = [len(set(fps)) > 1 for _, fps in parts]
-        mine = [int(_all_finite([t for _, t, _ in part])) for (part, _), d in zip(parts, differ) if d]
-        columns = iter(zip(*self._gather_ints(mine))) if mine else iter(())  # per differing part, per rank
+        mine = [x for (part, _), d in zip(parts, differ) if d for x in _nonfinite_patterns([t for _, t, _ in part])]
+        rows = self._gather_ints(mine) if mine else []
         bytes_sent, collectives = bytes_sent + 8 * len(mine), collectives + bool(mine)
-        decisions = []
+        decisions, at = [], 0
         for (part, fps), d in zip(parts, differ):
+            finite = [True] * self.world_size
             if d:
-                finite = [bool(x) for x in next(columns)]
-            else:
-                finite = [self.mode != "mean" or _all_finite([t for _, t, _ in part])] * self.world_size
+                finite = [all(ok) for ok in _sound([r[at : at + 2 * len(part)] for r in rows])]
+                at += 2 * len(part)
             decisions.append(self._decide(fps, finite, tags))
         state_d, buffers_d = decisions
         # The buffers first, now and blocking, before the next forward updates them:
@@ -779,7 +825,7 @@ class ReplicaSync:
                 collectives += len(g.buckets)
             elif d.mode == "mean":
                 snap = self._pack_group(g, entries)
-                # Sum, then divide (in _complete): exact where the replicas agree for a
+                # Sum, then divide (in _finish_transfer): exact where the replicas agree for a
                 # power-of-two count (n * x / n is x) and for the smallest subnormals
                 # (halving first would round them to 0). A non-finite replica contributes
                 # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
@@ -1018,11 +1064,8 @@ class ReplicaSync:
                     else:
                         target.copy_(value)
             same = [(a, b) for a, b in zip(copy_dst, copy_src) if a.device == b.device]
-            if same and hasattr(torch, "_foreach_copy_"):
+            if same:
                 torch._foreach_copy_([a for a, _ in same], [b for _, b in same])
-            else:
-                for a, b in same:
-                    a.copy_(b)
             for a, b in zip(copy_dst, copy_src):
                 if a.device != b.device:
                     a.copy_(b)
@@ -1044,59 +1087,67 @@ def measure_divergence(
 ) -> DivergenceReport:
     """Collective: relative L2 distance of each rank's parameters (and, in
     ``state_*``, every floating tensor: buffers and, if ``optimizer`` is given, its
-    state) to the mean of the finite replicas, computed in float64. A non-finite
-    replica reports ``inf``. Moves one float64 copy of the measured state
-    (all-reduce) plus a few numbers per tensor (``per_tensor``) or two per rank."""
-    ws = dist.get_world_size(group)
+    state) to the mean replica, computed in float64. Per tensor, the mean is over the
+    ranks whose copy holds no NaN/Inf beyond what the replicas share (see
+    :func:`_sound`), and a coordinate non-finite on them all (an attention mask's
+    ``-inf``) counts as agreement; a rank with NaN/Inf of its own reports ``inf``.
+    Moves one float64 copy of the measured state (all-reduce) plus a few numbers per
+    tensor (``per_tensor``) or two per rank."""
+    ws, me = dist.get_world_size(group), dist.get_rank(group)
     entries = [(n, _transport(t)) for n, t in state_tensors(model, optimizer)]
     entries = [(n, t) for n, t in entries if t.is_floating_point()]
     device = collective_device(group, entries[0][1] if entries else None)
-    finite = _all_finite([t for _, t in entries])
-    flags = gather_rows(torch.tensor([int(finite)], dtype=torch.int64, device=device), group)
-    finite_all = [bool(x) for x in flags.reshape(-1).tolist()]
-    count = sum(finite_all)
-
-    total = sum(t.numel() for _, t in entries)
-    local = torch.empty(total, dtype=torch.float64, device=device)
-    _pack(local, [t.to(torch.float64) for _, t in entries])
-    mean = local.clone() if finite else torch.zeros_like(local)
-    dist.all_reduce(mean, group=group)
-    if count:
-        mean.div_(count)
-
-    sq, msq, off = [], [], 0
-    for _, t in entries:
-        n = t.numel()
-        sq.append((local[off : off + n] - mean[off : off + n]).square().sum())
-        msq.append(mean[off : off + n].square().sum())
-        off += n
+    # A leading 0 keeps the exchange non-empty for a model without floating state.
+    mine = torch.tensor([0, *_nonfinite_patterns([t for _, t in entries])], dtype=torch.int64, device=device)
+    sound = _sound([row[1:] for row in gather_rows(mine, group).tolist()])
     is_param = [name.startswith("param/") for name, _ in entries]
-    sq_t = torch.stack(sq) if sq else torch.zeros(0, dtype=torch.float64, device=device)
-    msq_l = torch.stack(msq).tolist() if msq else []
-    if not finite or not count:
-        sq_t = torch.full_like(sq_t, math.inf)
-    mask = torch.tensor(is_param, dtype=torch.bool, device=device)
-    summary = torch.stack([sq_t[mask].sum(), sq_t.sum()]) if sq else torch.zeros(2, dtype=torch.float64, device=device)
-    if not finite or not count:
-        summary.fill_(math.inf)
-    mine = torch.cat([summary, sq_t]) if per_tensor else summary
-    allv_l = gather_rows(mine, group).tolist()
-    param_msq = sum(m for m, p in zip(msq_l, is_param) if p)
-    state_msq = sum(msq_l)
-    per_rank = [_rel(allv_l[r][0], param_msq) for r in range(ws)]
-    state_per_rank = [_rel(allv_l[r][1], state_msq) for r in range(ws)]
+    # A rank with NaN/Inf of its own is left out of the mean: of the parameters where
+    # they hold it, of everything where any tensor does.
+    sound_params = [all(ok for ok, p in zip(row, is_param) if p) for row in sound]
+    sound_all = [all(row) for row in sound]
+    votes = [[sound_params[r] if p else sound_all[r] for p in is_param] for r in range(ws)]
+    voters = [sum(votes[r][j] for r in range(ws)) for j in range(len(entries))]
+
+    spans, off = [], 0
+    for _, t in entries:
+        spans.append((off, off + t.numel()))
+        off += t.numel()
+    local = torch.empty(off, dtype=torch.float64, device=device)
+    _pack(local, [t.to(torch.float64) for _, t in entries])
+    mean = local.clone()
+    for (a, b), ok in zip(spans, votes[me]):
+        if not ok:
+            mean[a:b] = 0.0
+    dist.all_reduce(mean, group=group)
+    for (a, b), k in zip(spans, voters):
+        mean[a:b] /= max(k, 1)
+    shared = torch.isfinite(mean)  # elsewhere every sound copy is non-finite alike
+    diff = torch.where(shared, local - mean, 0.0)
+    centre = torch.where(shared, mean, 0.0)
+
+    def sq_norms(x: Tensor) -> list[float]:  # per tensor, one host read
+        return torch.stack([x[a:b].square().sum() for a, b in spans]).tolist() if spans else []
+
+    sq = [v if votes[me][j] and voters[j] else math.inf for j, v in enumerate(sq_norms(diff))]
+    msq = sq_norms(centre)
+    summary = [sum(x for x, p in zip(sq, is_param) if p), sum(sq)]
+    row = torch.tensor(summary + sq if per_tensor else summary, dtype=torch.float64, device=device)
+    rows = gather_rows(row, group).tolist()
+    param_msq = sum(m for m, p in zip(msq, is_param) if p)
     breakdown = None
     if per_tensor:
         breakdown = []
         for j, (name, _) in enumerate(entries):
-            rels = [_rel(allv_l[r][2 + j], msq_l[j]) for r in range(ws)]
+            rels = [_rel(rows[r][2 + j], msq[j]) for r in range(ws)]
             worst = max(range(ws), key=lambda r: rels[r])
             breakdown.append((name, rels[worst], worst))
         breakdown.sort(key=lambda x: -x[1])
+    per_rank = [_rel(rows[r][0], param_msq) for r in range(ws)]
+    state_per_rank = [_rel(rows[r][1], sum(msq)) for r in range(ws)]
     return DivergenceReport(
         max=max(per_rank),
         per_rank=per_rank,
-        finite=finite_all,
+        finite=sound_all,
         state_max=max(state_per_rank),
         state_per_rank=state_per_rank,
         per_tensor=breakdown,

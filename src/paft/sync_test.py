@@ -307,9 +307,11 @@ def test_three_ranks_repair_noop_nan_and_overlap():
         _assert_same(r["after_flip_optim"], res[0]["clean"])
     # one rank to repair: the source sends to it point-to-point, rank 2 moves nothing;
     # the buffers agree, so only the parameters and optimizer state move
-    state_bytes = sum(t.numel() * t.element_size() for n, t in res[0]["clean"] if not n.startswith("buffer/"))
-    assert res[0]["flip"]["report"].bytes_sent == 32 + state_bytes + 8
-    assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == 32 + 8
+    state = [t for n, t in res[0]["clean"] if not n.startswith("buffer/")]
+    state_bytes = sum(t.numel() * t.element_size() for t in state)
+    control = 24 + 16 * len(state)  # fingerprints + structure, then per tensor its NaN/Inf count and places
+    assert res[0]["flip"]["report"].bytes_sent == control + state_bytes + 8
+    assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == control + 8
     assert res[2]["flip"]["report"].collectives == 3  # fingerprints, finite flags, divergence
 
     # a majority of identical but non-finite replicas is not copied
@@ -528,8 +530,9 @@ def test_four_ranks_split_broadcast_buckets_and_divergence():
         assert rep.mode == "broadcast" and rep.source_ranks == [2]
         # fingerprints + finite flags + buckets + divergence
         assert 2 + total // 64 + 1 <= rep.collectives <= 2 + buckets + 1
-    assert res[2]["bcast"]["report"].bytes_sent == 24 + 8 + total + 8
-    assert res[0]["bcast"]["report"].bytes_sent == 24 + 8 + 8
+    flags = 16 * len(res[2]["bcast_pre"])  # per tensor its NaN/Inf count and places
+    assert res[2]["bcast"]["report"].bytes_sent == 24 + flags + total + 8
+    assert res[0]["bcast"]["report"].bytes_sent == 24 + flags + 8
 
     # measure_divergence == hand computation
     params = [[t for n, t in r["div_state"] if n.startswith("param/")] for r in res]
@@ -614,9 +617,15 @@ def _w_two(rank: int, ws: int) -> dict:
     with torch.no_grad():
         half.weight.copy_(torch.tensor([[2.0**-24, 40000.0 + 992.0 * rank]]))
     out["half"] = ReplicaSync(half, None, mode="mean").sync(), half.weight.tolist()
-    # and no finite replica at all: a clear error on every rank (no deadlock)
+    # identical replicas are a no-op whatever they hold (a NaN every rank holds alike
+    # is nothing a sync can repair) ...
     with torch.no_grad():
         model[2].bias[1] = math.nan
+    out["same_nan"] = ReplicaSync(model, opt, mode="mean").sync().mode
+    # ... but each rank's own NaN leaves no replica to average from: a clear error on
+    # every rank (no deadlock)
+    with torch.no_grad():
+        model[2].weight[0, rank] = math.nan
     with pytest.raises(RuntimeError, match="no replica is finite"):
         ReplicaSync(model, opt, mode="mean").sync()
     return out
@@ -624,6 +633,7 @@ def _w_two(rank: int, ws: int) -> dict:
 
 def test_two_ranks_reference_median_mean_and_checkpoint():
     res = run_workers(_w_two, 2)
+    assert [r["same_nan"] for r in res] == ["noop", "noop"]
     assert abs(res[1]["flipped"]) > 1e30
     _assert_replicas_identical([r["ref"] for r in res])
     for r in res:
@@ -703,7 +713,8 @@ def _w_two_edges(rank: int, ws: int) -> dict:
     model(_batch("bn", torch.Generator().manual_seed(10 + rank)))  # a forward updates the stats
     rep = sync.sync()
     out["bn"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt),
-                 "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers())}
+                 "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+                 "buffers": len(list(model.buffers()))}
 
     # a bool buffer set during an overlapped sync stays a valid bool
     torch.manual_seed(0)
@@ -739,9 +750,9 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     for r in res:
         rep = r["bn"]["report"]
         assert rep.mode == "median-with-reference" and rep.note == "buffers only"
-        # fingerprints + structure + tag, finite flags, the buffers (their divergence is
-        # not measured: no max to exchange)
-        assert rep.bytes_sent == 32 + 8 + r["bn"]["buffer_bytes"] and rep.divergence == 0.0
+        # fingerprints + structure + tag, NaN/Inf count and places per buffer, the buffers (their
+        # divergence is not measured: no max to exchange)
+        assert rep.bytes_sent == 32 + 16 * r["bn"]["buffers"] + r["bn"]["buffer_bytes"] and rep.divergence == 0.0
 
 
 # ----------------------------------------------------------------------------
@@ -868,3 +879,85 @@ def test_a_finite_value_whose_square_overflows_float64_is_synced() -> None:
     out = run_workers(_huge_float64_scalar, 3, timeout=120)
     assert all(o["robust"] == 0.05 for o in out)
     assert len({o["mean"] for o in out}) == 1
+
+
+# ----------------------------------------------------------------------------
+# A NaN/Inf every replica holds alike is state: an attention mask's -inf
+# ----------------------------------------------------------------------------
+
+
+class _Masked(nn.Module):
+    """A causal mask buffer of -inf above the diagonal, as many transformers register
+    it, beside a BatchNorm (whose buffers differ between ranks under DDP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("mask", torch.full((4, 4), -math.inf).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x)) + self.mask.exp().sum(0)  # exp(-inf) = 0
+
+
+def _w_mask(rank: int, ws: int) -> dict:
+    out: dict = {}
+    for mode in ("robust", "mean", "broadcast"):
+        model = _masked_model(rank)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(8, 4)).sum().backward()  # each rank its own BatchNorm statistics
+        opt.step()
+        out[f"{mode}_noop"] = ReplicaSync(_masked_model(0), None, mode=mode).sync().mode
+        report = ReplicaSync(model, opt, mode=mode).sync()
+        out[mode] = {"report": report, "state": _snap(model, opt), "fp": _fp(model, opt)}
+    # a NaN of one rank's own, in the mask's finite part, is still corruption
+    model = _masked_model(rank)
+    with torch.no_grad():
+        if rank == 1:
+            model.mask[3, 0] = math.nan
+    report = ReplicaSync(model, None, mode="mean").sync()
+    out["extra_nan"] = {"report": report, "state": _snap(model, None), "fp": _fp(model, None)}
+    # the divergence: identical replicas measure 0; a NaN in one rank's BatchNorm
+    # statistics makes its state, not its parameters, infinitely far
+    model = _masked_model(0)
+    out["div_same"] = measure_divergence(model)
+    with torch.no_grad():
+        if rank == 1:
+            model.bn.running_var[0] = math.nan
+    out["div_bn_nan"] = measure_divergence(model)
+    sync = ReplicaSync(model, None)
+    sync.start()
+    try:
+        sync.state_dict()
+    except RuntimeError as e:
+        out["state_dict_in_flight"] = str(e)
+    sync.finish()
+    return out
+
+
+def _masked_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return _Masked()
+
+
+def test_a_mask_every_replica_holds_is_state_not_corruption():
+    res = run_workers(_w_mask, 2)
+    mask = torch.full((4, 4), -math.inf).triu(1)
+    for mode in ("robust", "mean", "broadcast"):
+        assert [r[f"{mode}_noop"] for r in res] == ["noop", "noop"]  # mean raised "no replica is finite"
+        _assert_replicas_identical([r[mode] for r in res])
+        state = dict(res[0][mode]["state"])
+        assert torch.equal(state["buffer/mask"], mask)
+        report = res[0][mode]["report"]
+        assert report.mode != "noop" and "non-finite" not in report.note
+        assert math.isfinite(report.divergence)  # PAFT-Dyn was pinned at --h-min by an inf here
+    report = res[0]["extra_nan"]["report"]
+    assert report.mode == "mean" and report.note == "buffers: mean (non-finite ranks [1] excluded)"
+    _assert_replicas_identical([r["extra_nan"] for r in res])
+    assert torch.equal(dict(res[1]["extra_nan"]["state"])["buffer/mask"], mask)
+    for r in res:
+        assert (r["div_same"].max, r["div_same"].state_max) == (0.0, 0.0) and r["div_same"].finite == [True, True]
+        d = r["div_bn_nan"]
+        assert d.per_rank == [0.0, 0.0] and d.state_per_rank[0] == 0.0 and math.isinf(d.state_per_rank[1])
+        assert d.finite == [True, False]
+        assert "in flight" in r["state_dict_in_flight"]
