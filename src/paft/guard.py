@@ -35,7 +35,7 @@ Detectors, in the order they are tried (the first that fires names the verdict):
 
 History limit (only accepted, clean steps enter the windows; upward only)::
 
-    limit = median + max(T * max(1.4826 * MAD, rel * |median|, 1e-12),
+    limit = median + max(T * max(1.4826 * MAD, rel * |median|),
                          TAIL_FACTOR * (window max - median))
 
 ``T`` is ``spike_threshold`` (``outlier_threshold`` for the per-rank history);
@@ -45,7 +45,12 @@ steady series from firing on tiny noise; the tail term keeps heavy-tailed,
 bimodal series (near-zero losses with an occasional hard batch) from firing on
 values the window has already seen. Before ``warmup`` accepted steps the
 statistical rules are off and only a gross jump fires: above GROSS_FACTOR (1e4)
-times the largest accepted value (or, for 3+ ranks, the ranks' median).
+times the largest accepted value (or, for 3+ ranks, the ranks' median). A history
+(or set of ranks' values) that is all exactly 0 -- a hinge or margin loss at its
+floor, and the zero gradients it gives -- has no scale to judge a rise by; then only
+a value past GROSS_FACTOR itself fires, so a legitimate small positive loss is not a
+spike (it was, against a limit of 1e-11, skipped as bad data every time it came),
+while a flipped exponent (~1e38) still is.
 
 Decision table of :meth:`Guard.check` (pre-step; ``prev`` is the remembered detection
 of this step)::
@@ -77,7 +82,11 @@ transient fault on another rank's first attempt does not make bad data persisten
 value is finite, a rerun within RERUN_RTOL (1e-3) with equal flags, fault counts,
 state fingerprints and replica grouping also counts as reproduced: GPU kernels with
 atomics do not reproduce the low bits, and a persistent fault does not reproduce a
-spike to 3 digits.
+spike to 3 digits. A suspect's NaN/Inf is held to its bits only where the other ranks
+recompute their own loss and gradient norm bit for bit (deterministic kernels);
+where theirs moved, its aggregated checksum, a sum over the ranks, moves too, and its
+own values coming back in kind (NaN as NaN, finite within RERUN_RTOL) with the same
+flags and state is data.
 
 :meth:`Guard.check_update` (post-step) follows the same table for the ratio, with
 two differences: it can only roll back when :meth:`Guard.wants_snapshot` armed this
@@ -180,7 +189,7 @@ MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard d
 REL_FLOOR_LOSS = 0.05  # default T=10: the loss must rise >= 50% over its median
 REL_FLOOR_GRAD = 0.5  # norms / update ratios: >= 6x the median (clipping absorbs less)
 REL_FLOOR_RANK = 0.25  # local values (one rank's batch) noisier still: T=20 -> >= 6x
-ABS_FLOOR = 1e-12  # only matters when the median is exactly zero
+ABS_FLOOR = 1e-12  # attribution of a mismatch without majority, against a zero median
 TAIL_FACTOR = 3.0  # exceed the window's largest excursion above its median 3x over
 GROSS_FACTOR = 1e4  # warm-up: only jumps no clean step makes (a bit-30 flip is ~1e38x)
 RERUN_RTOL = 1e-3  # finite reruns this close count as the same result
@@ -246,9 +255,13 @@ class _Window:
             return math.inf
         med, mad, top = self.stats()
         if not armed:
-            return top + GROSS_FACTOR * max(abs(top), abs(med), ABS_FLOOR)
-        scale = max(MAD_TO_STD * mad, rel * abs(med), ABS_FLOOR)
-        return med + max(threshold * scale, tail * (top - med))
+            reach = max(abs(top), abs(med))
+            return top + GROSS_FACTOR * reach if reach else GROSS_FACTOR
+        scale = max(MAD_TO_STD * mad, rel * abs(med))
+        excursion = tail * (top - med)
+        if not (scale or excursion):
+            return GROSS_FACTOR  # every value so far exactly 0: no scale (see the module docstring)
+        return med + max(threshold * scale, excursion)
 
 
 def _median(xs: list[float]) -> float:
@@ -296,9 +309,10 @@ def _cross_limit(values: list[float], threshold: float, armed: bool) -> float:
         return math.inf
     med = _median(xs)
     if not armed:
-        return med + GROSS_FACTOR * max(abs(med), ABS_FLOOR)
+        return med + GROSS_FACTOR * abs(med) if med else GROSS_FACTOR
     mad = _median(sorted(abs(x - med) for x in xs))
-    return med + threshold * max(MAD_TO_STD * mad, REL_FLOOR_RANK * abs(med), ABS_FLOOR)
+    scale = max(MAD_TO_STD * mad, REL_FLOOR_RANK * abs(med))
+    return med + threshold * scale if scale else GROSS_FACTOR
 
 
 def _f64_bits(x: float) -> int:
@@ -324,12 +338,23 @@ def _state_checked(bits: list[list[int]]) -> bool:
     return all(int(_bits_f64(row[COL_FLAGS])) & FLAG_STATE_CHECKED for row in bits)
 
 
+def _same(x: float, y: float) -> bool:
+    return (math.isnan(x) and math.isnan(y)) or x == y or (math.isfinite(x) and math.isfinite(y) and _close(x, y))
+
+
 def _reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | None = None) -> bool:
     """Whether a rerun reproduced the first result: bitwise, or within RERUN_RTOL when all
     finite; only the ``rows`` given (the suspects), if any, and then without the replica
     grouping. A rerun fingerprints the state, the first attempt may not have: the state
     columns then take no part."""
+    strict = True
     if rows is not None:
+        # A NaN/Inf must reproduce bitwise (see below) where the kernels are deterministic,
+        # as the other ranks show by recomputing their own values bit for bit. Where
+        # theirs moved (GPU atomics), the suspects' aggregated checksum, a sum over the
+        # ranks, cannot reproduce either: their own values must then come back in kind.
+        own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
+        strict = all(prev[r][own] == cur[r][own] for r in range(len(prev)) if r not in rows)
         prev, cur = [prev[r] for r in rows], [cur[r] for r in rows]
     if _state_checked(prev) != _state_checked(cur):
         prev, cur = _without_state(prev), _without_state(cur)
@@ -343,7 +368,10 @@ def _reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | N
         # A NaN / Inf must reproduce bitwise: a faulty unit hitting another element
         # changes the fingerprint, while a NaN in the input reproduces exactly.
         if not all(math.isfinite(x) for x in ra[:COL_AGG_HI] + rb[:COL_AGG_HI]):
-            return False
+            if strict or pa[COL_STATE_HI:] != pb[COL_STATE_HI:] or not all(
+                    _same(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])):
+                return False
+            continue
         if pa[COL_STATE_HI:] != pb[COL_STATE_HI:] or not all(
             _close(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])
         ):

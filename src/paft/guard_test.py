@@ -143,6 +143,31 @@ def test_clean_heavy_tailed_near_zero_losses_never_fire(ws: int, seed: int) -> N
     drive_clean(guard(ws), bimodal_run(ws, seed, 600))
 
 
+def floor_run(ws: int, steps: int) -> Iterator[tuple[ControlView, float]]:
+    """A hinge loss at its floor: every loss, norm and update exactly 0, and every 20th
+    step one rank's batch holds a small-margin example (loss 0.075)."""
+    for t in range(steps):
+        hard = t % 20 == 10
+        losses = [0.075 if hard and r == t % ws else 0.0 for r in range(ws)]
+        local = [0.1 if x else 0.0 for x in losses]
+        yield make_view(losses, local, max(local) / ws), 1e-4 if hard else 0.0
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_a_loss_at_its_floor_of_exact_zeros_never_fires(ws: int) -> None:
+    # Against a history of exact zeros every positive value was a spike (a limit of
+    # 1e-11), reproduced on the rerun and skipped as bad data, every time.
+    g = guard(ws)
+    drive_clean(g, floor_run(ws, 200))
+    # a flipped exponent still fires after such a history
+    zeros = [0.0] * ws
+    assert g.check(200, 0, make_view([1e38, *zeros[1:]], zeros, 0.0)).detector in ("rank_outlier", "loss_spike")
+    assert guard(ws).check(0, 0, make_view(zeros, zeros, 1e38)).detector is None  # no history: nothing to judge by
+    g = guard(ws)
+    drive_clean(g, floor_run(ws, 5))
+    assert g.check(5, 0, make_view(zeros, zeros, 1e38)).detector == "grad_spike"
+
+
 def test_clean_run_with_short_warmup_and_lower_thresholds() -> None:
     drive_clean(guard(4, warmup=5, spike_threshold=6.0, outlier_threshold=12.0), clean_run(4, 7, 400))
 
@@ -466,6 +491,26 @@ def test_nonfinite_must_reproduce_bitwise() -> None:
     g.check(t, 0, make_view([2.0] * 4, [1.5, 1.5, NAN, 1.5], NAN, fps=[11] * 4, **bad))
     v = g.check(t, 1, make_view([2.0] * 4, [1.5, 1.5, NAN, 1.5], NAN, fps=[12] * 4, **bad))
     assert (v.cause, v.ranks) == ("persistent", [2])
+
+
+def test_nonfinite_data_under_nondeterministic_kernels_is_still_data() -> None:
+    """Where the other ranks' own values move on the rerun (GPU atomics), the NaN rank's
+    aggregated checksum, a sum over all ranks, moves too: its own NaN coming back is
+    data, not a persistent fault (which stopped a run with --on-persistent stop)."""
+    g = guard(4)
+    t = warm(g)
+    flags = [FLAG_AGG_NONFINITE] * 4
+    flags[1] |= FLAG_LOSS_NONFINITE | FLAG_LOCAL_NONFINITE
+    first = make_view([2.0, NAN, 2.0, 2.0], [1.5, NAN, 1.5, 1.5], NAN, fps=[-77] * 4, flags=flags)
+    assert g.check(t, 0, first).action == "recompute"
+    rerun = make_view([2.0, NAN, 2.0, 2.0], [1.5000001, NAN, 1.5, 1.4999999], NAN, fps=[-78] * 4, flags=flags)
+    v = g.check(t, 1, rerun)
+    assert (v.action, v.cause, v.ranks) == ("skip", "data", [1])
+    # deterministic kernels (the others recompute bit for bit): the checksum must match
+    g = guard(4)
+    assert g.check(t, 0, first).action == "recompute"
+    steady_others = make_view([2.0, NAN, 2.0, 2.0], [1.5, NAN, 1.5, 1.5], NAN, fps=[-78] * 4, flags=flags)
+    assert g.check(t, 1, steady_others).cause == "persistent"
 
 
 def persistent_views(ws: int, rank: int) -> list[ControlView]:
