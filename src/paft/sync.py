@@ -24,7 +24,10 @@ running statistics from its own batch), and the parameters with the optimizer
 state. So buffers apart never hide a majority of the rest: one rank's flipped weight
 is a majority copy, not a median of everything, and the buffers take their own
 median. When only the buffers differ (every fault-free sync of a BatchNorm model)
-only they move (the report's note says ``buffers only``). For each part whose
+only they move (the report's note says ``buffers only``). Under DDP with
+``broadcast_buffers`` (pass the DDP model), robust mode gives buffers without a
+majority those of DDP's source rank, as DDP's next forward would, not their median
+(see ``_as_ddp_would``). For each part whose
 replicas differ one more exchange carries, per tensor, how many NaN/Inf entries the
 rank holds and where (16 bytes per tensor). "Finite" below is relative to the
 others: a replica counts as non-finite where it holds NaN/Inf beyond the fewest any
@@ -481,6 +484,7 @@ class ReplicaSync:
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src!r}")
         self.src = src
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self._buffer_src = self._ddp_buffer_source(model)
         self.syncs = 0
         self._layouts: dict[tuple[Any, ...], _Layout] = {}  # all tensors, buffers only, all but buffers
         self._pending: _Sync | None = None
@@ -611,6 +615,17 @@ class ReplicaSync:
             self._hook.remove()
             self._hook = None
 
+    def _ddp_buffer_source(self, model: nn.Module) -> int | None:
+        """The rank (in ``group``) whose buffers DDP broadcasts at every forward, when
+        ``model`` is DDP with ``broadcast_buffers`` over ranks of this group; else None."""
+        if not (isinstance(model, nn.parallel.DistributedDataParallel) and model.broadcast_buffers):
+            return None
+        try:
+            source = dist.get_global_rank(model.process_group, 0)
+            return dist.get_group_rank(self.group or dist.group.WORLD, source)
+        except (ValueError, RuntimeError):  # DDP's source is outside this group
+            return None
+
     # -- internals: state and layout ---------------------------------------------------
 
     @property
@@ -718,6 +733,20 @@ class ReplicaSync:
             note += f"non-finite ranks {[r for r in everyone if r not in good]} outvoted where non-finite"
         return _Decision("median", groups, everyone, finite, note=note.rstrip("; "))
 
+    def _as_ddp_would(self, d: _Decision, state: _Decision) -> _Decision:
+        """Robust mode's buffers without a majority (the normal case under DDP: each rank
+        updates its BatchNorm statistics from its own batch): copy those of DDP's source
+        rank, which DDP's next forward would broadcast anyway, so the sync leaves the
+        fault-free trajectory as it is (a median of the ranks' statistics does not).
+        Not where that rank's buffers hold NaN/Inf of their own or its parameters and
+        optimizer state are a minority: then the median stands."""
+        src = self._buffer_src
+        assert src is not None
+        if not d.finite[src] or src in state.minority:
+            return d
+        return _Decision("broadcast", d.groups, [src], d.finite, src=src, holds_result=self.rank == src,
+                         note=f"DDP's buffer source, rank {src}")
+
     def _check_structure(self, digests: list[int]) -> None:
         """Raise on every rank if the ranks' states differ in structure: their flat
         buffers would not line up, and no mode can merge them value by value."""
@@ -766,6 +795,8 @@ class ReplicaSync:
                 at += 2 * len(part)
             decisions.append(self._decide(fps, finite, tags))
         state_d, buffers_d = decisions
+        if buffers_d.mode in ("median", "median-with-reference") and self._buffer_src is not None:
+            buffers_d = self._as_ddp_would(buffers_d, state_d)
         # The buffers first, now and blocking, before the next forward updates them:
         # their updates (BatchNorm's running averages) are not additive, so the overlapped
         # correction synced + (w - snapshot) would put a replica's deviation back with the

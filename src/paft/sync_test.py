@@ -961,3 +961,49 @@ def test_a_mask_every_replica_holds_is_state_not_corruption():
         assert d.per_rank == [0.0, 0.0] and d.state_per_rank[0] == 0.0 and math.isinf(d.state_per_rank[1])
         assert d.finite == [True, False]
         assert "in flight" in r["state_dict_in_flight"]
+
+
+# ----------------------------------------------------------------------------
+# Under DDP the buffers follow DDP's own rule: its source rank's
+# ----------------------------------------------------------------------------
+
+
+def _w_ddp_buffers(rank: int, ws: int) -> dict:
+    out: dict = {}
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(_model("bn"))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    sync = ReplicaSync(ddp, opt)
+    for case in ("clean", "nan_at_source"):
+        torch.manual_seed(rank)  # each rank its own batch: its own BatchNorm statistics
+        ddp(torch.randn(4, 2, 4, 4)).sum().backward()
+        opt.step()
+        if case == "nan_at_source" and rank == 0:
+            with torch.no_grad():
+                ddp.module[1].running_mean[0] = math.nan
+        out[f"{case}_source"] = [b.clone() for b in gather_buffers(ddp, 0)]
+        report = sync.sync()
+        out[case] = {"report": report, "state": _snap(ddp, opt), "fp": _fp(ddp, opt)}
+    return out
+
+
+def gather_buffers(ddp: nn.Module, src: int) -> list[torch.Tensor]:
+    """Rank ``src``'s buffers, on every rank."""
+    bufs = [b.detach().clone() for b in ddp.buffers()]
+    for b in bufs:
+        torch.distributed.broadcast(b, src)
+    return bufs
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_under_ddp_a_sync_gives_every_rank_the_buffers_ddp_would(ws: int):
+    res = run_workers(_w_ddp_buffers, ws)
+    _assert_replicas_identical([r["clean"] for r in res])
+    report = res[0]["clean"]["report"]
+    assert report.note == "buffers only; DDP's buffer source, rank 0", report
+    buffers = [t for n, t in res[0]["clean"]["state"] if n.startswith("buffer/")]
+    assert all(torch.equal(a, b) for a, b in zip(buffers, res[0]["clean_source"], strict=True))
+    # the source's buffers hold a NaN of their own: robust mode's own rule, as without DDP
+    _assert_replicas_identical([r["nan_at_source"] for r in res])
+    report = res[0]["nan_at_source"]["report"]
+    assert report.mode == ("finite-copy" if ws == 2 else "median") and "non-finite ranks [0]" in report.note
