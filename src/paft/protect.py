@@ -502,8 +502,11 @@ class Protector:
         DDP re-orders its gradient buckets after the first iteration. With more than
         two ranks the bucket layout decides the order in which the all-reduce sums
         each element, so a run resumed from a checkpoint (whose first iteration is
-        some step N) would differ in the last bits from the uninterrupted run; and
-        bucket-site faults pick their bucket among the buckets of the final layout.
+        some step N) would differ in the last bits from the uninterrupted run, and so
+        would a guard's recompute of a fresh run's first step (its second backward
+        pass, on the rebuilt layout) from the fault-free step; and bucket-site faults
+        pick their bucket among the buckets of the final layout. ``paft train`` calls
+        it before the first step of every run, fresh or resumed.
         Two passes: the first records the order, the second runs on the rebuilt layout
         and tells the hook how many buckets it has. RNG, buffers and gradients are
         restored; nothing is injected or recorded. Without it, the first two steps
