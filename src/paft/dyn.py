@@ -43,7 +43,7 @@ from __future__ import annotations
 import abc
 import math
 import operator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["SyncScheduler", "FixedScheduler", "DynScheduler", "DynConfig"]
@@ -86,7 +86,6 @@ class SyncScheduler(abc.ABC):
     def __init__(self, period: int, *, start: int = 0) -> None:
         self._period = period
         self._next = _step(start) + period
-        self._history: list[tuple[int, int, float]] = []
         self._pending_trigger = False
         self._period_before_trigger = period
 
@@ -99,11 +98,6 @@ class SyncScheduler(abc.ABC):
     def next_sync_step(self) -> int:
         """The step at which the next sync is due."""
         return self._next
-
-    @property
-    def history(self) -> list[tuple[int, int, float]]:
-        """One ``(step, H after the update, divergence)`` per completed sync."""
-        return list(self._history)
 
     def due(self, step: int) -> bool:
         """Whether a sync is due at ``step`` (also true if the due step was missed)."""
@@ -119,7 +113,6 @@ class SyncScheduler(abc.ABC):
         self._period = self._adapt(divergence)
         self._pending_trigger = False
         self._next = step + self._period
-        self._history.append((step, self._period, divergence))
         return self._period
 
     def trigger(self, step: int) -> None:
@@ -145,7 +138,6 @@ class SyncScheduler(abc.ABC):
             "kind": type(self).__name__,
             "period": self._period,
             "next_sync_step": self._next,
-            "history": [list(h) for h in self._history],
             "pending_trigger": self._pending_trigger,
             "period_before_trigger": self._period_before_trigger,
         }
@@ -157,7 +149,6 @@ class SyncScheduler(abc.ABC):
             )
         self._period = int(state["period"])
         self._next = int(state["next_sync_step"])
-        self._history = [(int(s), int(h), float(d)) for s, h, d in state["history"]]
         self._pending_trigger = bool(state["pending_trigger"])
         self._period_before_trigger = int(state["period_before_trigger"])
 
@@ -299,7 +290,6 @@ class DynScheduler(SyncScheduler):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["calm"] = self._calm
-        state["config"] = asdict(self.config)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

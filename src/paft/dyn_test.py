@@ -30,7 +30,7 @@ def test_defaults() -> None:
         1e-4, 0.5, 2.0, 0.25, 2
     )
     sched = DynScheduler()
-    assert sched.period == 50 and sched.next_sync_step == 50 and sched.history == []
+    assert sched.period == 50 and sched.next_sync_step == 50
     assert isinstance(sched, SyncScheduler)
 
 
@@ -107,7 +107,6 @@ def test_non_finite_divergence_goes_to_h_min(bad: float) -> None:
     assert sched.observe(60, bad) == 5
     assert sched.next_sync_step == 65
     assert sched.observe(65, CALM) == 5  # ...was reset
-    assert math.isnan(bad) == math.isnan(sched.history[1][2])
 
 
 def test_negative_divergence_is_rejected() -> None:
@@ -115,13 +114,12 @@ def test_negative_divergence_is_rejected() -> None:
         DynScheduler().observe(1, -1e-9)
 
 
-def test_due_and_history() -> None:
+def test_due() -> None:
     sched = DynScheduler(DynConfig(h_init=10, h_min=2), start=100)
     assert [s for s in range(100, 131) if sched.due(s)][:1] == [110]
     assert not sched.due(109) and sched.due(110) and sched.due(115)  # missed: still due
     sched.observe(112, HIGH)
     assert sched.next_sync_step == 117 and not sched.due(116) and sched.due(117)
-    assert sched.history == [(112, 5, HIGH)]
 
 
 def test_trigger_makes_sync_due_now_and_shrinks_once() -> None:
@@ -214,7 +212,6 @@ def test_state_dict_round_trip_continues_identically(
     assert json.dumps(restored.state_dict()) == json.dumps(original.state_dict())
     assert restored.period == original.period
     assert restored.next_sync_step == original.next_sync_step
-    assert len(restored.history) == len(original.history)
 
 
 def test_load_state_dict_checks_kind_and_clamps_to_own_config() -> None:

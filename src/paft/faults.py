@@ -461,10 +461,6 @@ class FaultInjector:
         """Whether any spec targets ``site`` (on any rank: same answer everywhere)."""
         return site in self._sites
 
-    def forget(self) -> None:
-        """Drop the ``stale`` memory (e.g. after the model was reloaded)."""
-        self._memory.clear()
-
     def _events(self, site: str, step: int, attempt: int) -> list[FaultEvent]:
         # Called once per bucket: compute a step's events once.
         key = (site, step, attempt)

@@ -427,7 +427,7 @@ class Guard:
     whether a pre- or a post-step detection asked for it):
     ``check(t, a, view)`` after the all-reduce of attempt ``a``; on ``proceed``:
     ``wants_snapshot(t, view)`` (snapshot params + optimizer state if True),
-    ``optimizer.step()``, ``check_update(t, a, ratio)``; when the step stays applied,
+    ``optimizer.step()``, ``check_update(t, ratio)``; when the step stays applied,
     ``accept(t, view, ratio)``. Skipped steps are not accepted.
     """
 
@@ -518,30 +518,26 @@ class Guard:
         inside ``optimizer.step()`` on an unarmed step is left to PAFT-Sync: it splits
         the replicas, which the next fingerprint check sees.
         """
-        armed = self._snapshot_reason(step, view) is not None
+        armed = self._snapshot_due(step, view)
         self._armed_step = step if armed else None
         return armed
 
-    def _snapshot_reason(self, step: int, view: ControlView) -> str | None:
+    def _snapshot_due(self, step: int, view: ControlView) -> bool:
         cfg = self.config
         if cfg.update_ratio <= 0:
-            return None  # no post-step detector: nothing would roll back
-        if self._ratios_seen < cfg.warmup:
-            return "warmup"
-        if self._st is not None and self._st.step == step and self._st.incident:
-            return "incident"
-        if self._accepted >= cfg.warmup:
+            return False  # no post-step detector: nothing would roll back
+        if self._ratios_seen < cfg.warmup or (self._st is not None and self._st.step == step and self._st.incident):
+            return True  # the ratio's own spike rule is still off, or this step needed a recompute
+        if self._accepted >= cfg.warmup:  # a near miss of the loss or the aggregated gradient norm
             half = cfg.spike_threshold / 2
             if view.global_loss > self._loss.limit(half, REL_FLOOR_LOSS, True, tail=1.0):
-                return "loss_near_miss"
+                return True
             if float(view.agg_norms.max()) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0):
-                return "grad_near_miss"
+                return True
         states = view.state_fingerprints()
-        if states is not None and len(group_replicas(states)) > 1:
-            return "state_split"
-        return None
+        return states is not None and len(group_replicas(states)) > 1  # a replica corrupted at rest
 
-    def check_update(self, step: int, attempt: int, ratio: float) -> GuardVerdict:
+    def check_update(self, step: int, ratio: float) -> GuardVerdict:
         """Verdict after ``optimizer.step()`` of ``step``; ``ratio`` is the max over ranks.
 
         ``recompute`` / ``skip``: restore the pre-step snapshot, then recompute / drop

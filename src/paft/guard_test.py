@@ -79,7 +79,7 @@ def warm(g: Guard, steps: int = 30, seed: int = 0) -> int:
         assert g.check(t, 0, view).action == "proceed"
         g.wants_snapshot(t, view)
         ratio = 1e-3 * math.exp(rng.gauss(0, 0.1))
-        assert g.check_update(t, 0, ratio).action == "proceed"
+        assert g.check_update(t, ratio).action == "proceed"
         g.accept(t, view, ratio)
     return steps
 
@@ -123,7 +123,7 @@ def drive_clean(g: Guard, run: Iterator[tuple[ControlView, float]]) -> int:
         assert (v.action, v.detector) == ("proceed", None), (t, v)
         snap = g.wants_snapshot(t, view)
         armed += snap and t >= g.config.warmup
-        u = g.check_update(t, 0, ratio)
+        u = g.check_update(t, ratio)
         assert (u.action, u.detector) == ("proceed", None), (t, u)
         g.accept(t, view, ratio)
     assert all(n == 0 for n in g.counters.values()), g.counters
@@ -625,7 +625,7 @@ def test_update_ratio_rolls_back_when_armed() -> None:
     t = warm(g)
     g.check(t, 0, steady(4))
     g.wants_snapshot(t, steady(4))  # warm-up is over and nothing is odd: not armed ...
-    v = g.check_update(t, 0, 5.0)
+    v = g.check_update(t, 5.0)
     assert (v.action, v.detector, v.cause) == ("proceed", "update_ratio", None)  # ... so only a record
     g.accept(t, steady(4), 5.0)
     assert g.state_dict()["windows"]["ratio"][-1] != 5.0  # kept out of the history
@@ -634,11 +634,11 @@ def test_update_ratio_rolls_back_when_armed() -> None:
     odd = make_view([2.8] * 4, [1.5] * 4, 1.0)
     assert g.check(t, 0, odd).detector is None
     assert g.wants_snapshot(t, odd)
-    v = g.check_update(t, 0, math.inf)
+    v = g.check_update(t, math.inf)
     assert (v.action, v.detector) == ("recompute", "update_ratio")
     assert g.check(t, 1, odd).action == "proceed"
     assert g.wants_snapshot(t, odd)
-    v = g.check_update(t, 1, 1e-3)
+    v = g.check_update(t, 1e-3)
     assert (v.action, v.detector, v.cause) == ("proceed", "update_ratio", "transient")
     assert g.counters["rollbacks"] == 1 and g.counters["detections"] == 2
 
@@ -649,10 +649,10 @@ def test_update_ratio_spike_reproduced_is_data() -> None:
     view = make_view([2.8, 2.8], [1.5, 1.5], 1.0)
     assert g.check(t, 0, view).detector is None
     assert g.wants_snapshot(t, view)
-    assert g.check_update(t, 0, 0.2).action == "recompute"  # 200x the usual 1e-3, below the cap of 1.0
+    assert g.check_update(t, 0.2).action == "recompute"  # 200x the usual 1e-3, below the cap of 1.0
     g.check(t, 1, view)
     g.wants_snapshot(t, view)
-    v = g.check_update(t, 1, 0.2)
+    v = g.check_update(t, 0.2)
     assert (v.action, v.cause) == ("skip", "data")
     assert g.counters["rollbacks"] == 2
 
@@ -666,7 +666,7 @@ def test_update_ratio_from_a_zero_learning_rate_or_a_small_init_is_no_detection(
     for t, ratio in enumerate([0.0, 10.0, 4.0, 2.0]):
         assert g.check(t, 0, steady(2)).action == "proceed"
         assert g.wants_snapshot(t, steady(2))  # the ratios' warm-up: 3 positive ones
-        assert g.check_update(t, 0, ratio).action == "proceed", t
+        assert g.check_update(t, ratio).action == "proceed", t
         g.accept(t, steady(2), ratio)
     assert g.counters["detections"] == 0 and not g.wants_snapshot(4, steady(2))
     # Warm, the cap holds, and a reproduced ratio over it is a spike like a loss spike:
@@ -677,7 +677,7 @@ def test_update_ratio_from_a_zero_learning_rate_or_a_small_init_is_no_detection(
         for attempt in (0, 1):
             assert g.check(t, attempt, near_miss).action == "proceed"
             assert g.wants_snapshot(t, near_miss)
-            actions.append(g.check_update(t, attempt, 1.5))
+            actions.append(g.check_update(t, 1.5))
         if actions[-1].action == "proceed":
             g.accept(t, near_miss, 1.5)
     assert [v.action for v in actions] == ["recompute", "skip"] * g.config.shift_after + ["recompute", "proceed"]
@@ -695,7 +695,7 @@ def test_a_reproduced_non_finite_update_is_always_skipped() -> None:
         for attempt, expect in ((0, "recompute"), (1, "skip")):
             assert g.check(s, attempt, near_miss).action == "proceed"
             assert g.wants_snapshot(s, near_miss)
-            assert g.check_update(s, attempt, math.inf).action == expect, (s, attempt)
+            assert g.check_update(s, math.inf).action == expect, (s, attempt)
     assert g.counters["skipped_batches"] == 4
 
 
@@ -706,14 +706,14 @@ def test_rollback_recompute_numbered_from_zero_keeps_the_step_state() -> None:
     for ratio, expect in ((50.0, "recompute"), (70.0, "recompute"), (90.0, "skip")):
         assert g.check(t, 0, steady(4)).action == "proceed"
         assert g.wants_snapshot(t, steady(4))
-        assert g.check_update(t, 0, ratio).action == expect
+        assert g.check_update(t, ratio).action == expect
     assert g.counters["recomputes"] == 2 and g.counters["rollbacks"] == 3
 
 
 def test_update_ratio_disabled() -> None:
     g = guard(2, update_ratio=0.0)
     assert not g.wants_snapshot(0, steady(2))
-    assert g.check_update(0, 0, math.nan).action == "proceed"
+    assert g.check_update(0, math.nan).action == "proceed"
 
 
 def test_wants_snapshot() -> None:
@@ -756,7 +756,7 @@ def scripted(g: Guard, start: int, n: int, seed: int) -> list[dict[str, object]]
             continue
         out.append({"snapshot": g.wants_snapshot(t, view)})
         ratio = 1e-3 * math.exp(rng.gauss(0, 0.1)) * (1e4 if t % 13 == 8 else 1)
-        u = g.check_update(t, 0, ratio)
+        u = g.check_update(t, ratio)
         out.append(u.to_json())
         if u.action == "proceed":
             g.accept(t, view, ratio)

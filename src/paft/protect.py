@@ -447,10 +447,10 @@ class Protector:
             if before is None:
                 break
             ratio = self._max_over_ranks(before.update_ratio())
-            verdict = self._judge(t, attempt, self.guard.check_update(t, attempt, ratio))
+            verdict = self._judge(t, attempt, self.guard.check_update(t, ratio))
             if verdict.action == "proceed":
                 break
-            before.restore(self.model, self.optimizer)
+            before.restore(self.optimizer)
             self._stepper.restore(scaler_state)
             rerun_from.restore()  # type: ignore[union-attr]
             if verdict.action == "skip":

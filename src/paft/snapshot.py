@@ -129,7 +129,7 @@ class StateSnapshot:
             return math.inf
         return num / den if den > 0 else 0.0
 
-    def restore(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
             torch._foreach_copy_(self._live, self._saved)
         for p, extras in self._extras.items():

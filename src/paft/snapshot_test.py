@@ -69,7 +69,7 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
         snap.capture(model, opt)
         step(k)
         assert snap.update_ratio() > 0 and state_fingerprint(model, opt) != before
-        snap.restore(model, opt)
+        snap.restore(opt)
         assert state_fingerprint(model, opt) == before
         assert {id(p): set(opt.state.get(p, {})) for p in model.parameters()} == keys
         if opt_name == "nested" and k:

@@ -492,7 +492,6 @@ class ReplicaSync:
         # Fused optimizers update parameters and state without bumping the tensors'
         # version counters; a step hook tells finish() that a step happened anyway.
         self._opt_steps = 0
-        self._hook = None
         if optimizer is not None:
             ref = weakref.ref(self)
 
@@ -501,7 +500,8 @@ class ReplicaSync:
                 if me is not None:
                     me._opt_steps += 1
 
-            self._hook = optimizer.register_step_post_hook(_count_step)
+            # Removed with this object, so a discarded ReplicaSync leaves nothing behind.
+            weakref.finalize(self, optimizer.register_step_post_hook(_count_step).remove)
         # The world-size-2 reference: name -> tensor (transport dtype) and a tag that
         # is equal on both ranks exactly when their references are.
         self._ref: dict[str, Tensor] | None = None
@@ -608,12 +608,6 @@ class ReplicaSync:
             self._ref = {k: _transport(v).to(self._device).clone() for k, v in ref.items()}
             # A fresh tag from the bytes: equal on both ranks iff they loaded equal state.
             self._ref_tag = fingerprint(list(self._ref.values()))
-
-    def close(self) -> None:
-        """Remove the optimizer hook (an in-flight sync is left alone)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
 
     def _ddp_buffer_source(self, model: nn.Module) -> int | None:
         """The rank (in ``group``) whose buffers DDP broadcasts at every forward, when

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from typing import Any
@@ -932,6 +933,13 @@ def _w_mask(rank: int, ws: int) -> dict:
     except RuntimeError as e:
         out["state_dict_in_flight"] = str(e)
     sync.finish()
+    # a ReplicaSync dropped takes its optimizer hook with it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = ReplicaSync(model, opt)
+    out["hooks"] = [len(opt._optimizer_step_post_hooks)]
+    del sync
+    gc.collect()
+    out["hooks"].append(len(opt._optimizer_step_post_hooks))
     return out
 
 
@@ -961,6 +969,7 @@ def test_a_mask_every_replica_holds_is_state_not_corruption():
         assert d.per_rank == [0.0, 0.0] and d.state_per_rank[0] == 0.0 and math.isinf(d.state_per_rank[1])
         assert d.finite == [True, False]
         assert "in flight" in r["state_dict_in_flight"]
+        assert r["hooks"] == [1, 0]
 
 
 # ----------------------------------------------------------------------------

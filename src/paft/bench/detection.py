@@ -265,10 +265,6 @@ def harmful_missed(per_fault: list[dict[str, Any]], detected_fault_steps: Sequen
 # -- the benchmark -----------------------------------------------------------------------
 
 
-def _pct(x: float) -> float:
-    return x * 100
-
-
 def _share(k: int, n: int) -> float:
     return k / n if n else math.nan
 
