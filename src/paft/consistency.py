@@ -51,6 +51,7 @@ __all__ = [
     "ControlView",
     "start_control",
     "gather_rows",
+    "max_over_ranks",
     "collective_device",
     "PendingControl",
     "gather_exact_grads",
@@ -210,6 +211,15 @@ def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> to
     collective, for the few-number exchanges outside the step (settings digests,
     sync decisions, evaluation results, final fingerprints)."""
     return _gather_rows(row, group, async_op=False)[0]
+
+
+def max_over_ranks(value: float, group: dist.ProcessGroup | None = None) -> float:
+    """The max of ``value`` over the group's ranks (blocking, 8 bytes), the same on every
+    rank; NaN anywhere gives inf (gloo's MAX keeps a NaN only when rank 0 holds it)."""
+    value = math.inf if math.isnan(value) else value
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
 
 
 def gather_exact_grads(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

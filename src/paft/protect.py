@@ -47,9 +47,9 @@ from paft.consistency import (
     ControlVector,
     ControlView,
     PendingControl,
-    collective_device,
     gather_exact_grads,
     gather_rows,
+    max_over_ranks,
     replica_metrics,
     start_control,
     worker_metrics,
@@ -446,7 +446,7 @@ class Protector:
             self._stepper.step()  # every rank's aggregated gradient is finite here: no skip
             if before is None:
                 break
-            ratio = self._max_over_ranks(before.update_ratio())
+            ratio = max_over_ranks(before.update_ratio(), self.group)
             verdict = self._judge(t, attempt, self.guard.check_update(t, ratio))
             if verdict.action == "proceed":
                 break
@@ -487,7 +487,7 @@ class Protector:
             self._clip()
             self._stepper.step()
         else:  # one flag all-reduced: the ranks agree on the scaler's skips, as the monitor's view makes them
-            overflow = self._max_over_ranks(0.0 if math.isfinite(self._aggregated_norm()) else 1.0) > 0
+            overflow = max_over_ranks(0.0 if math.isfinite(self._aggregated_norm()) else 1.0, self.group) > 0
             self._clip()
             applied = self._scaled_step(overflow)
             if not applied:  # as a monitored skip: no non-finite gradient is left behind
@@ -745,14 +745,6 @@ class Protector:
                 norm = total_norm(self._grads())
             torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm)
         self._grad_norm = None
-
-    def _max_over_ranks(self, value: float) -> float:
-        """The max of ``value`` over ranks; NaN anywhere gives inf (gloo's MAX keeps a
-        NaN only when rank 0 holds it)."""
-        value = math.inf if math.isnan(value) else value
-        t = torch.tensor([value], dtype=torch.float64, device=collective_device(self.group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return float(t)
 
     # -- PAFT-Sync / PAFT-Dyn --------------------------------------------------------
 

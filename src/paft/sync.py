@@ -123,7 +123,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from paft.consistency import collective_device, gather_rows
+from paft.config import SYNC_MODES
+from paft.consistency import collective_device, gather_rows, max_over_ranks
 from paft.fingerprint import digest, fingerprint, group_replicas, majority, repr_digest, state_tensors
 from paft.records import jsonable
 from paft.robust import lower_median, median_of_three
@@ -136,7 +137,6 @@ __all__ = [
     "measure_divergence",
 ]
 
-SYNC_MODES = ("robust", "mean", "broadcast")
 _COPY_MODES = ("majority-copy", "finite-copy", "broadcast")  # the result is one rank's state
 
 
@@ -998,12 +998,8 @@ class ReplicaSync:
             divergence = 0.0 if all(d.finite) else math.inf
         else:
             mine = _rel(local_sq, ref_sq) if measure else 0.0
-            if not d.finite[me]:
-                mine = math.inf
-            t = torch.tensor([mine], dtype=torch.float64, device=self._device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            divergence = max_over_ranks(mine if d.finite[me] else math.inf, self.group)
             bytes_sent, collectives = bytes_sent + 8, collectives + 1
-            divergence = float(t)
 
         # 2. Apply: copy where the tensor is untouched since the snapshot, else the
         # correction synced + (w - snapshot).
@@ -1115,7 +1111,8 @@ def measure_divergence(
     state) to the mean replica, computed in float64. Per tensor, the mean is over the
     ranks whose copy holds no NaN/Inf beyond what the replicas share (see
     :func:`_sound`), and a coordinate non-finite on them all (an attention mask's
-    ``-inf``) counts as agreement; a rank with NaN/Inf of its own reports ``inf``.
+    ``-inf``) counts as agreement; a rank with NaN/Inf of its own, or in its parameters
+    at all, reports ``inf``.
     Moves one float64 copy of the measured state (all-reduce) plus a few numbers per
     tensor (``per_tensor``) or two per rank."""
     ws, me = dist.get_world_size(group), dist.get_rank(group)
@@ -1124,11 +1121,13 @@ def measure_divergence(
     device = collective_device(group, entries[0][1] if entries else None)
     # A leading 0 keeps the exchange non-empty for a model without floating state.
     mine = torch.tensor([0, *_nonfinite_patterns([t for _, t in entries])], dtype=torch.int64, device=device)
-    sound = _sound([row[1:] for row in gather_rows(mine, group).tolist()])
+    rows = [row[1:] for row in gather_rows(mine, group).tolist()]
+    sound = _sound(rows)
     is_param = [name.startswith("param/") for name, _ in entries]
     # A rank with NaN/Inf of its own is left out of the mean: of the parameters where
-    # they hold it, of everything where any tensor does.
-    sound_params = [all(ok for ok, p in zip(row, is_param) if p) for row in sound]
+    # they hold it, of everything where any tensor does. Parameters have no legitimate
+    # NaN/Inf (a mask is a buffer): there any, shared or not, counts.
+    sound_params = [all(row[2 * j] == 0 for j, p in enumerate(is_param) if p) for row in rows]
     sound_all = [all(row) for row in sound]
     votes = [[sound_params[r] if p else sound_all[r] for p in is_param] for r in range(ws)]
     voters = [sum(votes[r][j] for r in range(ws)) for j in range(len(entries))]

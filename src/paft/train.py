@@ -24,7 +24,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.config import TrainConfig
 from paft.consistency import gather_rows
 from paft.fingerprint import group_replicas, state_fingerprint
-from paft.protect import PersistentFaultError, Protector, protect
+from paft.protect import PersistentFaultError, Protector, StepReport, protect
 from paft.records import (
     RunRecorder,
     atomic_write_bytes,
@@ -165,20 +165,10 @@ class Trainer:
             self.save_checkpoint()
         return self.summarize()
 
-    def prime(self) -> None:
-        """Settle DDP's bucket layout on a batch that is not consumed (see Protector.prime)."""
-        inputs, targets = self.workload.train.get(torch.arange(self.cfg.per_rank_batch_size))
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-
-        def closure() -> torch.Tensor:
-            loss = self.workload.loss(self.model, inputs, targets)
-            loss.backward()
-            return loss
-
-        self.protector.prime(closure)
-
-    def train_step(self) -> Any:
-        inputs, targets = self.workload.train.get(self.sampler.next_batch())
+    def closure(self, indices: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The step's closure over the training examples ``indices``: zero the gradients,
+        forward, backward, return the loss (what ``Protector.step`` re-runs)."""
+        inputs, targets = self.workload.train.get(indices)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
 
         def closure() -> torch.Tensor:
@@ -187,6 +177,14 @@ class Trainer:
             loss.backward()
             return loss
 
+        return closure
+
+    def prime(self) -> None:
+        """Settle DDP's bucket layout on a batch that is not consumed (see Protector.prime)."""
+        self.protector.prime(self.closure(torch.arange(self.cfg.per_rank_batch_size)))
+
+    def train_step(self) -> StepReport:
+        closure = self.closure(self.sampler.next_batch())
         lr = self.scheduler.get_last_lr()[0]  # what this step trains with
         start, cpu_start = time.perf_counter(), time.process_time()
         report = self.protector.step(closure)
@@ -226,7 +224,7 @@ class Trainer:
         self.recorder.say(f"[eval] step {self.step}: " + " | ".join(f"{k} {record[k]:.4f}" for k in keys))
         return record
 
-    def log(self, report: Any) -> None:
+    def log(self, report: StepReport) -> None:
         if self.step % self.cfg.log_every and self.step != self.cfg.steps:
             return
         rate = self.step_rate()

@@ -35,7 +35,7 @@ import statistics
 from typing import Any
 
 from paft.bench.matrix import BENCH_MODELS
-from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
+from paft.bench.runner import Run, make_config, markdown_table, run_all, trailing_mean, write_outputs
 from paft.config import TrainConfig
 from paft.records import read_jsonl
 
@@ -236,14 +236,6 @@ def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int =
     return results
 
 
-def _smooth(values: list[float], k: int = 9) -> list[float]:
-    out = []
-    for i in range(len(values)):
-        window = _finite(values[max(0, i - k + 1): i + 1])
-        out.append(statistics.fmean(window) if window else math.nan)
-    return out
-
-
 def _plots(out: pathlib.Path, series: dict[str, dict[str, list[float]]]) -> list[pathlib.Path]:
     """Global loss overlaid; loss / grad-norm CV; gradient cosine; one PNG each."""
     from matplotlib.figure import Figure
@@ -254,7 +246,7 @@ def _plots(out: pathlib.Path, series: dict[str, dict[str, list[float]]]) -> list
     def lines(ax: Any, key: str, steps: list[float], values: list[float], suffix: str = "") -> None:
         """Per step (thin) and its 9-step mean (thick; the null control dashed)."""
         ax.plot(steps, values, color=colors.get(key), lw=0.6, alpha=0.35)
-        ax.plot(steps, _smooth(values), color=colors.get(key), ls="--" if key == "S1r" else "-", lw=1.5,
+        ax.plot(steps, trailing_mean(values, 9), color=colors.get(key), ls="--" if key == "S1r" else "-", lw=1.5,
                 label=f"{key} {SETTINGS[key][0]}{suffix}")
 
     fig = Figure(figsize=(8, 4.5), layout="constrained")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-import statistics
 from typing import Any
 
 from paft.bench.runner import (
@@ -41,6 +40,7 @@ from paft.bench.runner import (
     run_all,
     throughput_ratios,
     torchft_available,
+    trailing_mean,
     write_outputs,
 )
 from paft.config import TrainConfig
@@ -208,9 +208,9 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
             for r in [ref] + [r for r in group if r.labels["setting"] == setting]:
                 name = r.labels["scenario"]
                 steps, loss = curves(r.config["run_dir"])
-                loss_ax.plot(steps, _smooth(loss), label=name, lw=1)
+                loss_ax.plot(steps, trailing_mean(loss, 5), label=name, lw=1)
                 evals = read_jsonl(pathlib.Path(r.config["run_dir"]) / "evals.jsonl")
-                div_ax.plot([e["step"] for e in evals], [_finite(e["replica_rel_diff"]) for e in evals],
+                div_ax.plot([e["step"] for e in evals], [_finite_or_nan(e["replica_rel_diff"]) for e in evals],
                             marker="o", ms=3, label=name)
                 events = read_jsonl(pathlib.Path(r.config["run_dir"]) / "events.jsonl")
                 syncs = [e for e in events if e.get("event") == "sync"]
@@ -231,10 +231,6 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
     return files
 
 
-def _smooth(values: list[float], k: int = 5) -> list[float]:
-    return [statistics.fmean(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
-
-
-def _finite(x: Any) -> float:
+def _finite_or_nan(x: Any) -> float:
     x = float(x)
     return x if math.isfinite(x) else float("nan")

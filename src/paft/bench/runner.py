@@ -42,6 +42,7 @@ __all__ = [
     "Run",
     "alternate",
     "throughput_ratios",
+    "trailing_mean",
     "run_all",
     "launch",
     "worker_group",
@@ -217,4 +218,11 @@ def curves(run_dir: str, key: str = "loss") -> tuple[list[int], list[float]]:
     return [r["step"] for r in records], [float(r[key]) for r in records]
 
 
-
+def trailing_mean(values: list[float], k: int) -> list[float]:
+    """Per point, the mean of the finite values among it and the ``k - 1`` before it
+    (NaN where there are none): the smoothed curves of the benchmarks' plots."""
+    out = []
+    for i in range(len(values)):
+        window = [x for x in values[max(0, i - k + 1) : i + 1] if math.isfinite(x)]
+        out.append(statistics.fmean(window) if window else math.nan)
+    return out
