@@ -34,7 +34,7 @@ def _fault_grammar() -> str:
 
 _TRAIN_EPILOG = """\
 exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop),
-            130 interrupted (Ctrl-C; 143 for SIGTERM; continue with --resume)
+            130 interrupted (Ctrl-C; 143 for SIGTERM, 129 for SIGHUP; continue with --resume)
 
 examples:
   paft train                                    # gpt, 4 workers, about 3 minutes on 2 cores
@@ -157,9 +157,9 @@ def run() -> None:
     """The ``paft`` console script: :func:`main`, then exit with its code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from paft.launch import interrupted, on_sigterm
+    from paft.launch import TERMINATING_SIGNALS, ignore_further_signals, interrupted, unwind_on_termination
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    unwind_on_termination()
     try:
         code = main()
     except (KeyboardInterrupt, SignalException) as err:  # outside what train and bench catch (parsing, report)
@@ -167,11 +167,8 @@ def run() -> None:
     except BrokenPipeError:  # the console went away (`| head`) while a command printed
         _quiet_stdout()
         code = 1
-    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
-        # One signal is enough: a second one (a key held, a group signalled twice) would
-        # only interrupt torch's exit handlers, with tracebacks.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if code in [128 + int(sig) for sig in (signal.SIGINT, *TERMINATING_SIGNALS)]:
+        ignore_further_signals()
     sys.exit(code)
 
 

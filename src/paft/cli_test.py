@@ -345,9 +345,10 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
     assert busy.returncode != 0 and "--run-dir: r is in use by another paft train" in busy.stderr
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
     # Stopped before its first checkpoint (SIGTERM, as a scheduler or a failing peer
-    # sends it; or Ctrl-C, to the whole process group), an --overwrite under torchrun
-    # puts the old run back, as paft train does.
-    for ctrl_c in (False, True):
+    # sends it; SIGHUP, a closed terminal, which torchrun passes on; or Ctrl-C, to the
+    # whole process group), an --overwrite under torchrun puts the old run back, as
+    # paft train does.
+    for sig, ctrl_c in ((signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGINT, True)):
         proc = subprocess.Popen([*torchrun, "--run-dir", "r", "--overwrite", "--steps", "100000",
                                  "--checkpoint-every", "100000", "--eval-every", "100000"], cwd=tmp_path,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
@@ -357,11 +358,11 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
                 break
             time.sleep(0.2)
         if ctrl_c:
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, sig)
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
         err = proc.communicate(timeout=120)[1]
-        assert "the output it was to replace is back in r" in err, (ctrl_c, err[-2000:])
+        assert "the output it was to replace is back in r" in err, (sig, err[-2000:])
         assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
         assert not list(tmp_path.glob("r.replaced-*"))
     if not torch.cuda.is_available():  # refused up front on every rank, as paft train refuses it
@@ -589,7 +590,7 @@ def test_sigterm_unwinds_like_ctrl_c_with_its_own_exit_code(capsys: pytest.Captu
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from paft.launch import interrupted, on_sigterm
+    from paft.launch import TERMINATING_SIGNALS, interrupted, on_sigterm, unwind_on_termination
 
     before = signal.signal(signal.SIGTERM, on_sigterm)
     try:
@@ -601,6 +602,18 @@ def test_sigterm_unwinds_like_ctrl_c_with_its_own_exit_code(capsys: pytest.Captu
     assert "paft train: interrupted (SIGTERM); hint" in capsys.readouterr().err
     assert interrupted(KeyboardInterrupt()) == 130
     assert "interrupted (Ctrl-C)" in capsys.readouterr().err
+    # SIGHUP (a closed terminal) and SIGQUIT killed the process before its clean-up
+    for sig in (signal.SIGHUP, signal.SIGQUIT):
+        saved = {s: signal.getsignal(s) for s in TERMINATING_SIGNALS}
+        try:
+            unwind_on_termination()
+            with pytest.raises(SignalException) as exc:
+                signal.raise_signal(sig)
+        finally:
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+        assert interrupted(exc.value) == 128 + sig
+        assert f"interrupted ({sig.name})" in capsys.readouterr().err
 
 
 def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,

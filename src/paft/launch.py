@@ -39,7 +39,17 @@ from paft.rundir import (
 )
 from paft.train import EXIT_PERSISTENT_FAULT, check_devices, format_summary, run_worker
 
-__all__ = ["claim_run_dir", "interrupted", "launch", "on_sigterm", "set_aside", "settle"]
+__all__ = [
+    "TERMINATING_SIGNALS",
+    "claim_run_dir",
+    "ignore_further_signals",
+    "interrupted",
+    "launch",
+    "on_sigterm",
+    "set_aside",
+    "settle",
+    "unwind_on_termination",
+]
 
 EXIT_WORKER_FAILED = 1
 
@@ -194,7 +204,7 @@ def _lock(run_dir: pathlib.Path) -> Iterator[None]:
 
 
 def on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM (a scheduler's, ``kill``) unwinds like Ctrl-C, so the clean-up in
+    """SIGTERM (a scheduler's, ``kill``), SIGHUP and SIGQUIT unwind like Ctrl-C, so the clean-up in
     :func:`launch` runs: without it, a run killed while starting lost the run that
     ``--overwrite`` had moved aside, and left a directory holding only config.json.
     (torch's elastic launcher installs its own handler while the workers run, which
@@ -202,9 +212,27 @@ def on_sigterm(signum: int, frame: Any) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
+# What torch's elastic launcher itself turns into an unwind (with SIGINT, which Python does).
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def unwind_on_termination() -> None:
+    """Install :func:`on_sigterm` for SIGTERM, SIGHUP (a closed terminal or ssh session)
+    and SIGQUIT: their default action killed the process before its clean-up ran."""
+    for sig in TERMINATING_SIGNALS:
+        signal.signal(sig, on_sigterm)
+
+
+def ignore_further_signals() -> None:
+    """After an interrupt: one signal is enough, a second one (a key held, a group
+    signalled twice) would only interrupt torch's exit handlers, with tracebacks."""
+    for sig in (signal.SIGINT, *TERMINATING_SIGNALS):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", say: bool = True) -> int:
     """Say (unless ``say`` is false) that the run was interrupted, and by what; the exit
-    code the shell uses for that signal (130 for Ctrl-C, 143 for SIGTERM)."""
+    code the shell uses for that signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
     sig = err.sigval if isinstance(err, SignalException) else signal.SIGINT
     what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
     if say:

@@ -521,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (exit 2), since the per-rank batch and the fault ranks are derived from it."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from paft.launch import interrupted, on_sigterm
+    from paft.launch import interrupted, unwind_on_termination
     from paft.options import parse_train_config
 
     prog = "python -m paft.train"
@@ -548,9 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeviceError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    # torchrun stops the ranks with SIGTERM (when one fails, or when it is stopped): unwind,
-    # so that rank 0's claim cleans up as paft train's launcher does.
-    signal.signal(signal.SIGTERM, on_sigterm)
+    # torchrun stops the ranks with SIGTERM (when one fails, or when it is stopped) and
+    # passes SIGHUP and SIGQUIT on: unwind, so that rank 0's claim cleans up as paft
+    # train's launcher does.
+    unwind_on_termination()
     _set_threads()
     _init_process_group(cfg)
     rank0 = dist.get_rank() == 0
