@@ -8,7 +8,6 @@ nothing is written.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -119,24 +118,15 @@ def _warn_idle_faults(cfg: TrainConfig) -> None:
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from paft.records import console
     from paft.report import ReportError, build_report
 
     try:
         result = build_report(args.run_dir, args.out_dir)
     except ReportError as err:
         parser.error(str(err))
-    try:
-        print(result.text, flush=True)
-    except BrokenPipeError:  # `paft report RUN | head`: the files are written; the reader has had enough
-        _quiet_stdout()
+    console(result.text)  # `paft report RUN | head`: the files are written; the reader has had enough
     return 0
-
-
-def _quiet_stdout() -> None:
-    """Point stdout at /dev/null so that Python's exit flush into a closed pipe cannot fail."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,6 +148,7 @@ def run() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from paft.launch import TERMINATING_SIGNALS, ignore_further_signals, interrupted, unwind_on_termination
+    from paft.records import quiet_stdout
 
     unwind_on_termination()
     try:
@@ -165,7 +156,7 @@ def run() -> None:
     except (KeyboardInterrupt, SignalException) as err:  # outside what train and bench catch (parsing, report)
         code = interrupted(err, prog="paft")
     except BrokenPipeError:  # the console went away (`| head`) while a command printed
-        _quiet_stdout()
+        quiet_stdout()
         code = 1
     if code in [128 + int(sig) for sig in (signal.SIGINT, *TERMINATING_SIGNALS)]:
         ignore_further_signals()

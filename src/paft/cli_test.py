@@ -56,6 +56,7 @@ from paft.records import read_jsonl
         (["--workload", "resnet", "--model", "num_classes=5"], "--model: num_classes must be >= 10"),
         (["--workload", "resnet", "--model", "in_channels=3"], "--model: in_channels must be 1"),
         (["--model", "n_embd=1048576", "--model", "n_head=1"], "--model: the gpt model would need about"),
+        (["--world-size", "1000", "--batch-size", "1000"], "--world-size 1000: 1000 worker processes on this"),
         (["--sketch-dim", "99999999"], "--sketch-dim: must be in [8, 65536]"),
         (["--guard", "--guard-window", "99999999999"], "--guard-window: must be in [5, 1000000]"),
         (["--weight-decay", "inf"], "--weight-decay: must be a finite number >= 0"),

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paft.config import TrainConfig
-from paft.records import atomic_write_bytes
+from paft.records import atomic_write_bytes, console
 from paft.rundir import (
     LOCK_FILE,
     RunDirError,
@@ -303,5 +303,5 @@ def _run_workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any] | N
         return EXIT_PERSISTENT_FAULT, None
     summary = first["summary"]
     if not quiet:
-        print(format_summary(summary, cfg.run_dir))
+        console(format_summary(summary, cfg.run_dir))
     return 0, summary

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -32,6 +33,8 @@ os.umask(_UMASK)
 
 __all__ = [
     "RunRecorder",
+    "console",
+    "quiet_stdout",
     "atomic_write_bytes",
     "atomic_write_json",
     "read_jsonl",
@@ -206,6 +209,25 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
+def console(text: str) -> bool:
+    """Print ``text`` to stdout now; ``False``, raising nothing, when the console went
+    away (``| head``, a closed terminal): the work goes on, quietly."""
+    try:
+        print(text, flush=True)
+        return True
+    except OSError:
+        quiet_stdout()
+        return False
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's flush at exit into a closed pipe
+    cannot fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 class RunRecorder:
     """Appends this rank's records to the run directory (``None`` run_dir: records dropped).
 
@@ -256,10 +278,7 @@ class RunRecorder:
     def say(self, message: str) -> None:
         """A console line from rank 0 (progress, alerts, guard decisions) unless quiet."""
         if self.rank == 0 and not self.quiet:
-            try:
-                print(message, flush=True)
-            except OSError:  # the console went away (`| head`, a closed terminal): train on, quietly
-                self.quiet = True
+            self.quiet = not console(message)
 
     def jsonl(self, name: str, record: dict[str, Any]) -> None:
         """Rank 0 appends ``record`` to ``<run_dir>/<name>``."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import subprocess
+import sys
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -63,3 +65,17 @@ def test_a_resume_hides_the_interrupted_legs_tensorboard_scalars(tmp_path: pathl
     expect = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 105), (6, 106), (7, 107)]
     assert _scalars(tmp_path / "tb", "train/loss") == expect
     assert _scalars(tmp_path / "tb", "consistency/loss_cv") == expect
+
+
+def test_a_console_that_went_away_stops_no_work(tmp_path: pathlib.Path) -> None:
+    # `paft train | head -1`: the run had finished, and its summary line made it exit 1.
+    (tmp_path / "work.py").write_text(
+        "import sys\n"
+        "from paft.records import console\n"
+        "first = console('x' * 2**20)  # more than a pipe holds: written after the reader is gone\n"
+        "second = console('again')  # into /dev/null now\n"
+        "sys.stderr.write(f'{first} {second} done')\n"
+    )
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} work.py | true; exit ${{PIPESTATUS[0]}}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (0, "False True done")

@@ -71,6 +71,8 @@ __all__ = [
 EXIT_PERSISTENT_FAULT = 3
 BYTES_PER_PARAMETER = 20
 """fp32 weights, gradients, DDP buckets and two optimizer moments (the memory check)."""
+BYTES_PER_PROCESS = 256 * 2**20
+"""A CPU worker's resident memory before its model (torch alone: ~220 MiB)."""
 _UNTIMED_STEPS = 3
 
 
@@ -438,8 +440,17 @@ def check_devices(cfg: TrainConfig) -> None:
     if uses_cuda(cfg):
         have, where = torch.cuda.get_device_properties(0).total_memory, "each GPU has"
     else:
-        need *= cfg.world_size
+        # Every worker on this machine also holds torch itself (a typo such as
+        # --world-size 1000 would otherwise start 1000 processes).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+        if BYTES_PER_PROCESS * local > have:
+            raise DeviceError(
+                f"--world-size {cfg.world_size}: {local} worker processes on this machine would need about "
+                f"{BYTES_PER_PROCESS * local / 2**30:,.0f} GiB for torch alone ({BYTES_PER_PROCESS // 2**20} MiB "
+                f"each) and {where} {have / 2**30:,.0f} GiB; use fewer workers"
+            )
+        need = (need + BYTES_PER_PROCESS) * local
     if need > have:
         raise DeviceError(
             f"--model: the {cfg.workload} model would need about {need / 2**30:,.0f} GiB for weights, gradients "

@@ -231,6 +231,7 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from paft.launch import EXIT_WORKER_FAILED, interrupted
+    from paft.records import console
 
     try:
         if args.benchmark == "overhead":
@@ -265,5 +266,5 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
     except (KeyboardInterrupt, SignalException) as err:
         return interrupted(err, "" if args.overwrite else f"; {out} keeps the runs finished so far", "paft bench")
     plots = ", plots" if args.benchmark in ("matrix", "desync", "detection") else ""
-    print(f"\nresults in {out}/ (results.md, results.json{plots})")
+    console(f"\nresults in {out}/ (results.md, results.json{plots})")
     return 0

@@ -37,7 +37,7 @@ from typing import Any
 from paft.bench.matrix import BENCH_MODELS
 from paft.bench.runner import Run, make_config, markdown_table, run_all, trailing_mean, write_outputs
 from paft.config import TrainConfig
-from paft.records import read_jsonl
+from paft.records import console, read_jsonl
 
 __all__ = ["SETTINGS", "METRICS", "Z_NOISE", "plan", "analyze", "run"]
 
@@ -176,8 +176,8 @@ def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int =
         device: str = "auto") -> dict[str, Any]:
     runs = plan(out, steps, world_size, seed, device)
     warmup = TrainConfig.from_dict(runs[0].config).warmup_steps
-    print(f"paft bench desync: {len(runs)} runs (gpt {BENCH_MODELS['gpt']}, dropout {DROPOUT}; {steps} steps, "
-          f"{world_size} ranks)")
+    console(f"paft bench desync: {len(runs)} runs (gpt {BENCH_MODELS['gpt']}, dropout {DROPOUT}; {steps} steps, "
+            f"{world_size} ranks)")
     run_all(runs, world_size)
     result = analyze(runs, warmup)
     stats, comps = result["stats"], result["comparisons"]
@@ -232,7 +232,7 @@ def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int =
         "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs],
     }
     write_outputs(out, "Silent inconsistency: synchronized vs desynchronized ranks", results, md)
-    print("\n" + table + "\n\n" + "\n".join(reading))
+    console("\n" + table + "\n\n" + "\n".join(reading))
     return results
 
 

@@ -49,7 +49,7 @@ from paft.bench import overhead
 from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
 from paft.config import TrainConfig
 from paft.faultspec import BIT_CLASSES
-from paft.records import read_jsonl
+from paft.records import console, read_jsonl
 
 __all__ = [
     "SITES",
@@ -280,8 +280,8 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
         raise ValueError(f"overhead_steps: must be >= {overhead.BLOCKS}, got {overhead_steps}")
     runs = plan(out, steps=steps, rate=rate, world_size=world_size, bits=targets, sites=sites, seed=seed,
                 device=device)
-    print(f"paft bench detection: {len(runs)} runs (gpt {MODEL}; {steps} steps, rate {rate:g}, {world_size} ranks; "
-          f"{len(sites)} sites x {len(targets)} bit targets x guard/no guard, + overhead)")
+    console(f"paft bench detection: {len(runs)} runs (gpt {MODEL}; {steps} steps, rate {rate:g}, {world_size} "
+            f"ranks; {len(sites)} sites x {len(targets)} bit targets x guard/no guard, + overhead)")
     run_all(runs, world_size)
 
     ref = runs[0]
@@ -342,7 +342,7 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
         "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs],
     }
     write_outputs(out, "Guard detection per float32 bit", results, md)
-    print("\n" + md)
+    console("\n" + md)
     return results
 
 

@@ -44,7 +44,7 @@ from paft.bench.runner import (
     write_outputs,
 )
 from paft.config import TrainConfig
-from paft.records import read_jsonl
+from paft.records import console, read_jsonl
 
 __all__ = ["SCENARIOS", "fault_settings", "plan", "run"]
 
@@ -139,7 +139,7 @@ def run(out: pathlib.Path, *, quick: bool, workloads: list[str], steps: int | No
         world_size: int = 4, device: str = "auto") -> dict[str, Any]:
     steps = steps or (40 if quick else 150)
     runs = plan(out, workloads, quick, steps, world_size, device)
-    print(f"paft bench matrix: {len(runs)} runs ({', '.join(workloads)}; {steps} steps each, {world_size} ranks)")
+    console(f"paft bench matrix: {len(runs)} runs ({', '.join(workloads)}; {steps} steps each, {world_size} ranks)")
     run_all(runs, world_size)
     return summarize(out, runs, workloads, steps, world_size)
 
@@ -186,9 +186,7 @@ def summarize(out: pathlib.Path, runs: list[Run], workloads: list[str], steps: i
     plots = _plots(out, runs, workloads)
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     write_outputs(out, "paft bench matrix", results, md)
-    print("\n" + table)
-    for s in skipped:
-        print(s)
+    console("\n".join(["\n" + table, *skipped]))
     return results
 
 

@@ -63,6 +63,7 @@ import torch
 
 from paft.bench.runner import launch, make_config, markdown_table, new_trainer, worker_group, write_outputs
 from paft.config import TrainConfig
+from paft.records import console
 from paft.train import uses_cuda
 
 __all__ = ["VARIANTS", "BLOCKS", "WARMUP", "measure", "block_range", "run"]
@@ -117,7 +118,7 @@ def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) 
                     times[name]["wall"].append(time.perf_counter() - wall)
                     times[name]["cpu"].append(time.process_time() - cpu)
             if dist.get_rank() == 0 and (i + 1) % 50 == 0:
-                print(f"  step {i + 1}/{warmup + steps}", flush=True)
+                console(f"  step {i + 1}/{warmup + steps}")
         for trainer in trainers.values():
             trainer.protector.close()
         params = sum(p.numel() for p in trainers["plain"].model.parameters())
@@ -180,8 +181,8 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
         model=model or {},
     ).to_dict()
     base["protect"]["sync_period"] = period
-    print(f"paft bench overhead: {len(variants) + 1} trainers x {total} paired steps ({workload}, {world_size} ranks, "
-          f"device {device})")
+    console(f"paft bench overhead: {len(variants) + 1} trainers x {total} paired steps ({workload}, {world_size} "
+            f"ranks, device {device})")
     costs = measure(out / "runs", base, variants, steps=steps, world_size=world_size, warmup=warmup)
     plain = costs["plain"]
     rows = []
@@ -206,5 +207,5 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
                "world_size": world_size, "workload": workload, "period": period, "device": where.lower(),
                "model": model or {}, "parameters": params}
     write_outputs(out, "Overhead without faults (ratio to plain DDP)", results, f"{note}\n\n{table}")
-    print(f"\n{note}\n{table}")
+    console(f"\n{note}\n{table}")
     return results

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from paft.config import TrainConfig
-from paft.records import atomic_write_bytes, atomic_write_json, read_jsonl
+from paft.records import atomic_write_bytes, atomic_write_json, console, read_jsonl
 
 if TYPE_CHECKING:
     from paft.train import Trainer
@@ -147,11 +147,10 @@ def _bench_worker(configs: list[dict[str, Any]], names: list[str]) -> list[dict[
             if rank == 0:
                 elapsed = time.perf_counter() - start
                 eta = elapsed / (i + 1) * (len(configs) - i - 1)
-                print(
+                console(
                     f"[{i + 1:>3}/{len(configs)}] {name:<40} val_loss {summary['final_val_loss']:.4f} "
                     f"| {summary['steps_per_s']:.2f} steps/s | replicas {summary['replicas_distinct']} "
-                    f"| elapsed {elapsed:.0f}s, ETA {eta:.0f}s",
-                    flush=True,
+                    f"| elapsed {elapsed:.0f}s, ETA {eta:.0f}s"
                 )
     return summaries
 

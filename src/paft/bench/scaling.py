@@ -29,7 +29,7 @@ from paft.bench import overhead
 from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
 from paft.config import MonitorConfig, TrainConfig
 from paft.consistency import HEADER
-from paft.records import read_jsonl
+from paft.records import console, read_jsonl
 
 __all__ = ["run", "model"]
 
@@ -142,5 +142,5 @@ def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int 
     results = {"measured": {str(k): v for k, v in measured.items()},
                "calculated": {f"{r}x{p:g}": model(r, p) for r, p in ((4, 0.8e6), (64, 1.3e9), (1024, 7e9))}}
     write_outputs(out, "Scaling of paft's costs", results, md)
-    print("\n" + md)
+    console("\n" + md)
     return results
