@@ -89,6 +89,7 @@ def test_bad_input_exits_2_and_writes_nothing(
         ("unknown.toml", "stepz = 3", "stepz"),
         ("typed.toml", 'steps = "many"', "steps"),
         ("bad.yaml", "steps: 0", "--steps"),
+        ("off.yaml", "cosine: off\n", "off.yaml: cosine: expected str, got False; quote it"),
         ("twice.yaml", "steps: 3\nsteps: 4\n", "key 'steps' is given twice"),
         ("twice.json", '{"steps": 3, "steps": 4}', "key 'steps' is given twice"),
         ("spellings.toml", "world-size = 2\nworld_size = 4\n", "option 'world-size' is given twice"),
@@ -142,6 +143,7 @@ def test_overwrite_deletes_only_paft_output(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~" no shell expanded (--run-dir=~/x, a config file's value)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     # Names any project may hold: a user's own config.json and results.json are no
@@ -155,6 +157,12 @@ def test_overwrite_deletes_only_paft_output(
         # The folder a run's files land in: "new/../mine" is mine (it used to be taken for a
         # new folder, and new/ was left behind).
         (["train", "--run-dir", "new/../mine"], f"--run-dir: {tmp_path / 'mine'} already exists; pass --resume"),
+        (["train", "--run-dir", "~/mine"], f"--run-dir: {tmp_path / 'mine'} already exists; pass --resume"),
+        (["bench", "overhead", "--out", ""], "--out: must not be empty"),
+        # nothing to resume, said as it is (a file was told to pass --overwrite, which refused it)
+        (["train", "--run-dir", "afile", "--resume"], "--resume: afile is not a directory, let alone a run's"),
+        (["train", "--run-dir", "mine", "--resume"], "--resume: mine holds no paft run"),
+        (["train", "--run-dir", "nothere", "--resume"], "--resume: nothere does not exist"),
         (["train", "--run-dir", "dangling"], "--run-dir: dangling is a symbolic link to nothing (nowhere)"),
         (["train", "--run-dir", "mine"], "--run-dir: mine already exists; pass --resume"),
         (["bench", "overhead", "--out", "mine", "--overwrite"], "--overwrite: mine holds no .paft-bench of paft's"),
@@ -256,6 +264,11 @@ def test_paft_train_end_to_end_with_config_file(
             main(["train", "--run-dir", "r", "--resume", *extra])
         assert exc.value.code == 2
         assert needle in capsys.readouterr().err
+    # The saved options are read from the folder the run uses (they were skipped for a
+    # path through a missing folder, and the defaults compared instead).
+    with pytest.raises(SystemExit):
+        main(["train", "--run-dir", "nosuch/../r", "--resume", "--steps", "50", "--world-size", "4"])
+    assert f"--resume: cannot change --world-size (2 in {tmp_path / 'r'}, 4 asked)" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()} == before
 
     # A damaged run directory: a clear error naming the file, and config.json untouched.
@@ -371,6 +384,27 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
                               capture_output=True, text=True, timeout=300, env=env)
         assert cuda.returncode != 0 and "--device cuda: " in cuda.stderr and "]: Traceback" not in cuda.stderr
         assert not (tmp_path / "r3").exists()
+
+
+def test_under_torchrun_a_world_size_mismatch_says_where_the_size_came_from(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paft.options import parse_train_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "two.toml").write_text("world-size = 2\n")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text(json.dumps(TrainConfig(world_size=2).to_dict()))
+    for argv, needle in [
+        (["--config", "two.toml"], "--world-size 2 (in two.toml): torchrun started 3 processes; pass --world-size 3"),
+        # fixed at the first run: passing --world-size 3 would be refused too
+        (["--run-dir", "r", "--resume", "--steps", "500"],
+         "--resume: r was trained on 2 ranks and torchrun started 3 processes; "
+         "start it with --nproc-per-node 2"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_train_config(argv, launched=3)
+        assert needle in capsys.readouterr().err
 
 
 def _failing(step: int, steps: int = 4) -> list[str]:

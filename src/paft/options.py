@@ -33,6 +33,7 @@ from paft.config import (
     TrainConfig,
 )
 from paft.records import is_file
+from paft.rundir import resolve_run_dir
 from paft.workloads import WORKLOADS
 
 if sys.version_info >= (3, 11):
@@ -287,7 +288,9 @@ def _coerce(opt: Option, value: Any, where: str) -> Any:
         except ValueError:
             pass
     if not isinstance(value, opt.kind) or isinstance(value, bool):
-        raise ConfigFileError(f"{where}: expected {opt.kind.__name__}, got {value!r}")
+        # YAML 1.1 reads off/on/no/yes unquoted as false/true ("cosine: off")
+        hint = "; quote it" if isinstance(value, bool) and opt.kind is str else ""
+        raise ConfigFileError(f"{where}: expected {opt.kind.__name__}, got {value!r}{hint}")
     if opt.choices and value not in opt.choices:
         raise ConfigFileError(f"{where}: must be one of {opt.choices}, got {value!r}")
     return value
@@ -343,18 +346,23 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
         raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>)")
     source: dict[str, str] = {}  # option -> the file its value came from (none: the command line)
-    if resume and run_dir and is_file(pathlib.Path(run_dir) / "config.json"):
-        saved = _saved_values(run_dir)
+    # The folder the run will use: "~" expanded, ".." resolved (as launch() does).
+    if resume and run_dir and is_file(pathlib.Path(resolve_run_dir(run_dir)) / "config.json"):
+        saved = _saved_values(resolve_run_dir(run_dir))
         _merge(values, saved)
-        source.update(dict.fromkeys(saved, f"--resume: {pathlib.Path(run_dir) / 'config.json'}"))
+        source.update(dict.fromkeys(saved, f"--resume: {pathlib.Path(resolve_run_dir(run_dir)) / 'config.json'}"))
     _merge(values, from_file)
     source.update(dict.fromkeys(from_file, str(ns.config)))
     _merge(values, given)
     for key in given:
         source.pop(key, None)
     if launched is not None and values["world-size"] != launched:
-        raise ValueError(f"--world-size {values['world-size']}: torchrun started {launched} processes; "
-                         f"pass --world-size {launched} or leave it out")
+        asked, where = values["world-size"], source.get("world-size")
+        if where is not None and where.startswith("--resume: "):  # fixed at the first run
+            raise ValueError(f"--resume: {resolve_run_dir(run_dir)} was trained on {asked} ranks and torchrun "
+                             f"started {launched} processes; start it with --nproc-per-node {asked}")
+        raise ValueError(f"--world-size {asked}{f' (in {where})' if where else ''}: torchrun started {launched} "
+                         f"processes; pass --world-size {launched} or leave it out")
     kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for key, value in values.items():
         opt = _BY_KEY[key]

@@ -179,7 +179,7 @@ def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:
 
 def load_run(run_dir: str | Path) -> RunData:
     """Read a run directory; :class:`ReportError` naming it if it is not one."""
-    path = Path(run_dir)
+    path = Path(run_dir).expanduser()
     try:
         is_dir = path.is_dir()
     except OSError as err:  # e.g. a name too long for the file system
@@ -673,7 +673,9 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Report:
     """Plot a run directory and summarize it; files go to ``out_dir`` (default ``<run_dir>/report``)."""
     run = load_run(run_dir)
-    out = Path(out_dir) if out_dir is not None else run.path / "report"
+    if out_dir is not None and not str(out_dir).strip():
+        raise ReportError("--out-dir: must not be empty (leave it out for RUN_DIR/report)")
+    out = Path(out_dir).expanduser() if out_dir is not None else run.path / "report"
     # The option when one was given; else the default folder, which a user may have filled.
     label = "--out-dir" if out_dir is not None else "the report folder"
     # Writes only into a new folder or an earlier report's: never among a user's files.

@@ -72,11 +72,13 @@ _FIXED_ON_RESUME = (
 
 
 def resolve_run_dir(run_dir: str) -> str:
-    """``run_dir`` as the kernel walks it, where the text says otherwise: a path with
-    ".." is resolved (symbolic links, then "..") up front, so the checks, the folders a
-    run creates and their clean-up all mean the folder its files land in
-    ("missing/../a" is ``a`` and creates no ``missing/``; "link/../r" is beside the
-    link's target, not beside the link)."""
+    """``run_dir`` as the kernel walks it, where the text says otherwise: a leading "~"
+    is the home folder (a config file's value, or ``--run-dir=~/x``, which no shell
+    expands), and a path with ".." is resolved (symbolic links, then "..") up front, so
+    the checks, the folders a run creates and their clean-up all mean the folder its
+    files land in ("missing/../a" is ``a`` and creates no ``missing/``; "link/../r" is
+    beside the link's target, not beside the link)."""
+    run_dir = os.path.expanduser(run_dir)
     return os.path.realpath(run_dir) if ".." in pathlib.PurePath(run_dir).parts else run_dir
 
 
@@ -165,6 +167,12 @@ def records_size(run_dir: pathlib.Path) -> int:
 
 def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     if not has_checkpoint(path):
+        if not path.exists():
+            raise RunDirError(f"--resume: {path} does not exist; leave out --resume to start a run there")
+        if not path.is_dir():
+            raise RunDirError(f"--resume: {path} is not a directory, let alone a run's")
+        if not _is_run_config(path / "config.json"):
+            raise RunDirError(f"--resume: {path} holds no paft run (no config.json of paft's)")
         raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing); "
                           "pass --overwrite instead of --resume to start it again")
     try:

@@ -101,7 +101,9 @@ MAX_LOCAL_WORLD_SIZE = 64
 def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathlib.Path:
     from paft.records import is_file, output_dir_problem
 
-    out = pathlib.Path(args.out or f"bench/{args.benchmark}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if args.out is not None and not args.out.strip():
+        parser.error("--out: must not be empty (leave it out for bench/<benchmark>-<time>)")
+    out = pathlib.Path(args.out or f"bench/{args.benchmark}-{datetime.datetime.now():%Y%m%d-%H%M%S}").expanduser()
     # Only the marker: "results.json" is a name anyone's folder may hold.
     problem = output_dir_problem(out, "--out", {BENCH_MARKER: is_file}, args.overwrite)
     if problem:
