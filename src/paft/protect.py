@@ -59,11 +59,13 @@ from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec, parse_specs
 from paft.fingerprint import group_replicas, repr_digest, state_fingerprint, state_tensors
 from paft.guard import COUNTERS, Guard, GuardVerdict
-from paft.records import RunRecorder
+from paft.records import RunRecorder, jsonable
 from paft.snapshot import ForwardSnapshot, StateSnapshot
-from paft.sync import ReplicaSync, SyncReport
+from paft.sync import ReplicaSync, SyncReport, measure_divergence
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
+
+SPLIT_TENSORS = 5  # the tensors a state-split alert names, farthest apart first
 
 
 class PersistentFaultError(RuntimeError):
@@ -670,15 +672,33 @@ class Protector:
             active = bool(fires(value))
             if active and not self._alerting.get(name, False):
                 self._counts["alerts"] += 1
-                self.recorder.event({"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks})
+                event = {"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks}
                 if ranks:
                     who = f" (rank(s) {ranks} disagree)"
                 elif kind:  # no strict majority: which side is faulty is unknown
                     who = f" (no majority: groups {m[f'replicas/{kind}_groups']})"
                 else:
                     who = ""
+                if name == "state_split":  # every rank alike: the alert is decided from the shared view
+                    event["divergence"], far = self._split_magnitude()
+                    who += far
+                self.recorder.event(event)
                 self.recorder.say(f"[alert] step {step}: {name} = {value:.4g}{who}")
             self._alerting[name] = active
+
+    def _split_magnitude(self) -> tuple[dict[str, Any], str]:
+        """How far apart the replicas are, now that their fingerprints disagree (a
+        collective, on demand): each rank's relative L2 distance to the mean replica,
+        over the parameters and over the parameters and optimizer state, and the
+        tensors that moved most. For the alert's record, and a few words for its line."""
+        d = measure_divergence(self.model, self.optimizer, per_tensor=True, group=self.group, buffers=False)
+        worst = [(name, rel, rank) for name, rel, rank in d.per_tensor or [] if rel > 0][:SPLIT_TENSORS]
+        record = {"params_per_rank": d.per_rank, "state_per_rank": d.state_per_rank, "tensors": worst}
+        far = max(range(len(d.state_per_rank)), key=lambda r: d.state_per_rank[r])
+        words = f"; farthest from the mean: rank {far}, {d.state_per_rank[far]:.3g}"
+        if worst:
+            words += f", most in {worst[0][0]} ({worst[0][1]:.3g})"
+        return jsonable(record), words
 
     def _judge(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
         """Record a guard verdict that says something; stop the run if it must."""

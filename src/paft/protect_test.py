@@ -242,8 +242,13 @@ def test_every_split_gets_one_alert_across_syncs(tmp_path: Path, case: str, opts
         "protect": {"mode": "sync", "sync_period": 5, "overlap": opts.get("overlap", True)},
         "inject": [f"bitflip:site=params,steps={opts.get('faults', '2+7')},ranks=1,bits=mantissa"]})
     events = read_jsonl(tmp_path / "events.jsonl")
-    assert [(e["step"], e["ranks"]) for e in events if e.get("detector") == "state_split"] == [
-        (step, [1]) for step in alerted], case
+    splits = [e for e in events if e.get("detector") == "state_split"]
+    assert [(e["step"], e["ranks"]) for e in splits] == [(step, [1]) for step in alerted], case
+    for e in splits:  # how far apart, measured when the fingerprints disagree, and where
+        far = e["divergence"]["params_per_rank"]
+        assert far[1] > 0 and far[1] == max(far), (case, e)
+        name, rel, rank = e["divergence"]["tensors"][0]
+        assert name.startswith("param/") and rel > 0 and rank == 1, (case, e)
 
 
 @pytest.mark.parametrize("site", ["params", "optimizer-state"])

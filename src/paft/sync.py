@@ -1105,6 +1105,7 @@ def measure_divergence(
     optimizer: torch.optim.Optimizer | None = None,
     per_tensor: bool = False,
     group: Any = None,
+    buffers: bool = True,
 ) -> DivergenceReport:
     """Collective: relative L2 distance of each rank's parameters (and, in
     ``state_*``, every floating tensor: buffers and, if ``optimizer`` is given, its
@@ -1114,9 +1115,10 @@ def measure_divergence(
     ``-inf``) counts as agreement; a rank with NaN/Inf of its own, or in its parameters
     at all, reports ``inf``.
     Moves one float64 copy of the measured state (all-reduce) plus a few numbers per
-    tensor (``per_tensor``) or two per rank."""
+    tensor (``per_tensor``) or two per rank. ``buffers=False`` leaves the buffers out
+    (under DDP, BatchNorm's differ between ranks by design)."""
     ws, me = dist.get_world_size(group), dist.get_rank(group)
-    entries = [(n, _transport(t)) for n, t in state_tensors(model, optimizer)]
+    entries = [(n, _transport(t)) for n, t in state_tensors(model, optimizer, buffers=buffers)]
     entries = [(n, t) for n, t in entries if t.is_floating_point()]
     device = collective_device(group, entries[0][1] if entries else None)
     # A leading 0 keeps the exchange non-empty for a model without floating state.
