@@ -61,8 +61,5 @@ def test_protect_example_runs_under_torchrun(tmp_path: pathlib.Path) -> None:
     (tmp_path / "example.py").write_text(script_example(paft.protect))
     lines = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                   "example.py"], tmp_path)
-    rows = sorted(line.split(": ") for line in lines if line.startswith("rank "))
-    # One line per rank (each one write, so they do not interleave); the ranks agree
-    # on the syncs and the (global) loss.
-    assert [r[0] for r in rows] == ["rank 0", "rank 1"] and rows[0][1] == rows[1][1]
-    assert int(rows[0][1].split()[0]) >= 2
+    (line,) = [line for line in lines if " syncs, loss " in line]
+    assert int(line.split()[0]) >= 2 and float(line.split()[-1]) < 1.0

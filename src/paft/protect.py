@@ -54,6 +54,7 @@ from paft.consistency import (
     start_control,
     worker_metrics,
 )
+from paft.divergence import measure_divergence
 from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec, parse_specs
@@ -61,7 +62,7 @@ from paft.fingerprint import group_replicas, repr_digest, state_fingerprint, sta
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.records import RunRecorder, jsonable
 from paft.snapshot import ForwardSnapshot, StateSnapshot
-from paft.sync import ReplicaSync, SyncReport, measure_divergence
+from paft.sync import ReplicaSync, SyncReport
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 
@@ -166,7 +167,8 @@ def protect(
 
             report = protector.step(closure)  # .loss, .metrics, .applied, .attempts, .synced
         protector.close()  # finish an in-flight overlapped sync
-        print(f"rank {dist.get_rank()}: {protector.counters['syncs']} syncs, loss {report.loss:.3f}")
+        if dist.get_rank() == 0:
+            print(f"{protector.counters['syncs']} syncs, loss {report.loss:.3f}")
         dist.destroy_process_group()
     """
     return Protector(

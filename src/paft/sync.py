@@ -125,16 +125,16 @@ from torch import Tensor, nn
 
 from paft.config import SYNC_MODES
 from paft.consistency import collective_device, gather_rows, max_over_ranks
-from paft.fingerprint import digest, fingerprint, group_replicas, majority, repr_digest, state_tensors
+from paft.divergence import nonfinite_patterns, rel_distance, sound_replicas, sq_norm
+from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
+from paft.flat import Group, Layout, build_layout, pack, ranges_in, storage_of, transport_view, wide_dtype
 from paft.records import jsonable
 from paft.robust import lower_median, median_of_three
 
 __all__ = [
     "SYNC_MODES",
-    "DivergenceReport",
     "ReplicaSync",
     "SyncReport",
-    "measure_divergence",
 ]
 
 _COPY_MODES = ("majority-copy", "finite-copy", "broadcast")  # the result is one rank's state
@@ -168,7 +168,7 @@ class SyncReport:
     ``c`` is the mean replica (``median``, ``median-with-reference``: mean of the
     finite replicas; ``mean``: the finite mean), or the source replica for
     ``majority-copy`` / ``broadcast`` -- the mean would need another O(parameters)
-    collective there; :func:`measure_divergence` gives it on demand. ``inf`` when a
+    collective there; :func:`~paft.divergence.measure_divergence` gives it on demand. ``inf`` when a
     replica is non-finite; 0.0 for ``noop``, identical replicas, even all non-finite
     (nothing to repair from)."""
     collectives: int = 0
@@ -185,200 +185,6 @@ class SyncReport:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite floats as strings), e.g. for ``events.jsonl``."""
         return jsonable(asdict(self))
-
-
-@dataclass
-class DivergenceReport:
-    """Relative L2 distance of each rank's state to the mean replica (per tensor, of
-    the replicas without NaN/Inf of their own); a replica with NaN/Inf of its own
-    reports ``inf``. Identical on every rank."""
-
-    max: float
-    """Max over ranks of ``||p_r - mean(p)|| / ||mean(p)||`` over the parameters."""
-    per_rank: list[float]
-    finite: list[bool]
-    """Whether each rank's measured state holds no NaN/Inf beyond what every replica
-    holds alike (it then counts in the mean of every tensor)."""
-    state_max: float
-    """The same over every floating tensor measured: parameters, floating buffers and,
-    when an optimizer was given, its floating state."""
-    state_per_rank: list[float]
-    per_tensor: list[tuple[str, float, int]] | None = None
-    """With ``per_tensor=True``: ``(name, max over ranks, worst rank)`` for every
-    floating tensor, worst first."""
-
-    def to_json(self) -> dict[str, Any]:
-        return jsonable(asdict(self))
-
-
-# ----------------------------------------------------------------------------
-# Layout: which tensor lives where in the per-dtype flat buffers
-# ----------------------------------------------------------------------------
-
-
-def _transport(t: Tensor) -> Tensor:
-    """A view of ``t`` (same storage) in a dtype collectives can carry."""
-    t = t.detach()
-    if t.is_complex():
-        return torch.view_as_real(t.resolve_conj())
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    return t
-
-
-@dataclass
-class _Slot:
-    name: str
-    offset: int
-    numel: int
-    shape: tuple[int, ...]
-
-
-@dataclass
-class _Group:
-    dtype: torch.dtype
-    floating: bool
-    numel: int = 0
-    slots: list[_Slot] = field(default_factory=list)
-    members: list[int] = field(default_factory=list)  # entry index of each slot
-    buckets: list[tuple[int, int]] = field(default_factory=list)
-    param_ranges: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
-class _Layout:
-    key: tuple[Any, ...]
-    groups: list[_Group]
-    digest: int = 0
-    """A hash of ``key`` (names, dtypes, shapes) that is equal on two ranks exactly
-    when their states have the same structure (up to 64-bit collisions)."""
-
-
-def _build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucket_bytes: int) -> _Layout:
-    by_dtype: dict[torch.dtype, _Group] = {}
-    for i, (name, t) in enumerate(entries):
-        g = by_dtype.get(t.dtype)
-        if g is None:
-            g = by_dtype[t.dtype] = _Group(t.dtype, t.is_floating_point())
-        slot = _Slot(name, g.numel, t.numel(), tuple(t.shape))
-        g.slots.append(slot)
-        g.members.append(i)
-        if name.startswith("param/") and t.numel():
-            if g.param_ranges and g.param_ranges[-1][1] == slot.offset:
-                g.param_ranges[-1] = (g.param_ranges[-1][0], slot.offset + slot.numel)
-            else:
-                g.param_ranges.append((slot.offset, slot.offset + slot.numel))
-        g.numel += slot.numel
-    for g in by_dtype.values():
-        cap = max(1, bucket_bytes // torch.empty((), dtype=g.dtype).element_size())
-        g.buckets = [(a, min(a + cap, g.numel)) for a in range(0, g.numel, cap)]
-    return _Layout(key, list(by_dtype.values()), repr_digest(key))
-
-
-def _pack(flat: Tensor, tensors: list[Tensor]) -> Tensor:
-    """Copy ``tensors`` back to back into ``flat`` (one kernel when possible)."""
-    if not tensors:
-        return flat
-    if all(t.device == flat.device for t in tensors):
-        torch.cat([t.reshape(-1) for t in tensors], out=flat)
-    else:
-        o = 0
-        for t in tensors:
-            flat[o : o + t.numel()].copy_(t.reshape(-1))
-            o += t.numel()
-    return flat
-
-
-def _ranges_in(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
-    """The parts of ``ranges`` inside ``[a, b)``, relative to ``a``."""
-    out = []
-    for p0, p1 in ranges:
-        lo, hi = max(a, p0), min(b, p1)
-        if lo < hi:
-            out.append((lo - a, hi - a))
-    return out
-
-
-def _rel(sq: float, ref_sq: float) -> float:
-    if not (math.isfinite(sq) and math.isfinite(ref_sq)):
-        return math.inf
-    if ref_sq == 0.0:
-        return 0.0 if sq == 0.0 else math.inf
-    return math.sqrt(sq / ref_sq)
-
-
-def _sq_norm(x: Tensor) -> float:
-    """``||x||^2``, accumulated in float64 (huge finite values do not overflow); inf
-    past float64's range (a Python ``** 2`` would raise OverflowError there)."""
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64).square())
-
-
-def _storage_of(t: Tensor) -> tuple[torch.device, int] | None:
-    """Which memory ``t`` lives in (None for tensors without one: empty, sparse)."""
-    if t.layout != torch.strided or not t.numel():
-        return None
-    return t.device, t.untyped_storage().data_ptr()
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16-bit floats, else ``dtype``: means and divergences of float16 /
-    bfloat16 state computed in their own dtype round by a 16-bit ulp."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-# ----------------------------------------------------------------------------
-# Process-group helpers
-# ----------------------------------------------------------------------------
-
-
-def _all_finite(tensors: list[Tensor]) -> bool:
-    """Whether no floating tensor holds NaN/Inf: min and max of each (one pass, no
-    temporaries), one host sync per device. The extremes are compared in float64,
-    which holds every float dtype's range (in float32 a finite 1e300 read as inf)."""
-    by_dev: dict[torch.device, list[Tensor]] = {}
-    for t in tensors:
-        if t.is_floating_point() and t.numel():
-            by_dev.setdefault(t.device, []).append(t)
-    ok = True
-    for ts in by_dev.values():
-        ext = torch.stack([v.double() for t in ts for v in torch.aminmax(t)])
-        ok = ok and bool(torch.isfinite(ext).all())
-    return ok
-
-
-def _nonfinite_patterns(tensors: list[Tensor]) -> list[int]:
-    """Per tensor, ``count, pattern``: how many NaN/Inf entries it holds and a digest
-    of where it holds which (NaN, +inf, -inf); ``0, 0`` for one without. Only the
-    :func:`_all_finite` pass when no tensor has any, as usual."""
-    if _all_finite(tensors):
-        return [0, 0] * len(tensors)
-    out = []
-    for t in tensors:
-        bad = ~torch.isfinite(t)
-        count = int(bad.sum())
-        kind = torch.where(torch.isnan(t), 2.0, torch.sign(t.float())) if count else None
-        out += [count, digest(torch.where(bad, kind, 0.0).to(torch.int8)) if kind is not None else 0]
-    return out
-
-
-def _sound(rows: list[list[int]]) -> list[list[bool]]:
-    """Per rank and tensor: whether the rank's copy holds no NaN/Inf beyond what the
-    replicas share. ``rows[rank]`` is :func:`_nonfinite_patterns` of the rank's
-    tensors. Per tensor the shared pattern is that of the ranks holding the fewest
-    NaN/Inf entries, when they all hold them at the same places; a rank is sound
-    where its pattern is that one. So a ``-inf`` every replica holds (an
-    attention-mask buffer) is state, not corruption, while one rank's extra NaN, or
-    each rank's own NaN, is."""
-    n = len(rows[0]) // 2 if rows else 0
-    sound = [[False] * n for _ in rows]
-    for j in range(n):
-        counts, patterns = [row[2 * j] for row in rows], [row[2 * j + 1] for row in rows]
-        fewest = {p for c, p in zip(counts, patterns) if c == min(counts)}
-        if len(fewest) == 1:
-            (shared,) = fewest
-            for r, p in enumerate(patterns):
-                sound[r][j] = p == shared
-    return sound
 
 
 # ----------------------------------------------------------------------------
@@ -405,7 +211,7 @@ class _InFlight:
     """One part of a sync (the parameters and optimizer state, or the buffers) in flight."""
 
     decision: _Decision
-    layout: _Layout
+    layout: Layout
     originals: list[Tensor]  # the live objects, for identity / version checks
     versions: list[int]
     opt_steps: int
@@ -486,7 +292,7 @@ class ReplicaSync:
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self._buffer_src = self._ddp_buffer_source(model)
         self.syncs = 0
-        self._layouts: dict[tuple[Any, ...], _Layout] = {}  # all tensors, buffers only, all but buffers
+        self._layouts: dict[tuple[Any, ...], Layout] = {}  # all tensors, buffers only, all but buffers
         self._pending: _Sync | None = None
         self._device = collective_device(group, next(iter(model.parameters()), None))
         # Fused optimizers update parameters and state without bumping the tensors'
@@ -605,7 +411,7 @@ class ReplicaSync:
         self.syncs = int(state.get("syncs", 0))
         same_run = state.get("world_size") == self.world_size and state.get("mode") == self.mode
         if self._keeps_reference and ref is not None and same_run:
-            self._ref = {k: _transport(v).to(self._device).clone() for k, v in ref.items()}
+            self._ref = {k: transport_view(v).to(self._device).clone() for k, v in ref.items()}
             # A fresh tag from the bytes: equal on both ranks iff they loaded equal state.
             self._ref_tag = fingerprint(list(self._ref.values()))
 
@@ -635,29 +441,29 @@ class ReplicaSync:
         seen: set[tuple[Any, ...]] = set()
         entries = []
         for n, t in state_tensors(self.model, self.optimizer):
-            storage = _storage_of(t)
+            storage = storage_of(t)
             if storage is not None:
                 where = (*storage, t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
                 if where in seen:
                     continue
                 seen.add(where)
-            entries.append((n, _transport(t), t))
+            entries.append((n, transport_view(t), t))
         return entries
 
-    def _layout_for(self, entries: list[tuple[str, Tensor, Tensor]]) -> _Layout:
+    def _layout_for(self, entries: list[tuple[str, Tensor, Tensor]]) -> Layout:
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t, _ in entries)
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= 6:  # the state's shape changed (optimizer state created)
                 self._layouts.clear()
-            layout = self._layouts[key] = _build_layout(key, [(n, t) for n, t, _ in entries], self.bucket_bytes)
+            layout = self._layouts[key] = build_layout(key, [(n, t) for n, t, _ in entries], self.bucket_bytes)
         return layout
 
-    def _pack_group(self, g: _Group, entries: list[tuple[str, Tensor, Tensor]]) -> Tensor:
+    def _pack_group(self, g: Group, entries: list[tuple[str, Tensor, Tensor]]) -> Tensor:
         flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
-        return _pack(flat, [entries[i][1] for i in g.members])
+        return pack(flat, [entries[i][1] for i in g.members])
 
-    def _capture(self, layout: _Layout, flats: list[Tensor | None]) -> dict[str, Tensor]:
+    def _capture(self, layout: Layout, flats: list[Tensor | None]) -> dict[str, Tensor]:
         """Name -> view into ``flats`` (zero copy)."""
         ref: dict[str, Tensor] = {}
         for g, flat in zip(layout.groups, flats):
@@ -667,7 +473,7 @@ class ReplicaSync:
                 ref[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape)
         return ref
 
-    def _ref_flat(self, g: _Group, use: bool) -> Tensor:
+    def _ref_flat(self, g: Group, use: bool) -> Tensor:
         flat = torch.zeros(g.numel, dtype=g.dtype, device=self._device)
         if use and self._ref is not None:
             for s in g.slots:
@@ -775,17 +581,17 @@ class ReplicaSync:
         parts = [(state, [r[0] for r in ctrl]), (buffers, [r[1] for r in ctrl])]
         # Finite flags cost a pass over a part: only where its replicas differ (one more
         # exchange, 16 bytes per tensor of such a part; identical replicas are a no-op
-        # whatever they hold). "Finite" is relative (see _sound): a replica counts as
+        # whatever they hold). "Finite" is relative (see sound_replicas): a replica counts as
         # non-finite where it holds NaN/Inf the others do not.
         differ = [len(set(fps)) > 1 for _, fps in parts]
-        mine = [x for (part, _), d in zip(parts, differ) if d for x in _nonfinite_patterns([t for _, t, _ in part])]
+        mine = [x for (part, _), d in zip(parts, differ) if d for x in nonfinite_patterns([t for _, t, _ in part])]
         rows = self._gather_ints(mine) if mine else []
         bytes_sent, collectives = bytes_sent + 8 * len(mine), collectives + bool(mine)
         decisions, at = [], 0
         for (part, fps), d in zip(parts, differ):
             finite = [True] * self.world_size
             if d:
-                finite = [all(ok) for ok in _sound([r[at : at + 2 * len(part)] for r in rows])]
+                finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * len(part)] for r in rows])]
                 at += 2 * len(part)
             decisions.append(self._decide(fps, finite, tags))
         state_d, buffers_d = decisions
@@ -855,7 +661,7 @@ class ReplicaSync:
                 # (halving first would round them to 0). A non-finite replica contributes
                 # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
                 # averaged (copy_mode above).
-                wide = _wide(g.dtype)
+                wide = wide_dtype(g.dtype)
                 buf = snap.to(wide, copy=True) if d.finite[rank] else torch.zeros_like(snap, dtype=wide)
                 for a, b in g.buckets:
                     works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
@@ -959,11 +765,11 @@ class ReplicaSync:
                             self._finite_where_outvoted(merged, rows[good])
                     if not (measure and g.floating):
                         continue
-                    for lo, hi in _ranges_in(g.param_ranges, a, b):
-                        part = rows[:, lo:hi].to(_wide(g.dtype))
+                    for lo, hi in ranges_in(g.param_ranges, a, b):
+                        part = rows[:, lo:hi].to(wide_dtype(g.dtype))
                         c = (part if len(good) == self.world_size else part[good]).mean(0)
-                        ref_sq += _sq_norm(c)
-                        local_sq += _sq_norm(part[me] - c)
+                        ref_sq += sq_norm(c)
+                        local_sq += sq_norm(part[me] - c)
                 synced.append(out_flat)
                 continue
             assert buf is not None
@@ -984,8 +790,8 @@ class ReplicaSync:
                     collectives += len(g.buckets)
             if measure and g.floating and snap is not None:
                 for lo, hi in g.param_ranges:
-                    local_sq += _sq_norm(snap[lo:hi] - buf[lo:hi])
-                    ref_sq += _sq_norm(buf[lo:hi])
+                    local_sq += sq_norm(snap[lo:hi] - buf[lo:hi])
+                    ref_sq += sq_norm(buf[lo:hi])
             synced.append(buf.to(g.dtype))  # a float32 mean of 16-bit state, rounded once
 
         # The max over ranks: one 8-byte all-reduce, so that every rank reports the
@@ -997,7 +803,7 @@ class ReplicaSync:
         elif not any(g.param_ranges for g in layout.groups):
             divergence = 0.0 if all(d.finite) else math.inf
         else:
-            mine = _rel(local_sq, ref_sq) if measure else 0.0
+            mine = rel_distance(local_sq, ref_sq) if measure else 0.0
             divergence = max_over_ranks(mine if d.finite[me] else math.inf, self.group)
             bytes_sent, collectives = bytes_sent + 8, collectives + 1
 
@@ -1039,7 +845,7 @@ class ReplicaSync:
         # Tensors over one memory, partly overlapping (a Parameter over a view of another):
         # each correction reads the progress through its own view, so all are computed
         # before any is written; the overlap's synced values agree, so either write is right.
-        storages = Counter(_storage_of(o) for o in p.originals)
+        storages = Counter(storage_of(o) for o in p.originals)
         shared = {k for k, n in storages.items() if k is not None and n > 1}
         later: list[tuple[Tensor, Tensor]] = []
         with torch.no_grad():
@@ -1055,7 +861,7 @@ class ReplicaSync:
                             continue  # gone or reshaped meanwhile: nothing sensible to write
                         target, live = cur
                     else:
-                        target, live = _transport(orig), orig
+                        target, live = transport_view(orig), orig
                     new = flat[s.offset : s.offset + s.numel].view(s.shape)
                     if garbage or snap is None or not p.overlapped:
                         changed = False
@@ -1080,7 +886,7 @@ class ReplicaSync:
                         if res.is_floating_point():
                             keep |= ~torch.isfinite(res)
                         value = torch.where(keep, new.to(target.device), res)
-                    if shared and _storage_of(target) in shared:
+                    if shared and storage_of(target) in shared:
                         later.append((target, value))
                     else:
                         target.copy_(value)
@@ -1093,88 +899,3 @@ class ReplicaSync:
             for a, b in later:  # after the copies: a correction wins over a plain copy
                 a.copy_(b)
         return delta_tensors
-
-
-# ----------------------------------------------------------------------------
-# On-demand divergence
-# ----------------------------------------------------------------------------
-
-
-def measure_divergence(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    per_tensor: bool = False,
-    group: Any = None,
-    buffers: bool = True,
-) -> DivergenceReport:
-    """Collective: relative L2 distance of each rank's parameters (and, in
-    ``state_*``, every floating tensor: buffers and, if ``optimizer`` is given, its
-    state) to the mean replica, computed in float64. Per tensor, the mean is over the
-    ranks whose copy holds no NaN/Inf beyond what the replicas share (see
-    :func:`_sound`), and a coordinate non-finite on them all (an attention mask's
-    ``-inf``) counts as agreement; a rank with NaN/Inf of its own, or in its parameters
-    at all, reports ``inf``.
-    Moves one float64 copy of the measured state (all-reduce) plus a few numbers per
-    tensor (``per_tensor``) or two per rank. ``buffers=False`` leaves the buffers out
-    (under DDP, BatchNorm's differ between ranks by design)."""
-    ws, me = dist.get_world_size(group), dist.get_rank(group)
-    entries = [(n, _transport(t)) for n, t in state_tensors(model, optimizer, buffers=buffers)]
-    entries = [(n, t) for n, t in entries if t.is_floating_point()]
-    device = collective_device(group, entries[0][1] if entries else None)
-    # A leading 0 keeps the exchange non-empty for a model without floating state.
-    mine = torch.tensor([0, *_nonfinite_patterns([t for _, t in entries])], dtype=torch.int64, device=device)
-    rows = [row[1:] for row in gather_rows(mine, group).tolist()]
-    sound = _sound(rows)
-    is_param = [name.startswith("param/") for name, _ in entries]
-    # A rank with NaN/Inf of its own is left out of the mean: of the parameters where
-    # they hold it, of everything where any tensor does. Parameters have no legitimate
-    # NaN/Inf (a mask is a buffer): there any, shared or not, counts.
-    sound_params = [all(row[2 * j] == 0 for j, p in enumerate(is_param) if p) for row in rows]
-    sound_all = [all(row) for row in sound]
-    votes = [[sound_params[r] if p else sound_all[r] for p in is_param] for r in range(ws)]
-    voters = [sum(votes[r][j] for r in range(ws)) for j in range(len(entries))]
-
-    spans, off = [], 0
-    for _, t in entries:
-        spans.append((off, off + t.numel()))
-        off += t.numel()
-    local = torch.empty(off, dtype=torch.float64, device=device)
-    _pack(local, [t.to(torch.float64) for _, t in entries])
-    mean = local.clone()
-    for (a, b), ok in zip(spans, votes[me]):
-        if not ok:
-            mean[a:b] = 0.0
-    dist.all_reduce(mean, group=group)
-    for (a, b), k in zip(spans, voters):
-        mean[a:b] /= max(k, 1)
-    shared = torch.isfinite(mean)  # elsewhere every sound copy is non-finite alike
-    diff = torch.where(shared, local - mean, 0.0)
-    centre = torch.where(shared, mean, 0.0)
-
-    def sq_norms(x: Tensor) -> list[float]:  # per tensor, one host read
-        return torch.stack([x[a:b].square().sum() for a, b in spans]).tolist() if spans else []
-
-    sq = [v if votes[me][j] and voters[j] else math.inf for j, v in enumerate(sq_norms(diff))]
-    msq = sq_norms(centre)
-    summary = [sum(x for x, p in zip(sq, is_param) if p), sum(sq)]
-    row = torch.tensor(summary + sq if per_tensor else summary, dtype=torch.float64, device=device)
-    rows = gather_rows(row, group).tolist()
-    param_msq = sum(m for m, p in zip(msq, is_param) if p)
-    breakdown = None
-    if per_tensor:
-        breakdown = []
-        for j, (name, _) in enumerate(entries):
-            rels = [_rel(rows[r][2 + j], msq[j]) for r in range(ws)]
-            worst = max(range(ws), key=lambda r: rels[r])
-            breakdown.append((name, rels[worst], worst))
-        breakdown.sort(key=lambda x: -x[1])
-    per_rank = [_rel(rows[r][0], param_msq) for r in range(ws)]
-    state_per_rank = [_rel(rows[r][1], sum(msq)) for r in range(ws)]
-    return DivergenceReport(
-        max=max(per_rank),
-        per_rank=per_rank,
-        finite=sound_all,
-        state_max=max(state_per_rank),
-        state_per_rank=state_per_rank,
-        per_tensor=breakdown,
-    )

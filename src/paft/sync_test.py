@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from paft.divergence import all_finite, measure_divergence
 from paft.fingerprint import fingerprint, state_tensors
-from paft.sync import ReplicaSync, SyncReport, _all_finite, measure_divergence
+from paft.sync import ReplicaSync, SyncReport
 from paft.testing import NestedStateSGD, run_workers
 
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
@@ -104,11 +105,11 @@ def test_huge_finite_values_of_every_float_dtype_are_finite():
     # exponent bit) read as inf, which made its replica "non-finite" in every mode.
     huge = [torch.tensor([1e300, -1e300], dtype=torch.float64), torch.tensor([65504.0], dtype=torch.float16),
             torch.tensor([3e38], dtype=torch.bfloat16), torch.tensor([-3.4e38])]
-    assert _all_finite(huge)
+    assert all_finite(huge)
     for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.float32):
         for bad in (math.inf, -math.inf, math.nan):
-            assert not _all_finite([*huge, torch.tensor([0.0, bad], dtype=dtype)]), (dtype, bad)
-    assert _all_finite([torch.tensor([2**62]), torch.zeros(0)])  # integers and empty tensors are not read
+            assert not all_finite([*huge, torch.tensor([0.0, bad], dtype=dtype)]), (dtype, bad)
+    assert all_finite([torch.tensor([2**62]), torch.zeros(0)])  # integers and empty tensors are not read
 
 
 def test_validation_errors_name_the_option():

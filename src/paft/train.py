@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import TrainConfig
 from paft.consistency import gather_rows
+from paft.divergence import measure_divergence
 from paft.fingerprint import group_replicas, state_fingerprint
 from paft.protect import PersistentFaultError, Protector, StepReport, protect
 from paft.records import (
@@ -53,7 +54,6 @@ from paft.rundir import (
     resolve_run_dir,
     stale_checkpoints,
 )
-from paft.sync import measure_divergence
 from paft.workloads import ShardedSampler, Workload, build_workload, parameter_count
 
 __all__ = [

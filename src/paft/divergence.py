@@ -1,0 +1,201 @@
+"""How far apart replicas are, and which of them hold NaN/Inf of their own.
+
+:func:`measure_divergence` is the on-demand measurement (each rank's relative L2
+distance to the mean replica, per tensor if asked); the finiteness judgement
+(:func:`nonfinite_patterns`, :func:`sound_replicas`) is shared with
+:class:`paft.sync.ReplicaSync`, which must not spread a replica's NaN/Inf, nor take a
+NaN/Inf that every replica holds alike (an attention mask's ``-inf``) for corruption.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from paft.consistency import collective_device, gather_rows
+from paft.fingerprint import digest, state_tensors
+from paft.flat import pack, transport_view
+from paft.records import jsonable
+
+__all__ = [
+    "DivergenceReport",
+    "measure_divergence",
+    "all_finite",
+    "nonfinite_patterns",
+    "sound_replicas",
+    "rel_distance",
+    "sq_norm",
+]
+
+
+@dataclass
+class DivergenceReport:
+    """Relative L2 distance of each rank's state to the mean replica (per tensor, of
+    the replicas without NaN/Inf of their own); a replica with NaN/Inf of its own
+    reports ``inf``. Identical on every rank."""
+
+    max: float
+    """Max over ranks of ``||p_r - mean(p)|| / ||mean(p)||`` over the parameters."""
+    per_rank: list[float]
+    finite: list[bool]
+    """Whether each rank's measured state holds no NaN/Inf beyond what every replica
+    holds alike (it then counts in the mean of every tensor)."""
+    state_max: float
+    """The same over every floating tensor measured: parameters, floating buffers and,
+    when an optimizer was given, its floating state."""
+    state_per_rank: list[float]
+    per_tensor: list[tuple[str, float, int]] | None = None
+    """With ``per_tensor=True``: ``(name, max over ranks, worst rank)`` for every
+    floating tensor, worst first."""
+
+    def to_json(self) -> dict[str, Any]:
+        return jsonable(asdict(self))
+
+
+def rel_distance(sq: float, ref_sq: float) -> float:
+    if not (math.isfinite(sq) and math.isfinite(ref_sq)):
+        return math.inf
+    if ref_sq == 0.0:
+        return 0.0 if sq == 0.0 else math.inf
+    return math.sqrt(sq / ref_sq)
+
+
+def sq_norm(x: Tensor) -> float:
+    """``||x||^2``, accumulated in float64 (huge finite values do not overflow); inf
+    past float64's range (a Python ``** 2`` would raise OverflowError there)."""
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64).square())
+
+
+def all_finite(tensors: list[Tensor]) -> bool:
+    """Whether no floating tensor holds NaN/Inf: min and max of each (one pass, no
+    temporaries), one host sync per device. The extremes are compared in float64,
+    which holds every float dtype's range (in float32 a finite 1e300 read as inf)."""
+    by_dev: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            by_dev.setdefault(t.device, []).append(t)
+    ok = True
+    for ts in by_dev.values():
+        ext = torch.stack([v.double() for t in ts for v in torch.aminmax(t)])
+        ok = ok and bool(torch.isfinite(ext).all())
+    return ok
+
+
+def nonfinite_patterns(tensors: list[Tensor]) -> list[int]:
+    """Per tensor, ``count, pattern``: how many NaN/Inf entries it holds and a digest
+    of where it holds which (NaN, +inf, -inf); ``0, 0`` for one without. Only the
+    :func:`all_finite` pass when no tensor has any, as usual."""
+    if all_finite(tensors):
+        return [0, 0] * len(tensors)
+    out = []
+    for t in tensors:
+        bad = ~torch.isfinite(t)
+        count = int(bad.sum())
+        kind = torch.where(torch.isnan(t), 2.0, torch.sign(t.float())) if count else None
+        out += [count, digest(torch.where(bad, kind, 0.0).to(torch.int8)) if kind is not None else 0]
+    return out
+
+
+def sound_replicas(rows: list[list[int]]) -> list[list[bool]]:
+    """Per rank and tensor: whether the rank's copy holds no NaN/Inf beyond what the
+    replicas share. ``rows[rank]`` is :func:`nonfinite_patterns` of the rank's
+    tensors. Per tensor the shared pattern is that of the ranks holding the fewest
+    NaN/Inf entries, when they all hold them at the same places; a rank is sound
+    where its pattern is that one. So a ``-inf`` every replica holds (an
+    attention-mask buffer) is state, not corruption, while one rank's extra NaN, or
+    each rank's own NaN, is."""
+    n = len(rows[0]) // 2 if rows else 0
+    sound = [[False] * n for _ in rows]
+    for j in range(n):
+        counts, patterns = [row[2 * j] for row in rows], [row[2 * j + 1] for row in rows]
+        fewest = {p for c, p in zip(counts, patterns) if c == min(counts)}
+        if len(fewest) == 1:
+            (shared,) = fewest
+            for r, p in enumerate(patterns):
+                sound[r][j] = p == shared
+    return sound
+
+
+def measure_divergence(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    per_tensor: bool = False,
+    group: Any = None,
+    buffers: bool = True,
+) -> DivergenceReport:
+    """Collective: relative L2 distance of each rank's parameters (and, in
+    ``state_*``, every floating tensor: buffers and, if ``optimizer`` is given, its
+    state) to the mean replica, computed in float64. Per tensor, the mean is over the
+    ranks whose copy holds no NaN/Inf beyond what the replicas share (see
+    :func:`sound_replicas`), and a coordinate non-finite on them all (an attention mask's
+    ``-inf``) counts as agreement; a rank with NaN/Inf of its own, or in its parameters
+    at all, reports ``inf``.
+    Moves one float64 copy of the measured state (all-reduce) plus a few numbers per
+    tensor (``per_tensor``) or two per rank. ``buffers=False`` leaves the buffers out
+    (under DDP, BatchNorm's differ between ranks by design)."""
+    ws, me = dist.get_world_size(group), dist.get_rank(group)
+    entries = [(n, transport_view(t)) for n, t in state_tensors(model, optimizer, buffers=buffers)]
+    entries = [(n, t) for n, t in entries if t.is_floating_point()]
+    device = collective_device(group, entries[0][1] if entries else None)
+    # A leading 0 keeps the exchange non-empty for a model without floating state.
+    mine = torch.tensor([0, *nonfinite_patterns([t for _, t in entries])], dtype=torch.int64, device=device)
+    rows = [row[1:] for row in gather_rows(mine, group).tolist()]
+    sound = sound_replicas(rows)
+    is_param = [name.startswith("param/") for name, _ in entries]
+    # A rank with NaN/Inf of its own is left out of the mean: of the parameters where
+    # they hold it, of everything where any tensor does. Parameters have no legitimate
+    # NaN/Inf (a mask is a buffer): there any, shared or not, counts.
+    sound_params = [all(row[2 * j] == 0 for j, p in enumerate(is_param) if p) for row in rows]
+    sound_all = [all(row) for row in sound]
+    votes = [[sound_params[r] if p else sound_all[r] for p in is_param] for r in range(ws)]
+    voters = [sum(votes[r][j] for r in range(ws)) for j in range(len(entries))]
+
+    spans, off = [], 0
+    for _, t in entries:
+        spans.append((off, off + t.numel()))
+        off += t.numel()
+    local = torch.empty(off, dtype=torch.float64, device=device)
+    pack(local, [t.to(torch.float64) for _, t in entries])
+    mean = local.clone()
+    for (a, b), ok in zip(spans, votes[me]):
+        if not ok:
+            mean[a:b] = 0.0
+    dist.all_reduce(mean, group=group)
+    for (a, b), k in zip(spans, voters):
+        mean[a:b] /= max(k, 1)
+    shared = torch.isfinite(mean)  # elsewhere every sound copy is non-finite alike
+    diff = torch.where(shared, local - mean, 0.0)
+    centre = torch.where(shared, mean, 0.0)
+
+    def sq_norms(x: Tensor) -> list[float]:  # per tensor, one host read
+        return torch.stack([x[a:b].square().sum() for a, b in spans]).tolist() if spans else []
+
+    sq = [v if votes[me][j] and voters[j] else math.inf for j, v in enumerate(sq_norms(diff))]
+    msq = sq_norms(centre)
+    summary = [sum(x for x, p in zip(sq, is_param) if p), sum(sq)]
+    row = torch.tensor(summary + sq if per_tensor else summary, dtype=torch.float64, device=device)
+    rows = gather_rows(row, group).tolist()
+    param_msq = sum(m for m, p in zip(msq, is_param) if p)
+    breakdown = None
+    if per_tensor:
+        breakdown = []
+        for j, (name, _) in enumerate(entries):
+            rels = [rel_distance(rows[r][2 + j], msq[j]) for r in range(ws)]
+            worst = max(range(ws), key=lambda r: rels[r])
+            breakdown.append((name, rels[worst], worst))
+        breakdown.sort(key=lambda x: -x[1])
+    per_rank = [rel_distance(rows[r][0], param_msq) for r in range(ws)]
+    state_per_rank = [rel_distance(rows[r][1], sum(msq)) for r in range(ws)]
+    return DivergenceReport(
+        max=max(per_rank),
+        per_rank=per_rank,
+        finite=sound_all,
+        state_max=max(state_per_rank),
+        state_per_rank=state_per_rank,
+        per_tensor=breakdown,
+    )

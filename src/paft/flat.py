@@ -1,0 +1,117 @@
+"""The wire format of a sync: named state tensors laid out in flat, bucketed buffers.
+
+Tensors are grouped by dtype (complex as real pairs, bool as uint8: what collectives
+carry), one flat buffer per dtype, cut into buckets of at most a given number of
+bytes, so a sync launches ONE collective per bucket, never one per tensor. A
+:class:`Layout` says where each named tensor lives; it depends only on the names,
+dtypes and shapes, so ranks with the same state structure build the same one, and its
+digest tells them whether they do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from paft.fingerprint import repr_digest
+
+__all__ = ["Slot", "Group", "Layout", "build_layout", "pack", "ranges_in", "storage_of", "transport_view", "wide_dtype"]
+
+
+def transport_view(t: Tensor) -> Tensor:
+    """A view of ``t`` (same storage) in a dtype collectives can carry."""
+    t = t.detach()
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj())
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t
+
+
+@dataclass
+class Slot:
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Group:
+    dtype: torch.dtype
+    floating: bool
+    numel: int = 0
+    slots: list[Slot] = field(default_factory=list)
+    members: list[int] = field(default_factory=list)  # entry index of each slot
+    buckets: list[tuple[int, int]] = field(default_factory=list)
+    param_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Layout:
+    key: tuple[Any, ...]
+    groups: list[Group]
+    digest: int = 0
+    """A hash of ``key`` (names, dtypes, shapes) that is equal on two ranks exactly
+    when their states have the same structure (up to 64-bit collisions)."""
+
+
+def build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucket_bytes: int) -> Layout:
+    by_dtype: dict[torch.dtype, Group] = {}
+    for i, (name, t) in enumerate(entries):
+        g = by_dtype.get(t.dtype)
+        if g is None:
+            g = by_dtype[t.dtype] = Group(t.dtype, t.is_floating_point())
+        slot = Slot(name, g.numel, t.numel(), tuple(t.shape))
+        g.slots.append(slot)
+        g.members.append(i)
+        if name.startswith("param/") and t.numel():
+            if g.param_ranges and g.param_ranges[-1][1] == slot.offset:
+                g.param_ranges[-1] = (g.param_ranges[-1][0], slot.offset + slot.numel)
+            else:
+                g.param_ranges.append((slot.offset, slot.offset + slot.numel))
+        g.numel += slot.numel
+    for g in by_dtype.values():
+        cap = max(1, bucket_bytes // torch.empty((), dtype=g.dtype).element_size())
+        g.buckets = [(a, min(a + cap, g.numel)) for a in range(0, g.numel, cap)]
+    return Layout(key, list(by_dtype.values()), repr_digest(key))
+
+
+def pack(flat: Tensor, tensors: list[Tensor]) -> Tensor:
+    """Copy ``tensors`` back to back into ``flat`` (one kernel when possible)."""
+    if not tensors:
+        return flat
+    if all(t.device == flat.device for t in tensors):
+        torch.cat([t.reshape(-1) for t in tensors], out=flat)
+    else:
+        o = 0
+        for t in tensors:
+            flat[o : o + t.numel()].copy_(t.reshape(-1))
+            o += t.numel()
+    return flat
+
+
+def ranges_in(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` inside ``[a, b)``, relative to ``a``."""
+    out = []
+    for p0, p1 in ranges:
+        lo, hi = max(a, p0), min(b, p1)
+        if lo < hi:
+            out.append((lo - a, hi - a))
+    return out
+
+
+def storage_of(t: Tensor) -> tuple[torch.device, int] | None:
+    """Which memory ``t`` lives in (None for tensors without one: empty, sparse)."""
+    if t.layout != torch.strided or not t.numel():
+        return None
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit floats, else ``dtype``: means and divergences of float16 /
+    bfloat16 state computed in their own dtype round by a 16-bit ulp."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
