@@ -42,7 +42,7 @@ import torch.distributed as dist
 from paft.faults import FaultInjector, FaultRecord
 from paft.fingerprint import digest_tensor
 
-__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch", "total_norm", "judged_norm"]
+__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch", "total_norm", "judged_norm", "CommHook"]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 

@@ -59,6 +59,8 @@ __all__ = [
     "replica_metrics",
     "dispersion",
     "pairwise_cosine",
+    "COL_FLAGS",
+    "COL_STATE_LO",
 ]
 
 FLAG_LOSS_NONFINITE = 1

@@ -59,6 +59,7 @@ __all__ = [
     "FaultSpec",
     "parse_specs",
     "bit_range",
+    "is_int",
 ]
 
 KINDS: tuple[str, ...] = ("bitflip", "scale", "noise", "zero", "nan", "inf", "random", "stale")

@@ -49,6 +49,7 @@ __all__ = [
     "set_aside",
     "settle",
     "unwind_on_termination",
+    "EXIT_WORKER_FAILED",
 ]
 
 EXIT_WORKER_FAILED = 1

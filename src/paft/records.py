@@ -47,6 +47,7 @@ __all__ = [
     "Marker",
     "output_dir_problem",
     "path_name_problem",
+    "from_jsonable_float",
 ]
 
 

@@ -46,7 +46,7 @@ from paft.bench.runner import (
 from paft.config import TrainConfig
 from paft.records import console, read_jsonl
 
-__all__ = ["SCENARIOS", "fault_settings", "plan", "run"]
+__all__ = ["SCENARIOS", "fault_settings", "plan", "run", "BENCH_MODELS"]
 
 REFERENCE = "fault-free"
 

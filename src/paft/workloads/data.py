@@ -58,6 +58,7 @@ __all__ = [
     "SHAKESPEARE_FILE",
     "MNIST_IMAGES_FILE",
     "MNIST_LABELS_FILE",
+    "MNIST_TRAIN_SIZE",
 ]
 
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
