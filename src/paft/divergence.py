@@ -10,6 +10,7 @@ NaN/Inf that every replica holds alike (an attention mask's ``-inf``) for corrup
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from paft.consistency import collective_device, gather_rows
-from paft.fingerprint import digest, state_tensors
+from paft.fingerprint import digest, repr_digest, state_tensors
 from paft.flat import pack, transport_view
 from paft.records import jsonable
 
@@ -101,24 +102,32 @@ def nonfinite_patterns(tensors: list[Tensor]) -> list[int]:
     return out
 
 
-def sound_replicas(rows: list[list[int]]) -> list[list[bool]]:
+def sound_replicas(rows: list[list[int]], lenient: list[bool]) -> list[list[bool]]:
     """Per rank and tensor: whether the rank's copy holds no NaN/Inf beyond what the
     replicas share. ``rows[rank]`` is :func:`nonfinite_patterns` of the rank's
-    tensors. Per tensor the shared pattern is that of the ranks holding the fewest
-    NaN/Inf entries, when they all hold them at the same places; a rank is sound
-    where its pattern is that one. So a ``-inf`` every replica holds (an
-    attention-mask buffer) is state, not corruption, while one rank's extra NaN, or
-    each rank's own NaN, is."""
-    n = len(rows[0]) // 2 if rows else 0
-    sound = [[False] * n for _ in rows]
-    for j in range(n):
-        counts, patterns = [row[2 * j] for row in rows], [row[2 * j + 1] for row in rows]
-        fewest = {p for c, p in zip(counts, patterns) if c == min(counts)}
-        if len(fewest) == 1:
-            (shared,) = fewest
-            for r, p in enumerate(patterns):
-                sound[r][j] = p == shared
+    tensors. Only where ``lenient`` (the buffers: a causal mask's ``-inf`` every
+    replica holds is state, not corruption) may a sound copy hold any: there the
+    shared pattern (count and places) is a strict majority's, or without one that of
+    the ranks holding the fewest NaN/Inf when they all hold them at the same places.
+    So one rank's extra NaN, each rank's own NaN, or a ``-inf`` one rank of three lost
+    is corruption. Parameters and optimizer state have no legitimate NaN/Inf: any,
+    even on every rank alike, is."""
+    ws = len(rows)
+    sound = [[False] * len(lenient) for _ in rows]
+    for j, free in enumerate(lenient):
+        keys = [(row[2 * j], row[2 * j + 1]) for row in rows]
+        shared: tuple[int, int] | None = (0, 0)
+        if free:
+            top, votes = Counter(keys).most_common(1)[0]
+            fewest = {k for k in keys if k[0] == min(c for c, _ in keys)}
+            shared = top if 2 * votes > ws else (fewest.pop() if len(fewest) == 1 else None)
+        for r, key in enumerate(keys):
+            sound[r][j] = key == shared
     return sound
+
+
+def _structure(entries: list[tuple[str, Tensor]]) -> int:
+    return repr_digest(tuple((n, t.dtype, tuple(t.shape)) for n, t in entries))
 
 
 def measure_divergence(
@@ -127,70 +136,77 @@ def measure_divergence(
     per_tensor: bool = False,
     group: Any = None,
     buffers: bool = True,
+    bucket_mb: float = 32.0,
 ) -> DivergenceReport:
     """Collective: relative L2 distance of each rank's parameters (and, in
     ``state_*``, every floating tensor: buffers and, if ``optimizer`` is given, its
     state) to the mean replica, computed in float64. Per tensor, the mean is over the
-    ranks whose copy holds no NaN/Inf beyond what the replicas share (see
-    :func:`sound_replicas`), and a coordinate non-finite on them all (an attention mask's
-    ``-inf``) counts as agreement; a rank with NaN/Inf of its own, or in its parameters
-    at all, reports ``inf``.
-    Moves one float64 copy of the measured state (all-reduce) plus a few numbers per
-    tensor (``per_tensor``) or two per rank. ``buffers=False`` leaves the buffers out
-    (under DDP, BatchNorm's differ between ranks by design)."""
+    ranks whose copy holds no NaN/Inf of its own (see :func:`sound_replicas`), and a
+    coordinate non-finite on them all (a mask's ``-inf``) counts as agreement; a rank
+    with NaN/Inf of its own reports ``inf``. ``buffers=False`` leaves the buffers out
+    (under DDP, BatchNorm's differ between ranks by design). Ranks whose states differ
+    in structure (names, dtypes, shapes) raise ``RuntimeError`` on every rank.
+
+    Moves a float64 copy of the measured state through all-reduces of at most
+    ``bucket_mb`` each, and holds about three such buckets at a time beside the state,
+    plus a few numbers per tensor (``per_tensor``) or two per rank."""
     ws, me = dist.get_world_size(group), dist.get_rank(group)
     entries = [(n, transport_view(t)) for n, t in state_tensors(model, optimizer, buffers=buffers)]
     entries = [(n, t) for n, t in entries if t.is_floating_point()]
     device = collective_device(group, entries[0][1] if entries else None)
+    # The structure first (a fixed size everywhere), so that the exchanges below line up.
+    structures = gather_rows(torch.tensor([_structure(entries)], dtype=torch.int64, device=device), group)
+    if len(set(structures.reshape(-1).tolist())) > 1:
+        raise RuntimeError("measure_divergence: the ranks' states differ in structure (tensor names, dtypes or "
+                           "shapes), e.g. optimizer state created on some ranks only; they cannot be compared")
     # A leading 0 keeps the exchange non-empty for a model without floating state.
     mine = torch.tensor([0, *nonfinite_patterns([t for _, t in entries])], dtype=torch.int64, device=device)
     rows = [row[1:] for row in gather_rows(mine, group).tolist()]
-    sound = sound_replicas(rows)
     is_param = [name.startswith("param/") for name, _ in entries]
+    sound = sound_replicas(rows, [name.startswith("buffer/") for name, _ in entries])
     # A rank with NaN/Inf of its own is left out of the mean: of the parameters where
-    # they hold it, of everything where any tensor does. Parameters have no legitimate
-    # NaN/Inf (a mask is a buffer): there any, shared or not, counts.
-    sound_params = [all(row[2 * j] == 0 for j, p in enumerate(is_param) if p) for row in rows]
+    # they hold it, of everything where any tensor does.
+    sound_params = [all(ok for ok, p in zip(row, is_param) if p) for row in sound]
     sound_all = [all(row) for row in sound]
     votes = [[sound_params[r] if p else sound_all[r] for p in is_param] for r in range(ws)]
     voters = [sum(votes[r][j] for r in range(ws)) for j in range(len(entries))]
 
-    spans, off = [], 0
-    for _, t in entries:
-        spans.append((off, off + t.numel()))
-        off += t.numel()
-    local = torch.empty(off, dtype=torch.float64, device=device)
-    pack(local, [t.to(torch.float64) for _, t in entries])
-    mean = local.clone()
-    for (a, b), ok in zip(spans, votes[me]):
-        if not ok:
-            mean[a:b] = 0.0
-    dist.all_reduce(mean, group=group)
-    for (a, b), k in zip(spans, voters):
-        mean[a:b] /= max(k, 1)
-    shared = torch.isfinite(mean)  # elsewhere every sound copy is non-finite alike
-    diff = torch.where(shared, local - mean, 0.0)
-    centre = torch.where(shared, mean, 0.0)
-
-    def sq_norms(x: Tensor) -> list[float]:  # per tensor, one host read
-        return torch.stack([x[a:b].square().sum() for a, b in spans]).tolist() if spans else []
-
-    sq = [v if votes[me][j] and voters[j] else math.inf for j, v in enumerate(sq_norms(diff))]
-    msq = sq_norms(centre)
+    sq: list[float] = []
+    msq: list[float] = []
+    for bucket in _buckets([t.numel() for _, t in entries], max(1, int(bucket_mb * 2**20) // 8)):
+        spans, at = [], 0
+        for j in bucket:
+            spans.append((at, at + entries[j][1].numel()))
+            at += entries[j][1].numel()
+        local = pack(torch.empty(at, dtype=torch.float64, device=device),
+                     [entries[j][1].to(torch.float64) for j in bucket])
+        mean = local.clone()
+        for j, (a, b) in zip(bucket, spans):
+            if not votes[me][j]:
+                mean[a:b] = 0.0
+        dist.all_reduce(mean, group=group)
+        for j, (a, b) in zip(bucket, spans):
+            mean[a:b] /= max(voters[j], 1)
+        apart = ~torch.isfinite(mean)  # there every sound copy is non-finite alike: agreement
+        local.sub_(mean).masked_fill_(apart, 0.0)  # the distance to the mean
+        mean.masked_fill_(apart, 0.0)
+        sums = torch.stack([x[a:b].square().sum() for x in (local, mean) for a, b in spans]).tolist()
+        sq += [v if votes[me][j] and voters[j] else math.inf for j, v in zip(bucket, sums[: len(bucket)])]
+        msq += sums[len(bucket) :]
     summary = [sum(x for x, p in zip(sq, is_param) if p), sum(sq)]
     row = torch.tensor(summary + sq if per_tensor else summary, dtype=torch.float64, device=device)
-    rows = gather_rows(row, group).tolist()
+    gathered = gather_rows(row, group).tolist()
     param_msq = sum(m for m, p in zip(msq, is_param) if p)
     breakdown = None
     if per_tensor:
         breakdown = []
         for j, (name, _) in enumerate(entries):
-            rels = [rel_distance(rows[r][2 + j], msq[j]) for r in range(ws)]
+            rels = [rel_distance(gathered[r][2 + j], msq[j]) for r in range(ws)]
             worst = max(range(ws), key=lambda r: rels[r])
             breakdown.append((name, rels[worst], worst))
         breakdown.sort(key=lambda x: -x[1])
-    per_rank = [rel_distance(rows[r][0], param_msq) for r in range(ws)]
-    state_per_rank = [rel_distance(rows[r][1], sum(msq)) for r in range(ws)]
+    per_rank = [rel_distance(gathered[r][0], param_msq) for r in range(ws)]
+    state_per_rank = [rel_distance(gathered[r][1], sum(msq)) for r in range(ws)]
     return DivergenceReport(
         max=max(per_rank),
         per_rank=per_rank,
@@ -199,3 +215,17 @@ def measure_divergence(
         state_per_rank=state_per_rank,
         per_tensor=breakdown,
     )
+
+
+def _buckets(sizes: list[int], cap: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes``, grouped into runs of at most ``cap`` elements
+    (a larger tensor alone)."""
+    out: list[list[int]] = []
+    total = cap
+    for j, n in enumerate(sizes):
+        if total + n > cap or not out:
+            out.append([])
+            total = 0
+        out[-1].append(j)
+        total += n
+    return out

@@ -50,7 +50,9 @@ times the largest accepted value (or, for 3+ ranks, the ranks' median). A histor
 floor, and the zero gradients it gives -- has no scale to judge a rise by; then only
 a value past GROSS_FACTOR itself fires, so a legitimate small positive loss is not a
 spike (it was, against a limit of 1e-11, skipped as bad data every time it came),
-while a flipped exponent (~1e38) still is.
+while a flipped exponent of a nonzero value (~1e38) still is. A flip of an exact 0
+gives at most 2.0 and passes there (an aggregation fault is still caught by the
+checksum, ``grad_mismatch``).
 
 Decision table of :meth:`Guard.check` (pre-step; ``prev`` is the remembered detection
 of this step)::

@@ -693,7 +693,10 @@ class Protector:
         collective, on demand): each rank's relative L2 distance to the mean replica,
         over the parameters and over the parameters and optimizer state, and the
         tensors that moved most. For the alert's record, and a few words for its line."""
-        d = measure_divergence(self.model, self.optimizer, per_tensor=True, group=self.group, buffers=False)
+        try:
+            d = measure_divergence(self.model, self.optimizer, per_tensor=True, group=self.group, buffers=False)
+        except RuntimeError as err:  # the states differ in structure: no value-by-value distance (all ranks alike)
+            return {"error": str(err)}, "; the states differ in structure"
         worst = [(name, rel, rank) for name, rel, rank in d.per_tensor or [] if rel > 0][:SPLIT_TENSORS]
         record = {"params_per_rank": d.per_rank, "state_per_rank": d.state_per_rank, "tensors": worst}
         far = max(range(len(d.state_per_rank)), key=lambda r: d.state_per_rank[r])

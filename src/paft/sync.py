@@ -29,10 +29,11 @@ only they move (the report's note says ``buffers only``). Under DDP with
 majority those of DDP's source rank, as DDP's next forward would, not their median
 (see ``_as_ddp_would``). For each part whose
 replicas differ one more exchange carries, per tensor, how many NaN/Inf entries the
-rank holds and where (16 bytes per tensor). "Finite" below is relative to the
-others: a replica counts as non-finite where it holds NaN/Inf beyond the fewest any
-replica holds at the same places, so a ``-inf`` every replica holds alike (an
-attention-mask buffer) is state, not corruption. Then, per mode:
+rank holds and where (16 bytes per tensor). "Finite" below means: no NaN/Inf in
+the parameters and optimizer state, and in the buffers none beyond what the
+replicas share (a strict majority's pattern, see
+:func:`~paft.divergence.sound_replicas`), so a ``-inf`` every replica holds alike
+(an attention-mask buffer) is state, not corruption. Then, per mode:
 
 * ``robust`` (default):
 
@@ -125,7 +126,7 @@ from torch import Tensor, nn
 
 from paft.config import SYNC_MODES
 from paft.consistency import collective_device, gather_rows, max_over_ranks
-from paft.divergence import nonfinite_patterns, rel_distance, sound_replicas, sq_norm
+from paft.divergence import all_finite, nonfinite_patterns, rel_distance, sound_replicas, sq_norm
 from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
 from paft.flat import Group, Layout, build_layout, pack, ranges_in, storage_of, transport_view, wide_dtype
 from paft.records import jsonable
@@ -290,11 +291,11 @@ class ReplicaSync:
             raise ValueError(f"src must be a rank in [0, {self.world_size}), got {src!r}")
         self.src = src
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self._buffer_src = self._ddp_buffer_source(model)
         self.syncs = 0
         self._layouts: dict[tuple[Any, ...], Layout] = {}  # all tensors, buffers only, all but buffers
         self._pending: _Sync | None = None
         self._device = collective_device(group, next(iter(model.parameters()), None))
+        self._buffer_src = self._agreed_buffer_source(model)
         # Fused optimizers update parameters and state without bumping the tensors'
         # version counters; a step hook tells finish() that a step happened anyway.
         self._opt_steps = 0
@@ -415,16 +416,21 @@ class ReplicaSync:
             # A fresh tag from the bytes: equal on both ranks iff they loaded equal state.
             self._ref_tag = fingerprint(list(self._ref.values()))
 
-    def _ddp_buffer_source(self, model: nn.Module) -> int | None:
+    def _agreed_buffer_source(self, model: nn.Module) -> int | None:
         """The rank (in ``group``) whose buffers DDP broadcasts at every forward, when
-        ``model`` is DDP with ``broadcast_buffers`` over ranks of this group; else None."""
-        if not (isinstance(model, nn.parallel.DistributedDataParallel) and model.broadcast_buffers):
-            return None
-        try:
-            source = dist.get_global_rank(model.process_group, 0)
-            return dist.get_group_rank(self.group or dist.group.WORLD, source)
-        except (ValueError, RuntimeError):  # DDP's source is outside this group
-            return None
+        ``model`` is DDP with ``broadcast_buffers`` and every rank of this group names
+        the same one (DDP over a sub-group of it, each rank its own: None); a
+        collective."""
+        source = -1
+        if isinstance(model, nn.parallel.DistributedDataParallel) and model.broadcast_buffers:
+            try:
+                source = dist.get_group_rank(self.group or dist.group.WORLD,
+                                             dist.get_global_rank(model.process_group, 0))
+            except (ValueError, RuntimeError):  # DDP's source is outside this group
+                source = -1
+        named = set(gather_rows(torch.tensor([source], dtype=torch.int64, device=self._device), self.group)
+                    .reshape(-1).tolist())
+        return source if len(named) == 1 and source >= 0 else None
 
     # -- internals: state and layout ---------------------------------------------------
 
@@ -488,13 +494,13 @@ class ReplicaSync:
         ws, rank = self.world_size, self.rank
         groups = group_replicas(fps)
         everyone = list(range(ws))
-        if len(groups) == 1:
-            return _Decision("noop", groups, everyone, finite, holds_result=True)
         if self.mode == "mean" and not any(finite):
             raise RuntimeError(
                 f"ReplicaSync(mode='mean'): no replica is finite (NaN/Inf on all {ws} ranks); "
                 "nothing to average from -- restore a checkpoint"
             )
+        if len(groups) == 1:
+            return _Decision("noop", groups, everyone, finite, holds_result=True)
         if self.mode == "broadcast":
             src = self.src if finite[self.src] else next((r for r in everyone if finite[r]), None)
             if src is None:
@@ -580,18 +586,22 @@ class ReplicaSync:
         tags = [r[-1] for r in ctrl]
         parts = [(state, [r[0] for r in ctrl]), (buffers, [r[1] for r in ctrl])]
         # Finite flags cost a pass over a part: only where its replicas differ (one more
-        # exchange, 16 bytes per tensor of such a part; identical replicas are a no-op
-        # whatever they hold). "Finite" is relative (see sound_replicas): a replica counts as
-        # non-finite where it holds NaN/Inf the others do not.
+        # exchange, 16 bytes per tensor of such a part), or for mean mode's check of
+        # identical parameters and optimizer state. In the buffers "finite" is relative
+        # (see sound_replicas): NaN/Inf the replicas share is state.
         differ = [len(set(fps)) > 1 for _, fps in parts]
         mine = [x for (part, _), d in zip(parts, differ) if d for x in nonfinite_patterns([t for _, t, _ in part])]
         rows = self._gather_ints(mine) if mine else []
         bytes_sent, collectives = bytes_sent + 8 * len(mine), collectives + bool(mine)
         decisions, at = [], 0
         for (part, fps), d in zip(parts, differ):
-            finite = [True] * self.world_size
+            # Identical replicas: mean mode still refuses parameters or optimizer state
+            # gone non-finite on every rank alike (nothing to average from), never buffers.
+            strict = self.mode == "mean" and part is state
+            finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
             if d:
-                finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * len(part)] for r in rows])]
+                lenient = [n.startswith("buffer/") for n, _, _ in part]
+                finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * len(part)] for r in rows], lenient)]
                 at += 2 * len(part)
             decisions.append(self._decide(fps, finite, tags))
         state_d, buffers_d = decisions

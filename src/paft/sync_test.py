@@ -619,23 +619,18 @@ def _w_two(rank: int, ws: int) -> dict:
     with torch.no_grad():
         half.weight.copy_(torch.tensor([[2.0**-24, 40000.0 + 992.0 * rank]]))
     out["half"] = ReplicaSync(half, None, mode="mean").sync(), half.weight.tolist()
-    # identical replicas are a no-op whatever they hold (a NaN every rank holds alike
-    # is nothing a sync can repair) ...
-    with torch.no_grad():
-        model[2].bias[1] = math.nan
-    out["same_nan"] = ReplicaSync(model, opt, mode="mean").sync().mode
-    # ... but each rank's own NaN leaves no replica to average from: a clear error on
-    # every rank (no deadlock)
-    with torch.no_grad():
-        model[2].weight[0, rank] = math.nan
-    with pytest.raises(RuntimeError, match="no replica is finite"):
-        ReplicaSync(model, opt, mode="mean").sync()
+    # no finite replica at all, identical or each its own NaN: a clear error on every
+    # rank (no deadlock)
+    for where in ((1,), (0, rank)):
+        with torch.no_grad():
+            (model[2].bias if len(where) == 1 else model[2].weight)[where] = math.nan
+        with pytest.raises(RuntimeError, match="no replica is finite"):
+            ReplicaSync(model, opt, mode="mean").sync()
     return out
 
 
 def test_two_ranks_reference_median_mean_and_checkpoint():
     res = run_workers(_w_two, 2)
-    assert [r["same_nan"] for r in res] == ["noop", "noop"]
     assert abs(res[1]["flipped"]) > 1e30
     _assert_replicas_identical([r["ref"] for r in res])
     for r in res:
@@ -904,6 +899,22 @@ class _Masked(nn.Module):
 
 def _w_mask(rank: int, ws: int) -> dict:
     out: dict = {}
+    if ws == 3:  # the last rank's mask lost a -inf (a flipped bit): the majority's is put back
+        model = _masked_model(0)
+        if rank == 2:
+            with torch.no_grad():
+                model.mask[0, 3] = -1.0
+        out["lost_inf"] = ReplicaSync(model, None).sync(), model.mask.clone()
+    # states that differ in structure cannot be measured: a clear error on every rank
+    model = _masked_model(0)
+    opt = torch.optim.Adam(model.parameters())
+    if rank == 1:
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    try:
+        measure_divergence(model, opt)
+    except RuntimeError as e:
+        out["structure"] = str(e)
     for mode in ("robust", "mean", "broadcast"):
         model = _masked_model(rank)
         opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -949,11 +960,12 @@ def _masked_model(seed: int) -> nn.Module:
     return _Masked()
 
 
-def test_a_mask_every_replica_holds_is_state_not_corruption():
-    res = run_workers(_w_mask, 2)
+@pytest.mark.parametrize("ws", [2, 3])
+def test_a_mask_every_replica_holds_is_state_not_corruption(ws: int):
+    res = run_workers(_w_mask, ws)
     mask = torch.full((4, 4), -math.inf).triu(1)
     for mode in ("robust", "mean", "broadcast"):
-        assert [r[f"{mode}_noop"] for r in res] == ["noop", "noop"]  # mean raised "no replica is finite"
+        assert [r[f"{mode}_noop"] for r in res] == ["noop"] * ws  # mean raised "no replica is finite"
         _assert_replicas_identical([r[mode] for r in res])
         state = dict(res[0][mode]["state"])
         assert torch.equal(state["buffer/mask"], mask)
@@ -965,10 +977,14 @@ def test_a_mask_every_replica_holds_is_state_not_corruption():
     _assert_replicas_identical([r["extra_nan"] for r in res])
     assert torch.equal(dict(res[1]["extra_nan"]["state"])["buffer/mask"], mask)
     for r in res:
-        assert (r["div_same"].max, r["div_same"].state_max) == (0.0, 0.0) and r["div_same"].finite == [True, True]
+        assert (r["div_same"].max, r["div_same"].state_max) == (0.0, 0.0) and r["div_same"].finite == [True] * ws
         d = r["div_bn_nan"]
-        assert d.per_rank == [0.0, 0.0] and d.state_per_rank[0] == 0.0 and math.isinf(d.state_per_rank[1])
-        assert d.finite == [True, False]
+        assert d.per_rank == [0.0] * ws and d.state_per_rank[0] == 0.0 and math.isinf(d.state_per_rank[1])
+        assert d.finite == [r != 1 for r in range(ws)]
+        assert "differ in structure" in r["structure"]
+        if ws == 3:
+            report, got = r["lost_inf"]
+            assert report.mode == "majority-copy" and report.source_ranks == [0] and torch.equal(got, mask)
         assert "in flight" in r["state_dict_in_flight"]
         assert r["hooks"] == [1, 0]
 

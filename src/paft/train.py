@@ -40,6 +40,7 @@ from paft.records import (
     RunRecorder,
     atomic_write_bytes,
     atomic_write_json,
+    console,
     from_jsonable,
     max_or_nan,
     read_jsonl,
@@ -419,8 +420,10 @@ def uses_cuda(cfg: TrainConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
-def check_devices(cfg: TrainConfig) -> None:
+def check_devices(cfg: TrainConfig, local_workers: int | None = None) -> None:
     """Refuse a device set-up that would fail inside the workers. Writes nothing.
+    ``local_workers``: the worker processes on this machine (default: the world size,
+    as ``paft train`` starts them all here).
 
     NCCL runs one rank per GPU: two ranks on one device are refused by NCCL itself
     ("duplicate GPU"), so the check is made here, before any worker starts.
@@ -442,7 +445,7 @@ def check_devices(cfg: TrainConfig) -> None:
     else:
         # Every worker on this machine also holds torch itself (a typo such as
         # --world-size 1000 would otherwise start 1000 processes).
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+        local = cfg.world_size if local_workers is None else local_workers
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
         if BYTES_PER_PROCESS * local > have:
             raise DeviceError(
@@ -555,7 +558,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"workers", file=sys.stderr)
         return 2
     try:
-        check_devices(cfg)
+        local = os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size))
+        if not local.isdigit() or int(local) < 1:
+            raise DeviceError(f"LOCAL_WORLD_SIZE={local!r}: run it under torchrun, which sets it")
+        check_devices(cfg, local_workers=int(local))
     except DeviceError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
@@ -604,7 +610,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
             print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
         return code
     if rank0:  # --quiet silences progress, not the result (as paft train)
-        print(format_summary(result["summary"], cfg.run_dir))
+        console(format_summary(result["summary"], cfg.run_dir))
     return 0
 
 
