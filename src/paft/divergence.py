@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from paft.consistency import collective_device, gather_rows
 from paft.fingerprint import digest, repr_digest, state_tensors
-from paft.flat import pack, transport_view
+from paft.flat import pack, structure_key, transport_view
 from paft.records import jsonable
 
 __all__ = [
@@ -126,10 +126,6 @@ def sound_replicas(rows: list[list[int]], lenient: list[bool]) -> list[list[bool
     return sound
 
 
-def _structure(entries: list[tuple[str, Tensor]]) -> int:
-    return repr_digest(tuple((n, t.dtype, tuple(t.shape)) for n, t in entries))
-
-
 def measure_divergence(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -155,7 +151,8 @@ def measure_divergence(
     entries = [(n, t) for n, t in entries if t.is_floating_point()]
     device = collective_device(group, entries[0][1] if entries else None)
     # The structure first (a fixed size everywhere), so that the exchanges below line up.
-    structures = gather_rows(torch.tensor([_structure(entries)], dtype=torch.int64, device=device), group)
+    structure = repr_digest(structure_key(entries))
+    structures = gather_rows(torch.tensor([structure], dtype=torch.int64, device=device), group)
     if len(set(structures.reshape(-1).tolist())) > 1:
         raise RuntimeError("measure_divergence: the ranks' states differ in structure (tensor names, dtypes or "
                            "shapes), e.g. optimizer state created on some ranks only; they cannot be compared")
@@ -178,8 +175,8 @@ def measure_divergence(
         for j in bucket:
             spans.append((at, at + entries[j][1].numel()))
             at += entries[j][1].numel()
-        local = pack(torch.empty(at, dtype=torch.float64, device=device),
-                     [entries[j][1].to(torch.float64) for j in bucket])
+        # pack widens into the float64 buffer as it copies: no float64 copy of each tensor.
+        local = pack(torch.empty(at, dtype=torch.float64, device=device), [entries[j][1] for j in bucket])
         mean = local.clone()
         for j, (a, b) in zip(bucket, spans):
             if not votes[me][j]:

@@ -10,6 +10,7 @@ digest tells them whether they do.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,18 @@ from torch import Tensor
 
 from paft.fingerprint import repr_digest
 
-__all__ = ["Slot", "Group", "Layout", "build_layout", "pack", "ranges_in", "storage_of", "transport_view", "wide_dtype"]
+__all__ = [
+    "Slot",
+    "Group",
+    "Layout",
+    "build_layout",
+    "pack",
+    "ranges_in",
+    "storage_of",
+    "structure_key",
+    "transport_view",
+    "wide_dtype",
+]
 
 
 def transport_view(t: Tensor) -> Tensor:
@@ -57,6 +69,12 @@ class Layout:
     digest: int = 0
     """A hash of ``key`` (names, dtypes, shapes) that is equal on two ranks exactly
     when their states have the same structure (up to 64-bit collisions)."""
+
+
+def structure_key(entries: Iterable[tuple[str, Tensor]]) -> tuple[Any, ...]:
+    """What two ranks' states must share to line up value by value: every tensor's
+    name, dtype and shape, in order (a :class:`Layout`'s key)."""
+    return tuple((n, t.dtype, tuple(t.shape)) for n, t in entries)
 
 
 def build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucket_bytes: int) -> Layout:

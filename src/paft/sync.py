@@ -128,7 +128,17 @@ from paft.config import SYNC_MODES
 from paft.consistency import collective_device, gather_rows, max_over_ranks
 from paft.divergence import all_finite, nonfinite_patterns, rel_distance, sound_replicas, sq_norm
 from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
-from paft.flat import Group, Layout, build_layout, pack, ranges_in, storage_of, transport_view, wide_dtype
+from paft.flat import (
+    Group,
+    Layout,
+    build_layout,
+    pack,
+    ranges_in,
+    storage_of,
+    structure_key,
+    transport_view,
+    wide_dtype,
+)
 from paft.records import jsonable
 from paft.robust import lower_median, median_of_three
 
@@ -457,7 +467,7 @@ class ReplicaSync:
         return entries
 
     def _layout_for(self, entries: list[tuple[str, Tensor, Tensor]]) -> Layout:
-        key = tuple((n, t.dtype, tuple(t.shape)) for n, t, _ in entries)
+        key = structure_key((n, t) for n, t, _ in entries)
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= 6:  # the state's shape changed (optimizer state created)
@@ -595,14 +605,14 @@ class ReplicaSync:
         bytes_sent, collectives = bytes_sent + 8 * len(mine), collectives + bool(mine)
         decisions, at = [], 0
         for (part, fps), d in zip(parts, differ):
-            # Identical replicas: mean mode still refuses parameters or optimizer state
-            # gone non-finite on every rank alike (nothing to average from), never buffers.
-            strict = self.mode == "mean" and part is state
-            finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
             if d:
-                lenient = [n.startswith("buffer/") for n, _, _ in part]
+                lenient = [part is buffers] * len(part)
                 finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * len(part)] for r in rows], lenient)]
                 at += 2 * len(part)
+            else:  # identical: mean mode still refuses parameters or optimizer state gone
+                # non-finite on every rank alike (nothing to average from), never buffers
+                strict = self.mode == "mean" and part is state
+                finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
             decisions.append(self._decide(fps, finite, tags))
         state_d, buffers_d = decisions
         if buffers_d.mode in ("median", "median-with-reference") and self._buffer_src is not None:
