@@ -33,26 +33,12 @@ Detectors, in the order they are tried (the first that fires names the verdict):
 - ``update_ratio`` (:meth:`Guard.check_update`): ``||w_new - w_old|| / ||w_old||``
   non-finite, above ``update_ratio``, or above its own history limit.
 
-History limit (only accepted, clean steps enter the windows; upward only)::
-
-    limit = median + max(T * max(1.4826 * MAD, rel * |median|),
-                         TAIL_FACTOR * (window max - median))
-
-``T`` is ``spike_threshold`` (``outlier_threshold`` for the per-rank history);
-``rel`` is REL_FLOOR_LOSS (5%) for the loss, REL_FLOOR_GRAD (50%) for norms and the
-update ratio, REL_FLOOR_RANK (25%) for per-rank values. The relative floor keeps
-steady series from firing on tiny noise; the tail term keeps heavy-tailed,
-bimodal series (near-zero losses with an occasional hard batch) from firing on
-values the window has already seen. Before ``warmup`` accepted steps the
-statistical rules are off and only a gross jump fires: above GROSS_FACTOR (1e4)
-times the largest accepted value (or, for 3+ ranks, the ranks' median). A history
-(or set of ranks' values) that is all exactly 0 -- a hinge or margin loss at its
-floor, and the zero gradients it gives -- has no scale to judge a rise by; then only
-a value past GROSS_FACTOR itself fires, so a legitimate small positive loss is not a
-spike (it was, against a limit of 1e-11, skipped as bad data every time it came),
-while a flipped exponent of a nonzero value (~1e38) still is. A flip of an exact 0
-gives at most 2.0 and passes there (an aggregation fault is still caught by the
-checksum, ``grad_mismatch``).
+History limit: the median of the accepted values plus ``T`` floored MADs, or the
+window's largest excursion three times over, whichever is higher
+(:mod:`paft.spikes`, where the rule, its floors and its warm-up are spelled out).
+``T`` is ``spike_threshold`` (``outlier_threshold`` for the per-rank history). Only
+accepted, clean steps enter the windows; before ``warmup`` of them only a gross jump
+(10^4 times) fires.
 
 Decision table of :meth:`Guard.check` (pre-step; ``prev`` is the remembered detection
 of this step)::
@@ -65,7 +51,7 @@ of this step)::
     >= 1     clean        prev from check                          proceed     transient (persistent if decided)
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
     0        detected     -                                        recompute   None
-    >= 1     detected     header rows bitwise equal (*)            skip        data
+    >= 1     detected     header rows reproduced (*)               skip        data
     >= 1     a spike reproduced, after shift_after such skips in a row proceed    data, detector level_shift
              (the level moved: the spike statistics start over)
     >= 1     grad_mismatch again, same or unnamed suspects (bitwise   stop        persistent  (on_persistent=stop)
@@ -77,18 +63,9 @@ of this step)::
     >= 1     detected     anything else (new / unattributed)       recompute   as decided so far
     any      recompute wanted but a cap is spent                   skip        as decided, detector rerun_cap
 
-(*) header columns 0..8 of every rank (loss, local_sq, agg_norm, fingerprints,
-flags, faults) compared as int64 bit patterns, so NaN == NaN; of the suspects' rows
-only, without the replica grouping, when both attempts name the same suspects (a
-transient fault on another rank's first attempt does not make bad data persistent). When every compared
-value is finite, a rerun within RERUN_RTOL (1e-3) with equal flags, fault counts,
-state fingerprints and replica grouping also counts as reproduced: GPU kernels with
-atomics do not reproduce the low bits, and a persistent fault does not reproduce a
-spike to 3 digits. A suspect's NaN/Inf is held to its bits only where the other ranks
-recompute their own loss and gradient norm bit for bit (deterministic kernels);
-where theirs moved, its aggregated checksum, a sum over the ranks, moves too, and its
-own values coming back in kind (NaN as NaN, finite within RERUN_RTOL) with the same
-flags and state is data.
+(*) :func:`paft.rerun.reproduced`: the header rows (loss, local_sq, agg_norm,
+fingerprints, flags, faults) bitwise, or within 1e-3 where all finite; of the
+suspects' rows only when both attempts name the same suspects.
 
 :meth:`Guard.check_update` (post-step) follows the same table for the ratio, with
 two differences: it can only roll back when :meth:`Guard.wants_snapshot` armed this
@@ -136,45 +113,22 @@ Example::
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from paft.config import GuardConfig
-from paft.consistency import (
-    COL_AGG_HI,
-    COL_AGG_LO,
-    COL_FLAGS,
-    COL_LOCAL_SQ,
-    COL_LOSS,
-    COL_STATE_HI,
-    COL_STATE_LO,
-    FLAG_AGG_NONFINITE,
-    FLAG_LOCAL_NONFINITE,
-    FLAG_LOSS_NONFINITE,
-    FLAG_STATE_CHECKED,
-    ControlView,
-)
+from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOCAL_NONFINITE, FLAG_LOSS_NONFINITE, ControlView
 from paft.fingerprint import group_replicas, outside_majority
+from paft.rerun import aggregate_keys, bits_f64, close, f64_bits, reproduced, unsteady_ranks
+from paft.spikes import MAD_TO_STD, REL_FLOOR_GRAD, REL_FLOOR_LOSS, REL_FLOOR_RANK, SpikeWindow, cross_rank_limit
 
 __all__ = [
     "ACTIONS",
     "CAUSES",
     "COUNTERS",
     "DETECTORS",
-    "MAD_TO_STD",
-    "REL_FLOOR_LOSS",
-    "REL_FLOOR_GRAD",
-    "REL_FLOOR_RANK",
     "ABS_FLOOR",
-    "TAIL_FACTOR",
-    "GROSS_FACTOR",
-    "RERUN_RTOL",
     "GuardVerdict",
     "Guard",
 ]
@@ -187,14 +141,7 @@ DETECTORS = ("state_mismatch", "nonfinite_loss", "nonfinite_local_grad", "nonfin
              "loss_scale_overflow")
 _SPIKES = ("loss_spike", "grad_spike", "rank_outlier")  # finite values judged against the history
 
-MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
-REL_FLOOR_LOSS = 0.05  # default T=10: the loss must rise >= 50% over its median
-REL_FLOOR_GRAD = 0.5  # norms / update ratios: >= 6x the median (clipping absorbs less)
-REL_FLOOR_RANK = 0.25  # local values (one rank's batch) noisier still: T=20 -> >= 6x
 ABS_FLOOR = 1e-12  # attribution of a mismatch without majority, against a zero median
-TAIL_FACTOR = 3.0  # exceed the window's largest excursion above its median 3x over
-GROSS_FACTOR = 1e4  # warm-up: only jumps no clean step makes (a bit-30 flip is ~1e38x)
-RERUN_RTOL = 1e-3  # finite reruns this close count as the same result
 
 
 
@@ -222,184 +169,6 @@ class GuardVerdict:
             "cause": self.cause,
             "values": {k: (float(v) if math.isfinite(v) else str(float(v))) for k, v in self.values.items()},
         }
-
-
-class _Window:
-    """The last ``size`` accepted finite values, kept sorted too, with cached robust statistics."""
-
-    def __init__(self, size: int, values: Iterable[float] = ()) -> None:
-        self.values: deque[float] = deque(maxlen=size)
-        self._sorted: list[float] = []
-        self._stats: tuple[float, float, float] | None = None
-        for v in values:
-            self.push(v)
-
-    def push(self, x: float) -> None:
-        if math.isfinite(x):
-            x = float(x)
-            if len(self.values) == self.values.maxlen:
-                del self._sorted[bisect.bisect_left(self._sorted, self.values[0])]
-            self.values.append(x)
-            bisect.insort(self._sorted, x)
-            self._stats = None
-
-    def stats(self) -> tuple[float, float, float]:
-        """(median, MAD, max); call only when non-empty."""
-        if self._stats is None:
-            xs = self._sorted
-            med = _median(xs)
-            self._stats = (med, _median_distance(xs, med), xs[-1])
-        return self._stats
-
-    def limit(self, threshold: float, rel: float, armed: bool, tail: float = TAIL_FACTOR) -> float:
-        """The value above which ``x`` is an upward spike; ``inf`` with nothing to compare to."""
-        if not self.values:
-            return math.inf
-        med, mad, top = self.stats()
-        if not armed:
-            reach = max(abs(top), abs(med))
-            return top + GROSS_FACTOR * reach if reach else GROSS_FACTOR
-        scale = max(MAD_TO_STD * mad, rel * abs(med))
-        excursion = tail * (top - med)
-        if not (scale or excursion):
-            return GROSS_FACTOR  # every value so far exactly 0: no scale (see the module docstring)
-        return med + max(threshold * scale, excursion)
-
-
-def _median(xs: list[float]) -> float:
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
-
-def _median_distance(xs: list[float], center: float) -> float:
-    """``_median(sorted(abs(x - center) for x in xs))`` for sorted ``xs``, in O(log n).
-
-    The distances of the values below ``center`` (read right to left) and of those at
-    or above it (left to right) are two sorted runs; the median is found by bisecting
-    how many of the smallest come from each, without building either run. Each step
-    of the guard recomputes this for five windows of up to a few hundred values.
-    """
-    p = bisect.bisect_left(xs, center)
-    na, nb = p, len(xs) - p
-
-    def below(t: int) -> float:  # t-th smallest distance among values below center
-        return center - xs[p - 1 - t]
-
-    def above(t: int) -> float:
-        return xs[p + t] - center
-
-    def kth(k: int) -> float:  # k-th smallest distance overall (0-based)
-        lo, hi = max(0, k + 1 - nb), min(k + 1, na)
-        while True:
-            i = (lo + hi) // 2  # i from below, k + 1 - i from above
-            j = k + 1 - i
-            if i < hi and j > 0 and above(j - 1) > below(i):
-                lo = i + 1
-            elif i > lo and j < nb and below(i - 1) > above(j):
-                hi = i - 1
-            else:
-                return max(below(i - 1) if i else -math.inf, above(j - 1) if j else -math.inf)
-
-    n = len(xs)
-    return kth(n // 2) if n % 2 else 0.5 * (kth(n // 2 - 1) + kth(n // 2))
-
-
-def _cross_limit(values: list[float], threshold: float, armed: bool) -> float:
-    """Limit for one rank's value against the ranks' median (3+ ranks)."""
-    xs = sorted(x for x in values if math.isfinite(x))
-    if not xs:
-        return math.inf
-    med = _median(xs)
-    if not armed:
-        return med + GROSS_FACTOR * abs(med) if med else GROSS_FACTOR
-    mad = _median(sorted(abs(x - med) for x in xs))
-    scale = max(MAD_TO_STD * mad, REL_FLOOR_RANK * abs(med))
-    return med + threshold * scale if scale else GROSS_FACTOR
-
-
-def _f64_bits(x: float) -> int:
-    return int(torch.tensor([x], dtype=torch.float64).view(torch.int64).item())
-
-
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= RERUN_RTOL * max(abs(a), abs(b))
-
-
-def _without_state(bits: list[list[int]]) -> list[list[int]]:
-    """Header rows with the state fingerprint and its flag cleared."""
-    out = []
-    for row in bits:
-        row = list(row)
-        row[COL_STATE_HI] = row[COL_STATE_LO] = 0
-        row[COL_FLAGS] = _f64_bits(float(int(_bits_f64(row[COL_FLAGS])) & ~FLAG_STATE_CHECKED))
-        out.append(row)
-    return out
-
-
-def _state_checked(bits: list[list[int]]) -> bool:
-    return all(int(_bits_f64(row[COL_FLAGS])) & FLAG_STATE_CHECKED for row in bits)
-
-
-def _same(x: float, y: float) -> bool:
-    return (math.isnan(x) and math.isnan(y)) or x == y or (math.isfinite(x) and math.isfinite(y) and _close(x, y))
-
-
-def _reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | None = None) -> bool:
-    """Whether a rerun reproduced the first result: bitwise, or within RERUN_RTOL when all
-    finite; only the ``rows`` given (the suspects), if any, and then without the replica
-    grouping. A rerun fingerprints the state, the first attempt may not have: the state
-    columns then take no part."""
-    strict = True
-    if rows is not None:
-        # A NaN/Inf must reproduce bitwise (see below) where the kernels are deterministic,
-        # as the other ranks show by recomputing their own values bit for bit. Where
-        # theirs moved (GPU atomics), the suspects' aggregated checksum, a sum over the
-        # ranks, cannot reproduce either: their own values must then come back in kind.
-        own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
-        strict = all(prev[r][own] == cur[r][own] for r in range(len(prev)) if r not in rows)
-        prev, cur = [prev[r] for r in rows], [cur[r] for r in rows]
-    if _state_checked(prev) != _state_checked(cur):
-        prev, cur = _without_state(prev), _without_state(cur)
-    if prev == cur:
-        return True
-    if len(prev) != len(cur):
-        return False
-    a = torch.tensor(prev, dtype=torch.int64).view(torch.float64).tolist()
-    b = torch.tensor(cur, dtype=torch.int64).view(torch.float64).tolist()
-    for ra, rb, pa, pb in zip(a, b, prev, cur):
-        # A NaN / Inf must reproduce bitwise: a faulty unit hitting another element
-        # changes the fingerprint, while a NaN in the input reproduces exactly.
-        if not all(math.isfinite(x) for x in ra[:COL_AGG_HI] + rb[:COL_AGG_HI]):
-            if strict or pa[COL_STATE_HI:] != pb[COL_STATE_HI:] or not all(
-                    _same(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])):
-                return False
-            continue
-        if pa[COL_STATE_HI:] != pb[COL_STATE_HI:] or not all(
-            _close(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])
-        ):
-            return False
-    return rows is not None or group_replicas(_fp_keys(prev)) == group_replicas(_fp_keys(cur))
-
-
-def _unsteady_ranks(prev: list[list[int]], cur: list[list[int]]) -> list[int]:
-    """The ranks whose own values (local loss, local gradient norm) changed on the rerun
-    AND still lie outside the range of the ranks whose values did not: if only some
-    moved (where every rank's did, as non-deterministic GPU kernels can make them, they
-    tell nothing), and not a one-off fault on the first attempt that has since gone."""
-    own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
-    moved = [r for r, (a, b) in enumerate(zip(prev, cur)) if a[own] != b[own]]
-    steady = [r for r in range(len(cur)) if r not in moved]
-    if not moved or not steady:
-        return []
-    values = [[_bits_f64(x) for x in row[own]] for row in cur]
-    bounds = [(min(values[r][c] for r in steady), max(values[r][c] for r in steady)) for c in range(2)]
-    return [r for r in moved if any(not lo <= values[r][c] <= hi for c, (lo, hi) in enumerate(bounds))]
-
-
-def _fp_keys(bits: list[list[int]]) -> list[int]:
-    # Compare the fingerprint halves by their bits: no join_int64, which would
-    # raise on a half corrupted into a non-integer.
-    return [(row[COL_AGG_HI] << 64) + (row[COL_AGG_LO] & ((1 << 64) - 1)) for row in bits]
 
 
 @dataclass
@@ -486,7 +255,7 @@ class Guard:
         # The same suspects again: only their rows must reproduce (another rank's transient
         # fault on the first attempt does not make one rank's bad data a persistent fault).
         rows = ranks if ranks and set(ranks) == set(prev.ranks) else None
-        if not mismatch_again and _reproduced(prev.bits, bits, rows):
+        if not mismatch_again and reproduced(prev.bits, bits, rows):
             st.pending = None
             self._decide(st, "data")
             self.counters["skipped_batches"] += 1
@@ -498,7 +267,7 @@ class Guard:
             # Unnamed both times (two faulty ranks of four pull the ranks' median along):
             # healthy ranks recompute their own values bit for bit; the ranks whose
             # values moved are the ones the recurring anomaly comes from.
-            common = _unsteady_ranks(prev.bits, bits)
+            common = unsteady_ranks(prev.bits, bits)
         if common or mismatch_again:
             self._decide(st, "persistent")
             if self.config.on_persistent == "stop":
@@ -573,12 +342,12 @@ class Guard:
             self.counters["detections"] += 1
             st.tainted = True
             return GuardVerdict("proceed", "update_ratio", [], None, values)
-        bits = [[_f64_bits(ratio)]]
+        bits = [[f64_bits(ratio)]]
         if prev is None or prev.source != "update":
             self.counters["detections"] += 1
             st.pending = _Incident("update", "update_ratio", [], bits)
             verdict = self._rerun(st, "update_ratio", [], values)
-        elif prev.bits == bits or (math.isfinite(ratio) and _close(_bits_f64(prev.bits[0][0]), ratio)):
+        elif prev.bits == bits or (math.isfinite(ratio) and close(bits_f64(prev.bits[0][0]), ratio)):
             st.pending = None
             self._decide(st, "data")
             self.counters["skipped_batches"] += 1
@@ -634,10 +403,10 @@ class Guard:
         """Start the spike statistics afresh (at construction, and at a level shift: they
         re-warm from the new level)."""
         w = self.config.window
-        self._loss, self._grad, self._ratio = _Window(w), _Window(w), _Window(w)
+        self._loss, self._grad, self._ratio = SpikeWindow(w), SpikeWindow(w), SpikeWindow(w)
         # Local values of all ranks pooled: ranks draw batches from one distribution,
         # and world_size times the samples describe its tails better than one rank's.
-        self._rank_loss, self._rank_norm = _Window(w * self.world_size), _Window(w * self.world_size)
+        self._rank_loss, self._rank_norm = SpikeWindow(w * self.world_size), SpikeWindow(w * self.world_size)
         self._accepted = self._ratios_seen = 0
         self._data_skips = 0  # consecutive batches skipped as data for a spike
 
@@ -659,7 +428,7 @@ class Guard:
                 if name == "nonfinite_agg_grad" and len(bad) == ws:
                     ranks = self._local_suspects(losses, local)
                 return name, ranks, {"value": col[bad[0]], "rank": float(bad[0]), "count": float(len(bad))}
-        groups = group_replicas(_fp_keys(view.header_bits()))
+        groups = group_replicas(aggregate_keys(view.header_bits()))
         if len(groups) > 1:
             return "grad_mismatch", self._mismatch_suspects(groups, agg), {
                 "distinct": float(len(groups)), "grad_norm_min": min(agg), "grad_norm_max": max(agg)}
@@ -687,7 +456,7 @@ class Guard:
         cross_rank = peers and self.world_size >= 3
         for name, xs, window in (("loss", losses, self._rank_loss), ("grad_norm", local, self._rank_norm)):
             own = window.limit(threshold, REL_FLOOR_RANK, armed)
-            cross = _cross_limit(xs, threshold, armed) if cross_rank else -math.inf
+            cross = cross_rank_limit(xs, threshold, armed) if cross_rank else -math.inf
             if own == math.inf and not cross_rank:
                 continue  # no test available: no history, no peers
             limit = max(own if own < math.inf else -math.inf, cross)
@@ -803,7 +572,7 @@ class Guard:
         self._data_skips = int(state.get("data_skips", 0))  # older checkpoints lack it
         self.counters.update({k: int(v) for k, v in state["counters"].items()})
         for name, w in self._windows().items():
-            setattr(self, f"_{name}", _Window(w.values.maxlen or 1, state["windows"][name]))
+            setattr(self, f"_{name}", SpikeWindow(w.values.maxlen or 1, state["windows"][name]))
         s = state.get("step")
         self._st = None
         if s is not None:
@@ -813,10 +582,7 @@ class Guard:
                 s["incident"], s["tainted"])
         self._armed_step = state.get("armed_step")
 
-    def _windows(self) -> dict[str, _Window]:
+    def _windows(self) -> dict[str, SpikeWindow]:
         return {"loss": self._loss, "grad": self._grad, "ratio": self._ratio,
                 "rank_loss": self._rank_loss, "rank_norm": self._rank_norm}
 
-
-def _bits_f64(bits: int) -> float:
-    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64).item())

@@ -1,0 +1,146 @@
+"""Comparing a recomputed step with its first attempt: the evidence the guard attributes by.
+
+A step's evidence is its header rows, one per rank: the control vector's columns
+0..8 (loss, local squared gradient norm, aggregated norm, the aggregated-gradient
+and state fingerprints, flags, fault counts) as int64 bit patterns, so NaN == NaN.
+
+- :func:`reproduced`: whether a rerun gave the first attempt's result, which makes
+  the data the cause. Bitwise; or, where every compared value is finite, within
+  RERUN_RTOL (1e-3) with equal flags, fault counts, state fingerprints and replica
+  grouping: GPU kernels with atomics do not reproduce the low bits, and a persistent
+  fault does not reproduce a spike to 3 digits. Of the suspects' rows only, without
+  the replica grouping, when both attempts name the same suspects (a transient fault
+  on another rank's first attempt does not make bad data persistent). A suspect's
+  NaN/Inf is held to its bits only where the other ranks recompute their own loss and
+  gradient norm bit for bit (deterministic kernels); where theirs moved, its
+  aggregated checksum, a sum over the ranks, moves too, and its own values coming
+  back in kind (NaN as NaN, finite within RERUN_RTOL) with the same flags and state
+  is data. A rerun fingerprints the state, the first attempt may not have: the state
+  columns then take no part.
+- :func:`unsteady_ranks`: where neither attempt named a suspect, the ranks whose own
+  values moved on the rerun while the others' did not.
+
+Example::
+
+    >>> row = [f64_bits(x) for x in (2.0, 1.0, 1.0)] + [0] * 6
+    >>> reproduced([row, row], [row, row])
+    True
+    >>> moved = [f64_bits(x) for x in (9.0, 1.0, 1.0)] + [0] * 6
+    >>> reproduced([row, row], [row, moved]), unsteady_ranks([row, row], [row, moved])
+    (False, [1])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from paft.consistency import (
+    COL_AGG_HI,
+    COL_AGG_LO,
+    COL_FLAGS,
+    COL_LOCAL_SQ,
+    COL_LOSS,
+    COL_STATE_HI,
+    COL_STATE_LO,
+    FLAG_STATE_CHECKED,
+)
+from paft.fingerprint import group_replicas
+
+__all__ = ["RERUN_RTOL", "aggregate_keys", "bits_f64", "close", "f64_bits", "reproduced", "unsteady_ranks"]
+
+RERUN_RTOL = 1e-3  # finite reruns this close count as the same result
+
+
+def f64_bits(x: float) -> int:
+    """The bit pattern of ``x`` as a float64, as a signed int64 (a header cell)."""
+    return int(torch.tensor([x], dtype=torch.float64).view(torch.int64).item())
+
+
+def bits_f64(bits: int) -> float:
+    """The float64 whose bit pattern is ``bits`` (inverse of :func:`f64_bits`)."""
+    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64).item())
+
+
+def close(a: float, b: float) -> bool:
+    """Within RERUN_RTOL of each other, relative to the larger magnitude."""
+    return abs(a - b) <= RERUN_RTOL * max(abs(a), abs(b))
+
+
+def _without_state(bits: list[list[int]]) -> list[list[int]]:
+    """Header rows with the state fingerprint and its flag cleared."""
+    out = []
+    for row in bits:
+        row = list(row)
+        row[COL_STATE_HI] = row[COL_STATE_LO] = 0
+        row[COL_FLAGS] = f64_bits(float(int(bits_f64(row[COL_FLAGS])) & ~FLAG_STATE_CHECKED))
+        out.append(row)
+    return out
+
+
+def _state_checked(bits: list[list[int]]) -> bool:
+    return all(int(bits_f64(row[COL_FLAGS])) & FLAG_STATE_CHECKED for row in bits)
+
+
+def _same(x: float, y: float) -> bool:
+    return (math.isnan(x) and math.isnan(y)) or x == y or (math.isfinite(x) and math.isfinite(y) and close(x, y))
+
+
+def reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | None = None) -> bool:
+    """Whether a rerun reproduced the first result: bitwise, or within RERUN_RTOL when all
+    finite; only the ``rows`` given (the suspects), if any, and then without the replica
+    grouping. A rerun fingerprints the state, the first attempt may not have: the state
+    columns then take no part."""
+    strict = True
+    if rows is not None:
+        # A NaN/Inf must reproduce bitwise (see below) where the kernels are deterministic,
+        # as the other ranks show by recomputing their own values bit for bit. Where
+        # theirs moved (GPU atomics), the suspects' aggregated checksum, a sum over the
+        # ranks, cannot reproduce either: their own values must then come back in kind.
+        own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
+        strict = all(prev[r][own] == cur[r][own] for r in range(len(prev)) if r not in rows)
+        prev, cur = [prev[r] for r in rows], [cur[r] for r in rows]
+    if _state_checked(prev) != _state_checked(cur):
+        prev, cur = _without_state(prev), _without_state(cur)
+    if prev == cur:
+        return True
+    if len(prev) != len(cur):
+        return False
+    a = torch.tensor(prev, dtype=torch.int64).view(torch.float64).tolist()
+    b = torch.tensor(cur, dtype=torch.int64).view(torch.float64).tolist()
+    for ra, rb, pa, pb in zip(a, b, prev, cur):
+        # A NaN / Inf must reproduce bitwise: a faulty unit hitting another element
+        # changes the fingerprint, while a NaN in the input reproduces exactly.
+        if not all(math.isfinite(x) for x in ra[:COL_AGG_HI] + rb[:COL_AGG_HI]):
+            if strict or pa[COL_STATE_HI:] != pb[COL_STATE_HI:] or not all(
+                    _same(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])):
+                return False
+            continue
+        if pa[COL_STATE_HI:] != pb[COL_STATE_HI:] or not all(
+            close(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])
+        ):
+            return False
+    return rows is not None or group_replicas(aggregate_keys(prev)) == group_replicas(aggregate_keys(cur))
+
+
+def unsteady_ranks(prev: list[list[int]], cur: list[list[int]]) -> list[int]:
+    """The ranks whose own values (local loss, local gradient norm) changed on the rerun
+    AND still lie outside the range of the ranks whose values did not: if only some
+    moved (where every rank's did, as non-deterministic GPU kernels can make them, they
+    tell nothing), and not a one-off fault on the first attempt that has since gone."""
+    own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
+    moved = [r for r, (a, b) in enumerate(zip(prev, cur)) if a[own] != b[own]]
+    steady = [r for r in range(len(cur)) if r not in moved]
+    if not moved or not steady:
+        return []
+    values = [[bits_f64(x) for x in row[own]] for row in cur]
+    bounds = [(min(values[r][c] for r in steady), max(values[r][c] for r in steady)) for c in range(2)]
+    return [r for r in moved if any(not lo <= values[r][c] <= hi for c, (lo, hi) in enumerate(bounds))]
+
+
+def aggregate_keys(bits: list[list[int]]) -> list[int]:
+    """Each rank's aggregated-gradient fingerprint as one 128-bit integer."""
+    # Compare the fingerprint halves by their bits: no join_int64, which would
+    # raise on a half corrupted into a non-integer.
+    return [(row[COL_AGG_HI] << 64) + (row[COL_AGG_LO] & ((1 << 64) - 1)) for row in bits]

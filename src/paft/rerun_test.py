@@ -1,0 +1,64 @@
+"""Tests for paft.rerun: when a recomputed step counts as the first attempt reproduced."""
+
+from __future__ import annotations
+
+import math
+
+from paft.consistency import COL_AGG_HI, COL_AGG_LO, COL_FLAGS, COL_STATE_HI, FLAG_STATE_CHECKED
+from paft.rerun import f64_bits, reproduced, unsteady_ranks
+
+NAN = math.nan
+
+
+def row(loss: float, local_sq: float = 1.0, agg: float = 1.0, fp: int = 7, state: int = 0,
+        flags: int = 0) -> list[int]:
+    """A header row: loss, local_sq, agg_norm, the aggregated and state fingerprints, flags, faults."""
+    cells = [f64_bits(loss), f64_bits(local_sq), f64_bits(agg)] + [0] * 6
+    cells[COL_AGG_HI], cells[COL_AGG_LO] = 0, fp
+    cells[COL_STATE_HI] = state
+    cells[COL_FLAGS] = f64_bits(float(flags))
+    return cells
+
+
+def test_finite_values_within_the_tolerance_reproduce_and_others_do_not() -> None:
+    first = [row(2.0), row(3.0)]
+    assert reproduced(first, [row(2.0), row(3.0)])
+    assert reproduced(first, [row(2.0 * (1 + 5e-4)), row(3.0)])  # GPU atomics move the low bits
+    assert not reproduced(first, [row(2.0 * (1 + 5e-3)), row(3.0)])
+    assert not reproduced(first, [row(2.0), row(3.0, fp=8)])  # the replica grouping changed
+    assert not reproduced(first, [row(2.0), row(3.0, state=1)])  # the state changed
+
+
+def test_a_nan_must_reproduce_bitwise_where_the_other_ranks_are_deterministic() -> None:
+    first = [row(NAN), row(3.0)]
+    other_nan = [f64_bits(NAN) ^ 1] + row(3.0)[1:]  # a NaN of other bits: another element hit
+    assert reproduced(first, [row(NAN), row(3.0)], rows=[0])
+    assert not reproduced(first, [other_nan, row(3.0)], rows=[0])
+    # Where the other ranks' own values moved (non-deterministic kernels), NaN again is data.
+    moved = [row(NAN), row(3.0 * (1 + 1e-6))]
+    assert reproduced(first, moved, rows=[0])
+    assert not reproduced(first, [row(5.0), row(3.0 * (1 + 1e-6))], rows=[0])
+
+
+def test_only_the_suspects_rows_count_when_both_attempts_name_them() -> None:
+    """A transient fault on another rank's first attempt does not make bad data persistent."""
+    first = [row(NAN), row(3.0, fp=9), row(3.0)]
+    again = [row(NAN), row(3.0), row(3.0)]
+    assert reproduced(first, again, rows=[0])
+    assert not reproduced(first, again)
+
+
+def test_state_columns_take_no_part_when_only_the_rerun_checked_the_state() -> None:
+    checked = FLAG_STATE_CHECKED
+    first = [row(2.0), row(3.0)]
+    assert reproduced(first, [row(2.0, state=5, flags=checked), row(3.0, state=5, flags=checked)])
+    both = [row(2.0, state=5, flags=checked), row(3.0, state=5, flags=checked)]
+    assert reproduced(both, both)
+    assert not reproduced(both, [row(2.0, state=6, flags=checked), row(3.0, state=6, flags=checked)])
+
+
+def test_unsteady_ranks_are_those_moved_outside_the_steady_ranks_range() -> None:
+    first = [row(2.0), row(2.5), row(3.0), row(9.0)]
+    assert unsteady_ranks(first, [row(2.0), row(2.5), row(3.0), row(11.0)]) == [3]
+    assert unsteady_ranks(first, [row(2.0), row(2.5), row(3.0), row(2.7)]) == []  # moved back into range
+    assert unsteady_ranks(first, [row(2.1), row(2.6), row(3.1), row(11.0)]) == []  # every rank moved

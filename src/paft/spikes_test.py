@@ -1,0 +1,64 @@
+"""Tests for paft.spikes: the robust running statistics behind the guard's spike rules."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paft.spikes import GROSS_FACTOR, MAD_TO_STD, REL_FLOOR_LOSS, SpikeWindow, cross_rank_limit, median, median_distance
+
+finite = st.floats(-1e6, 1e6) | st.sampled_from([0.0, 1.0, 2.5])
+
+
+@settings(max_examples=300, deadline=None)
+@given(xs=st.lists(finite, min_size=1, max_size=60), center=st.none() | st.floats(-2e6, 2e6))
+def test_median_distance_is_the_sorted_definition(xs: list[float], center: float | None) -> None:
+    """The O(log n) MAD equals the sort-everything definition bit for bit (ties, repeats,
+    a center outside the values, the window's own median)."""
+    xs = sorted(xs)
+    if center is None:
+        center = median(xs)
+    assert median_distance(xs, center) == median(sorted(abs(x - center) for x in xs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 12), xs=st.lists(finite | st.sampled_from([math.nan, math.inf]), max_size=40))
+def test_window_keeps_the_last_finite_values_and_their_statistics(size: int, xs: list[float]) -> None:
+    """Past its size the window drops the oldest value from the sorted copy too, and the
+    cached statistics are those of exactly the values it holds; NaN/Inf never enter."""
+    w = SpikeWindow(size)
+    for x in xs:
+        w.push(x)
+    expect = [x for x in xs if math.isfinite(x)][-size:]
+    assert list(w.values) == expect
+    if expect:
+        med = median(sorted(expect))
+        assert w.stats() == (med, median(sorted(abs(x - med) for x in expect)), max(expect))
+    else:
+        assert w.limit(10, REL_FLOOR_LOSS, armed=True) == math.inf
+
+
+def test_limit_is_median_plus_floored_mads_or_the_tail() -> None:
+    w = SpikeWindow(100, [10.0, 10.0, 10.0, 11.0, 9.0])  # median 10, MAD 0 -> the 5% floor
+    assert w.limit(10, REL_FLOOR_LOSS, armed=True) == 10 + max(10 * 0.05 * 10, 3 * (11 - 10))
+    spread = SpikeWindow(100, [0.0, 10.0, 20.0])  # median 10, MAD 10
+    assert spread.limit(2, REL_FLOOR_LOSS, armed=True, tail=1.0) == 10 + 2 * MAD_TO_STD * 10
+    assert w.limit(10, REL_FLOOR_LOSS, armed=False) == 11 + GROSS_FACTOR * 11  # warm-up: gross jumps only
+
+
+def test_an_all_zero_history_fires_only_past_the_gross_factor() -> None:
+    """A hinge loss at its floor: no scale to judge a rise by, so a small positive value
+    is not a spike (it was, against a limit of 1e-11), while a flipped exponent is."""
+    w = SpikeWindow(50, [0.0] * 30)
+    for armed in (True, False):
+        limit = w.limit(10, REL_FLOOR_LOSS, armed)
+        assert limit == GROSS_FACTOR and 0.5 < limit < 1e36
+    assert cross_rank_limit([0.0, 0.0, 0.0], 20, armed=True) == GROSS_FACTOR
+
+
+def test_cross_rank_limit_ignores_non_finite_values() -> None:
+    assert cross_rank_limit([math.nan, math.inf], 20, armed=True) == math.inf
+    assert cross_rank_limit([2.0, math.nan, 2.0, 2.0], 20, armed=True) == cross_rank_limit([2.0] * 3, 20, armed=True)
+    assert cross_rank_limit([2.0, 2.0, 2.0], 20, armed=False) == 2.0 + GROSS_FACTOR * 2.0
