@@ -1033,3 +1033,37 @@ def test_under_ddp_a_sync_gives_every_rank_the_buffers_ddp_would(ws: int):
     _assert_replicas_identical([r["nan_at_source"] for r in res])
     report = res[0]["nan_at_source"]["report"]
     assert report.mode == ("finite-copy" if ws == 2 else "median") and "non-finite ranks [0]" in report.note
+
+
+def _w_ddp_subgroups(rank: int, ws: int) -> dict:
+    """DDP over halves of the world, or over the world with a sync per half."""
+    halves = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    half = halves[rank // 2]
+    out: dict = {}
+    for case, ddp_group, sync_group in (("ddp_halves", half, None), ("sync_halves", None, half)):
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(_model("bn"), process_group=ddp_group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        sync = ReplicaSync(ddp, opt, group=sync_group)
+        torch.manual_seed(rank)  # each rank its own batch: its own BatchNorm statistics
+        ddp(torch.randn(4, 2, 4, 4)).sum().backward()
+        opt.step()
+        out[case] = {"source": sync._buffer_src, "report": sync.sync(), "fp": _fp(ddp, opt)}
+    return out
+
+
+def test_ddp_buffer_source_is_used_only_where_every_rank_of_the_sync_names_it():
+    """DDP over each half names rank 0 on one half and rank 2 on the other: a sync over
+    the world has no one source, and its buffers take robust mode's median (as do the
+    parameters, which differ between the halves). DDP over the world with a sync per
+    half: the half holding rank 0 copies it, the other has no source of its own and
+    takes a two-rank sync's median with its reference."""
+    res = run_workers(_w_ddp_subgroups, 4)
+    assert [r["ddp_halves"]["source"] for r in res] == [None] * 4
+    assert len({r["ddp_halves"]["fp"] for r in res}) == 1
+    assert all(r["ddp_halves"]["report"].note == "buffers: median" for r in res), res[0]
+    assert [r["sync_halves"]["source"] for r in res] == [0, 0, None, None]
+    assert res[0]["sync_halves"]["report"].note == "buffers only; DDP's buffer source, rank 0"
+    assert res[2]["sync_halves"]["report"].mode == "median-with-reference"
+    for pair in ((0, 1), (2, 3)):
+        assert len({res[r]["sync_halves"]["fp"] for r in pair}) == 1
