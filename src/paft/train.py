@@ -484,10 +484,9 @@ def _init_process_group(cfg: TrainConfig) -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl" if uses_cuda(cfg) else "gloo")
 
 
-def _set_threads() -> None:
+def _set_threads(local_workers: int) -> None:
     # N workers share the machine's cores: one BLAS pool each, sized to its share.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_workers))
 
 
 def start_launched_worker(cfg: TrainConfig) -> None:
@@ -500,7 +499,7 @@ def start_launched_worker(cfg: TrainConfig) -> None:
     nothing half-written. (Under torchrun rank 0 holds the run directory itself and
     must unwind: :func:`main` keeps Python's handler.)"""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    _set_threads()
+    _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the elastic launcher sets it
     _init_process_group(cfg)
 
 
@@ -561,7 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         local = os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size))
         if not local.isdigit() or int(local) < 1:
             raise DeviceError(f"LOCAL_WORLD_SIZE={local!r}: run it under torchrun, which sets it")
-        check_devices(cfg, local_workers=int(local))
+        local_workers = int(local)
+        check_devices(cfg, local_workers=local_workers)
     except DeviceError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
@@ -569,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # passes SIGHUP and SIGQUIT on: unwind, so that rank 0's claim cleans up as paft
     # train's launcher does.
     unwind_on_termination()
-    _set_threads()
+    _set_threads(local_workers)
     _init_process_group(cfg)
     rank0 = dist.get_rank() == 0
     try:
