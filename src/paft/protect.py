@@ -50,9 +50,7 @@ from paft.consistency import (
     gather_exact_grads,
     gather_rows,
     max_over_ranks,
-    replica_metrics,
     start_control,
-    worker_metrics,
 )
 from paft.divergence import measure_divergence
 from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
@@ -60,14 +58,12 @@ from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec, parse_specs
 from paft.fingerprint import group_replicas, repr_digest, state_fingerprint, state_tensors
 from paft.guard import COUNTERS, Guard, GuardVerdict
-from paft.records import RunRecorder, jsonable
+from paft.monitor import Monitor
+from paft.records import RunRecorder
 from paft.snapshot import ForwardSnapshot, StateSnapshot
 from paft.sync import ReplicaSync, SyncReport
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
-
-SPLIT_TENSORS = 5  # the tensors a state-split alert names, farthest apart first
-
 
 class PersistentFaultError(RuntimeError):
     """The guard found a persistently faulty rank and the policy is ``stop``."""
@@ -365,11 +361,12 @@ class Protector:
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = StateSnapshot()
-        self._alerting: dict[str, bool] = {}
+        self.monitor = Monitor(monitor, self.recorder, divergence=lambda: measure_divergence(
+            model, optimizer, per_tensor=True, group=self.group, buffers=False))
         # A sync landed in this step after its state fingerprints and changed the state:
         # the alerts do not judge those fingerprints (they would re-alert a repaired split).
         self._stale_fingerprints = False
-        self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0, "alerts": 0}
+        self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0}
 
     # -- one step -----------------------------------------------------------------
 
@@ -465,7 +462,11 @@ class Protector:
             self.guard.accept(t, view, ratio)
         if not applied:
             self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._metrics(t, view, metric_step, alerts=not overflow, applied=applied)
+        grads = None
+        if metric_step and self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
+            grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
+        metrics = self.monitor.record(t, view, metric_step, grads, alerts=not overflow, applied=applied,
+                                      stale_fingerprints=self._stale_fingerprints)
         synced = self._maybe_sync(t, view, state_is_stale=synced, applied=applied) or synced
         self.step_idx += 1
         return StepReport(
@@ -531,7 +532,7 @@ class Protector:
     def counters(self) -> dict[str, int]:
         """Run totals: faults injected here, syncs, bytes, alerts, and the guard's counts."""
         guard = self.guard.counters if self.guard is not None else {}
-        out = dict(self._counts)
+        out = {**self._counts, "alerts": self.monitor.alerts}
         for key in COUNTERS:
             out[key] = guard.get(key, 0)
         return out
@@ -622,88 +623,6 @@ class Protector:
         )
         # Every rank agrees on ``metric_step``, so on the length of the vectors.
         return start_control(vec.pack(self.sketch_dim if metric_step else 0), self.group)
-
-    def _metrics(self, step: int, view: ControlView, metric_step: bool, alerts: bool = True,
-                 applied: bool = True) -> dict[str, Any]:
-        """The step's ``consistency.jsonl`` record and alerts: every metric on a metric
-        step. Between them (--monitor-interval) a record of what every step carries (the
-        losses, the ``replicas/*`` keys) where there is news of the replicas: a split,
-        the step after one (its end), a state fingerprint. The aggregated gradients of
-        an update that was not ``applied`` split no replicas: their keys are left out."""
-        if metric_step:
-            grads = None
-            if self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
-                grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
-            metrics = worker_metrics(view, grads)
-        else:
-            metrics = replica_metrics(view)
-        if not applied:
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("replicas/grad_")}
-        if not metric_step:
-            was_split = self._alerting.get("replicas_split", False) or self._alerting.get("state_split", False)
-            if not (was_split or metrics.get("replicas/grad_distinct", 1) > 1 or "replicas/state_distinct" in metrics):
-                return {}
-        metrics["step"] = step
-        metrics["loss"] = view.global_loss
-        metrics["local_losses"] = view.losses.tolist()
-        if metric_step:
-            metrics["local_grad_norms"] = view.local_norms.tolist()
-        metrics["faults"] = view.faults
-        self.recorder.consistency(metrics)
-        if alerts:  # (not on a loss scaler's overflow: its non-finite norms are routine)
-            self._alerts(step, metrics)
-        return metrics
-
-    def _alerts(self, step: int, m: dict[str, Any]) -> None:
-        """Threshold alerts, edge-triggered: written when a condition starts, not every
-        step. A condition whose metric this step lacks (not computed at this step, e.g.
-        the state fingerprint between checks) keeps its state."""
-        cfg = self.monitor_cfg
-        conditions = {
-            # Written so that NaN fires too: a rank's non-finite loss or gradient is news.
-            "loss_cv": ("consistency/loss_cv", lambda v: not v <= cfg.alert_loss_cv, None),
-            "grad_cos_min": ("consistency/grad_cos_min", lambda v: not v >= cfg.alert_cos_min, None),
-            "replicas_split": ("replicas/grad_distinct", lambda v: v > 1, "grad"),
-            "state_split": ("replicas/state_distinct", lambda v: v > 1, "state"),
-        }
-        for name, (key, fires, kind) in conditions.items():
-            if key not in m or (name == "state_split" and self._stale_fingerprints):
-                continue
-            value = m[key]
-            ranks = m.get(f"replicas/{kind}_minority_ranks", []) if kind else []
-            active = bool(fires(value))
-            if active and not self._alerting.get(name, False):
-                self._counts["alerts"] += 1
-                event = {"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks}
-                if ranks:
-                    who = f" (rank(s) {ranks} disagree)"
-                elif kind:  # no strict majority: which side is faulty is unknown
-                    who = f" (no majority: groups {m[f'replicas/{kind}_groups']})"
-                else:
-                    who = ""
-                if name == "state_split":  # every rank alike: the alert is decided from the shared view
-                    event["divergence"], far = self._split_magnitude()
-                    who += far
-                self.recorder.event(event)
-                self.recorder.say(f"[alert] step {step}: {name} = {value:.4g}{who}")
-            self._alerting[name] = active
-
-    def _split_magnitude(self) -> tuple[dict[str, Any], str]:
-        """How far apart the replicas are, now that their fingerprints disagree (a
-        collective, on demand): each rank's relative L2 distance to the mean replica,
-        over the parameters and over the parameters and optimizer state, and the
-        tensors that moved most. For the alert's record, and a few words for its line."""
-        try:
-            d = measure_divergence(self.model, self.optimizer, per_tensor=True, group=self.group, buffers=False)
-        except RuntimeError as err:  # the states differ in structure: no value-by-value distance (all ranks alike)
-            return {"error": str(err)}, "; the states differ in structure"
-        worst = [(name, rel, rank) for name, rel, rank in d.per_tensor or [] if rel > 0][:SPLIT_TENSORS]
-        record = {"params_per_rank": d.per_rank, "state_per_rank": d.state_per_rank, "tensors": worst}
-        far = max(range(len(d.state_per_rank)), key=lambda r: d.state_per_rank[r])
-        words = f"; farthest from the mean: rank {far}, {d.state_per_rank[far]:.3g}"
-        if worst:
-            words += f", most in {worst[0][0]} ({worst[0][1]:.3g})"
-        return jsonable(record), words
 
     def _judge(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
         """Record a guard verdict that says something; stop the run if it must."""
@@ -861,9 +780,7 @@ class Protector:
     def _record_sync(self, step: int, report: SyncReport, event: str, seen_from: int, **extra: Any) -> None:
         """Count and record a sync or repair. ``seen_from``: the first step whose state
         fingerprints see its result (what ``paft report`` plots it from)."""
-        # The replicas are identical now: a split a later fingerprint finds is a new one,
-        # and gets its own alert.
-        self._alerting["state_split"] = False
+        self.monitor.replicas_agree()
         extra["seen_from"] = seen_from
         self._counts["syncs"] += 1
         self._counts["sync_bytes"] += report.bytes_sent
@@ -886,12 +803,12 @@ class Protector:
         return {
             "step": self.step_idx,
             "mode": self.protect_cfg.mode,
-            "counters": dict(self._counts),
+            "counters": {**self._counts, "alerts": self.monitor.alerts},
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "sync": self.sync.state_dict() if self.sync is not None else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
             "repairer": self._own_repairer.state_dict() if self._own_repairer is not None else None,
-            "alerting": dict(self._alerting),  # an alert still active after a resume is not new
+            "alerting": dict(self.monitor.alerting),  # an alert still active after a resume is not new
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -935,7 +852,9 @@ class Protector:
         if self._own_repairer is not None and state.get("repairer") is not None:  # older checkpoints lack it
             self._own_repairer.load_state_dict(state["repairer"])
         self.step_idx = state["step"]
-        self._counts.update(state["counters"])
-        self._alerting = dict(state.get("alerting", {}))
+        counts = dict(state["counters"])
+        self.monitor.alerts = int(counts.pop("alerts", 0))
+        self._counts.update(counts)
+        self.monitor.alerting = dict(state.get("alerting", {}))
         if self.averager is not None:
             self.averager.step = self.step_idx  # its own call counter decides when to average

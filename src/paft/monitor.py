@@ -1,0 +1,153 @@
+"""What the per-step monitor writes: the step's ``consistency.jsonl`` record and the
+threshold alerts in ``events.jsonl`` and on the console.
+
+Pure bookkeeping over the step's shared :class:`~paft.consistency.ControlView`: every
+rank holds the same view and the same alert state, so every rank decides alike
+(only rank 0's recorder writes). The one collective an alert may need, the
+replicas' distance when their state fingerprints disagree, is the caller's
+``divergence`` function, called on every rank alike.
+
+Alerts are edge-triggered: written when a condition starts, not every step it holds.
+
+- ``loss_cv``: the ranks' loss coefficient of variation above ``alert_loss_cv``;
+- ``grad_cos_min``: the lowest pairwise gradient cosine below ``alert_cos_min``;
+- ``replicas_split``: the ranks received different aggregated gradients;
+- ``state_split``: the ranks' parameters / optimizer state differ (with the
+  replicas' distance from the mean replica and the tensors that moved most).
+
+Example::
+
+    >>> import torch
+    >>> from paft.config import MonitorConfig
+    >>> from paft.consistency import ControlVector, ControlView
+    >>> from paft.records import RunRecorder
+    >>> def view(*losses):
+    ...     rows = [ControlVector(x, 1.0, 1.0, 7, None, 0, 0, None).pack(0) for x in losses]
+    ...     return ControlView(torch.stack(rows))
+    >>> monitor = Monitor(MonitorConfig(alert_loss_cv=0.5), RunRecorder(None, rank=1), divergence=None)
+    >>> monitor.record(0, view(2.0, 2.2), metric_step=True)["consistency/loss_cv"] < 0.5
+    True
+    >>> _ = monitor.record(1, view(2.0, 9.0), metric_step=True)
+    >>> _ = monitor.record(2, view(2.0, 9.5), metric_step=True)   # still on: no new alert
+    >>> monitor.alerts
+    1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from paft.config import MonitorConfig
+from paft.consistency import ControlView, replica_metrics, worker_metrics
+from paft.divergence import DivergenceReport
+from paft.records import RunRecorder, jsonable
+
+__all__ = ["Monitor", "SPLIT_TENSORS"]
+
+SPLIT_TENSORS = 5  # the tensors a state-split alert names, farthest apart first
+
+
+class Monitor:
+    """The step records and alerts of one protector (one per rank, all in step).
+
+    ``divergence``: measures the replicas' distance per tensor, a collective (see
+    :func:`paft.divergence.measure_divergence`), for the ``state_split`` alert.
+    """
+
+    def __init__(self, config: MonitorConfig, recorder: RunRecorder,
+                 divergence: Callable[[], DivergenceReport] | None) -> None:
+        self.config = config
+        self.recorder = recorder
+        self.divergence = divergence
+        self.alerts = 0
+        """Alerts raised in the run."""
+        self.alerting: dict[str, bool] = {}
+        """Which conditions hold now (a condition still on is not alerted again)."""
+
+    def record(self, step: int, view: ControlView, metric_step: bool, grads: torch.Tensor | None = None,
+               alerts: bool = True, applied: bool = True, stale_fingerprints: bool = False) -> dict[str, Any]:
+        """The step's ``consistency.jsonl`` record and alerts: every metric on a metric
+        step (``grads``: the ranks' exact local gradients, for ``--cosine exact``).
+        Between them (--monitor-interval) a record of what every step carries (the
+        losses, the ``replicas/*`` keys) where there is news of the replicas: a split,
+        the step after one (its end), a state fingerprint. The aggregated gradients of
+        an update that was not ``applied`` split no replicas: their keys are left out.
+        ``alerts`` false (a loss scaler's overflow: its non-finite norms are routine)
+        writes the record only; ``stale_fingerprints``: a sync changed the state after
+        this step's fingerprints, which then raise no ``state_split`` alert."""
+        metrics = worker_metrics(view, grads) if metric_step else replica_metrics(view)
+        if not applied:
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("replicas/grad_")}
+        if not metric_step:
+            was_split = self.alerting.get("replicas_split", False) or self.alerting.get("state_split", False)
+            if not (was_split or metrics.get("replicas/grad_distinct", 1) > 1 or "replicas/state_distinct" in metrics):
+                return {}
+        metrics["step"] = step
+        metrics["loss"] = view.global_loss
+        metrics["local_losses"] = view.losses.tolist()
+        if metric_step:
+            metrics["local_grad_norms"] = view.local_norms.tolist()
+        metrics["faults"] = view.faults
+        self.recorder.consistency(metrics)
+        if alerts:
+            self._alerts(step, metrics, stale_fingerprints)
+        return metrics
+
+    def replicas_agree(self) -> None:
+        """The replicas were made identical (a sync, a repair): a split a later
+        fingerprint finds is a new one, and gets its own alert."""
+        self.alerting["state_split"] = False
+
+    def _alerts(self, step: int, m: dict[str, Any], stale_fingerprints: bool) -> None:
+        """Edge-triggered: a condition whose metric this step lacks (not computed at this
+        step, e.g. the state fingerprint between checks) keeps its state."""
+        cfg = self.config
+        conditions = {
+            # Written so that NaN fires too: a rank's non-finite loss or gradient is news.
+            "loss_cv": ("consistency/loss_cv", lambda v: not v <= cfg.alert_loss_cv, None),
+            "grad_cos_min": ("consistency/grad_cos_min", lambda v: not v >= cfg.alert_cos_min, None),
+            "replicas_split": ("replicas/grad_distinct", lambda v: v > 1, "grad"),
+            "state_split": ("replicas/state_distinct", lambda v: v > 1, "state"),
+        }
+        for name, (key, fires, kind) in conditions.items():
+            if key not in m or (name == "state_split" and stale_fingerprints):
+                continue
+            value = m[key]
+            ranks = m.get(f"replicas/{kind}_minority_ranks", []) if kind else []
+            active = bool(fires(value))
+            if active and not self.alerting.get(name, False):
+                self.alerts += 1
+                event = {"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks}
+                if ranks:
+                    who = f" (rank(s) {ranks} disagree)"
+                elif kind:  # no strict majority: which side is faulty is unknown
+                    who = f" (no majority: groups {m[f'replicas/{kind}_groups']})"
+                else:
+                    who = ""
+                if name == "state_split" and self.divergence is not None:  # every rank alike: a shared view
+                    event["divergence"], far = self._split_magnitude()
+                    who += far
+                self.recorder.event(event)
+                self.recorder.say(f"[alert] step {step}: {name} = {value:.4g}{who}")
+            self.alerting[name] = active
+
+    def _split_magnitude(self) -> tuple[dict[str, Any], str]:
+        """How far apart the replicas are, now that their fingerprints disagree: each
+        rank's relative L2 distance to the mean replica, over the parameters and over the
+        parameters and optimizer state, and the tensors that moved most. For the alert's
+        record, and a few words for its line."""
+        assert self.divergence is not None
+        try:
+            d = self.divergence()
+        except RuntimeError as err:  # the states differ in structure: no value-by-value distance (all ranks alike)
+            return {"error": str(err)}, "; the states differ in structure"
+        worst = [(name, rel, rank) for name, rel, rank in d.per_tensor or [] if rel > 0][:SPLIT_TENSORS]
+        record = {"params_per_rank": d.per_rank, "state_per_rank": d.state_per_rank, "tensors": worst}
+        far = max(range(len(d.state_per_rank)), key=lambda r: d.state_per_rank[r])
+        words = f"; farthest from the mean: rank {far}, {d.state_per_rank[far]:.3g}"
+        if worst:
+            words += f", most in {worst[0][0]} ({worst[0][1]:.3g})"
+        return jsonable(record), words

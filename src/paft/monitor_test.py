@@ -1,0 +1,61 @@
+"""Tests for paft.monitor: the step records and the edge-triggered alerts (no process group)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from paft.config import MonitorConfig
+from paft.consistency import ControlVector, ControlView
+from paft.divergence import DivergenceReport
+from paft.monitor import Monitor
+from paft.records import RunRecorder
+
+
+def view(states: list[int | None], aggs: list[int] | None = None) -> ControlView:
+    aggs = aggs or [7] * len(states)
+    rows = [ControlVector(2.0, 1.0, 1.0, a, s, 0, 0, None).pack(0) for s, a in zip(states, aggs)]
+    return ControlView(torch.stack(rows))
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repair(tmp_path: Path) -> None:
+    calls = []
+
+    def divergence() -> DivergenceReport:
+        calls.append(1)
+        return DivergenceReport(per_rank=[0.0, 0.0, 0.5], max=0.5, finite=True, state_per_rank=[0.0, 0.0, 0.7],
+                                state_max=0.7,
+                                per_tensor=[("param/w", 0.7, 2), ("param/b", 0.0, 0)])
+
+    monitor = Monitor(MonitorConfig(), RunRecorder(tmp_path, rank=0, quiet=True), divergence)
+    split = view([1, 1, 9])
+    monitor.record(0, split, metric_step=True)
+    monitor.record(1, split, metric_step=True)  # still split: no new alert
+    assert monitor.alerts == 1 and len(calls) == 1
+    monitor.replicas_agree()
+    monitor.record(2, split, metric_step=True, stale_fingerprints=True)  # taken before the repair
+    assert monitor.alerts == 1
+    monitor.record(3, split, metric_step=True)  # split again after the repair: a new alert
+    assert monitor.alerts == 2
+    (first, second) = [e for e in events(tmp_path) if e["detector"] == "state_split"]
+    assert (first["step"], second["step"], first["ranks"]) == (0, 3, [2])
+    assert first["divergence"]["tensors"] == [["param/w", 0.7, 2]]  # unmoved tensors left out
+
+
+def test_between_metric_steps_only_news_of_the_replicas_is_recorded(tmp_path: Path) -> None:
+    monitor = Monitor(MonitorConfig(interval=10), RunRecorder(tmp_path, rank=0, quiet=True), None)
+    assert monitor.record(1, view([None, None]), metric_step=False) == {}
+    split = monitor.record(2, view([None, None], aggs=[7, 8]), metric_step=False)
+    assert split["replicas/grad_distinct"] == 2 and "consistency/loss_cv" not in split
+    assert monitor.record(3, view([None, None]), metric_step=False)["step"] == 3  # the split's end
+    assert monitor.record(4, view([None, None]), metric_step=False) == {}
+    skipped = monitor.record(5, view([None, None], aggs=[7, 8]), metric_step=True, applied=False)
+    assert not any(k.startswith("replicas/grad_") for k in skipped)  # a skipped update split nothing
+    lines = (tmp_path / "consistency.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [2, 3, 5]
