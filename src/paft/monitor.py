@@ -54,7 +54,8 @@ class Monitor:
     """The step records and alerts of one protector (one per rank, all in step).
 
     ``divergence``: measures the replicas' distance per tensor, a collective (see
-    :func:`paft.divergence.measure_divergence`), for the ``state_split`` alert.
+    :func:`paft.divergence.measure_divergence`), for the ``state_split`` alert; with
+    None that alert names the disagreeing ranks without the distance.
     """
 
     def __init__(self, config: MonitorConfig, recorder: RunRecorder,

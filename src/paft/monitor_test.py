@@ -14,9 +14,10 @@ from paft.monitor import Monitor
 from paft.records import RunRecorder
 
 
-def view(states: list[int | None], aggs: list[int] | None = None) -> ControlView:
+def view(states: list[int | None], aggs: list[int] | None = None, losses: list[float] | None = None) -> ControlView:
     aggs = aggs or [7] * len(states)
-    rows = [ControlVector(2.0, 1.0, 1.0, a, s, 0, 0, None).pack(0) for s, a in zip(states, aggs)]
+    losses = losses or [2.0] * len(states)
+    rows = [ControlVector(x, 1.0, 1.0, a, s, 0, 0, None).pack(0) for s, a, x in zip(states, aggs, losses)]
     return ControlView(torch.stack(rows))
 
 
@@ -59,3 +60,15 @@ def test_between_metric_steps_only_news_of_the_replicas_is_recorded(tmp_path: Pa
     assert not any(k.startswith("replicas/grad_") for k in skipped)  # a skipped update split nothing
     lines = (tmp_path / "consistency.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [2, 3, 5]
+
+
+def test_a_nan_loss_alerts_except_on_a_loss_scalers_overflow(tmp_path: Path) -> None:
+    """Its NaN coefficient of variation fires the loss_cv alert; a loss scaler's overflow
+    step (its non-finite values are routine) is recorded without one."""
+    monitor = Monitor(MonitorConfig(alert_loss_cv=0.5), RunRecorder(tmp_path, rank=0, quiet=True), None)
+    nan = view([None, None], losses=[2.0, float("nan")])
+    overflow = monitor.record(0, nan, metric_step=True, alerts=False)
+    assert overflow["local_grad_norms"] == [1.0, 1.0] and monitor.alerts == 0
+    monitor.record(1, nan, metric_step=True)
+    assert monitor.alerts == 1
+    assert [(e["step"], e["detector"]) for e in events(tmp_path)] == [(1, "loss_cv")]

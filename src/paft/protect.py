@@ -65,6 +65,7 @@ from paft.sync import ReplicaSync, SyncReport
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 
+
 class PersistentFaultError(RuntimeError):
     """The guard found a persistently faulty rank and the policy is ``stop``."""
 

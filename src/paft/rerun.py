@@ -18,7 +18,8 @@ and state fingerprints, flags, fault counts) as int64 bit patterns, so NaN == Na
   is data. A rerun fingerprints the state, the first attempt may not have: the state
   columns then take no part.
 - :func:`unsteady_ranks`: where neither attempt named a suspect, the ranks whose own
-  values moved on the rerun while the others' did not.
+  values moved on the rerun while the others' did not, and still lie outside the
+  range of those that did not.
 
 Example::
 

@@ -34,10 +34,12 @@ def test_a_nan_must_reproduce_bitwise_where_the_other_ranks_are_deterministic() 
     other_nan = [f64_bits(NAN) ^ 1] + row(3.0)[1:]  # a NaN of other bits: another element hit
     assert reproduced(first, [row(NAN), row(3.0)], rows=[0])
     assert not reproduced(first, [other_nan, row(3.0)], rows=[0])
-    # Where the other ranks' own values moved (non-deterministic kernels), NaN again is data.
-    moved = [row(NAN), row(3.0 * (1 + 1e-6))]
+    # Where the other ranks' own values moved (non-deterministic kernels), so does the
+    # suspect's aggregated checksum, a sum over the ranks: NaN again is data.
+    moved = [row(NAN, fp=8), row(3.0 * (1 + 1e-6), fp=8)]
     assert reproduced(first, moved, rows=[0])
-    assert not reproduced(first, [row(5.0), row(3.0 * (1 + 1e-6))], rows=[0])
+    assert not reproduced(first, [other_nan, row(3.0)], rows=[0])
+    assert not reproduced(first, [row(5.0, fp=8), row(3.0 * (1 + 1e-6), fp=8)], rows=[0])
 
 
 def test_only_the_suspects_rows_count_when_both_attempts_name_them() -> None:

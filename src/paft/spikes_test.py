@@ -7,7 +7,16 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paft.spikes import GROSS_FACTOR, MAD_TO_STD, REL_FLOOR_LOSS, SpikeWindow, cross_rank_limit, median, median_distance
+from paft.spikes import (
+    GROSS_FACTOR,
+    MAD_TO_STD,
+    REL_FLOOR_LOSS,
+    REL_FLOOR_RANK,
+    SpikeWindow,
+    cross_rank_limit,
+    median,
+    median_distance,
+)
 
 finite = st.floats(-1e6, 1e6) | st.sampled_from([0.0, 1.0, 2.5])
 
@@ -46,6 +55,9 @@ def test_limit_is_median_plus_floored_mads_or_the_tail() -> None:
     spread = SpikeWindow(100, [0.0, 10.0, 20.0])  # median 10, MAD 10
     assert spread.limit(2, REL_FLOOR_LOSS, armed=True, tail=1.0) == 10 + 2 * MAD_TO_STD * 10
     assert w.limit(10, REL_FLOOR_LOSS, armed=False) == 11 + GROSS_FACTOR * 11  # warm-up: gross jumps only
+    # One earlier excursion, MAD 0: the tail (3 x the max's distance) is above 10 floors.
+    tail = SpikeWindow(100, [1.0] * 9 + [5.0])
+    assert tail.limit(10, REL_FLOOR_LOSS, armed=True) == 1 + 3 * (5 - 1)
 
 
 def test_an_all_zero_history_fires_only_past_the_gross_factor() -> None:
@@ -56,6 +68,11 @@ def test_an_all_zero_history_fires_only_past_the_gross_factor() -> None:
         limit = w.limit(10, REL_FLOOR_LOSS, armed)
         assert limit == GROSS_FACTOR and 0.5 < limit < 1e36
     assert cross_rank_limit([0.0, 0.0, 0.0], 20, armed=True) == GROSS_FACTOR
+
+
+def test_cross_rank_limit_is_the_median_plus_floored_mads() -> None:
+    assert cross_rank_limit([1.0, 2.0, 3.0, 4.0, 100.0], 20, armed=True) == 3 + 20 * MAD_TO_STD * 1.0
+    assert cross_rank_limit([4.0, 4.0, 4.0, 5.0], 20, armed=True) == 4 + 20 * REL_FLOOR_RANK * 4  # MAD 0: the floor
 
 
 def test_cross_rank_limit_ignores_non_finite_values() -> None:
