@@ -1,6 +1,6 @@
 # Two commands set up everything on a fresh machine and are safe to repeat:
 #   make train   -> venv + CPU torch + paft, then `paft train` on its default (gpt, 4 workers)
-#   make test    -> the same set-up, then the lint check and the test suite (slow experiments skipped)
+#   make test    -> the same set-up, then the lint check and the test suite
 # TORCH_SPEC picks the torch build. The default pin takes the CPU wheel where pip finds it
 # locally (as on this project's machines); from plain PyPI on Linux it is the CUDA build. On a GPU machine:
 #   make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126' test
@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.paft-installed
 
-.PHONY: setup train lint test test-slow clean
+.PHONY: setup train lint test clean
 
 setup: $(STAMP)
 
@@ -28,9 +28,6 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest $(ARGS)
-
-test-slow: setup
-	$(BIN)/python -m pytest -m slow $(ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

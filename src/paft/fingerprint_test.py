@@ -453,7 +453,6 @@ def test_ddp_is_unwrapped_in_process() -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_ddp_replicas_agree_and_names_are_unwrapped() -> None:
     results = run_workers(_ddp_worker, 2)
     (names0, fp0, distinct), (names1, fp1, _) = results

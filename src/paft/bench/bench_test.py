@@ -360,10 +360,9 @@ def test_out_that_is_a_file_exits_2(tmp_path: pathlib.Path) -> None:
     assert exc.value.code == 2
 
 
-# -- (e) the desync and detection benchmarks end to end (slow) -------------------------------
+# -- (e) the desync and detection benchmarks end to end -------------------------------
 
 
-@pytest.mark.slow
 def test_desync_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "desync"
     results = desync.run(out, steps=6, world_size=2)
@@ -378,7 +377,6 @@ def test_desync_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     assert all(r["replicas_distinct"] == 1 for r in results["runs"])
 
 
-@pytest.mark.slow
 def test_detection_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "detection"
     results = detection.run(out, steps=8, rate=0.5, world_size=2, bits=[30, "mantissa"], overhead_steps=5)
