@@ -27,13 +27,14 @@ median. When only the buffers differ (every fault-free sync of a BatchNorm model
 only they move (the report's note says ``buffers only``). Under DDP with
 ``broadcast_buffers`` (pass the DDP model), robust mode gives buffers without a
 majority those of DDP's source rank, as DDP's next forward would, not their median
-(see ``_as_ddp_would``). For each part whose
+(see :func:`paft.sync_plan.as_ddp_would`). For each part whose
 replicas differ one more exchange carries, per tensor, how many NaN/Inf entries the
 rank holds and where (16 bytes per tensor). "Finite" below means: no NaN/Inf in
 the parameters and optimizer state, and in the buffers none beyond what the
 replicas share (a strict majority's pattern, see
 :func:`~paft.divergence.sound_replicas`), so a ``-inf`` every replica holds alike
-(an attention-mask buffer) is state, not corruption. Then, per mode:
+(an attention-mask buffer) is state, not corruption. Then, per mode (the choice
+itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alike):
 
 * ``robust`` (default):
 
@@ -117,7 +118,7 @@ import math
 import time
 import weakref
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -127,7 +128,7 @@ from torch import Tensor, nn
 from paft.config import SYNC_MODES
 from paft.consistency import collective_device, gather_rows, max_over_ranks
 from paft.divergence import all_finite, nonfinite_patterns, rel_distance, sound_replicas, sq_norm
-from paft.fingerprint import fingerprint, group_replicas, majority, state_tensors
+from paft.fingerprint import fingerprint, group_replicas, state_tensors
 from paft.flat import (
     Group,
     Layout,
@@ -141,15 +142,13 @@ from paft.flat import (
 )
 from paft.records import jsonable
 from paft.robust import lower_median, median_of_three
+from paft.sync_plan import COPY_MODES, SyncPlan, as_ddp_would, plan_sync
 
 __all__ = [
     "SYNC_MODES",
     "ReplicaSync",
     "SyncReport",
 ]
-
-_COPY_MODES = ("majority-copy", "finite-copy", "broadcast")  # the result is one rank's state
-
 
 # ----------------------------------------------------------------------------
 # Reports
@@ -204,24 +203,10 @@ class SyncReport:
 
 
 @dataclass
-class _Decision:
-    mode: str
-    groups: list[list[int]]
-    sources: list[int]
-    finite: list[bool]
-    src: int = -1  # group rank copied from (copy modes; integer tensors in mean mode)
-    count: int = 0  # finite replicas (mean)
-    holds_result: bool = False  # this rank's state already is the result
-    ref_ok: bool = True
-    note: str = ""
-    minority: list[int] = field(default_factory=list)  # majority-copy: the ranks to repair
-
-
-@dataclass
 class _InFlight:
     """One part of a sync (the parameters and optimizer state, or the buffers) in flight."""
 
-    decision: _Decision
+    decision: SyncPlan
     layout: Layout
     originals: list[Tensor]  # the live objects, for identity / version checks
     versions: list[int]
@@ -240,7 +225,7 @@ class _InFlight:
 class _Done:
     """A completed part: what the report says of it."""
 
-    decision: _Decision
+    decision: SyncPlan
     divergence: float
     bytes_sent: int
     collectives: int
@@ -500,69 +485,6 @@ class ReplicaSync:
 
     # -- internals: one sync ----------------------------------------------------------
 
-    def _decide(self, fps: list[int], finite: list[bool], tags: list[int]) -> _Decision:
-        ws, rank = self.world_size, self.rank
-        groups = group_replicas(fps)
-        everyone = list(range(ws))
-        if self.mode == "mean" and not any(finite):
-            raise RuntimeError(
-                f"ReplicaSync(mode='mean'): no replica is finite (NaN/Inf on all {ws} ranks); "
-                "nothing to average from -- restore a checkpoint"
-            )
-        if len(groups) == 1:
-            return _Decision("noop", groups, everyone, finite, holds_result=True)
-        if self.mode == "broadcast":
-            src = self.src if finite[self.src] else next((r for r in everyone if finite[r]), None)
-            if src is None:
-                raise RuntimeError(
-                    f"ReplicaSync(mode='broadcast'): no replica is finite (NaN/Inf on all {ws} ranks); "
-                    "nothing to copy from -- restore a checkpoint"
-                )
-            note = f"source rank {self.src} is non-finite; copied rank {src}" if src != self.src else ""
-            return _Decision("broadcast", groups, [src], finite, src=src, holds_result=rank == src, note=note)
-        if self.mode == "mean":
-            good = [r for r in everyone if finite[r]]
-            note = f"non-finite ranks {[r for r in everyone if not finite[r]]} excluded" if len(good) < ws else ""
-            return _Decision("mean", groups, good, finite, src=good[0], count=len(good), note=note)
-        maj = majority(fps)
-        if maj is not None and finite[maj[0]]:
-            minority = [r for r in everyone if r not in maj]
-            return _Decision(
-                "majority-copy", groups, [maj[0]], finite, src=maj[0], holds_result=rank in maj, minority=minority
-            )
-        note = "majority is non-finite; " if maj is not None else ""
-        good = [r for r in everyone if finite[r]]
-        if len(good) == 1:  # nothing to take a median of: copy the one sound replica
-            (src,) = good
-            minority = [r for r in everyone if r != src]
-            return _Decision(
-                "finite-copy", groups, good, finite, src=src, holds_result=rank == src, minority=minority,
-                note=f"{note}non-finite ranks {minority} excluded",
-            )
-        if self._keeps_reference:
-            ok = self._ref is not None and all(t == tags[0] for t in tags)
-            if not ok:
-                note += "references disagree; used a zero reference"
-            return _Decision("median-with-reference", groups, everyone, finite, ref_ok=ok, note=note.rstrip("; "))
-        # Replicas holding NaN/Inf vote where they are finite (see _finite_where_outvoted).
-        if 0 < len(good) < ws:
-            note += f"non-finite ranks {[r for r in everyone if r not in good]} outvoted where non-finite"
-        return _Decision("median", groups, everyone, finite, note=note.rstrip("; "))
-
-    def _as_ddp_would(self, d: _Decision, state: _Decision) -> _Decision:
-        """Robust mode's buffers without a majority (the normal case under DDP: each rank
-        updates its BatchNorm statistics from its own batch): copy those of DDP's source
-        rank, which DDP's next forward would broadcast anyway, so the sync leaves the
-        fault-free trajectory as it is (a median of the ranks' statistics does not).
-        Not where that rank's buffers hold NaN/Inf of their own or its parameters and
-        optimizer state are a minority: then the median stands."""
-        src = self._buffer_src
-        assert src is not None
-        if not d.finite[src] or src in state.minority:
-            return d
-        return _Decision("broadcast", d.groups, [src], d.finite, src=src, holds_result=self.rank == src,
-                         note=f"DDP's buffer source, rank {src}")
-
     def _check_structure(self, digests: list[int]) -> None:
         """Raise on every rank if the ranks' states differ in structure: their flat
         buffers would not line up, and no mode can merge them value by value."""
@@ -613,10 +535,11 @@ class ReplicaSync:
                 # non-finite on every rank alike (nothing to average from), never buffers
                 strict = self.mode == "mean" and part is state
                 finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
-            decisions.append(self._decide(fps, finite, tags))
+            decisions.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._keeps_reference,
+                                       reference_ok=self._ref is not None and len(set(tags)) == 1))
         state_d, buffers_d = decisions
-        if buffers_d.mode in ("median", "median-with-reference") and self._buffer_src is not None:
-            buffers_d = self._as_ddp_would(buffers_d, state_d)
+        if self._buffer_src is not None:
+            buffers_d = as_ddp_would(buffers_d, state_d, self._buffer_src)
         # The buffers first, now and blocking, before the next forward updates them:
         # their updates (BatchNorm's running averages) are not additive, so the overlapped
         # correction synced + (w - snapshot) would put a replica's deviation back with the
@@ -625,7 +548,7 @@ class ReplicaSync:
         pending = self._transfer(state_d, state, overlapped)
         return _Sync(ctrl, bytes_sent, collectives, buffers_done, pending, t0, critical=time.perf_counter() - t0)
 
-    def _transfer(self, d: _Decision, entries: list[tuple[str, Tensor, Tensor]], overlapped: bool) -> _InFlight:
+    def _transfer(self, d: SyncPlan, entries: list[tuple[str, Tensor, Tensor]], overlapped: bool) -> _InFlight:
         """Launch the collectives of one part (the parameters and optimizer state, or the
         buffers) as decided by ``d``."""
         ws, rank, group = self.world_size, self.rank, self.group
@@ -640,10 +563,10 @@ class ReplicaSync:
             snap: Tensor | None = None
             buf: Tensor | None = None
             outs: list[Tensor] = []
-            copy_mode = d.mode in _COPY_MODES or (d.mode == "mean" and not g.floating)
+            copy_mode = d.mode in COPY_MODES or (d.mode == "mean" and not g.floating)
             if d.mode == "noop" or g.numel == 0:
                 pass
-            elif d.mode in _COPY_MODES and len(d.minority) == 1:
+            elif d.mode in COPY_MODES and len(d.minority) == 1:
                 # One rank to repair (the common case): send it the source's state
                 # point-to-point; the other majority members move nothing at all.
                 (bad,) = d.minority
@@ -668,7 +591,7 @@ class ReplicaSync:
                 else:
                     # Majority members hold the result already and only receive; the
                     # others keep a snapshot for divergence and the overlapped delta.
-                    if not d.holds_result:
+                    if not d.holds_result(rank):
                         snap = self._pack_group(g, entries)
                     buf = torch.empty(g.numel, dtype=g.dtype, device=self._device)
                 for a, b in g.buckets:
@@ -765,16 +688,16 @@ class ReplicaSync:
         synced: list[Tensor | None] = []
         local_sq = ref_sq = 0.0
         me = self.rank
-        measure = d.mode != "noop" and not d.holds_result and d.finite[me]
+        measure = d.mode != "noop" and not d.holds_result(me) and d.finite[me]
         good = [r for r in range(self.world_size) if d.finite[r]]
         for gi, g in enumerate(layout.groups):
             snap, buf = p.snaps[gi], p.bufs[gi]
-            if d.mode == "noop" or g.numel == 0 or (buf is None and d.holds_result):
+            if d.mode == "noop" or g.numel == 0 or (buf is None and d.holds_result(me)):
                 synced.append(None)  # nothing moved, or a majority member left out of the copy
                 continue
             if d.mode in ("median", "median-with-reference"):
                 out_flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
-                ref = self._ref_flat(g, d.ref_ok) if d.mode == "median-with-reference" else None
+                ref = self._ref_flat(g, d.reference_ok) if d.mode == "median-with-reference" else None
                 nan_free = all(d.finite)  # then the NaN pass of the medians is skipped
                 for (a, b), rows in zip(g.buckets, p.gathered[gi]):
                     if ref is not None:
@@ -830,7 +753,7 @@ class ReplicaSync:
         # 2. Apply: copy where the tensor is untouched since the snapshot, else the
         # correction synced + (w - snapshot).
         delta_tensors = 0
-        if d.mode != "noop" and not d.holds_result:
+        if d.mode != "noop" and not d.holds_result(self.rank):
             delta_tensors = self._apply(p, synced, state_changed)
 
         # 3. The reference for the next world-size-2 median: the state just agreed
