@@ -7,9 +7,12 @@ very same :class:`SyncPlan` without another collective, and the rules are tested
 in microseconds (``sync_plan_test.py``), apart from the transfers that carry a plan
 out. The rules, in order:
 
-1. one fingerprint on every rank: ``noop`` (in every mode; a mean of identical values
-   could even change their last bit);
-2. ``broadcast``: copy ``src``; if it is non-finite, the lowest finite rank;
+0. ``mean`` with no finite replica: ``RuntimeError``, even where the replicas agree
+   (nothing to average from);
+1. one fingerprint on every rank: ``noop`` (a mean of identical values could even
+   change their last bit);
+2. ``broadcast``: copy ``src``; if it is non-finite, the lowest finite rank (none
+   finite: ``RuntimeError``, nothing to copy from);
 3. ``mean``: average the finite replicas only;
 4. ``robust``:
 
@@ -22,8 +25,7 @@ out. The rules, in order:
    - else ``median``: the per-coordinate lower median of all replicas, in which a
      replica holding NaN/Inf still votes where it is finite.
 
-``mean`` and ``broadcast`` with no finite replica at all raise ``RuntimeError``:
-there is nothing to take the state from. :func:`as_ddp_would` adjusts robust mode's
+:func:`as_ddp_would` adjusts robust mode's
 plan for buffers under DDP, which broadcasts one rank's buffers at every forward.
 
 Example::
@@ -82,7 +84,10 @@ class SyncPlan:
     """Why the plan departs from the mode's plain rule, for the sync's report."""
 
     def holds_result(self, rank: int) -> bool:
-        """Whether ``rank``'s state already is the result, so it needs nothing."""
+        """Whether the plan leaves ``rank``'s state as it is because it already is the
+        result: every rank of a no-op, the copied rank, a majority-copy's majority.
+        (Not a check of the bits: under ``broadcast`` a rank equal to ``src`` still
+        receives.)"""
         if self.mode == "noop":
             return True
         if self.mode == "majority-copy":
@@ -166,8 +171,8 @@ def as_ddp_would(buffers: SyncPlan, state: SyncPlan, source: int) -> SyncPlan:
     updates its running statistics from its own batch. A median of them would leave
     the fault-free trajectory; copying those of DDP's buffer ``source`` rank does not,
     since DDP's next forward broadcasts them anyway. Not where that rank's buffers
-    hold NaN/Inf of their own, or its parameters and optimizer state (``state``) are
-    to be repaired: then ``buffers`` stands.
+    hold NaN/Inf of their own, or its parameters and optimizer state are in the
+    minority that ``state`` repairs: then ``buffers`` stands.
     """
     if buffers.mode not in ("median", "median-with-reference"):
         return buffers

@@ -41,6 +41,9 @@ def test_robust_never_copies_a_non_finite_majority() -> None:
     plan = plan_sync("robust", [7, 7, 7, 9, 8], [False, False, False, True, True])
     assert (plan.mode, plan.sources) == ("median", [0, 1, 2, 3, 4])
     assert plan.note == "majority is non-finite; non-finite ranks [0, 1, 2] outvoted where non-finite"
+    # None finite at all: a median of everything, and the note says why not a copy.
+    plan = plan_sync("robust", [7, 7, 9], [False] * 3)
+    assert (plan.mode, plan.note) == ("median", "majority is non-finite")
 
 
 def test_robust_takes_the_median_without_a_strict_majority() -> None:
@@ -66,6 +69,7 @@ def test_broadcast_copies_src_or_the_lowest_finite_rank() -> None:
     assert [plan.holds_result(r) for r in range(3)] == [False, False, True]
     plan = plan_sync("broadcast", [1, 2, 3], [False, True, False], src=2)
     assert (plan.src, plan.note) == (1, "source rank 2 is non-finite; copied rank 1")
+    assert plan_sync("broadcast", [1, 2, 3, 4], [True, True, False, True], src=2).src == 0  # the lowest
     with pytest.raises(RuntimeError, match="mode='broadcast'.*no replica is finite.*restore a checkpoint"):
         plan_sync("broadcast", [1, 2], [False, False])
 
@@ -126,7 +130,8 @@ def test_buffers_follow_ddps_source_rank() -> None:
 )
 def test_nothing_non_finite_is_ever_a_source(mode: str, fps: list[int], data: st.DataObject) -> None:
     """Whatever the replicas: a plan that copies or averages takes only finite replicas,
-    a copy's source holds the result, and its minority are the ranks that differ from it."""
+    a copy's source holds the result and the ranks it repairs do not; a majority copy
+    repairs exactly the ranks that differ from the majority, a finite copy all others."""
     ws = len(fps)
     finite = data.draw(st.lists(st.booleans(), min_size=ws, max_size=ws))
     src = data.draw(st.integers(0, ws - 1))
@@ -147,5 +152,8 @@ def test_nothing_non_finite_is_ever_a_source(mode: str, fps: list[int], data: st
         if plan.mode == "majority-copy":
             assert plan.minority == [r for r in range(ws) if fps[r] != fps[plan.src]]
             assert 2 * (ws - len(plan.minority)) > ws
+            assert all(plan.holds_result(r) for r in range(ws) if r not in plan.minority)
+        if plan.mode == "finite-copy":
+            assert plan.minority == [r for r in range(ws) if r != plan.src]
     if mode == "robust" and plan.mode in ("median", "median-with-reference"):
         assert sum(finite) != 1  # one finite replica is copied instead (none: a median of all)
