@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,10 @@ from paft.sync import ReplicaSync, SyncReport
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 
+# DDP model -> its live Protector: a second one on the same model would share its comm
+# hook (or, unmonitored, run beside it unseen), so protect() refuses it.
+_PROTECTED: weakref.WeakKeyDictionary[DistributedDataParallel, weakref.ref[Protector]] = weakref.WeakKeyDictionary()
+
 
 class PersistentFaultError(RuntimeError):
     """The guard found a persistently faulty rank and the policy is ``stop``."""
@@ -81,7 +86,8 @@ class PersistentFaultError(RuntimeError):
 
 @dataclass
 class StepReport:
-    """What happened in one protected step (identical on every rank except ``local_*``)."""
+    """What happened in one protected step (identical on every rank except ``local_loss``,
+    ``grad_norm``, and ``loss`` with the monitor off)."""
 
     step: int
     loss: float
@@ -116,7 +122,11 @@ def protect(
     """Wrap ``model`` (DDP) and ``optimizer``; train with :meth:`Protector.step`.
 
     A collective: every rank of the model's process group calls it with the same
-    settings (checked by one collective, so all ranks raise the same error).
+    settings (checked by one collective, so a setting that differs, or one refused on
+    some ranks, raises on every rank). Every rank then calls :meth:`Protector.step`
+    equally often: uneven inputs under DDP's ``join()`` are not supported (Join stands
+    in for a finished rank in DDP's own all-reduces only, not in paft's per-step
+    collective, so the others would wait for it).
 
     Args:
         model: the DDP-wrapped model; paft registers its comm hook on it.
@@ -184,11 +194,13 @@ def protect(
     )
 
 
-def _check_arguments(model: Any, optimizer: Any, monitor: Any, protect: Any, guard: Any, inject: Any,
-                     grad_clip: Any) -> None:
+def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: Any, protect: Any, guard: Any,
+                     inject: Any, grad_clip: Any) -> None:
     """Misuse that would otherwise fail deep inside a later step, or not at all."""
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"protect() needs a DistributedDataParallel model, got {type(model).__name__}")
+    earlier = _PROTECTED.get(model)
+    if earlier is not None and earlier() is not None:
+        raise RuntimeError("protect(): this DDP model is already protected by a live Protector; keep using "
+                           "that one (its state_dict() carries over), or wrap the module in a new DDP model")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"protect() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -215,22 +227,68 @@ def _check_arguments(model: Any, optimizer: Any, monitor: Any, protect: Any, gua
     if foreign:
         raise ValueError(f"protect(): the optimizer holds {foreign} parameter(s) that are not the model's; "
                          "build it from ddp_model.parameters() (or a subset of them)")
+    if guard.enabled and not monitor.enabled:
+        raise ValueError("the guard needs the per-step monitor (MonitorConfig.enabled)")
+    world_size = dist.get_world_size(model.process_group)
+    if protect.mode in ("sync", "dyn") and protect.sync_mode == "broadcast" and not (
+            0 <= protect.broadcast_src < world_size):
+        raise ValueError(f"protect(): ProtectConfig.broadcast_src must be a rank in [0, {world_size}), "
+                         f"got {protect.broadcast_src}")
 
 
-def _optimizer_order(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> list[list[int]]:
-    """Per param group, the model positions of its parameters: optimizer state is synced by
-    this order, so ranks that list parameters differently would mix layers' state."""
+def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter]) -> None:
+    """Fault specs the model's dtypes cannot take. Checked before the hook is registered:
+    inside a step, a bit beyond the width would fail in one rank's hook callback and
+    leave the others waiting. A gradient bucket can hold any of the dtypes; faults at
+    rest pick, among the tensors, those they can corrupt, so there one dtype is enough."""
+    dtypes = sorted({p.dtype for p in params if p.is_floating_point()}, key=str)
+    for spec in specs:
+        errors = []
+        for dtype in dtypes:
+            try:
+                spec.check_dtype(dtype)
+            except ValueError as err:
+                errors.append(err)
+        if errors and (spec.site in ("aggregation", "local-grad") or len(errors) == len(dtypes)):
+            raise ValueError(f"protect(): inject {spec.to_text()!r}: {errors[0]}")
+
+
+def _model_and_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What of the model and optimizer the ranks must agree on (see :data:`_AGREED`).
+    The parameter order: optimizer state is synced by it, so ranks that list parameters
+    differently would mix layers' state."""
     index = {id(p): i for i, p in enumerate(model.parameters())}
-    return [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    return {
+        "the optimizer's type": type(optimizer).__qualname__,
+        "the optimizer's hyperparameters": [  # plain values: an object's repr may hold its address
+            {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, tuple, type(None)))}
+            for g in optimizer.param_groups],
+        "the optimizer's parameter order": [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups],
+        "the model's parameter shapes": [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in model.parameters()],
+    }
 
 
-def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any]) -> None:
-    """One gather of a 64-bit digest per setting, once at construction: a setting that
-    differs between ranks would deadlock a later collective or silently mix state."""
-    names = list(parts)
-    digests = [repr_digest(parts[n]) for n in names]
-    table = gather_rows(torch.tensor(digests, dtype=torch.int64), group).cpu()
-    differ = [n for j, n in enumerate(names) if bool((table[:, j] != table[0, j]).any())]
+_AGREED = ("the monitor config", "the protect config", "the guard config", "grad_clip", "seed", "inject",
+           "the optimizer's type", "the optimizer's hyperparameters", "the optimizer's parameter order",
+           "the model's parameter shapes", "the loss scaler")
+"""What every rank must pass to protect() alike."""
+
+
+def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any] | None, refusal: Exception | None) -> None:
+    """One gather, once at construction, of whether each rank accepted its arguments
+    and a 64-bit digest of each setting of :data:`_AGREED`: a setting that differs
+    between ranks would deadlock a later collective or silently mix state, and an
+    argument refused on some ranks only must raise on all, not leave the others
+    waiting in the next collective."""
+    digests = [0] * len(_AGREED) if parts is None else [repr_digest(parts[n]) for n in _AGREED]
+    table = gather_rows(torch.tensor([int(refusal is not None), *digests], dtype=torch.int64), group).cpu()
+    refused = [r for r, flag in enumerate(table[:, 0].tolist()) if flag]
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise ValueError(f"protect(): rank(s) {refused} refused their arguments (the error is raised there); "
+                         "every rank must call protect() with the same, valid settings")
+    differ = [n for j, n in enumerate(_AGREED, 1) if bool((table[:, j] != table[0, j]).any())]
     if differ:
         raise ValueError(f"protect(): ranks disagree on {', '.join(differ)}; every rank must call protect() "
                          "with the same settings, model and optimizer (parameter order included)")
@@ -255,8 +313,24 @@ class Protector:
         comm_state: Any,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
-        self._stepper = OptimizerStep(optimizer, scaler)
+        if not isinstance(model, DistributedDataParallel):  # no process group to tell the others through
+            raise TypeError(f"protect() needs a DistributedDataParallel model, got {type(model).__name__}")
+        # Refused arguments are told to every rank through the agreement gather below.
+        refusal: Exception | None = None
+        try:
+            _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
+            specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
+            _check_specs(specs, list(model.parameters()))
+            stepper = OptimizerStep(optimizer, scaler)
+            agreed: dict[str, Any] | None = {
+                "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
+                "grad_clip": grad_clip, "seed": seed, "inject": [s.to_text() for s in specs],
+                **_model_and_optimizer(model, optimizer), "the loss scaler": stepper.state(),
+            }
+        except (TypeError, ValueError, RuntimeError) as err:
+            refusal, agreed = err, None
+        _check_ranks_agree(model.process_group, agreed, refusal)
+        self._stepper = stepper
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -272,28 +346,7 @@ class Protector:
         self.group = model.process_group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
         self.injector = FaultInjector(FaultSchedule(specs, seed, self.world_size), self.rank)
-        # Checked here, before the hook is registered: inside a step, a bit beyond the
-        # width would fail in one rank's hook callback and leave the others waiting. A
-        # gradient bucket can hold any of the dtypes; faults at rest pick, among the
-        # tensors, those they can corrupt, so there one dtype is enough.
-        dtypes = sorted({p.dtype for p in self._params if p.is_floating_point()}, key=str)
-        for spec in specs:
-            errors = []
-            for dtype in dtypes:
-                try:
-                    spec.check_dtype(dtype)
-                except ValueError as err:
-                    errors.append(err)
-            if errors and (spec.site in ("aggregation", "local-grad") or len(errors) == len(dtypes)):
-                raise ValueError(f"protect(): inject {spec.to_text()!r}: {errors[0]}")
-        if guard.enabled and not monitor.enabled:
-            raise ValueError("the guard needs the per-step monitor (MonitorConfig.enabled)")
-        if protect.mode in ("sync", "dyn") and protect.sync_mode == "broadcast" and not (
-                0 <= protect.broadcast_src < self.world_size):
-            raise ValueError(f"protect(): ProtectConfig.broadcast_src must be a rank in [0, {self.world_size}), "
-                             f"got {protect.broadcast_src}")
         self.hook = CommHookState(
             self.injector,
             cosine=monitor.cosine,
@@ -302,17 +355,6 @@ class Protector:
             inner_hook=comm_hook,
             inner_state=comm_state,
         )
-        _check_ranks_agree(self.group, {
-            "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
-            "grad_clip": grad_clip, "seed": seed, "inject": [s.to_text() for s in specs],
-            "the optimizer's type": type(optimizer).__qualname__,
-            "the optimizer's hyperparameters": [  # plain values: an object's repr may hold its address
-                {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, tuple, type(None)))}
-                for g in optimizer.param_groups],
-            "the optimizer's parameter order": _optimizer_order(model, optimizer),
-            "the model's parameter shapes": [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in self._params],
-            "the loss scaler": self._stepper.state(),
-        })
         # After the agreement above, so every rank reaches the same answer.
         if self._stepper.scaler is not None:
             held = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -327,8 +369,9 @@ class Protector:
             try:
                 model.register_comm_hook(self.hook, paft_comm_hook)
             except RuntimeError as err:
-                raise RuntimeError(f"protect(): this DDP model already has a comm hook (an earlier protect() "
-                                   f"or register_comm_hook); DDP takes one: pass yours as comm_hook= ({err})") from None
+                raise RuntimeError(f"protect(): this DDP model already has a comm hook (from register_comm_hook); "
+                                   f"DDP takes one: pass yours to protect() as comm_hook= ({err})") from None
+        _PROTECTED[model] = weakref.ref(self)
         self.sketch_dim = monitor.sketch_dim if monitor.cosine == "sketch" else 0
         self.sync: ReplicaSync | None = None
         self.scheduler: SyncScheduler | None = None
@@ -427,6 +470,8 @@ class Protector:
                 # The attempt leaves no trace (its RNG draws, its BatchNorm statistics), on
                 # every rank before a repair: a skipped NaN batch poisoned the running stats.
                 rerun_from.restore()  # type: ignore[union-attr]
+            if verdict.action == "stop":
+                raise self._stop(t, verdict)
             if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
                 self._repair(t, rerun=verdict.action == "repair")  # at the rerun cap too: the batch is skipped
                 rerun_from.keep_buffers()  # type: ignore[union-attr]
@@ -514,8 +559,8 @@ class Protector:
         pick their bucket among the buckets of the final layout. ``paft train`` calls
         it before the first step of every run, fresh or resumed.
         Two passes: the first records the order, the second runs on the rebuilt layout
-        and tells the hook how many buckets it has. RNG, buffers and gradients are
-        restored; nothing is injected or recorded. Without it, the first two steps
+        and tells the hook how many buckets it has. RNG and buffers are restored, the
+        gradients set to None; nothing is injected or recorded. Without it, the first two steps
         still inject reproducibly, but only into the buckets the hook knew of then.
         """
         before = ForwardSnapshot(self._buffers)
@@ -526,7 +571,11 @@ class Protector:
         self.optimizer.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        """Finish an in-flight overlapped sync so that training ends on identical replicas."""
+        """Finish an in-flight overlapped sync, so that the replicas are identical now (at
+        the end of training, or before a checkpoint: :meth:`state_dict` needs it).
+
+        A collective when a sync is in flight: call it on every rank, between the same
+        two steps (never on rank 0 alone). Training may go on after it."""
         self._finish_sync(self.step_idx, in_step=False)
 
     @property
@@ -636,10 +685,16 @@ class Protector:
             if attempt and verdict.action == "proceed":  # the record keeps the detection it answers
                 what = f"clean recompute (of {what})"
             self.recorder.say(f"[guard] step {step} attempt {attempt}: {what} -> {verdict.action}{cause}")
-        if verdict.action == "stop":
-            self._stepper.discard()  # a caller that catches the error may step on
-            raise PersistentFaultError(step, verdict.ranks)
         return verdict
+
+    def _stop(self, step: int, verdict: GuardVerdict) -> PersistentFaultError:
+        """End a step the guard stops (``on_persistent="stop"``): it leaves no trace
+        (the caller restored its RNG draws and buffers), so a caller that catches the
+        error may checkpoint, or step on with the next batch as step ``step + 1``."""
+        self._stepper.discard()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_idx = step + 1
+        return PersistentFaultError(step, verdict.ranks)
 
     def _scaled_step(self, skip: bool) -> bool:
         """The loss scaler's step; ``skip`` (known alike on every rank: some rank's

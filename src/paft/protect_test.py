@@ -451,6 +451,49 @@ def test_persistent_faulty_rank_is_named_and_stops() -> None:
     assert all(o == {"stopped": 6, "ranks": [2]} for o in out)
 
 
+def stop_then_step_on(rank: int, world_size: int) -> dict[str, Any]:
+    """A persistent fault stops step 6; the caller catches the error and steps on."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(toy_model(batchnorm=True))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    protector = protect(model, optimizer, guard=GuardConfig(**GUARD, on_persistent="stop"),
+                        inject=["bitflip:steps=6,ranks=2,bits=30,count=4,persistent=true"], seed=3)
+    out: dict[str, Any] = {}
+    for step in range(8):
+        x, y = batch(rank, step)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        if step == 6:
+            before = ([b.clone() for b in model.module.buffers()], torch.get_rng_state(),
+                      state_fingerprint(model, optimizer))
+            try:
+                protector.step(closure)
+            except PersistentFaultError as err:
+                out["stopped"] = (err.step, err.ranks)
+            out["no trace"] = (all(torch.equal(a, b) for a, b in zip(before[0], model.module.buffers()))
+                               and torch.equal(before[1], torch.get_rng_state())
+                               and before[2] == state_fingerprint(model, optimizer))
+            out["grads"] = [p.grad for p in model.parameters()]
+            out["next step"] = protector.step_idx
+            continue
+        report = protector.step(closure)
+    out["last"] = (report.step, report.applied, state_fingerprint(model, optimizer, buffers=False))
+    return out
+
+
+def test_a_stopped_step_leaves_no_trace_and_the_caller_may_step_on() -> None:
+    out = run_workers(stop_then_step_on, 3)
+    for o in out:
+        assert o["stopped"] == (6, [2]) and o["no trace"] and o["grads"] == [None] * len(o["grads"])
+        assert o["next step"] == 7 and o["last"][:2] == (7, True)
+    assert len({o["last"][2] for o in out}) == 1
+
+
 def test_a_persistent_fault_at_rest_strikes_the_rerun_and_names_the_rank() -> None:
     # Stuck memory: the repaired replica is corrupted again (elsewhere) when the step is
     # recomputed, so the state mismatch recurs on the same rank: persistent, not transient.
@@ -689,6 +732,11 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "no backward after a step": stale,
         "unused parameters": lambda m, o: unused(*wrapped(Spare())),
         "protect twice": lambda m, o: (protect(m, o), protect(m, o)),
+        "own hook registered": lambda m, o: (m.register_comm_hook(None, default_hooks.allreduce_hook),
+                                             protect(m, o)),
+        # an unmonitored, fault-free protector registers no comm hook: refused all the same
+        "protect twice, first unhooked": lambda m, o: (protect(m, o, monitor=MonitorConfig(enabled=False)),
+                                                       protect(m, o)),
         "garbage state": lambda m, o: protect(m, o).load_state_dict({}),
         "state of another mode": lambda m, o: protect(m, o).load_state_dict(
             {"step": 3, "counters": {}, "scheduler": {"kind": "FixedScheduler", "period": 5}}),
@@ -707,6 +755,48 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         except (TypeError, ValueError, RuntimeError) as err:
             out[name] = f"{type(err).__name__}: {err}"
     return out
+
+
+def refused_on_one_rank(rank: int, world_size: int) -> dict[str, str]:
+    """Arguments refused on rank 1 only: what protect() raised on each rank."""
+    def fresh() -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+        model = DistributedDataParallel(toy_model())
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    one = rank == 1
+    cases: dict[str, Any] = {
+        "bits": lambda m, o: protect(m, o, inject=["bitflip:steps=1,bits=40"] if one else []),
+        "guard without monitor": lambda m, o: protect(m, o, guard=GuardConfig(enabled=True),
+                                                      monitor=MonitorConfig(enabled=not one)),
+        "foreign optimizer": lambda m, o: protect(m, torch.optim.Adam(toy_model().parameters()) if one else o),
+        "closure optimizer": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters()) if one else o),
+        # and afterwards the ranks still work together: a collective that would hang otherwise
+        "then a valid call": lambda m, o: protect(m, o).step(lambda: m(batch(rank, 0)[0]).sum().backward() or
+                                                             torch.zeros(())),
+    }
+    out = {}
+    for name, case in cases.items():
+        try:
+            case(*fresh())
+            out[name] = ""
+        except (TypeError, ValueError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_arguments_refused_on_one_rank_raise_on_every_rank() -> None:
+    out = run_workers(refused_on_one_rank, 3)
+    others = "ValueError: protect(): rank(s) [1] refused their arguments (the error is raised there)"
+    own = {
+        "bits": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': field 'bits' must be < 32",
+        "guard without monitor": "ValueError: the guard needs the per-step monitor",
+        "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
+        "closure optimizer": "TypeError: protect(): LBFGS.step() needs a closure",
+    }
+    for name, needle in own.items():
+        assert out[1][name].startswith(needle), (name, out[1][name])
+        assert out[0][name].startswith(others) and out[2][name] == out[0][name], (name, out[0][name])
+    assert [o["then a valid call"] for o in out] == ["", "", ""]
 
 
 def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
@@ -733,7 +823,10 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "no backward": "RuntimeError: the closure ran no backward()",
         "no backward after a step": "RuntimeError: the closure ran no backward()",
         "unused parameters": "RuntimeError: the closure ran no backward(): DDP all-reduced no gradient",
-        "protect twice": "RuntimeError: protect(): this DDP model already has a comm hook",
+        "protect twice": "RuntimeError: protect(): this DDP model is already protected by a live Protector",
+        "protect twice, first unhooked": "RuntimeError: protect(): this DDP model is already protected",
+        "own hook registered": "RuntimeError: protect(): this DDP model already has a comm hook (from "
+                               "register_comm_hook); DDP takes one: pass yours to protect() as comm_hook=",
         "garbage state":
             "ValueError: Protector.load_state_dict(): not a protector state (missing ['step', 'counters'])",
         "state of another mode": "ValueError: Protector.load_state_dict(): the state has scheduler part and this "
