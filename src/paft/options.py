@@ -255,7 +255,9 @@ def _read_config_file(path: str) -> dict[str, Any]:
         key = str(raw_key).replace("_", "-")
         opt = _BY_KEY.get(key)
         if opt is None:
-            raise ConfigFileError(f"--config: {path}: unknown option {raw_key!r}")
+            flag = _BY_KEY.get(key.removeprefix("no-")) if key.startswith("no-") else None
+            hint = f" (write {flag.flag} = false)" if flag is not None and flag.kind is bool else ""
+            raise ConfigFileError(f"--config: {path}: unknown option {raw_key!r}{hint}")
         if key in values:  # world-size and world_size: which one was meant?
             raise ConfigFileError(f"--config: {path}: option {key!r} is given twice")
         values[key] = _coerce(opt, value, f"--config: {path}: {raw_key}")

@@ -258,6 +258,8 @@ def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, An
     wrote beside it (torch.load does not check them: damage inside a tensor loaded as
     wrong values). With ``mmap`` the tensors are not loaded, only read once for the
     check."""
+    if not path.is_file():
+        raise ValueError(f"{path} is missing")
     if not zipfile.is_zipfile(path):  # torch.save's format ends in a zip directory
         raise ValueError(f"{path} is not a torch checkpoint (truncated or overwritten)")
     try:

@@ -239,3 +239,5 @@ def test_a_checkpoint_damaged_inside_a_tensor_is_refused_by_every_reader(tmp_pat
     assert not _intact(path)
     with pytest.raises(ValueError, match="does not match its CRC-32"):
         load_checkpoint_file(path)
+    with pytest.raises(ValueError, match=r"rank1\.pt is missing"):  # not "truncated": it is not there
+        load_checkpoint_file(tmp_path / "rank1.pt")

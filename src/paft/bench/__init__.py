@@ -47,7 +47,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                        "[default: %(default)s]")
 
     matrix = kinds.add_parser("matrix", help="fault-free / unprotected / averager / PAFT-Sync / PAFT-Dyn / guard, "
-                              "per workload and fault setting")
+                              "per workload and fault setting",
+                              description="The PAFT evaluation matrix: every defense beside plain DDP under the same "
+                              "injected faults (all-reduce and local-gradient bit flips on rank 1), per workload; "
+                              "validation-loss gap, replicas, syncs, detections and throughput, with plots.")
     common(matrix)
     matrix.add_argument("--quick", action="store_true",
                         help="one aggregation and one local-gradient fault setting, fewer steps (under 5 minutes)")
@@ -74,23 +77,33 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} [default: all]; "
                           "plain DDP, the reference, always runs")
 
-    desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds")
+    desync = kinds.add_parser("desync", help="loss/gradient dispersion under desynchronized shuffling and seeds",
+                              description="The silent-inconsistency study: the worker metrics (loss and "
+                              "gradient-norm dispersion, gradient cosine) of three settings (synchronized; "
+                              "desynchronized shuffling; desynchronized shuffling and seeds), with plots.")
     common(desync)
     desync.add_argument("--steps", type=int, default=150, help="steps per setting [default: %(default)s]")
     desync.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
 
-    scaling = kinds.add_parser("scaling", help="control-collective and sync bytes/time at several world sizes")
+    detection = kinds.add_parser("detection", help="the guard's detection table per float32 bit and site",
+                                 description="For each float32 bit and bit class, at the aggregation and "
+                                 "local-gradient sites: the share of injected faults that were harmful, the share "
+                                 "the guard detected, and false positives (in the faulty runs and fault-free "
+                                 "ones); and the guard's overhead without faults.")
+    common(detection)
+    detection.add_argument("--steps", type=int, default=40, help="steps per run [default: %(default)s]")
+    detection.add_argument("--rate", type=float, default=0.1, help="fault rate per step [default: %(default)s]")
+    detection.add_argument("--world-size", type=int, default=2, help="workers [default: %(default)s]")
+
+    scaling = kinds.add_parser("scaling", help="control-collective and sync bytes/time at several world sizes",
+                               description="What grows with the world size: the per-step control collective's "
+                               "bytes and time, a sync's bytes and time, and the monitor's paired-step cost, "
+                               "measured at each world size beside the cost model.")
     common(scaling)
     scaling.add_argument("--world-sizes", default="2,4", help="comma-separated [default: %(default)s]")
     scaling.add_argument("--steps", type=int, default=40,
                          help="steps per sync run, and timed paired steps of the monitor against plain DDP, at "
                          f"least {BLOCKS} [default: %(default)s]")
-
-    detection = kinds.add_parser("detection", help="the guard's detection table per float32 bit and site")
-    common(detection)
-    detection.add_argument("--steps", type=int, default=40, help="steps per run [default: %(default)s]")
-    detection.add_argument("--rate", type=float, default=0.1, help="fault rate per step [default: %(default)s]")
-    detection.add_argument("--world-size", type=int, default=2, help="workers [default: %(default)s]")
     return bench
 
 
