@@ -46,6 +46,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                        help="auto: CUDA (NCCL, one GPU per worker) if available, else CPU (gloo) "
                        "[default: %(default)s]")
 
+    def world_size(p: argparse.ArgumentParser, default: int) -> None:
+        p.add_argument("--world-size", type=int, default=default, metavar="WORLD-SIZE",
+                       help="workers [default: %(default)s]")
+
     matrix = kinds.add_parser("matrix", help="fault-free / unprotected / averager / PAFT-Sync / PAFT-Dyn / guard, "
                               "per workload and fault setting",
                               description="The PAFT evaluation matrix: every defense beside plain DDP under the same "
@@ -56,7 +60,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         help="one aggregation and one local-gradient fault setting, fewer steps (under 5 minutes)")
     matrix.add_argument("--workloads", default="gpt,llama,resnet", help="comma-separated [default: %(default)s]")
     matrix.add_argument("--steps", type=int, help="steps per run [default: 40 with --quick, else 150]")
-    matrix.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
+    world_size(matrix, 4)
 
     overhead = kinds.add_parser("overhead", help="cost per step of each defense without faults, ratio to plain DDP",
                                 description="Every variant trains in the same worker processes, one step each in "
@@ -68,7 +72,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                           help="untimed steps first (DDP set-up, the guard's warm-up) [default: %(default)s]")
     overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
     overhead.add_argument("--workload", default="gpt", help="[default: %(default)s]")
-    overhead.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
+    world_size(overhead, 4)
     overhead.add_argument("--batch-size", type=int, default=64,
                           help="global batch size; the monitor's cost per step is fixed, so its share falls as "
                           "the work per rank grows [default: %(default)s, as paft train]")
@@ -83,7 +87,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                               "desynchronized shuffling; desynchronized shuffling and seeds), with plots.")
     common(desync)
     desync.add_argument("--steps", type=int, default=150, help="steps per setting [default: %(default)s]")
-    desync.add_argument("--world-size", type=int, default=4, help="workers [default: %(default)s]")
+    world_size(desync, 4)
 
     detection = kinds.add_parser("detection", help="the guard's detection table per float32 bit and site",
                                  description="For each float32 bit and bit class, at the aggregation and "
@@ -93,14 +97,15 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     common(detection)
     detection.add_argument("--steps", type=int, default=40, help="steps per run [default: %(default)s]")
     detection.add_argument("--rate", type=float, default=0.1, help="fault rate per step [default: %(default)s]")
-    detection.add_argument("--world-size", type=int, default=2, help="workers [default: %(default)s]")
+    world_size(detection, 2)
 
     scaling = kinds.add_parser("scaling", help="control-collective and sync bytes/time at several world sizes",
                                description="What grows with the world size: the per-step control collective's "
                                "bytes and time, a sync's bytes and time, and the monitor's paired-step cost, "
                                "measured at each world size beside the cost model.")
     common(scaling)
-    scaling.add_argument("--world-sizes", default="2,4", help="comma-separated [default: %(default)s]")
+    scaling.add_argument("--world-sizes", default="2,4", metavar="WORLD-SIZES",
+                         help="comma-separated [default: %(default)s]")
     scaling.add_argument("--steps", type=int, default=40,
                          help="steps per sync run, and timed paired steps of the monitor against plain DDP, at "
                          f"least {BLOCKS} [default: %(default)s]")
