@@ -24,10 +24,7 @@ Usage: :func:`protect`, whose docstring has a complete example.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from paft.amp import OptimizerStep
 from paft.comm import CommHook, CommHookState, judged_norm, paft_comm_hook, total_norm
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import (
@@ -56,19 +51,16 @@ from paft.consistency import (
 from paft.divergence import measure_divergence
 from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
 from paft.faults import FaultInjector, FaultSchedule
-from paft.faultspec import FaultSpec, parse_specs
-from paft.fingerprint import group_replicas, repr_digest, state_fingerprint, state_tensors
+from paft.faultspec import FaultSpec
+from paft.fingerprint import group_replicas, state_fingerprint, state_tensors
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.monitor import Monitor
+from paft.preflight import mark_protected, preflight
 from paft.records import RunRecorder
 from paft.snapshot import ForwardSnapshot, StateSnapshot
 from paft.sync import ReplicaSync, SyncReport
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
-
-# DDP model -> its live Protector: a second one on the same model would share its comm
-# hook (or, unmonitored, run beside it unseen), so protect() refuses it.
-_PROTECTED: weakref.WeakKeyDictionary[DistributedDataParallel, weakref.ref[Protector]] = weakref.WeakKeyDictionary()
 
 
 class PersistentFaultError(RuntimeError):
@@ -194,106 +186,6 @@ def protect(
     )
 
 
-def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: Any, protect: Any, guard: Any,
-                     inject: Any, grad_clip: Any) -> None:
-    """Misuse that would otherwise fail deep inside a later step, or not at all."""
-    earlier = _PROTECTED.get(model)
-    if earlier is not None and earlier() is not None:
-        raise RuntimeError("protect(): this DDP model is already protected by a live Protector; keep using "
-                           "that one (its state_dict() carries over), or wrap the module in a new DDP model")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"protect() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        # Its state lives sharded in optimizer.optim.state: paft could neither fingerprint
-        # nor sync it, and a rolled-back step would keep the state it advanced.
-        raise TypeError("protect(): ZeroRedundancyOptimizer is not supported (each rank holds only its shard of "
-                        "the optimizer state, which replicas cannot be compared or repaired from); "
-                        "pass the optimizer it wraps")
-    closure = inspect.signature(optimizer.step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise TypeError(f"protect(): {type(optimizer).__name__}.step() needs a closure (it re-evaluates the loss); "
-                        "paft runs the closure once per step and calls optimizer.step() without one")
-    for name, cfg, cls in (("monitor", monitor, MonitorConfig), ("protect", protect, ProtectConfig),
-                           ("guard", guard, GuardConfig)):
-        if not isinstance(cfg, cls):
-            raise TypeError(f"protect(): {name}= must be a {cls.__name__}, got {type(cfg).__name__}")
-        dataclasses.replace(cfg)  # re-runs the checks: a field may have been changed since
-    if isinstance(inject, (str, FaultSpec)):
-        raise TypeError("protect(): inject= must be a list of fault specs, e.g. ['bitflip:steps=5,ranks=1']")
-    if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or not 0 <= grad_clip < math.inf:
-        raise ValueError(f"protect(): grad_clip must be a finite number >= 0 (0: no clipping), got {grad_clip!r}")
-    own = {id(p) for p in model.parameters()}
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
-    if foreign:
-        raise ValueError(f"protect(): the optimizer holds {foreign} parameter(s) that are not the model's; "
-                         "build it from ddp_model.parameters() (or a subset of them)")
-    if guard.enabled and not monitor.enabled:
-        raise ValueError("the guard needs the per-step monitor (MonitorConfig.enabled)")
-    world_size = dist.get_world_size(model.process_group)
-    if protect.mode in ("sync", "dyn") and protect.sync_mode == "broadcast" and not (
-            0 <= protect.broadcast_src < world_size):
-        raise ValueError(f"protect(): ProtectConfig.broadcast_src must be a rank in [0, {world_size}), "
-                         f"got {protect.broadcast_src}")
-
-
-def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter]) -> None:
-    """Fault specs the model's dtypes cannot take. Checked before the hook is registered:
-    inside a step, a bit beyond the width would fail in one rank's hook callback and
-    leave the others waiting. A gradient bucket can hold any of the dtypes; faults at
-    rest pick, among the tensors, those they can corrupt, so there one dtype is enough."""
-    dtypes = sorted({p.dtype for p in params if p.is_floating_point()}, key=str)
-    for spec in specs:
-        errors = []
-        for dtype in dtypes:
-            try:
-                spec.check_dtype(dtype)
-            except ValueError as err:
-                errors.append(err)
-        if errors and (spec.site in ("aggregation", "local-grad") or len(errors) == len(dtypes)):
-            raise ValueError(f"protect(): inject {spec.to_text()!r}: {errors[0]}")
-
-
-def _model_and_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What of the model and optimizer the ranks must agree on (see :data:`_AGREED`).
-    The parameter order: optimizer state is synced by it, so ranks that list parameters
-    differently would mix layers' state."""
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    return {
-        "the optimizer's type": type(optimizer).__qualname__,
-        "the optimizer's hyperparameters": [  # plain values: an object's repr may hold its address
-            {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, tuple, type(None)))}
-            for g in optimizer.param_groups],
-        "the optimizer's parameter order": [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups],
-        "the model's parameter shapes": [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in model.parameters()],
-    }
-
-
-_AGREED = ("the monitor config", "the protect config", "the guard config", "grad_clip", "seed", "inject",
-           "the optimizer's type", "the optimizer's hyperparameters", "the optimizer's parameter order",
-           "the model's parameter shapes", "the loss scaler")
-"""What every rank must pass to protect() alike."""
-
-
-def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any] | None, refusal: Exception | None) -> None:
-    """One gather, once at construction, of whether each rank accepted its arguments
-    and a 64-bit digest of each setting of :data:`_AGREED`: a setting that differs
-    between ranks would deadlock a later collective or silently mix state, and an
-    argument refused on some ranks only must raise on all, not leave the others
-    waiting in the next collective."""
-    digests = [0] * len(_AGREED) if parts is None else [repr_digest(parts[n]) for n in _AGREED]
-    table = gather_rows(torch.tensor([int(refusal is not None), *digests], dtype=torch.int64), group).cpu()
-    refused = [r for r, flag in enumerate(table[:, 0].tolist()) if flag]
-    if refusal is not None:
-        raise refusal
-    if refused:
-        raise ValueError(f"protect(): rank(s) {refused} refused their arguments (the error is raised there); "
-                         "every rank must call protect() with the same, valid settings")
-    differ = [n for j, n in enumerate(_AGREED, 1) if bool((table[:, j] != table[0, j]).any())]
-    if differ:
-        raise ValueError(f"protect(): ranks disagree on {', '.join(differ)}; every rank must call protect() "
-                         "with the same settings, model and optimizer (parameter order included)")
-
-
 class Protector:
     """Per-step protection of a DDP model; build it with :func:`protect`."""
 
@@ -313,24 +205,8 @@ class Protector:
         comm_state: Any,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        if not isinstance(model, DistributedDataParallel):  # no process group to tell the others through
-            raise TypeError(f"protect() needs a DistributedDataParallel model, got {type(model).__name__}")
-        # Refused arguments are told to every rank through the agreement gather below.
-        refusal: Exception | None = None
-        try:
-            _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
-            specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
-            _check_specs(specs, list(model.parameters()))
-            stepper = OptimizerStep(optimizer, scaler)
-            agreed: dict[str, Any] | None = {
-                "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
-                "grad_clip": grad_clip, "seed": seed, "inject": [s.to_text() for s in specs],
-                **_model_and_optimizer(model, optimizer), "the loss scaler": stepper.state(),
-            }
-        except (TypeError, ValueError, RuntimeError) as err:
-            refusal, agreed = err, None
-        _check_ranks_agree(model.process_group, agreed, refusal)
-        self._stepper = stepper
+        specs, self._stepper = preflight(model, optimizer, monitor=monitor, protect=protect, guard=guard,
+                                         inject=inject, seed=seed, grad_clip=grad_clip, scaler=scaler)
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -355,14 +231,6 @@ class Protector:
             inner_hook=comm_hook,
             inner_state=comm_state,
         )
-        # After the agreement above, so every rank reaches the same answer.
-        if self._stepper.scaler is not None:
-            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            if any(p.requires_grad and id(p) not in held for p in self._params):
-                # scaler.unscale_ unscales the optimizer's parameters only: the others'
-                # gradients would stay scaled in the norms, the guard and clipping.
-                raise ValueError("protect(): with scaler=, the optimizer must hold every parameter that "
-                                 "requires a gradient (freeze the others with requires_grad_(False))")
         # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
         self._hooked = monitor.enabled or self.injector.enabled or comm_hook is not None
         if self._hooked:
@@ -371,7 +239,7 @@ class Protector:
             except RuntimeError as err:
                 raise RuntimeError(f"protect(): this DDP model already has a comm hook (from register_comm_hook); "
                                    f"DDP takes one: pass yours to protect() as comm_hook= ({err})") from None
-        _PROTECTED[model] = weakref.ref(self)
+        mark_protected(model, self)
         self.sketch_dim = monitor.sketch_dim if monitor.cosine == "sketch" else 0
         self.sync: ReplicaSync | None = None
         self.scheduler: SyncScheduler | None = None
