@@ -88,6 +88,7 @@ def test_bad_input_exits_2_and_writes_nothing(
         ("bad.txt", "steps: 3", "--config: bad.txt is not valid TOML (read as TOML: not .yaml, .yml or .json)"),
         ("unknown.toml", "stepz = 3", "stepz"),
         ("negated.toml", "no-monitor = true", "unknown option 'no-monitor' (write monitor = false)"),
+        ("double.toml", "no-overlap = false", "unknown option 'no-overlap' (write overlap = true)"),
         ("typed.toml", 'steps = "many"', "steps"),
         ("bad.yaml", "steps: 0", "--steps"),
         ("off.yaml", "cosine: off\n", "off.yaml: cosine: expected str, got False; quote it"),

@@ -256,7 +256,9 @@ def _read_config_file(path: str) -> dict[str, Any]:
         opt = _BY_KEY.get(key)
         if opt is None:
             flag = _BY_KEY.get(key.removeprefix("no-")) if key.startswith("no-") else None
-            hint = f" (write {flag.flag} = false)" if flag is not None and flag.kind is bool else ""
+            hint = ""
+            if flag is not None and flag.kind is bool:
+                hint = f" (write {flag.flag} = {str(not value).lower() if isinstance(value, bool) else 'false'})"
             raise ConfigFileError(f"--config: {path}: unknown option {raw_key!r}{hint}")
         if key in values:  # world-size and world_size: which one was meant?
             raise ConfigFileError(f"--config: {path}: option {key!r} is given twice")

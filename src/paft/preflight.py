@@ -4,7 +4,7 @@ Misuse is refused up front with the fix named -- arguments of the wrong type, an
 optimizer paft cannot protect, fault specs the model's dtypes cannot take, a second
 protector on one model -- and on every rank alike: :func:`preflight` ends in one
 gather of whether each rank accepted its arguments and a digest of each setting
-every rank must share (:data:`AGREED`). So a setting that differs between ranks, or
+every rank must share. So a setting that differs between ranks, or
 an argument refused on some ranks only, raises on every rank instead of leaving the
 others waiting in a later collective (or silently mixing state).
 """
@@ -29,7 +29,7 @@ from paft.consistency import gather_rows
 from paft.faultspec import FaultSpec, parse_specs
 from paft.fingerprint import repr_digest
 
-__all__ = ["AGREED", "mark_protected", "preflight"]
+__all__ = ["mark_protected", "preflight"]
 
 
 def preflight(
@@ -43,6 +43,7 @@ def preflight(
     seed: int,
     grad_clip: Any,
     scaler: torch.amp.GradScaler | None,
+    comm_hook: Any,
 ) -> tuple[list[FaultSpec], OptimizerStep]:
     """Check :func:`paft.protect`'s arguments; a collective over the model's process
     group. Returns the parsed fault specs and the optimizer step (with the loss scaler).
@@ -54,6 +55,13 @@ def preflight(
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
         _check_specs(specs, list(model.parameters()))
+        # DDP takes one comm hook, and keeps it for good; paft registers its own unless
+        # it has nothing to do in one (unmonitored, fault-free, no hook of the user's).
+        # A rank whose model has one already must refuse here, with the others.
+        if (monitor.enabled or specs or comm_hook is not None) and getattr(model, "_comm_hooks", None):
+            raise RuntimeError("protect(): this DDP model already has a comm hook (from register_comm_hook, or "
+                               "an earlier protector's: DDP keeps it); pass yours to protect() as comm_hook=, "
+                               "or wrap the module in a new DDP model")
         stepper = OptimizerStep(optimizer, scaler)
         agreed: dict[str, Any] | None = {
             "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
@@ -144,7 +152,7 @@ def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter
 
 
 def _model_and_optimizer(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What of the model and optimizer the ranks must agree on (see :data:`AGREED`).
+    """What of the model and optimizer the ranks must agree on (see :data:`_AGREED`).
     The parameter order: optimizer state is synced by it, so ranks that list parameters
     differently would mix layers' state."""
     index = {id(p): i for i, p in enumerate(model.parameters())}
@@ -158,7 +166,7 @@ def _model_and_optimizer(model: DistributedDataParallel, optimizer: torch.optim.
     }
 
 
-AGREED = ("the monitor config", "the protect config", "the guard config", "grad_clip", "seed", "inject",
+_AGREED = ("the monitor config", "the protect config", "the guard config", "grad_clip", "seed", "inject",
            "the optimizer's type", "the optimizer's hyperparameters", "the optimizer's parameter order",
            "the model's parameter shapes", "the loss scaler")
 """What every rank must pass to protect() alike."""
@@ -166,11 +174,11 @@ AGREED = ("the monitor config", "the protect config", "the guard config", "grad_
 
 def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any] | None, refusal: Exception | None) -> None:
     """One gather, once at construction, of whether each rank accepted its arguments
-    and a 64-bit digest of each setting of :data:`AGREED`: a setting that differs
+    and a 64-bit digest of each setting of :data:`_AGREED`: a setting that differs
     between ranks would deadlock a later collective or silently mix state, and an
     argument refused on some ranks only must raise on all, not leave the others
     waiting in the next collective."""
-    digests = [0] * len(AGREED) if parts is None else [repr_digest(parts[n]) for n in AGREED]
+    digests = [0] * len(_AGREED) if parts is None else [repr_digest(parts[n]) for n in _AGREED]
     table = gather_rows(torch.tensor([int(refusal is not None), *digests], dtype=torch.int64), group).cpu()
     refused = [r for r, flag in enumerate(table[:, 0].tolist()) if flag]
     if refusal is not None:
@@ -178,7 +186,7 @@ def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any] | None, r
     if refused:
         raise ValueError(f"protect(): rank(s) {refused} refused their arguments (the error is raised there); "
                          "every rank must call protect() with the same, valid settings")
-    differ = [n for j, n in enumerate(AGREED, 1) if bool((table[:, j] != table[0, j]).any())]
+    differ = [n for j, n in enumerate(_AGREED, 1) if bool((table[:, j] != table[0, j]).any())]
     if differ:
         raise ValueError(f"protect(): ranks disagree on {', '.join(differ)}; every rank must call protect() "
                          "with the same settings, model and optimizer (parameter order included)")

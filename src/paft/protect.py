@@ -206,7 +206,8 @@ class Protector:
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         specs, self._stepper = preflight(model, optimizer, monitor=monitor, protect=protect, guard=guard,
-                                         inject=inject, seed=seed, grad_clip=grad_clip, scaler=scaler)
+                                         inject=inject, seed=seed, grad_clip=grad_clip, scaler=scaler,
+                                         comm_hook=comm_hook)
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -236,9 +237,8 @@ class Protector:
         if self._hooked:
             try:
                 model.register_comm_hook(self.hook, paft_comm_hook)
-            except RuntimeError as err:
-                raise RuntimeError(f"protect(): this DDP model already has a comm hook (from register_comm_hook); "
-                                   f"DDP takes one: pass yours to protect() as comm_hook= ({err})") from None
+            except RuntimeError as err:  # preflight's check missed it (torch changed DDP's internals)
+                raise RuntimeError(f"protect(): {err}") from None
         mark_protected(model, self)
         self.sketch_dim = monitor.sketch_dim if monitor.cosine == "sketch" else 0
         self.sync: ReplicaSync | None = None
@@ -273,8 +273,9 @@ class Protector:
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = StateSnapshot()
+        group = self.group  # not self in the lambda: a cycle would keep a dropped protector alive
         self.monitor = Monitor(monitor, self.recorder, divergence=lambda: measure_divergence(
-            model, optimizer, per_tensor=True, group=self.group, buffers=False))
+            model, optimizer, per_tensor=True, group=group, buffers=False))
         # A sync landed in this step after its state fingerprints and changed the state:
         # the alerts do not judge those fingerprints (they would re-alert a repaired split).
         self._stale_fingerprints = False
@@ -556,12 +557,19 @@ class Protector:
         return verdict
 
     def _stop(self, step: int, verdict: GuardVerdict) -> PersistentFaultError:
-        """End a step the guard stops (``on_persistent="stop"``): it leaves no trace
-        (the caller restored its RNG draws and buffers), so a caller that catches the
-        error may checkpoint, or step on with the next batch as step ``step + 1``."""
+        """End a step the guard stops (``on_persistent="stop"``; the caller restored its
+        RNG draws and buffers): no update is applied, the gradients are set to None, an
+        overlapped sync in flight lands, and the step index moves on, so that a caller
+        that catches the error may :meth:`close` and checkpoint, or step on with the next
+        batch as step ``step + 1``. A stop on a state mismatch leaves the replicas split
+        (the faulty rank's state reproduced the fault); the next step's check repairs
+        them. (Only the pre-step checks stop: :meth:`Guard.check_update` never does.)"""
         self._stepper.discard()
         self.optimizer.zero_grad(set_to_none=True)
+        self._finish_sync(step)
         self.step_idx = step + 1
+        if self.averager is not None:
+            self.averager.step = self.step_idx  # its own call counter decides when to average
         return PersistentFaultError(step, verdict.ranks)
 
     def _scaled_step(self, skip: bool) -> bool:

@@ -6,6 +6,7 @@ injection is keyed by (rank, step) through the fault specs.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -451,12 +452,13 @@ def test_persistent_faulty_rank_is_named_and_stops() -> None:
     assert all(o == {"stopped": 6, "ranks": [2]} for o in out)
 
 
-def stop_then_step_on(rank: int, world_size: int) -> dict[str, Any]:
+def stop_then_step_on(rank: int, world_size: int, mode: str) -> dict[str, Any]:
     """A persistent fault stops step 6; the caller catches the error and steps on."""
     torch.manual_seed(0)
     model = DistributedDataParallel(toy_model(batchnorm=True))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     protector = protect(model, optimizer, guard=GuardConfig(**GUARD, on_persistent="stop"),
+                        protect=ProtectConfig(mode=mode, sync_period=5),
                         inject=["bitflip:steps=6,ranks=2,bits=30,count=4,persistent=true"], seed=3)
     out: dict[str, Any] = {}
     for step in range(8):
@@ -464,11 +466,12 @@ def stop_then_step_on(rank: int, world_size: int) -> dict[str, Any]:
 
         def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(model(x), y)
+            loss = nn.functional.mse_loss(nn.functional.dropout(model(x), 0.1), y)  # draws from the RNG
             loss.backward()
             return loss
 
         if step == 6:
+            out["in flight"] = [protector.sync is not None and protector.sync.in_flight]
             before = ([b.clone() for b in model.module.buffers()], torch.get_rng_state(),
                       state_fingerprint(model, optimizer))
             try:
@@ -480,17 +483,25 @@ def stop_then_step_on(rank: int, world_size: int) -> dict[str, Any]:
                                and before[2] == state_fingerprint(model, optimizer))
             out["grads"] = [p.grad for p in model.parameters()]
             out["next step"] = protector.step_idx
+            out["in flight"].append(protector.sync is not None and protector.sync.in_flight)
             continue
         report = protector.step(closure)
+    if protector.averager is not None:  # its own step counter decides when it averages
+        out["averager"] = (protector.averager.step, protector.step_idx)
     out["last"] = (report.step, report.applied, state_fingerprint(model, optimizer, buffers=False))
     return out
 
 
-def test_a_stopped_step_leaves_no_trace_and_the_caller_may_step_on() -> None:
-    out = run_workers(stop_then_step_on, 3)
+@pytest.mark.parametrize("mode", ["sync", "averager"])
+def test_a_stopped_step_leaves_no_trace_and_the_caller_may_step_on(mode: str) -> None:
+    out = run_workers(stop_then_step_on, 3, mode)
     for o in out:
         assert o["stopped"] == (6, [2]) and o["no trace"] and o["grads"] == [None] * len(o["grads"])
         assert o["next step"] == 7 and o["last"][:2] == (7, True)
+        if mode == "sync":
+            assert o["in flight"] == [True, False]  # the overlapped sync started after step 5 landed
+        else:
+            assert o["averager"] == (8, 8)
     assert len({o["last"][2] for o in out}) == 1
 
 
@@ -701,6 +712,14 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
     def unused(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
         protect(model, optimizer).step(full(model, optimizer))
 
+    def dropped_first(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
+        gc.disable()  # freed by reference counting alone: no cycle keeps a dropped protector alive
+        try:
+            protect(m, o, monitor=MonitorConfig(enabled=False))
+            protect(m, o, monitor=MonitorConfig(enabled=False))
+        finally:
+            gc.enable()
+
     def corrected(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
         try:  # refused before paft's hook is registered: a corrected call still works
             protect(m, o, protect=ProtectConfig(mode="sync", sync_mode="broadcast", broadcast_src=2))
@@ -732,6 +751,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "no backward after a step": stale,
         "unused parameters": lambda m, o: unused(*wrapped(Spare())),
         "protect twice": lambda m, o: (protect(m, o), protect(m, o)),
+        "protect again, the first dropped": dropped_first,
         "own hook registered": lambda m, o: (m.register_comm_hook(None, default_hooks.allreduce_hook),
                                              protect(m, o)),
         # an unmonitored, fault-free protector registers no comm hook: refused all the same
@@ -770,6 +790,8 @@ def refused_on_one_rank(rank: int, world_size: int) -> dict[str, str]:
                                                       monitor=MonitorConfig(enabled=not one)),
         "foreign optimizer": lambda m, o: protect(m, torch.optim.Adam(toy_model().parameters()) if one else o),
         "closure optimizer": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters()) if one else o),
+        "own hook": lambda m, o: protect(m if not one else
+                                         m.register_comm_hook(None, default_hooks.allreduce_hook) or m, o),
         # and afterwards the ranks still work together: a collective that would hang otherwise
         "then a valid call": lambda m, o: protect(m, o).step(lambda: m(batch(rank, 0)[0]).sum().backward() or
                                                              torch.zeros(())),
@@ -779,7 +801,7 @@ def refused_on_one_rank(rank: int, world_size: int) -> dict[str, str]:
         try:
             case(*fresh())
             out[name] = ""
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, RuntimeError) as err:
             out[name] = f"{type(err).__name__}: {err}"
     return out
 
@@ -792,6 +814,7 @@ def test_arguments_refused_on_one_rank_raise_on_every_rank() -> None:
         "guard without monitor": "ValueError: the guard needs the per-step monitor",
         "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
         "closure optimizer": "TypeError: protect(): LBFGS.step() needs a closure",
+        "own hook": "RuntimeError: protect(): this DDP model already has a comm hook",
     }
     for name, needle in own.items():
         assert out[1][name].startswith(needle), (name, out[1][name])
@@ -825,8 +848,10 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "unused parameters": "RuntimeError: the closure ran no backward(): DDP all-reduced no gradient",
         "protect twice": "RuntimeError: protect(): this DDP model is already protected by a live Protector",
         "protect twice, first unhooked": "RuntimeError: protect(): this DDP model is already protected",
+        "protect again, the first dropped": "",
         "own hook registered": "RuntimeError: protect(): this DDP model already has a comm hook (from "
-                               "register_comm_hook); DDP takes one: pass yours to protect() as comm_hook=",
+                               "register_comm_hook, or an earlier protector's: DDP keeps it); pass yours to "
+                               "protect() as comm_hook=",
         "garbage state":
             "ValueError: Protector.load_state_dict(): not a protector state (missing ['step', 'counters'])",
         "state of another mode": "ValueError: Protector.load_state_dict(): the state has scheduler part and this "
