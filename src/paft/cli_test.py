@@ -90,14 +90,14 @@ def test_bad_input_exits_2_and_writes_nothing(
         ("negated.toml", "no-monitor = true", "unknown option 'no-monitor' (write monitor = false)"),
         ("double.toml", "no-overlap = false", "unknown option 'no-overlap' (write overlap = true)"),
         ("typed.toml", 'steps = "many"', "steps"),
-        ("bad.yaml", "steps: 0", "--steps"),
+        ("bad.yaml", "steps: 0", "bad.yaml: steps: must be >= 1, got 0"),
         ("off.yaml", "cosine: off\n", "off.yaml: cosine: expected str, got False; quote it"),
         ("twice.yaml", "steps: 3\nsteps: 4\n", "key 'steps' is given twice"),
         ("twice.json", '{"steps": 3, "steps": 4}', "key 'steps' is given twice"),
         ("spellings.toml", "world-size = 2\nworld_size = 4\n", "option 'world-size' is given twice"),
-        ("floats.yaml", "lr: 3e-3\nsteps: 0\n", "--steps"),  # 3e-3 is read as a float, then --steps fails
+        ("floats.yaml", "lr: 3e-3\nsteps: 0\n", "floats.yaml: steps: must be >= 1"),  # 3e-3 read as a float
         ("latin1.toml", "# caf\xe9\nsteps = 3\n", "--config: latin1.toml is not UTF-8 text"),
-        ("seed.toml", "seed = 99999999999999999999", "--seed"),
+        ("seed.toml", "seed = 99999999999999999999", "seed.toml: seed: must be in [0, 2**32)"),
         ("huge.json", '{"lr": 1' + "0" * 400 + "}",
          "--config: huge.json: lr: expected a number, got an integer too large for a float"),
     ],
@@ -721,3 +721,10 @@ def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathli
     monkeypatch.setattr(launcher, "_run_workers", workers)
     assert launcher.launch(TrainConfig(run_dir="d", steps=1))[0] == 0
     assert pathlib.Path("d/config.json").is_file()
+
+
+def test_a_usage_error_is_one_line_and_a_pointer_to_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--steps", "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == "paft train: error: --steps: must be >= 1, got 0\n(options: paft train --help)\n"

@@ -21,7 +21,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from paft.config import (
     OPTIMIZERS,
@@ -437,11 +437,16 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
 class OptionParser(argparse.ArgumentParser):
     """An ArgumentParser without prefix matching, inherited by every subcommand's parser
     (``add_subparsers`` builds them with the parent's class). With it, ``paft train
-    --out DIR`` would silently mean ``--outlier-threshold DIR`` and fail on its value."""
+    --out DIR`` would silently mean ``--outlier-threshold DIR`` and fail on its value.
+    A usage error prints the one line that says what is wrong and where to read more,
+    not the 35-line usage block above it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(options: {self.prog} --help)\n")
 
 
 def parse_train_config(

@@ -296,9 +296,9 @@ def test_existing_out_without_overwrite_exits_2_and_keeps_it(benchmark: str, tmp
     out.mkdir()
     (out / "keep.txt").write_text("earlier results")
     with pytest.raises(SystemExit) as exc:
-        main(["bench", benchmark, "--steps", "3", "--out", str(out)])
+        main(["bench", benchmark, "--steps", "5", "--out", str(out)])
     assert exc.value.code == 2
-    assert "--overwrite" in capsys.readouterr().err
+    assert f"--out: {out} already exists; pass --overwrite" in capsys.readouterr().err
     assert [p.name for p in tmp_path.rglob("*")] == ["out", "keep.txt"]
     assert (out / "keep.txt").read_text() == "earlier results"
 
