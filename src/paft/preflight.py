@@ -29,7 +29,7 @@ from paft.consistency import gather_rows
 from paft.faultspec import FaultSpec, parse_specs
 from paft.fingerprint import repr_digest
 
-__all__ = ["mark_protected", "preflight"]
+__all__ = ["mark_protected", "preflight", "wants_comm_hook"]
 
 
 def preflight(
@@ -55,10 +55,9 @@ def preflight(
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
         _check_specs(specs, list(model.parameters()))
-        # DDP takes one comm hook, and keeps it for good; paft registers its own unless
-        # it has nothing to do in one (unmonitored, fault-free, no hook of the user's).
-        # A rank whose model has one already must refuse here, with the others.
-        if (monitor.enabled or specs or comm_hook is not None) and getattr(model, "_comm_hooks", None):
+        # DDP takes one comm hook, and keeps it for good: a rank whose model has one
+        # already must refuse here, with the others.
+        if wants_comm_hook(monitor, specs, comm_hook) and getattr(model, "_comm_hooks", None):
             raise RuntimeError("protect(): this DDP model already has a comm hook (from register_comm_hook, or "
                                "an earlier protector's: DDP keeps it); pass yours to protect() as comm_hook=, "
                                "or wrap the module in a new DDP model")
@@ -80,6 +79,13 @@ def preflight(
             raise ValueError("protect(): with scaler=, the optimizer must hold every parameter that "
                              "requires a gradient (freeze the others with requires_grad_(False))")
     return specs, stepper
+
+
+def wants_comm_hook(monitor: MonitorConfig, specs: Sequence[FaultSpec], comm_hook: Any) -> bool:
+    """Whether the protector registers paft's comm hook: unmonitored, fault-free and
+    without a hook of the user's it has nothing to do in one, and leaves DDP's built-in
+    reducer alone (plain DDP)."""
+    return monitor.enabled or bool(specs) or comm_hook is not None
 
 
 def mark_protected(model: DistributedDataParallel, protector: Any) -> None:

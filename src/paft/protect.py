@@ -55,7 +55,7 @@ from paft.faultspec import FaultSpec
 from paft.fingerprint import group_replicas, state_fingerprint, state_tensors
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.monitor import Monitor
-from paft.preflight import mark_protected, preflight
+from paft.preflight import mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.snapshot import ForwardSnapshot, StateSnapshot
 from paft.sync import ReplicaSync, SyncReport
@@ -232,8 +232,7 @@ class Protector:
             inner_hook=comm_hook,
             inner_state=comm_state,
         )
-        # Unmonitored and fault-free: leave DDP's built-in reducer alone (plain DDP).
-        self._hooked = monitor.enabled or self.injector.enabled or comm_hook is not None
+        self._hooked = wants_comm_hook(monitor, specs, comm_hook)
         if self._hooked:
             try:
                 model.register_comm_hook(self.hook, paft_comm_hook)
