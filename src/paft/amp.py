@@ -19,7 +19,8 @@ on a recompute and may drop or roll back a step, which that protocol does not al
 * :meth:`~OptimizerStep.state` / :meth:`~OptimizerStep.restore` around a step the
   guard rolls back, so a recomputed step starts from the scale the first one had.
 
-Without a scaler every method but :meth:`~OptimizerStep.step` does nothing.
+Without a scaler :meth:`~OptimizerStep.unscale` returns 1.0 and the state methods
+carry nothing; :meth:`~OptimizerStep.skip` is refused (skipping is then the guard's).
 
 Example::
 

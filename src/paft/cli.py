@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["main", "run", "build_parser"]
 
-EXIT_USAGE = 2
 
 def _fault_grammar() -> str:
     """The --inject grammar, taken from the faultspec module's docstring (one source)."""
@@ -88,7 +87,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for warning in ignored_options(args, cfg):
         print(f"paft train: warning: {warning}", file=sys.stderr)
     try:
-        code, _ = launch(cfg)
+        code = launch(cfg)
     except (RunDirError, DeviceError) as err:
         parser.error(str(err))
     except (KeyboardInterrupt, SignalException) as err:  # before or after the workers ran

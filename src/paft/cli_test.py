@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -713,13 +712,13 @@ def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathli
     monkeypatch.chdir(tmp_path)
     pathlib.Path("d").mkdir()
 
-    def workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any]]:
+    def workers(cfg: TrainConfig) -> int:
         with pytest.raises(RunDirError, match="in use"), launcher._lock(pathlib.Path("d")):
             pass  # held by the launcher while the workers run
-        return 0, {}
+        return 0
 
     monkeypatch.setattr(launcher, "_run_workers", workers)
-    assert launcher.launch(TrainConfig(run_dir="d", steps=1))[0] == 0
+    assert launcher.launch(TrainConfig(run_dir="d", steps=1)) == 0
     assert pathlib.Path("d/config.json").is_file()
 
 

@@ -26,7 +26,8 @@ hook reads a value back to the host: on a GPU, a host read per bucket would drai
 the launch queue each time and leave the GPU idle while the rest of the backward
 pass is launched again (measured on an H200: +11% per step for an 85 M-parameter
 GPT, from about 40 such reads). With no faults configured and no capture requested,
-the fault-free path is bit-for-bit DDP's default all-reduce.
+the fault-free path is bit-for-bit DDP's default all-reduce (one exception, which
+no hook can tell apart, in :meth:`CommHookState._allreduce`).
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's real
@@ -240,6 +241,7 @@ class CommHookState:
         cosine: ``sketch`` (CountSketch of the local gradient), ``exact`` (keep a copy
             of the local gradient) or ``off``.
         sketch_dim: k for the sketch.
+        process_group: the group DDP all-reduces over (``None``: the default group).
         inner_hook / inner_state: a user's own comm hook to wrap; it performs the
             all-reduce, paft injects and captures around it.
     """

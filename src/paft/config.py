@@ -307,7 +307,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         # Local imports: the fault modules are leaves, and importing config stays cheap.
-        from paft.faults import FaultSchedule
         from paft.faultspec import parse_specs
         from paft.workloads import WORKLOADS, model_config, train_items
 
@@ -371,7 +370,6 @@ class TrainConfig:
                 spec.check_dtype(torch.float32)
             except ValueError as err:
                 raise ValueError(f"--inject {text!r}: {err}") from None
-        FaultSchedule(specs, self.seed, self.world_size)
 
     @property
     def per_rank_batch_size(self) -> int:

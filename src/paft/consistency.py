@@ -44,9 +44,13 @@ __all__ = [
     "HEADER",
     "COL_LOSS",
     "COL_LOCAL_SQ",
+    "COL_AGG_NORM",
     "COL_AGG_HI",
     "COL_AGG_LO",
     "COL_STATE_HI",
+    "COL_STATE_LO",
+    "COL_FLAGS",
+    "COL_FAULTS",
     "ControlVector",
     "ControlView",
     "start_control",
@@ -59,8 +63,6 @@ __all__ = [
     "replica_metrics",
     "dispersion",
     "pairwise_cosine",
-    "COL_FLAGS",
-    "COL_STATE_LO",
 ]
 
 FLAG_LOSS_NONFINITE = 1

@@ -16,15 +16,15 @@ pure function that tests check in microseconds:
   steps were asked before, so a resumed or recomputed run sees the same faults
   (except ``stale`` on the first step after a resume: the previous step's values it
   replays are not part of a checkpoint, so that one event finds nothing to replay);
-- :class:`FaultInjector`: what the DDP comm hook and the trainer call; it returns
-  :class:`FaultRecord` values for ``faults.jsonl``.
+- :class:`FaultInjector`: what the DDP comm hook (bucket sites) and the protector
+  (at-rest sites, before a step) call; it returns :class:`FaultRecord` values for
+  ``faults.jsonl``.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +43,8 @@ from paft.faultspec import (
     bit_range,
     is_int,
 )
+from paft.fingerprint import repr_digest
+from paft.records import jsonable
 
 __all__ = [
     "RECORD_VALUES",
@@ -277,8 +279,7 @@ class FaultSchedule:
 
     # The one source of randomness: a 64-bit hash of the coordinates.
     def _hash(self, *key: Any) -> int:
-        data = repr(("paft-faults/v1", self.seed) + key).encode()
-        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+        return repr_digest(("paft-faults/v1", self.seed, *key)) % 2**64  # unsigned
 
     def _uniform(self, *key: Any) -> float:
         return (self._hash(*key) >> 11) * 2.0**-53
@@ -392,11 +393,6 @@ class FaultSchedule:
 # --------------------------------------------------------------------------- injector
 
 
-def _json_float(v: float) -> float | str:
-    # Strict JSON has no NaN/Infinity: write them as strings "nan", "inf", "-inf".
-    return v if math.isfinite(v) else repr(v)
-
-
 @dataclass
 class FaultRecord:
     """One injected fault, as a line of ``faults.jsonl``."""
@@ -423,10 +419,7 @@ class FaultRecord:
 
     def to_json(self) -> dict[str, Any]:
         """A dict that ``json.dumps(..., allow_nan=False)`` accepts."""
-        d = dataclasses.asdict(self)
-        d["before"] = [_json_float(v) for v in self.before]
-        d["after"] = [_json_float(v) for v in self.after]
-        return d
+        return jsonable(dataclasses.asdict(self))
 
 
 class FaultInjector:

@@ -282,18 +282,18 @@ class FaultSpec:
     # ------------------------------------------------------------------ text form
 
     @classmethod
-    def parse(cls, text: str, *, option: str | None = "--inject") -> FaultSpec:
+    def parse(cls, text: str, *, option: str = "--inject") -> FaultSpec:
         """Parse ``KIND[:key=value,...]`` (see the module docstring for the keys).
 
         Errors are :class:`FaultSpecError` whose message starts with
         ``"{option} '{text}': "`` and names the field, e.g.
-        ``--inject 'bitflip:rate=2': field 'rate' must be in [0, 1], got 2``.
+        ``--inject 'bitflip:rate=2': field 'rate' must be in [0, 1], got 2``
+        (``protect()`` names its own argument instead).
         """
         try:
             return cls._parse(text)
         except FaultSpecError as e:
-            where = f"{option} '{text}'" if option else f"'{text}'"
-            raise FaultSpecError(f"{where}: {e.reason}", e.field) from None
+            raise FaultSpecError(f"{option} '{text}': {e.reason}", e.field) from None
 
     @classmethod
     def _parse(cls, text: str) -> FaultSpec:
@@ -493,9 +493,9 @@ _PARSERS = {  # in FaultSpec field order, which is also to_text's order
 }
 
 
-def parse_specs(texts: Iterable[str], *, option: str | None = "--inject") -> list[FaultSpec]:
+def parse_specs(texts: Iterable[str]) -> list[FaultSpec]:
     """Parse several ``--inject`` values, in order (the order fixes spec indices)."""
-    return [FaultSpec.parse(t, option=option) for t in texts]
+    return [FaultSpec.parse(t) for t in texts]
 
 
 def bit_range(dtype: torch.dtype, bits: int | str) -> tuple[int, int]:

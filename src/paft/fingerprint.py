@@ -12,7 +12,8 @@ and the helpers around it:
   check of the aggregated gradient, kept on the device;
 * :func:`split_int64` / :func:`join_int64` -- carry a fingerprint exactly through
   the per-step float64 control collective;
-* :func:`group_replicas` / :func:`majority` -- who agrees with whom; :func:`repr_digest`
+* :func:`group_replicas` / :func:`majority` / :func:`outside_majority` -- who agrees
+  with whom; :func:`repr_digest`
   -- a process-independent 64-bit digest, to check that ranks agree on settings.
 
 How the fingerprint is built
@@ -575,11 +576,16 @@ def group_replicas(fps: Sequence[int]) -> list[list[int]]:
     return sorted(groups.values(), key=lambda g: (-len(g), g[0]))
 
 
+def _first_is_majority(groups: list[list[int]], world_size: int) -> bool:
+    # The one strict-majority rule: more than half of all ranks.
+    return bool(groups) and 2 * len(groups[0]) > world_size
+
+
 def outside_majority(groups: list[list[int]], world_size: int) -> list[int]:
     """The ranks outside the group that holds a strict majority of ``world_size`` ranks
     (``groups`` as :func:`group_replicas` orders them), or none when no group holds one:
     with two ranks that disagree, or an even split, which side is faulty is unknown."""
-    return sorted(r for g in groups[1:] for r in g) if groups and 2 * len(groups[0]) > world_size else []
+    return sorted(r for g in groups[1:] for r in g) if _first_is_majority(groups, world_size) else []
 
 
 def majority(fps: Sequence[int]) -> list[int] | None:
@@ -587,6 +593,4 @@ def majority(fps: Sequence[int]) -> list[int] | None:
     ranks) of identical fingerprints, or ``None`` (no ranks, even split, all
     different, two ranks that disagree)."""
     groups = group_replicas(fps)
-    if groups and 2 * len(groups[0]) > len(fps):
-        return groups[0]
-    return None
+    return groups[0] if _first_is_majority(groups, len(fps)) else None

@@ -18,8 +18,8 @@ Detectors, in the order they are tried (the first that fires names the verdict):
 
 - ``nonfinite_loss`` / ``nonfinite_local_grad`` / ``nonfinite_agg_grad``: a rank's
   FLAG_* bit or a non-finite value in its loss / local norm / aggregated norm.
-  Suspects: the flagged ranks (for the aggregate: the flagged minority, else ranks
-  whose local values are anomalous).
+  Suspects: the flagged ranks (for the aggregate, when every rank is flagged: the
+  ranks whose local values are anomalous).
 - ``grad_mismatch``: ranks hold different aggregated-gradient checksums, i.e. the
   all-reduce delivered different bytes (aggregation SDC; data never causes this).
   Suspects: the minority; without a strict majority (2 ranks, even split), the
@@ -114,12 +114,13 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from paft.config import GuardConfig
 from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOCAL_NONFINITE, FLAG_LOSS_NONFINITE, ControlView
 from paft.fingerprint import group_replicas, outside_majority
+from paft.records import jsonable
 from paft.rerun import aggregate_keys, bits_f64, close, f64_bits, reproduced, unsteady_ranks
 from paft.spikes import MAD_TO_STD, REL_FLOOR_GRAD, REL_FLOOR_LOSS, REL_FLOOR_RANK, SpikeWindow, cross_rank_limit
 
@@ -134,15 +135,14 @@ __all__ = [
 ]
 
 ACTIONS = ("proceed", "recompute", "repair", "skip", "stop")
-COUNTERS = ("detections", "recomputes", "skipped_batches", "rollbacks", "transient", "persistent", "data", "state")
 CAUSES = ("transient", "persistent", "data", "state")
+COUNTERS = ("detections", "recomputes", "skipped_batches", "rollbacks", *CAUSES)
 DETECTORS = ("state_mismatch", "nonfinite_loss", "nonfinite_local_grad", "nonfinite_agg_grad", "grad_mismatch",
              "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap", "level_shift",
              "loss_scale_overflow")
 _SPIKES = ("loss_spike", "grad_spike", "rank_outlier")  # finite values judged against the history
 
 ABS_FLOOR = 1e-12  # attribution of a mismatch without majority, against a zero median
-
 
 
 @dataclass
@@ -160,15 +160,18 @@ class GuardVerdict:
     """None while undecided; ``transient`` | ``persistent`` | ``data`` | ``state`` once decided."""
     values: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The records' vocabulary is closed: a misspelt name would be counted nowhere.
+        if self.action not in ACTIONS:
+            raise ValueError(f"action must be one of {ACTIONS}, got {self.action!r}")
+        if self.detector is not None and self.detector not in DETECTORS:
+            raise ValueError(f"detector must be None or one of {DETECTORS}, got {self.detector!r}")
+        if self.cause is not None and self.cause not in CAUSES:
+            raise ValueError(f"cause must be None or one of {CAUSES}, got {self.cause!r}")
+
     def to_json(self) -> dict[str, Any]:
         """JSON-safe form: non-finite values become the strings ``nan`` / ``inf`` / ``-inf``."""
-        return {
-            "action": self.action,
-            "detector": self.detector,
-            "ranks": list(self.ranks),
-            "cause": self.cause,
-            "values": {k: (float(v) if math.isfinite(v) else str(float(v))) for k, v in self.values.items()},
-        }
+        return jsonable({**asdict(self), "values": {k: float(v) for k, v in self.values.items()}})
 
 
 @dataclass

@@ -18,7 +18,7 @@ import shutil
 import signal
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -45,6 +45,7 @@ __all__ = [
     "ignore_further_signals",
     "interrupted",
     "launch",
+    "local_workers",
     "on_sigterm",
     "set_aside",
     "settle",
@@ -55,8 +56,8 @@ __all__ = [
 EXIT_WORKER_FAILED = 1
 
 
-def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] | None]:
-    """Run ``cfg`` on ``cfg.world_size`` local workers; returns (exit code, rank 0's summary).
+def launch(cfg: TrainConfig) -> int:
+    """Run ``cfg`` on ``cfg.world_size`` local workers; returns the exit code.
 
     Raises :class:`paft.rundir.RunDirError` or :class:`paft.train.DeviceError` (before
     anything is written) when the run directory or the devices cannot be used.
@@ -74,9 +75,9 @@ def launch(cfg: TrainConfig, quiet: bool = False) -> tuple[int, dict[str, Any] |
     check_devices(cfg)
     check_run_dir(cfg)
     with claim_run_dir(cfg) as outcome:
-        code, summary = _run_workers(cfg, quiet)
+        code = _run_workers(cfg)
         outcome["code"] = code
-        return code, summary
+        return code
 
 
 @contextlib.contextmanager
@@ -272,37 +273,42 @@ def settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str
               f"failed: {err.strerror or err})", file=sys.stderr)
 
 
-def _run_workers(cfg: TrainConfig, quiet: bool) -> tuple[int, dict[str, Any] | None]:
+def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft") -> Callable[..., dict[int, Any]]:
+    """``entry`` as torchrun would start it on ``world_size`` local workers: call the
+    result with ``entry``'s arguments; it returns rank -> ``entry``'s return value, or
+    raises ``ChildFailedError`` when a worker fails (no restarts). ``entry`` must be a
+    module-level function (the workers are spawned) that sets up its process group."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=cfg.world_size,
-        run_id=f"paft-{uuid.uuid4().hex[:8]}",
+        nproc_per_node=world_size,
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        rdzv_endpoint="localhost:0",  # a free port, taken at bind time: no race between runs
         max_restarts=0,
-        monitor_interval=0.1,
         start_method="spawn",
     )
+    return elastic_launch(config, entry)
+
+
+def _run_workers(cfg: TrainConfig) -> int:
     try:
-        results = elastic_launch(config, run_worker)(cfg.to_dict(), cfg.run_dir)
+        results = local_workers(run_worker, cfg.world_size)(cfg.to_dict(), cfg.run_dir)
     except ChildFailedError as err:
         kept = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
             kept = f"; {cfg.run_dir} keeps its checkpoints (--resume continues from the last)"
         print(f"paft train: a worker failed (its traceback is above){kept}\n{err}", file=sys.stderr)
-        return EXIT_WORKER_FAILED, None
+        return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
         hint = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
             hint = f"; to continue from the last checkpoint: paft train --run-dir {cfg.run_dir} --resume"
-        return interrupted(err, hint), None
+        return interrupted(err, hint)
     first = results[0]
     if first["status"] == "persistent_fault":
         print(f"paft train: {first['message']}", file=sys.stderr)
-        return EXIT_PERSISTENT_FAULT, None
-    summary = first["summary"]
-    if not quiet:
-        console(format_summary(summary, cfg.run_dir))
-    return 0, summary
+        return EXIT_PERSISTENT_FAULT
+    console(format_summary(first["summary"], cfg.run_dir))
+    return 0

@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -452,7 +452,6 @@ class OptionParser(argparse.ArgumentParser):
 def parse_train_config(
     argv: Sequence[str] | None = None,
     prog: str = "paft train",
-    error: Callable[[str], Any] | None = None,
     launched: int | None = None,
 ) -> TrainConfig:
     """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2.
@@ -463,5 +462,4 @@ def parse_train_config(
     try:
         return config_from_namespace(ns, launched)
     except ValueError as err:
-        (error or parser.error)(str(err))
-        raise  # parser.error exits; a custom handler might not
+        parser.error(str(err))

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.amp import OptimizerStep
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import gather_rows
-from paft.faultspec import FaultSpec, parse_specs
+from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
 
 __all__ = ["mark_protected", "preflight", "wants_comm_hook"]
@@ -53,7 +53,7 @@ def preflight(
     refusal: Exception | None = None
     try:
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
-        specs = [s if isinstance(s, FaultSpec) else parse_specs([s])[0] for s in inject]
+        specs = [s if isinstance(s, FaultSpec) else FaultSpec.parse(s, option="protect(): inject") for s in inject]
         _check_specs(specs, list(model.parameters()))
         # DDP takes one comm hook, and keeps it for good: a rank whose model has one
         # already must refuse here, with the others.
@@ -132,7 +132,7 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
         raise ValueError(f"protect(): the optimizer holds {foreign} parameter(s) that are not the model's; "
                          "build it from ddp_model.parameters() (or a subset of them)")
     if guard.enabled and not monitor.enabled:
-        raise ValueError("the guard needs the per-step monitor (MonitorConfig.enabled)")
+        raise ValueError("protect(): the guard needs the per-step monitor (MonitorConfig.enabled)")
     world_size = dist.get_world_size(model.process_group)
     if protect.mode in ("sync", "dyn") and protect.sync_mode == "broadcast" and not (
             0 <= protect.broadcast_src < world_size):

@@ -353,7 +353,7 @@ class Protector:
                 self._stepper.discard()
                 applied = False
                 break
-            if not finished:  # else the state changed since this step's fingerprints
+            if not finished:  # else a sync just landed: it keeps its own reference
                 self._keep_agreed_state(view)
             armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
             before = self._snapshot.capture(self.model, self.optimizer) if armed else None

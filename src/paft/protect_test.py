@@ -745,6 +745,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "zero": lambda m, o: protect(m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam)),
         "grad_clip nan": lambda m, o: protect(m, o, grad_clip=float("nan")),
         "inject string": lambda m, o: protect(m, o, inject="bitflip:steps=1"),
+        "malformed spec": lambda m, o: protect(m, o, inject=["bitflip:rate=2"]),
         "config dict": lambda m, o: protect(m, o, protect={"mode": "dyn"}),
         "closure returns None": lambda m, o: protect(m, o).step(lambda: None),
         "no backward": lambda m, o: protect(m, o).step(forward_only(m)),
@@ -811,7 +812,7 @@ def test_arguments_refused_on_one_rank_raise_on_every_rank() -> None:
     others = "ValueError: protect(): rank(s) [1] refused their arguments (the error is raised there)"
     own = {
         "bits": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': field 'bits' must be < 32",
-        "guard without monitor": "ValueError: the guard needs the per-step monitor",
+        "guard without monitor": "ValueError: protect(): the guard needs the per-step monitor",
         "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
         "closure optimizer": "TypeError: protect(): LBFGS.step() needs a closure",
         "own hook": "RuntimeError: protect(): this DDP model already has a comm hook",
@@ -841,6 +842,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "zero": "TypeError: protect(): ZeroRedundancyOptimizer is not supported",
         "grad_clip nan": "ValueError: protect(): grad_clip must be a finite number >= 0",
         "inject string": "TypeError: protect(): inject= must be a list of fault specs",
+        "malformed spec": "FaultSpecError: protect(): inject 'bitflip:rate=2': field 'rate' must be in [0, 1]",
         "config dict": "TypeError: protect(): protect= must be a ProtectConfig, got dict",
         "closure returns None": "TypeError: the closure must return the loss as a one-element tensor, got NoneType",
         "no backward": "RuntimeError: the closure ran no backward()",

@@ -1,4 +1,5 @@
-"""The run directory: where a run's records go, and how files are written safely.
+"""Writing a run's records: what goes where in the run directory, and how files are
+written safely (:mod:`paft.rundir` checks and claims the directory itself).
 
 Layout (the contract other tools read; see docs/ARCHITECTURE.md):
 

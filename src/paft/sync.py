@@ -145,7 +145,6 @@ from paft.robust import lower_median, median_of_three
 from paft.sync_plan import COPY_MODES, SyncPlan, as_ddp_would, plan_sync
 
 __all__ = [
-    "SYNC_MODES",
     "ReplicaSync",
     "SyncReport",
 ]
@@ -177,7 +176,7 @@ class SyncReport:
     (optimizer state and buffers are synchronized, not measured).
     ``c`` is the mean replica (``median``, ``median-with-reference``: mean of the
     finite replicas; ``mean``: the finite mean), or the source replica for
-    ``majority-copy`` / ``broadcast`` -- the mean would need another O(parameters)
+    ``majority-copy`` / ``finite-copy`` / ``broadcast`` -- the mean would need another O(parameters)
     collective there; :func:`~paft.divergence.measure_divergence` gives it on demand. ``inf`` when a
     replica is non-finite; 0.0 for ``noop``, identical replicas, even all non-finite
     (nothing to repair from)."""

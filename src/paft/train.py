@@ -66,9 +66,12 @@ __all__ = [
     "DeviceError",
     "check_devices",
     "uses_cuda",
+    "EXIT_USAGE",
     "EXIT_PERSISTENT_FAULT",
 ]
 
+EXIT_USAGE = 2
+"""Bad input, refused before training (argparse's own code for usage errors)."""
 EXIT_PERSISTENT_FAULT = 3
 BYTES_PER_PARAMETER = 20
 """fp32 weights, gradients, DDP buckets and two optimizer moments (the memory check)."""
@@ -555,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: error: {problem}: run it under torchrun, which sets {', '.join(torchrun_env)} (e.g. "
               f"torchrun --standalone --nproc-per-node 4 -m paft.train), or use paft train, which starts its own "
               f"workers", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         local = os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size))
         if not local.isdigit() or int(local) < 1:
@@ -564,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_devices(cfg, local_workers=local_workers)
     except DeviceError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     # torchrun stops the ranks with SIGTERM (when one fails, or when it is stopped) and
     # passes SIGHUP and SIGQUIT on: unwind, so that rank 0's claim cleans up as paft
     # train's launcher does.
@@ -601,7 +604,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
             if rank0:
                 print(f"{prog}: error: {error[0]}", file=sys.stderr)
             dist.destroy_process_group()
-            return 2
+            return EXIT_USAGE
         result = _train_in_group(cfg, cfg.run_dir)
         code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
         outcome["code"] = code

@@ -20,12 +20,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import logging
 import math
 import pathlib
 import statistics
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -161,14 +159,9 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
     ``entry`` must be a module-level function (workers are spawned); it sets up and
     tears down its process group itself (see :func:`_bench_worker`).
     """
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from paft.launch import local_workers
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"paft-bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
-    )
-    return elastic_launch(config, entry)(*args)
+    return local_workers(entry, world_size, "paft-bench")(*args)
 
 
 def run_all(runs: Sequence[Run], world_size: int) -> None:
