@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from paft.bench import add_bench_parser, run_bench
-from paft.options import OptionParser, add_train_options, config_from_namespace, ignored_options
+from paft.options import OptionParser, add_train_options, config_from_namespace, idle_faults, ignored_options
 
 if TYPE_CHECKING:
-    from paft.config import TrainConfig
+    pass
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -83,8 +83,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = config_from_namespace(args)
     except ValueError as err:
         parser.error(str(err))
-    _warn_idle_faults(cfg)
-    for warning in ignored_options(args, cfg):
+    for warning in [*idle_faults(cfg), *ignored_options(args, cfg)]:
         print(f"paft train: warning: {warning}", file=sys.stderr)
     try:
         code = launch(cfg)
@@ -93,27 +92,6 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (KeyboardInterrupt, SignalException) as err:  # before or after the workers ran
         return interrupted(err)
     return code
-
-
-def _warn_idle_faults(cfg: TrainConfig) -> None:
-    """A fault spec that cannot fire within --steps is most likely a typo; not an error,
-    since a later --resume with more steps may reach it."""
-    from paft.faultspec import parse_specs
-
-    for text, spec in zip(cfg.inject, parse_specs(cfg.inject)):
-        if spec.site == "optimizer-state" and cfg.optimizer == "sgd":
-            print(f"paft train: warning: --inject {text!r} never fires: --optimizer sgd keeps no state "
-                  "(momentum, adam and adamw do)", file=sys.stderr)
-            continue
-        # Optimizer state is created by the first optimizer.step(): nothing to hit at step 0.
-        first = spec.first_firing(after=1 if spec.site == "optimizer-state" else 0)
-        if first is None:
-            late = ", and optimizer state exists only from step 1 on" if spec.site == "optimizer-state" else ""
-            print(f"paft train: warning: --inject {text!r} can never fire (rate 0, or its steps, start "
-                  f"and stop leave no step{late})", file=sys.stderr)
-        elif first >= cfg.steps:
-            print(f"paft train: warning: --inject {text!r} cannot fire before step {first}, past --steps "
-                  f"{cfg.steps}", file=sys.stderr)
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

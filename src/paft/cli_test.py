@@ -522,14 +522,26 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
     ("bitflip:steps=0,burst=3,site=optimizer-state,optimizer=adamw", None),  # the burst fires on steps 1 and 2
     ("bitflip:steps=0,burst=3,start=4", "can never fire"),
 ])
-def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    from paft.cli import _warn_idle_faults
+def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None) -> None:
+    from paft.options import idle_faults
 
     spec, _, optimizer = spec.partition(",optimizer=")
-    _warn_idle_faults(TrainConfig(steps=3, inject=[spec], optimizer=optimizer or "sgd"))
-    err = capsys.readouterr().err
-    assert (needle in err) if needle else err == ""
+    warnings = idle_faults(TrainConfig(steps=3, inject=[spec], optimizer=optimizer or "sgd"))
+    assert [needle in w for w in warnings] == [True] if needle else warnings == []
+
+
+def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import paft.launch
+
+    ran: list[TrainConfig] = []
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg: ran.append(cfg) or 0)
+    assert main(["train", "--steps", "3", "--inject", "bitflip:steps=100", "--spike-threshold", "3"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "paft train: warning: --inject 'bitflip:steps=100' cannot fire before step 100, past --steps 3",
+        "paft train: warning: --spike-threshold has no effect without --guard",
+    ]
+    assert len(ran) == 1  # a warning, not a refusal
 
 
 @pytest.mark.parametrize("argv,expect", [

@@ -29,6 +29,9 @@ __all__ = [
     "OPTIMIZERS",
     "PROTECT_MODES",
     "SYNC_MODES",
+    "COSINE_MODES",
+    "DEVICES",
+    "ON_PERSISTENT",
     "MonitorConfig",
     "ProtectConfig",
     "GuardConfig",
@@ -39,6 +42,8 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 PROTECT_MODES = ("none", "sync", "dyn", "averager")
 SYNC_MODES = ("robust", "mean", "broadcast")
 COSINE_MODES = ("sketch", "exact", "off")
+DEVICES = ("auto", "cpu", "cuda")
+ON_PERSISTENT = ("repair", "stop")
 
 
 def _floats_back(cls: type, data: dict[str, Any]) -> dict[str, Any]:
@@ -222,7 +227,7 @@ class GuardConfig:
         _require(self.max_reruns_per_run >= 1, "--max-reruns-total", f"must be >= 1, got {self.max_reruns_per_run}")
         _require(self.shift_after >= 0, "--shift-after", f"must be >= 0, got {self.shift_after}")
         _require(
-            self.on_persistent in ("repair", "stop"),
+            self.on_persistent in ON_PERSISTENT,
             "--on-persistent",
             f"must be 'repair' or 'stop', got {self.on_persistent!r}",
         )
@@ -350,7 +355,7 @@ class TrainConfig:
         _require(self.checkpoint_every >= 0, "--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
         _require(not (self.resume and self.overwrite), "--resume", "cannot be combined with --overwrite")
         _require(not self.resume or bool(self.run_dir), "--resume", "needs --run-dir, the run to continue")
-        _require(self.device in ("auto", "cpu", "cuda"), "--device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _require(self.device in DEVICES, "--device", f"must be auto, cpu or cuda, got {self.device!r}")
         _require(0 <= self.dropout < 1, "--dropout", f"must be in [0, 1), got {self.dropout}")
         _require(
             self.monitor.enabled or not self.guard.enabled,

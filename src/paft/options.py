@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from paft.config import (
+    COSINE_MODES,
+    DEVICES,
+    ON_PERSISTENT,
     OPTIMIZERS,
     PROTECT_MODES,
     SYNC_MODES,
@@ -32,6 +35,7 @@ from paft.config import (
     ProtectConfig,
     TrainConfig,
 )
+from paft.faultspec import parse_specs
 from paft.records import is_file
 from paft.rundir import resolve_run_dir
 from paft.workloads import WORKLOADS
@@ -42,7 +46,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
-           "config_from_namespace", "parse_model_arg", "ignored_options"]
+           "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults"]
 
 
 class ConfigFileError(ValueError):
@@ -85,7 +89,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("run-dir", None, "run_dir", str, metavar="DIR"),
     Option("resume", None, "resume", bool),
     Option("overwrite", None, "overwrite", bool),
-    Option("device", None, "device", str, ("auto", "cpu", "cuda")),
+    Option("device", None, "device", str, DEVICES),
     Option("model", None, "model", "model", metavar="KEY=VALUE"),
     Option("dropout", None, "dropout", float),
     Option("desync-shuffle", None, "desync_shuffle", bool),
@@ -95,7 +99,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("quiet", None, "quiet", bool),
     Option("monitor", "monitor", "enabled", bool),
     Option("monitor-interval", "monitor", "interval", int),
-    Option("cosine", "monitor", "cosine", str, ("sketch", "exact", "off")),
+    Option("cosine", "monitor", "cosine", str, COSINE_MODES),
     Option("sketch-dim", "monitor", "sketch_dim", int),
     Option("fingerprint-every", "monitor", "fingerprint_every", int),
     Option("alert-loss-cv", "monitor", "alert_loss_cv", float),
@@ -117,7 +121,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-reruns", "guard", "max_reruns_per_step", int),
     Option("max-reruns-total", "guard", "max_reruns_per_run", int),
     Option("shift-after", "guard", "shift_after", int),
-    Option("on-persistent", "guard", "on_persistent", str, ("repair", "stop")),
+    Option("on-persistent", "guard", "on_persistent", str, ON_PERSISTENT),
 )
 _BY_KEY = {opt.flag: opt for opt in OPTIONS}
 
@@ -393,6 +397,26 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
             where = "; ".join(f"--{n} is set in {source[n].removeprefix('--resume: ')}" for n in filed)
             raise ValueError(f"{err} ({where})") from None
         raise
+
+
+def idle_faults(cfg: TrainConfig) -> list[str]:
+    """A warning for each fault spec that cannot fire within --steps: most likely a
+    typo; not an error, since a later --resume with more steps may reach it."""
+    out = []
+    for text, spec in zip(cfg.inject, parse_specs(cfg.inject)):
+        if spec.site == "optimizer-state" and cfg.optimizer == "sgd":
+            out.append(f"--inject {text!r} never fires: --optimizer sgd keeps no state (momentum, adam and "
+                       "adamw do)")
+            continue
+        # Optimizer state is created by the first optimizer.step(): nothing to hit at step 0.
+        first = spec.first_firing(after=1 if spec.site == "optimizer-state" else 0)
+        if first is None:
+            late = ", and optimizer state exists only from step 1 on" if spec.site == "optimizer-state" else ""
+            out.append(f"--inject {text!r} can never fire (rate 0, or its steps, start and stop leave no "
+                       f"step{late})")
+        elif first >= cfg.steps:
+            out.append(f"--inject {text!r} cannot fire before step {first}, past --steps {cfg.steps}")
+    return out
 
 
 def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:

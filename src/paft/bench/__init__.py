@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
+from paft.config import DEVICES
 from paft.options import parse_model_arg
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -42,7 +43,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", metavar="DIR", help="output folder [default: bench/<benchmark>-<timestamp>]")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-        p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+        p.add_argument("--device", choices=DEVICES, default="auto",
                        help="auto: CUDA (NCCL, one GPU per worker) if available, else CPU (gloo) "
                        "[default: %(default)s]")
 
