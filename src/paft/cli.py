@@ -96,7 +96,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from paft.records import console
-    from paft.report import ReportError, build_report
+    from paft.report import build_report
+    from paft.rundata import ReportError
 
     try:
         result = build_report(args.run_dir, args.out_dir)

@@ -1,9 +1,7 @@
 """Plots and a text summary of one run directory (``paft report``).
 
-Reads only the run-directory contract (:mod:`paft.records`): ``config.json``,
-``metrics/rank{r}.jsonl``, ``consistency.jsonl``, ``evals.jsonl``, ``events.jsonl``,
-``faults.jsonl`` and ``summary.json``. A missing file means nothing to show for that
-layer: a fault-free, unprotected run still gets its loss, dispersion and cosine plots;
+Reads the run directory through :func:`paft.rundata.load_run`. A missing file means
+nothing to show for that layer: a fault-free, unprotected run still gets its loss, dispersion and cosine plots;
 a run that is still going or crashed (no ``summary.json``) is reported from the jsonl
 files, with a note saying so. Usage::
 
@@ -18,12 +16,10 @@ so reports can be built on headless machines and inside other programs.
 
 from __future__ import annotations
 
-import contextlib
 import io
-import json
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,17 +29,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import (
-    atomic_write_bytes,
-    from_jsonable,
-    is_file,
-    max_or_nan,
-    output_dir_problem,
-    read_jsonl,
-    read_utf8,
-)
+from paft.records import atomic_write_bytes, is_file, max_or_nan, output_dir_problem
+from paft.rundata import ReportError, RunData, load_run
 
-__all__ = ["Report", "ReportError", "RunData", "build_report", "load_run", "summary_text"]
+__all__ = ["Report", "build_report", "summary_text"]
 
 _PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png")
 REPORT_MARKER = ".paft-report"  # marks a folder paft report wrote, which it may write into again
@@ -57,169 +46,12 @@ _DISPERSION = [
 ]
 
 
-class ReportError(ValueError):
-    """The path is not a readable paft run directory."""
-
-
 @dataclass
 class Report:
     """What :func:`build_report` wrote (PNGs, then ``report.md``) and the text summary."""
 
     files: list[Path]
     text: str
-
-
-@dataclass
-class RunData:
-    """Every record of one run directory, non-finite strings turned back into floats."""
-
-    path: Path
-    config: dict[str, Any]
-    summary: dict[str, Any] | None
-    metrics: dict[int, list[dict[str, Any]]]
-    consistency: list[dict[str, Any]]
-    evals: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-    faults: list[dict[str, Any]]
-    stale_summary: int | None = None
-    """The steps of a ``summary.json`` that the records have gone past (a resumed run
-    still running or interrupted): it is set aside, and the records speak."""
-
-    def events_of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("event") == kind]
-
-    @property
-    def name(self) -> str:
-        """The run directory's name, also when it was given as ``.``."""
-        return self.path.resolve().name
-
-    @property
-    def last_step(self) -> int:
-        """The last step index any rank recorded."""
-        return max((recs[-1]["step"] for recs in self.metrics.values() if recs), default=-1)
-
-    @property
-    def world_size(self) -> int:
-        if self.summary and "world_size" in self.summary:
-            return int(self.summary["world_size"])
-        return int(self.config.get("world_size", len(self.metrics)))
-
-
-# -- reading -------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _reading(path: Path) -> Iterator[None]:
-    """A damaged (not UTF-8, not JSON) or unreadable ``path`` as a ReportError naming it."""
-    try:
-        yield
-    except ValueError as err:  # records.read_utf8 / read_jsonl name the file and line
-        raise ReportError(str(err)) from None
-    except OSError as err:
-        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
-
-
-def _read_text(path: Path) -> str:
-    with _reading(path):
-        return read_utf8(path)
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    with _reading(path):
-        records = [from_jsonable(r) for r in read_jsonl(path)]  # a crashed writer's partial last line is dropped
-    for i, record in enumerate(records):
-        for key in ("step", "rank"):  # every record has a step; faults name a rank
-            value = record.get(key, 0 if key == "rank" else None)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ReportError(f"{path}: record {i + 1}: {key} must be an integer >= 0, got {value!r}")
-    return records
-
-
-def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # One record per step, the last one winning: a resumed run re-does steps.
-    kept = {r["step"]: r for r in records}
-    return [kept[s] for s in sorted(kept)]
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(_read_text(path))
-    except json.JSONDecodeError as err:
-        raise ReportError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ReportError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return from_jsonable(data)
-
-
-# The summary fields the report computes with (the trainer writes them as numbers).
-_SUMMARY_NUMBERS = ("steps", "world_size", "steps_per_s", "wall_s", "replicas_distinct", "max_replica_rel_diff",
-                    "faults_injected", "syncs", "detections", "recomputes", "skipped_batches")
-
-
-def _check_config(path: Path, config: dict[str, Any]) -> None:
-    """The config.json fields the report reads, checked for their types."""
-    for key, kind, name in (("protect", dict, "an object"), ("guard", dict, "an object"),
-                            ("monitor", dict, "an object"), ("inject", list, "a list"), ("steps", int, "an integer"),
-                            ("world_size", int, "an integer"), ("workload", str, "a string")):
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-            raise ReportError(f"{path}: {key} must be {name}, got {value!r}")
-
-
-def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:
-    for key, value in (summary or {}).items():
-        if key in _SUMMARY_NUMBERS or key.startswith(("initial_", "final_")):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ReportError(f"{path}: {key} must be a number, got {value!r}")
-
-
-def load_run(run_dir: str | Path) -> RunData:
-    """Read a run directory; :class:`ReportError` naming it if it is not one."""
-    path = Path(run_dir).expanduser()
-    try:
-        is_dir = path.is_dir()
-    except OSError as err:  # e.g. a name too long for the file system
-        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from None
-    if not is_dir:
-        what = "not a directory" if path.exists() else "does not exist"
-        raise ReportError(f"{path}: {what} (expected a paft run directory, e.g. runs/<dir>)")
-    config = _read_json(path / "config.json")
-    if config is None:
-        raise ReportError(f"{path}: not a paft run directory (no config.json)")
-    _check_config(path / "config.json", config)
-    metrics: dict[int, list[dict[str, Any]]] = {}
-    for file in sorted((path / "metrics").glob("rank*.jsonl")):
-        suffix = file.stem[len("rank"):]
-        if suffix.isdigit():
-            records = _by_step(_read_jsonl(file))
-            if records:
-                metrics[int(suffix)] = records
-    if not metrics:
-        raise ReportError(
-            f"{path}: no per-step metrics (metrics/rank*.jsonl is missing or empty); "
-            "the run has not completed a step"
-        )
-    summary = _read_json(path / "summary.json")
-    _check_numbers(path / "summary.json", summary)
-    run = RunData(
-        path=path,
-        config=config,
-        summary=summary,
-        metrics=dict(sorted(metrics.items())),
-        consistency=_by_step(_read_jsonl(path / "consistency.jsonl")),
-        evals=_by_step(_read_jsonl(path / "evals.jsonl")),
-        events=_read_jsonl(path / "events.jsonl"),
-        faults=_read_jsonl(path / "faults.jsonl"),
-    )
-    # A resume rewrites summary.json only when it ends: until then the old one describes
-    # fewer steps than the records hold, and mixing the two would contradict itself.
-    if summary is not None and isinstance(summary.get("steps"), int) and summary["steps"] <= run.last_step:
-        run.stale_summary, run.summary = summary["steps"], None
-    return run
 
 
 # -- plotting helpers -------------------------------------------------------------------

@@ -21,7 +21,6 @@ import pytest
 import paft.report as report_module
 from paft.config import TrainConfig
 from paft.report import (
-    ReportError,
     _eval_divergence,
     _figure,
     _global_loss,
@@ -30,8 +29,8 @@ from paft.report import (
     _replica_panel,
     _state_distinct,
     build_report,
-    load_run,
 )
+from paft.rundata import ReportError, load_run
 from paft.rundir import prepare_run_dir
 from paft.testing import run_workers
 from paft.train import Trainer
