@@ -1,10 +1,13 @@
-"""Start N local workers for one run through torch's elastic launcher.
+"""Both sides of starting a run's workers: the launcher, and what runs in each worker.
 
 ``paft train`` validates everything first (options, config file, run directory), so
 bad input never starts a worker or leaves a directory behind; then it creates the
-run directory and hands :func:`paft.train.run_worker` to
+run directory and hands :func:`run_worker` to
 ``torch.distributed.launcher.api.elastic_launch`` (the machinery behind torchrun:
 c10d rendezvous on a free local port, one process per rank, failures propagated).
+Under torchrun (``python -m paft.train``) each rank runs :func:`torchrun_main`
+instead, and rank 0 claims the run directory as the launcher would. Either way a
+worker trains with :class:`paft.train.Trainer`.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ import shutil
 import signal
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paft.config import TrainConfig
+from paft.protect import PersistentFaultError
 from paft.records import atomic_write_bytes, console
 from paft.rundir import (
     LOCK_FILE,
@@ -37,7 +43,7 @@ from paft.rundir import (
     resolve_run_dir,
     write_config,
 )
-from paft.train import EXIT_PERSISTENT_FAULT, check_devices, format_summary, run_worker
+from paft.train import EXIT_PERSISTENT_FAULT, EXIT_USAGE, DeviceError, Trainer, check_devices, format_summary, uses_cuda
 
 __all__ = [
     "TERMINATING_SIGNALS",
@@ -46,6 +52,9 @@ __all__ = [
     "interrupted",
     "launch",
     "local_workers",
+    "run_worker",
+    "start_launched_worker",
+    "torchrun_main",
     "on_sigterm",
     "set_aside",
     "settle",
@@ -311,4 +320,143 @@ def _run_workers(cfg: TrainConfig) -> int:
         print(f"paft train: {first['message']}", file=sys.stderr)
         return EXIT_PERSISTENT_FAULT
     console(format_summary(first["summary"], cfg.run_dir))
+    return 0
+
+
+# -- inside a worker ------------------------------------------------------------------
+
+
+def _init_process_group(cfg: TrainConfig) -> None:
+    if dist.is_initialized():
+        return
+    # On GPUs, NCCL moves CUDA tensors (gradients, syncs, the control vector) and gloo
+    # the trainer's few host-side values (evaluation losses, summary counters).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if uses_cuda(cfg) else "gloo")
+
+
+def _set_threads(local_workers: int) -> None:
+    # N workers share the machine's cores: one BLAS pool each, sized to its share.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_workers))
+
+
+def start_launched_worker(cfg: TrainConfig) -> None:
+    """Set up a worker that ``paft train`` or ``paft bench`` launched: its threads, its
+    process group, and Ctrl-C, which ends it at once. The terminal signals the launcher
+    too, which stops every worker and cleans up; a KeyboardInterrupt here only printed
+    each worker's traceback, and a worker waiting in C++ (the rendezvous, a collective)
+    never saw it, so the launcher waited 30 s before killing it. Records are flushed
+    line by line and checkpoints written atomically: a worker killed mid-write leaves
+    nothing half-written. (Under torchrun rank 0 holds the run directory itself and
+    must unwind: :func:`torchrun_main` keeps Python's handler.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the elastic launcher sets it
+    _init_process_group(cfg)
+
+
+def run_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """Entry point of one worker launched by ``paft train`` (elastic launcher, env:// rendezvous)."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    start_launched_worker(cfg)
+    return _train_in_group(cfg, run_dir)
+
+
+def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
+    """Train in the process group already up (a launched worker's, or a torchrun rank's),
+    then take it down; a persistent fault the guard stops on is a result, not an error."""
+    try:
+        trainer = Trainer(cfg, pathlib.Path(run_dir))
+        try:
+            return {"status": "ok", "summary": trainer.train()}
+        except PersistentFaultError as err:
+            if dist.get_rank() == 0:
+                trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
+            trainer.recorder.close()
+            return {"status": "persistent_fault", "ranks": err.ranks, "step": err.step, "message": str(err)}
+    finally:
+        dist.destroy_process_group()
+
+
+def torchrun_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m paft.train`` under torchrun: every rank parses the same options.
+
+    The world size is torchrun's (``WORLD_SIZE``) unless ``--world-size`` or a config
+    file sets it; a value that differs from the processes torchrun started is refused
+    (exit 2), since the per-rank batch and the fault ranks are derived from it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from paft.options import parse_train_config
+
+    prog = "python -m paft.train"
+    # What torchrun sets for the env:// rendezvous; without it, the process group's set-up
+    # fails with a traceback.
+    torchrun_env = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    problem = ", ".join(f"{name} not set" for name in torchrun_env if name not in os.environ)
+    launched = None
+    if not problem:
+        try:
+            launched = int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            problem = f"WORLD_SIZE={os.environ['WORLD_SIZE']!r}"
+    # Every rank parses and refuses alike: the first to exit makes torchrun stop the
+    # others, maybe before rank 0 has written a word.
+    cfg = parse_train_config(argv, prog=prog, launched=launched)
+    if problem:
+        print(f"{prog}: error: {problem}: run it under torchrun, which sets {', '.join(torchrun_env)} (e.g. "
+              f"torchrun --standalone --nproc-per-node 4 -m paft.train), or use paft train, which starts its own "
+              f"workers", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        local = os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size))
+        if not local.isdigit() or int(local) < 1:
+            raise DeviceError(f"LOCAL_WORLD_SIZE={local!r}: run it under torchrun, which sets it")
+        local_workers = int(local)
+        check_devices(cfg, local_workers=local_workers)
+    except DeviceError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    # torchrun stops the ranks with SIGTERM (when one fails, or when it is stopped) and
+    # passes SIGHUP and SIGQUIT on: unwind, so that rank 0's claim cleans up as paft
+    # train's launcher does.
+    unwind_on_termination()
+    _set_threads(local_workers)
+    _init_process_group(cfg)
+    rank0 = dist.get_rank() == 0
+    try:
+        return _main(cfg, prog, rank0)
+    except (KeyboardInterrupt, SignalException) as err:
+        return interrupted(err, prog=prog, say=rank0)
+
+
+def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
+    """:func:`torchrun_main` once the process group is up."""
+    # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
+    name = [resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))]
+    dist.broadcast_object_list(name, src=0)
+    cfg.run_dir = name[0]
+    with contextlib.ExitStack() as claim:
+        # Rank 0 claims the directory as paft train does (the lock, --overwrite's set-aside,
+        # the clean-up of a run that stopped before its first checkpoint); every rank
+        # learns whether it could.
+        error, outcome = [""], {"code": 0}
+        if rank0:
+            try:
+                check_run_dir(cfg)
+                outcome = claim.enter_context(claim_run_dir(cfg, prog))
+            except RunDirError as err:
+                error = [str(err)]
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            if rank0:
+                print(f"{prog}: error: {error[0]}", file=sys.stderr)
+            dist.destroy_process_group()
+            return EXIT_USAGE
+        result = _train_in_group(cfg, cfg.run_dir)
+        code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
+        outcome["code"] = code
+    if code == EXIT_PERSISTENT_FAULT:
+        if rank0:
+            print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
+        return code
+    if rank0:  # --quiet silences progress, not the result (as paft train)
+        console(format_summary(result["summary"], cfg.run_dir))
     return 0

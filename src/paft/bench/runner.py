@@ -111,7 +111,7 @@ def throughput_ratios(schedule: Sequence[str], rates: Sequence[float], reference
 def worker_group(cfg_dict: dict[str, Any]) -> Iterator[None]:
     """Inside a launched worker: threads and the process group for ``cfg_dict``'s device,
     torn down on exit, even after an error."""
-    from paft.train import start_launched_worker
+    from paft.launch import start_launched_worker
 
     start_launched_worker(TrainConfig.from_dict(cfg_dict))
     try:
