@@ -1,9 +1,8 @@
 """``paft bench``: schedules, the desync / detection analyses, and real runs through the CLI.
 
 The schedule and analysis tests are pure logic (synthetic run directories, ms).
-The matrix and overhead tests launch real gloo workers through ``paft.cli.main``
-(about 30 s and 10 s on 2 cores); the end-to-end desync and detection runs are
-``slow``.
+The matrix, overhead, desync and detection tests launch real gloo workers through
+``paft.cli.main`` on tiny settings (seconds each on 2 cores).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from paft.bench import desync, detection, matrix, overhead
-from paft.bench.runner import Run, alternate, throughput_ratios
+from paft.bench.runner import Run, alternate, mean_local_loss, throughput_ratios
 from paft.cli import main
 from paft.records import read_jsonl
 
@@ -29,6 +28,16 @@ def test_alternate_exact_schedule() -> None:
     assert alternate("R", ["a", "b", "c", "d"], every=3) == ["R", "a", "b", "c", "R", "d", "R"]
     assert alternate("R", ["a", "b"], every=1) == ["R", "a", "R", "b", "R"]
     assert alternate("R", []) == ["R"]
+
+
+def test_loss_curves_are_the_mean_of_every_ranks_own_loss(tmp_path: pathlib.Path) -> None:
+    # A record's "loss" is the ranks' mean only where the monitor gathered it: the
+    # curves compare runs with and without it, so they average "local_loss" themselves.
+    (tmp_path / "metrics").mkdir()
+    for rank, losses in enumerate([[4.0, 3.0], [2.0, 1.0], [3.0, 8.0]]):
+        lines = [json.dumps({"step": s, "loss": 99.0, "local_loss": v}) for s, v in enumerate(losses)]
+        (tmp_path / "metrics" / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    assert mean_local_loss(str(tmp_path)) == ([0, 1], [3.0, 4.0])
 
 
 @pytest.mark.parametrize("every", [1, 2])

@@ -4,8 +4,9 @@ Per workload (gpt, llama, resnet; bench-sized models so the full matrix of 180 r
 fits in about 20 minutes on 2 cores), at 4 ranks, same seed and data order everywhere:
 
 1. ``fault-free``: plain DDP without faults (the reference, re-run between cells; no
-   comm hook, no control collective, as ``unprotected``);
-2. ``unprotected``: faults, plain DDP;
+   comm hook, no control collective);
+2. ``unprotected``: faults, plain DDP (no control collective; paft's comm hook only
+   to inject the faults);
 3. ``averager``: faults + ``torch.distributed.algorithms.model_averaging``'s
    PeriodicModelAverager at period H (the in-tree anchor);
 4. ``torchft-localsgd``: listed as skipped unless torchft is installed;
@@ -34,9 +35,9 @@ from typing import Any
 from paft.bench.runner import (
     Run,
     alternate,
-    curves,
     make_config,
     markdown_table,
+    mean_local_loss,
     run_all,
     throughput_ratios,
     torchft_available,
@@ -50,8 +51,9 @@ __all__ = ["SCENARIOS", "fault_settings", "plan", "run", "BENCH_MODELS"]
 
 REFERENCE = "fault-free"
 
-# The reference and the unprotected runs are plain DDP: no comm hook, no control
-# collective (the monitor is on by default in a TrainConfig).
+# The reference and the unprotected runs are plain DDP: no control collective (the
+# monitor is on by default in a TrainConfig); the unprotected runs' faults still need
+# paft's comm hook to inject them.
 PLAIN_DDP: dict[str, Any] = {"monitor": {"enabled": False}}
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -205,7 +207,7 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
             loss_ax, div_ax, h_ax = axes[0][col], axes[1][col], axes[2][col]
             for r in [ref] + [r for r in group if r.labels["setting"] == setting]:
                 name = r.labels["scenario"]
-                steps, loss = curves(r.config["run_dir"])
+                steps, loss = mean_local_loss(r.config["run_dir"])
                 loss_ax.plot(steps, trailing_mean(loss, 5), label=name, lw=1)
                 evals = read_jsonl(pathlib.Path(r.config["run_dir"]) / "evals.jsonl")
                 div_ax.plot([e["step"] for e in evals], [_finite_or_nan(e["replica_rel_diff"]) for e in evals],
@@ -214,7 +216,7 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
                 syncs = [e for e in events if e.get("event") == "sync"]
                 if syncs and name in ("paft-dyn", "dyn+guard", "paft-sync"):
                     h_ax.step([e["step"] for e in syncs], [e["period"] for e in syncs], where="post", label=name)
-            loss_ax.set(title=f"{workload}: {setting}", xlabel="step", ylabel="train loss (smoothed)")
+            loss_ax.set(title=f"{workload}: {setting}", xlabel="step", ylabel="train loss, mean over ranks (smoothed)")
             loss_ax.set_yscale("log")
             div_ax.set(xlabel="step", ylabel="replica divergence", yscale="symlog")
             div_ax.set_yscale("symlog", linthresh=1e-8)

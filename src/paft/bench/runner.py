@@ -49,7 +49,7 @@ __all__ = [
     "write_outputs",
     "markdown_table",
     "torchft_available",
-    "curves",
+    "mean_local_loss",
 ]
 
 
@@ -204,10 +204,16 @@ def torchft_available() -> bool:
     return importlib.util.find_spec("torchft") is not None
 
 
-def curves(run_dir: str, key: str = "loss") -> tuple[list[int], list[float]]:
-    """(steps, values) of rank 0's per-step metric ``key``."""
-    records = read_jsonl(pathlib.Path(run_dir) / "metrics" / "rank0.jsonl")
-    return [r["step"] for r in records], [float(r[key]) for r in records]
+def mean_local_loss(run_dir: str) -> tuple[list[int], list[float]]:
+    """(steps, the mean over ranks of each rank's own loss) of a run: the same quantity
+    whatever the run's defenses. (A record's ``loss`` is that mean only where the
+    monitor gathered the ranks' losses; unmonitored, it is the rank's own.)"""
+    by_step: dict[int, list[float]] = {}
+    for path in sorted((pathlib.Path(run_dir) / "metrics").glob("rank*.jsonl")):
+        for r in read_jsonl(path):
+            by_step.setdefault(r["step"], []).append(float(r["local_loss"]))
+    steps = sorted(by_step)
+    return steps, [statistics.fmean(by_step[s]) for s in steps]
 
 
 def trailing_mean(values: list[float], k: int) -> list[float]:
