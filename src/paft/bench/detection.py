@@ -384,10 +384,10 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
             f"(+{sum(c['late'] for c in cs)} late); harm test background (fired at fault-free steps of the "
             f"unguarded runs): {fired}/{assessed}."
         )
-    orows = [[v, o["wall"], overhead.block_range(o["wall_blocks"]), o["cpu"], overhead.block_range(o["cpu_blocks"])]
-             for v, o in costs.items() if v != "plain"]
-    otable = markdown_table(["variant", "time per step / plain DDP", "range over blocks", "CPU per step / plain DDP",
-                             "range over blocks"], orows)
+    orows = [[v, (o["wall"] - 1) * 100, overhead.block_range(o["wall_blocks"]), (o["cpu"] - 1) * 100,
+              overhead.block_range(o["cpu_blocks"])] for v, o in costs.items() if v != "plain"]
+    otable = markdown_table(["variant", "overhead %", "range over blocks (%)", "CPU overhead %",
+                             "range over blocks (%)"], orows)
     note = (
         f"gpt {MODEL}, {world_size} ranks x {PER_RANK_BATCH} sequences, {steps} steps per run, fault rate "
         f"{rate:g} per step on rank 1, one element per fault (`bitflip:site=SITE,rate={rate:g},bits=B,ranks=1,"

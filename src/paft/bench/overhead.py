@@ -33,8 +33,9 @@ by one each step, each after a barrier. A variant's cost is the sum of its step
 times over the plain trainer's, so anything that drifts slower than a step (other
 jobs on a shared machine, thermal state) hits both sides of the ratio equally.
 On this shared 2-core machine, whole runs alternated one after another gave
-ratios that scattered by ±12% around their median; paired steps agree within ±3%
-between blocks of one measurement, and the sum over all steps is steadier still.
+ratios that scattered by ±12% around their median; with paired steps a variant's
+five blocks of one measurement spread over 1-2 points (6.5 in one busy run), and
+the sum over all steps is steadier still.
 
 Two clocks: the wall time of a step (the slowest rank: the step ends when it does)
 and its CPU time (all threads of a worker, mean over ranks). The first ``warmup``
@@ -165,9 +166,9 @@ def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str
     return out
 
 
-def block_range(values: Sequence[float]) -> str:
-    """``min-max`` of per-block ratios, as the tables print them."""
-    return f"{min(values):.3f}-{max(values):.3f}"
+def block_range(ratios: Sequence[float]) -> str:
+    """The per-block ratios to plain DDP as an overhead range, ``+1.3 to +2.7`` (%)."""
+    return f"{(min(ratios) - 1) * 100:+.1f} to {(max(ratios) - 1) * 100:+.1f}"
 
 
 def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str = "gpt", world_size: int = 4,
@@ -188,12 +189,11 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
     rows = []
     for v in variants:
         c = costs[v]
-        rows.append([v, 1 / c["wall"], block_range([1 / b for b in c["wall_blocks"]]), (c["wall"] - 1) * 100,
-                     100 * c["wall_median_extra_ms"] / plain["wall_ms"],
-                     c["cpu"], block_range(c["cpu_blocks"]), (c["cpu"] - 1) * 100])
-    table = markdown_table(["variant", "throughput / plain DDP", f"range over {BLOCKS} blocks", "overhead %",
-                            "median step overhead %", "CPU per step / plain DDP", f"range over {BLOCKS} blocks",
-                            "CPU overhead %"], rows)
+        rows.append([v, (c["wall"] - 1) * 100, block_range(c["wall_blocks"]),
+                     100 * c["wall_median_extra_ms"] / plain["wall_ms"], 1 / c["wall"],
+                     (c["cpu"] - 1) * 100, block_range(c["cpu_blocks"])])
+    table = markdown_table(["variant", "overhead %", f"range over {BLOCKS} blocks (%)", "median step overhead %",
+                            "throughput / plain DDP", "CPU overhead %", f"range over {BLOCKS} blocks (%)"], rows)
     where = "CUDA" if uses_cuda(TrainConfig.from_dict(base)) else "CPU"
     size = "".join(f", {k}={v}" for k, v in (model or {}).items())
     params = plain["parameters"]
