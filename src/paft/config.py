@@ -179,7 +179,8 @@ class GuardConfig:
     warmup: int = 20
     """Accepted steps before the spike and rank-outlier detectors arm; until then
     they fire only on gross jumps (above 1e4 x the largest accepted value, or, with
-    3+ ranks, the ranks' median), and with ``--update-ratio`` the guard asks for a
+    3+ ranks, the ranks' median; at the first step, with 2 ranks, the smaller rank's
+    value; a single rank's first step has nothing to compare with), and with ``--update-ratio`` the guard asks for a
     snapshot before every update. The non-finite and gradient-mismatch detectors are
     always armed (``--guard-warmup``)."""
     update_ratio: float = 1.0

@@ -26,8 +26,9 @@ Detectors, in the order they are tried (the first that fires names the verdict):
   group whose aggregated norm is anomalous against the running history, else none.
 - ``rank_outlier``: a rank's local loss or local grad norm is above the ranks'
   median by more than ``outlier_threshold`` floored MADs AND above the pooled
-  history of accepted local values by the same rule (2 ranks: history only; 1 rank:
-  off). Both tests must fire: ranks see different data, so peers alone mislead.
+  history of accepted local values by the same rule (2 ranks: history only, and
+  before any history, on the first step, a gap of 1e4x between the two; 1 rank: off).
+  Both tests must fire: ranks see different data, so peers alone mislead.
 - ``grad_spike``: the aggregated grad norm (max over ranks) above its history limit.
 - ``loss_spike``: the global loss (mean of local losses) above its history limit.
 - ``update_ratio`` (:meth:`Guard.check_update`): ``||w_new - w_old|| / ||w_old||``
@@ -122,7 +123,15 @@ from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOCAL_NONFINITE, FLAG_LOSS
 from paft.fingerprint import group_replicas, outside_majority
 from paft.records import jsonable
 from paft.rerun import aggregate_keys, bits_f64, close, f64_bits, reproduced, unsteady_ranks
-from paft.spikes import MAD_TO_STD, REL_FLOOR_GRAD, REL_FLOOR_LOSS, REL_FLOOR_RANK, SpikeWindow, cross_rank_limit
+from paft.spikes import (
+    MAD_TO_STD,
+    REL_FLOOR_GRAD,
+    REL_FLOOR_LOSS,
+    REL_FLOOR_RANK,
+    SpikeWindow,
+    cross_rank_limit,
+    pair_limit,
+)
 
 __all__ = [
     "ACTIONS",
@@ -255,15 +264,17 @@ class Guard:
         # even where 2 ranks leave the faulty one unnamed.
         mismatch_again = detector == prev.detector == "grad_mismatch" and (
             not ranks or not prev.ranks or bool(set(ranks) & set(prev.ranks)))  # else: a new fault elsewhere
-        # The same suspects again: only their rows must reproduce (another rank's transient
-        # fault on the first attempt does not make one rank's bad data a persistent fault).
-        rows = ranks if ranks and set(ranks) == set(prev.ranks) else None
+        # Suspects named both times: only their rows must reproduce (another rank's
+        # transient fault, on either attempt, does not make one rank's bad data persistent).
+        rows = sorted(set(ranks) & set(prev.ranks)) or None
         if not mismatch_again and reproduced(prev.bits, bits, rows):
             st.pending = None
             self._decide(st, "data")
             self.counters["skipped_batches"] += 1
-            skip = GuardVerdict("skip", detector, ranks, "data", values)
-            return self._spike_skipped(skip, ranks, values) if detector in _SPIKES else skip
+            named = rows or ranks  # the ranks whose data reproduced
+            skip = GuardVerdict("skip", detector, named, "data", values)
+            # A level shift applies this attempt: never one where another rank was hit too.
+            return self._spike_skipped(skip, named, values) if detector in _SPIKES and named == ranks else skip
         st.pending = _Incident("check", detector, ranks, bits)
         common = sorted(set(prev.ranks) & set(ranks))
         if not (common or prev.ranks or ranks) and detector == prev.detector:
@@ -453,15 +464,20 @@ class Guard:
     def _rank_outliers(self, losses: list[float], local: list[float], threshold: float,
                        armed: bool, peers: bool = True) -> tuple[list[int], dict[str, float]]:
         """Ranks whose local loss or norm fires every available test (pooled history; 3+
-        ranks, unless ``peers`` is false: cross-rank)."""
+        ranks, unless ``peers`` is false: cross-rank; 2 ranks with no history yet: a
+        gross gap between the two, or the first step would go unguarded)."""
         ranks: set[int] = set()
         values: dict[str, float] = {}
-        cross_rank = peers and self.world_size >= 3
         for name, xs, window in (("loss", losses, self._rank_loss), ("grad_norm", local, self._rank_norm)):
             own = window.limit(threshold, REL_FLOOR_RANK, armed)
-            cross = cross_rank_limit(xs, threshold, armed) if cross_rank else -math.inf
-            if own == math.inf and not cross_rank:
+            if peers and self.world_size >= 3:
+                cross = cross_rank_limit(xs, threshold, armed)
+            elif peers and self.world_size == 2 and own == math.inf:
+                cross = pair_limit(xs)
+            elif own == math.inf:
                 continue  # no test available: no history, no peers
+            else:
+                cross = -math.inf
             limit = max(own if own < math.inf else -math.inf, cross)
             hits = [r for r, x in enumerate(xs) if x > limit]
             if hits:
@@ -507,13 +523,16 @@ class Guard:
         st.incident = True
         minority = outside_majority(groups, self.world_size)
         prev = st.pending
-        again = sorted(set(prev.ranks) & set(minority)) if (
-            prev is not None and prev.source == "check" and prev.detector == "state_mismatch") else []
-        if not again:  # the same rank corrupted again is the incident already counted
+        repeated = prev is not None and prev.source == "check" and prev.detector == "state_mismatch"
+        again = sorted(set(prev.ranks) & set(minority)) if repeated else []
+        # Split again right after its repair: stuck memory, also where no majority names
+        # the replica either time (2 ranks, an even split), as a grad_mismatch that comes back.
+        persistent = bool(again) or (repeated and not minority and not prev.ranks)
+        if prev is None or prev.source != "check":  # else: what the step's recompute found, one incident
             self.counters["detections"] += 1
-        self._decide(st, "persistent" if again else "state")
+        self._decide(st, "persistent" if persistent else "state")
         st.pending = _Incident("check", "state_mismatch", minority, view.header_bits())
-        if again and self.config.on_persistent == "stop":
+        if persistent and self.config.on_persistent == "stop":
             return GuardVerdict("stop", "state_mismatch", again, "persistent", {"distinct": float(len(groups))})
         verdict = self._rerun(st, "state_mismatch", minority, {"distinct": float(len(groups))})
         # Past a cap: the replicas are still repaired, and the batch is skipped.

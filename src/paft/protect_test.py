@@ -61,6 +61,7 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     nan_at = opts.get("nan_input_at")  # (rank, step): bad data on one rank
+    scaled_at = opts.get("scaled_targets_at")  # (rank, step): targets 1000x, finite bad data
     user_hook = USER_HOOKS.get(opts.get("comm_hook", ""))  # a comm hook of the user's own
     reports, divergence = [], []
     if opts.get("plain"):
@@ -80,6 +81,8 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         x, y = batch(rank, step)
         if nan_at == [rank, step]:
             x[0, 0] = float("nan")
+        if scaled_at == [rank, step]:
+            y = y * 1000
 
         def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
@@ -302,6 +305,30 @@ def test_guard_recomputes_a_transient_bit30_flip_exactly(site: str, interval: in
     last = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "guard"][-1]
     # The guard's counts so far, for a run that ends without its summary.
     assert last["totals"] and last["totals"] == {k: c[k] for k in last["totals"]}
+
+
+def test_guard_recomputes_a_bit30_flip_at_the_first_step_of_two_ranks() -> None:
+    # No history yet, and two ranks have no median: the gap between them names the rank
+    # (undetected, the flip put inf into Adam's second moment on every rank for good).
+    clean = run_workers(train_toy, 2, {"guard": GUARD, "steps": 4})
+    out = run_workers(train_toy, 2, {"guard": GUARD, "steps": 4,
+                                     "inject": ["bitflip:site=local-grad,steps=0,ranks=1,bits=30,count=4"]})
+    assert same(out[0], clean[0]) and same(out[1], clean[1])
+    assert out[0]["reports"][0]["attempts"] == 2
+    assert (out[0]["counters"]["detections"], out[0]["counters"]["transient"]) == (1, 1)
+
+
+def test_bad_data_on_one_rank_is_data_while_another_ranks_gradient_was_hit() -> None:
+    # Rank 1's targets are 1000x at step 8 (data); rank 2's local gradient takes a bit-30
+    # flip on the first attempt only. The recompute moves every rank's aggregated norm
+    # but reproduces rank 1's own values: data, not a persistent fault (which would stop).
+    opts = {"guard": {**GUARD, "on_persistent": "stop"}, "steps": 10, "scaled_targets_at": [1, 8]}
+    out = run_workers(train_toy, 3, {**opts, "inject": ["bitflip:site=local-grad,steps=8,ranks=2,bits=30,count=4"]})
+    data_only = run_workers(train_toy, 3, opts)
+    assert out[0]["reports"][8]["applied"] is False and out[0]["reports"][8]["attempts"] == 2
+    c = out[0]["counters"]
+    assert (c["data"], c["persistent"], c["skipped_batches"]) == (1, 0, 1)
+    assert all(same(o, d) for o, d in zip(out, data_only))  # as if only the bad batch had been skipped
 
 
 def half_model_run(rank: int, world_size: int) -> list[tuple[bool, int, float]]:

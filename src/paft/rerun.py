@@ -8,14 +8,15 @@ and state fingerprints, flags, fault counts) as int64 bit patterns, so NaN == Na
   the data the cause. Bitwise; or, where every compared value is finite, within
   RERUN_RTOL (1e-3) with equal flags, fault counts, state fingerprints and replica
   grouping: GPU kernels with atomics do not reproduce the low bits, and a persistent
-  fault does not reproduce a spike to 3 digits. Of the suspects' rows only, without
-  the replica grouping, when both attempts name the same suspects (a transient fault
-  on another rank's first attempt does not make bad data persistent). A suspect's
-  NaN/Inf is held to its bits only where the other ranks recompute their own loss and
-  gradient norm bit for bit (deterministic kernels); where theirs moved, its
-  aggregated checksum, a sum over the ranks, moves too, and its own values coming
-  back in kind (NaN as NaN, finite within RERUN_RTOL) with the same flags and state
-  is data. A rerun fingerprints the state, the first attempt may not have: the state
+  fault does not reproduce a spike to 3 digits. Of the rows of the ranks both
+  attempts name (the suspects) only, without the replica grouping (a transient fault
+  on another rank, on either attempt, does not make bad data persistent). Where the
+  other ranks recompute their own loss and gradient norm bit for bit (deterministic
+  kernels), a suspect's NaN/Inf is held to its bits. Where theirs moved (GPU atomics,
+  or another rank's fault on one attempt), the suspects' aggregated norm and checksum,
+  sums over the ranks, move too and take no part: their own values coming back in
+  kind (NaN as NaN, finite within RERUN_RTOL) with the same flags and state is data.
+  A rerun fingerprints the state, the first attempt may not have: the state
   columns then take no part.
 - :func:`unsteady_ranks`: where neither attempt named a suspect, the ranks whose own
   values moved on the rerun while the others' did not, and still lie outside the
@@ -40,6 +41,7 @@ import torch
 from paft.consistency import (
     COL_AGG_HI,
     COL_AGG_LO,
+    COL_AGG_NORM,
     COL_FLAGS,
     COL_LOCAL_SQ,
     COL_LOSS,
@@ -80,6 +82,13 @@ def _without_state(bits: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def _without_aggregate(row: list[int]) -> list[int]:
+    """A header row with the aggregated norm and checksum cleared."""
+    row = list(row)
+    row[COL_AGG_NORM] = row[COL_AGG_HI] = row[COL_AGG_LO] = 0
+    return row
+
+
 def _state_checked(bits: list[list[int]]) -> bool:
     return all(int(bits_f64(row[COL_FLAGS])) & FLAG_STATE_CHECKED for row in bits)
 
@@ -102,6 +111,10 @@ def reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | No
         own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
         strict = all(prev[r][own] == cur[r][own] for r in range(len(prev)) if r not in rows)
         prev, cur = [prev[r] for r in rows], [cur[r] for r in rows]
+        if not strict:
+            # The aggregated norm is a sum over the ranks and moves with theirs: the
+            # suspects' own values, flags and state must come back, not the aggregate.
+            prev, cur = [_without_aggregate(row) for row in prev], [_without_aggregate(row) for row in cur]
     if _state_checked(prev) != _state_checked(cur):
         prev, cur = _without_state(prev), _without_state(cur)
     if prev == cur:

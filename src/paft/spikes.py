@@ -42,6 +42,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "MAD_TO_STD",
+    "pair_limit",
     "REL_FLOOR_LOSS",
     "REL_FLOOR_GRAD",
     "REL_FLOOR_RANK",
@@ -141,6 +142,16 @@ def median_distance(xs: list[float], center: float) -> float:
 
     n = len(xs)
     return kth(n // 2) if n % 2 else 0.5 * (kth(n // 2 - 1) + kth(n // 2))
+
+
+def pair_limit(values: list[float]) -> float:
+    """The limit for either of two ranks' values with no history to judge by (the first
+    step): a gross jump above the smaller. Their median is their mean, which a bit-30
+    value drags along, so :func:`cross_rank_limit` cannot serve two ranks."""
+    xs = sorted(x for x in values if math.isfinite(x))
+    if len(xs) < 2:
+        return math.inf
+    return xs[0] + GROSS_FACTOR * abs(xs[0]) if xs[0] else GROSS_FACTOR
 
 
 def cross_rank_limit(values: list[float], threshold: float, armed: bool) -> float:
