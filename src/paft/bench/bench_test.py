@@ -201,6 +201,8 @@ def test_matrix_quick_end_to_end(tmp_path: pathlib.Path) -> None:
         [("none", matrix.REFERENCE), *cells])
     for r in results["rows"]:
         assert math.isfinite(r["final_val_loss"]) and r["throughput_ratio"] > 0
+    for setting in {r["setting"] for r in results["rows"]}:  # every defense faces the same faults
+        assert len({r["faults"] for r in results["rows"] if r["setting"] == setting}) == 1, setting
     assert (out / "resnet.png").stat().st_size > 0
     # Throughput is over plain DDP: the reference runs without the monitor's hook and collective.
     reference = json.loads((out / "runs" / "resnet" / f"{matrix.REFERENCE}-0" / "config.json").read_text())
@@ -382,8 +384,19 @@ def test_desync_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     assert set(results["comparisons"]) == {"S2", "S3", "S1r"}
     for name in ("loss.png", "dispersion.png", "cosine.png"):
         assert (out / name).stat().st_size > 0
-    # Synchronized shuffling gives every rank a distinct shard; nothing here injects faults.
+    # Nothing here injects faults: every setting ends with one replica.
     assert all(r["replicas_distinct"] == 1 for r in results["runs"])
+
+    # What each setting changes, read off every rank's first local loss (same weights):
+    # S2 reshuffles rank 1's data (rank 0 keeps the shared order), S3 also redraws
+    # rank 1's dropout, S1r starts from other weights on every rank.
+    def first_losses(key: str) -> list[float]:
+        return [read_jsonl(out / "runs" / key / "metrics" / f"rank{r}.jsonl")[0]["local_loss"] for r in range(2)]
+
+    s1, s2, s3, s1r = (first_losses(k) for k in ("S1", "S2", "S3", "S1r"))
+    assert s2[0] == s1[0] and s2[1] != s1[1]
+    assert s3[0] == s2[0] and s3[1] != s2[1]
+    assert s1r[0] != s1[0] and s1r[1] != s1[1]
 
 
 def test_detection_tiny_end_to_end(tmp_path: pathlib.Path) -> None:

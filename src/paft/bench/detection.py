@@ -327,8 +327,7 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
     clean_fp = assess_detection(out / "runs" / "overhead" / "guard")["false_positives"]
 
     md = _markdown(rows, sites, targets, steps=steps, rate=rate, world_size=world_size, ref_loss=ref_loss,
-                          costs=costs, overhead_steps=overhead_steps, clean_fp=clean_fp,
-                          clean_steps=clean_steps)
+                   costs=costs, overhead_steps=overhead_steps, clean_fp=clean_fp, clean_steps=clean_steps)
     plot = _plot(out, rows, sites, targets)
     md += f"\n![{plot.stem}]({plot.name})\n"
     results = {
