@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from paft.collectives import all_gather_flat, start_gather_rows
 from paft.fingerprint import group_replicas, join_int64, outside_majority, split_int64
 
 __all__ = [
@@ -54,9 +55,6 @@ __all__ = [
     "ControlVector",
     "ControlView",
     "start_control",
-    "gather_rows",
-    "max_over_ranks",
-    "collective_device",
     "PendingControl",
     "gather_exact_grads",
     "worker_metrics",
@@ -75,33 +73,6 @@ FLAG_STATE_CHECKED = 8
 HEADER = 9
 (COL_LOSS, COL_LOCAL_SQ, COL_AGG_NORM, COL_AGG_HI, COL_AGG_LO, COL_STATE_HI, COL_STATE_LO, COL_FLAGS,
  COL_FAULTS) = range(HEADER)
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool) -> tuple[torch.Tensor, Any]:
-    """``(out, work)``: ``out[r]`` (``[world_size, n]``, on the group's collective device)
-    receives rank r's 1-D ``row``, as an all-gather does; ``work`` is the collective's
-    handle (``None`` when ``async_op`` is false: ``out`` is filled on return).
-
-    On gloo it is an all-to-all of ``row`` repeated once per rank: gloo's all-gather is
-    a ring of world_size - 1 dependent rounds, each a thread wake-up, whereas its
-    all-to-all posts every send and receive at once. For the 2 KB control vector at 4
-    ranks on 2 CPU cores, a collective alone took 0.9 against 1.6 ms of CPU per rank,
-    and paired training steps 0.4-0.6 points of step time less (the README's overhead
-    section). ``consistency_test`` checks the rows bit for bit. Other backends keep
-    their own all-gather.
-    """
-    world_size = dist.get_world_size(group)
-    device = collective_device(group, row)
-    row = row.reshape(-1).to(device)
-    out = torch.empty(world_size, row.numel(), dtype=row.dtype, device=device)
-    if "gloo" in str(dist.get_backend(group)).lower():
-        work = dist.all_to_all_single(out, row.repeat(world_size, 1), group=group, async_op=async_op)
-    else:
-        work = _all_gather_single(out, row, group=group, async_op=async_op)
-    return out, work
-
 
 @dataclass
 class ControlVector:
@@ -206,44 +177,12 @@ def start_control(vec: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     protector overlaps the two; on an oversubscribed CPU this also spares the ranks
     that arrive early from spinning in the collective.
     """
-    return PendingControl(*_gather_rows(vec, group, async_op=True))
-
-
-def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Every rank's 1-D ``row`` (same length and dtype everywhere) as a ``[world_size, n]``
-    tensor on the group's collective device: the blocking form of the control
-    collective, for the few-number exchanges outside the step (settings digests,
-    sync decisions, evaluation results, final fingerprints)."""
-    return _gather_rows(row, group, async_op=False)[0]
-
-
-def max_over_ranks(value: float, group: dist.ProcessGroup | None = None) -> float:
-    """The max of ``value`` over the group's ranks (blocking, 8 bytes), the same on every
-    rank; NaN anywhere gives inf (gloo's MAX keeps a NaN only when rank 0 holds it)."""
-    value = math.inf if math.isnan(value) else value
-    t = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+    return PendingControl(*start_gather_rows(vec, group))
 
 
 def gather_exact_grads(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``exact`` cosine mode: gather every rank's full local gradient (O(params) bytes)."""
-    world_size = dist.get_world_size(group)
-    device = collective_device(group)
-    out = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=device)
-    _all_gather_single(out, flat.to(device), group=group)
-    return out.view(world_size, -1).cpu()
-
-
-def collective_device(group: Any = None, like: torch.Tensor | None = None) -> torch.device:
-    """Where tensors must live for ``group``'s collectives: NCCL moves CUDA tensors, gloo
-    CPU tensors; another backend gets ``like``'s device (CPU without one)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if "gloo" in backend or like is None:
-        return torch.device("cpu")
-    return like.device
+    return all_gather_flat(flat, group).view(dist.get_world_size(group), -1).cpu()
 
 
 def _array(values: torch.Tensor | np.ndarray) -> np.ndarray:

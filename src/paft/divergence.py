@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from paft.consistency import collective_device, gather_rows
+from paft.collectives import collective_device, gather_rows
 from paft.fingerprint import digest, repr_digest, state_tensors
 from paft.flat import pack, structure_key, transport_view
 from paft.records import jsonable

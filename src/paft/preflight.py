@@ -24,8 +24,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.amp import OptimizerStep
+from paft.collectives import gather_rows
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
-from paft.consistency import gather_rows
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
 

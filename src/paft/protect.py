@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
+from paft.collectives import gather_rows, max_over_ranks
 from paft.comm import CommHook, CommHookState, judged_norm, paft_comm_hook, total_norm
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import (
@@ -44,8 +45,6 @@ from paft.consistency import (
     ControlView,
     PendingControl,
     gather_exact_grads,
-    gather_rows,
-    max_over_ranks,
     start_control,
 )
 from paft.divergence import measure_divergence
@@ -92,8 +91,14 @@ class StepReport:
     applied: bool = True
     """False when the guard skipped the batch, or the loss scaler the step (an overflow)."""
     attempts: int = 1
+    """Forward/backward passes this step took: 1, plus one per guard recompute."""
     metrics: dict[str, Any] = field(default_factory=dict)
+    """The monitor's record of this step (what ``consistency.jsonl`` gets); between
+    metric steps only where there is news of the replicas, else empty; empty with the
+    monitor off."""
     synced: bool = False
+    """A sync changed or checked the replicas in this step: a scheduled or triggered
+    PAFT-Sync, an overlapped one that landed, or the guard's repair."""
 
 
 def protect(

@@ -125,8 +125,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from paft.collectives import collective_device, gather_rows, max_over_ranks
 from paft.config import SYNC_MODES
-from paft.consistency import collective_device, gather_rows, max_over_ranks
 from paft.divergence import all_finite, nonfinite_patterns, rel_distance, sound_replicas, sq_norm
 from paft.fingerprint import fingerprint, group_replicas, state_tensors
 from paft.flat import (

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from paft.collectives import gather_rows
 from paft.config import TrainConfig
-from paft.consistency import gather_rows
 from paft.divergence import measure_divergence
 from paft.fingerprint import group_replicas, state_fingerprint
 from paft.protect import Protector, StepReport, protect
