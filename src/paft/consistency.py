@@ -4,9 +4,9 @@ Synchronous all-reduce makes the weights equal after every step, but it hides ho
 differently the workers behaved before aggregation. Each step every rank packs what
 it saw into ONE small float64 vector (:class:`ControlVector`): its local loss, its
 local and aggregated gradient norms, a checksum of its aggregated gradient, a fingerprint of
-its training state, detector flags, the number of faults injected, and a k-dim
-sketch of its local gradient. One gather of that vector (``8 * (9 + k)``
-bytes per rank; 2.1 KB for k = 256) gives every rank the same matrix, from which
+its training state, detector flags, the number of faults injected, and on metric
+steps a k-dim sketch of its local gradient. One gather of that vector (``8 * (9 + k)``
+bytes per rank, 2.1 KB for k = 256; 72 bytes between metric steps) gives every rank the same matrix, from which
 every rank computes the same metrics and takes the same decisions, so ranks never
 disagree on control flow.
 
@@ -16,6 +16,8 @@ Metrics (namespaced keys, population statistics over ranks):
 - ``consistency/gnorm_{mean,std,cv,range}``: dispersion of local gradient norms;
 - ``consistency/grad_cos_{mean,min}``: pairwise cosine of local gradients, and
   ``consistency/cos_to_mean`` (per rank) / ``consistency/cos_to_mean_min``;
+- ``consistency/nonfinite_ranks``: the ranks whose local loss or local gradient holds
+  NaN/Inf (empty when none);
 - ``replicas/grad_distinct`` and ``replicas/state_distinct``: number of distinct
   aggregated-gradient checksums and state fingerprints, with
   ``replicas/grad_minority_ranks`` and ``replicas/state_minority_ranks`` (the ranks
@@ -195,11 +197,10 @@ def dispersion(values: torch.Tensor | np.ndarray) -> dict[str, float]:
     v = _array(values).ravel()
     with np.errstate(invalid="ignore", over="ignore"):  # a non-finite loss gives NaN stats, quietly
         mean = float(v.sum()) / v.size
-        if v.size > 1:
-            dev = v - mean
-            std = math.sqrt(float(dev @ dev) / v.size)
-        else:
-            std = 0.0  # one rank: no spread, even if its value is not finite
+        if v.size == 1:  # one rank: no spread, even if its value is not finite
+            return {"mean": mean, "std": 0.0, "cv": 0.0, "range": 0.0}
+        dev = v - mean
+        std = math.sqrt(float(dev @ dev) / v.size)
         spread = float(v.max() - v.min())
     cv = std / abs(mean) if mean != 0 else (0.0 if std == 0 else math.inf)
     return {"mean": mean, "std": std, "cv": cv, "range": spread}
@@ -210,7 +211,9 @@ def pairwise_cosine(vectors: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.
 
     A row holding NaN/Inf (a rank whose local gradient is non-finite) gets NaN in its
     row and column and stays out of the mean, so the healthy pairs keep their values.
-    The norms and the cosines come from one Gram matrix (a per-step computation).
+    An all-zero row has no direction: its cosines are 0 (orthogonal to every other).
+    The norms and the cosines come from one Gram matrix (a per-step computation);
+    rounding past +-1 is clipped.
     """
     v = _array(vectors)
     finite = np.isfinite(v).all(axis=1)
@@ -219,11 +222,11 @@ def pairwise_cosine(vectors: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.
         v = np.where(finite[:, None], v, 0.0)
     gram = v @ v.T
     norms = np.maximum(np.sqrt(np.diagonal(gram)), 1e-300)
-    cos = gram / norms[:, None] / norms[None, :]  # one division each: 1e-300 squared underflows
+    cos = np.clip(gram / norms[:, None] / norms[None, :], -1.0, 1.0)  # one division each: 1e-300 squared underflows
     # The mean row explicitly, not from the Gram matrix: when ranks' gradients nearly
     # cancel, sum_ij <v_i, v_j> would lose its few significant digits.
     mean = (v if healthy else v[finite]).mean(axis=0) if finite.any() else np.zeros(v.shape[1])
-    to_mean = (v @ mean) / norms / max(float(np.sqrt(mean @ mean)), 1e-300)
+    to_mean = np.clip((v @ mean) / norms / max(float(np.sqrt(mean @ mean)), 1e-300), -1.0, 1.0)
     if not healthy:
         cos[~finite, :] = cos[:, ~finite] = np.nan
         to_mean[~finite] = np.nan
@@ -246,6 +249,9 @@ def worker_metrics(view: ControlView, grads: torch.Tensor | None = None) -> dict
     for name, values in (("loss", view.losses), ("gnorm", view.local_norms)):
         for stat, value in dispersion(values).items():
             out[f"consistency/{name}_{stat}"] = value
+    out["consistency/nonfinite_ranks"] = [
+        r for r, (loss, norm) in enumerate(zip(view.losses.tolist(), view.local_norms.tolist()))
+        if not (math.isfinite(loss) and math.isfinite(norm))]
     vectors = _array(grads) if grads is not None else view.sketches
     if vectors.shape[1] > 0 and view.world_size > 1:
         cos, to_mean = pairwise_cosine(vectors)

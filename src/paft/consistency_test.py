@@ -240,8 +240,18 @@ def test_capture_totals_match_the_host_arithmetic(device: str) -> None:
 def test_one_rank_has_no_spread_even_when_its_value_is_not_finite() -> None:
     from paft.consistency import dispersion
 
-    assert dispersion(np.array([math.inf]))["std"] == 0.0 and dispersion(np.array([math.inf]))["cv"] == 0.0
-    assert dispersion(np.array([2.0]))["std"] == 0.0
+    for value in (math.inf, -math.inf, math.nan, 2.0):
+        d = dispersion(np.array([value]))
+        assert (d["std"], d["cv"], d["range"]) == (0.0, 0.0, 0.0), value  # a NaN here fired the loss_cv alert
+
+
+def test_cosines_of_identical_gradients_never_pass_one() -> None:
+    # Unclipped, rounding took this one's cosines to 1.0000000000000002.
+    row = [0.9470809631292422, -0.7037352358069926, -1.2654214710460525, -0.6232744625373522, 0.0413259793472436,
+           -2.3250307746388343, -0.21879166393254573]
+    m = worker_metrics(view_of([1.0] * 3, [1.0] * 3), grads=torch.tensor([row] * 3, dtype=torch.float64))
+    cosines = [m["consistency/grad_cos_min"], m["consistency/grad_cos_mean"], *m["consistency/cos_to_mean"]]
+    assert all(1 - 1e-15 < c <= 1.0 for c in cosines), cosines
 
 
 def _control_rows(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

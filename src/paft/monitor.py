@@ -65,8 +65,9 @@ class Monitor:
         self.divergence = divergence
         self.alerts = 0
         """Alerts raised in the run."""
-        self.alerting: dict[str, bool] = {}
-        """Which conditions hold now (a condition still on is not alerted again)."""
+        self.alerting: dict[str, bool | list[list[int]]] = {}
+        """Which conditions hold now (a condition still on is not alerted again), a
+        split's as its groups (a split that regroups is alerted again)."""
 
     def record(self, step: int, view: ControlView, metric_step: bool, grads: torch.Tensor | None = None,
                alerts: bool = True, applied: bool = True, stale_fingerprints: bool = False) -> dict[str, Any]:
@@ -107,7 +108,10 @@ class Monitor:
         step, e.g. the state fingerprint between checks) keeps its state."""
         cfg = self.config
         conditions = {
-            # Written so that NaN fires too: a rank's non-finite loss or gradient is news.
+            # A rank's non-finite loss or local gradient, named at once (the dispersion
+            # and cosine statistics leave such a rank out, or turn NaN only a step later).
+            "nonfinite_local": ("consistency/nonfinite_ranks", lambda v: bool(v), None),
+            # Written so that NaN fires too.
             "loss_cv": ("consistency/loss_cv", lambda v: not v <= cfg.alert_loss_cv, None),
             "grad_cos_min": ("consistency/grad_cos_min", lambda v: not v >= cfg.alert_cos_min, None),
             "replicas_split": ("replicas/grad_distinct", lambda v: v > 1, "grad"),
@@ -117,29 +121,38 @@ class Monitor:
             if key not in m or (name == "state_split" and stale_fingerprints):
                 continue
             value = m[key]
-            ranks = m.get(f"replicas/{kind}_minority_ranks", []) if kind else []
+            if kind:
+                ranks = m.get(f"replicas/{kind}_minority_ranks", [])
+            else:
+                ranks = value if name == "nonfinite_local" else []
             active = bool(fires(value))
-            if active and not self.alerting.get(name, False):
+            groups = m.get(f"replicas/{kind}_groups") if kind else None
+            before = self.alerting.get(name, False)
+            # A split that regroups (another rank hit while the first split lasts) is new.
+            if active and (not before or (groups and isinstance(before, list) and before != groups)):
                 self.alerts += 1
                 event = {"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks}
-                if ranks:
-                    who = f" (rank(s) {ranks} disagree)"
-                elif kind:  # no strict majority: which side is faulty is unknown
-                    who = f" (no majority: groups {m[f'replicas/{kind}_groups']})"
-                else:
+                if not kind:
                     who = ""
+                elif ranks:
+                    who = f" (rank(s) {ranks} disagree)"
+                else:  # no strict majority: which side is faulty is unknown
+                    who = f" (no majority: groups {groups})"
                 if name == "state_split" and self.divergence is not None:  # every rank alike: a shared view
                     event["divergence"], far = self._split_magnitude()
                     who += far
                 self.recorder.event(event)
-                self.recorder.say(f"[alert] step {step}: {name} = {value:.4g}{who}")
-            self.alerting[name] = active
+                shown = f"{value:.4g}" if isinstance(value, float) else value
+                self.recorder.say(f"[alert] step {step}: {name} = {shown}{who}")
+            self.alerting[name] = groups if active and groups else active
 
     def _split_magnitude(self) -> tuple[dict[str, Any], str]:
         """How far apart the replicas are, now that their fingerprints disagree: each
         rank's relative L2 distance to the mean replica, over the parameters and over the
         parameters and optimizer state, and the tensors that moved most. For the alert's
-        record, and a few words for its line."""
+        record, and a few words for its line. Measured on the state after this step's
+        update (the fingerprints were taken before it), so it may be 0: a difference
+        the update rounded away."""
         assert self.divergence is not None
         try:
             d = self.divergence()
@@ -147,8 +160,12 @@ class Monitor:
             return {"error": str(err)}, "; the states differ in structure"
         worst = [(name, rel, rank) for name, rel, rank in d.per_tensor or [] if rel > 0][:SPLIT_TENSORS]
         record = {"params_per_rank": d.per_rank, "state_per_rank": d.state_per_rank, "tensors": worst}
-        far = max(range(len(d.state_per_rank)), key=lambda r: d.state_per_rank[r])
-        words = f"; farthest from the mean: rank {far}, {d.state_per_rank[far]:.3g}"
+        top = max(d.state_per_rank)
+        far = [r for r, x in enumerate(d.state_per_rank) if x == top]
+        if top > 0:
+            words = f"; farthest from the mean: rank(s) {far}, {top:.3g}"
+        else:  # the fingerprints were taken before this step's update, the distance after it
+            words = "; equal in value after this step's update"
         if worst:
             words += f", most in {worst[0][0]} ({worst[0][1]:.3g})"
         return jsonable(record), words

@@ -70,5 +70,36 @@ def test_a_nan_loss_alerts_except_on_a_loss_scalers_overflow(tmp_path: Path) -> 
     overflow = monitor.record(0, nan, metric_step=True, alerts=False)
     assert overflow["local_grad_norms"] == [1.0, 1.0] and monitor.alerts == 0
     monitor.record(1, nan, metric_step=True)
-    assert monitor.alerts == 1
-    assert [(e["step"], e["detector"]) for e in events(tmp_path)] == [(1, "loss_cv")]
+    assert monitor.alerts == 2  # the rank by name, and the statistic it turns NaN
+    assert [(e["step"], e["detector"], e["ranks"]) for e in events(tmp_path)] == [
+        (1, "nonfinite_local", [1]), (1, "loss_cv", [])]
+
+
+def test_a_rank_with_a_non_finite_gradient_is_alerted_by_name_while_the_cosines_stay_finite(tmp_path: Path) -> None:
+    # Three ranks: the cosine statistics leave the NaN rank out and stay finite.
+    monitor = Monitor(MonitorConfig(), RunRecorder(tmp_path, rank=0, quiet=True), None)
+    rows = [ControlVector(2.0, sq, 1.0, 7, None, 0, 0, torch.tensor([1.0, 0.1 * r, 0.5]) * sq).pack(3)
+            for r, sq in enumerate([1.0, float("nan"), 1.0])]
+    m = monitor.record(0, ControlView(torch.stack(rows)), metric_step=True)
+    assert m["consistency/nonfinite_ranks"] == [1] and m["consistency/grad_cos_min"] > 0.9
+    monitor.record(1, ControlView(torch.stack(rows)), metric_step=True)  # still on: not again
+    assert [(e["step"], e["detector"], e["ranks"]) for e in events(tmp_path)] == [(0, "nonfinite_local", [1])]
+
+
+def test_a_split_that_regroups_is_alerted_again(tmp_path: Path) -> None:
+    monitor = Monitor(MonitorConfig(), RunRecorder(tmp_path, rank=0, quiet=True), None)
+    monitor.record(0, view([None] * 4, aggs=[7, 7, 8, 7]), metric_step=True)  # rank 2 hit
+    monitor.record(1, view([None] * 4, aggs=[7, 7, 8, 7]), metric_step=True)  # the same split: no news
+    monitor.record(2, view([None] * 4, aggs=[9, 7, 7, 7]), metric_step=True)  # rank 0 hit while it lasts
+    assert [(e["step"], e["ranks"]) for e in events(tmp_path) if e["detector"] == "replicas_split"] == [
+        (0, [2]), (2, [0])]
+
+
+def test_a_split_whose_distance_the_update_rounded_away_names_no_farthest_rank(tmp_path: Path) -> None:
+    said: list[str] = []
+    recorder = RunRecorder(tmp_path, rank=0, quiet=True)
+    recorder.say = said.append  # type: ignore[method-assign]
+    monitor = Monitor(MonitorConfig(), recorder, lambda: DivergenceReport(
+        per_rank=[0.0] * 3, max=0.0, finite=True, state_per_rank=[0.0] * 3, state_max=0.0, per_tensor=[]))
+    monitor.record(0, view([1, 1, 9]), metric_step=True)
+    assert said == ["[alert] step 0: state_split = 2 (rank(s) [2] disagree); equal in value after this step's update"]

@@ -385,7 +385,8 @@ def _extreme(run: RunData, key: str, pick_max: bool) -> str:
     bad = [(s, v) for s, v in zip(steps, values) if not math.isfinite(v)]
     if bad:
         return f"{bad[0][1]} at step {bad[0][0]} (non-finite at {len(bad)} step{'s' if len(bad) > 1 else ''})"
-    value, step = (max if pick_max else min)(zip(values, steps))
+    # The first step holding the extreme, for a max as for a min.
+    value, step = max(zip(values, steps), key=lambda p: (p[0], -p[1])) if pick_max else min(zip(values, steps))
     return f"{value:.4g} at step {step}"
 
 
@@ -484,7 +485,7 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     if (cfg.get("monitor") or {}).get("interval") == 0:
         why = "worker metrics off: --monitor-interval 0"
     elif run.consistency:
-        why = "cosine monitoring off"
+        why = "a cosine needs 2 ranks" if run.world_size < 2 else "cosine monitoring off"
     elif (run.path / "consistency.jsonl").is_file():
         why = "consistency.jsonl holds no complete record"
     else:

@@ -138,6 +138,9 @@ def test_crashed_run_without_cosine(fault_run: pathlib.Path, tmp_path: pathlib.P
     assert "not recorded (cosine monitoring off)" in report.text
     alerts = sum(1 for line in (run / "events.jsonl").read_text().splitlines() if '"alert"' in line)
     assert alerts > 0 and f"alerts: {alerts} (" in report.text
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "world_size": 1}))  # one rank: no pair to compare
+    assert "min grad_cos_min: not recorded (a cosine needs 2 ranks)" in build_report(run).text
 
 
 @pytest.mark.parametrize("trainer_event", [True, False], ids=["paft-train", "library"])
