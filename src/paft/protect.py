@@ -11,13 +11,14 @@ runs one protected step:
    loss, norms, fingerprints, flags and gradient sketch;
 4. the guard's verdict from that shared matrix: proceed, recompute the step, skip
    the batch, or stop (all ranks reach the same verdict, so none deadlocks);
-5. an overlapped sync started after the previous step is finished (the state has
-   not changed since, so replicas become bitwise identical), then clip and
-   ``optimizer.step()``;
+5. an overlapped sync started after the previous step is finished (it found the
+   replicas in agreement; a fault at rest since, e.g. in step 1, is kept by its
+   correction and seen by the fingerprints), then clip and ``optimizer.step()``;
 6. post-step: update-ratio check (guard), then PAFT-Sync / PAFT-Dyn: on a
    fingerprint mismatch (Dyn) or when the period is due, synchronize parameters,
-   buffers and optimizer state, blocking or overlapped with the next step's
-   forward/backward.
+   buffers and optimizer state, blocking, or overlapped with the next step's
+   forward/backward where the replicas agree (a split is repaired at once: the next
+   gradient must come from repaired replicas).
 
 Usage: :func:`protect`, whose docstring has a complete example.
 """
@@ -656,12 +657,18 @@ class Protector:
             self.recorder.event({"step": step, "event": "dyn_trigger", "period": self.scheduler.period})
         if not self.scheduler.due(step):
             return False
+        # A repair blocks: the next gradient must come from repaired replicas (a faulty
+        # replica's would reach every rank through DDP's all-reduce), so that a majority
+        # copy puts the faulty rank back on the exact fault-free trajectory. An overlapped
+        # sync that finds the replicas split is such a repair.
         if self.protect_cfg.overlap and not triggered:
             self.sync.start()
-            return False
-        # A repair blocks: the next gradient must come from repaired replicas, so that a
-        # majority copy puts the faulty rank back on the exact fault-free trajectory.
-        self._on_sync(step, self.sync.sync(), seen_from=step + 1)
+            if not self.sync.repairing:
+                return False  # in flight behind the next step; finished before its update
+            report = self.sync.finish(state_changed=False)
+        else:
+            report = self.sync.sync()
+        self._on_sync(step, report, seen_from=step + 1)
         return True
 
     def _replicas_split(self, view: ControlView, state_is_stale: bool, applied: bool) -> bool:

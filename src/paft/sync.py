@@ -60,7 +60,8 @@ itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alik
     value itself. The result always lies between the two replicas. The reference
     costs one copy of the state and is kept only for world size 2 in robust mode;
     state that did not exist at the last sync (optimizer state created later) has
-    reference 0, which still keeps the smaller-magnitude value. If the two ranks'
+    reference 0, which keeps the smaller-magnitude value where the two replicas
+    share a sign, and 0 where they do not. If the two ranks'
     references disagree (constructed while the replicas differed, or loaded from
     different checkpoints) a zero reference is used and the report says so. The
     guard, which repairs with a robust sync, also keeps the state of every state
@@ -103,13 +104,15 @@ buffers and optimizer state. The overlapped form syncs the buffers at
 them by running averages, which no additive correction can carry over (it put a
 replica's deviation back with the opposite sign: a negative running variance).
 Parameters and optimizer state are snapshotted and their collectives overlap the
-next forward/backward; they end bitwise identical when nothing changed them before
-:meth:`~ReplicaSync.finish`, as in the per-step protocol, where finish comes before
-the next ``optimizer.step()``. If something did (an optimizer step), finish applies
-``w <- synced + (w - snapshot)`` per coordinate: additive progress is kept and the
-replicas are equal up to the rounding of that addition. Boolean tensors take the
-live value where it changed and the synced one elsewhere (a sum of booleans is not
-a boolean).
+next forward/backward (under DDP only where the replicas agree: see
+:attr:`~ReplicaSync.repairing`); they end bitwise identical when nothing changed
+them before :meth:`~ReplicaSync.finish`, as in the per-step protocol, where finish
+comes before the next ``optimizer.step()``. If something did (an optimizer step),
+finish applies ``w <- synced + (w - snapshot)`` per coordinate: additive progress is
+kept, so for plain SGD without weight decay the replicas are equal up to the rounding
+of that addition; where the update reads the state (momentum, Adam's moments, weight
+decay) they stay apart by its non-additive part. Boolean tensors take the live value
+where it changed and the synced one elsewhere (a sum of booleans is not a boolean).
 """
 
 from __future__ import annotations
@@ -331,11 +334,21 @@ class ReplicaSync:
         """Sync the buffers (blocking: they are small, and the next forward updates
         them), then snapshot the parameters and optimizer state into flat buffers and
         launch their collectives asynchronously. What blocks besides the buffers is the
-        24-32-byte control exchange and, where the replicas differ, the NaN/Inf
-        exchange with its pass over the state."""
+        24-32-byte control exchange, the two fingerprint passes over the state and,
+        where the replicas differ, the NaN/Inf exchange with its pass over the state.
+        See :attr:`repairing` before letting a step run under DDP."""
         if self._pending is not None:
             raise RuntimeError("ReplicaSync.start(): a sync is already in flight; call finish() first")
         self._pending = self._launch(overlapped=True)
+
+    @property
+    def repairing(self) -> bool:
+        """The sync in flight found the replicas' parameters or optimizer state
+        different. Under DDP, :meth:`finish` it before the next forward/backward: on a
+        faulty replica that step would all-reduce its gradient (a NaN, a huge value)
+        into every rank, and the repaired replicas would apply it. (Where replicas
+        differ by design, as in local SGD, overlapping the repair is the point.)"""
+        return self._pending is not None and len(self._pending.state.decision.groups) > 1
 
     def finish(self, state_changed: bool | None = None) -> SyncReport:
         """Wait for the collectives of :meth:`start` and apply the result.

@@ -656,12 +656,14 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
 
 
 class _Flagged(nn.Module):
-    """A parameter and a bool buffer (bool travels as uint8)."""
+    """A parameter and a frozen bool one (bool travels as uint8). A parameter, not a
+    buffer: start() syncs buffers blocking, so only the state part meets finish()'s
+    correction, whose bool rule this exercises."""
 
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(4))
-        self.register_buffer("flag", torch.zeros(2, dtype=torch.bool))
+        self.flag = nn.Parameter(torch.tensor([True, False]), requires_grad=False)
 
 
 def _w_two_edges(rank: int, ws: int) -> dict:
@@ -713,7 +715,7 @@ def _w_two_edges(rank: int, ws: int) -> dict:
                  "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
                  "buffers": len(list(model.buffers()))}
 
-    # a bool buffer set during an overlapped sync stays a valid bool
+    # a bool set during an overlapped sync stays a valid bool
     torch.manual_seed(0)
     model = _Flagged()
     with torch.no_grad():
@@ -721,7 +723,7 @@ def _w_two_edges(rank: int, ws: int) -> dict:
     sync = ReplicaSync(model, None)
     sync.start()
     if rank == 1:
-        model.flag[0] = True
+        model.flag[1] = True  # beside a True the sync carries: a sum would give 2
     sync.finish()
     out["flag_bytes"] = model.flag.view(torch.uint8).tolist()
     return out
@@ -742,7 +744,7 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     assert [r["noop_mode"] for r in res] == ["noop", "noop"]
     _assert_replicas_identical([r["after_noop"] for r in res])
     assert res[0]["after_noop"]["report"].mode == "median-with-reference"
-    assert res[0]["flag_bytes"] == [0, 0] and res[1]["flag_bytes"] == [1, 0]  # never 2
+    assert res[0]["flag_bytes"] == [1, 0] and res[1]["flag_bytes"] == [1, 1]  # never 2
     _assert_replicas_identical([r["bn"] for r in res])
     for r in res:
         rep = r["bn"]["report"]
