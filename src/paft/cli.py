@@ -11,13 +11,9 @@ import argparse
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from paft.bench import add_bench_parser, run_bench
 from paft.options import OptionParser, add_train_options, config_from_namespace, idle_faults, ignored_options
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["main", "run", "build_parser"]
 

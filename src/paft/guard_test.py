@@ -522,6 +522,20 @@ def test_no_level_shift_applies_an_attempt_where_another_rank_was_hit(hit: bool)
     assert (v.action, v.detector) == (("skip", "rank_outlier") if hit else ("proceed", "level_shift"))
 
 
+@pytest.mark.parametrize("nan_first", [True, False])
+def test_bad_data_on_one_rank_is_data_despite_a_one_off_fault_in_everyones_aggregate(nan_first: bool) -> None:
+    # A fault in the reduction itself reaches every rank alike (no mismatch): the
+    # aggregate is NaN on one attempt only; rank 1's own finite values reproduce.
+    g = guard(3, on_persistent="stop")
+    t = warm(g)
+    bad = make_view([2.0, 400.0, 2.0], [1.5, 60.0, 1.5], 20.0)
+    nan = make_view([2.0, 400.0, 2.0], [1.5, 60.0, 1.5], math.nan, flags=[FLAG_AGG_NONFINITE] * 3)
+    first = g.check(t, 0, nan if nan_first else bad)
+    assert (first.action, first.ranks) == ("recompute", [1])
+    v1 = g.check(t, 1, bad if nan_first else nan)
+    assert (v1.action, v1.ranks, v1.cause) == ("skip", [1], "data")
+
+
 def test_a_gross_local_value_at_the_first_step_of_two_ranks_is_an_outlier() -> None:
     # No history yet and no median of peers: a 1e4x gap between the two ranks fires.
     v = guard(2).check(0, 0, make_view([2.0, 2.0], [1.0, 1e36], 1e35))

@@ -7,8 +7,10 @@ rank holds the same view and the same alert state, so every rank decides alike
 replicas' distance when their state fingerprints disagree, is the caller's
 ``divergence`` function, called on every rank alike.
 
-Alerts are edge-triggered: written when a condition starts, not every step it holds.
+Alerts are edge-triggered: written when a condition starts, not every step it holds
+(a split that regroups while it lasts is a new one).
 
+- ``nonfinite_local``: ranks whose local loss or gradient is NaN/Inf, named;
 - ``loss_cv``: the ranks' loss coefficient of variation above ``alert_loss_cv``;
 - ``grad_cos_min``: the lowest pairwise gradient cosine below ``alert_cos_min``;
 - ``replicas_split``: the ranks received different aggregated gradients;

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -665,7 +665,7 @@ class Protector:
             self.sync.start()
             if not self.sync.repairing:
                 return False  # in flight behind the next step; finished before its update
-            report = self.sync.finish(state_changed=False)
+            report = replace(self.sync.finish(state_changed=False), overlapped=False)  # it blocked
         else:
             report = self.sync.sync()
         self._on_sync(step, report, seen_from=step + 1)

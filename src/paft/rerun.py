@@ -10,12 +10,14 @@ and state fingerprints, flags, fault counts) as int64 bit patterns, so NaN == Na
   grouping: GPU kernels with atomics do not reproduce the low bits, and a persistent
   fault does not reproduce a spike to 3 digits. Of the rows of the ranks both
   attempts name (the suspects) only, without the replica grouping (a transient fault
-  on another rank, on either attempt, does not make bad data persistent). Where the
-  other ranks recompute their own loss and gradient norm bit for bit (deterministic
-  kernels), a suspect's NaN/Inf is held to its bits. Where theirs moved (GPU atomics,
-  or another rank's fault on one attempt), the suspects' aggregated norm and checksum,
-  sums over the ranks, move too and take no part: their own values coming back in
-  kind (NaN as NaN, finite within RERUN_RTOL) with the same flags and state is data.
+  on another rank, on either attempt, does not make bad data persistent). Their
+  aggregated norm, checksum and non-finite flag, sums over all ranks that a fault
+  elsewhere moves, take part only for a suspect whose own values are NaN/Inf where
+  the other ranks recompute their own loss and gradient norm bit for bit
+  (deterministic kernels): its NaN's place, which the checksum alone shows, must
+  then reproduce. Where theirs moved (GPU atomics, or another rank's fault on one
+  attempt), its own values coming back in kind (NaN as NaN, finite within
+  RERUN_RTOL) with the same flags and state is data.
   A rerun fingerprints the state, the first attempt may not have: the state
   columns then take no part.
 - :func:`unsteady_ranks`: where neither attempt named a suspect, the ranks whose own
@@ -47,6 +49,7 @@ from paft.consistency import (
     COL_LOSS,
     COL_STATE_HI,
     COL_STATE_LO,
+    FLAG_AGG_NONFINITE,
     FLAG_STATE_CHECKED,
 )
 from paft.fingerprint import group_replicas
@@ -83,9 +86,10 @@ def _without_state(bits: list[list[int]]) -> list[list[int]]:
 
 
 def _without_aggregate(row: list[int]) -> list[int]:
-    """A header row with the aggregated norm and checksum cleared."""
+    """A header row with the aggregated norm, checksum and non-finite flag cleared."""
     row = list(row)
     row[COL_AGG_NORM] = row[COL_AGG_HI] = row[COL_AGG_LO] = 0
+    row[COL_FLAGS] = f64_bits(float(int(bits_f64(row[COL_FLAGS])) & ~FLAG_AGG_NONFINITE))
     return row
 
 
@@ -105,16 +109,21 @@ def reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | No
     strict = True
     if rows is not None:
         # A NaN/Inf must reproduce bitwise (see below) where the kernels are deterministic,
-        # as the other ranks show by recomputing their own values bit for bit. Where
-        # theirs moved (GPU atomics), the suspects' aggregated checksum, a sum over the
-        # ranks, cannot reproduce either: their own values must then come back in kind.
+        # as the other ranks show by recomputing their own values bit for bit; where
+        # theirs moved (GPU atomics) the suspects' own values must come back in kind.
         own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
         strict = all(prev[r][own] == cur[r][own] for r in range(len(prev)) if r not in rows)
-        prev, cur = [prev[r] for r in rows], [cur[r] for r in rows]
-        if not strict:
-            # The aggregated norm is a sum over the ranks and moves with theirs: the
-            # suspects' own values, flags and state must come back, not the aggregate.
-            prev, cur = [_without_aggregate(row) for row in prev], [_without_aggregate(row) for row in cur]
+        # The aggregate (norm, checksum, non-finite flag) is a sum over all ranks: a fault
+        # elsewhere, on either attempt, moves it. It is a suspect's evidence only where
+        # that suspect's own values are NaN/Inf and the kernels deterministic: the NaN's
+        # place shows in the checksum alone (a faulty unit moves it, bad data does not).
+        # Elsewhere the suspects' own values, flags and state must come back.
+        def evidence(p: list[int], c: list[int]) -> tuple[list[int], list[int]]:
+            finite = all(math.isfinite(bits_f64(x)) for x in p[own] + c[own])
+            return (_without_aggregate(p), _without_aggregate(c)) if finite or not strict else (p, c)
+
+        pairs = [evidence(prev[r], cur[r]) for r in rows]
+        prev, cur = [p for p, _ in pairs], [c for _, c in pairs]
     if _state_checked(prev) != _state_checked(cur):
         prev, cur = _without_state(prev), _without_state(cur)
     if prev == cur:

@@ -663,7 +663,7 @@ class _Flagged(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(4))
-        self.flag = nn.Parameter(torch.tensor([True, False]), requires_grad=False)
+        self.flag = nn.Parameter(torch.zeros(2, dtype=torch.bool), requires_grad=False)
 
 
 def _w_two_edges(rank: int, ws: int) -> dict:
@@ -719,11 +719,12 @@ def _w_two_edges(rank: int, ws: int) -> dict:
     torch.manual_seed(0)
     model = _Flagged()
     with torch.no_grad():
-        model.w[0] = 1.0 + rank  # the replicas differ: a real median
-    sync = ReplicaSync(model, None)
+        model.w[0] = 1.0 + rank  # the replicas differ
+    model.flag[0] = rank == 0
+    sync = ReplicaSync(model, None, mode="broadcast", src=0)
     sync.start()
     if rank == 1:
-        model.flag[1] = True  # beside a True the sync carries: a sum would give 2
+        model.flag[0] = True  # where the sync carries rank 0's True: synced + (live - snapshot) = 2
     sync.finish()
     out["flag_bytes"] = model.flag.view(torch.uint8).tolist()
     return out
@@ -744,7 +745,7 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     assert [r["noop_mode"] for r in res] == ["noop", "noop"]
     _assert_replicas_identical([r["after_noop"] for r in res])
     assert res[0]["after_noop"]["report"].mode == "median-with-reference"
-    assert res[0]["flag_bytes"] == [1, 0] and res[1]["flag_bytes"] == [1, 1]  # never 2
+    assert res[0]["flag_bytes"] == [1, 0] and res[1]["flag_bytes"] == [1, 0]  # never 2
     _assert_replicas_identical([r["bn"] for r in res])
     for r in res:
         rep = r["bn"]["report"]
