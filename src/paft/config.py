@@ -205,12 +205,13 @@ class GuardConfig:
     """Recomputations over the whole run; once spent, every detection skips its batch
     (``--max-reruns-total``)."""
     shift_after: int = 5
-    """After this many consecutive batches skipped as data for a spike (finite values
-    that reproduce on recomputation; once ``--max-reruns-total`` is spent, a spike in
-    which every rank's own values rose alike), the next such batch is applied and the spike
-    statistics start over with a warm-up: the level itself moved (a learning-rate
-    restart, a harder data phase), and skipping on would stall the run. 0: skip such
-    batches forever (``--shift-after``)."""
+    """After this many batches skipped as data for a spike (finite values that
+    reproduce on recomputation; once ``--max-reruns-total`` is spent, a spike in which
+    every rank's own values rose alike) with no batch applied between them, the next
+    such batch is applied and the spike statistics start over with a warm-up: the
+    level itself moved (a learning-rate restart, a harder data phase), and skipping on
+    would stall the run. A skip for another reason (a NaN batch) neither counts nor
+    resets. 0: skip such batches forever (``--shift-after``)."""
     on_persistent: str = "repair"
     """A rank reproduces a harmful update on recomputation with different values
     (persistent fault): ``repair`` (recompute up to ``--max-reruns``, then skip the

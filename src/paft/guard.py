@@ -53,7 +53,7 @@ of this step)::
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
     0        detected     -                                        recompute   None
     >= 1     detected     header rows reproduced (*)               skip        data
-    >= 1     a spike reproduced, after shift_after such skips in a row proceed    data, detector level_shift
+    >= 1     a spike reproduced, after shift_after such skips (none applied between) proceed  data, detector level_shift
              (the level moved: the spike statistics start over)
     >= 1     grad_mismatch again, same or unnamed suspects (bitwise   stop        persistent  (on_persistent=stop)
              or not: data never makes ranks' aggregates differ)       recompute   persistent  (on_persistent=repair)
@@ -404,7 +404,8 @@ class Guard:
         """``skip`` drops a batch for a spike that reproduced on recomputation, or that
         the run's rerun cap skipped where every rank rose alike (where some ranks
         stand out it may be their fault, which a level shift would apply). After
-        ``shift_after`` such skips in a row the level itself moved: this batch is
+        ``shift_after`` such skips with no batch applied between them (other skips
+        neither count nor reset) the level itself moved: this batch is
         applied instead, and the spike statistics start over."""
         if not self.config.shift_after or self._data_skips < self.config.shift_after:
             self._data_skips += 1
