@@ -334,9 +334,9 @@ def _init_process_group(cfg: TrainConfig) -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl" if uses_cuda(cfg) else "gloo")
 
 
-def _set_threads(local_workers: int) -> None:
+def _set_threads(workers_here: int) -> None:
     # N workers share the machine's cores: one BLAS pool each, sized to its share.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_workers))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers_here))
 
 
 def start_launched_worker(cfg: TrainConfig) -> None:
@@ -409,8 +409,8 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
         local = os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size))
         if not local.isdigit() or int(local) < 1:
             raise DeviceError(f"LOCAL_WORLD_SIZE={local!r}: run it under torchrun, which sets it")
-        local_workers = int(local)
-        check_devices(cfg, local_workers=local_workers)
+        workers_here = int(local)
+        check_devices(cfg, local_workers=workers_here)
     except DeviceError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -418,7 +418,7 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     # passes SIGHUP and SIGQUIT on: unwind, so that rank 0's claim cleans up as paft
     # train's launcher does.
     unwind_on_termination()
-    _set_threads(local_workers)
+    _set_threads(workers_here)
     _init_process_group(cfg)
     rank0 = dist.get_rank() == 0
     try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -661,13 +661,9 @@ class Protector:
         # replica's would reach every rank through DDP's all-reduce), so that a majority
         # copy puts the faulty rank back on the exact fault-free trajectory. An overlapped
         # sync that finds the replicas split is such a repair.
-        if self.protect_cfg.overlap and not triggered:
-            self.sync.start()
-            if not self.sync.repairing:
-                return False  # in flight behind the next step; finished before its update
-            report = replace(self.sync.finish(state_changed=False), overlapped=False)  # it blocked
-        else:
-            report = self.sync.sync()
+        report = self.sync.start(repair_now=True) if self.protect_cfg.overlap and not triggered else self.sync.sync()
+        if report is None:
+            return False  # in flight behind the next step; finished before its update
         self._on_sync(step, report, seen_from=step + 1)
         return True
 

@@ -74,23 +74,23 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= RERUN_RTOL * max(abs(a), abs(b))
 
 
+def _cleared(row: list[int], cols: tuple[int, ...], flag: int) -> list[int]:
+    """A copy of a header row with ``cols`` zeroed and ``flag`` cleared in its flags."""
+    row = list(row)
+    for col in cols:
+        row[col] = 0
+    row[COL_FLAGS] = f64_bits(float(int(bits_f64(row[COL_FLAGS])) & ~flag))
+    return row
+
+
 def _without_state(bits: list[list[int]]) -> list[list[int]]:
     """Header rows with the state fingerprint and its flag cleared."""
-    out = []
-    for row in bits:
-        row = list(row)
-        row[COL_STATE_HI] = row[COL_STATE_LO] = 0
-        row[COL_FLAGS] = f64_bits(float(int(bits_f64(row[COL_FLAGS])) & ~FLAG_STATE_CHECKED))
-        out.append(row)
-    return out
+    return [_cleared(row, (COL_STATE_HI, COL_STATE_LO), FLAG_STATE_CHECKED) for row in bits]
 
 
 def _without_aggregate(row: list[int]) -> list[int]:
     """A header row with the aggregated norm, checksum and non-finite flag cleared."""
-    row = list(row)
-    row[COL_AGG_NORM] = row[COL_AGG_HI] = row[COL_AGG_LO] = 0
-    row[COL_FLAGS] = f64_bits(float(int(bits_f64(row[COL_FLAGS])) & ~FLAG_AGG_NONFINITE))
-    return row
+    return _cleared(row, (COL_AGG_NORM, COL_AGG_HI, COL_AGG_LO), FLAG_AGG_NONFINITE)
 
 
 def _state_checked(bits: list[list[int]]) -> bool:

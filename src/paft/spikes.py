@@ -144,6 +144,12 @@ def median_distance(xs: list[float], center: float) -> float:
     return kth(n // 2) if n % 2 else 0.5 * (kth(n // 2 - 1) + kth(n // 2))
 
 
+def _gross_above(x: float) -> float:
+    """A jump no clean step makes: GROSS_FACTOR times ``x`` above it (an absolute
+    GROSS_FACTOR where ``x`` is 0: no scale)."""
+    return x + GROSS_FACTOR * abs(x) if x else GROSS_FACTOR
+
+
 def pair_limit(values: list[float]) -> float:
     """The limit for either of two ranks' values with no history to judge by (the first
     step): a gross jump above the smaller. Their median is their mean, which a bit-30
@@ -151,7 +157,7 @@ def pair_limit(values: list[float]) -> float:
     xs = sorted(x for x in values if math.isfinite(x))
     if len(xs) < 2:
         return math.inf
-    return xs[0] + GROSS_FACTOR * abs(xs[0]) if xs[0] else GROSS_FACTOR
+    return _gross_above(xs[0])
 
 
 def cross_rank_limit(values: list[float], threshold: float, armed: bool) -> float:
@@ -162,7 +168,7 @@ def cross_rank_limit(values: list[float], threshold: float, armed: bool) -> floa
         return math.inf
     med = median(xs)
     if not armed:
-        return med + GROSS_FACTOR * abs(med) if med else GROSS_FACTOR
+        return _gross_above(med)
     mad = median(sorted(abs(x - med) for x in xs))
     scale = max(MAD_TO_STD * mad, REL_FLOOR_RANK * abs(med))
     return med + threshold * scale if scale else GROSS_FACTOR

@@ -105,7 +105,7 @@ them by running averages, which no additive correction can carry over (it put a
 replica's deviation back with the opposite sign: a negative running variance).
 Parameters and optimizer state are snapshotted and their collectives overlap the
 next forward/backward (under DDP only where the replicas agree: see
-:attr:`~ReplicaSync.repairing`); they end bitwise identical when nothing changed
+:meth:`~ReplicaSync.start`'s ``repair_now``); they end bitwise identical when nothing changed
 them before :meth:`~ReplicaSync.finish`, as in the per-step protocol, where finish
 comes before the next ``optimizer.step()``. If something did (an optimizer step),
 finish applies ``w <- synced + (w - snapshot)`` per coordinate: additive progress is
@@ -330,25 +330,24 @@ class ReplicaSync:
         self._pending = self._launch(overlapped=False)
         return self._complete(state_changed=False)
 
-    def start(self) -> None:
+    def start(self, *, repair_now: bool = False) -> SyncReport | None:
         """Sync the buffers (blocking: they are small, and the next forward updates
         them), then snapshot the parameters and optimizer state into flat buffers and
-        launch their collectives asynchronously. What blocks besides the buffers is the
-        24-32-byte control exchange, the two fingerprint passes over the state and,
-        where the replicas differ, the NaN/Inf exchange with its pass over the state.
-        See :attr:`repairing` before letting a step run under DDP."""
+        launch their collectives asynchronously; ``None``: in flight until
+        :meth:`finish`. What blocks besides the buffers is the 24-32-byte control
+        exchange, the two fingerprint passes over the state and, where the replicas
+        differ, the NaN/Inf exchange with its pass over the state.
+
+        ``repair_now``: where the parameters or optimizer state differ between
+        replicas, sync them blocking and return the report, as :meth:`sync` does. Pass
+        it under DDP: the next forward/backward on a faulty replica would all-reduce its
+        gradient (a NaN, a huge value) into every rank, and the repaired replicas would
+        apply it. (Where replicas differ by design, as in local SGD, overlapping the
+        repair is the point.)"""
         if self._pending is not None:
             raise RuntimeError("ReplicaSync.start(): a sync is already in flight; call finish() first")
-        self._pending = self._launch(overlapped=True)
-
-    @property
-    def repairing(self) -> bool:
-        """The sync in flight found the replicas' parameters or optimizer state
-        different. Under DDP, :meth:`finish` it before the next forward/backward: on a
-        faulty replica that step would all-reduce its gradient (a NaN, a huge value)
-        into every rank, and the repaired replicas would apply it. (Where replicas
-        differ by design, as in local SGD, overlapping the repair is the point.)"""
-        return self._pending is not None and len(self._pending.state.decision.groups) > 1
+        self._pending = self._launch(overlapped=True, repair_now=repair_now)
+        return None if self._pending.state.overlapped else self._complete(state_changed=False)
 
     def finish(self, state_changed: bool | None = None) -> SyncReport:
         """Wait for the collectives of :meth:`start` and apply the result.
@@ -513,7 +512,7 @@ class ReplicaSync:
         """Blocking gather of a few int64 per rank."""
         return gather_rows(torch.tensor(row, dtype=torch.int64, device=self._device), self.group).tolist()
 
-    def _launch(self, overlapped: bool) -> _Sync:
+    def _launch(self, overlapped: bool, repair_now: bool = False) -> _Sync:
         t0 = time.perf_counter()
         entries = self._entries()
         is_buffer = [n.startswith("buffer/") for n, _, _ in entries]
@@ -557,7 +556,7 @@ class ReplicaSync:
         # correction synced + (w - snapshot) would put a replica's deviation back with the
         # opposite sign (a negative running variance). They are small.
         buffers_done = self._finish_transfer(self._transfer(buffers_d, buffers, overlapped=False), False)
-        pending = self._transfer(state_d, state, overlapped)
+        pending = self._transfer(state_d, state, overlapped and not (repair_now and differ[0]))
         return _Sync(ctrl, bytes_sent, collectives, buffers_done, pending, t0, critical=time.perf_counter() - t0)
 
     def _transfer(self, d: SyncPlan, entries: list[tuple[str, Tensor, Tensor]], overlapped: bool) -> _InFlight:
