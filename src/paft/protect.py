@@ -192,6 +192,36 @@ def protect(
     )
 
 
+@dataclass(frozen=True)
+class _StepPlan:
+    """What one protected step does, fixed before its first attempt."""
+
+    step: int
+    closure: Callable[[], torch.Tensor]
+    rest_faults: int
+    """Faults at rest injected before the first attempt."""
+    check_state: bool
+    """Fingerprint the state (every ``fingerprint_every`` steps; every rerun does)."""
+    metric_step: bool
+    """Capture the worker metrics (every ``interval`` steps)."""
+
+
+@dataclass
+class _StepOutcome:
+    """How a step's attempts ended."""
+
+    view: ControlView
+    """The control collective of the last attempt."""
+    attempts: int = 1
+    applied: bool = True
+    ratio: float | None = None
+    """The update-to-weight ratio, where the guard measured it."""
+    overflow: bool = False
+    """The loss scaler's overflow skipped the step."""
+    synced: bool = False
+    """A sync landed, or the guard repaired the replicas, during the attempts."""
+
+
 class Protector:
     """Per-step protection of a DDP model; build it with :func:`protect`."""
 
@@ -297,58 +327,92 @@ class Protector:
         rest_faults = self._inject_at_rest(t)
         if not self.monitor_cfg.enabled:
             return self._unmonitored_step(t, closure)
-        check_state = self._due(self.monitor_cfg.fingerprint_every, t)
         # The worker metrics (every --monitor-interval steps) need the local gradients'
         # norms and directions; the guard, every step, their norms; the aggregated
         # gradient's checksum, which sees replicas split, runs every step.
-        metric_step = self._due(self.monitor_cfg.interval, t)
-        rerun_from = ForwardSnapshot(self._buffers) if self.guard is not None else None
-        attempt, applied, ratio, synced, overflow = 0, True, None, False, False
+        plan = _StepPlan(t, closure, rest_faults, check_state=self._due(self.monitor_cfg.fingerprint_every, t),
+                         metric_step=self._due(self.monitor_cfg.interval, t))
+        out = self._update(plan) if self.guard is None else self._guarded_update(plan)
+        if self.guard is not None and out.applied:
+            self.guard.accept(t, out.view, out.ratio)
+        if not out.applied:
+            self.optimizer.zero_grad(set_to_none=True)
+        grads = None
+        if plan.metric_step and self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
+            grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
+        metrics = self.monitor.record(t, out.view, plan.metric_step, grads, alerts=not out.overflow,
+                                      applied=out.applied, stale_fingerprints=self._stale_fingerprints)
+        synced = self._maybe_sync(t, out.view, state_is_stale=out.synced, applied=out.applied) or out.synced
+        self.step_idx += 1
+        return StepReport(
+            step=t,
+            loss=out.view.global_loss,
+            local_loss=float(out.view.losses[self.rank]),
+            grad_norm=float(out.view.agg_norms[self.rank]),
+            applied=out.applied,
+            attempts=out.attempts,
+            metrics=metrics,
+            synced=synced,
+        )
+
+    def _attempt(self, plan: _StepPlan, attempt: int) -> PendingControl:
+        """One forward/backward of the step, its control collective launched."""
+        self._stale_fingerprints = False  # this attempt fingerprints afresh
+        rest_faults = plan.rest_faults
+        if attempt:  # a persistent fault at rest (stuck memory) strikes the rerun too
+            rest_faults = self._inject_at_rest(plan.step, attempt)
+            self._stepper.discard()  # the loss scaler unscales the rerun's gradients afresh
+        self.hook.begin(plan.step, attempt, local=plan.metric_step or self.guard is not None,
+                        direction=plan.metric_step)
+        loss = self._run_closure(plan.closure)
+        # A rerun always fingerprints the state: corrupted replicas would reproduce
+        # the bad step, and only the fingerprints tell them from bad data.
+        return self._control(loss, self._stepper.unscale(), plan.check_state or attempt > 0, plan.metric_step,
+                             rest_faults)
+
+    def _update(self, plan: _StepPlan) -> _StepOutcome:
+        """Without the guard: nothing to decide before the update, so the control
+        collective overlaps it (a loss scaler's step waits for it: the ranks agree on
+        its skips)."""
+        pending = self._attempt(plan, 0)
+        synced = self._finish_sync(plan.step)
+        self._clip()
+        if self._stepper.scaler is None:
+            self._stepper.step()
+            return _StepOutcome(pending.wait(), synced=synced)
+        view = pending.wait()
+        applied = self._scaled_step(bool(view.ranks_with(FLAG_AGG_NONFINITE)))
+        return _StepOutcome(view, applied=applied, overflow=not applied and self._overflow(view), synced=synced)
+
+    def _guarded_update(self, plan: _StepPlan) -> _StepOutcome:
+        """The guard's state machine: attempts until one is applied or the batch is
+        skipped (the guard's rerun caps bound them), or the run stops."""
+        t = plan.step
+        rerun_from = ForwardSnapshot(self._buffers)
+        guard = self.guard
+        assert guard is not None
+        attempt, synced = 0, False
         while True:
-            self._stale_fingerprints = False  # this attempt fingerprints afresh
-            if attempt:  # a persistent fault at rest (stuck memory) strikes the rerun too
-                rest_faults = self._inject_at_rest(t, attempt)
-                self._stepper.discard()  # the loss scaler unscales the rerun's gradients afresh
-            self.hook.begin(t, attempt, local=metric_step or self.guard is not None, direction=metric_step)
-            # A rerun always fingerprints the state: corrupted replicas would reproduce
-            # the bad step, and only the fingerprints tell them from bad data.
-            loss = self._run_closure(closure)
-            pending = self._control(loss, self._stepper.unscale(), check_state or attempt > 0, metric_step,
-                                    rest_faults)
-            if self.guard is None:
-                # Nothing to decide before the update: let the control collective overlap it
-                # (a loss scaler's step waits for it: the ranks agree on its skips).
-                synced = self._finish_sync(t) or synced
-                self._clip()
-                if self._stepper.scaler is None:
-                    self._stepper.step()
-                    view = pending.wait()
-                else:
-                    view = pending.wait()
-                    applied = self._scaled_step(bool(view.ranks_with(FLAG_AGG_NONFINITE)))
-                    overflow = not applied and self._overflow(view)
-                break
+            pending = self._attempt(plan, attempt)
             # Clipping touches only the gradients, which a recompute or a skip discards
             # anyway: do it while the collective is in flight, not after.
             self._clip()
             view = pending.wait()
-            overflow = self._overflow(view)
-            if overflow:  # the loss scaler's, not a fault: the step is skipped
+            if self._overflow(view):  # the loss scaler's, not a fault: the step is skipped
                 if attempt:  # the recompute of a detection: its record ends here, undecided
                     self._judge(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
                 synced = self._finish_sync(t) or synced
-                applied = self._scaled_step(True)
-                break
-            verdict = self._judge(t, attempt, self.guard.check(t, attempt, view))
+                return _StepOutcome(view, attempt + 1, applied=self._scaled_step(True), overflow=True, synced=synced)
+            verdict = self._judge(t, attempt, guard.check(t, attempt, view))
             if verdict.action != "proceed":
                 # The attempt leaves no trace (its RNG draws, its BatchNorm statistics), on
                 # every rank before a repair: a skipped NaN batch poisoned the running stats.
-                rerun_from.restore()  # type: ignore[union-attr]
+                rerun_from.restore()
             if verdict.action == "stop":
                 raise self._stop(t, verdict)
             if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
                 self._repair(t, rerun=verdict.action == "repair")  # at the rerun cap too: the batch is skipped
-                rerun_from.keep_buffers()  # type: ignore[union-attr]
+                rerun_from.keep_buffers()
                 synced = True
             if verdict.action in ("recompute", "repair"):
                 attempt += 1
@@ -357,48 +421,25 @@ class Protector:
             synced = finished or synced
             if verdict.action == "skip":
                 self._stepper.discard()
-                applied = False
-                break
+                return _StepOutcome(view, attempt + 1, applied=False, synced=synced)
             if not finished:  # else a sync just landed: it keeps its own reference
                 self._keep_agreed_state(view)
-            armed = self.guard_cfg.update_ratio > 0 and self.guard.wants_snapshot(t, view)
+            armed = self.guard_cfg.update_ratio > 0 and guard.wants_snapshot(t, view)
             before = self._snapshot.capture(self.model, self.optimizer) if armed else None
             scaler_state = self._stepper.state() if armed else None
             self._stepper.step()  # every rank's aggregated gradient is finite here: no skip
             if before is None:
-                break
+                return _StepOutcome(view, attempt + 1, synced=synced)
             ratio = max_over_ranks(before.update_ratio(), self.group)
-            verdict = self._judge(t, attempt, self.guard.check_update(t, ratio))
+            verdict = self._judge(t, attempt, guard.check_update(t, ratio))
             if verdict.action == "proceed":
-                break
+                return _StepOutcome(view, attempt + 1, ratio=ratio, synced=synced)
             before.restore(self.optimizer)
             self._stepper.restore(scaler_state)
-            rerun_from.restore()  # type: ignore[union-attr]
+            rerun_from.restore()
             if verdict.action == "skip":
-                applied = False
-                break
+                return _StepOutcome(view, attempt + 1, applied=False, synced=synced)
             attempt += 1
-        if self.guard is not None and applied:
-            self.guard.accept(t, view, ratio)
-        if not applied:
-            self.optimizer.zero_grad(set_to_none=True)
-        grads = None
-        if metric_step and self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
-            grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
-        metrics = self.monitor.record(t, view, metric_step, grads, alerts=not overflow, applied=applied,
-                                      stale_fingerprints=self._stale_fingerprints)
-        synced = self._maybe_sync(t, view, state_is_stale=synced, applied=applied) or synced
-        self.step_idx += 1
-        return StepReport(
-            step=t,
-            loss=view.global_loss,
-            local_loss=float(view.losses[self.rank]),
-            grad_norm=float(view.agg_norms[self.rank]),
-            applied=applied,
-            attempts=attempt + 1,
-            metrics=metrics,
-            synced=synced,
-        )
 
     def _unmonitored_step(self, t: int, closure: Callable[[], torch.Tensor]) -> StepReport:
         """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
