@@ -13,25 +13,14 @@ import sys
 from collections.abc import Sequence
 
 from paft.bench import add_bench_parser, run_bench
-from paft.options import OptionParser, add_train_options, config_from_namespace, idle_faults, ignored_options
+from paft.options import OptionParser, add_train_options, config_from_namespace, train_epilog, train_warnings
 
 __all__ = ["main", "run", "build_parser"]
 
 
-def _fault_grammar() -> str:
-    """The --inject grammar, taken from the faultspec module's docstring (one source)."""
-    from paft import faultspec
-
-    text = (faultspec.__doc__ or "").split("Grammar (one ``--inject`` value)::", 1)[-1]
-    return "fault specs (--inject, repeatable):\n" + text.rstrip() + "\n\n"
-
-
-_TRAIN_EPILOG = """\
-exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop),
-            130 interrupted (Ctrl-C; 143 for SIGTERM, 129 for SIGHUP; continue with --resume)
-
+_TRAIN_EXAMPLES = """\
 examples:
-  paft train                                    # gpt, 4 workers, about 3 minutes on 2 cores
+  paft train                                    # gpt, 4 workers, about 70 s on 2 cores
   paft train --workload resnet --world-size 2 --steps 100
   paft train --inject bitflip:rate=0.05,bits=exponent,ranks=1 --protect dyn
   paft train --inject bitflip:site=local-grad,rate=0.02,bits=exponent --guard
@@ -52,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train one workload on N local workers launched through torch's elastic launcher, "
         "writing a run directory (config.json, metrics/, consistency.jsonl, evals.jsonl, checkpoints/, "
         "summary.json; faults.jsonl and events.jsonl once there is something to record; tb/ with --tensorboard).",
-        epilog=_fault_grammar() + _TRAIN_EPILOG,
+        epilog=train_epilog() + "\n" + _TRAIN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_options(train)
@@ -61,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plots and a text summary of a run directory",
         description="Write PNG plots (loss per rank, dispersion, cosine, replica divergence; faults, syncs and "
         "guard events marked) and report.md for RUN_DIR, and print the summary.",
+        epilog="exit codes: 0 done, 2 not a readable run directory, or a bad --out-dir (nothing written)",
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by paft train")
     report.add_argument("--out-dir", metavar="DIR", help="where to write the plots [default: RUN_DIR/report]")
@@ -79,7 +69,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = config_from_namespace(args)
     except ValueError as err:
         parser.error(str(err))
-    for warning in [*idle_faults(cfg), *ignored_options(args, cfg)]:
+    for warning in train_warnings(args, cfg):
         print(f"paft train: warning: {warning}", file=sys.stderr)
     try:
         code = launch(cfg)
@@ -105,15 +95,18 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     subparser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    if args.command == "bench":
+        subparser = subparser._subparsers._group_actions[0].choices[args.benchmark]  # type: ignore[union-attr]
+    if extra:  # said by the subcommand, whose --help lists what it takes (parse_args would say "paft")
+        subparser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":
         return _train(args, subparser)
     if args.command == "report":
         return _report(args, subparser)
     if args.command == "bench":
-        kind = subparser._subparsers._group_actions[0].choices[args.benchmark]  # type: ignore[union-attr]
-        return run_bench(args, kind)
+        return run_bench(args, subparser)
     raise AssertionError(args.command)
 
 

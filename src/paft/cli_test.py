@@ -50,7 +50,8 @@ from paft.records import read_jsonl
         (["--step", "5"], "unrecognized arguments: --step 5"),
         (["--seed", "99999999999999999999"], "--seed: must be in [0, 2**32)"),
         (["--model", "bias=maybe"], "--model: bias must be true or false, got 'maybe'"),
-        (["--model", "dropout=abc"], "--model: dropout must be a finite number, got 'abc'"),
+        (["--model", "dropout=0.3"], "--model: dropout is set with --dropout (e.g. --dropout 0.1), not --model"),
+        (["--model", "dropout=0.3", "--dropout", "0"], "--model: dropout is set with --dropout"),
         (["--workload", "llama", "--model", "norm_eps=inf"], "--model: norm_eps must be a finite number, got inf"),
         (["--workload", "resnet", "--model", "num_classes=5"], "--model: num_classes must be >= 10"),
         (["--workload", "resnet", "--model", "in_channels=3"], "--model: in_channels must be 1"),
@@ -66,6 +67,11 @@ from paft.records import read_jsonl
         (["--model", "block_size=2000000"], "--model: block_size 2000000 needs at least"),
         (["--alert-cos-min", "5"], "--alert-cos-min: must be in [-1, 1], got 5.0"),
         (["--alert-loss-cv", "nan"], "--alert-loss-cv: must be >= 0, got nan"),
+        (["--guard", "--spike-threshold", "inf"], "--spike-threshold: must be a finite number > 0, got inf"),
+        (["--guard", "--outlier-threshold", "inf"], "--outlier-threshold: must be a finite number > 0, got inf"),
+        # Said by paft train, whose --help lists its options (it said "paft", whose help does not).
+        (["--steps", "3", "--bogus"],
+         "paft train: error: unrecognized arguments: --bogus\n(options: paft train --help)"),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(
@@ -99,6 +105,9 @@ def test_bad_input_exits_2_and_writes_nothing(
         ("seed.toml", "seed = 99999999999999999999", "seed.toml: seed: must be in [0, 2**32)"),
         ("huge.json", '{"lr": 1' + "0" * 400 + "}",
          "--config: huge.json: lr: expected a number, got an integer too large for a float"),
+        # Not mappings, though false-ish: they were read as an empty file, a default run.
+        *((f"falsy{i}.yaml", text, f"--config: falsy{i}.yaml must hold a mapping")
+          for i, text in enumerate(("[]\n", "0\n", "false\n", '""\n'))),
     ],
 )
 def test_bad_config_file_exits_2(
@@ -131,6 +140,21 @@ def test_existing_run_dir_is_never_overwritten(
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
     assert (tmp_path / "out" / name).read_text() == text
+
+
+def test_config_paths_empty_or_with_a_tilde(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--config "$CFG" with CFG unset started a default run; --config=~/c.toml (no shell
+    expands it there) was not found."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.toml").write_text("steps = 0\n")
+    for argv, needle in ((["--config", ""], "--config: must not be empty"),
+                         (["--config=~/c.toml"], "--config: ~/c.toml: steps: must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--run-dir", "out", *argv])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
 
 
 def test_resume_needs_a_run_dir(capsys: pytest.CaptureFixture[str]) -> None:
@@ -222,10 +246,10 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--workload", "--world-size", "--steps", "--batch-size", "--optimizer", "--lr", "--seed",
-                 "--run-dir", "--eval-every", "--log-every", "--resume", "--overwrite", "--config",
-                 "--inject", "--protect", "--sync-period", "--sync-mode", "--guard"):
-        assert flag in out
+    from paft.options import OPTIONS
+
+    for flag in ["--config", *(f"--{opt.flag}" for opt in OPTIONS)]:
+        assert f"{flag} " in out or f"{flag}\n" in out, flag
 
 
 def test_paft_train_end_to_end_with_config_file(
@@ -318,6 +342,9 @@ def test_read_jsonl_drops_a_partial_last_line_and_names_any_other_damage(tmp_pat
     log.write_text('{"step": 0}\n\n[1]\n{"step": 2}\n')
     with pytest.raises(ValueError, match="log.jsonl: line 3 is not a JSON object"):
         read_jsonl(log)
+    log.write_text('{"step": 0}\n{"step": 1, "lo\n')  # a whole line (its newline written): damage, not a cut
+    with pytest.raises(ValueError, match="log.jsonl: line 2 is not JSON"):
+        read_jsonl(log)
 
 
 def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> None:
@@ -329,9 +356,11 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
     torchrun = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
                 "-m", "paft.train", "--config", "tiny.toml", "--quiet"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    ok = subprocess.run([*torchrun, "--run-dir", "r"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                        env=env)
+    ok = subprocess.run([*torchrun, "--run-dir", "r", "--spike-threshold", "3"], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=300, env=env)
     assert ok.returncode == 0, ok.stderr
+    # paft train's warnings, said once (by rank 0): the torchrun form printed none.
+    assert ok.stderr.count("python -m paft.train: warning: --spike-threshold has no effect without --guard") == 1
     assert json.loads((tmp_path / "r" / "config.json").read_text())["world_size"] == 2
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["world_size"] == 2
     assert "final_val_loss" in ok.stdout  # --quiet silences progress, not the summary, as paft train
@@ -521,6 +550,13 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
     ("bitflip:steps=0-1,site=optimizer-state,optimizer=adamw", None),
     ("bitflip:steps=0,burst=3,site=optimizer-state,optimizer=adamw", None),  # the burst fires on steps 1 and 2
     ("bitflip:steps=0,burst=3,start=4", "can never fire"),
+    # A stale fault replays the step before: step 0 has none, and optimizer state none at step 1.
+    ("stale:steps=0", "can never fire (rate 0, or its steps, start and stop leave no step, and a stale fault "
+                      "needs the step before's value)"),
+    ("stale:steps=0-1", None),
+    ("stale:steps=1,site=optimizer-state,optimizer=adamw",
+     "optimizer state exists only from step 1 on and a stale fault needs the step before's value"),
+    ("stale:steps=1-2,site=optimizer-state,optimizer=adamw", None),
 ])
 def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None) -> None:
     from paft.options import idle_faults
@@ -559,6 +595,17 @@ def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatc
     (["--warmup-steps", "50", "--steps", "5"],
      ["--warmup-steps 50 is not below --steps 5: the learning rate never reaches --lr and never decays"]),
     (["--steps", "5"], []),  # the default warm-up (20) is not a slip of the user's
+    (["--monitor-interval", "0", "--cosine", "exact", "--alert-loss-cv", "1"],
+     ["--cosine has no effect with --monitor-interval 0 (no worker metrics)",
+      "--alert-loss-cv has no effect with --monitor-interval 0 (no worker metrics)"]),
+    (["--monitor-interval", "0", "--sketch-dim", "64"],
+     ["--sketch-dim has no effect with --monitor-interval 0 (no worker metrics)"]),
+    (["--cosine", "off", "--sketch-dim", "64"], ["--sketch-dim has no effect without --cosine sketch"]),
+    (["--guard", "--guard-warmup", "300", "--steps", "200"],
+     ["--guard-warmup 300 is not below --steps 200: the spike and rank-outlier detectors never arm (only gross "
+      "jumps fire)"]),
+    (["--guard", "--guard-warmup", "30"], []),
+    (["--no-overlap"], ["--no-overlap has no effect without --protect sync or dyn"]),  # as typed
     (["--protect", "dyn", "--no-monitor"],
      ["--protect dyn with --no-monitor has no fingerprint trigger: replicas that split stay split until the "
       "next scheduled sync (the period still adapts at each sync)"]),
@@ -616,8 +663,9 @@ def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
     pathlib.Path("guard.toml").write_text("guard = true\n")
     pathlib.Path("ws3.toml").write_text("world-size = 3\n")
     pathlib.Path("over.toml").write_text("overwrite = true\n")
-    for argv, needle in ((["--config", "neg.toml"], "neg.toml: lr: must be > 0, got -1.0"),
-                         (["--config", "hmax.toml"], "hmax.toml: h-max: must be >= --h-min"),
+    for argv, needle in ((["--config", "neg.toml"], "error: --config: neg.toml: lr: must be > 0, got -1.0"),
+                         (["--config", "hmax.toml"], "error: --config: hmax.toml: h-max: must be >= --h-min"),
+                         (["--h-min", "500"], "--h-max: must be >= --h-min (500), got 400 (--h-max is at its default)"),
                          (["--config", "hmax.toml", "--h-min", "40"], "error: --h-max: must be >= --h-min"),
                          (["--config", "neg.toml", "--lr", "-2"], "--lr: must be > 0, got -2"),  # typed: the option
                          # --no-monitor, typed, is the option "monitor": not the file's doing

@@ -185,13 +185,14 @@ class GuardConfig:
     always armed (``--guard-warmup``)."""
     update_ratio: float = 1.0
     """Post-step detector: ||w_new - w_old|| / ||w_old|| (max over ranks) non-finite,
-    spiking (``--spike-threshold`` rule), or, once ``warmup`` positive ratios were
+    spiking (the --spike-threshold rule), or, once --guard-warmup positive ratios were
     accepted, above this cap rolls the step back to the pre-step snapshot and
     recomputes it, on steps where the guard asked for a snapshot (see the README's
     Guard section); elsewhere the ratio is not measured: it needs the pre-step
     weights. (The first updates of a small or zero initialisation legitimately
-    exceed the weights.) A reproduced ratio skips the batch, and ``shift_after`` such
-    skips in a row apply it. 0 disables the detector and the snapshots (``--update-ratio``)."""
+    exceed the weights.) A reproduced ratio skips the batch; after --shift-after such
+    skips with no batch applied between them, the next is applied. inf: no cap (the
+    spike rule stays); 0 disables the detector and the snapshots (``--update-ratio``)."""
     outlier_threshold: float = 20.0
     """Rank outlier: a rank's local loss or local grad norm above the ranks' median by
     more than this many MADs (floored at 25% of |median|) AND above the pooled
@@ -220,11 +221,14 @@ class GuardConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _require(self.spike_threshold > 0, "--spike-threshold", f"must be > 0, got {self.spike_threshold}")
+        # inf would make a limit of inf * 0 = NaN on a flat history, which check_update reads as a spike.
+        _require(0 < self.spike_threshold < math.inf, "--spike-threshold",
+                 f"must be a finite number > 0, got {self.spike_threshold}")
         _require(5 <= self.window <= 1_000_000, "--guard-window", f"must be in [5, 1000000], got {self.window}")
         _require(self.warmup >= 0, "--guard-warmup", f"must be >= 0, got {self.warmup}")
         _require(self.update_ratio >= 0, "--update-ratio", f"must be >= 0, got {self.update_ratio}")
-        _require(self.outlier_threshold > 0, "--outlier-threshold", f"must be > 0, got {self.outlier_threshold}")
+        _require(0 < self.outlier_threshold < math.inf, "--outlier-threshold",
+                 f"must be a finite number > 0, got {self.outlier_threshold}")
         _require(self.max_reruns_per_step >= 1, "--max-reruns", f"must be >= 1, got {self.max_reruns_per_step}")
         _require(self.max_reruns_per_run >= 1, "--max-reruns-total", f"must be >= 1, got {self.max_reruns_per_run}")
         _require(self.shift_after >= 0, "--shift-after", f"must be >= 0, got {self.shift_after}")
@@ -359,6 +363,9 @@ class TrainConfig:
         _require(not self.resume or bool(self.run_dir), "--resume", "needs --run-dir, the run to continue")
         _require(self.device in DEVICES, "--device", f"must be auto, cpu or cuda, got {self.device!r}")
         _require(0 <= self.dropout < 1, "--dropout", f"must be in [0, 1), got {self.dropout}")
+        # One home for it: with both, which one wins was a detail of the code.
+        _require("dropout" not in self.model, "--model", "dropout is set with --dropout (e.g. --dropout 0.1), "
+                 "not --model")
         _require(
             self.monitor.enabled or not self.guard.enabled,
             "--guard",

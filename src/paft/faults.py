@@ -14,8 +14,9 @@ pure function that tests check in microseconds:
 - :class:`FaultSchedule`: a counter-based, random-access function of
   ``(seed, spec index, step, rank)``: the answer for step ``t`` never depends on which
   steps were asked before, so a resumed or recomputed run sees the same faults
-  (except ``stale`` on the first step after a resume: the previous step's values it
-  replays are not part of a checkpoint, so that one event finds nothing to replay);
+  (except ``stale`` on a run's first step, or the first after a resume: the previous
+  step's values it replays are not part of a checkpoint, so that one event finds
+  nothing to replay; on optimizer state, which the first update creates, the second);
 - :class:`FaultInjector`: what the DDP comm hook (bucket sites) and the protector
   (at-rest sites, before a step) call; it returns :class:`FaultRecord` values for
   ``faults.jsonl``.

@@ -399,7 +399,7 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
             problem = f"WORLD_SIZE={os.environ['WORLD_SIZE']!r}"
     # Every rank parses and refuses alike: the first to exit makes torchrun stop the
     # others, maybe before rank 0 has written a word.
-    cfg = parse_train_config(argv, prog=prog, launched=launched)
+    cfg = parse_train_config(argv, prog=prog, launched=launched, warn=os.environ.get("RANK", "0") == "0")
     if problem:
         print(f"{prog}: error: {problem}: run it under torchrun, which sets {', '.join(torchrun_env)} (e.g. "
               f"torchrun --standalone --nproc-per-node 4 -m paft.train), or use paft train, which starts its own "

@@ -46,7 +46,8 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
-           "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults"]
+           "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults", "train_warnings",
+           "train_epilog"]
 
 
 class ConfigFileError(ValueError):
@@ -233,7 +234,9 @@ def _load_yaml(text: str) -> Any:
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
-    p = pathlib.Path(path)
+    if not path.strip():  # --config "$CFG" with CFG unset: not "no file"
+        raise ConfigFileError("--config: must not be empty (leave it out to use no config file)")
+    p = pathlib.Path(path).expanduser()  # --config=~/c.toml reaches us unexpanded
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as err:
@@ -244,7 +247,9 @@ def _read_config_file(path: str) -> dict[str, Any]:
     kind = "YAML" if suffix in (".yaml", ".yml") else "JSON" if suffix == ".json" else "TOML"
     try:
         if kind == "YAML":
-            data = _load_yaml(text) or {}
+            data = _load_yaml(text)
+            if data is None:  # an empty or comment-only file; [], 0 or false are not mappings
+                data = {}
         elif kind == "JSON":
             data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
@@ -347,7 +352,7 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
     ranks derive from it, so other checks would blame them).
     """
     given = {k: v for k, v in vars(ns).items() if k in _BY_KEY}
-    from_file = _read_config_file(ns.config) if getattr(ns, "config", None) else {}
+    from_file = _read_config_file(ns.config) if getattr(ns, "config", None) is not None else {}
     values: dict[str, Any] = {"world-size": launched} if launched is not None else {}
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
@@ -360,7 +365,7 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
         _merge(values, saved)
         source.update(dict.fromkeys(saved, f"--resume: {pathlib.Path(resolve_run_dir(run_dir)) / 'config.json'}"))
     _merge(values, from_file)
-    source.update(dict.fromkeys(from_file, str(ns.config)))
+    source.update(dict.fromkeys(from_file, f"--config: {ns.config}"))
     _merge(values, given)
     for key in given:
         source.pop(key, None)
@@ -369,7 +374,7 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
         if where is not None and where.startswith("--resume: "):  # fixed at the first run
             raise ValueError(f"--resume: {resolve_run_dir(run_dir)} was trained on {asked} ranks and torchrun "
                              f"started {launched} processes; start it with --nproc-per-node {asked}")
-        raise ValueError(f"--world-size {asked}{f' (in {where})' if where else ''}: torchrun started {launched} "
+        raise ValueError(f"--world-size {asked}{f' (in {_file(where)})' if where else ''}: torchrun started {launched} "
                          f"processes; pass --world-size {launched} or leave it out")
     kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for key, value in values.items():
@@ -391,12 +396,19 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
         named = {m[2:].removeprefix("no-") for m in re.findall(r"--[a-z][\w-]*", str(err))}
         if sep and flag.startswith("--") and source.get(flag[2:]) and not named & given.keys():
             raise ConfigFileError(f"{source[flag[2:]]}: {flag[2:]}: {rest}") from None
-        # Else say where the options it names that were not typed come from.
-        filed = sorted(n for n in named if n in source and n not in given)
-        if filed:
-            where = "; ".join(f"--{n} is set in {source[n].removeprefix('--resume: ')}" for n in filed)
-            raise ValueError(f"{err} ({where})") from None
+        # Else say where the options it names that were not typed come from: a file, or
+        # (next to one that was typed: --h-min 500 against --h-max's 400) the default.
+        notes = [f"--{n} is set in {_file(source[n])}" for n in sorted(named) if n in source and n not in given]
+        if named & given.keys():
+            notes += [f"--{n} is at its default" for n in sorted(named) if n in _BY_KEY and n not in values]
+        if notes:
+            raise ValueError(f"{err} ({'; '.join(notes)})") from None
         raise
+
+
+def _file(source: str) -> str:
+    """The file of a value's source (``"--config: c.toml"`` -> ``"c.toml"``)."""
+    return source.partition(": ")[2]
 
 
 def idle_faults(cfg: TrainConfig) -> list[str]:
@@ -408,10 +420,13 @@ def idle_faults(cfg: TrainConfig) -> list[str]:
             out.append(f"--inject {text!r} never fires: --optimizer sgd keeps no state (momentum, adam and "
                        "adamw do)")
             continue
-        # Optimizer state is created by the first optimizer.step(): nothing to hit at step 0.
-        first = spec.first_firing(after=1 if spec.site == "optimizer-state" else 0)
+        # Optimizer state is created by the first optimizer.step(): nothing to hit at step 0;
+        # a stale fault replays the step before, which the first step it can hit lacks.
+        why = [*(["optimizer state exists only from step 1 on"] if spec.site == "optimizer-state" else []),
+               *(["a stale fault needs the step before's value"] if spec.kind == "stale" else [])]
+        first = spec.first_firing(after=len(why))
         if first is None:
-            late = ", and optimizer state exists only from step 1 on" if spec.site == "optimizer-state" else ""
+            late = f", and {' and '.join(why)}" if why else ""
             out.append(f"--inject {text!r} can never fire (rate 0, or its steps, start and stop leave no "
                        f"step{late})")
         elif first >= cfg.steps:
@@ -425,10 +440,15 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
     most likely a slip; and for ``--protect dyn`` without the monitor (from any
     source), which loses its trigger."""
     mode = cfg.protect.mode
+    # The worker metrics (and so the cosine and their alerts) need metric steps.
+    metrics = cfg.monitor.enabled and cfg.monitor.interval > 0
+    no_metrics = "with --no-monitor" if not cfg.monitor.enabled else "with --monitor-interval 0 (no worker metrics)"
     needs: dict[str, tuple[bool, str]] = {
         "broadcast-src": (mode in ("sync", "dyn") and cfg.protect.sync_mode == "broadcast",
                           "without --sync-mode broadcast and --protect sync or dyn"),
-        "sketch-dim": (cfg.monitor.enabled and cfg.monitor.cosine == "sketch", "without --cosine sketch"),
+        **{flag: (metrics, no_metrics) for flag in ("cosine", "alert-loss-cv", "alert-cos-min")},
+        "sketch-dim": (metrics and cfg.monitor.cosine == "sketch",
+                       no_metrics if not metrics else "without --cosine sketch"),
         "dropout": (cfg.workload != "resnet", "on the resnet workload"),
         **{flag: (mode == "dyn", "without --protect dyn") for flag in ("h-min", "h-max", "dyn-target")},
         **{flag: (mode in ("sync", "dyn"), "without --protect sync or dyn") for flag in ("sync-mode", "overlap")},
@@ -438,6 +458,9 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
     if "warmup-steps" in vars(ns) and cfg.warmup_steps >= cfg.steps:
         out.append(f"--warmup-steps {cfg.warmup_steps} is not below --steps {cfg.steps}: the learning rate "
                    "never reaches --lr and never decays")
+    if "guard-warmup" in vars(ns) and cfg.guard.enabled and cfg.guard.warmup >= cfg.steps:
+        out.append(f"--guard-warmup {cfg.guard.warmup} is not below --steps {cfg.steps}: the spike and "
+                   "rank-outlier detectors never arm (only gross jumps fire)")
     if mode == "dyn" and not cfg.monitor.enabled:
         out.append("--protect dyn with --no-monitor has no fingerprint trigger: replicas that split stay "
                    "split until the next scheduled sync (the period still adapts at each sync)")
@@ -454,7 +477,8 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
         else:
             continue
         if not effective:
-            out.append(f"--{flag} has no effect {why}")
+            typed = f"no-{flag}" if opt.kind is bool and not getattr(ns, flag) else flag
+            out.append(f"--{typed} has no effect {why}")
     return out
 
 
@@ -473,17 +497,44 @@ class OptionParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(options: {self.prog} --help)\n")
 
 
+def train_warnings(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
+    """What a training command warns about before it starts: :func:`idle_faults` and
+    :func:`ignored_options`."""
+    return [*idle_faults(cfg), *ignored_options(ns, cfg)]
+
+
+def train_epilog() -> str:
+    """The --help epilog of a training command: the ``--inject`` grammar (from the
+    faultspec module's docstring: one source) and the exit codes."""
+    from paft import faultspec
+
+    grammar = (faultspec.__doc__ or "").split("Grammar (one ``--inject`` value)::", 1)[-1]
+    return f"""\
+fault specs (--inject, repeatable):
+{grammar.rstrip()}
+
+exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop),
+            130 interrupted (Ctrl-C; 143 for SIGTERM, 129 for SIGHUP; continue with --resume)
+"""
+
+
 def parse_train_config(
     argv: Sequence[str] | None = None,
     prog: str = "paft train",
     launched: int | None = None,
+    warn: bool = False,
 ) -> TrainConfig:
     """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2.
-    ``launched``: see :func:`config_from_namespace`."""
-    parser = OptionParser(prog=prog)
+    ``launched``: see :func:`config_from_namespace`; ``warn``: print
+    :func:`train_warnings` to stderr (one rank of several does)."""
+    parser = OptionParser(prog=prog, epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_options(parser)
     ns = parser.parse_args(argv)
     try:
-        return config_from_namespace(ns, launched)
+        cfg = config_from_namespace(ns, launched)
     except ValueError as err:
         parser.error(str(err))
+    if warn:
+        for warning in train_warnings(ns, cfg):
+            print(f"{prog}: warning: {warning}", file=sys.stderr)
+    return cfg

@@ -188,12 +188,14 @@ def read_utf8(path: pathlib.Path) -> str:
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All records of a ``.jsonl`` file (missing file: none). A partial last line (a
-    writer killed mid-record) is dropped; any other line that is not a JSON object, or
-    text that is not UTF-8, raises ``ValueError`` naming the file (and line)."""
+    writer killed mid-record: no newline after it) is dropped; any other line that is
+    not a JSON object, or text that is not UTF-8, raises ``ValueError`` naming the file
+    (and line)."""
     p = pathlib.Path(path)
     if not p.exists():
         return []
-    lines = read_utf8(p).splitlines()
+    text = read_utf8(p)
+    lines = text.splitlines()
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     records = []
     for i, line in enumerate(lines):
@@ -202,7 +204,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            if i == last:
+            if i == last and not text.endswith("\n"):
                 break
             raise ValueError(f"{p}: line {i + 1} is not JSON ({err})") from None
         if not isinstance(record, dict):

@@ -153,12 +153,16 @@ def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    """Write ``fig`` to ``path`` whole or not at all (an interrupted report leaves the
-    earlier one's plot, never half a PNG)."""
+def _png(fig: Figure) -> bytes:
     data = io.BytesIO()
     fig.savefig(data, format="png", dpi=110)
-    atomic_write_bytes(path, data.getvalue())
+    return data.getvalue()
+
+
+def _save(data: bytes, path: Path) -> Path:
+    """Write ``data`` to ``path`` whole or not at all (an interrupted report leaves the
+    earlier one's plot, never half a PNG)."""
+    atomic_write_bytes(path, data)
     return path
 
 
@@ -178,7 +182,7 @@ def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
     return steps, [math.fsum(by_step[s]) / len(run.metrics) for s in steps]
 
 
-def _plot_loss(run: RunData, out: Path) -> Path:
+def _plot_loss(run: RunData) -> bytes:
     fig, (ax,) = _figure(1, 1, f"Loss: {run.name}")
     everything: list[float] = []
     for rank, records in run.metrics.items():
@@ -202,20 +206,20 @@ def _plot_loss(run: RunData, out: Path) -> Path:
                 everything += [v for _, v in rows]
     _scale(ax, everything)
     _finish(ax, run, "global and per-rank local loss", "loss")
-    return _save(fig, out / "loss.png")
+    return _png(fig)
 
 
-def _plot_dispersion(run: RunData, out: Path) -> Path:
+def _plot_dispersion(run: RunData) -> bytes:
     fig, axes = _figure(2, 2, f"Worker dispersion: {run.name}")
     for ax, (key, title, ylabel) in zip(axes, _DISPERSION):
         steps, values = _series(run.consistency, key)
         _plot(ax, steps, values, color="black", lw=1.2, label=key)
         _scale(ax, values)
         _finish(ax, run, title, ylabel)
-    return _save(fig, out / "dispersion.png")
+    return _png(fig)
 
 
-def _plot_cosine(run: RunData, out: Path) -> Path:
+def _plot_cosine(run: RunData) -> bytes:
     fig, (pairs, to_mean) = _figure(2, 1, f"Gradient cosine similarity between workers: {run.name}")
     # Drawn wide then thin: with two ranks there is one pair, and min == mean.
     for key, color, width in (("consistency/grad_cos_mean", "0.6", 3.0), ("consistency/grad_cos_min", "tab:red", 1.2)):
@@ -229,7 +233,7 @@ def _plot_cosine(run: RunData, out: Path) -> Path:
         _plot(to_mean, [s for s, _ in kept], [v for _, v in kept], color=_rank_color(rank), lw=0.9,
               label=f"rank {rank}")
     _finish(to_mean, run, "cosine of each rank's local gradient to the mean gradient", "cosine")
-    return _save(fig, out / "cosine.png")
+    return _png(fig)
 
 
 def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
@@ -305,7 +309,7 @@ def _periods(run: RunData) -> list[tuple[int, float]]:
                    if e.get("event") in ("sync", "dyn_trigger") and "period" in e), key=lambda p: p[0])
 
 
-def _plot_divergence(run: RunData, out: Path) -> Path | None:
+def _plot_divergence(run: RunData) -> bytes | None:
     periods = _periods(run)
     panels = [name for name, on in (("replicas", any("replicas/grad_distinct" in r for r in run.consistency)),
                                     ("divergence", bool(_syncs(run) or _eval_divergence(run)[0])),
@@ -320,7 +324,7 @@ def _plot_divergence(run: RunData, out: Path) -> Path | None:
             _divergence_panel(ax, run)
         else:
             _period_panel(ax, run, periods)
-    return _save(fig, out / "divergence.png")
+    return _png(fig)
 
 
 # -- the text summary --------------------------------------------------------------------
@@ -503,8 +507,24 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plots(run: RunData) -> dict[str, bytes]:
+    """The report's PNG files by name, in the report's order."""
+    plots = {"loss.png": _plot_loss(run)}
+    # Only what was recorded: --monitor-interval 0 leaves the replica records alone.
+    if any(key in r for r in run.consistency for key, *_ in _DISPERSION):
+        plots["dispersion.png"] = _plot_dispersion(run)
+        if any("consistency/grad_cos_mean" in r for r in run.consistency):
+            plots["cosine.png"] = _plot_cosine(run)
+    divergence = _plot_divergence(run)
+    if divergence is not None:
+        plots["divergence.png"] = divergence
+    return plots
+
+
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Report:
     """Plot a run directory and summarize it; files go to ``out_dir`` (default ``<run_dir>/report``)."""
+    if not str(run_dir).strip():  # as --out-dir: "" is no name for the working directory
+        raise ReportError("RUN_DIR: must not be empty (a run directory, e.g. runs/<dir>; . for this one)")
     run = load_run(run_dir)
     if out_dir is not None and not str(out_dir).strip():
         raise ReportError("--out-dir: must not be empty (leave it out for RUN_DIR/report)")
@@ -526,17 +546,16 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ReportError(f"{label}: cannot create {out}: {err.strerror or err}") from None
+    # Everything is drawn and said before the first byte is written: a record the checks
+    # of load_run let through and the drawing cannot take leaves no half report.
+    try:
+        plots = _plots(run)
+        text = summary_text(run, [out / name for name in plots])
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as err:
+        raise ReportError(f"{run.path}: a record holds a value of an unexpected kind "
+                          f"({type(err).__name__}: {err}); nothing was written") from None
     (out / REPORT_MARKER).write_text("paft report\n")
-    files = [_plot_loss(run, out)]
-    # Only what was recorded: --monitor-interval 0 leaves the replica records alone.
-    if any(key in r for r in run.consistency for key, *_ in _DISPERSION):
-        files.append(_plot_dispersion(run, out))
-        if any("consistency/grad_cos_mean" in r for r in run.consistency):
-            files.append(_plot_cosine(run, out))
-    divergence = _plot_divergence(run, out)
-    if divergence is not None:
-        files.append(divergence)
-    text = summary_text(run, files)
+    files = [_save(data, out / name) for name, data in plots.items()]
     images = "\n".join(f"![{f.stem}]({f.name})" for f in files)
     md = out / "report.md"
     atomic_write_bytes(md, f"{_TITLE}{run.name}\n\n```text\n{text}```\n\n{images}\n".encode())

@@ -243,6 +243,8 @@ def test_a_nan_replica_is_the_worst_in_the_text(fault_run: pathlib.Path, tmp_pat
 
 
 def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ReportError, match="RUN_DIR: must not be empty"):
+        build_report("")
     with pytest.raises(ReportError, match=re.escape(f"{tmp_path / 'missing'}: does not exist")):
         build_report(tmp_path / "missing")
     (tmp_path / "plain").mkdir()
@@ -266,6 +268,18 @@ def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
     ("metrics/rank0.jsonl", b'{"step": NaN}\n{"step": 1}\n', "rank0.jsonl: record 1: step must be an integer >= 0"),
     ("events.jsonl", b'{"event": "sync"}\n{"step": 1}\n', "events.jsonl: record 1: step must be an integer >= 0"),
     ("faults.jsonl", b'{"step": 2, "rank": "x"}\n{"step": 1}\n', "faults.jsonl: record 1: rank must be an integer"),
+    # Fields of the wrong kind crashed the report halfway (plots written, report.md not).
+    ("config.json", b'{"inject": [3]}', "config.json: inject must be a list of fault specs (strings), got [3]"),
+    ("events.jsonl", b'{"step": 2, "event": "stop", "reason": 5}\n',
+     "events.jsonl: record 1: reason must be a string, got 5"),
+    ("events.jsonl", b'{"step": 2, "event": "guard", "action": "stop", "ranks": 5}\n',
+     "events.jsonl: record 1: ranks must be a list of ranks, got 5"),
+    ("consistency.jsonl", b'{"step": 3, "replicas/grad_distinct": 2, "replicas/grad_minority_ranks": 5}\n',
+     "consistency.jsonl: record 1: replicas/grad_minority_ranks must be a list of ranks, got 5"),
+    ("consistency.jsonl", b'{"step": 3, "consistency/nonfinite_ranks": [-1]}\n',
+     "consistency.jsonl: record 1: consistency/nonfinite_ranks must be a list of ranks, got [-1]"),
+    ("evals.jsonl", b'{"step": 4, "val_loss": 1.0, "val_loss_per_rank": 5}\n',
+     "evals.jsonl: record 1: val_loss_per_rank must be a list, got 5"),
 ])
 def test_damaged_files_are_named_not_taken_for_missing(fault_run: pathlib.Path, tmp_path: pathlib.Path,
                                                        name: str, data: bytes, needle: str) -> None:
@@ -274,6 +288,26 @@ def test_damaged_files_are_named_not_taken_for_missing(fault_run: pathlib.Path, 
     with pytest.raises(ReportError, match=re.escape(needle)):
         build_report(run)
     assert not (run / "report").exists()
+
+
+def test_a_record_the_checks_let_through_leaves_no_half_report(fault_run: pathlib.Path, tmp_path: pathlib.Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a record holds, the report is drawn whole before a file is written."""
+    run = copy_run(fault_run, tmp_path / "odd")
+    build_report(run)
+    def files() -> dict[str, tuple[bytes, int]]:  # a rewrite replaces the file: a new inode
+        return {p.name: (p.read_bytes(), p.stat().st_ino) for p in (run / "report").iterdir()}
+
+    before = files()
+
+    def choke(run: Any, files: Any) -> str:
+        raise TypeError("'int' object is not iterable")
+
+    monkeypatch.setattr(report_module, "summary_text", choke)  # the last thing drawn
+    with pytest.raises(ReportError, match=re.escape("a record holds a value of an unexpected kind (TypeError: "
+                                                    "'int' object is not iterable); nothing was written")):
+        build_report(run)
+    assert files() == before
 
 
 def test_a_consistency_file_without_a_complete_record_is_not_monitoring_off(
@@ -324,10 +358,10 @@ def test_an_interrupted_report_leaves_the_earlier_one_whole(clean_run: pathlib.P
     before = {f.name: f.read_bytes() for f in first.files}
     real_save = report_module._save
 
-    def interrupted_after_loss(fig: Any, path: pathlib.Path) -> pathlib.Path:
+    def interrupted_after_loss(data: bytes, path: pathlib.Path) -> pathlib.Path:
         if path.name != "loss.png":
             raise KeyboardInterrupt
-        return real_save(fig, path)
+        return real_save(data, path)
 
     monkeypatch.setattr(report_module, "_save", interrupted_after_loss)
     with pytest.raises(KeyboardInterrupt):

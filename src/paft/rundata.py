@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,17 +80,50 @@ def _read_text(path: Path) -> str:
         return read_utf8(path)
 
 
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _ranks_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_rank(r) for r in value)
+
+
+# The record fields the report reads as other than numbers (which it reads leniently: a
+# non-number is a gap in a plot), with what they must be. A name matches a key's last
+# "/" part ("cos_to_mean": "consistency/cos_to_mean"); one starting with "_" matches a
+# key's end ("_minority_ranks": "replicas/grad_minority_ranks").
+_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("ranks", _ranks_list, "a list of ranks"),
+    ("_minority_ranks", _ranks_list, "a list of ranks"),
+    ("nonfinite_ranks", _ranks_list, "a list of ranks"),
+    ("val_loss_per_rank", lambda v: isinstance(v, list), "a list"),
+    ("cos_to_mean", lambda v: isinstance(v, list), "a list"),
+    ("totals", lambda v: isinstance(v, dict), "an object"),
+    *((key, lambda v: v is None or isinstance(v, str), "a string")
+      for key in ("event", "action", "reason", "cause", "detector", "mode", "site", "kind")),
+)
+
+
+def _check_fields(path: Path, i: int, record: dict[str, Any]) -> None:
+    for key in ("step", "rank"):  # every record has a step; faults name a rank
+        value = record.get(key, 0 if key == "rank" else None)
+        if not _is_rank(value):
+            raise ReportError(f"{path}: record {i + 1}: {key} must be an integer >= 0, got {value!r}")
+    for key, value in record.items():
+        for name, ok, what in _FIELDS:
+            named = key.endswith(name) if name.startswith("_") else key.rpartition("/")[2] == name
+            if named and not ok(value):
+                raise ReportError(f"{path}: record {i + 1}: {key} must be {what}, got {value!r}")
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     with _reading(path):
-        records = [from_jsonable(r) for r in read_jsonl(path)]  # a crashed writer's partial last line is dropped
-    for i, record in enumerate(records):
-        for key in ("step", "rank"):  # every record has a step; faults name a rank
-            value = record.get(key, 0 if key == "rank" else None)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ReportError(f"{path}: record {i + 1}: {key} must be an integer >= 0, got {value!r}")
-    return records
+        raw = read_jsonl(path)  # a crashed writer's partial last line is dropped
+    for i, record in enumerate(raw):  # as written: from_jsonable reads a fault kind "nan" as a float
+        _check_fields(path, i, record)
+    return [from_jsonable(r) for r in raw]
 
 
 def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -124,6 +157,8 @@ def _check_config(path: Path, config: dict[str, Any]) -> None:
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
             raise ReportError(f"{path}: {key} must be {name}, got {value!r}")
+    if not all(isinstance(spec, str) for spec in config.get("inject") or []):
+        raise ReportError(f"{path}: inject must be a list of fault specs (strings), got {config['inject']!r}")
 
 
 def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:

@@ -138,7 +138,7 @@ class Trainer:
 
     @staticmethod
     def _dropout_arg(cfg: TrainConfig) -> dict[str, Any]:
-        return {"dropout": cfg.dropout} if cfg.workload in ("gpt", "llama") and cfg.dropout else {}
+        return {"dropout": cfg.dropout} if cfg.workload in ("gpt", "llama") else {}
 
     # -- the loop --------------------------------------------------------------------
 

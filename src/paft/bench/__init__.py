@@ -27,8 +27,13 @@ from typing import Any
 from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
 from paft.config import DEVICES
 from paft.options import parse_model_arg
+from paft.workloads import WORKLOADS
 
 __all__ = ["add_bench_parser", "run_bench"]
+
+
+_EXIT_CODES = ("exit codes: 0 done, 1 a run failed (its traceback above), 2 bad input (nothing written), "
+               "130 interrupted (143 for SIGTERM, 129 for SIGHUP)")
 
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
@@ -37,10 +42,12 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         help="side-by-side experiments (matrix, overhead, desync, detection, scaling)",
         description="Run a benchmark: all its runs share one worker group on this machine, same seeds and "
         "data order; throughput is compared from alternating runs (overhead: from paired steps).",
+        epilog=_EXIT_CODES,
     )
     kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
 
     def common(p: argparse.ArgumentParser) -> None:
+        p.epilog = _EXIT_CODES
         p.add_argument("--out", metavar="DIR", help="output folder [default: bench/<benchmark>-<timestamp>]")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
         p.add_argument("--device", choices=DEVICES, default="auto",
@@ -72,7 +79,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--warmup", type=int, default=WARMUP,
                           help="untimed steps first (DDP set-up, the guard's warm-up) [default: %(default)s]")
     overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
-    overhead.add_argument("--workload", default="gpt", help="[default: %(default)s]")
+    overhead.add_argument("--workload", default="gpt", metavar="WORKLOAD",
+                          help=f"one of {', '.join(WORKLOADS)} [default: %(default)s]")
     world_size(overhead, 4)
     overhead.add_argument("--batch-size", type=int, default=64,
                           help="global batch size; the monitor's cost per step is fixed, so its share falls as "
@@ -138,7 +146,6 @@ def _refuse_repeats(parser: argparse.ArgumentParser, option: str, names: Sequenc
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Every check before anything is deleted or started."""
-    from paft.workloads import WORKLOADS
 
     for name in ("steps", "world_size", "period", "batch_size"):
         value = getattr(args, name, None)

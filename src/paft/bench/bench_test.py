@@ -259,6 +259,7 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["overhead", "--workload", "bert"], "--workload"),
     (["overhead", "--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
     (["overhead", "--variant", "plain"], "unrecognized arguments: --variant plain"),  # no prefixes
+    (["scaling", "--world-size", "2"], "paft bench scaling: error: unrecognized arguments: --world-size 2"),
     (["detection", "--world-size", "1"], "--world-size: must be >= 2 for detection"),
     (["matrix", "--world-size", "1"], "--world-size: must be >= 2 for matrix"),
     (["scaling", "--world-sizes", "1,2"], "--world-sizes: must all be in [2, 64]"),
