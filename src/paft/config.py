@@ -136,8 +136,10 @@ class ProtectConfig:
     broadcast_src: int = 0
     """Source rank for ``--sync-mode broadcast`` (``--broadcast-src``)."""
     overlap: bool = True
-    """Overlap the sync's communication with the next step's compute (``--no-overlap``
-    makes it blocking)."""
+    """Let a sync land behind the next step's compute (``--no-overlap``: blocking). A sync
+    that finds the replicas split repairs them at once either way, and one that finds
+    them in agreement moves nothing, so both give the same replicas (README: what
+    overlaps) (``--overlap``)."""
     h_min: int = 5
     """Smallest period PAFT-Dyn may choose (``--h-min``)."""
     h_max: int = 400

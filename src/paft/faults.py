@@ -443,8 +443,11 @@ class FaultInjector:
         )
         # (site, target) -> [(step, value)], at most one entry with step < current.
         self._memory: dict[tuple[str, int | str], list[tuple[int, Tensor]]] = {}
-        self._cache_key: tuple[str, int, int] | None = None
-        self._cache: list[FaultEvent] = []
+        # The last (site, step, attempt) asked and its events, as ONE value: the comm hook
+        # asks for local-grad events on the autograd thread and for aggregation events on
+        # gloo's callback thread, and a key and a list written apart could pair one
+        # site's key with the other's events between the two writes.
+        self._cache: tuple[tuple[str, int, int], list[FaultEvent]] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -458,10 +461,12 @@ class FaultInjector:
     def _events(self, site: str, step: int, attempt: int) -> list[FaultEvent]:
         # Called once per bucket: compute a step's events once.
         key = (site, step, attempt)
-        if key != self._cache_key:
-            self._cache = self.schedule.events(step, self.rank, site, attempt)
-            self._cache_key = key
-        return self._cache
+        cache = self._cache
+        if cache is not None and cache[0] == key:
+            return cache[1]
+        events = self.schedule.events(step, self.rank, site, attempt)
+        self._cache = (key, events)
+        return events
 
     def _remember(self, site: str, target: int | str, step: int, tensor: Tensor) -> Tensor | None:
         """Store ``tensor``'s (pre-injection) value for ``step``; return the value of

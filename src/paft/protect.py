@@ -476,7 +476,8 @@ class Protector:
         Two passes: the first records the order, the second runs on the rebuilt layout
         and tells the hook how many buckets it has. RNG and buffers are restored, the
         gradients set to None; nothing is injected or recorded. Without it, the first two steps
-        still inject reproducibly, but only into the buckets the hook knew of then.
+        still inject reproducibly, but only into the buckets the hook knew of then, and a
+        bucket-site ``stale`` fault finds no previous result to replay at steps 1 and 2.
         """
         before = ForwardSnapshot(self._buffers)
         for _ in range(2):

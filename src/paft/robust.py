@@ -5,15 +5,18 @@ merges here return, per coordinate, one of the inputs' own values (never an
 average), so a flipped exponent bit (1e30) or a NaN on one replica is never mixed
 into the result; NaN counts as +inf, so it loses every comparison it can lose.
 
-- :func:`lower_median`: the ``(n-1)//2``-th smallest of ``n`` rows (world size >= 3);
+- :func:`replica_median`: the middle of ``n`` rows (world size >= 3); of the two middle
+  values of an even ``n``, the one of smaller magnitude;
 - :func:`median_of_three`: ``clamp(ref, min(a, b), max(a, b))``, for two replicas and
   the last state both agreed on (world size 2).
 
 Example::
 
     >>> rows = torch.tensor([[1.0, float("nan")], [3.0, 2.0], [1e30, 5.0]])
-    >>> lower_median(rows).tolist()
+    >>> replica_median(rows).tolist()
     [3.0, 5.0]
+    >>> replica_median(torch.tensor([[1.0], [1.0], [-1e30], [-1e30]])).tolist()  # an even split
+    [1.0]
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["lower_median", "median_of_three"]
+__all__ = ["replica_median", "median_of_three"]
 
 # The odd-even transposition network beats torch.kthvalue by ~10x for a handful of
 # replicas (it is a few bandwidth-bound min/max passes); beyond this many replicas
@@ -38,29 +41,45 @@ def _nan_as_inf(x: Tensor) -> Tensor:
     return torch.nan_to_num(x, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
-def lower_median(rows: Tensor, out: Tensor | None = None, nan_free: bool = False) -> Tensor:
-    """Per column, the lower median of the ``n`` rows (the ``(n-1)//2``-th smallest,
-    an actual row's value); NaN counts as +inf. ``rows``: ``[n, m]``, not modified.
-    ``nan_free=True`` skips the NaN pass (the caller knows every replica is finite)."""
+def replica_median(rows: Tensor, out: Tensor | None = None, nan_free: bool = False) -> Tensor:
+    """Per column, the median of the ``n`` rows, always one row's own value; NaN counts
+    as +inf. For odd ``n`` the middle value; for even ``n``, of the two middle values
+    the one of smaller magnitude, so that where the replicas split evenly a flipped
+    exponent that enlarged a value (``-1e30``, ``inf``) loses the tie on either side
+    (the lower middle value alone would take ``-1e30`` from two ranks of four).
+    ``rows``: ``[n, m]``, not modified. ``nan_free=True`` skips the NaN pass (the
+    caller knows every replica is finite)."""
     n = rows.shape[0]
     work = rows if nan_free else _nan_as_inf(rows)
     if n == 1:
         return work[0].clone() if out is None else out.copy_(work[0])
+    lo, hi = _middle(work, owned=work is not rows)
+    if hi is None:
+        return lo if out is None or lo is out else out.copy_(lo)
+    smaller = hi.abs() < lo.abs()
+    return torch.where(smaller, hi, lo) if out is None else torch.where(smaller, hi, lo, out=out)
+
+
+def _middle(work: Tensor, owned: bool) -> tuple[Tensor, Tensor | None]:
+    """The ``(n-1)//2``-th smallest of the rows, and for even ``n`` the ``n//2``-th
+    (``owned``: ``work`` is a copy the sort may scramble)."""
+    n = work.shape[0]
     if n == 2:
-        return torch.minimum(work[0], work[1], out=out)
+        return torch.minimum(work[0], work[1]), torch.maximum(work[0], work[1])
     if n == 3:  # med3 = max(min(a, b), min(max(a, b), c))
         a, b, c = work.unbind(0)
         hi = torch.maximum(a, b)
-        return torch.maximum(torch.minimum(a, b), torch.minimum(hi, c, out=hi), out=out)
-    if n == 4:  # 2nd smallest = min(max(min(a, b), min(c, d)), min(max(a, b), max(c, d)))
+        return torch.maximum(torch.minimum(a, b), torch.minimum(hi, c, out=hi)), None
+    if n == 4:  # the middle two: max(min(a, b), min(c, d)) and min(max(a, b), max(c, d)), in order
         a, b, c, d = work.unbind(0)
-        s1, s2 = torch.minimum(a, b), torch.minimum(c, d)
-        l1, l2 = torch.maximum(a, b), torch.maximum(c, d)
-        return torch.minimum(torch.maximum(s1, s2, out=s1), torch.minimum(l1, l2, out=l1), out=out)
+        x = torch.maximum(torch.minimum(a, b), torch.minimum(c, d))
+        y = torch.minimum(torch.maximum(a, b), torch.maximum(c, d))
+        return torch.minimum(x, y), torch.maximum(x, y)
+    k = (n - 1) // 2
     if n > _NETWORK_MAX_REPLICAS:
-        v = torch.kthvalue(work, (n - 1) // 2 + 1, dim=0).values
-        return v if out is None else out.copy_(v)
-    r = list((work.clone() if work is rows else work).unbind(0))
+        lo = torch.kthvalue(work, k + 1, dim=0).values
+        return lo, (torch.kthvalue(work, k + 2, dim=0).values if n % 2 == 0 else None)
+    r = list((work if owned else work.clone()).unbind(0))
     spare = torch.empty_like(r[0])
     # Odd-even transposition sort: n passes sort n rows; 2 kernels per compare-exchange.
     for p in range(n):
@@ -68,8 +87,7 @@ def lower_median(rows: Tensor, out: Tensor | None = None, nan_free: bool = False
             lo = torch.minimum(r[i], r[i + 1], out=spare)
             torch.maximum(r[i], r[i + 1], out=r[i + 1])
             spare, r[i] = r[i], lo
-    m = r[(n - 1) // 2]
-    return m if out is None else out.copy_(m)
+    return r[k], (r[k + 1] if n % 2 == 0 else None)
 
 
 def median_of_three(

@@ -9,23 +9,37 @@ import pytest
 import torch
 
 from paft import robust
-from paft.robust import lower_median, median_of_three
+from paft.robust import median_of_three, replica_median
 
 
-def test_lower_median_matches_sort_and_nan_loses():
+def test_replica_median_matches_sort_and_nan_loses():
     torch.manual_seed(0)
-    for n in (2, 3, 4, 5, 8, 17):
+    for n in (2, 3, 4, 5, 6, 8, 17, 18):
         rows = torch.randn(n, 1000)
         rows[0, :10] = math.nan
         rows[-1, 10:20] = -math.inf
-        expected = torch.sort(torch.where(rows.isnan(), math.inf, rows), dim=0).values[(n - 1) // 2]
-        got = lower_median(rows)
-        assert torch.equal(got, expected), n
+        ranked = torch.sort(torch.where(rows.isnan(), math.inf, rows), dim=0).values
+        lo = ranked[(n - 1) // 2]
+        hi = ranked[n // 2]  # == lo for odd n
+        expected = torch.where(hi.abs() < lo.abs(), hi, lo)
+        before = rows.clone()
+        assert torch.equal(replica_median(rows), expected), n
+        out = torch.empty(1000)
+        assert replica_median(rows, out=out) is out and torch.equal(out, expected), n
+        assert torch.equal(rows.nan_to_num(7.0), before.nan_to_num(7.0)), n  # the input is not sorted in place
     # one outlier on either side never wins for 3+ replicas; the result is a replica value
     rows = torch.tensor([[1.0, 1e30, math.nan], [2.0, 2.0, 2.0], [3.0, 3.0, 3.0]])
-    assert lower_median(rows).tolist() == [2.0, 3.0, 3.0]
+    assert replica_median(rows).tolist() == [2.0, 3.0, 3.0]
     ints = torch.tensor([[5, 1], [7, 9], [6, 3]])
-    assert lower_median(ints).tolist() == [6, 3]
+    assert replica_median(ints).tolist() == [6, 3]
+
+
+def test_an_even_split_keeps_the_value_a_flipped_exponent_did_not_enlarge() -> None:
+    """2 ranks of 4 holding -1e30 took the coordinate: the lower middle value is theirs."""
+    for bad in (-1e30, 1e30, math.inf, -math.inf, math.nan):
+        rows = torch.tensor([[0.5], [0.5], [bad], [bad]])
+        assert replica_median(rows).tolist() == [0.5], bad
+        assert replica_median(rows.flip(0)).tolist() == [0.5], bad
 
 
 def test_median_of_three_is_clamp_of_reference():

@@ -44,12 +44,15 @@ itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alik
     Exact repair; majority ranks keep their bits;
   - exactly one finite replica (``"finite-copy"``): copy it, in the same way;
   - no (finite) majority, world size >= 3 (``"median"``): all-gather and take, per
-    coordinate, the LOWER median of the replicas' values. It is always one
-    replica's value (never an average, so a flipped exponent cannot leak into it)
-    and any minority of outliers on either side loses. NaN counts as +inf per
-    coordinate, so a replica holding NaN/Inf somewhere still votes everywhere else;
-    where too many values of a coordinate are non-finite for its median to be
-    finite, the median of the finite replicas is taken;
+    coordinate, the median of the replicas' values (:func:`~paft.robust.replica_median`).
+    It is always one replica's value (never an average, so a flipped exponent cannot
+    leak into it) and any minority of outliers on either side loses; where the
+    replicas split evenly (2 against 2), the middle value of smaller magnitude wins.
+    NaN counts as +inf per coordinate, so a replica holding NaN/Inf somewhere still
+    votes everywhere else; where too many values of a coordinate are non-finite for
+    its median to be finite, the median of the finite replicas is taken, or, when
+    every replica holds NaN/Inf somewhere, the median of that coordinate's finite
+    values (the report's note says so);
   - world size 2 (``"median-with-reference"``): two replicas never form a majority,
     and a plain mean would spread a flipped exponent (1e30 / 2) to both. A third
     opinion breaks the tie: the REFERENCE, the state at the last completed sync
@@ -144,7 +147,7 @@ from paft.flat import (
     wide_dtype,
 )
 from paft.records import jsonable
-from paft.robust import lower_median, median_of_three
+from paft.robust import median_of_three, replica_median
 from paft.sync_plan import COPY_MODES, SyncPlan, as_ddp_would, plan_sync
 
 __all__ = [
@@ -189,6 +192,8 @@ class SyncReport:
     wall_seconds: float = 0.0
     """From the start of the sync to the end of its application."""
     overlapped: bool = False
+    """A transfer of parameters or optimizer state ran behind the caller's next step
+    (an overlapped sync whose replicas agreed moved nothing: False)."""
     delta_tensors: int = 0
     """Tensors to which the correction ``synced + (w - snapshot)`` was applied because
     they changed during an overlapped sync (0: plain copies)."""
@@ -681,7 +686,7 @@ class ReplicaSync:
             divergence=max(done.divergence, buffers.divergence),
             collectives=p.control_collectives + done.collectives + buffers.collectives,
             wall_seconds=t2 - p.t0,
-            overlapped=p.state.overlapped,
+            overlapped=p.state.overlapped and p.state.decision.mode != "noop",  # a transfer was in flight
             delta_tensors=done.delta_tensors,
             note=note,
         )
@@ -714,9 +719,9 @@ class ReplicaSync:
                     if ref is not None:
                         median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
                     else:
-                        merged = lower_median(rows, out=out_flat[a:b], nan_free=nan_free)
-                        if not nan_free and good:
-                            self._finite_where_outvoted(merged, rows[good])
+                        merged = replica_median(rows, out=out_flat[a:b], nan_free=nan_free)
+                        if not nan_free:
+                            self._finite_where_outvoted(merged, rows, good)
                     if not (measure and g.floating):
                         continue
                     for lo, hi in ranges_in(g.param_ranges, a, b):
@@ -775,15 +780,25 @@ class ReplicaSync:
         return _Done(d, divergence, bytes_sent, collectives, delta_tensors)
 
     @staticmethod
-    def _finite_where_outvoted(merged: Tensor, finite_rows: Tensor) -> None:
+    def _finite_where_outvoted(merged: Tensor, rows: Tensor, good: list[int]) -> None:
         """Per coordinate NaN counts as +inf in the median, so a replica holding NaN or
         Inf somewhere still votes everywhere else (dropping it whole left two replicas
         with three ranks, whose lower median is their minimum: a -1e30 on the other
         won). Where so many values are non-finite that the median is too, take the
-        median of the finite replicas instead: nothing non-finite spreads."""
+        median of the finite (``good``) replicas instead; with none, the median of the
+        coordinate's finite values (a coordinate non-finite on every replica, a mask's
+        -inf, stays): nothing non-finite spreads."""
         bad = ~torch.isfinite(merged)
-        if bool(bad.any()):
-            merged[bad] = lower_median(finite_rows[:, bad], nan_free=True)
+        if not bool(bad.any()):
+            return
+        if good:
+            merged[bad] = replica_median(rows[good][:, bad], nan_free=True)
+            return
+        cols = rows[:, bad]
+        finite = torch.isfinite(cols)
+        # torch's nanmedian is the lower median of the non-NaN values: a finite one.
+        values = torch.where(finite, cols, math.nan).nanmedian(dim=0).values
+        merged[bad] = torch.where(finite.any(dim=0), values, merged[bad])
 
     def _apply(self, p: _InFlight, synced: list[Tensor | None], state_changed: bool | None) -> int:
         d, layout = p.decision, p.layout

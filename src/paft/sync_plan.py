@@ -22,7 +22,7 @@ out. The rules, in order:
    - else, where a reference is kept (world size 2, see :mod:`paft.sync`):
      ``median-with-reference``, the per-coordinate median of both replicas and the
      last agreed state (a zero state when the ranks' references disagree);
-   - else ``median``: the per-coordinate lower median of all replicas, in which a
+   - else ``median``: the per-coordinate median of all replicas, in which a
      replica holding NaN/Inf still votes where it is finite.
 
 :func:`as_ddp_would` adjusts robust mode's
@@ -154,6 +154,8 @@ def plan_sync(
                         reference_ok=reference_ok, note=note.rstrip("; "))
     if 0 < len(good) < ws:
         note += f"non-finite ranks {[r for r in everyone if r not in good]} outvoted where non-finite"
+    elif not good:
+        note += "every rank holds NaN/Inf; where the median is non-finite, the finite values' median"
     return SyncPlan("median", groups, everyone, finite, note=note.rstrip("; "))
 
 

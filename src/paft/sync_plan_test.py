@@ -43,7 +43,8 @@ def test_robust_never_copies_a_non_finite_majority() -> None:
     assert plan.note == "majority is non-finite; non-finite ranks [0, 1, 2] outvoted where non-finite"
     # None finite at all: a median of everything, and the note says why not a copy.
     plan = plan_sync("robust", [7, 7, 9], [False] * 3)
-    assert (plan.mode, plan.note) == ("median", "majority is non-finite")
+    assert (plan.mode, plan.note) == ("median", "majority is non-finite; every rank holds NaN/Inf; where the "
+                                                "median is non-finite, the finite values' median")
 
 
 def test_robust_takes_the_median_without_a_strict_majority() -> None:

@@ -441,6 +441,20 @@ def test_buffers_sync_apart_from_parameters_and_optimizer_state():
         assert torch.equal(got, sound), n
 
 
+def test_a_median_where_every_replica_holds_nan_somewhere_spreads_none() -> None:
+    """No replica entirely finite: a coordinate NaN on 2 of 3 ranks kept the median's +inf
+    and copied it onto the rank that was finite there."""
+    from paft.robust import replica_median
+
+    rows = torch.tensor([[math.nan, 1.0, 2.0, -math.inf],
+                         [0.0, math.nan, 7.0, -math.inf],
+                         [0.0, math.nan, 2.0, -math.inf]])
+    merged = replica_median(rows)
+    ReplicaSync._finite_where_outvoted(merged, rows, good=[])
+    # The finite value where one rank had one; a -inf every replica holds (a mask) stays.
+    assert merged.tolist() == [0.0, 1.0, 2.0, -math.inf]
+
+
 def _w_nested(rank: int, ws: int) -> dict:
     model = _model("mlp")
     opt = NestedStateSGD(model.parameters())
@@ -509,14 +523,15 @@ def _rel_to_mean(states: list[list[torch.Tensor]]) -> list[float]:
 
 def test_four_ranks_split_broadcast_buckets_and_divergence():
     res = run_workers(_w_four, 4)
-    # 2-2 split: no strict majority -> lower median == the smaller of the two values
+    # 2-2 split: no strict majority -> of the two values, the one of smaller magnitude
     _assert_replicas_identical([r["split"] for r in res])
     for r in res:
         rep = r["split"]["report"]
         assert rep.mode == "median" and rep.groups == [[0, 1], [2, 3]] and rep.collectives > 10
         assert 0 < rep.divergence < 1
     for (n, got), (_, x), (_, y) in zip(res[0]["split"]["state"], res[0]["split_pre"], res[2]["split_pre"]):
-        assert torch.equal(got, torch.minimum(x, y)), n
+        lo, hi = torch.minimum(x, y), torch.maximum(x, y)
+        assert torch.equal(got, torch.where(hi.abs() < lo.abs(), hi, lo)), n
     # divergence from the gathered buckets: X, X, Y, Y -> ||X - Y|| / ||X + Y|| over params
     x, y = ([t.double().reshape(-1) for n, t in res[i]["split_pre"] if n.startswith("param/")] for i in (0, 2))
     x, y = torch.cat(x), torch.cat(y)
@@ -700,7 +715,8 @@ def _w_two_edges(rank: int, ws: int) -> dict:
     sync = ReplicaSync(model, opt)
     sync.start()
     _train(model, opt, "mlp", steps=1, seed=rank)  # rank-dependent progress in the window
-    out["noop_mode"] = sync.finish().mode
+    done = sync.finish()
+    out["noop_mode"] = (done.mode, done.overlapped)  # nothing moved behind the step: not "overlapped"
     rep = sync.sync()
     out["after_noop"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
 
@@ -742,7 +758,7 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     _assert_same(res[1]["finite_copy"]["state"], res[0]["healthy"])  # exactly rank 0's bits
     assert res[1]["finite_copy"]["report"].mode == "finite-copy"
     assert res[1]["finite_copy"]["report"].note == "non-finite ranks [1] excluded"
-    assert [r["noop_mode"] for r in res] == ["noop", "noop"]
+    assert [r["noop_mode"] for r in res] == [("noop", False), ("noop", False)]
     _assert_replicas_identical([r["after_noop"] for r in res])
     assert res[0]["after_noop"]["report"].mode == "median-with-reference"
     assert res[0]["flag_bytes"] == [1, 0] and res[1]["flag_bytes"] == [1, 0]  # never 2
