@@ -338,8 +338,6 @@ class FaultSpec:
                 text = "+".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in v)
             elif f.name == "ranks" and v != "random":
                 text = "+".join(map(str, v))
-            elif isinstance(v, float):
-                text = repr(v)
             else:
                 text = _fmt(v)
             parts.append(f"{f.name}={text}")

@@ -856,7 +856,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "bits beyond one dtype, at rest": "",
         "bits beyond one dtype, in a bucket": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': field 'bits' "
                                               "must be < 32 for float32",
-        "random beyond float16": "ValueError: protect(): inject 'random:steps=1,value=1000000.0': field 'value' "
+        "random beyond float16": "ValueError: protect(): inject 'random:steps=1,value=1000000': field 'value' "
                                  "must be <= 65504 for float16",
         "broadcast rank": "ValueError: protect(): ProtectConfig.broadcast_src must be a rank in [0, 2), got 2",
         "broadcast rank corrected": "",
