@@ -9,12 +9,18 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.paft-installed
+# The torch build installed, rewritten only when TORCH_SPEC changes: the set-up reruns then.
+SPEC := $(VENV)/.torch-spec
 
-.PHONY: setup train lint test clean
+.PHONY: setup train lint test clean FORCE
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(SPEC): FORCE
+	@mkdir -p $(VENV)
+	@test "$$(cat $@ 2>/dev/null)" = '$(TORCH_SPEC)' || echo '$(TORCH_SPEC)' > $@
+
+$(STAMP): pyproject.toml $(SPEC)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	$(BIN)/python -m pip install -q -e '.[dev]'

@@ -124,8 +124,9 @@ def test_bad_config_file_exits_2(
 
 
 @pytest.mark.parametrize("name,needle", [
-    ("summary.json", "already exists; pass --resume to continue it or --overwrite"),
+    ("summary.json", "holds no config.json of paft's, so it is not a paft run; pick another --run-dir"),
     ("config.json", "stopped before its first checkpoint; pass --overwrite"),  # nothing to resume
+    ("checkpoints/latest", "already exists; pass --resume to continue it or --overwrite to replace it"),
 ])
 def test_existing_run_dir_is_never_overwritten(
     name: str, needle: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
@@ -134,6 +135,9 @@ def test_existing_run_dir_is_never_overwritten(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
     text = json.dumps(TrainConfig().to_dict())  # a run's own config.json (a user's is no run: see below)
+    if name == "checkpoints/latest":  # a run with a checkpoint
+        (tmp_path / "out" / "config.json").write_text(text)
+        (tmp_path / "out" / "checkpoints").mkdir()
     (tmp_path / "out" / name).write_text(text)
     with pytest.raises(SystemExit) as exc:
         main(["train", "--run-dir", "out"])
@@ -181,15 +185,19 @@ def test_overwrite_deletes_only_paft_output(
         (["train", "--run-dir", "mine", "--overwrite"], "--overwrite: mine holds no config.json of paft's"),
         # The folder a run's files land in: "new/../mine" is mine (it used to be taken for a
         # new folder, and new/ was left behind).
-        (["train", "--run-dir", "new/../mine"], f"--run-dir: {tmp_path / 'mine'} already exists; pass --resume"),
-        (["train", "--run-dir", "~/mine"], f"--run-dir: {tmp_path / 'mine'} already exists; pass --resume"),
+        (["train", "--run-dir", "new/../mine"],
+         f"--run-dir: {tmp_path / 'mine'} holds no config.json of paft's, so it is not a paft run; pick another"),
+        (["train", "--run-dir", "~/mine"], f"--run-dir: {tmp_path / 'mine'} holds no config.json of paft's"),
         (["bench", "overhead", "--out", ""], "--out: must not be empty"),
         # nothing to resume, said as it is (a file was told to pass --overwrite, which refused it)
         (["train", "--run-dir", "afile", "--resume"], "--resume: afile is not a directory, let alone a run's"),
         (["train", "--run-dir", "mine", "--resume"], "--resume: mine holds no paft run"),
         (["train", "--run-dir", "nothere", "--resume"], "--resume: nothere does not exist"),
         (["train", "--run-dir", "dangling"], "--run-dir: dangling is a symbolic link to nothing (nowhere)"),
-        (["train", "--run-dir", "mine"], "--run-dir: mine already exists; pass --resume"),
+        # Not told to pass --resume or --overwrite, which would both be refused.
+        (["train", "--run-dir", "mine"], "--run-dir: mine holds no config.json of paft's"),
+        (["bench", "overhead", "--out", "mine"], "--out: mine holds no .paft-bench of paft's, so it is not paft's "
+                                                 "output; pick another"),
         (["bench", "overhead", "--out", "mine", "--overwrite"], "--overwrite: mine holds no .paft-bench of paft's"),
         (["train", "--run-dir", "afile/run"], "--run-dir: cannot create afile/run: afile is not a directory"),
     ]:

@@ -132,11 +132,12 @@ def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwr
         if not path.is_dir():
             return f"{option}: {path} exists and is not a directory"
         if any(path.iterdir()):
+            if not any(ours(path / name) for name, ours in markers.items()):  # then --overwrite would not help
+                said, what = ("--overwrite", "refusing to delete it") if overwrite else (option, "pick another")
+                return (f"{said}: {path} holds no {' or '.join(markers)} of paft's, so it is not paft's "
+                        f"output; {what}")
             if not overwrite:
                 return f"{option}: {path} already exists; pass --overwrite to replace it"
-            if not any(ours(path / name) for name, ours in markers.items()):
-                return (f"--overwrite: {path} holds no {' or '.join(markers)} of paft's, so it is not paft's "
-                        "output; refusing to delete it")
         return None if os.access(path, os.W_OK) else f"{option}: {path} is not writable"
     parent = path.parent
     while not parent.exists() and parent != parent.parent:

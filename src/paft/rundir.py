@@ -103,7 +103,10 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         if in_use(path):  # before its first checkpoint a run in progress looks stopped
             raise RunDirError(f"--run-dir: {path} is in use by another paft train (a run in progress); "
                               "wait for it to end or pick another --run-dir")
-        if _is_run_config(path / "config.json") and not has_checkpoint(path):
+        if not _is_run_config(path / "config.json"):  # --resume and --overwrite would be refused too
+            raise RunDirError(f"--run-dir: {path} holds no config.json of paft's, so it is not a paft run; "
+                              "pick another --run-dir")
+        if not has_checkpoint(path):
             raise RunDirError(f"--run-dir: {path} holds a run that stopped before its first checkpoint; "
                               "pass --overwrite to start it again")
         raise RunDirError(

@@ -306,12 +306,13 @@ def test_existing_out_without_overwrite_exits_2_and_keeps_it(benchmark: str, tmp
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     out.mkdir()
+    (out / ".paft-bench").write_text("")  # an earlier benchmark's output
     (out / "keep.txt").write_text("earlier results")
     with pytest.raises(SystemExit) as exc:
         main(["bench", benchmark, "--steps", "5", "--out", str(out)])
     assert exc.value.code == 2
     assert f"--out: {out} already exists; pass --overwrite" in capsys.readouterr().err
-    assert [p.name for p in tmp_path.rglob("*")] == ["out", "keep.txt"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [".paft-bench", "keep.txt", "out"]
     assert (out / "keep.txt").read_text() == "earlier results"
 
 

@@ -52,6 +52,7 @@ from paft.faultspec import BIT_CLASSES
 from paft.records import console, read_jsonl
 
 __all__ = [
+    "bit_label",
     "SITES",
     "BIT_TARGETS",
     "MODEL",

@@ -47,7 +47,7 @@ from paft.bench.runner import (
 from paft.config import TrainConfig
 from paft.records import console, read_jsonl
 
-__all__ = ["SCENARIOS", "fault_settings", "plan", "run", "BENCH_MODELS"]
+__all__ = ["SCENARIOS", "fault_settings", "plan", "run", "summarize", "BENCH_MODELS"]
 
 REFERENCE = "fault-free"
 

@@ -9,6 +9,7 @@ throughput ratios.
 
 Example::
 
+    base, out = TrainConfig(steps=50).to_dict(), pathlib.Path("bench/demo")  # 4 workers
     runs = [Run("ref", make_config(base, out / "ref")),
             Run("dyn", make_config(base, out / "dyn", protect={"mode": "dyn"}))]
     run_all(runs, world_size=4)
