@@ -288,6 +288,8 @@ def test_paft_train_end_to_end_with_config_file(
     for extra, needle in [
         ([], "--resume: r has trained 40 steps already (--steps 40); pass --steps above 40"),
         (["--steps", "50", "--world-size", "4"], "--resume: cannot change --world-size (2 in r, 4 asked)"),
+        # Not "--batch-size: 16 cannot be split evenly across --world-size 3": the world size is the change.
+        (["--steps", "50", "--world-size", "3"], "--resume: cannot change --world-size (2 in r, 3 asked)"),
         (["--steps", "50", "--optimizer", "sgd"], "--resume: cannot change --optimizer ('adamw' in r, 'sgd' asked)"),
         (["--steps", "50", "--model", "n_embd=64"], "--resume: cannot change --model"),
         # The checkpoint's RNG state would undo the per-rank seeding.
@@ -312,6 +314,12 @@ def test_paft_train_end_to_end_with_config_file(
         (tmp_path / "r" / "config.json", b"[]", "--resume: r/config.json must hold a mapping"),
         (tmp_path / "r" / "config.json", b'{"guard": {"window": "big"}}', "r/config.json: guard.window: expected int"),
         (tmp_path / "r" / "evals.jsonl", b'{"step": 0}\n{"st\n{"step": 40}\n', "r/evals.jsonl: line 2 is not JSON"),
+        # A hand-edited config.json: the checkpoint holds the options it was trained with
+        # (an edited seed went on silently, an edited optimizer failed in a worker).
+        (tmp_path / "r" / "config.json", json.dumps({**config, "seed": 5}).encode(),
+         "--resume: cannot change --seed (0 in its checkpoint step0000040, 5 asked)"),
+        (tmp_path / "r" / "config.json", json.dumps({**config, "optimizer": "sgd"}).encode(),
+         "--resume: cannot change --optimizer ('adamw' in its checkpoint step0000040, 'sgd' asked)"),
     ]
     for path, data, needle in damage:
         path.write_bytes(data)
@@ -788,6 +796,38 @@ def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathli
     monkeypatch.setattr(launcher, "_run_workers", workers)
     assert launcher.launch(TrainConfig(run_dir="d", steps=1)) == 0
     assert pathlib.Path("d/config.json").is_file()
+
+
+def test_overwrite_of_an_empty_folder_leaves_it_empty_when_the_run_stops(tmp_path: pathlib.Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """--overwrite set an empty folder aside with the lock just taken in it and moved it
+    back so: paft then refused the folder ("already exists", and --overwrite "not paft's")."""
+    from paft import launch as launcher
+
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("empty").mkdir()
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: 1)  # stops before its first step
+    assert launcher.launch(TrainConfig(run_dir="empty", steps=1, overwrite=True)) == 1
+    assert list(pathlib.Path("empty").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # nothing set aside either
+
+
+@pytest.mark.parametrize("code", [1, 3])  # a worker failed; the guard stopped the run (persistent fault)
+def test_a_resume_that_stops_before_its_next_checkpoint_keeps_config_json(
+        code: int, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 3 counted as a finished run: the new options stayed in config.json, and a later
+    --resume went on from the old checkpoint with options it was never trained with."""
+    from paft.launch import claim_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000024")
+    old = json.dumps(TrainConfig(steps=24).to_dict())
+    (tmp_path / "r" / "config.json").write_text(old)
+    with claim_run_dir(TrainConfig(run_dir="r", steps=40, resume=True)) as outcome:
+        assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 40
+        outcome["code"] = code
+    assert (tmp_path / "r" / "config.json").read_text() == old
 
 
 def test_a_usage_error_is_one_line_and_a_pointer_to_help(capsys: pytest.CaptureFixture[str]) -> None:

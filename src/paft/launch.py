@@ -110,7 +110,10 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
         made = [] if existed else [d for d in (run_dir, *run_dir.parents) if not d.exists()]
         if existed:
             locks.enter_context(_lock(run_dir))
-        replaced = set_aside(run_dir) if cfg.overwrite else None
+        # An empty folder (but for the lock just taken) holds nothing to set aside: --overwrite
+        # runs in it as a new run does (set aside, it came back with the lock in it).
+        holds = existed and any(p.name != LOCK_FILE for p in run_dir.iterdir())
+        replaced = set_aside(run_dir) if cfg.overwrite and holds else None
         if replaced is not None or not existed:
             try:
                 _create(run_dir)
@@ -119,7 +122,7 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
                 if replaced is not None:
                     settle(replaced, run_dir, keep_new=False, prog=prog)
                 raise
-        elif not cfg.resume and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        elif not cfg.resume and holds:
             # An empty folder taken for a new run: another start filled it since the check.
             raise RunDirError(f"--run-dir: {run_dir} was just filled by another paft train; pick another --run-dir")
         saved = (run_dir / "config.json").read_bytes() if cfg.resume else b""  # resume checked it
@@ -130,8 +133,9 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
         finally:
             ended = outcome["code"] in (0, EXIT_PERSISTENT_FAULT)
             if cfg.resume:
-                # The options belong with the checkpoint: a resume goes on from there.
-                if not ended and _latest(run_dir) == latest:
+                # The options belong with the checkpoint: a resume goes on from there (also
+                # after the guard stopped it, exit 3: a later --resume goes on from the last).
+                if outcome["code"] != 0 and _latest(run_dir) == latest:
                     atomic_write_bytes(run_dir / "config.json", saved)
                     print(f"{prog}: the resumed run stopped before a checkpoint: {run_dir}/config.json keeps "
                           "the options of its last one", file=sys.stderr)
@@ -382,8 +386,6 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     The world size is torchrun's (``WORLD_SIZE``) unless ``--world-size`` or a config
     file sets it; a value that differs from the processes torchrun started is refused
     (exit 2), since the per-rank batch and the fault ranks are derived from it."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from paft.options import parse_train_config
 
     prog = "python -m paft.train"

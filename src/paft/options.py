@@ -362,6 +362,12 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
     # The folder the run will use: "~" expanded, ".." resolved (as launch() does).
     if resume and run_dir and is_file(pathlib.Path(resolve_run_dir(run_dir)) / "config.json"):
         saved = _saved_values(resolve_run_dir(run_dir))
+        # Said before the config is built, whose checks would blame what the world size
+        # splits (--batch-size, an --inject rank) instead.
+        asked = given.get("world-size", from_file.get("world-size", saved.get("world-size")))
+        if "world-size" in saved and asked != saved["world-size"]:
+            raise ValueError(f"--resume: cannot change --world-size ({saved['world-size']} in "
+                             f"{resolve_run_dir(run_dir)}, {asked} asked); start a new run")
         _merge(values, saved)
         source.update(dict.fromkeys(saved, f"--resume: {pathlib.Path(resolve_run_dir(run_dir)) / 'config.json'}"))
     _merge(values, from_file)

@@ -136,9 +136,15 @@ def stale_checkpoints(folders: list[pathlib.Path], latest: str) -> list[pathlib.
     ``_KEEP_CHECKPOINTS`` up to it, and every one past it. Those are from a timeline a
     resume fell back from (``latest`` was damaged): kept, a damaged newer folder would
     outlive the good ones, each new checkpoint deleting the one before."""
-    # Zero-padded step numbers: names sort as the steps do.
-    upto = sorted(f for f in folders if f.name <= latest)
-    return upto[:-_KEEP_CHECKPOINTS] + sorted(f for f in folders if f.name > latest)
+    # By step number: names are padded to 7 digits, and past 9999999 they grow longer.
+    upto = sorted((f for f in folders if _step_of(f.name) <= _step_of(latest)), key=lambda f: _step_of(f.name))
+    later = sorted((f for f in folders if _step_of(f.name) > _step_of(latest)), key=lambda f: _step_of(f.name))
+    return upto[:-_KEEP_CHECKPOINTS] + later
+
+
+def _step_of(name: str) -> int:
+    """The step of a checkpoint folder's name (``step0000040`` -> 40); -1 for another name."""
+    return int(name[4:]) if _CHECKPOINT_NAME.fullmatch(name) else -1
 
 
 def has_checkpoint(run_dir: pathlib.Path) -> bool:
@@ -182,21 +188,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
         saved = TrainConfig.from_dict(json.loads((path / "config.json").read_text(encoding="utf-8"))).to_dict()
     except (OSError, ValueError, TypeError, AttributeError) as err:
         raise RunDirError(f"--resume: cannot read {path / 'config.json'}: {err}") from None
-    asked = cfg.to_dict()
-    # Compare what takes effect: model fields at their defaults, no sync mode without a sync.
-    for d in (saved, asked):
-        d["model"] = dataclasses.asdict(model_config(d["workload"], d["model"]))
-        if d["protect"]["mode"] not in ("sync", "dyn"):
-            d["protect"]["sync_mode"] = None
-    for key, flag in _FIXED_ON_RESUME:
-        was, now = saved, asked
-        for part in key.split("."):
-            was, now = was[part], now[part]
-        if was != now:
-            if isinstance(was, dict):  # name only the fields that differ
-                keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
-                was, now = ({k: d.get(k) for k in keys} for d in (was, now))
-            raise RunDirError(f"--resume: cannot change {flag} ({was!r} in {path}, {now!r} asked); start a new run")
+    _check_fixed(saved, cfg.to_dict(), str(path))
     # The logs the resume reads back and cuts at the checkpoint's step.
     logs = [path / n for n in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")]
     for log in [*logs, *sorted((path / "metrics").glob("rank*.jsonl"))]:
@@ -216,6 +208,16 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     else:
         raise RunDirError(f"--resume: no checkpoint in {root} has an intact file for every rank "
                           f"({names[0]}: rank(s) {damaged[names[0]]} missing or damaged)")
+    # The checkpoint's own options (config.json is a user's to edit, by hand or by a
+    # resume's options): a changed seed went on silently, a changed optimizer failed in
+    # a worker. Checkpoints written before they held it have only config.json's word.
+    held = load_checkpoint_file(root / name / "rank0.pt", mmap=True).get("config")
+    if isinstance(held, dict):
+        try:
+            trained = TrainConfig.from_dict(held).to_dict()
+        except (ValueError, TypeError, AttributeError) as err:
+            raise RunDirError(f"--resume: {root / name / 'rank0.pt'} holds unreadable options: {err}") from None
+        _check_fixed(trained, cfg.to_dict(), f"its checkpoint {name}")
     done = int(name.removeprefix("step"))
     # A run stopped after its final checkpoint but before summary.json only lacks the
     # summary: resuming it at the same --steps writes it (Trainer.train trains nothing).
@@ -224,6 +226,24 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
             f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
             f"pass --steps above {done} to train on"
         )
+
+
+def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str) -> None:
+    """Refuse a resume that changes an option of :data:`_FIXED_ON_RESUME` (config dicts)."""
+    # Compare what takes effect: model fields at their defaults, no sync mode without a sync.
+    for d in (saved, asked):
+        d["model"] = dataclasses.asdict(model_config(d["workload"], d["model"]))
+        if d["protect"]["mode"] not in ("sync", "dyn"):
+            d["protect"]["sync_mode"] = None
+    for key, flag in _FIXED_ON_RESUME:
+        was, now = saved, asked
+        for part in key.split("."):
+            was, now = was[part], now[part]
+        if was != now:
+            if isinstance(was, dict):  # name only the fields that differ
+                keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+                was, now = ({k: d.get(k) for k in keys} for d in (was, now))
+            raise RunDirError(f"--resume: cannot change {flag} ({was!r} in {where}, {now!r} asked); start a new run")
 
 
 def _summary_steps(path: pathlib.Path) -> int | None:
@@ -248,8 +268,8 @@ def checkpoint_candidates(root: pathlib.Path) -> list[str]:
         raise RunDirError(f"--resume: cannot read {root / 'latest'}: {err}") from None
     if not _CHECKPOINT_NAME.fullmatch(latest):
         raise RunDirError(f"--resume: {root / 'latest'} names {latest[:40]!r}, not a checkpoint folder (stepNNNNNNN)")
-    older = (p.name for p in root.glob("step*") if _CHECKPOINT_NAME.fullmatch(p.name) and p.name < latest)
-    return [latest, *sorted(older, reverse=True)]
+    older = (p.name for p in root.glob("step*") if 0 <= _step_of(p.name) < _step_of(latest))
+    return [latest, *sorted(older, key=_step_of, reverse=True)]
 
 
 _CHECKPOINT_KEYS = frozenset({"step", "model", "optimizer", "scheduler", "sampler", "protector", "rng_cpu"})
@@ -273,7 +293,7 @@ def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, An
     if bad is not None:
         raise ValueError(f"{path} is damaged ({bad} does not match its CRC-32)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - whatever torch.load finds wrong
         raise ValueError(f"{path}: {type(err).__name__}: {err}") from None
     if not isinstance(state, dict) or not _CHECKPOINT_KEYS <= state.keys():

@@ -268,6 +268,9 @@ class Trainer:
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "train_seconds": self.train_seconds,
             "timed": list(self._timed),
+            # What a resume must not change is checked against this, not config.json alone,
+            # which a user may edit (and a resume rewrites).
+            "config": self.cfg.to_dict(),
         }
         buf = io.BytesIO()
         torch.save(state, buf)

@@ -122,8 +122,27 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
         return sorted(lines, key=lambda f: json.dumps(f, sort_keys=True))
 
     assert faults("a") == faults("b") and bool(faults("a")) == bool(opts.get("inject"))  # they fired
+    # The run's other records too, step for step (a sync's timings aside; floats to 1e-6:
+    # local gradient norms may differ in their last bits, as above).
+    def records(run: str, name: str) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if k not in ("seconds", "wall_seconds")}
+                for r in read_jsonl(tmp_path / run / name)]
+
+    for name in ("consistency.jsonl", "evals.jsonl", "events.jsonl"):
+        assert _close(records("b", name), records("a", name)), name
     if case == "two-buckets":
         assert {f["target"] for f in faults("a")} == {0, 1}
+
+
+def _close(a: Any, b: Any) -> bool:
+    """``a == b``, floats (nested in lists and dicts too) within 1e-6 relative."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-6, abs=0, nan_ok=True)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return bool(a == b)
 
 
 def test_resume_takes_the_new_learning_rate_weight_decay_and_length(tmp_path: pathlib.Path) -> None:
@@ -163,6 +182,10 @@ def test_checkpoints_past_the_latest_are_pruned() -> None:
     folders = [pathlib.Path("ckpt", f"step{s:07d}") for s in (200, 220, 240, 250)]
     assert [f.name for f in stale_checkpoints(folders, "step0000240")] == ["step0000200", "step0000250"]
     assert [f.name for f in stale_checkpoints(folders[:2], "step0000220")] == []
+    # Past step 9999999 the names grow an eighth digit: by name, step10000000 sorted before
+    # step9999990, and the first checkpoint there deleted the good ones before it.
+    folders = [pathlib.Path("ckpt", f"step{s:07d}") for s in (9_999_980, 9_999_990, 10_000_000)]
+    assert [f.name for f in stale_checkpoints(folders, "step10000000")] == ["step9999980"]
 
 
 def test_resume_of_a_run_stopped_before_its_summary_writes_only_the_summary(tmp_path: pathlib.Path) -> None:
