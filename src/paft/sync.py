@@ -552,7 +552,8 @@ class ReplicaSync:
                 strict = self.mode == "mean" and part is state
                 finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
             decisions.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._keeps_reference,
-                                       reference_ok=self._ref is not None and len(set(tags)) == 1))
+                                       reference_ok=self._ref is not None and len(set(tags)) == 1,
+                                       per_coordinate=part is buffers))
         state_d, buffers_d = decisions
         if self._buffer_src is not None:
             buffers_d = as_ddp_would(buffers_d, state_d, self._buffer_src)

@@ -103,13 +103,19 @@ def plan_sync(
     src: int = 0,
     with_reference: bool = False,
     reference_ok: bool = True,
+    per_coordinate: bool = False,
 ) -> SyncPlan:
     """Decide one sync from every rank's fingerprint and finite flag (index = rank).
 
     ``mode``: ``robust``, ``mean`` or ``broadcast``. ``src``: the rank ``broadcast``
     copies. ``with_reference``: a world-size-2 reference is kept (robust mode, two
     ranks), so that a split is resolved by ``median-with-reference``;
-    ``reference_ok``: the two ranks' references agree.
+    ``reference_ok``: the two ranks' references agree. ``per_coordinate`` (the
+    buffers): with a reference, the median settles even a split in which one replica
+    holds NaN/Inf the other does not, coordinate by coordinate, instead of copying the
+    other: two ranks cannot tell a buffer that gained a NaN from a mask that lost a
+    ``-inf``, and the median with the last agreed buffers keeps the ``-inf`` as it
+    drops the NaN.
     """
     if mode not in SYNC_MODES:
         raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")
@@ -142,7 +148,7 @@ def plan_sync(
         return SyncPlan("majority-copy", groups, [maj[0]], finite, src=maj[0],
                         minority=[r for r in everyone if r not in maj])
     note = "majority is non-finite; " if maj is not None else ""
-    if len(good) == 1:  # nothing to take a median of: copy the one sound replica
+    if len(good) == 1 and not (with_reference and per_coordinate):  # no median: copy the one sound replica
         (copied,) = good
         others = [r for r in everyone if r != copied]
         return SyncPlan("finite-copy", groups, good, finite, src=copied, minority=others,

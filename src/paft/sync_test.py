@@ -918,12 +918,15 @@ class _Masked(nn.Module):
 
 def _w_mask(rank: int, ws: int) -> dict:
     out: dict = {}
-    if ws == 3:  # the last rank's mask lost a -inf (a flipped bit): the majority's is put back
-        model = _masked_model(0)
-        if rank == 2:
-            with torch.no_grad():
-                model.mask[0, 3] = -1.0
-        out["lost_inf"] = ReplicaSync(model, None).sync(), model.mask.clone()
+    # The last rank's mask lost a -inf (a flipped bit): with 3 ranks the majority's is put
+    # back; with 2, the median with the last agreed buffers (it used to take the copy with
+    # fewer NaN/Inf, the damaged one, as the sound one, and spread it).
+    model = _masked_model(0)
+    sync = ReplicaSync(model, None)  # built while the replicas agree: the 2-rank reference
+    if rank == ws - 1:
+        with torch.no_grad():
+            model.mask[0, 3] = -1.0
+    out["lost_inf"] = sync.sync(), model.mask.clone()
     # states that differ in structure cannot be measured: a clear error on every rank
     model = _masked_model(0)
     opt = torch.optim.Adam(model.parameters())
@@ -1001,9 +1004,12 @@ def test_a_mask_every_replica_holds_is_state_not_corruption(ws: int):
         assert d.per_rank == [0.0] * ws and d.state_per_rank[0] == 0.0 and math.isinf(d.state_per_rank[1])
         assert d.finite == [r != 1 for r in range(ws)]
         assert "differ in structure" in r["structure"]
+        report, got = r["lost_inf"]
+        assert torch.equal(got, mask)
         if ws == 3:
-            report, got = r["lost_inf"]
-            assert report.mode == "majority-copy" and report.source_ranks == [0] and torch.equal(got, mask)
+            assert report.mode == "majority-copy" and report.source_ranks == [0]
+        else:
+            assert report.mode == "median-with-reference" and report.note == "buffers only"
         assert "in flight" in r["state_dict_in_flight"]
         assert r["hooks"] == [1, 0]
 
