@@ -64,7 +64,11 @@ from paft.records import read_jsonl
         (["--run-dir", "r/" + "x" * 300], "is longer than the file system allows"),
         (["--run-dir", "r/" + "x" * 300, "--resume"], "is longer than the file system allows"),
         (["--model", "n_layer=2.5"], "--model: n_layer must be an integer, got 2.5"),
-        (["--model", "block_size=2000000"], "--model: block_size 2000000 needs at least"),
+        (["--model", "block_size=2000000"], "--model: block_size 2000000 must be below 111540, the characters of "
+                                            "the validation split"),
+        # It said "needs 150001 tokens, got 111540", as if the 1.1 M-character corpus were short.
+        (["--model", "block_size=150000", "--world-size", "1", "--batch-size", "1"],
+         "--model: block_size 150000 must be below 111540, the characters of the validation split"),
         (["--alert-cos-min", "5"], "--alert-cos-min: must be in [-1, 1], got 5.0"),
         (["--alert-loss-cv", "nan"], "--alert-loss-cv: must be >= 0, got nan"),
         (["--guard", "--spike-threshold", "inf"], "--spike-threshold: must be a finite number > 0, got inf"),

@@ -296,8 +296,10 @@ class TrainConfig:
     """``auto`` (CUDA if available, else CPU), ``cpu`` or ``cuda`` (``--device``)."""
     model: dict[str, Any] = field(default_factory=dict)
     """Model field overrides, one KEY=VALUE per ``--model`` (repeatable): ``--model
-    n_layer=2 --model n_embd=64``. gpt: block_size, n_layer, n_head, n_embd; llama: the
-    same and multiple_of; resnet: depth, width (``--model``)."""
+    n_layer=2 --model n_embd=64``. gpt: block_size, n_layer, n_head, n_embd, vocab_size,
+    bias; llama: block_size, n_layer, n_head, n_embd, vocab_size, multiple_of, norm_eps,
+    rope_theta; resnet: depth, width, num_classes, in_channels (1: MNIST) (dropout: ``--dropout``)
+    (``--model``)."""
     dropout: float = 0.0
     """Dropout probability in the transformer workloads (``--dropout``)."""
     desync_shuffle: bool = False

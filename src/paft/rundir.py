@@ -68,6 +68,8 @@ _FIXED_ON_RESUME = (
     ("protect.mode", "--protect"), ("protect.sync_mode", "--sync-mode"), ("guard.enabled", "--guard"),
     # The checkpoint's RNG state replaces the seeding: a changed flag would not take effect.
     ("desync_seed", "--desync-seed"),
+    # The epoch under way would be redrawn from another permutation: items repeated or skipped.
+    ("desync_shuffle", "--desync-shuffle"),
 )
 
 

@@ -105,7 +105,6 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = _device(cfg)
-        torch.manual_seed(cfg.seed)
         self.workload: Workload = build_workload(
             cfg.workload, seed=cfg.seed, model_args={**cfg.model, **self._dropout_arg(cfg)}
         )

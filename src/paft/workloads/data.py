@@ -15,7 +15,7 @@ ever downloaded. Two corpora:
 Datasets are in-memory tensors and batches are gathered with one vectorized index
 (``Dataset.get(indices)``), which is both faster and easier to make deterministic
 than a ``DataLoader`` with workers. Parsed files are cached per process
-(``functools.lru_cache``), so building a workload twice costs nothing; the cached
+(``functools.cache``), so building a workload twice costs nothing; the cached
 tensors are shared and must be treated as read-only.
 
 :class:`ShardedSampler` is a seeded, infinite, resumable ``DistributedSampler``
@@ -191,6 +191,10 @@ def shakespeare_datasets(block_size: int = 64) -> tuple[TokenDataset, TokenDatas
     """``(train, val, vocab)``: the first 90% of the characters train, the last 10% val."""
     tokens, vocab = load_shakespeare()
     n_train = int(0.9 * tokens.numel())
+    val = tokens.numel() - n_train
+    if block_size >= val:  # the smaller split bounds it: say which (1.1 M characters in all)
+        raise ValueError(f"block_size {block_size} must be below {val}, the characters of the validation "
+                         "split (the last 10% of Tiny Shakespeare)")
     return (
         TokenDataset(tokens[:n_train], block_size),
         TokenDataset(tokens[n_train:], block_size),

@@ -212,7 +212,7 @@ def test_sampler_desync_gives_uncoordinated_orders() -> None:
     synced = [_epoch(ShardedSampler(n, r, ws, bs, seed=0)) for r in range(ws)]
     desynced = [_epoch(ShardedSampler(n, r, ws, bs, seed=0, desync=True)) for r in range(ws)]
     assert torch.cat(synced).unique().numel() == n
-    # Each desynced rank uses its own permutation: seed + 1000003 * rank + epoch.
+    # Each desynced rank uses its own permutation (seeded from seed, rank and epoch).
     for r in range(ws):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(1000003 * r))
         assert torch.equal(desynced[r], perm[r::ws])

@@ -8,12 +8,13 @@ Same data and size class as :mod:`paft.workloads.gpt` (Tiny Shakespeare characte
 
 What differs from GPT-2: RMSNorm instead of LayerNorm; rotary position embeddings
 (RoPE) on queries and keys instead of a learned position table; a SwiGLU MLP
-(``w2(silu(w1 x) * w3 x)``) whose hidden width is the multiple of ``multiple_of``
-at or above ``8/3 * n_embd``; no biases anywhere; an untied output head.
+(``w2(silu(w1 x) * w3 x)``) whose hidden width is ``int(8/3 * n_embd)`` rounded up to a
+multiple of ``multiple_of``; no biases anywhere; an untied output head.
 
 RoPE's cos/sin tables are precomputed once as *non-persistent* buffers: they are
-derived from the config, so they stay out of ``state_dict()`` (and out of checkpoints
-and fingerprints), but they do appear in ``named_buffers()``.
+derived from the config, so they stay out of ``state_dict()`` and checkpoints; they
+do appear in ``named_buffers()``, so the state fingerprints and PAFT-Sync cover them
+(identical on every rank: a corrupted table is seen and repaired).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class LlamaConfig:
 
     @property
     def ffn_hidden(self) -> int:
-        """SwiGLU hidden width: 2/3 of the usual 4x (same parameter count), rounded up."""
+        """SwiGLU hidden width: 2/3 of the usual 4x (same parameter count), truncated, then
+        rounded up to a multiple of ``multiple_of``."""
         hidden = int(2 * 4 * self.n_embd / 3)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
