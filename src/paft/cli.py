@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="plots and a text summary of a run directory",
         description="Write PNG plots (loss per rank, dispersion, cosine, replica divergence; faults, syncs and "
         "guard events marked) and report.md for RUN_DIR, and print the summary.",
-        epilog="exit codes: 0 done, 2 not a readable run directory, or a bad --out-dir (nothing written)",
+        epilog="exit codes: 0 done, 2 not a readable run directory, or a bad --out-dir (nothing written), "
+        "130 interrupted (143 for SIGTERM, 129 for SIGHUP)",
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by paft train")
     report.add_argument("--out-dir", metavar="DIR", help="where to write the plots [default: RUN_DIR/report]")
@@ -100,7 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         subparser = subparser._subparsers._group_actions[0].choices[args.benchmark]  # type: ignore[union-attr]
     if extra:  # said by the subcommand, whose --help lists what it takes (parse_args would say "paft")
-        subparser.error(f"unrecognized arguments: {' '.join(extra)}")
+        words = list(sys.argv[1:] if argv is None else argv)
+        given_to_paft = words[: words.index(args.command)] if args.command in words else []
+        said_by = parser if any(e in given_to_paft for e in extra) else subparser  # paft --bogus report
+        said_by.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":
         return _train(args, subparser)
     if args.command == "report":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -260,8 +261,8 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     from paft.options import OPTIONS
 
-    for flag in ["--config", *(f"--{opt.flag}" for opt in OPTIONS)]:
-        assert f"{flag} " in out or f"{flag}\n" in out, flag
+    for flag in ["--config", *(f"--{opt.flag}" for opt in OPTIONS)]:  # an entry of its own, not only the usage
+        assert re.search(rf"^  {flag}[ ,\n]", out, re.MULTILINE), flag
 
 
 def test_paft_train_end_to_end_with_config_file(
@@ -621,6 +622,8 @@ def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatc
     (["--monitor-interval", "0", "--sketch-dim", "64"],
      ["--sketch-dim has no effect with --monitor-interval 0 (no worker metrics)"]),
     (["--cosine", "off", "--sketch-dim", "64"], ["--sketch-dim has no effect without --cosine sketch"]),
+    (["--cosine", "off", "--alert-cos-min", "0.5"],
+     ["--alert-cos-min has no effect with --cosine off (no cosine is computed)"]),
     (["--guard", "--guard-warmup", "300", "--steps", "200"],
      ["--guard-warmup 300 is not below --steps 200: the spike and rank-outlier detectors never arm (only gross "
       "jumps fire)"]),
@@ -832,6 +835,16 @@ def test_a_resume_that_stops_before_its_next_checkpoint_keeps_config_json(
         assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 40
         outcome["code"] = code
     assert (tmp_path / "r" / "config.json").read_text() == old
+
+
+def test_an_unknown_argument_is_said_by_the_command_it_was_given_to(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, said in ((["--bogus", "report", "x"], "paft: error: unrecognized arguments: --bogus\n(options: paft "
+                                                    "--help)"),
+                       (["report", "x", "--bogus"], "paft report: error: unrecognized arguments: --bogus\n(options: "
+                                                    "paft report --help)")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_a_usage_error_is_one_line_and_a_pointer_to_help(capsys: pytest.CaptureFixture[str]) -> None:

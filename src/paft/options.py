@@ -452,7 +452,9 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
     needs: dict[str, tuple[bool, str]] = {
         "broadcast-src": (mode in ("sync", "dyn") and cfg.protect.sync_mode == "broadcast",
                           "without --sync-mode broadcast and --protect sync or dyn"),
-        **{flag: (metrics, no_metrics) for flag in ("cosine", "alert-loss-cv", "alert-cos-min")},
+        **{flag: (metrics, no_metrics) for flag in ("cosine", "alert-loss-cv")},
+        "alert-cos-min": (metrics and cfg.monitor.cosine != "off",
+                          no_metrics if not metrics else "with --cosine off (no cosine is computed)"),
         "sketch-dim": (metrics and cfg.monitor.cosine == "sketch",
                        no_metrics if not metrics else "without --cosine sketch"),
         "dropout": (cfg.workload != "resnet", "on the resnet workload"),

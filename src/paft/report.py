@@ -542,10 +542,6 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
                                  overwrite=True)
     if problem:
         raise ReportError(problem.replace("--overwrite: ", f"{label}: ").replace("delete it", "write into it"))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ReportError(f"{label}: cannot create {out}: {err.strerror or err}") from None
     # Everything is drawn and said before the first byte is written: a record the checks
     # of load_run let through and the drawing cannot take leaves no half report.
     try:
@@ -554,6 +550,10 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as err:
         raise ReportError(f"{run.path}: a record holds a value of an unexpected kind "
                           f"({type(err).__name__}: {err}); nothing was written") from None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ReportError(f"{label}: cannot create {out}: {err.strerror or err}") from None
     (out / REPORT_MARKER).write_text("paft report\n")
     files = [_save(data, out / name) for name, data in plots.items()]
     images = "\n".join(f"![{f.stem}]({f.name})" for f in files)

@@ -308,6 +308,9 @@ def test_a_record_the_checks_let_through_leaves_no_half_report(fault_run: pathli
                                                     "'int' object is not iterable); nothing was written")):
         build_report(run)
     assert files() == before
+    with pytest.raises(ReportError, match="nothing was written"):  # not even a new folder
+        build_report(run, tmp_path / "fresh" / "out")
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_a_consistency_file_without_a_complete_record_is_not_monitoring_off(

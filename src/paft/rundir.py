@@ -204,7 +204,8 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     names = checkpoint_candidates(root)
     damaged: dict[str, list[int]] = {}
     for name in names:  # newest first, as the workers try them
-        damaged[name] = [r for r in range(cfg.world_size) if not _intact(root / name / f"rank{r}.pt")]
+        files = {r: _intact(root / name / f"rank{r}.pt") for r in range(cfg.world_size)}
+        damaged[name] = [r for r, state in files.items() if state is None]
         if not damaged[name]:
             break
     else:
@@ -213,7 +214,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     # The checkpoint's own options (config.json is a user's to edit, by hand or by a
     # resume's options): a changed seed went on silently, a changed optimizer failed in
     # a worker. Checkpoints written before they held it have only config.json's word.
-    held = load_checkpoint_file(root / name / "rank0.pt", mmap=True).get("config")
+    held = files[0].get("config")  # type: ignore[union-attr]  # intact: loaded
     if isinstance(held, dict):
         try:
             trained = TrainConfig.from_dict(held).to_dict()
@@ -303,14 +304,13 @@ def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, An
     return state
 
 
-def _intact(path: pathlib.Path) -> bool:
+def _intact(path: pathlib.Path) -> dict[str, Any] | None:
     """A checkpoint file the workers will load (see :func:`load_checkpoint_file`),
-    checked without loading its tensors."""
+    checked without loading its tensors (memory-mapped); ``None`` if it is not one."""
     try:
-        load_checkpoint_file(path, mmap=True)
+        return load_checkpoint_file(path, mmap=True)
     except (OSError, ValueError):
-        return False
-    return True
+        return None
 
 
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:

@@ -797,8 +797,11 @@ class ReplicaSync:
             return
         cols = rows[:, bad]
         finite = torch.isfinite(cols)
-        # torch's nanmedian is the lower median of the non-NaN values: a finite one.
-        values = torch.where(finite, cols, math.nan).nanmedian(dim=0).values
+        # torch's nanmedian is the lower median of the non-NaN values (a finite one); with
+        # the upper one, negated, the smaller magnitude wins an even split, as in replica_median.
+        kept = torch.where(finite, cols, math.nan)
+        lo, hi = kept.nanmedian(dim=0).values, -(-kept).nanmedian(dim=0).values
+        values = torch.where(hi.abs() < lo.abs(), hi, lo)
         merged[bad] = torch.where(finite.any(dim=0), values, merged[bad])
 
     def _apply(self, p: _InFlight, synced: list[Tensor | None], state_changed: bool | None) -> int:

@@ -453,6 +453,11 @@ def test_a_median_where_every_replica_holds_nan_somewhere_spreads_none() -> None
     ReplicaSync._finite_where_outvoted(merged, rows, good=[])
     # The finite value where one rank had one; a -inf every replica holds (a mask) stays.
     assert merged.tolist() == [0.0, 1.0, 2.0, -math.inf]
+    # An even split of the finite values: the smaller magnitude wins, as in replica_median.
+    rows = torch.tensor([[math.nan, 0.0], [math.nan, 0.0], [math.nan, 1.0], [1.0, math.nan], [-1e30, math.nan]])
+    merged = replica_median(rows)
+    ReplicaSync._finite_where_outvoted(merged, rows, good=[])
+    assert merged.tolist() == [1.0, 1.0]  # (the second: NaN counts as +inf, 1 is the middle of 5)
 
 
 def _w_nested(rank: int, ws: int) -> dict:

@@ -188,6 +188,15 @@ def test_checkpoints_past_the_latest_are_pruned() -> None:
     assert [f.name for f in stale_checkpoints(folders, "step10000000")] == ["step9999980"]
 
 
+def test_a_resume_tries_checkpoints_newest_first_by_step(tmp_path: pathlib.Path) -> None:
+    from paft.rundir import checkpoint_candidates
+
+    for s in (9_999_980, 9_999_990, 10_000_000):
+        (tmp_path / f"step{s:07d}").mkdir()
+    (tmp_path / "latest").write_text("step10000000")
+    assert checkpoint_candidates(tmp_path) == ["step10000000", "step9999990", "step9999980"]
+
+
 def test_resume_of_a_run_stopped_before_its_summary_writes_only_the_summary(tmp_path: pathlib.Path) -> None:
     # Stopped between the final checkpoint and summary.json: a resume at the same
     # --steps trains nothing, keeps the checkpoint, and writes the summary the run
@@ -255,11 +264,11 @@ def test_a_checkpoint_damaged_inside_a_tensor_is_refused_by_every_reader(tmp_pat
     path = tmp_path / "rank0.pt"
     weights = torch.arange(100_000, dtype=torch.float32)
     torch.save({**dict.fromkeys(_CHECKPOINT_KEYS), "model": {"w": weights}}, path)
-    assert _intact(path) and torch.equal(load_checkpoint_file(path)["model"]["w"], weights)
+    assert _intact(path) is not None and torch.equal(load_checkpoint_file(path)["model"]["w"], weights)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40  # inside the tensor's bytes: the zip stays valid
     path.write_bytes(bytes(data))
-    assert not _intact(path)
+    assert _intact(path) is None
     with pytest.raises(ValueError, match="does not match its CRC-32"):
         load_checkpoint_file(path)
     with pytest.raises(ValueError, match=r"rank1\.pt is missing"):  # not "truncated": it is not there
