@@ -111,23 +111,39 @@ def _prime_at_least(n: int) -> int:
 class CountSketch:
     """A fixed-seed CountSketch of a flat vector into ``dim`` coordinates.
 
-    Coordinate i of a bucket goes to slot ``i mod p`` with a random sign, p the
-    smallest prime >= ``dim`` (257 for 256), and the ``p - dim`` slots past ``dim`` are
-    folded onto the first ones. A prime stride spreads each column of a weight matrix
-    over all slots: with ``i mod dim``, a matrix whose rows are a multiple of ``dim``
-    long (512, 768 for k = 256) put a whole column into one slot, and one outlier input
-    feature then dominated the sketch (the cosine off by 17 standard errors, its sign
-    flipped). The signs depend only on (bucket index, bucket length, seed), so every
-    rank sketches the same way and ``<S a, S b>`` is an unbiased estimate of ``<a, b>``
-    with standard deviation about ``||a|| ||b|| / sqrt(dim)``. Cost: one multiply and
-    one reduction over the bucket, no scatter, on the bucket's own device.
+    Coordinate i of a bucket goes to slot ``i mod p`` with a random sign, p a prime
+    >= ``dim`` (257 for 256), and the ``p - dim`` slots past ``dim`` are folded onto the
+    first ones. p is the smallest such prime that divides none of the bucket's strides
+    (the products of each parameter's trailing dimensions: a ``[out, in]`` weight's
+    ``in``), so each column of a weight spreads over all slots: where p divided a row's
+    length (``i mod dim`` with rows of 768 for k = 256, or rows of 771 = 3 x 257 with
+    257), a whole column landed in one slot, and one outlier input feature dominated the
+    sketch (the cosine off by 10-17 standard errors, its sign flipped, at every step).
+    The signs depend only on (bucket index, bucket length, seed) and p on the bucket's
+    shapes, so every rank sketches the same way and ``<S a, S b>`` is an unbiased
+    estimate of ``<a, b>`` with standard deviation about ``||a|| ||b|| / sqrt(dim)``.
+    Cost: one multiply and one reduction over the bucket, no scatter, on the bucket's
+    own device.
     """
 
     def __init__(self, dim: int, seed: int = 0x5EED) -> None:
         self.dim = dim
-        self.stride = _prime_at_least(dim)
         self.seed = seed
         self._signs: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
+        self._strides: dict[tuple[int, int], int] = {}
+
+    def stride(self, index: int, numel: int, shapes: Callable[[], list[torch.Size]] | None = None) -> int:
+        """p for bucket ``index`` of ``numel`` elements (``shapes``: its parameters' shapes,
+        asked once per bucket layout)."""
+        key = (index, numel)
+        p = self._strides.get(key)
+        if p is None:
+            strides = {math.prod(shape[k:]) for shape in (shapes() if shapes else []) for k in range(1, len(shape))}
+            p = _prime_at_least(self.dim)
+            while any(s % p == 0 for s in strides if s):
+                p = _prime_at_least(p + 1)
+            self._strides[key] = p
+        return p
 
     def signs(self, index: int, like: torch.Tensor) -> torch.Tensor:
         key = (index, like.numel(), like.device, like.dtype)
@@ -139,8 +155,10 @@ class CountSketch:
             self._signs[key] = signs
         return signs
 
-    def add_(self, out: torch.Tensor, index: int, flat: torch.Tensor) -> torch.Tensor:
-        """``out += sketch(flat)`` for bucket ``index`` (``out`` is float64, length dim).
+    def add_(self, out: torch.Tensor, index: int, flat: torch.Tensor,
+             shapes: Callable[[], list[torch.Size]] | None = None) -> torch.Tensor:
+        """``out += sketch(flat)`` for bucket ``index`` (``out`` is float64, length dim;
+        ``shapes``: the bucket's parameters' shapes, see :meth:`stride`).
 
         Returns ``||flat||^2`` (0-dim, on ``flat``'s device), read off the signed copy
         (same magnitudes), so the caller needs no separate norm pass; non-finite if
@@ -148,7 +166,7 @@ class CountSketch:
         """
         flat = _widened(flat)
         signed = flat * self.signs(index, flat)
-        n, p = signed.numel(), self.stride
+        n, p = signed.numel(), self.stride(index, flat.numel(), shapes)
         full = n - n % p
         if full:
             # Reduce in the gradient's own dtype (a cast to float64 first costs 5x);
@@ -305,11 +323,12 @@ class CommHookState:
                 )
             )
 
-    def _capture_local(self, index: int, flat: torch.Tensor) -> None:
+    def _capture_local(self, index: int, flat: torch.Tensor, bucket: dist.GradBucket) -> None:
         cap = self.current
         sketch = cap.sketch_on(flat.device)
         if sketch is not None and self.sketcher is not None:
-            cap.add_local(self.sketcher.add_(sketch, index, flat.detach()))
+            shapes = lambda: [p.shape for p in bucket.parameters()]  # noqa: E731 - once per bucket layout
+            cap.add_local(self.sketcher.add_(sketch, index, flat.detach(), shapes))
         else:
             cap.add_local(_squared_norm(flat.detach()))
             if self.cosine == "exact" and self.direction_enabled:  # stays on the device: gathered there
@@ -344,7 +363,7 @@ def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
     buffer = bucket.buffer()
     state._inject("local-grad", index, buffer)
     if state.local_enabled:
-        state._capture_local(index, buffer)
+        state._capture_local(index, buffer, bucket)
     fut = state._allreduce(bucket)
     checksum = state.checksum_enabled
 

@@ -220,6 +220,11 @@ def pairwise_cosine(vectors: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.
     healthy = bool(finite.all())
     if not healthy:
         v = np.where(finite[:, None], v, 0.0)
+    # One power-of-two scale for all rows (exact: the cosines are the same bits): float64
+    # rows of 1e200 overflowed the Gram matrix to NaN, rows of 1e-200 underflowed it to 0.
+    top = float(np.abs(v).max()) if v.size else 0.0
+    if top > 0:
+        v = np.ldexp(v, -np.frexp(top)[1])
     gram = v @ v.T
     norms = np.maximum(np.sqrt(np.diagonal(gram)), 1e-300)
     cos = np.clip(gram / norms[:, None] / norms[None, :], -1.0, 1.0)  # one division each: 1e-300 squared underflows

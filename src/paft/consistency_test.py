@@ -102,9 +102,19 @@ def test_two_ranks_and_replica_groups() -> None:
     assert m["replicas/state_distinct"] == 1 and "replicas/state_groups" not in m
 
 
-def sketch_of(flat: torch.Tensor, sketcher: CountSketch, bucket: int = 0) -> torch.Tensor:
+def test_cosines_of_float64_extremes() -> None:
+    """Rows of 1e200 overflowed the Gram matrix (NaN, silently dropped from the mean and
+    minimum), rows of 1e-200 underflowed it (cosine 0 for identical rows)."""
+    cos, to_mean = pairwise_cosine(np.array([[1e-200, 0.0], [1e-200, 0.0]]))
+    assert cos[0, 1] == 1.0 and list(to_mean) == [1.0, 1.0]
+    cos, _ = pairwise_cosine(np.array([[1e200, 0.0], [1e200, 1e200]]))
+    assert cos[0, 1] == pytest.approx(math.sqrt(0.5))
+
+
+def sketch_of(flat: torch.Tensor, sketcher: CountSketch, bucket: int = 0,
+              shapes: list[torch.Size] | None = None) -> torch.Tensor:
     out = torch.zeros(sketcher.dim, dtype=torch.float64)
-    sketcher.add_(out, bucket, flat)
+    sketcher.add_(out, bucket, flat, (lambda: shapes) if shapes else None)
     return out
 
 
@@ -162,18 +172,22 @@ def test_sketch_cosine_on_real_gradients() -> None:
     assert bool((err <= bound).all()), (exact, approx)
 
 
-def test_sketch_cosine_on_structured_gradients() -> None:
+@pytest.mark.parametrize("width", [768, 771])
+def test_sketch_cosine_on_structured_gradients(width: int) -> None:
     """A weight matrix whose rows are a multiple of k long (768 = 3 x 256) and one
     outlier input feature: with slot ``i mod k`` its whole column fell into one slot
-    and the sketched cosine was off by up to 17 standard errors, its sign flipped."""
+    and the sketched cosine was off by up to 17 standard errors, its sign flipped. The
+    same with rows a multiple of the prime stride (771 = 3 x 257): 10-16 errors, until
+    the stride was chosen to divide no row length of the bucket's parameters."""
     k = 256
     sketcher = CountSketch(k)
     torch.manual_seed(0)
-    lin, head = nn.Linear(768, 512, bias=False), torch.randn(512, 10)
+    lin, head = nn.Linear(width, 512, bias=False), torch.randn(512, 10)
+    assert sketcher.stride(0, 512 * width, lambda: [lin.weight.shape]) == (257 if width == 768 else 263)
 
     def grad(seed: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(16, 768, generator=gen)
+        x = torch.randn(16, width, generator=gen)
         x[:, 5] *= 30.0  # one outlier feature, as in transformer hidden states
         lin.weight.grad = None
         F.cross_entropy(lin(x) @ head, torch.randint(0, 10, (16,), generator=gen)).backward()
@@ -182,7 +196,9 @@ def test_sketch_cosine_on_structured_gradients() -> None:
     for trial in range(10):
         a, b = grad(2 * trial), grad(2 * trial + 1)
         exact = cos(a, b)
-        assert abs(cos(sketch_of(a, sketcher), sketch_of(b, sketcher)) - exact) <= 4 * (1 - exact**2) / math.sqrt(k)
+        shapes = [lin.weight.shape]
+        sketched = cos(sketch_of(a, sketcher, shapes=shapes), sketch_of(b, sketcher, shapes=shapes))
+        assert abs(sketched - exact) <= 4 * (1 - exact**2) / math.sqrt(k)
 
 
 def test_sketch_is_linear_and_rank_independent() -> None:

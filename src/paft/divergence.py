@@ -136,10 +136,12 @@ def measure_divergence(
 ) -> DivergenceReport:
     """Collective: relative L2 distance of each rank's parameters (and, in
     ``state_*``, every floating tensor: buffers and, if ``optimizer`` is given, its
-    state) to the mean replica, computed in float64. Per tensor, the mean is over the
-    ranks whose copy holds no NaN/Inf of its own (see :func:`sound_replicas`), and a
-    coordinate non-finite on them all (a mask's ``-inf``) counts as agreement; a rank
-    with NaN/Inf of its own reports ``inf``. ``buffers=False`` leaves the buffers out
+    state) to the mean replica, computed in float64. The parameters' mean is over the
+    ranks whose parameters hold no NaN/Inf of their own (see :func:`sound_replicas`),
+    the rest's over the ranks none of whose tensors do; a coordinate non-finite on them
+    all (a mask's ``-inf``) counts as agreement; a rank with NaN/Inf of its own reports
+    ``inf``. Bitwise identical float64 copies are at distance 0 (their rounded mean
+    is not exactly theirs). ``buffers=False`` leaves the buffers out
     (under DDP, BatchNorm's differ between ranks by design). Ranks whose states differ
     in structure (names, dtypes, shapes) raise ``RuntimeError`` on every rank.
 
@@ -156,9 +158,16 @@ def measure_divergence(
     if len(set(structures.reshape(-1).tolist())) > 1:
         raise RuntimeError("measure_divergence: the ranks' states differ in structure (tensor names, dtypes or "
                            "shapes), e.g. optimizer state created on some ranks only; they cannot be compared")
-    # A leading 0 keeps the exchange non-empty for a model without floating state.
-    mine = torch.tensor([0, *nonfinite_patterns([t for _, t in entries])], dtype=torch.int64, device=device)
-    rows = [row[1:] for row in gather_rows(mine, group).tolist()]
+    # A leading 0 keeps the exchange non-empty for a model without floating state. The
+    # float64 tensors' digests ride along: their mean over 3 identical copies, (x+x+x)/3,
+    # rounds away from x, so identical copies are told by their bits, not their distance.
+    wide = [t.dtype == torch.float64 for _, t in entries]
+    digests = [digest(t) if w else 0 for (_, t), w in zip(entries, wide)]
+    mine = torch.tensor([0, *nonfinite_patterns([t for _, t in entries]), *digests], dtype=torch.int64,
+                        device=device)
+    gathered_rows = gather_rows(mine, group).tolist()
+    rows = [row[1 : 1 + 2 * len(entries)] for row in gathered_rows]
+    same_bits = [w and len({row[1 + 2 * len(entries) + j] for row in gathered_rows}) == 1 for j, w in enumerate(wide)]
     is_param = [name.startswith("param/") for name, _ in entries]
     sound = sound_replicas(rows, [name.startswith("buffer/") for name, _ in entries])
     # A rank with NaN/Inf of its own is left out of the mean: of the parameters where
@@ -186,6 +195,9 @@ def measure_divergence(
             mean[a:b] /= max(voters[j], 1)
         apart = ~torch.isfinite(mean)  # there every sound copy is non-finite alike: agreement
         local.sub_(mean).masked_fill_(apart, 0.0)  # the distance to the mean
+        for j, (a, b) in zip(bucket, spans):
+            if same_bits[j]:  # bitwise identical on every rank: no distance, whatever the rounding
+                local[a:b] = 0.0
         mean.masked_fill_(apart, 0.0)
         sums = torch.stack([x[a:b].square().sum() for x in (local, mean) for a, b in spans]).tolist()
         sq += [v if votes[me][j] and voters[j] else math.inf for j, v in zip(bucket, sums[: len(bucket)])]

@@ -126,18 +126,20 @@ def test_matches_reference_formula() -> None:
 
 
 def test_identical_state_identical_fingerprint_and_int64_range() -> None:
-    tensors = [torch.randn(n) for n in (1, 100, 70000)]
-    fp = fingerprint(tensors)
+    tensors = [torch.randn(n) for n in (1, 100, 70000, 3_000_000)]  # the last large enough to split across threads
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fp, dg = fingerprint(tensors), digest(tensors[-1])
+        for n in (2, 4, 7):  # integer sums: no order dependence (the default here is 2: compare with 1)
+            torch.set_num_threads(n)
+            assert (fingerprint(tensors), digest(tensors[-1])) == (fp, dg), n
+    finally:
+        torch.set_num_threads(threads)
     assert fp == fingerprint([t.clone() for t in tensors])
     assert fp == fingerprint(iter(tensors))  # any iterable
     assert torch.tensor(fp, dtype=torch.int64).item() == fp
     assert -(2**63) <= fp < 2**63
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert fingerprint(tensors) == fp  # integer sums: no order dependence
-    finally:
-        torch.set_num_threads(threads)
 
 
 @st.composite

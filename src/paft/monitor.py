@@ -110,8 +110,8 @@ class Monitor:
         step, e.g. the state fingerprint between checks) keeps its state."""
         cfg = self.config
         conditions = {
-            # A rank's non-finite loss or local gradient, named at once (the dispersion
-            # and cosine statistics leave such a rank out, or turn NaN only a step later).
+            # A rank's non-finite loss or local gradient, named at once: the dispersion
+            # turns NaN alike whichever rank it is, and the cosines leave the rank out.
             "nonfinite_local": ("consistency/nonfinite_ranks", lambda v: bool(v), None),
             # Written so that NaN fires too.
             "loss_cv": ("consistency/loss_cv", lambda v: not v <= cfg.alert_loss_cv, None),
@@ -128,10 +128,17 @@ class Monitor:
             else:
                 ranks = value if name == "nonfinite_local" else []
             active = bool(fires(value))
+            # What makes an alert while one lasts new: a split that regroups (another rank
+            # hit meanwhile); another rank gone non-finite.
             groups = m.get(f"replicas/{kind}_groups") if kind else None
+            if name == "nonfinite_local":
+                groups = sorted(value)
             before = self.alerting.get(name, False)
-            # A split that regroups (another rank hit while the first split lasts) is new.
-            if active and (not before or (groups and isinstance(before, list) and before != groups)):
+            if name == "nonfinite_local":
+                new = active and (not before or bool(set(groups or []) - set(before or [])))
+            else:
+                new = active and (not before or bool(groups and isinstance(before, list) and before != groups))
+            if new:
                 self.alerts += 1
                 event = {"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks}
                 if not kind:

@@ -30,7 +30,7 @@ def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repai
 
     def divergence() -> DivergenceReport:
         calls.append(1)
-        return DivergenceReport(per_rank=[0.0, 0.0, 0.5], max=0.5, finite=True, state_per_rank=[0.0, 0.0, 0.7],
+        return DivergenceReport(per_rank=[0.0, 0.0, 0.5], max=0.5, finite=[True] * 3, state_per_rank=[0.0, 0.0, 0.7],
                                 state_max=0.7,
                                 per_tensor=[("param/w", 0.7, 2), ("param/b", 0.0, 0)])
 
@@ -84,6 +84,13 @@ def test_a_rank_with_a_non_finite_gradient_is_alerted_by_name_while_the_cosines_
     assert m["consistency/nonfinite_ranks"] == [1] and m["consistency/grad_cos_min"] > 0.9
     monitor.record(1, ControlView(torch.stack(rows)), metric_step=True)  # still on: not again
     assert [(e["step"], e["detector"], e["ranks"]) for e in events(tmp_path)] == [(0, "nonfinite_local", [1])]
+    # Another rank gone non-finite while it lasts is named (it was not); one recovering is not news.
+    for step, bad in ((2, [1, 2]), (3, [2]), (4, [1, 2])):
+        rows = [ControlVector(2.0, float("nan") if r in bad else 1.0, 1.0, 7, None, 0, 0,
+                              torch.tensor([1.0, 0.1 * r, 0.5])).pack(3) for r in range(3)]
+        monitor.record(step, ControlView(torch.stack(rows)), metric_step=True)
+    assert [(e["step"], e["ranks"]) for e in events(tmp_path) if e["detector"] == "nonfinite_local"] == [
+        (0, [1]), (2, [1, 2]), (4, [1, 2])]
 
 
 def test_a_split_that_regroups_is_alerted_again(tmp_path: Path) -> None:
