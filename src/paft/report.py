@@ -37,7 +37,12 @@ __all__ = ["Report", "build_report", "summary_text"]
 _PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png")
 REPORT_MARKER = ".paft-report"  # marks a folder paft report wrote, which it may write into again
 _TITLE = "# paft report: "
-_GUARD_MARKERS = {"recompute": ("X", "red"), "skip": ("s", "tab:purple"), "stop": ("*", "black")}
+# The tab10 colours (C0-C9) are the ranks'; what is not a rank is drawn in others. Each
+# guard action has its own height, so a step's recompute and its later skip both show.
+_GUARD_MARKERS = {"recompute": ("X", "magenta", 0.95), "skip": ("s", "darkgoldenrod", 0.91),
+                  "stop": ("*", "black", 0.99)}
+_SYNC_COLOR = "teal"
+_NONFINITE_LABEL = "non-finite value (color: series)"
 _DISPERSION = [
     ("consistency/loss_std", "local-loss std over ranks", "std"),
     ("consistency/loss_cv", "local-loss coefficient of variation", "std / |mean|"),
@@ -83,9 +88,13 @@ def _plot(ax: Axes, steps: Sequence[int], values: Sequence[float], **kw: Any) ->
     ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], **_lone(values, kw))
     bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
     if bad:
-        first = "non-finite value (color: series)" not in ax.get_legend_handles_labels()[1]
-        ax.plot(bad, [0.88] * len(bad), ls="", marker="$!$", ms=10, color=kw.get("color", "black"),
-                transform=ax.get_xaxis_transform(), label="non-finite value (color: series)" if first else "_nolegend_")
+        # Each series its own row, so that which rank went non-finite first shows.
+        row = sum(1 for line in ax.get_lines() if line.get_gid() == "nonfinite")
+        ax.plot(bad, [max(0.88 - 0.04 * row, 0.5)] * len(bad), ls="", marker="$!$", ms=10,
+                color=kw.get("color", "black"), transform=ax.get_xaxis_transform(), gid="nonfinite",
+                label="_nolegend_")
+        if _NONFINITE_LABEL not in ax.get_legend_handles_labels()[1]:
+            ax.plot([], [], ls="", marker="$!$", ms=10, color="0.3", label=_NONFINITE_LABEL)
 
 
 def _scale(ax: Axes, values: Sequence[float]) -> None:
@@ -122,15 +131,15 @@ def _mark_events(ax: Axes, run: RunData) -> None:
         ax.axvline(step, color=_rank_color(rank), ls="--", lw=1.0, alpha=0.8, label=label(f"fault on rank {rank}"))
     for sync in _syncs(run):
         noop = sync.get("mode") == "noop"
-        ax.plot([sync["step"]], [0.03], ls="", marker="^", ms=7, color="tab:green",
-                mfc="none" if noop else "tab:green", transform=ax.get_xaxis_transform(), clip_on=False,
+        ax.plot([sync["step"]], [0.03], ls="", marker="^", ms=7, color=_SYNC_COLOR,
+                mfc="none" if noop else _SYNC_COLOR, transform=ax.get_xaxis_transform(), clip_on=False,
                 label=label("sync (no-op)" if noop else "sync (repair)"))
     for guard in run.events_of("guard"):
         action = str(guard.get("action", "?"))
         if action == "proceed":
             continue  # the verdict after a successful recompute: nothing was done
-        marker, color = _GUARD_MARKERS.get(action, ("P", "tab:brown"))
-        ax.plot([guard["step"]], [0.95], ls="", marker=marker, ms=8, color=color,
+        marker, color, height = _GUARD_MARKERS.get(action, ("P", "dimgray", 0.93))
+        ax.plot([guard["step"]], [height], ls="", marker=marker, ms=8, color=color,
                 transform=ax.get_xaxis_transform(), clip_on=False, label=label(f"guard: {action}"))
 
 
@@ -182,6 +191,15 @@ def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
     return steps, [math.fsum(by_step[s]) / len(run.metrics) for s in steps]
 
 
+def _visible_spread(values: list[float]) -> bool:
+    """Whether the ranks' values differ by more than a plot can hide (1e-3 relative;
+    replicas apart by rounding, 1e-7, drew four markers inside the mean's)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < len(values):
+        return 0 < len(finite) or len({str(v) for v in values}) > 1
+    return bool(finite) and max(finite) - min(finite) > 1e-3 * max(abs(v) for v in finite)
+
+
 def _plot_loss(run: RunData) -> bytes:
     fig, (ax,) = _figure(1, 1, f"Loss: {run.name}")
     everything: list[float] = []
@@ -197,7 +215,7 @@ def _plot_loss(run: RunData) -> bytes:
         _plot(ax, steps, values, color="black", ls="", marker="o", ms=7, mfc="white", label="validation loss (mean)")
         everything += values
         per_rank = [r["val_loss_per_rank"] for r in run.evals if isinstance(r.get("val_loss_per_rank"), list)]
-        if any(len({_num(v) for v in row}) > 1 for row in per_rank):
+        if any(_visible_spread([_num(v) for v in row]) for row in per_rank):
             for rank in range(max(len(row) for row in per_rank)):
                 rows = [(r["step"], _num(r["val_loss_per_rank"][rank])) for r in run.evals
                         if len(r.get("val_loss_per_rank", [])) > rank]
@@ -222,7 +240,7 @@ def _plot_dispersion(run: RunData) -> bytes:
 def _plot_cosine(run: RunData) -> bytes:
     fig, (pairs, to_mean) = _figure(2, 1, f"Gradient cosine similarity between workers: {run.name}")
     # Drawn wide then thin: with two ranks there is one pair, and min == mean.
-    for key, color, width in (("consistency/grad_cos_mean", "0.6", 3.0), ("consistency/grad_cos_min", "tab:red", 1.2)):
+    for key, color, width in (("consistency/grad_cos_mean", "0.6", 3.0), ("consistency/grad_cos_min", "black", 1.2)):
         steps, values = _series(run.consistency, key)
         _plot(pairs, steps, values, color=color, lw=width, label=key.split("/")[1])
     _finish(pairs, run, "pairwise cosine of local gradients", "cosine")
@@ -245,26 +263,35 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     steps, values = _series(run.consistency, "replicas/state_distinct")
     if not steps:
         return steps, values
+    # An applied update from split aggregated gradients splits the state from the next step
+    # on (a skipped one has no grad record); a sync or repair after it joins it again.
+    split = [(s + 1, v) for s, v in zip(*_series(run.consistency, "replicas/grad_distinct")) if v > 1]
     synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0) for e in _syncs(run) if int(e["step"]) >= steps[0]]
-    # Stable sort: a fingerprint of the same step, listed after, has the last word.
-    points = sorted([*synced, *zip(steps, values)], key=lambda p: p[0])
-    return [p[0] for p in points], [p[1] for p in points]
+    end = [(run.last_step + 1, float(run.summary["replicas_distinct"]))] if run.summary and isinstance(
+        run.summary.get("replicas_distinct"), int) else []
+    # At one step the later kind has the last word (a fingerprint the last).
+    last = dict([*split, *synced, *zip(steps, values), *end])
+    return sorted(last), [last[s] for s in sorted(last)]
 
 
 def _replica_panel(ax: Axes, run: RunData) -> None:
-    for key, color, label in (("replicas/grad_distinct", "tab:purple", "aggregated gradients"),
-                              ("replicas/state_distinct", "tab:orange", "training state")):
+    # Drawn wide then thin and dashed: where both are 1 neither hides the other.
+    for key, style, label in (("replicas/state_distinct", {"color": "0.55", "lw": 3.0}, "training state"),
+                              ("replicas/grad_distinct", {"color": "black", "lw": 1.2, "ls": "--"},
+                               "aggregated gradients")):
         steps, values = _state_distinct(run) if key == "replicas/state_distinct" else _series(run.consistency, key)
         if steps:
-            ax.step(steps, values, where="post", **_lone(values, {"color": color, "lw": 1.5}),
-                    label=f"distinct {label}")
+            ax.step(steps, values, where="post", **_lone(values, style), label=f"distinct {label}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max(2, run.world_size) + 0.5)
     split = _first_split(run)
     if split is not None:
         who = _ranks(split[1]) if split[1] else "no majority"  # not "rank ?"
-        ax.annotate(f"first split: step {split[0]}, {who}", xy=(split[0], 1),
-                    xytext=(8, 20), textcoords="offset points", arrowprops={"arrowstyle": "->"})
+        caught = " (caught by the guard)" if split[3] else ""
+        late = split[0] > 0.6 * max(run.last_step, 1)  # written leftwards, clear of the legend
+        ax.annotate(f"first split: step {split[0]}, {who}{caught}", xy=(split[0], 1),
+                    xytext=(-8 if late else 8, 20), ha="right" if late else "left", textcoords="offset points",
+                    arrowprops={"arrowstyle": "->"})
     _finish(ax, run, "distinct replicas (fingerprint groups)", "replicas")
 
 
@@ -277,27 +304,37 @@ def _eval_divergence(run: RunData) -> tuple[list[int], list[float]]:
 def _divergence_panel(ax: Axes, run: RunData) -> None:
     steps, values = _eval_divergence(run)
     if steps:
-        _plot(ax, steps, values, color="tab:red", lw=1.2, label="at evaluations")
+        _plot(ax, steps, values, color="black", lw=1.2, label="at evaluations")
     # Syncs that found identical replicas (divergence 0) show only as the hollow triangles.
     syncs = [(int(e["step"]), _num(e.get("divergence"))) for e in _syncs(run)]
     pos = [(s, v) for s, v in syncs if math.isfinite(v) and v > 0]
     if pos:
-        ax.plot([s for s, _ in pos], [v for _, v in pos], "o-", color="tab:green", lw=1.0,
+        ax.plot([s for s, _ in pos], [v for _, v in pos], "o-", color=_SYNC_COLOR, lw=1.0,
                 label="before each sync")
     bad = [s for s, v in syncs if not math.isfinite(v)]
     if bad:
         ax.plot(bad, [0.88] * len(bad), ls="", marker="$!$", ms=10, color="red",
                 transform=ax.get_xaxis_transform(), label="non-finite replica at a sync")
     _scale(ax, [*values, *(v for _, v in pos)])
+    if ax.get_yscale() == "linear":  # a distance: nothing below 0 (an all-zero panel showed -0.05)
+        ax.set_ylim(bottom=0)
+    if not steps and not pos:
+        ax.text(0.5, 0.5, "every sync found identical replicas", transform=ax.transAxes, ha="center", color="0.4")
     _finish(ax, run, "relative L2 distance of the replicas to their mean (max over ranks)", "divergence")
 
 
 def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> None:
+    start = (run.config.get("protect") or {}).get("sync_period")
+    if isinstance(start, int) and not isinstance(start, bool) and periods[0][0] > 0:  # the period it began with
+        periods = [(0, float(start)), *periods]
     if periods[-1][0] < run.last_step:  # hold the last period to the end of the run
         periods = [*periods, (run.last_step, periods[-1][1])]
-    ax.step([s for s, _ in periods], [p for _, p in periods], where="post", color="tab:blue", lw=1.5,
+    ax.step([s for s, _ in periods], [p for _, p in periods], where="post", color="black", lw=1.5,
             label="sync period H")
     _scale(ax, [p for _, p in periods])
+    if ax.get_yscale() == "linear":
+        ax.set_ylim(bottom=0, top=1.15 * max(p for _, p in periods))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     _finish(ax, run, "PAFT sync period H (PAFT-Dyn adapts it)", "period (steps)")
 
 
@@ -433,7 +470,7 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
         if a is not None and b is not None:
             per_rank = [_num(v) for v in final.get(f"{key}_per_rank", [])]
             worst = max_or_nan(per_rank) if per_rank else _num(b)
-            shown = worst != _num(b) and not (math.isnan(worst) and math.isnan(_num(b)))
+            shown = f"{worst:.4f}" != f"{_num(b):.4f}"  # a difference the line can show
             spread = f", worst rank {worst:.4f}" if key == "val_loss" and shown else ""
             lines.append(f"{name}: {_num(a):.4f} (step {first.get('step', 0)}) -> {_num(b):.4f} "
                          f"(step {final.get('step', last)}{spread})")

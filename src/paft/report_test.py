@@ -220,11 +220,13 @@ def test_a_sync_ends_a_state_split_and_evaluations_show_the_divergence(
         f.write(json.dumps(sync) + "\n")
     run = load_run(run_dir)
     steps, values = _state_distinct(run)
-    assert list(zip(steps, values)) == [(0, 1), (5, 2), (6, 1), (10, 1)]
-    # An overlapped sync started after step 5 lands during step 6, after its fingerprint.
+    # The run ends split (summary.json: 2 replicas): the line says so at its end, past step 11.
+    assert list(zip(steps, values)) == [(0, 1), (5, 2), (6, 1), (10, 1), (12, 2)]
+    # An overlapped sync started after step 5 lands during step 6, after its fingerprint;
+    # step 5's split aggregated gradients split the state from step 6 on until then.
     rewrite_jsonl(run_dir / "events.jsonl", lambda e: {**e, "overlapped": True, "seen_from": 7} if e == sync else e)
     steps, values = _state_distinct(load_run(run_dir))
-    assert list(zip(steps, values)) == [(0, 1), (5, 2), (7, 1), (10, 1)]
+    assert list(zip(steps, values)) == [(0, 1), (5, 2), (6, 2), (7, 1), (10, 1), (12, 2)]
     # The divergence measured at every evaluation: the split at step 5 shows at 6 and 12.
     steps, values = _eval_divergence(run)
     assert steps == [0, 6, 12] and values[0] == 0 and min(values[1:]) > 0
@@ -415,9 +417,10 @@ def test_a_lone_point_is_drawn_over_the_whole_run(fault_run: pathlib.Path, tmp_p
     run = load_run(run_dir)
     _, (ax, other) = _figure(1, 2, "lone")
     _replica_panel(ax, run)
-    assert ax.get_lines()[0].get_marker() == "o"
+    lone = [line for line in ax.get_lines() if line.get_label() == "distinct aggregated gradients"]
+    assert lone[0].get_marker() == "o"
     lo, hi = ax.get_xlim()
-    assert lo <= 0 and hi == run.last_step + 1
+    assert lo <= 0 and hi >= run.last_step + 1  # the whole run (and the end state, past its last step)
     _plot(other, [0, 1], [1.0, 2.0])  # a line: no marker added
     _plot(other, [0, 1], [1.0, math.nan])
     assert [line.get_marker() for line in other.get_lines()[:2]] == ["None", "o"]
