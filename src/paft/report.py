@@ -432,8 +432,10 @@ def _extreme(run: RunData, key: str, pick_max: bool) -> str:
 
 
 def _counts(records: list[dict[str, Any]], key: str, prefix: str = "") -> str:
-    counts = Counter(f"{prefix}{r.get(key, '?')}" for r in records)
-    return ", ".join(f"{k} ({v})" for k, v in sorted(counts.items()))
+    counts = Counter(r.get(key, "?") for r in records)
+    # Ranks in their order (rank 2 before rank 10), other values by their text.
+    order = sorted(counts, key=lambda k: (not isinstance(k, int), k if isinstance(k, int) else 0, str(k)))
+    return ", ".join(f"{prefix}{k} ({counts[k]})" for k in order)
 
 
 def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:

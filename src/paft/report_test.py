@@ -203,6 +203,8 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     text = report.text
     assert "syncs: 3   detections: 1   recomputes: 1   skipped batches: 0" in text
     assert "by rank: rank 0 (1), rank 1 (1)" in text
+    assert data.faults[0]["kind"] == "nan"  # a fault kind, not a float NaN (each of which was counted apart)
+    assert "by kind: nan (2)" in text
     assert "max loss_cv: nan at step 8" in text
 
 

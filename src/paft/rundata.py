@@ -99,9 +99,11 @@ _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("val_loss_per_rank", lambda v: isinstance(v, list), "a list"),
     ("cos_to_mean", lambda v: isinstance(v, list), "a list"),
     ("totals", lambda v: isinstance(v, dict), "an object"),
-    *((key, lambda v: v is None or isinstance(v, str), "a string")
-      for key in ("event", "action", "reason", "cause", "detector", "mode", "site", "kind")),
+    *((key, lambda v: v is None or isinstance(v, str), "a string") for key in ("event", "action", "reason", "cause",
+                                                                          "detector", "mode", "site", "kind")),
 )
+_TEXT = frozenset(name for name, _, what in _FIELDS if what == "a string")
+"""Fields kept as written: the fault kinds "nan" and "inf" are words, not numbers."""
 
 
 def _check_fields(path: Path, i: int, record: dict[str, Any]) -> None:
@@ -123,7 +125,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         raw = read_jsonl(path)  # a crashed writer's partial last line is dropped
     for i, record in enumerate(raw):  # as written: from_jsonable reads a fault kind "nan" as a float
         _check_fields(path, i, record)
-    return [from_jsonable(r) for r in raw]
+    return [{k: v if k in _TEXT else from_jsonable(v) for k, v in r.items()} for r in raw]
 
 
 def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
