@@ -292,18 +292,22 @@ class CommHookState:
         self.num_buckets = 1
         self.step_buckets = 1
         self.buckets_seen = 0  # this attempt's buckets: none means DDP synced no gradient
+        self.priming = False
         self.current = BucketCapture()
 
     def begin(self, step: int, attempt: int = 0, *, local: bool = True, direction: bool = True,
-              checksum: bool = True, inject: bool = True) -> None:
+              checksum: bool = True, inject: bool = True, priming: bool = False) -> None:
         """Reset the capture before a forward/backward of ``step`` (retry ``attempt``).
 
         ``local``: capture the local gradient's squared norm and finiteness (the worker
         metrics, the guard); with ``direction`` also what the cosine needs (the sketch,
         or the copy in ``exact`` mode; metric steps only). ``checksum``: checksum the
         aggregated gradient, which tells whether the ranks' replicas split at this step.
+        ``priming``: a pass whose gradients are thrown away (:meth:`Protector.prime`):
+        the plain mean all-reduce, not the user's hook, whose state it would advance.
         """
         self.step, self.attempt = step, attempt
+        self.priming = priming
         self.local_enabled, self.checksum_enabled, self.inject_enabled = local, checksum, inject
         self.direction_enabled = local and direction
         self.step_buckets = self.num_buckets
@@ -340,7 +344,7 @@ class CommHookState:
     def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
         """Launch the bucket's all-reduce; the future's value is the result tensor or,
         from a process group's own work, a one-element list holding it."""
-        if self.inner_hook is not None:
+        if self.inner_hook is not None and not self.priming:
             return self.inner_hook(self.inner_state, bucket)
         # Bit-for-bit DDP's built-in reducer: multiply by 1/world_size, then sum.
         # (torch's allreduce_hook divides instead, which differs in the last bit

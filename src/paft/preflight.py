@@ -44,6 +44,7 @@ def preflight(
     grad_clip: Any,
     scaler: torch.amp.GradScaler | None,
     comm_hook: Any,
+    comm_state: Any = None,
 ) -> tuple[list[FaultSpec], OptimizerStep]:
     """Check :func:`paft.protect`'s arguments; a collective over the model's process
     group. Returns the parsed fault specs and the optimizer step (with the loss scaler).
@@ -53,14 +54,20 @@ def preflight(
     refusal: Exception | None = None
     try:
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
+        _check_comm_hook(comm_hook, comm_state)
         specs = [s if isinstance(s, FaultSpec) else FaultSpec.parse(s, option="protect(): inject") for s in inject]
         _check_specs(specs, list(model.parameters()))
         # DDP takes one comm hook, and keeps it for good: a rank whose model has one
-        # already must refuse here, with the others.
-        if wants_comm_hook(monitor, specs, comm_hook) and getattr(model, "_comm_hooks", None):
+        # already must refuse here, with the others. An earlier protector's hook goes on
+        # injecting and capturing for a protector that wants none: refused too.
+        hooks = getattr(model, "_comm_hooks", None) or []
+        earlier = any(getattr(hook, "__name__", "") == "paft_comm_hook" for hook, _ in hooks)
+        if hooks and (earlier or wants_comm_hook(monitor, specs, comm_hook)):
             raise RuntimeError("protect(): this DDP model already has a comm hook (from register_comm_hook, or "
                                "an earlier protector's: DDP keeps it); pass yours to protect() as comm_hook=, "
                                "or wrap the module in a new DDP model")
+        if wants_comm_hook(monitor, specs, comm_hook):
+            _check_sparse(model)
         stepper = OptimizerStep(optimizer, scaler)
         agreed: dict[str, Any] | None = {
             "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
@@ -138,6 +145,37 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
             0 <= protect.broadcast_src < world_size):
         raise ValueError(f"protect(): ProtectConfig.broadcast_src must be a rank in [0, {world_size}), "
                          f"got {protect.broadcast_src}")
+
+
+def _check_sparse(model: DistributedDataParallel) -> None:
+    """Sparse gradients (``nn.Embedding(sparse=True)``) reach a comm hook as sparse
+    tensors, which paft's captures and faults cannot read: refused up front, not as a
+    shape error inside the first backward pass."""
+    sparse = [name for name, m in model.module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(f"protect(): {sparse[0] or 'the model'} makes sparse gradients, which paft's comm hook "
+                         "cannot read; build it with sparse=False, or pass MonitorConfig(enabled=False) and no "
+                         "inject= or comm_hook= (then DDP's own reducer runs)")
+
+
+def _check_comm_hook(comm_hook: Any, comm_state: Any) -> None:
+    """Checked here, since DDP only ever sees paft's hook: a bad one of the user's would
+    fail at the first backward pass, with paft's hook registered for good by then."""
+    if comm_hook is None:
+        if comm_state is not None:
+            raise ValueError("protect(): comm_state= is the state of comm_hook=, which is not given")
+        return
+    if not callable(comm_hook):
+        raise TypeError(f"protect(): comm_hook= must be a function (state, bucket) -> future, got "
+                        f"{type(comm_hook).__name__}")
+    try:
+        inspect.signature(comm_hook).bind(comm_state, None)
+    except TypeError:
+        raise TypeError("protect(): comm_hook= must take two arguments, (state, bucket), as "
+                        "DistributedDataParallel.register_comm_hook's hooks do") from None
+    except ValueError:  # no signature to read (a builtin): DDP's own check would not see it either
+        pass
 
 
 def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter]) -> None:

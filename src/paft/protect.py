@@ -243,7 +243,7 @@ class Protector:
     ) -> None:
         specs, self._stepper = preflight(model, optimizer, monitor=monitor, protect=protect, guard=guard,
                                          inject=inject, seed=seed, grad_clip=grad_clip, scaler=scaler,
-                                         comm_hook=comm_hook)
+                                         comm_hook=comm_hook, comm_state=comm_state)
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -255,9 +255,11 @@ class Protector:
         self.protect_cfg = protect
         self.guard_cfg = guard
         self.grad_clip = grad_clip
-        self.recorder = recorder or RunRecorder(None, dist.get_rank())
         self.group = model.process_group
         self.rank = dist.get_rank(self.group)
+        # Rank 0 of the DDP group speaks (a data-parallel group without global rank 0, in a
+        # hybrid layout, was silent); the ranks in its messages are the group's too.
+        self.recorder = recorder or RunRecorder(None, self.rank)
         self.world_size = dist.get_world_size(self.group)
         self.injector = FaultInjector(FaultSchedule(specs, seed, self.world_size), self.rank)
         self.hook = CommHookState(
@@ -475,13 +477,16 @@ class Protector:
         it before the first step of every run, fresh or resumed.
         Two passes: the first records the order, the second runs on the rebuilt layout
         and tells the hook how many buckets it has. RNG and buffers are restored, the
-        gradients set to None; nothing is injected or recorded. Without it, the first two steps
+        gradients set to None; nothing is injected or recorded, and a comm hook of the user's is
+        not called (a plain mean all-reduce runs instead). Without it, the first two steps
         still inject reproducibly, but only into the buckets the hook knew of then, and a
         bucket-site ``stale`` fault finds no previous result to replay at steps 1 and 2.
         """
         before = ForwardSnapshot(self._buffers)
         for _ in range(2):
-            self.hook.begin(self.step_idx, local=False, checksum=False, inject=False)
+            # The mean all-reduce, not a user's hook: a stateful one (PowerSGD's step counter,
+            # error feedback) would advance on batches whose gradients are thrown away.
+            self.hook.begin(self.step_idx, local=False, checksum=False, inject=False, priming=True)
             closure()
             before.restore()
         self.optimizer.zero_grad(set_to_none=True)

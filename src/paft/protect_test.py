@@ -745,6 +745,10 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         finally:
             gc.enable()
 
+    def hooked_then_dropped(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
+        protect(m, o, inject=["scale:rate=1,ranks=1"])  # dropped at once: its hook stays with DDP
+        protect(m, o, monitor=MonitorConfig(enabled=False))
+
     def corrected(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
         try:  # refused before paft's hook is registered: a corrected call still works
             protect(m, o, protect=ProtectConfig(mode="sync", sync_mode="broadcast", broadcast_src=2))
@@ -778,6 +782,12 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "unused parameters": lambda m, o: unused(*wrapped(Spare())),
         "protect twice": lambda m, o: (protect(m, o), protect(m, o)),
         "protect again, the first dropped": dropped_first,
+        # A dropped protector's hook stays with DDP and went on injecting for an unmonitored one.
+        "protect again unhooked, the first's hook left": hooked_then_dropped,
+        "sparse gradients": lambda m, o: protect(*wrapped(nn.Sequential(nn.Embedding(10, 4, sparse=True)))),
+        "hook not a function": lambda m, o: protect(m, o, comm_hook="allreduce"),
+        "hook of one argument": lambda m, o: protect(m, o, comm_hook=lambda bucket: None),
+        "state without a hook": lambda m, o: protect(m, o, comm_state=object()),
         "own hook registered": lambda m, o: (m.register_comm_hook(None, default_hooks.allreduce_hook),
                                              protect(m, o)),
         # an unmonitored, fault-free protector registers no comm hook: refused all the same
@@ -876,6 +886,13 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "protect twice": "RuntimeError: protect(): this DDP model is already protected by a live Protector",
         "protect twice, first unhooked": "RuntimeError: protect(): this DDP model is already protected",
         "protect again, the first dropped": "",
+        "protect again unhooked, the first's hook left": "RuntimeError: protect(): this DDP model already has a "
+                                                         "comm hook",
+        "sparse gradients": "ValueError: protect(): 0 makes sparse gradients, which paft's comm hook cannot read; "
+                            "build it with sparse=False",
+        "hook not a function": "TypeError: protect(): comm_hook= must be a function (state, bucket) -> future, got str",
+        "hook of one argument": "TypeError: protect(): comm_hook= must take two arguments, (state, bucket)",
+        "state without a hook": "ValueError: protect(): comm_state= is the state of comm_hook=, which is not given",
         "own hook registered": "RuntimeError: protect(): this DDP model already has a comm hook (from "
                                "register_comm_hook, or an earlier protector's: DDP keeps it); pass yours to "
                                "protect() as comm_hook=",
@@ -891,3 +908,34 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
     for name, needle in expect.items():  # "": accepted, nothing raised
         assert out[0][name].startswith(needle) and (needle or not out[0][name]), (name, out[0][name])
     assert "pass find_unused_parameters=True" in out[0]["unused parameters"]
+
+
+def _w_subgroup_with_a_stateful_hook(rank: int, world_size: int) -> dict[str, Any]:
+    group = dist.new_group([1, 2])  # every rank creates it; rank 0 is outside
+    if rank == 0:
+        return {}
+    model = DistributedDataParallel(toy_model(), process_group=group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {"n": 0}
+
+    def counting(state: dict[str, int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        state["n"] += 1  # a stateful hook, as PowerSGD's step counter and error feedback
+        return default_hooks.allreduce_hook(group, bucket)
+
+    protector = protect(model, optimizer, comm_hook=counting, comm_state=calls)
+    x, y = batch(rank, 0)
+    closure = lambda: nn.functional.mse_loss(model(x), y).backward() or torch.zeros(())  # noqa: E731
+    protector.prime(closure)
+    primed = calls["n"]
+    protector.step(closure)
+    return {"primed": primed, "stepped": calls["n"] > 0, "speaker": protector.recorder.rank}
+
+
+def test_prime_leaves_a_stateful_hook_alone_and_the_group_rank_0_speaks() -> None:
+    """prime() called the user's hook on batches whose gradients it throws away (PowerSGD's
+    state advanced: the run left plain DDP's); and the default recorder took the global
+    rank, so a data-parallel group without global rank 0 said nothing."""
+    out = run_workers(_w_subgroup_with_a_stateful_hook, 3)
+    for rank in (1, 2):
+        assert out[rank]["primed"] == 0 and out[rank]["stepped"]
+    assert [out[r]["speaker"] for r in (1, 2)] == [0, 1]  # the group's ranks: global 1 speaks
