@@ -167,7 +167,7 @@ def measure_divergence(
                         device=device)
     gathered_rows = gather_rows(mine, group).tolist()
     rows = [row[1 : 1 + 2 * len(entries)] for row in gathered_rows]
-    same_bits = [w and len({row[1 + 2 * len(entries) + j] for row in gathered_rows}) == 1 for j, w in enumerate(wide)]
+    their_digests = [row[1 + 2 * len(entries) :] for row in gathered_rows]
     is_param = [name.startswith("param/") for name, _ in entries]
     sound = sound_replicas(rows, [name.startswith("buffer/") for name, _ in entries])
     # A rank with NaN/Inf of its own is left out of the mean: of the parameters where
@@ -176,6 +176,9 @@ def measure_divergence(
     sound_all = [all(row) for row in sound]
     votes = [[sound_params[r] if p else sound_all[r] for p in is_param] for r in range(ws)]
     voters = [sum(votes[r][j] for r in range(ws)) for j in range(len(entries))]
+    # Float64 tensors that every voter holds bitwise alike (a NaN rank, left out, aside).
+    same_bits = [w and len({their_digests[r][j] for r in range(ws) if votes[r][j]}) == 1
+                 for j, w in enumerate(wide)]
 
     sq: list[float] = []
     msq: list[float] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -19,7 +21,12 @@ def _w_float64(rank: int, ws: int) -> dict:
         if rank == 1:
             model.bias[0] += 1.0
     moved = measure_divergence(model, per_tensor=True)
-    return {"same": same, "moved": moved}
+    with torch.no_grad():
+        model.bias.fill_(0.2)
+        if rank == 2:
+            model.weight[0, 0] = math.nan  # left out of the mean: the others are still alike
+    nan_rank = measure_divergence(model)
+    return {"same": same, "moved": moved, "nan_rank": nan_rank}
 
 
 def test_identical_float64_replicas_are_at_distance_zero() -> None:
@@ -33,3 +40,4 @@ def test_identical_float64_replicas_are_at_distance_zero() -> None:
         moved = r["moved"]
         assert moved.per_rank[1] > 0 and moved.per_tensor[0][0] == "param/bias"
         assert dict((n, rel) for n, rel, _ in moved.per_tensor)["param/weight"] == 0.0
+        assert r["nan_rank"].per_rank[:2] == [0.0, 0.0] and math.isinf(r["nan_rank"].per_rank[2])

@@ -67,9 +67,10 @@ class Monitor:
         self.divergence = divergence
         self.alerts = 0
         """Alerts raised in the run."""
-        self.alerting: dict[str, bool | list[list[int]]] = {}
+        self.alerting: dict[str, bool | list[Any]] = {}
         """Which conditions hold now (a condition still on is not alerted again), a
-        split's as its groups (a split that regroups is alerted again)."""
+        split's as its groups (a split that regroups is alerted again), non-finite ranks
+        as their list (another rank is alerted again)."""
 
     def record(self, step: int, view: ControlView, metric_step: bool, grads: torch.Tensor | None = None,
                alerts: bool = True, applied: bool = True, stale_fingerprints: bool = False) -> dict[str, Any]:
@@ -131,11 +132,11 @@ class Monitor:
             # What makes an alert while one lasts new: a split that regroups (another rank
             # hit meanwhile); another rank gone non-finite.
             groups = m.get(f"replicas/{kind}_groups") if kind else None
-            if name == "nonfinite_local":
-                groups = sorted(value)
             before = self.alerting.get(name, False)
             if name == "nonfinite_local":
-                new = active and (not before or bool(set(groups or []) - set(before or [])))
+                groups = sorted(value)
+                named = before if isinstance(before, list) else []  # True: saved by an older version
+                new = active and (not before or bool(set(groups) - set(named)))
             else:
                 new = active and (not before or bool(groups and isinstance(before, list) and before != groups))
             if new:

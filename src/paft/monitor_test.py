@@ -91,6 +91,9 @@ def test_a_rank_with_a_non_finite_gradient_is_alerted_by_name_while_the_cosines_
         monitor.record(step, ControlView(torch.stack(rows)), metric_step=True)
     assert [(e["step"], e["ranks"]) for e in events(tmp_path) if e["detector"] == "nonfinite_local"] == [
         (0, [1]), (2, [1, 2]), (4, [1, 2])]
+    monitor.alerting["nonfinite_local"] = True  # as a checkpoint of an older version saved it
+    monitor.record(5, ControlView(torch.stack(rows)), metric_step=True)  # no TypeError; named as new
+    assert events(tmp_path)[-1]["step"] == 5
 
 
 def test_a_split_that_regroups_is_alerted_again(tmp_path: Path) -> None:

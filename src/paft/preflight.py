@@ -152,11 +152,11 @@ def _check_sparse(model: DistributedDataParallel) -> None:
     tensors, which paft's captures and faults cannot read: refused up front, not as a
     shape error inside the first backward pass."""
     sparse = [name for name, m in model.module.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
-        raise ValueError(f"protect(): {sparse[0] or 'the model'} makes sparse gradients, which paft's comm hook "
-                         "cannot read; build it with sparse=False, or pass MonitorConfig(enabled=False) and no "
-                         "inject= or comm_hook= (then DDP's own reducer runs)")
+        raise ValueError(f"protect(): module {sparse[0] or 'the model'!r} makes sparse gradients, which paft's "
+                         "comm hook cannot read; build it with sparse=False, or pass MonitorConfig(enabled=False) "
+                         "and no inject= or comm_hook= (then DDP's own reducer runs)")
 
 
 def _check_comm_hook(comm_hook: Any, comm_state: Any) -> None:

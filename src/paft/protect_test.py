@@ -785,6 +785,8 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         # A dropped protector's hook stays with DDP and went on injecting for an unmonitored one.
         "protect again unhooked, the first's hook left": hooked_then_dropped,
         "sparse gradients": lambda m, o: protect(*wrapped(nn.Sequential(nn.Embedding(10, 4, sparse=True)))),
+        "sparse but frozen": lambda m, o: protect(*wrapped(nn.Sequential(
+            nn.Embedding(10, 4, sparse=True).requires_grad_(False), nn.Linear(4, 1)))),
         "hook not a function": lambda m, o: protect(m, o, comm_hook="allreduce"),
         "hook of one argument": lambda m, o: protect(m, o, comm_hook=lambda bucket: None),
         "state without a hook": lambda m, o: protect(m, o, comm_state=object()),
@@ -888,8 +890,9 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "protect again, the first dropped": "",
         "protect again unhooked, the first's hook left": "RuntimeError: protect(): this DDP model already has a "
                                                          "comm hook",
-        "sparse gradients": "ValueError: protect(): 0 makes sparse gradients, which paft's comm hook cannot read; "
-                            "build it with sparse=False",
+        "sparse gradients": "ValueError: protect(): module '0' makes sparse gradients, which paft's comm hook "
+                            "cannot read; build it with sparse=False",
+        "sparse but frozen": "",  # no gradient, in no bucket: it trained before the check, it trains now
         "hook not a function": "TypeError: protect(): comm_hook= must be a function (state, bucket) -> future, got str",
         "hook of one argument": "TypeError: protect(): comm_hook= must take two arguments, (state, bucket)",
         "state without a hook": "ValueError: protect(): comm_state= is the state of comm_hook=, which is not given",

@@ -324,8 +324,12 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
 
 
 def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> None:
-    start = (run.config.get("protect") or {}).get("sync_period")
+    protect = run.config.get("protect") or {}
+    start = protect.get("sync_period")
     if isinstance(start, int) and not isinstance(start, bool) and periods[0][0] > 0:  # the period it began with
+        if protect.get("mode") == "dyn":  # clamped into [h_min, h_max], as the protector starts it
+            lo, hi = protect.get("h_min"), protect.get("h_max")
+            start = min(max(start, lo), hi) if isinstance(lo, int) and isinstance(hi, int) else start
         periods = [(0, float(start)), *periods]
     if periods[-1][0] < run.last_step:  # hold the last period to the end of the run
         periods = [*periods, (run.last_step, periods[-1][1])]

@@ -24,6 +24,7 @@ from paft.report import (
     _eval_divergence,
     _figure,
     _global_loss,
+    _period_panel,
     _periods,
     _plot,
     _replica_panel,
@@ -484,3 +485,17 @@ def test_a_closed_console_ends_the_report_quietly(fault_run: pathlib.Path, tmp_p
                               stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert (tmp_path / "out" / "report.md").is_file()
+
+
+def test_the_period_panel_starts_from_the_period_the_run_began_with(fault_run: pathlib.Path,
+                                                                    tmp_path: pathlib.Path) -> None:
+    """PAFT-Dyn starts at the configured period clamped into [h_min, h_max] (60 here, not 50)."""
+    run_dir = copy_run(fault_run, tmp_path / "dyn")
+    config = json.loads((run_dir / "config.json").read_text())
+    config["protect"].update(mode="dyn", sync_period=50, h_min=60, h_max=400)
+    (run_dir / "config.json").write_text(json.dumps(config))
+    run = load_run(run_dir)
+    _, (ax,) = _figure(1, 1, "dyn")
+    _period_panel(ax, run, [(4, 30.0)])
+    line = ax.get_lines()[0]
+    assert list(line.get_xdata())[:2] == [0, 4] and list(line.get_ydata())[:2] == [60.0, 30.0]

@@ -148,7 +148,7 @@ def plan_sync(
         return SyncPlan("majority-copy", groups, [maj[0]], finite, src=maj[0],
                         minority=[r for r in everyone if r not in maj])
     note = "majority is non-finite; " if maj is not None else ""
-    if len(good) == 1 and not (with_reference and per_coordinate):  # no median: copy the one sound replica
+    if len(good) == 1 and not (with_reference and reference_ok and per_coordinate):  # copy the one sound replica
         (copied,) = good
         others = [r for r in everyone if r != copied]
         return SyncPlan("finite-copy", groups, good, finite, src=copied, minority=others,

@@ -158,3 +158,13 @@ def test_nothing_non_finite_is_ever_a_source(mode: str, fps: list[int], data: st
             assert plan.minority == [r for r in range(ws) if r != plan.src]
     if mode == "robust" and plan.mode in ("median", "median-with-reference"):
         assert sum(finite) != 1  # one finite replica is copied instead (none: a median of all)
+
+
+def test_buffers_are_settled_per_coordinate_only_with_an_agreed_reference() -> None:
+    """Two ranks whose buffers' NaN/Inf differ: the median with the last agreed buffers;
+    with a zero reference (the references disagree) it would keep neither replica's value
+    (a mask's -inf became 0), so the sound replica is copied."""
+    plan = plan_sync("robust", [1, 2], [False, True], with_reference=True, per_coordinate=True)
+    assert plan.mode == "median-with-reference"
+    plan = plan_sync("robust", [1, 2], [False, True], with_reference=True, reference_ok=False, per_coordinate=True)
+    assert (plan.mode, plan.src) == ("finite-copy", 1)
