@@ -719,6 +719,8 @@ class ReplicaSync:
                 for (a, b), rows in zip(g.buckets, p.gathered[gi]):
                     if ref is not None:
                         median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
+                        if len(good) == 1 and g.floating:
+                            self._sound_where_it_can_tell(out_flat[a:b], rows[good[0]], rows[1 - good[0]])
                     else:
                         merged = replica_median(rows, out=out_flat[a:b], nan_free=nan_free)
                         if not nan_free:
@@ -779,6 +781,16 @@ class ReplicaSync:
             agreed = p.reference if p.reference is not None else synced
             self._ref = {**(self._ref or {}), **self._capture(layout, agreed)}
         return _Done(d, divergence, bytes_sent, collectives, delta_tensors)
+
+    @staticmethod
+    def _sound_where_it_can_tell(merged: Tensor, sound: Tensor, other: Tensor) -> None:
+        """Two ranks' buffers, one with NaN/Inf of its own (see :func:`plan_sync`'s
+        ``per_coordinate``): the sound copy's values, as a copy of it would give, except
+        where the other holds an infinity the sound one lacks. There the median with the
+        reference stays: a mask's -inf that the sound-looking copy lost comes back. A NaN
+        is never state: there the sound value."""
+        take = torch.isfinite(sound) & ~torch.isinf(other)
+        merged[take] = sound[take]
 
     @staticmethod
     def _finite_where_outvoted(merged: Tensor, rows: Tensor, good: list[int]) -> None:

@@ -154,6 +154,8 @@ def plan_sync(
         return SyncPlan("finite-copy", groups, good, finite, src=copied, minority=others,
                         note=f"{note}non-finite ranks {others} excluded")
     if with_reference:
+        if 0 < len(good) < ws:  # per_coordinate: the buffers
+            note += f"non-finite ranks {[r for r in everyone if r not in good]} outvoted where non-finite; "
         if not reference_ok:
             note += "references disagree; used a zero reference"
         return SyncPlan("median-with-reference", groups, everyone, finite,

@@ -1014,7 +1014,8 @@ def test_a_mask_every_replica_holds_is_state_not_corruption(ws: int):
         if ws == 3:
             assert report.mode == "majority-copy" and report.source_ranks == [0]
         else:
-            assert report.mode == "median-with-reference" and report.note == "buffers only"
+            assert report.mode == "median-with-reference"
+            assert report.note == "buffers only; non-finite ranks [0] outvoted where non-finite"
         assert "in flight" in r["state_dict_in_flight"]
         assert r["hooks"] == [1, 0]
 
@@ -1038,6 +1039,7 @@ def _w_ddp_buffers(rank: int, ws: int) -> dict:
             with torch.no_grad():
                 ddp.module[1].running_mean[0] = math.nan
         out[f"{case}_source"] = [b.clone() for b in gather_buffers(ddp, 0)]
+        out[f"{case}_rank1"] = gather_buffers(ddp, 1)
         report = sync.sync()
         out[case] = {"report": report, "state": _snap(ddp, opt), "fp": _fp(ddp, opt)}
     return out
@@ -1062,7 +1064,10 @@ def test_under_ddp_a_sync_gives_every_rank_the_buffers_ddp_would(ws: int):
     # the source's buffers hold a NaN of their own: robust mode's own rule, as without DDP
     _assert_replicas_identical([r["nan_at_source"] for r in res])
     report = res[0]["nan_at_source"]["report"]
-    assert report.mode == ("finite-copy" if ws == 2 else "median") and "non-finite ranks [0]" in report.note
+    assert report.mode == ("median-with-reference" if ws == 2 else "median") and "non-finite ranks [0]" in report.note
+    if ws == 2:  # the sound rank's buffers exactly, as a copy of them gave (a NaN is never state)
+        buffers = [t for n, t in res[0]["nan_at_source"]["state"] if n.startswith("buffer/")]
+        assert all(torch.equal(a, b) for a, b in zip(buffers, res[0]["nan_at_source_rank1"], strict=True))
 
 
 def _w_ddp_subgroups(rank: int, ws: int) -> dict:
