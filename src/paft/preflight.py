@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.amp import OptimizerStep
 from paft.collectives import gather_rows
+from paft.comm import paft_comm_hook
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
@@ -61,12 +62,12 @@ def preflight(
         # already must refuse here, with the others. An earlier protector's hook goes on
         # injecting and capturing for a protector that wants none: refused too.
         hooks = getattr(model, "_comm_hooks", None) or []
-        earlier = any(getattr(hook, "__name__", "") == "paft_comm_hook" for hook, _ in hooks)
-        if hooks and (earlier or wants_comm_hook(monitor, specs, comm_hook)):
+        hooked = wants_comm_hook(monitor, specs, comm_hook)
+        if hooks and (hooked or any(hook is paft_comm_hook for hook, _ in hooks)):
             raise RuntimeError("protect(): this DDP model already has a comm hook (from register_comm_hook, or "
                                "an earlier protector's: DDP keeps it); pass yours to protect() as comm_hook=, "
                                "or wrap the module in a new DDP model")
-        if wants_comm_hook(monitor, specs, comm_hook):
+        if hooked:
             _check_sparse(model)
         stepper = OptimizerStep(optimizer, scaler)
         agreed: dict[str, Any] | None = {

@@ -7,6 +7,7 @@ into the result; NaN counts as +inf, so it loses every comparison it can lose.
 
 - :func:`replica_median`: the middle of ``n`` rows (world size >= 3); of the two middle
   values of an even ``n``, the one of smaller magnitude;
+- :func:`median_of_finite`: the same over each column's finite values only;
 - :func:`median_of_three`: ``clamp(ref, min(a, b), max(a, b))``, for two replicas and
   the last state both agreed on (world size 2).
 
@@ -26,7 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["replica_median", "median_of_three"]
+__all__ = ["replica_median", "median_of_finite", "median_of_three"]
 
 # The odd-even transposition network beats torch.kthvalue by ~10x for a handful of
 # replicas (it is a few bandwidth-bound min/max passes); beyond this many replicas
@@ -56,6 +57,20 @@ def replica_median(rows: Tensor, out: Tensor | None = None, nan_free: bool = Fal
     lo, hi = _middle(work, owned=work is not rows)
     if hi is None:
         return lo if out is None or lo is out else out.copy_(lo)
+    return _smaller(lo, hi, out)
+
+
+def median_of_finite(cols: Tensor) -> Tensor:
+    """Per column, the median of its finite values only (their count varies by column),
+    by :func:`replica_median`'s rule: of an even count's two middle values, the one of
+    smaller magnitude; NaN where a column has no finite value."""
+    kept = torch.where(torch.isfinite(cols), cols, math.nan)
+    # torch's nanmedian is the lower median of the non-NaN values; negated, the upper.
+    return _smaller(kept.nanmedian(dim=0).values, -(-kept).nanmedian(dim=0).values)
+
+
+def _smaller(lo: Tensor, hi: Tensor, out: Tensor | None = None) -> Tensor:
+    """Per coordinate, of ``lo`` and ``hi`` the one of smaller magnitude (``lo`` on a tie)."""
     smaller = hi.abs() < lo.abs()
     return torch.where(smaller, hi, lo) if out is None else torch.where(smaller, hi, lo, out=out)
 

@@ -147,7 +147,7 @@ from paft.flat import (
     wide_dtype,
 )
 from paft.records import jsonable
-from paft.robust import median_of_three, replica_median
+from paft.robust import median_of_finite, median_of_three, replica_median
 from paft.sync_plan import COPY_MODES, SyncPlan, as_ddp_would, plan_sync
 
 __all__ = [
@@ -807,14 +807,8 @@ class ReplicaSync:
         if good:
             merged[bad] = replica_median(rows[good][:, bad], nan_free=True)
             return
-        cols = rows[:, bad]
-        finite = torch.isfinite(cols)
-        # torch's nanmedian is the lower median of the non-NaN values (a finite one); with
-        # the upper one, negated, the smaller magnitude wins an even split, as in replica_median.
-        kept = torch.where(finite, cols, math.nan)
-        lo, hi = kept.nanmedian(dim=0).values, -(-kept).nanmedian(dim=0).values
-        values = torch.where(hi.abs() < lo.abs(), hi, lo)
-        merged[bad] = torch.where(finite.any(dim=0), values, merged[bad])
+        values = median_of_finite(rows[:, bad])  # NaN where no replica is finite: kept as it was
+        merged[bad] = torch.where(torch.isnan(values), merged[bad], values)
 
     def _apply(self, p: _InFlight, synced: list[Tensor | None], state_changed: bool | None) -> int:
         d, layout = p.decision, p.layout

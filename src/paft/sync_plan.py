@@ -111,11 +111,12 @@ def plan_sync(
     copies. ``with_reference``: a world-size-2 reference is kept (robust mode, two
     ranks), so that a split is resolved by ``median-with-reference``;
     ``reference_ok``: the two ranks' references agree. ``per_coordinate`` (the
-    buffers): with a reference, the median settles even a split in which one replica
-    holds NaN/Inf the other does not, coordinate by coordinate, instead of copying the
-    other: two ranks cannot tell a buffer that gained a NaN from a mask that lost a
-    ``-inf``, and the median with the last agreed buffers keeps the ``-inf`` as it
-    drops the NaN.
+    buffers): with an agreed reference, a split in which one replica holds NaN/Inf the
+    other does not is a ``median-with-reference``, not a copy: two ranks cannot tell a
+    buffer that gained a NaN from a mask that lost a ``-inf``. The sync then takes the
+    sound replica's values except where the other holds an infinity the sound one
+    lacks, where the median with the last agreed buffers decides
+    (:meth:`~paft.sync.ReplicaSync` ``_sound_where_it_can_tell``).
     """
     if mode not in SYNC_MODES:
         raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")
