@@ -10,6 +10,7 @@ that layer; a damaged one (not UTF-8, not JSON, a field of the wrong type) is a
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -92,6 +93,8 @@ def _ranks_list(value: Any) -> bool:
 # non-number is a gap in a plot), with what they must be. A name matches a key's last
 # "/" part ("cos_to_mean": "consistency/cos_to_mean"); one starting with "_" matches a
 # key's end ("_minority_ranks": "replicas/grad_minority_ranks").
+_TEXT = frozenset({"event", "action", "reason", "cause", "detector", "mode", "site", "kind"})
+"""Fields that hold words, kept as written: the fault kinds "nan" and "inf" are not numbers."""
 _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("ranks", _ranks_list, "a list of ranks"),
     ("_minority_ranks", _ranks_list, "a list of ranks"),
@@ -99,11 +102,18 @@ _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("val_loss_per_rank", lambda v: isinstance(v, list), "a list"),
     ("cos_to_mean", lambda v: isinstance(v, list), "a list"),
     ("totals", lambda v: isinstance(v, dict), "an object"),
-    *((key, lambda v: v is None or isinstance(v, str), "a string") for key in ("event", "action", "reason", "cause",
-                                                                          "detector", "mode", "site", "kind")),
+    *((key, lambda v: v is None or isinstance(v, str), "a string") for key in sorted(_TEXT)),
 )
-_TEXT = frozenset(name for name, _, what in _FIELDS if what == "a string")
-"""Fields kept as written: the fault kinds "nan" and "inf" are words, not numbers."""
+
+
+@functools.cache
+def _rule_for(key: str) -> tuple[Callable[[Any], bool], str] | None:
+    """The :data:`_FIELDS` rule of a record key, if any (looked up once per key: the keys
+    repeat in every record)."""
+    for name, ok, what in _FIELDS:
+        if key.endswith(name) if name.startswith("_") else key.rpartition("/")[2] == name:
+            return ok, what
+    return None
 
 
 def _check_fields(path: Path, i: int, record: dict[str, Any]) -> None:
@@ -112,10 +122,9 @@ def _check_fields(path: Path, i: int, record: dict[str, Any]) -> None:
         if not _is_rank(value):
             raise ReportError(f"{path}: record {i + 1}: {key} must be an integer >= 0, got {value!r}")
     for key, value in record.items():
-        for name, ok, what in _FIELDS:
-            named = key.endswith(name) if name.startswith("_") else key.rpartition("/")[2] == name
-            if named and not ok(value):
-                raise ReportError(f"{path}: record {i + 1}: {key} must be {what}, got {value!r}")
+        rule = _rule_for(key)
+        if rule is not None and not rule[0](value):
+            raise ReportError(f"{path}: record {i + 1}: {key} must be {rule[1]}, got {value!r}")
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

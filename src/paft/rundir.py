@@ -139,9 +139,9 @@ def stale_checkpoints(folders: list[pathlib.Path], latest: str) -> list[pathlib.
     resume fell back from (``latest`` was damaged): kept, a damaged newer folder would
     outlive the good ones, each new checkpoint deleting the one before."""
     # By step number: names are padded to 7 digits, and past 9999999 they grow longer.
-    upto = sorted((f for f in folders if _step_of(f.name) <= _step_of(latest)), key=lambda f: _step_of(f.name))
-    later = sorted((f for f in folders if _step_of(f.name) > _step_of(latest)), key=lambda f: _step_of(f.name))
-    return upto[:-_KEEP_CHECKPOINTS] + later
+    ordered, at = sorted(folders, key=lambda f: _step_of(f.name)), _step_of(latest)
+    upto = [f for f in ordered if _step_of(f.name) <= at]
+    return upto[:-_KEEP_CHECKPOINTS] + [f for f in ordered if _step_of(f.name) > at]
 
 
 def _step_of(name: str) -> int:
