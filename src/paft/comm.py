@@ -42,61 +42,11 @@ import torch.distributed as dist
 
 from paft.faults import FaultInjector, FaultRecord
 from paft.fingerprint import digest_tensor
+from paft.norms import squared_norm, widened
 
-__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch", "total_norm", "judged_norm", "CommHook"]
+__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch", "CommHook"]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-def _widened(flat: torch.Tensor) -> torch.Tensor:
-    """Half-precision gradients in float32, so that squares and sums do not overflow."""
-    return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-
-
-def _squared_norm(flat: torch.Tensor) -> torch.Tensor:
-    """||flat||^2 (0-dim, on ``flat``'s device) via one BLAS dot; non-finite exactly
-    when inf/NaN is in ``flat``."""
-    flat = _widened(flat)
-    return _unless_overflowed(torch.dot(flat, flat), flat)
-
-
-def _unless_overflowed(sq: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """``sq`` (a float32 sum of squares), or the sum again in float64 where it came out
-    inf: finite entries above ~1.8e19 (a flipped exponent bit) overflow float32's
-    squares, which read as a non-finite gradient. On a GPU both are computed (a host
-    read per bucket would drain the launch queue); on the CPU only when needed."""
-    if sq.dtype == torch.float64:
-        return sq
-    if flat.device.type == "cpu":
-        return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2 if math.isinf(sq) else sq
-    return torch.where(torch.isinf(sq), torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2, sq)
-
-
-def _float64_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]))
-
-
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm`` of ``tensors`` (what clipping uses), summed
-    again in float64 where float32's squares overflowed on finite entries (a host read
-    of the norm: the caller reads it anyway), then back in the norm's dtype: inf/NaN
-    only when an entry is, or the norm itself is past the dtype's range."""
-    norm = torch.nn.utils.get_total_norm(tensors)
-    if norm.dtype != torch.float64 and math.isinf(norm):
-        norm = _float64_norm(tensors).to(norm.dtype)
-    return norm
-
-
-def judged_norm(norm: torch.Tensor, tensors: list[torch.Tensor]) -> float:
-    """``norm`` (:func:`total_norm`'s, which clipping keeps, as torch's does) as a float,
-    or where it is inf past its dtype's range on finite entries (float16 gradients of
-    norm above 65504) the float64 norm: what the guard, the loss scaler's agreed skips
-    and the metrics judge, so finite gradients never read as non-finite. (Float64
-    gradients of norm above ~1.3e154 still do: their squares pass float64's range.)"""
-    value = float(norm)
-    if math.isinf(value) and norm.dtype != torch.float64:
-        value = float(_float64_norm(tensors))
-    return value
 
 
 def _prime_at_least(n: int) -> int:
@@ -164,7 +114,7 @@ class CountSketch:
         (same magnitudes), so the caller needs no separate norm pass; non-finite if
         ``flat`` holds inf or NaN.
         """
-        flat = _widened(flat)
+        flat = widened(flat)
         signed = flat * self.signs(index, flat)
         n, p = signed.numel(), self.stride(index, flat.numel(), shapes)
         full = n - n % p
@@ -174,7 +124,7 @@ class CountSketch:
             self._fold(out, signed[:full].view(-1, p).sum(0))
         if n > full:
             self._fold(out, signed[full:])
-        return _unless_overflowed(torch.dot(signed, signed), signed)
+        return squared_norm(signed)
 
     def _fold(self, out: torch.Tensor, slots: torch.Tensor) -> None:
         """``out += slots`` for up to ``stride`` slots, those past ``dim`` onto the first."""
@@ -334,7 +284,7 @@ class CommHookState:
             shapes = lambda: [p.shape for p in bucket.parameters()]  # noqa: E731 - once per bucket layout
             cap.add_local(self.sketcher.add_(sketch, index, flat.detach(), shapes))
         else:
-            cap.add_local(_squared_norm(flat.detach()))
+            cap.add_local(squared_norm(flat.detach()))
             if self.cosine == "exact" and self.direction_enabled:  # stays on the device: gathered there
                 cap.local_grads[index] = flat.detach().to(torch.float64, copy=True)
 

@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from paft.comm import BucketCapture, CountSketch, total_norm
+from paft.comm import BucketCapture, CountSketch
 from paft.consistency import ControlVector, ControlView, pairwise_cosine, worker_metrics
 from paft.fingerprint import digest, digest_tensor
+from paft.norms import total_norm
 from paft.workloads import build_workload
 
 

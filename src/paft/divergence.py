@@ -30,7 +30,6 @@ __all__ = [
     "nonfinite_patterns",
     "sound_replicas",
     "rel_distance",
-    "sq_norm",
 ]
 
 
@@ -64,12 +63,6 @@ def rel_distance(sq: float, ref_sq: float) -> float:
     if ref_sq == 0.0:
         return 0.0 if sq == 0.0 else math.inf
     return math.sqrt(sq / ref_sq)
-
-
-def sq_norm(x: Tensor) -> float:
-    """``||x||^2``, accumulated in float64 (huge finite values do not overflow); inf
-    past float64's range (a Python ``** 2`` would raise OverflowError there)."""
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64).square())
 
 
 def all_finite(tensors: list[Tensor]) -> bool:

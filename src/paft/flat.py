@@ -29,7 +29,6 @@ __all__ = [
     "storage_of",
     "structure_key",
     "transport_view",
-    "wide_dtype",
 ]
 
 
@@ -127,9 +126,3 @@ def storage_of(t: Tensor) -> tuple[torch.device, int] | None:
     if t.layout != torch.strided or not t.numel():
         return None
     return t.device, t.untyped_storage().data_ptr()
-
-
-def wide_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16-bit floats, else ``dtype``: means and divergences of float16 /
-    bfloat16 state computed in their own dtype round by a 16-bit ulp."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -36,7 +36,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.collectives import gather_rows, max_over_ranks
-from paft.comm import CommHook, CommHookState, judged_norm, paft_comm_hook, total_norm
+from paft.comm import CommHook, CommHookState, paft_comm_hook
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import (
     FLAG_AGG_NONFINITE,
@@ -55,6 +55,7 @@ from paft.faultspec import FaultSpec
 from paft.fingerprint import group_replicas, state_fingerprint, state_tensors
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.monitor import Monitor
+from paft.norms import judged_norm, total_norm
 from paft.preflight import mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.snapshot import ForwardSnapshot, StateSnapshot

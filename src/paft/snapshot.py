@@ -17,6 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.fingerprint import state_tensors
+from paft.norms import norm_of
 
 __all__ = ["ForwardSnapshot", "StateSnapshot"]
 
@@ -62,24 +63,6 @@ def _copy_structure(value: Any) -> Any:
     return value
 
 
-def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-tensor 2-norms, in some order; half-precision tensors' in float64 (float16's
-    range ends at 65504, so a large layer's norm read as inf; bfloat16's squares
-    overflow float32 as float32's own do)."""
-    half = [t for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
-    rest = [t for t in tensors if t.dtype not in (torch.float16, torch.bfloat16)]
-    return [*(torch._foreach_norm(half, 2, dtype=torch.float64) if half else ()),
-            *(torch._foreach_norm(rest) if rest else ())]
-
-
-def _total(norms: Sequence[torch.Tensor]) -> float:
-    """The 2-norm of per-tensor 2-norms, in float64 (float64 weights' squares may overflow),
-    on the first norm's device (a module may span several)."""
-    if not norms:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device, torch.float64) for n in norms])))
-
-
 class StateSnapshot:
     """Parameters and optimizer state before ``optimizer.step()``, for a post-step rollback.
 
@@ -123,8 +106,8 @@ class StateSnapshot:
         zero-initialised model has no scale to compare its first update with)."""
         old, new = self._saved[: self._num_params], self._live[: self._num_params]
         with torch.no_grad():
-            num = _total(_norms(torch._foreach_sub(new, old)))
-            den = _total(_norms(old))
+            num = norm_of(torch._foreach_sub(new, old))
+            den = norm_of(old)
         if not math.isfinite(num):
             return math.inf
         return num / den if den > 0 else 0.0

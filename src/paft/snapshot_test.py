@@ -10,19 +10,34 @@ import torch
 from torch import nn
 
 from paft.fingerprint import state_fingerprint
+from paft.norms import norm_of
 from paft.protect_test import batch, toy_model
-from paft.snapshot import StateSnapshot, _norms, _total
+from paft.snapshot import StateSnapshot
 from paft.testing import NestedStateSGD
 
 
 def test_update_norms_of_half_precision_and_float64_tensors_do_not_overflow() -> None:
     # float16 norms ended at 65504 (a 1000 x 1000.0 layer read as inf: an update "ratio"
-    # of inf or 0); float64 weights' squares summed as Python floats raised OverflowError.
+    # of inf or 0); float64 weights' squares summed as Python floats raised OverflowError;
+    # float32 entries of 1e20 (a flipped exponent bit) overflowed float32's squares, so a
+    # finite update read as non-finite, where clipping's norm of the same values did not.
     tensors = [torch.full((1000,), 1000.0, dtype=torch.float16), torch.full((4,), 3e38, dtype=torch.bfloat16),
-               torch.full((2,), 1e150, dtype=torch.float64), torch.ones(9)]
+               torch.full((2,), 1e150, dtype=torch.float64), torch.ones(9), torch.full((3,), 1e20)]
     expected = math.hypot(*[float(x) for t in tensors for x in t])
-    assert _total(_norms(tensors)) == pytest.approx(expected, rel=1e-6)
-    assert _total(_norms(tensors[:1])) == pytest.approx(1000 * math.sqrt(1000), rel=1e-6)
+    assert norm_of(tensors) == pytest.approx(expected, rel=1e-6)
+    # alone, float16 values get a float16 norm (as clipping's): rounded, but finite
+    assert norm_of(tensors[:1]) == pytest.approx(1000 * math.sqrt(1000), rel=1e-3)
+    assert norm_of(tensors[-1:]) == pytest.approx(1e20 * math.sqrt(3), rel=1e-6)
+    assert norm_of(tensors[1:2]) == pytest.approx(6e38, rel=1e-2)
+
+
+def test_a_finite_update_of_huge_entries_has_a_finite_ratio() -> None:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    snap = StateSnapshot().capture(model, opt)
+    with torch.no_grad():
+        model.weight.add_(1e20)
+    assert math.isfinite(snap.update_ratio()) and snap.update_ratio() > 1e19
 
 
 class RebindingMomentum(torch.optim.Optimizer):

@@ -133,7 +133,7 @@ from torch import Tensor, nn
 
 from paft.collectives import collective_device, gather_rows, max_over_ranks
 from paft.config import SYNC_MODES
-from paft.divergence import all_finite, nonfinite_patterns, rel_distance, sound_replicas, sq_norm
+from paft.divergence import all_finite, nonfinite_patterns, rel_distance, sound_replicas
 from paft.fingerprint import fingerprint, group_replicas, state_tensors
 from paft.flat import (
     Group,
@@ -144,8 +144,8 @@ from paft.flat import (
     storage_of,
     structure_key,
     transport_view,
-    wide_dtype,
 )
+from paft.norms import sq_norm, wide_dtype
 from paft.records import jsonable
 from paft.robust import median_of_finite, median_of_three, replica_median
 from paft.sync_plan import COPY_MODES, SyncPlan, as_ddp_would, plan_sync
