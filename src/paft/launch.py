@@ -203,7 +203,7 @@ def _lock(run_dir: pathlib.Path) -> Iterator[None]:
     it ends): a second ``paft train --resume`` or ``--overwrite`` of a run in progress
     would interleave two runs' records in one directory."""
     try:
-        handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the run
+        handle = open(run_dir / LOCK_FILE, "a+")
     except OSError as err:
         raise RunDirError(f"--run-dir: cannot write {run_dir}: {err.strerror or err}") from None
     with handle:
@@ -218,7 +218,7 @@ def _lock(run_dir: pathlib.Path) -> Iterator[None]:
         yield
 
 
-def on_sigterm(signum: int, frame: Any) -> None:
+def on_sigterm(signum: int, _frame: Any) -> None:
     """SIGTERM (a scheduler's, ``kill``), SIGHUP and SIGQUIT unwind like Ctrl-C, so the clean-up in
     :func:`launch` runs: without it, a run killed while starting lost the run that
     ``--overwrite`` had moved aside, and left a directory holding only config.json.

@@ -254,7 +254,7 @@ def _read_config_file(path: str) -> dict[str, Any]:
             data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             data = tomllib.loads(text)
-    except Exception as err:  # noqa: BLE001 - every parser error becomes one clear message
+    except Exception as err:
         read_as = "" if suffix == ".toml" or kind != "TOML" else " (read as TOML: not .yaml, .yml or .json)"
         raise ConfigFileError(f"--config: {path} is not valid {kind}{read_as}: {err}") from None
     if not isinstance(data, dict):

@@ -297,7 +297,7 @@ def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, An
         raise ValueError(f"{path} is damaged ({bad} does not match its CRC-32)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as err:  # noqa: BLE001 - whatever torch.load finds wrong
+    except Exception as err:
         raise ValueError(f"{path}: {type(err).__name__}: {err}") from None
     if not isinstance(state, dict) or not _CHECKPOINT_KEYS <= state.keys():
         raise ValueError(f"{path} is a torch file but not a paft checkpoint")

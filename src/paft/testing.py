@@ -61,7 +61,7 @@ def _entry(
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():

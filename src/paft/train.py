@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ def _build_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def _lr_lambda(cfg: TrainConfig):  # noqa: ANN202 - a LambdaLR factor function
+def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
@@ -94,6 +95,21 @@ def _lr_lambda(cfg: TrainConfig):  # noqa: ANN202 - a LambdaLR factor function
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+@dataclass
+class _Timing:
+    """The timed training steps of every leg of a run (each leg's first few are not)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    """This process's CPU time (all its threads)."""
+
+    def add(self, seconds: float, cpu_seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.cpu_seconds += cpu_seconds
 
 
 class Trainer:
@@ -129,7 +145,7 @@ class Trainer:
         self.step = 0
         self._start_step = 0
         self.train_seconds = 0.0
-        self._timed = [0, 0.0, 0.0]  # (steps, seconds, CPU seconds) after the first steps of each leg
+        self._timed = _Timing()
         # A resume reads back the evaluations so far (non-finite values as floats again).
         self.evals: list[dict[str, Any]] = (
             [from_jsonable(e) for e in read_jsonl(run_dir / "evals.jsonl")] if cfg.resume else []
@@ -181,7 +197,7 @@ class Trainer:
 
     def train_step(self) -> StepReport:
         closure = self.closure(self.sampler.next_batch())
-        lr = self.scheduler.get_last_lr()[0]  # what this step trains with
+        lr = self.optimizer.param_groups[0]["lr"]  # what this step trains with
         start, cpu_start = time.perf_counter(), time.process_time()
         report = self.protector.step(closure)
         self.scheduler.step()
@@ -191,9 +207,7 @@ class Trainer:
         # The first steps pay one-off costs (DDP's bucket rebuild, lazy optimizer state):
         # leave them out of the throughput so short benchmark runs compare fairly.
         if self.step - self._start_step > _UNTIMED_STEPS:
-            self._timed[0] += 1
-            self._timed[1] += elapsed
-            self._timed[2] += time.process_time() - cpu_start
+            self._timed.add(elapsed, time.process_time() - cpu_start)
         self.recorder.metrics({
             "step": report.step, "local_loss": report.local_loss, "loss": report.loss,
             "grad_norm": report.grad_norm, "lr": lr,
@@ -237,8 +251,8 @@ class Trainer:
 
     def step_rate(self) -> float:
         """Steps per second of training steps (step time only: no evaluation, no checkpoints)."""
-        if self._timed[0]:
-            return self._timed[0] / self._timed[1]
+        if self._timed.steps:
+            return self._timed.steps / self._timed.seconds
         return self.step / self.train_seconds if self.train_seconds > 0 else 0.0
 
     # -- checkpoints -------------------------------------------------------------------
@@ -266,7 +280,7 @@ class Trainer:
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "train_seconds": self.train_seconds,
-            "timed": list(self._timed),
+            "timed": [self._timed.steps, self._timed.seconds, self._timed.cpu_seconds],
             # What a resume must not change is checked against this, not config.json alone,
             # which a user may edit (and a resume rewrites).
             "config": self.cfg.to_dict(),
@@ -313,7 +327,6 @@ class Trainer:
         self.scheduler.base_lrs = [self.cfg.lr] * len(self.optimizer.param_groups)
         for group in self.optimizer.param_groups:
             group.update(initial_lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, lr=self.cfg.lr * factor)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def load_checkpoint(self) -> None:
         name, state = self._read_checkpoint()
@@ -331,7 +344,7 @@ class Trainer:
         self.train_seconds = float(state.get("train_seconds", 0.0))  # over every leg of the run
         if "timed" in state:  # the timed steps of every leg (older checkpoints: this leg's only)
             steps, seconds, cpu = state["timed"]
-            self._timed = [int(steps), float(seconds), float(cpu)]
+            self._timed = _Timing(int(steps), float(seconds), float(cpu))
         # The interrupted run may have logged steps past its last checkpoint: drop them.
         self.recorder.resumed_at(self.step)
         truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", self.step)
@@ -353,9 +366,10 @@ class Trainer:
         groups = group_replicas(fps)
         divergence = self.evals[-1]["replica_rel_diff"]
         # Faults are injected per rank and CPU time is per process; the rest is identical everywhere.
-        cpu_per_step = self._timed[2] / self._timed[0] if self._timed[0] else math.nan
-        counters = torch.tensor([self.protector.counters["faults_injected"], cpu_per_step], dtype=torch.float64)
-        dist.all_reduce(counters)
+        cpu_per_step = self._timed.cpu_seconds / self._timed.steps if self._timed.steps else math.nan
+        summed_over_ranks = torch.tensor([self.protector.counters["faults_injected"], cpu_per_step],
+                                         dtype=torch.float64)
+        dist.all_reduce(summed_over_ranks)
         first, last = self.evals[0], self.evals[-1]
         c = self.protector.counters
         summary: dict[str, Any] = {
@@ -367,7 +381,8 @@ class Trainer:
             "final_val_loss_max": max_or_nan(last["val_loss_per_rank"]),
             "steps_per_s": self.step_rate(),
             # None when no step was timed (the first few are not: see _UNTIMED_STEPS).
-            "cpu_ms_per_step": None if math.isnan(counters[1]) else 1e3 * float(counters[1]) / self.world_size,
+            "cpu_ms_per_step": (None if math.isnan(summed_over_ranks[1])
+                                else 1e3 * float(summed_over_ranks[1]) / self.world_size),
             "wall_s": self.train_seconds,
             "replicas_distinct": len(groups),
             "replica_groups": groups,
@@ -375,7 +390,7 @@ class Trainer:
             "state_fingerprint": f"{whole[0] & (2**64 - 1):016x}",
             "max_replica_rel_diff": divergence,
             "max_replica_rel_diff_run": max_or_nan(e["replica_rel_diff"] for e in self.evals),
-            "faults_injected": int(counters[0]),
+            "faults_injected": int(summed_over_ranks[0]),
             "syncs": c["syncs"],
             "sync_bytes": c["sync_bytes"],
             "detections": c["detections"],

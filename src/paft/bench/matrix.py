@@ -9,11 +9,13 @@ fits in about 20 minutes on 2 cores), at 4 ranks, same seed and data order every
    to inject the faults);
 3. ``averager``: faults + ``torch.distributed.algorithms.model_averaging``'s
    PeriodicModelAverager at period H (the in-tree anchor);
-4. ``torchft-localsgd``: listed as skipped unless torchft is installed;
-5. ``paft-sync``: faults + PAFT-Sync at H;
-6. ``paft-dyn``: faults + PAFT-Dyn;
-7. ``guard``: faults + guard;
-8. ``dyn+guard``: faults + PAFT-Dyn + guard.
+4. ``paft-sync``: faults + PAFT-Sync at H;
+5. ``paft-dyn``: faults + PAFT-Dyn;
+6. ``guard``: faults + guard;
+7. ``dyn+guard``: faults + PAFT-Dyn + guard.
+
+(torchft's LocalSGD is not among them: it needs torchft's lighthouse service and, like
+the averager, syncs parameters only.)
 
 Fault settings: aggregation bit flips on rank 1, exponent and mantissa classes, at
 rates 1e-3, 1e-2, 1e-1 per step; plus an exponent flip in the local gradient
@@ -40,7 +42,6 @@ from paft.bench.runner import (
     mean_local_loss,
     run_all,
     throughput_ratios,
-    torchft_available,
     trailing_mean,
     write_outputs,
 )
@@ -162,8 +163,6 @@ def summarize(out: pathlib.Path, runs: list[Run], workloads: list[str], steps: i
             if r.labels["scenario"] != REFERENCE:
                 base = unprotected.get(r.labels["setting"])
                 rows.append(_row(r, ref, ratios[r.name][0], r.summary["steps_per_s"] / base if base else None))
-    skipped = [] if torchft_available() else [
-        "torchft-localsgd: skipped (torchft is not installed; `pip install torchft` to add it)"]
     header = ["workload", "setting", "scenario", "val loss", "gap %", "worst gap %", "max div", "end div", "replicas",
               "faults", "syncs", "sync MB", "detect", "recomp", "thru / ref", "thru / unprot"]
     table = markdown_table(header, [
@@ -180,15 +179,13 @@ def summarize(out: pathlib.Path, runs: list[Run], workloads: list[str], steps: i
           f"setting (the same comm-hook path, no defense).\n\n{table}\n")
     if acc_rows:
         md += "\nresnet validation accuracy:\n\n" + markdown_table(["setting", "scenario", "val acc"], acc_rows) + "\n"
-    if skipped:
-        md += "\n" + "\n".join(f"- {s}" for s in skipped) + "\n"
-    results = {"steps": steps, "world_size": world_size, "workloads": workloads, "rows": rows, "skipped": skipped,
+    results = {"steps": steps, "world_size": world_size, "workloads": workloads, "rows": rows,
                "runs": [{"name": r.name, "group": r.group, "config": r.config, "labels": r.labels,
                          "summary": r.summary} for r in runs]}
     plots = _plots(out, runs, workloads)
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     write_outputs(out, "paft bench matrix", results, md)
-    console("\n".join(["\n" + table, *skipped]))
+    console("\n" + table)
     return results
 
 

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import pathlib
@@ -49,7 +48,6 @@ __all__ = [
     "make_config",
     "write_outputs",
     "markdown_table",
-    "torchft_available",
     "mean_local_loss",
 ]
 
@@ -199,10 +197,6 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def torchft_available() -> bool:
-    return importlib.util.find_spec("torchft") is not None
 
 
 def mean_local_loss(run_dir: str) -> tuple[list[int], list[float]]:
