@@ -52,6 +52,7 @@ __all__ = [
     "COL_AGG_LO",
     "COL_STATE_HI",
     "COL_STATE_LO",
+    "checksum_keys",
     "COL_FLAGS",
     "COL_FAULTS",
     "ControlVector",
@@ -85,7 +86,9 @@ class ControlVector:
     """Squared norm of this rank's local gradient (summed over buckets)."""
     agg_norm: float
     """Norm of this rank's aggregated gradient."""
-    agg_fingerprint: int
+    agg_checksum: int
+    """64-bit digest of this rank's aggregated gradient (equal on every rank unless the
+    all-reduce results differ: the replicas split at this step)."""
     state_fingerprint: int | None
     flags: int
     faults: int
@@ -93,7 +96,7 @@ class ControlVector:
 
     def pack(self, sketch_dim: int) -> torch.Tensor:
         vec = np.zeros(HEADER + sketch_dim, dtype=np.float64)
-        agg_hi, agg_lo = split_int64(self.agg_fingerprint)
+        agg_hi, agg_lo = split_int64(self.agg_checksum)
         st_hi, st_lo = split_int64(self.state_fingerprint or 0)
         flags = self.flags | (FLAG_STATE_CHECKED if self.state_fingerprint is not None else 0)
         vec[:HEADER] = (self.loss, self.local_sq, self.agg_norm, agg_hi, agg_lo, st_hi, st_lo, flags, self.faults)
@@ -141,8 +144,9 @@ class ControlView:
         """The header columns' exact float64 bit patterns, per rank."""
         return np.ascontiguousarray(self.matrix[:, :HEADER]).view(np.int64).tolist()
 
-    def agg_fingerprints(self) -> list[int]:
-        return [join_int64(hi, lo) for hi, lo in self.matrix[:, [COL_AGG_HI, COL_AGG_LO]].tolist()]
+    def agg_checksum_keys(self) -> list[int]:
+        """Each rank's aggregated-gradient checksum as a key: equal keys, equal checksums."""
+        return checksum_keys(self.header_bits())
 
     def state_fingerprints(self) -> list[int] | None:
         if not all(f & FLAG_STATE_CHECKED for f in self.flags):
@@ -156,6 +160,14 @@ class ControlView:
     def global_loss(self) -> float:
         """Mean of the local losses: what DDP users usually log."""
         return float(self.losses.mean())
+
+
+def checksum_keys(bits: list[list[int]]) -> list[int]:
+    """Each rank's aggregated-gradient checksum, from the control rows' float64 bit
+    patterns (:meth:`ControlView.header_bits`), as one 128-bit integer: compared by
+    their bits, the halves need no :func:`join_int64`, which raises on a half that was
+    corrupted into a non-integer."""
+    return [(row[COL_AGG_HI] << 64) + (row[COL_AGG_LO] & ((1 << 64) - 1)) for row in bits]
 
 
 class PendingControl:
@@ -277,7 +289,7 @@ def replica_metrics(view: ControlView) -> dict[str, Any]:
     majority (none when no group holds one: with two ranks that disagree, or an even
     split, which side is faulty is unknown); and, at a split, the groups themselves."""
     out: dict[str, Any] = {}
-    _replica_keys(out, "grad", view.agg_fingerprints())
+    _replica_keys(out, "grad", view.agg_checksum_keys())
     state = view.state_fingerprints()
     if state is not None:
         _replica_keys(out, "state", state)

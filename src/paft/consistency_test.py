@@ -25,7 +25,7 @@ def view_of(losses: list[float], norms: list[float], sketches: torch.Tensor | No
     rows = []
     for r, (loss, norm) in enumerate(zip(losses, norms)):
         rows.append(ControlVector(
-            loss=loss, local_sq=norm**2, agg_norm=1.0, agg_fingerprint=(agg_fps or [7] * len(losses))[r],
+            loss=loss, local_sq=norm**2, agg_norm=1.0, agg_checksum=(agg_fps or [7] * len(losses))[r],
             state_fingerprint=None if state_fps is None else state_fps[r], flags=0, faults=0,
             sketch=None if sketches is None else sketches[r],
         ).pack(k))

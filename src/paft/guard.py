@@ -122,7 +122,7 @@ from paft.config import GuardConfig
 from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOCAL_NONFINITE, FLAG_LOSS_NONFINITE, ControlView
 from paft.fingerprint import group_replicas, outside_majority
 from paft.records import jsonable
-from paft.rerun import aggregate_keys, bits_f64, close, f64_bits, reproduced, unsteady_ranks
+from paft.rerun import bits_f64, close, f64_bits, reproduced, unsteady_ranks
 from paft.spikes import (
     MAD_TO_STD,
     REL_FLOOR_GRAD,
@@ -443,7 +443,7 @@ class Guard:
                 if name == "nonfinite_agg_grad" and len(bad) == ws:
                     ranks = self._local_suspects(losses, local)
                 return name, ranks, {"value": col[bad[0]], "rank": float(bad[0]), "count": float(len(bad))}
-        groups = group_replicas(aggregate_keys(view.header_bits()))
+        groups = group_replicas(view.agg_checksum_keys())
         if len(groups) > 1:
             return "grad_mismatch", self._mismatch_suspects(groups, agg), {
                 "distinct": float(len(groups)), "grad_norm_min": min(agg), "grad_norm_max": max(agg)}

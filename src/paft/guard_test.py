@@ -46,7 +46,7 @@ def make_view(
             loss=float(losses[r]),
             local_sq=float(local[r]) ** 2,
             agg_norm=agg[r],
-            agg_fingerprint=(fps or [FP] * ws)[r],
+            agg_checksum=(fps or [FP] * ws)[r],
             state_fingerprint=(states or [None] * ws)[r],
             flags=(flags or [0] * ws)[r],
             faults=(faults or [0] * ws)[r],

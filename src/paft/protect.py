@@ -587,7 +587,7 @@ class Protector:
             loss=local_loss,
             local_sq=local_sq,
             agg_norm=agg_norm,
-            agg_fingerprint=agg_checksum,
+            agg_checksum=agg_checksum,
             state_fingerprint=state_fp,
             flags=flags,
             faults=len(cap.faults) + rest_faults,
@@ -644,7 +644,7 @@ class Protector:
         not). A fault that makes one rank's local gradient non-finite looks the same, and
         is skipped as the scaler would skip it."""
         if not (self._stepper.scaler is not None and len(view.ranks_with(FLAG_AGG_NONFINITE)) == self.world_size
-                and len(set(view.agg_fingerprints())) == 1 and not view.ranks_with(FLAG_LOSS_NONFINITE)):
+                and len(set(view.agg_checksum_keys())) == 1 and not view.ranks_with(FLAG_LOSS_NONFINITE)):
             return False
         states = view.state_fingerprints()
         if states is None:  # not a state-check step: look now (every rank alike; overflows are rare)
@@ -724,7 +724,7 @@ class Protector:
             # snapshot) keeps. Look again now (every rank alike: the view is shared), so a
             # split still there is repaired in this step, not the next.
             state_split = len(group_replicas(self._state_fingerprints_now())) > 1
-        return state_split or (applied and len(group_replicas(view.agg_fingerprints())) > 1)
+        return state_split or (applied and len(group_replicas(view.agg_checksum_keys())) > 1)
 
     def _repair(self, step: int, rerun: bool) -> None:
         """The guard found replicas with different state: a blocking robust sync (the

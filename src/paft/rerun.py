@@ -51,10 +51,11 @@ from paft.consistency import (
     COL_STATE_LO,
     FLAG_AGG_NONFINITE,
     FLAG_STATE_CHECKED,
+    checksum_keys,
 )
 from paft.fingerprint import group_replicas
 
-__all__ = ["RERUN_RTOL", "aggregate_keys", "bits_f64", "close", "f64_bits", "reproduced", "unsteady_ranks"]
+__all__ = ["RERUN_RTOL", "bits_f64", "close", "f64_bits", "reproduced", "unsteady_ranks"]
 
 RERUN_RTOL = 1e-3  # finite reruns this close count as the same result
 
@@ -144,7 +145,7 @@ def reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | No
             close(x, y) for x, y in zip(ra[:COL_AGG_HI], rb[:COL_AGG_HI])
         ):
             return False
-    return rows is not None or group_replicas(aggregate_keys(prev)) == group_replicas(aggregate_keys(cur))
+    return rows is not None or group_replicas(checksum_keys(prev)) == group_replicas(checksum_keys(cur))
 
 
 def unsteady_ranks(prev: list[list[int]], cur: list[list[int]]) -> list[int]:
@@ -160,10 +161,3 @@ def unsteady_ranks(prev: list[list[int]], cur: list[list[int]]) -> list[int]:
     values = [[bits_f64(x) for x in row[own]] for row in cur]
     bounds = [(min(values[r][c] for r in steady), max(values[r][c] for r in steady)) for c in range(2)]
     return [r for r in moved if any(not lo <= values[r][c] <= hi for c, (lo, hi) in enumerate(bounds))]
-
-
-def aggregate_keys(bits: list[list[int]]) -> list[int]:
-    """Each rank's aggregated-gradient fingerprint as one 128-bit integer."""
-    # Compare the fingerprint halves by their bits: no join_int64, which would
-    # raise on a half corrupted into a non-integer.
-    return [(row[COL_AGG_HI] << 64) + (row[COL_AGG_LO] & ((1 << 64) - 1)) for row in bits]
