@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from paft.records import from_jsonable_float
+from paft.values import fits
 
 __all__ = [
     "OPTIMIZERS",
@@ -64,9 +65,7 @@ def _check_types(obj: Any) -> None:
         if kind not in (bool, int, float, str):
             continue
         value = getattr(obj, f.name)
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else (
-            type(value) is kind if kind is bool else isinstance(value, kind) and not isinstance(value, bool))
-        if not ok:  # the command line and config files are type-checked before this
+        if not fits(kind, value):  # the command line and config files are type-checked before this
             raise ValueError(f"{type(obj).__name__}.{f.name}: expected {kind.__name__}, got {value!r}")
 
 

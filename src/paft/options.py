@@ -38,6 +38,7 @@ from paft.config import (
 from paft.faultspec import parse_specs
 from paft.records import is_file
 from paft.rundir import resolve_run_dir
+from paft.values import fits
 from paft.workloads import WORKLOADS
 
 if sys.version_info >= (3, 11):
@@ -300,7 +301,7 @@ def _coerce(opt: Option, value: Any, where: str) -> Any:
             value = float(value)
         except ValueError:
             pass
-    if not isinstance(value, opt.kind) or isinstance(value, bool):
+    if not fits(opt.kind, value):
         # YAML 1.1 reads off/on/no/yes unquoted as false/true ("cosine: off")
         hint = "; quote it" if isinstance(value, bool) and opt.kind is str else ""
         raise ConfigFileError(f"{where}: expected {opt.kind.__name__}, got {value!r}{hint}")

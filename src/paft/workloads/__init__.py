@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paft.values import fits
 from paft.workloads.data import (
     MNIST_TRAIN_SIZE,
     ArrayDataset,
@@ -156,17 +156,12 @@ def _make_config(cls: type, defaults: dict[str, Any], model_args: dict[str, Any]
                 value = float(value)
             except ValueError:
                 pass
-        if kind is bool:
-            ok = isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        elif kind is float:
+        ok = fits(kind, value)
+        if ok and kind is float:
             try:  # an int beyond float's range overflows
-                ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+                ok = math.isfinite(value)
             except OverflowError:
                 ok = False
-        else:
-            ok = isinstance(value, kind)
         if not ok:
             raise ValueError(f"{key} must be {want}, got {value!r}")
         args[key] = kind(value)

@@ -172,16 +172,17 @@ def test_loss_decreases_with_adam(name: str) -> None:
     opt = torch.optim.Adam(wl.model.parameters(), lr=3e-3)
     sampler = ShardedSampler(len(wl.train), 0, 1, batch_size=16, seed=0)
     first: list[float] = []
-    for _step, idx in zip(range(30), sampler):
+    # ResNet's eval-mode loss lags: its BatchNorm running statistics trail the weights,
+    # so after 30 steps its held-out loss had moved by 0.04 to 0.1 depending on the
+    # CPU's kernels (a margin a test cannot rest on); after 60 it has halved.
+    for _step, idx in zip(range(60 if name == "resnet" else 30), sampler):
         loss = wl.loss(wl.model, *wl.train.get(idx))
         opt.zero_grad()
         loss.backward()
         opt.step()
         first.append(loss.item())
     after = wl.evaluate(wl.model, batch_size=32, max_batches=2)["val_loss"]
-    # Val loss is measured in eval mode; ResNet's BatchNorm running stats lag its
-    # weights this early, so its held-out loss moves less than its training loss.
-    assert after < before - (0.1 if name == "resnet" else 0.5), (before, after)
+    assert after < before - 0.5, (before, after)
     assert sum(first[:5]) / 5 - sum(first[-5:]) / 5 > 0.3, first
 
 
