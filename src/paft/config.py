@@ -144,8 +144,8 @@ class ProtectConfig:
     h_max: int = 400
     """Largest period PAFT-Dyn may choose (``--h-max``)."""
     target: float = 1e-4
-    """PAFT-Dyn divergence target: relative L2 distance of replicas to their mean
-    (``--dyn-target``)."""
+    """PAFT-Dyn divergence target: the parameters' largest relative L2 distance to the
+    replica the sync takes (the mean, or the copied replica) (``--dyn-target``)."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -156,7 +156,7 @@ class ProtectConfig:
         _require(self.h_min >= 1, "--h-min", f"must be >= 1, got {self.h_min}")
         _require(self.h_max >= self.h_min, "--h-max", f"must be >= --h-min ({self.h_min}), got {self.h_max}")
         _require(
-            self.target > 0 and math.isfinite(self.target), "--dyn-target", f"must be > 0, got {self.target}"
+            self.target > 0 and math.isfinite(self.target), "--dyn-target", f"must be a finite number > 0, got {self.target}"
         )
 
 

@@ -187,7 +187,8 @@ class DynConfig:
     """Largest period: never sync less often than every ``h_max`` steps."""
 
     target: float = 1e-4
-    """Divergence target: the relative L2 distance of the replicas to their mean,
+    """Divergence target: the replicas' largest relative L2 distance to the replica the
+    sync takes (their mean, or the copied one: :attr:`paft.sync.SyncReport.divergence`),
     measured just before a sync, that the period is tuned to stay under."""
 
     shrink: float = 0.5

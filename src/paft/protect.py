@@ -701,8 +701,7 @@ class Protector:
             and self._replicas_split(view, state_is_stale, applied)
         )
         if triggered:
-            self.scheduler.trigger(step)
-            self.recorder.event({"step": step, "event": "dyn_trigger", "period": self.scheduler.period})
+            self._dyn_trigger(step)
         if not self.scheduler.due(step):
             return False
         # A repair blocks: the next gradient must come from repaired replicas (a faulty
@@ -736,10 +735,20 @@ class Protector:
         # the step's fingerprints from before the repair.
         seen_from = step if rerun else step + 1
         self._stale_fingerprints = True  # until the recompute's own
-        if self._repairer is self.sync:
-            self._on_sync(step, self._repairer.sync(), seen_from=seen_from)
-        else:  # without PAFT-Sync, or with a mode that averages
-            self._record_sync(step, self._repairer.sync(), "repair", seen_from=seen_from)
+        dyn = isinstance(self.scheduler, DynScheduler)
+        if dyn:  # the split the guard found is Dyn's event too: H shrinks as at its own trigger
+            self._dyn_trigger(step)
+        report = self._repairer.sync()
+        if self._repairer is self.sync or dyn:  # the scheduler hears of it (Dyn with any sync mode)
+            self._on_sync(step, report, seen_from, event="sync" if self._repairer is self.sync else "repair")
+        else:  # without PAFT-Sync, or with a fixed period and a mode that averages
+            self._record_sync(step, report, "repair", seen_from=seen_from)
+
+    def _dyn_trigger(self, step: int) -> None:
+        """Replicas split at ``step``: PAFT-Dyn's event trigger (a sync due at once, H shrunk)."""
+        assert self.scheduler is not None
+        self.scheduler.trigger(step)
+        self.recorder.event({"step": step, "event": "dyn_trigger", "period": self.scheduler.period})
 
     def _keep_agreed_state(self, view: ControlView) -> None:
         """This step's state fingerprints agree: with two ranks, that state is what a
@@ -760,9 +769,9 @@ class Protector:
         self._on_sync(step - 1, report, seen_from=step + 1 if in_step else step)
         return True
 
-    def _on_sync(self, step: int, report: SyncReport, seen_from: int) -> None:
+    def _on_sync(self, step: int, report: SyncReport, seen_from: int, event: str = "sync") -> None:
         assert self.scheduler is not None
-        self._record_sync(step, report, "sync", seen_from, period=self.scheduler.observe(step, report.divergence))
+        self._record_sync(step, report, event, seen_from, period=self.scheduler.observe(step, report.divergence))
 
     def _record_sync(self, step: int, report: SyncReport, event: str, seen_from: int, **extra: Any) -> None:
         """Count and record a sync or repair. ``seen_from``: the first step whose state

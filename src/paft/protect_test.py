@@ -649,6 +649,25 @@ def test_dyn_repairs_at_once_a_split_the_overlapped_sync_finishing_meanwhile_cou
     assert runs[True][0]["fingerprint"] == runs[False][0]["fingerprint"]
 
 
+@pytest.mark.parametrize("sync_mode", ["robust", "mean"])
+def test_a_split_the_guard_repairs_shortens_dyns_period(tmp_path: Path, sync_mode: str) -> None:
+    # With the guard on, its state_mismatch repair comes first and the step's own split
+    # check then finds agreement: Dyn never heard of the split. The repair counted as a
+    # calm sync (robust) or not at all (mean: the guard's own repairer), and H grew
+    # 16 -> 32 -> 64 under repeated faults, where without the guard it shrinks.
+    out = run_workers(train_toy, 3, {
+        "steps": 14, "monitor": {"fingerprint_every": 1}, "run_dir": str(tmp_path),
+        "protect": {"mode": "dyn", "sync_mode": sync_mode, "sync_period": 16, "h_min": 2, "h_max": 64},
+        "guard": {"enabled": True, "warmup": 2},
+        "inject": ["bitflip:site=params,steps=4+8+12,ranks=2,bits=0"],
+    })
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "dyn_trigger"] == [4, 8, 12]
+    periods = [e["period"] for e in events if "period" in e]
+    assert periods[0] == 8 and min(periods) == 2 and periods == sorted(periods, reverse=True), periods
+    assert len({o["fingerprint"] for o in out}) == 1
+
+
 @pytest.mark.parametrize("init_std", [0.0, 1e-3])
 def test_guard_trains_a_zero_or_small_initialised_model_like_ddp(init_std: float) -> None:
     # The first updates of such a model exceed its weights (from zeros: no ratio at all).

@@ -343,11 +343,13 @@ def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> N
 
 
 def _periods(run: RunData) -> list[tuple[int, float]]:
-    """(step, sync period) of every event that set one. Sorted by step only: within a
+    """(step, sync period) of every event that set one (a guard's repair under PAFT-Dyn
+    does). Sorted by step only: within a
     step the file's order holds (a trigger's period, then the sync's answer to it,
     which is the period in force from that step on)."""
     return sorted(((int(e["step"]), _num(e["period"])) for e in run.events
-                   if e.get("event") in ("sync", "dyn_trigger") and "period" in e), key=lambda p: p[0])
+                   if e.get("event") in ("sync", "repair", "dyn_trigger") and "period" in e),
+                  key=lambda p: p[0])
 
 
 def _plot_divergence(run: RunData) -> bytes | None:

@@ -210,7 +210,7 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
                 div_ax.plot([e["step"] for e in evals], [_finite_or_nan(e["replica_rel_diff"]) for e in evals],
                             marker="o", ms=3, label=name)
                 events = read_jsonl(pathlib.Path(r.config["run_dir"]) / "events.jsonl")
-                syncs = [e for e in events if e.get("event") == "sync"]
+                syncs = [e for e in events if e.get("event") in ("sync", "repair") and "period" in e]
                 if syncs and name in ("paft-dyn", "dyn+guard", "paft-sync"):
                     h_ax.step([e["step"] for e in syncs], [e["period"] for e in syncs], where="post", label=name)
             loss_ax.set(title=f"{workload}: {setting}", xlabel="step", ylabel="train loss, mean over ranks (smoothed)")
