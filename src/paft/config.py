@@ -155,9 +155,8 @@ class ProtectConfig:
         _require(self.broadcast_src >= 0, "--broadcast-src", f"must be a rank >= 0, got {self.broadcast_src}")
         _require(self.h_min >= 1, "--h-min", f"must be >= 1, got {self.h_min}")
         _require(self.h_max >= self.h_min, "--h-max", f"must be >= --h-min ({self.h_min}), got {self.h_max}")
-        _require(
-            self.target > 0 and math.isfinite(self.target), "--dyn-target", f"must be a finite number > 0, got {self.target}"
-        )
+        _require(self.target > 0 and math.isfinite(self.target), "--dyn-target",
+                 f"must be a finite number > 0, got {self.target}")
 
 
 @dataclass

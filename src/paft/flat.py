@@ -24,6 +24,7 @@ __all__ = [
     "Group",
     "Layout",
     "build_layout",
+    "copy_all_",
     "pack",
     "ranges_in",
     "storage_of",
@@ -109,6 +110,18 @@ def pack(flat: Tensor, tensors: list[Tensor]) -> Tensor:
             flat[o : o + t.numel()].copy_(t.reshape(-1))
             o += t.numel()
     return flat
+
+
+def copy_all_(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``d.copy_(s)`` for each pair: one batched ``_foreach_copy_`` for the pairs on one
+    device, a copy each for the rest (Adam's step counters on the CPU beside CUDA
+    parameters)."""
+    same = [(d, s) for d, s in zip(dst, src) if d.device == s.device]
+    if same:
+        torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
+    for d, s in zip(dst, src):
+        if d.device != s.device:
+            d.copy_(s)
 
 
 def ranges_in(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:

@@ -139,6 +139,7 @@ from paft.flat import (
     Group,
     Layout,
     build_layout,
+    copy_all_,
     pack,
     ranges_in,
     storage_of,
@@ -393,11 +394,7 @@ class ReplicaSync:
         if all(n in ref and ref[n].dtype == t.dtype and ref[n].shape == t.shape for n, t, _ in entries):
             dst, src = [ref[n] for n, _, _ in entries], [t for _, t, _ in entries]
             with torch.no_grad():  # the usual case: the same tensors as last time, copied in place
-                if all(d.device == s.device for d, s in zip(dst, src)):
-                    torch._foreach_copy_(dst, src)
-                else:  # Adam's step counters on the CPU beside CUDA parameters
-                    for d, s in zip(dst, src):
-                        d.copy_(s)
+                copy_all_(dst, src)
         else:  # state the reference has not seen yet (optimizer state created since)
             layout = self._layout_for(entries)
             self._ref = {**ref, **self._capture(layout, [self._pack_group(g, entries) for g in layout.groups])}
@@ -869,12 +866,7 @@ class ReplicaSync:
                         later.append((target, value))
                     else:
                         target.copy_(value)
-            same = [(a, b) for a, b in zip(copy_dst, copy_src) if a.device == b.device]
-            if same:
-                torch._foreach_copy_([a for a, _ in same], [b for _, b in same])
-            for a, b in zip(copy_dst, copy_src):
-                if a.device != b.device:
-                    a.copy_(b)
+            copy_all_(copy_dst, copy_src)
             for a, b in later:  # after the copies: a correction wins over a plain copy
                 a.copy_(b)
         return delta_tensors
