@@ -446,10 +446,19 @@ def _counts(records: list[dict[str, Any]], key: str, prefix: str = "") -> str:
 
 def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     """The plain-text summary of a run (what ``paft report`` prints)."""
-    s = run.summary or {}
-    cfg = run.config
-    last = run.last_step + 1
-    lines = [f"paft report: {run.path}"]
+    lines = [f"paft report: {run.path}", *_notes(run), *_header(run), *_losses(run), _speed(run),
+             *_replicas(run), *_faults(run), _first_split_line(run), _counters(run), *_metric_extremes(run),
+             _alerts(run)]
+    if files:
+        folder = Path(files[0]).parent
+        lines.append(f"plots in {folder}: {', '.join(Path(f).name for f in files)}")
+    return "\n".join(lines) + "\n"
+
+
+def _notes(run: RunData) -> list[str]:
+    """Why the run ended early, or why its summary is missing or behind its records."""
+    cfg, last = run.config, run.last_step + 1
+    lines = []
     # paft train records a guard stop twice: the guard's verdict, and the trainer's "stop"
     # event with its reason; a library user's run has the verdict only. One note either way.
     stops = run.events_of("stop") or [g for g in run.events_of("guard") if g.get("action") == "stop"]
@@ -464,15 +473,26 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     elif not stops and run.summary is None:
         lines.append(f"note: no summary.json: the run is still running or crashed; reported from the jsonl "
                      f"files ({last} of {cfg.get('steps', '?')} steps recorded)")
+    return lines
+
+
+def _header(run: RunData) -> list[str]:
+    s, cfg = run.summary or {}, run.config
     protect = s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))
     guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
-    lines += [
+    return [
         f"workload: {s.get('workload', cfg.get('workload', '?'))}   world size: {run.world_size}   "
-        f"steps: {s.get('steps', last)} of {cfg.get('steps', '?')}",
+        f"steps: {s.get('steps', run.last_step + 1)} of {cfg.get('steps', '?')}",
         f"protection: {protect}   guard: {'on' if guard else 'off'}   "
         f"injected: {'; '.join(cfg.get('inject') or []) or 'none'}",
     ]
+
+
+def _losses(run: RunData) -> list[str]:
+    """First and last evaluation (the worst rank's loss where it differs visibly)."""
+    s = run.summary or {}
     first, final = (run.evals[0], run.evals[-1]) if run.evals else ({}, {})
+    lines = []
     for key, name in (("val_loss", "val loss"), ("val_acc", "val acc")):
         a, b = s.get(f"initial_{key}", first.get(key)), s.get(f"final_{key}", final.get(key))
         if a is not None and b is not None:
@@ -481,27 +501,40 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
             shown = f"{worst:.4f}" != f"{_num(b):.4f}"  # a difference the line can show
             spread = f", worst rank {worst:.4f}" if key == "val_loss" and shown else ""
             lines.append(f"{name}: {_num(a):.4f} (step {first.get('step', 0)}) -> {_num(b):.4f} "
-                         f"(step {final.get('step', last)}{spread})")
+                         f"(step {final.get('step', run.last_step + 1)}{spread})")
+    return lines
+
+
+def _speed(run: RunData) -> str:
+    s = run.summary or {}
     if "steps_per_s" in s:
-        lines.append(f"speed: {s['steps_per_s']:.2f} steps/s ({_num(s.get('wall_s')):.2f} s in training steps)")
-    else:
-        rank, records = next(iter(run.metrics.items()))
-        times = [_num(r.get("step_time")) for r in records]
-        total = sum(t for t in times if math.isfinite(t))
-        lines.append(f"speed: {len(times) / total:.2f} steps/s (rank {rank} step times)" if total > 0 else "speed: ?")
+        return f"speed: {s['steps_per_s']:.2f} steps/s ({_num(s.get('wall_s')):.2f} s in training steps)"
+    rank, records = next(iter(run.metrics.items()))
+    times = [_num(r.get("step_time")) for r in records]
+    total = sum(t for t in times if math.isfinite(t))
+    return f"speed: {len(times) / total:.2f} steps/s (rank {rank} step times)" if total > 0 else "speed: ?"
+
+
+def _replicas(run: RunData) -> list[str]:
+    s = run.summary or {}
     if "replicas_distinct" in s:
-        lines.append(f"replicas distinct at the end: {s['replicas_distinct']} (groups {s.get('replica_groups', '?')}, "
-                     f"max relative difference {_num(s.get('max_replica_rel_diff')):.3g})")
-    elif run.consistency:
-        lines.append(_last_state_check(run))
-    n_faults = int(s.get("faults_injected", len(run.faults)))
-    lines.append(f"faults injected: {n_faults}")
+        return [f"replicas distinct at the end: {s['replicas_distinct']} (groups {s.get('replica_groups', '?')}, "
+                f"max relative difference {_num(s.get('max_replica_rel_diff')):.3g})"]
+    return [_last_state_check(run)] if run.consistency else []
+
+
+def _faults(run: RunData) -> list[str]:
+    lines = [f"faults injected: {int((run.summary or {}).get('faults_injected', len(run.faults)))}"]
     if run.faults:
         lines.append(f"  by site: {_counts(run.faults, 'site')}")
         lines.append(f"  by kind: {_counts(run.faults, 'kind')}")
         lines.append(f"  by rank: {_counts(run.faults, 'rank', 'rank ')}")
         f0 = min(run.faults, key=lambda f: f.get("step", 0))
         lines.append(f"  first: step {f0.get('step')}, rank {f0.get('rank')}, {f0.get('site')}/{f0.get('kind')}")
+    return lines
+
+
+def _first_split_line(run: RunData) -> str:
     split = _first_split(run)
     if split is not None:
         step, ranks, what, caught = split
@@ -509,15 +542,19 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
         tie = "; no strict majority" if not ranks or 2 * len(ranks) >= run.world_size else ""
         undone = "; the guard caught it before the update" if caught else ""
         where = f" on {_ranks(ranks)}" if ranks else ""
-        lines.append(f"first replica split: step {step}{where} ({' and '.join(what)} fingerprints differ{tie}{undone})")
-    elif any("replicas/grad_distinct" in r for r in run.consistency):
-        lines.append("first replica split: none (replicas identical at every recorded step)")
-    else:
-        lines.append("first replica split: not recorded (no fingerprints in consistency.jsonl)")
+        return f"first replica split: step {step}{where} ({' and '.join(what)} fingerprints differ{tie}{undone})"
+    if any("replicas/grad_distinct" in r for r in run.consistency):
+        return "first replica split: none (replicas identical at every recorded step)"
+    return "first replica split: not recorded (no fingerprints in consistency.jsonl)"
+
+
+def _counters(run: RunData) -> str:
+    """Syncs and the guard's counts: the summary's, else the guard's own counts, which
+    each of its events carries; a run recorded before they did is counted from the
+    events (an incident's first attempt that made the guard act is one detection; a
+    repair is followed by a recompute)."""
+    s = run.summary or {}
     guards = run.events_of("guard")
-    # Without a summary: the guard's own counts, which each of its events carries; a run
-    # recorded before they did is counted from the events (an incident's first attempt
-    # that made the guard act is one detection; a repair is followed by a recompute).
     totals = next((g["totals"] for g in reversed(guards) if isinstance(g.get("totals"), dict)), None) or {
         "detections": len({g.get("step") for g in guards if g.get("action") != "proceed" and not g.get("attempt")}),
         "recomputes": sum(1 for g in guards if g.get("action") in ("recompute", "repair")),
@@ -529,9 +566,12 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
         "recomputes": s.get("recomputes", totals.get("recomputes", 0)),
         "skipped batches": s.get("skipped_batches", totals.get("skipped_batches", 0)),
     }
-    lines.append("   ".join(f"{k}: {v}" for k, v in counts.items()))
-    # Why a metric is missing, when it is: the same reason for both lines.
-    if (cfg.get("monitor") or {}).get("interval") == 0:
+    return "   ".join(f"{k}: {v}" for k, v in counts.items())
+
+
+def _metric_extremes(run: RunData) -> list[str]:
+    """The largest loss CV and smallest cosine, or why they are missing (one reason for both)."""
+    if (run.config.get("monitor") or {}).get("interval") == 0:
         why = "worker metrics off: --monitor-interval 0"
     elif run.consistency:
         why = "a cosine needs 2 ranks" if run.world_size < 2 else "cosine monitoring off"
@@ -540,16 +580,15 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     else:
         why = "no consistency.jsonl: monitoring off"
     loss_cv = _extreme(run, "consistency/loss_cv", True)
-    lines.append(f"max loss_cv: {loss_cv}{f' ({why})' if loss_cv == 'not recorded' else ''}")
     cos_min = _extreme(run, "consistency/grad_cos_min", False)
-    lines.append(f"min grad_cos_min: {cos_min}{f' ({why})' if cos_min == 'not recorded' else ''}")
+    return [f"max loss_cv: {loss_cv}{f' ({why})' if loss_cv == 'not recorded' else ''}",
+            f"min grad_cos_min: {cos_min}{f' ({why})' if cos_min == 'not recorded' else ''}"]
+
+
+def _alerts(run: RunData) -> str:
     alerts = run.events_of("alert")
     detail = f" ({_counts(alerts, 'detector')})" if alerts else ""
-    lines.append(f"alerts: {s.get('alerts', len(alerts))}{detail}")
-    if files:
-        folder = Path(files[0]).parent
-        lines.append(f"plots in {folder}: {', '.join(Path(f).name for f in files)}")
-    return "\n".join(lines) + "\n"
+    return f"alerts: {(run.summary or {}).get('alerts', len(alerts))}{detail}"
 
 
 def _plots(run: RunData) -> dict[str, bytes]:
