@@ -20,6 +20,9 @@ runs one protected step:
    forward/backward where the replicas agree (a split is repaired at once: the next
    gradient must come from repaired replicas).
 
+When and how the replicas are synchronized or repaired (steps 4 to 6) is
+:class:`paft.resync.Resync`'s; this module is the step around it.
+
 Usage: :func:`protect`, whose docstring has a complete example.
 """
 
@@ -32,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.collectives import gather_rows, max_over_ranks
@@ -49,17 +51,16 @@ from paft.consistency import (
     start_control,
 )
 from paft.divergence import measure_divergence
-from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec
-from paft.fingerprint import group_replicas, state_fingerprint, state_tensors
+from paft.fingerprint import state_fingerprint, state_tensors
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.monitor import Monitor
 from paft.norms import judged_norm, total_norm
 from paft.preflight import mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
+from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot
-from paft.sync import ReplicaSync, SyncReport
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 
@@ -279,45 +280,17 @@ class Protector:
                 raise RuntimeError(f"protect(): {err}") from None
         mark_protected(model, self)
         self.sketch_dim = monitor.sketch_dim if monitor.cosine == "sketch" else 0
-        self.sync: ReplicaSync | None = None
-        self.scheduler: SyncScheduler | None = None
-        self.averager: PeriodicModelAverager | None = None
-        if protect.mode == "averager":
-            self.averager = PeriodicModelAverager(period=protect.sync_period, warmup_steps=0,
-                                                  process_group=self.group)
-        elif protect.mode != "none":
-            self.sync = ReplicaSync(
-                model, optimizer, mode=protect.sync_mode, src=protect.broadcast_src, group=self.group
-            )
-            if protect.mode == "dyn":
-                self.scheduler = DynScheduler(
-                    DynConfig(
-                        h_init=min(max(protect.sync_period, protect.h_min), protect.h_max),
-                        h_min=protect.h_min,
-                        h_max=protect.h_max,
-                        target=protect.target,
-                    )
-                )
-            else:
-                self.scheduler = FixedScheduler(protect.sync_period)
         self.guard = Guard(guard, self.world_size) if guard.enabled else None
-        # The guard's repairs: PAFT-Sync's own when it is robust, else a robust one of the
-        # guard's, built now, while the replicas agree: with two ranks a repair takes the
-        # median with the last agreed state, which both ranks must hold alike.
-        self._repairer: ReplicaSync | None = None
-        if self.guard is not None:
-            robust = self.sync is not None and self.sync.mode == "robust"
-            self._repairer = self.sync if robust else ReplicaSync(model, optimizer, mode="robust", group=self.group)
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = StateSnapshot()
-        group = self.group  # not self in the lambda: a cycle would keep a dropped protector alive
+        group = self.group  # not self in the lambdas: a cycle would keep a dropped protector alive
         self.monitor = Monitor(monitor, self.recorder, divergence=lambda: measure_divergence(
             model, optimizer, per_tensor=True, group=group, buffers=False))
-        # A sync landed in this step after its state fingerprints and changed the state:
-        # the alerts do not judge those fingerprints (they would re-alert a repaired split).
-        self._stale_fingerprints = False
-        self._counts = {"faults_injected": 0, "syncs": 0, "sync_bytes": 0}
+        self.resync = Resync(model, optimizer, protect, guard=self.guard is not None, recorder=self.recorder,
+                             replicas_agree=self.monitor.replicas_agree,
+                             fingerprints_now=lambda: _state_fingerprints_now(model, optimizer, group))
+        self._faults_injected = 0
 
     # -- one step -----------------------------------------------------------------
 
@@ -344,8 +317,8 @@ class Protector:
         if plan.metric_step and self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
             grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
         metrics = self.monitor.record(t, out.view, plan.metric_step, grads, alerts=not out.overflow,
-                                      applied=out.applied, stale_fingerprints=self._stale_fingerprints)
-        synced = self._maybe_sync(t, out.view, state_is_stale=out.synced, applied=out.applied) or out.synced
+                                      applied=out.applied, stale_fingerprints=self.resync.stale_fingerprints)
+        synced = self.resync.maybe_sync(t, out.view, state_is_stale=out.synced, applied=out.applied) or out.synced
         self.step_idx += 1
         return StepReport(
             step=t,
@@ -360,7 +333,7 @@ class Protector:
 
     def _attempt(self, plan: _StepPlan, attempt: int) -> PendingControl:
         """One forward/backward of the step, its control collective launched."""
-        self._stale_fingerprints = False  # this attempt fingerprints afresh
+        self.resync.new_attempt()
         rest_faults = plan.rest_faults
         if attempt:  # a persistent fault at rest (stuck memory) strikes the rerun too
             rest_faults = self._inject_at_rest(plan.step, attempt)
@@ -378,7 +351,7 @@ class Protector:
         collective overlaps it (a loss scaler's step waits for it: the ranks agree on
         its skips)."""
         pending = self._attempt(plan, 0)
-        synced = self._finish_sync(plan.step)
+        synced = self.resync.finish(plan.step)
         self._clip()
         if self._stepper.scaler is None:
             self._stepper.step()
@@ -404,7 +377,7 @@ class Protector:
             if self._overflow(view):  # the loss scaler's, not a fault: the step is skipped
                 if attempt:  # the recompute of a detection: its record ends here, undecided
                     self._judge(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
-                synced = self._finish_sync(t) or synced
+                synced = self.resync.finish(t) or synced
                 return _StepOutcome(view, attempt + 1, applied=self._scaled_step(True), overflow=True, synced=synced)
             verdict = self._judge(t, attempt, guard.check(t, attempt, view))
             if verdict.action != "proceed":
@@ -414,19 +387,19 @@ class Protector:
             if verdict.action == "stop":
                 raise self._stop(t, verdict)
             if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
-                self._repair(t, rerun=verdict.action == "repair")  # at the rerun cap too: the batch is skipped
+                self.resync.repair(t, rerun=verdict.action == "repair")  # at the rerun cap too: the batch is skipped
                 rerun_from.keep_buffers()
                 synced = True
             if verdict.action in ("recompute", "repair"):
                 attempt += 1
                 continue
-            finished = self._finish_sync(t)  # before a skip too: the next start needs it
+            finished = self.resync.finish(t)  # before a skip too: the next start needs it
             synced = finished or synced
             if verdict.action == "skip":
                 self._stepper.discard()
                 return _StepOutcome(view, attempt + 1, applied=False, synced=synced)
             if not finished:  # else a sync just landed: it keeps its own reference
-                self._keep_agreed_state(view)
+                self.resync.keep_agreed_state(view)
             armed = self.guard_cfg.update_ratio > 0 and guard.wants_snapshot(t, view)
             before = self._snapshot.capture(self.model, self.optimizer) if armed else None
             scaler_state = self._stepper.state() if armed else None
@@ -450,7 +423,7 @@ class Protector:
         loss = float(self._run_closure(closure).detach())
         self._stepper.unscale()
         self._record_faults(self.hook.current.faults)
-        synced = self._finish_sync(t)
+        synced = self.resync.finish(t)
         applied = True
         if self._stepper.scaler is None:
             self._clip()
@@ -461,7 +434,7 @@ class Protector:
             applied = self._scaled_step(overflow)
             if not applied:  # as a monitored skip: no non-finite gradient is left behind
                 self.optimizer.zero_grad(set_to_none=True)
-        synced = self._maybe_sync(t, None) or synced
+        synced = self.resync.maybe_sync(t, None) or synced
         self.step_idx += 1
         return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, applied=applied, synced=synced)
 
@@ -498,13 +471,13 @@ class Protector:
 
         A collective when a sync is in flight: call it on every rank, between the same
         two steps (never on rank 0 alone). Training may go on after it."""
-        self._finish_sync(self.step_idx, in_step=False)
+        self.resync.finish(self.step_idx, in_step=False)
 
     @property
     def counters(self) -> dict[str, int]:
         """Run totals: faults injected here, syncs, bytes, alerts, and the guard's counts."""
         guard = self.guard.counters if self.guard is not None else {}
-        out = {**self._counts, "alerts": self.monitor.alerts}
+        out = self._totals()
         for key in COUNTERS:
             out[key] = guard.get(key, 0)
         return out
@@ -556,7 +529,7 @@ class Protector:
 
     def _record_faults(self, records: Sequence[Any]) -> None:
         if records:
-            self._counts["faults_injected"] += len(records)
+            self._faults_injected += len(records)
             self.recorder.faults(r.to_json() for r in records)
 
     def _control(self, loss: torch.Tensor, scale: float, check_state: bool, metric_step: bool,
@@ -619,10 +592,9 @@ class Protector:
         them. (Only the pre-step checks stop: :meth:`Guard.check_update` never does.)"""
         self._stepper.discard()
         self.optimizer.zero_grad(set_to_none=True)
-        self._finish_sync(step)
+        self.resync.finish(step)
         self.step_idx = step + 1
-        if self.averager is not None:
-            self.averager.step = self.step_idx  # its own call counter decides when to average
+        self.resync.set_next_step(self.step_idx)
         return PersistentFaultError(step, verdict.ranks)
 
     def _scaled_step(self, skip: bool) -> bool:
@@ -648,13 +620,8 @@ class Protector:
             return False
         states = view.state_fingerprints()
         if states is None:  # not a state-check step: look now (every rank alike; overflows are rare)
-            states = self._state_fingerprints_now()
+            states = _state_fingerprints_now(self.model, self.optimizer, self.group)
         return len(set(states)) == 1
-
-    def _state_fingerprints_now(self) -> list[int]:
-        """Every rank's state fingerprint as it is now (a collective: call it on every rank)."""
-        fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False)], dtype=torch.int64)
-        return gather_rows(fp, self.group)[:, 0].tolist()
 
     def _aggregated_norm(self) -> float:
         """The aggregated gradient's norm as the guard, the metrics and the scaler's agreed
@@ -675,135 +642,24 @@ class Protector:
             torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm)
         self._grad_norm = None
 
-    # -- PAFT-Sync / PAFT-Dyn --------------------------------------------------------
-
-    def _maybe_sync(self, step: int, view: ControlView | None, state_is_stale: bool = False,
-                    applied: bool = True) -> bool:
-        """After the update of ``step``: start (overlap) or run (blocking) a sync if due.
-
-        ``state_is_stale``: a sync finished during this step, after ``view``'s state
-        fingerprints were taken, so a split they show may be repaired already: the
-        state is fingerprinted again before a sync is triggered on old news.
-        ``applied``: whether the step's update was (a skipped one split nothing, whatever
-        its aggregated gradients were).
-        """
-        if self.averager is not None:
-            due = step % self.averager.period == 0
-            self.averager.average_parameters(self._params)
-            if due:
-                self._counts["syncs"] += 1
-                self._counts["sync_bytes"] += sum(p.numel() * p.element_size() for p in self._params)
-            return due
-        if self.sync is None or self.scheduler is None:
-            return False
-        triggered = (
-            view is not None and isinstance(self.scheduler, DynScheduler)
-            and self._replicas_split(view, state_is_stale, applied)
-        )
-        if triggered:
-            self._dyn_trigger(step)
-        if not self.scheduler.due(step):
-            return False
-        # A repair blocks: the next gradient must come from repaired replicas (a faulty
-        # replica's would reach every rank through DDP's all-reduce), so that a majority
-        # copy puts the faulty rank back on the exact fault-free trajectory. An overlapped
-        # sync that finds the replicas split is such a repair.
-        report = self.sync.start(repair_now=True) if self.protect_cfg.overlap and not triggered else self.sync.sync()
-        if report is None:
-            return False  # in flight behind the next step; finished before its update
-        self._on_sync(step, report, seen_from=step + 1)
-        return True
-
-    def _replicas_split(self, view: ControlView, state_is_stale: bool, applied: bool) -> bool:
-        state_fps = view.state_fingerprints()
-        state_split = state_fps is not None and len(group_replicas(state_fps)) > 1
-        if state_split and state_is_stale:
-            # The finished sync may have repaired the split, or not: a no-op or buffers-only
-            # sync, or a fault after its snapshot, which its correction w + (synced -
-            # snapshot) keeps. Look again now (every rank alike: the view is shared), so a
-            # split still there is repaired in this step, not the next.
-            state_split = len(group_replicas(self._state_fingerprints_now())) > 1
-        return state_split or (applied and len(group_replicas(view.agg_checksum_keys())) > 1)
-
-    def _repair(self, step: int, rerun: bool) -> None:
-        """The guard found replicas with different state: a blocking robust sync (the
-        majority's bits; see :class:`~paft.sync.ReplicaSync`) before the recompute, or
-        (``rerun`` false, at the rerun cap) before the batch is skipped."""
-        assert self._repairer is not None
-        self._finish_sync(step)
-        # A recompute fingerprints the repaired state again, in this step; a skip leaves
-        # the step's fingerprints from before the repair.
-        seen_from = step if rerun else step + 1
-        self._stale_fingerprints = True  # until the recompute's own
-        dyn = isinstance(self.scheduler, DynScheduler)
-        if dyn:  # the split the guard found is Dyn's event too: H shrinks as at its own trigger
-            self._dyn_trigger(step)
-        report = self._repairer.sync()
-        if self._repairer is self.sync or dyn:  # the scheduler hears of it (Dyn with any sync mode)
-            self._on_sync(step, report, seen_from, event="sync" if self._repairer is self.sync else "repair")
-        else:  # without PAFT-Sync, or with a fixed period and a mode that averages
-            self._record_sync(step, report, "repair", seen_from=seen_from)
-
-    def _dyn_trigger(self, step: int) -> None:
-        """Replicas split at ``step``: PAFT-Dyn's event trigger (a sync due at once, H shrunk)."""
-        assert self.scheduler is not None
-        self.scheduler.trigger(step)
-        self.recorder.event({"step": step, "event": "dyn_trigger", "period": self.scheduler.period})
-
-    def _keep_agreed_state(self, view: ControlView) -> None:
-        """This step's state fingerprints agree: with two ranks, that state is what a
-        later repair takes the median with (see :meth:`ReplicaSync.set_reference`)."""
-        fps = view.state_fingerprints()
-        if self._repairer is not None and fps is not None and len(set(fps)) == 1:
-            self._repairer.set_reference(fps[0])
-
-    def _finish_sync(self, step: int, in_step: bool = True) -> bool:
-        """Land an in-flight overlapped sync (recorded at the step it started after):
-        during ``step``, after its state fingerprints, or (``in_step`` false, from
-        :meth:`close`) between steps, before them."""
-        if self.sync is None or not self.sync.in_flight:
-            return False
-        report = self.sync.finish()
-        if in_step and report.mode != "noop":
-            self._stale_fingerprints = True  # this step's show the state before the sync
-        self._on_sync(step - 1, report, seen_from=step + 1 if in_step else step)
-        return True
-
-    def _on_sync(self, step: int, report: SyncReport, seen_from: int, event: str = "sync") -> None:
-        assert self.scheduler is not None
-        self._record_sync(step, report, event, seen_from, period=self.scheduler.observe(step, report.divergence))
-
-    def _record_sync(self, step: int, report: SyncReport, event: str, seen_from: int, **extra: Any) -> None:
-        """Count and record a sync or repair. ``seen_from``: the first step whose state
-        fingerprints see its result (what ``paft report`` plots it from)."""
-        self.monitor.replicas_agree()
-        extra["seen_from"] = seen_from
-        self._counts["syncs"] += 1
-        self._counts["sync_bytes"] += report.bytes_sent
-        self.recorder.event({"step": step, "event": event, **extra, **report.to_json()})
-
     # -- checkpoints --------------------------------------------------------------
-
-    @property
-    def _own_repairer(self) -> ReplicaSync | None:
-        """The guard's repairer when it is not PAFT-Sync's (whose state is saved as ``sync``)."""
-        return self._repairer if self._repairer is not self.sync else None
 
     def state_dict(self) -> dict[str, Any]:
         """The protector's part of a checkpoint. Call :meth:`close` first on every rank
         when an overlapped sync may be in flight: its result is not part of the state."""
-        if self.sync is not None and self.sync.in_flight:
+        if self.resync.in_flight:
             raise RuntimeError(
                 "Protector.state_dict(): an overlapped sync is in flight; call close() on every rank first"
             )
+        resync = self.resync.state_dict()
         return {
             "step": self.step_idx,
             "mode": self.protect_cfg.mode,
-            "counters": {**self._counts, "alerts": self.monitor.alerts},
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "sync": self.sync.state_dict() if self.sync is not None else None,
+            "counters": self._totals(),
+            "scheduler": resync["scheduler"],
+            "sync": resync["sync"],
             "guard": self.guard.state_dict() if self.guard is not None else None,
-            "repairer": self._own_repairer.state_dict() if self._own_repairer is not None else None,
+            "repairer": resync["repairer"],
             "alerting": dict(self.monitor.alerting),  # an alert still active after a resume is not new
         }
 
@@ -811,7 +667,7 @@ class Protector:
         """Restore :meth:`state_dict` output saved by a protector with the same settings.
         Checked before anything changes, and all or nothing: on an error the protector
         keeps its state."""
-        if self.sync is not None and self.sync.in_flight:
+        if self.resync.in_flight:
             raise RuntimeError("Protector.load_state_dict(): an overlapped sync is in flight; call close() first")
         if not isinstance(state, dict):
             raise TypeError(f"Protector.load_state_dict(): expected a dict, got {type(state).__name__}")
@@ -825,7 +681,8 @@ class Protector:
         if mode != self.protect_cfg.mode:  # none and averager have no parts to tell them apart
             raise ValueError(f"Protector.load_state_dict(): the state was saved with protect mode {mode!r}, this "
                              f"protector has {self.protect_cfg.mode!r}")
-        for part, mine in (("scheduler", self.scheduler), ("sync", self.sync), ("guard", self.guard)):
+        parts = (("scheduler", self.resync.scheduler), ("sync", self.resync.sync), ("guard", self.guard))
+        for part, mine in parts:
             if (state.get(part) is None) != (mine is None):
                 has = "has" if state.get(part) is not None else "has no"
                 raise ValueError(f"Protector.load_state_dict(): the state {has} {part} part and this protector "
@@ -839,18 +696,23 @@ class Protector:
             raise
 
     def _load(self, state: dict[str, Any]) -> None:
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.sync is not None:
-            self.sync.load_state_dict(state["sync"])
+        self.resync.load_state_dict(state)
         if self.guard is not None:
             self.guard.load_state_dict(state["guard"])
-        if self._own_repairer is not None and state.get("repairer") is not None:  # older checkpoints lack it
-            self._own_repairer.load_state_dict(state["repairer"])
         self.step_idx = state["step"]
+        self.resync.set_next_step(self.step_idx)
         counts = dict(state["counters"])
         self.monitor.alerts = int(counts.pop("alerts", 0))
-        self._counts.update(counts)
+        self._faults_injected = counts.get("faults_injected", self._faults_injected)
         self.monitor.alerting = dict(state.get("alerting", {}))
-        if self.averager is not None:
-            self.averager.step = self.step_idx  # its own call counter decides when to average
+
+    def _totals(self) -> dict[str, int]:
+        """The run's counts a checkpoint keeps: faults injected here, syncs, bytes, alerts."""
+        return {"faults_injected": self._faults_injected, **self.resync.counters, "alerts": self.monitor.alerts}
+
+
+def _state_fingerprints_now(model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                            group: Any) -> list[int]:
+    """Every rank's state fingerprint as it is now (a collective: call it on every rank)."""
+    fp = torch.tensor([state_fingerprint(model, optimizer, buffers=False)], dtype=torch.int64)
+    return gather_rows(fp, group)[:, 0].tolist()

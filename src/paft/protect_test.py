@@ -489,7 +489,7 @@ def stop_then_step_on(rank: int, world_size: int, mode: str) -> dict[str, Any]:
             return loss
 
         if step == 6:
-            out["in flight"] = [protector.sync is not None and protector.sync.in_flight]
+            out["in flight"] = [protector.resync.in_flight]
             before = ([b.clone() for b in model.module.buffers()], torch.get_rng_state(),
                       state_fingerprint(model, optimizer))
             try:
@@ -501,11 +501,11 @@ def stop_then_step_on(rank: int, world_size: int, mode: str) -> dict[str, Any]:
                                and before[2] == state_fingerprint(model, optimizer))
             out["grads"] = [p.grad for p in model.parameters()]
             out["next step"] = protector.step_idx
-            out["in flight"].append(protector.sync is not None and protector.sync.in_flight)
+            out["in flight"].append(protector.resync.in_flight)
             continue
         report = protector.step(closure)
-    if protector.averager is not None:  # its own step counter decides when it averages
-        out["averager"] = (protector.averager.step, protector.step_idx)
+    if protector.resync.averager is not None:  # its own step counter decides when it averages
+        out["averager"] = (protector.resync.averager.step, protector.step_idx)
     out["last"] = (report.step, report.applied, state_fingerprint(model, optimizer, buffers=False))
     return out
 

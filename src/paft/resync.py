@@ -1,0 +1,260 @@
+"""When and how a protector brings its replicas back together: PAFT-Sync, PAFT-Dyn,
+PyTorch's model averager, and the guard's repairs.
+
+:class:`Resync` holds everything a protector's replicas are synchronized with (the
+:class:`~paft.sync.ReplicaSync`, its :class:`~paft.dyn.SyncScheduler`, or a
+``PeriodicModelAverager``; the guard's robust repairer) and decides, from the step's
+shared :class:`~paft.consistency.ControlView`, when a sync runs, whether it overlaps
+the next step or blocks, and what it records. :mod:`paft.protect` calls it at fixed
+points of a step (an overlapped sync lands before the update; the guard repairs a
+state split; after the update a sync may be due), and so stays the step protocol.
+
+Every decision is taken from values every rank holds alike (the view, the step,
+the scheduler's state), so every rank runs the same collectives. The protector is
+reached through narrow inputs only: the recorder, the monitor's ``replicas_agree``
+(a sync's result is a new start for its split alerts) and a collective that returns
+every rank's state fingerprint now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.config import ProtectConfig
+from paft.consistency import ControlView
+from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
+from paft.fingerprint import group_replicas
+from paft.records import RunRecorder
+from paft.sync import ReplicaSync, SyncReport
+
+__all__ = ["Resync"]
+
+
+class Resync:
+    """One protector's syncs and repairs (one per rank, all in step).
+
+    ``guard``: the guard is on, so a robust repairer is kept for the state splits it
+    finds. ``replicas_agree``: told after every sync and repair. ``fingerprints_now``:
+    every rank's state fingerprint as it is now, a collective called on every rank alike.
+    """
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        config: ProtectConfig,
+        *,
+        guard: bool,
+        recorder: RunRecorder,
+        replicas_agree: Callable[[], None],
+        fingerprints_now: Callable[[], list[int]],
+    ) -> None:
+        self.config = config
+        self.recorder = recorder
+        self._replicas_agree = replicas_agree
+        self._fingerprints_now = fingerprints_now
+        self._params = list(model.parameters())  # what the averager averages and counts
+        group = model.process_group
+        self.sync: ReplicaSync | None = None
+        self.scheduler: SyncScheduler | None = None
+        self.averager: PeriodicModelAverager | None = None
+        if config.mode == "averager":
+            self.averager = PeriodicModelAverager(period=config.sync_period, warmup_steps=0, process_group=group)
+        elif config.mode != "none":
+            self.sync = ReplicaSync(model, optimizer, mode=config.sync_mode, src=config.broadcast_src, group=group)
+            if config.mode == "dyn":
+                self.scheduler = DynScheduler(
+                    DynConfig(
+                        h_init=min(max(config.sync_period, config.h_min), config.h_max),
+                        h_min=config.h_min,
+                        h_max=config.h_max,
+                        target=config.target,
+                    )
+                )
+            else:
+                self.scheduler = FixedScheduler(config.sync_period)
+        # The guard's repairs: PAFT-Sync's own when it is robust, else a robust one of the
+        # guard's, built now, while the replicas agree: with two ranks a repair takes the
+        # median with the last agreed state, which both ranks must hold alike.
+        self.repairer: ReplicaSync | None = None
+        if guard:
+            robust = self.sync is not None and self.sync.mode == "robust"
+            self.repairer = self.sync if robust else ReplicaSync(model, optimizer, mode="robust", group=group)
+        self.syncs = 0
+        """Syncs and repairs in the run (an averager's: the steps it averaged at)."""
+        self.sync_bytes = 0
+        """What they sent, in bytes."""
+        # A sync landed in this step after its state fingerprints and changed the state:
+        # the alerts do not judge those fingerprints (they would re-alert a repaired split).
+        # Set here, where syncs land; cleared by new_attempt(), which fingerprints afresh.
+        self._stale_fingerprints = False
+
+    @property
+    def in_flight(self) -> bool:
+        """An overlapped sync is in flight (it lands in :meth:`finish`)."""
+        return self.sync is not None and self.sync.in_flight
+
+    @property
+    def stale_fingerprints(self) -> bool:
+        """A sync changed the state during this attempt, after its state fingerprints."""
+        return self._stale_fingerprints
+
+    def new_attempt(self) -> None:
+        """An attempt of a step begins: its control collective fingerprints the state
+        after whatever landed before it."""
+        self._stale_fingerprints = False
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The run's ``syncs`` and ``sync_bytes``."""
+        return {"syncs": self.syncs, "sync_bytes": self.sync_bytes}
+
+    # -- during a step ------------------------------------------------------------
+
+    def maybe_sync(self, step: int, view: ControlView | None, state_is_stale: bool = False,
+                   applied: bool = True) -> bool:
+        """After the update of ``step``: start (overlap) or run (blocking) a sync if due.
+
+        ``state_is_stale``: a sync finished during this step, after ``view``'s state
+        fingerprints were taken, so a split they show may be repaired already: the
+        state is fingerprinted again before a sync is triggered on old news.
+        ``applied``: whether the step's update was (a skipped one split nothing, whatever
+        its aggregated gradients were).
+        """
+        if self.averager is not None:
+            due = step % self.averager.period == 0
+            self.averager.average_parameters(self._params)
+            if due:
+                self.syncs += 1
+                self.sync_bytes += sum(p.numel() * p.element_size() for p in self._params)
+            return due
+        if self.sync is None or self.scheduler is None:
+            return False
+        triggered = (
+            view is not None and isinstance(self.scheduler, DynScheduler)
+            and self._replicas_split(view, state_is_stale, applied)
+        )
+        if triggered:
+            self._dyn_trigger(step)
+        if not self.scheduler.due(step):
+            return False
+        # A repair blocks: the next gradient must come from repaired replicas (a faulty
+        # replica's would reach every rank through DDP's all-reduce), so that a majority
+        # copy puts the faulty rank back on the exact fault-free trajectory. An overlapped
+        # sync that finds the replicas split is such a repair.
+        report = self.sync.start(repair_now=True) if self.config.overlap and not triggered else self.sync.sync()
+        if report is None:
+            return False  # in flight behind the next step; finished before its update
+        self._on_sync(step, report, seen_from=step + 1)
+        return True
+
+    def _replicas_split(self, view: ControlView, state_is_stale: bool, applied: bool) -> bool:
+        state_fps = view.state_fingerprints()
+        state_split = state_fps is not None and len(group_replicas(state_fps)) > 1
+        if state_split and state_is_stale:
+            # The finished sync may have repaired the split, or not: a no-op or buffers-only
+            # sync, or a fault after its snapshot, which its correction w + (synced -
+            # snapshot) keeps. Look again now (every rank alike: the view is shared), so a
+            # split still there is repaired in this step, not the next.
+            state_split = len(group_replicas(self._fingerprints_now())) > 1
+        return state_split or (applied and len(group_replicas(view.agg_checksum_keys())) > 1)
+
+    def repair(self, step: int, rerun: bool) -> None:
+        """The guard found replicas with different state: a blocking robust sync (the
+        majority's bits; see :class:`~paft.sync.ReplicaSync`) before the recompute, or
+        (``rerun`` false, at the rerun cap) before the batch is skipped."""
+        assert self.repairer is not None
+        self.finish(step)
+        # A recompute fingerprints the repaired state again, in this step; a skip leaves
+        # the step's fingerprints from before the repair.
+        seen_from = step if rerun else step + 1
+        self._stale_fingerprints = True  # until the recompute's own
+        dyn = isinstance(self.scheduler, DynScheduler)
+        if dyn:  # the split the guard found is Dyn's event too: H shrinks as at its own trigger
+            self._dyn_trigger(step)
+        report = self.repairer.sync()
+        if self.repairer is self.sync or dyn:  # the scheduler hears of it (Dyn with any sync mode)
+            self._on_sync(step, report, seen_from, event="sync" if self.repairer is self.sync else "repair")
+        else:  # without PAFT-Sync, or with a fixed period and a mode that averages
+            self._record_sync(step, report, "repair", seen_from=seen_from)
+
+    def _dyn_trigger(self, step: int) -> None:
+        """Replicas split at ``step``: PAFT-Dyn's event trigger (a sync due at once, H shrunk)."""
+        assert self.scheduler is not None
+        self.scheduler.trigger(step)
+        self.recorder.event({"step": step, "event": "dyn_trigger", "period": self.scheduler.period})
+
+    def keep_agreed_state(self, view: ControlView) -> None:
+        """This step's state fingerprints agree: with two ranks, that state is what a
+        later repair takes the median with (see :meth:`ReplicaSync.set_reference`)."""
+        fps = view.state_fingerprints()
+        if self.repairer is not None and fps is not None and len(set(fps)) == 1:
+            self.repairer.set_reference(fps[0])
+
+    def finish(self, step: int, in_step: bool = True) -> bool:
+        """Land an in-flight overlapped sync (recorded at the step it started after):
+        during ``step``, after its state fingerprints, or (``in_step`` false, from
+        :meth:`paft.protect.Protector.close`) between steps, before them. Whether one landed."""
+        if self.sync is None or not self.sync.in_flight:
+            return False
+        report = self.sync.finish()
+        if in_step and report.mode != "noop":
+            self._stale_fingerprints = True  # this step's show the state before the sync
+        self._on_sync(step - 1, report, seen_from=step + 1 if in_step else step)
+        return True
+
+    def _on_sync(self, step: int, report: SyncReport, seen_from: int, event: str = "sync") -> None:
+        assert self.scheduler is not None
+        self._record_sync(step, report, event, seen_from, period=self.scheduler.observe(step, report.divergence))
+
+    def _record_sync(self, step: int, report: SyncReport, event: str, seen_from: int, **extra: Any) -> None:
+        """Count and record a sync or repair. ``seen_from``: the first step whose state
+        fingerprints see its result (what ``paft report`` plots it from)."""
+        self._replicas_agree()
+        extra["seen_from"] = seen_from
+        self.syncs += 1
+        self.sync_bytes += report.bytes_sent
+        self.recorder.event({"step": step, "event": event, **extra, **report.to_json()})
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def set_next_step(self, step: int) -> None:
+        """The protector's next step is ``step`` (after a stopped step, or a resume): the
+        averager's own call counter decides when it averages, so it moves along."""
+        if self.averager is not None:
+            self.averager.step = step
+
+    @property
+    def _own_repairer(self) -> ReplicaSync | None:
+        """The guard's repairer when it is not PAFT-Sync's (whose state is saved as ``sync``)."""
+        return self.repairer if self.repairer is not self.sync else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``scheduler``, ``sync`` and ``repairer`` parts of the protector's
+        checkpoint (None where this protector has none); the counters are in
+        :attr:`counters`. Nothing may be in flight (the caller checks :attr:`in_flight`)."""
+        own = self._own_repairer
+        return {
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sync": self.sync.state_dict() if self.sync is not None else None,
+            "repairer": own.state_dict() if own is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the parts of a protector's state :meth:`state_dict` and
+        :attr:`counters` wrote; the caller checked that its parts match this one's."""
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.sync is not None:
+            self.sync.load_state_dict(state["sync"])
+        own = self._own_repairer
+        if own is not None and state.get("repairer") is not None:  # older checkpoints lack it
+            own.load_state_dict(state["repairer"])
+        counts = state["counters"]
+        self.syncs = counts.get("syncs", self.syncs)
+        self.sync_bytes = counts.get("sync_bytes", self.sync_bytes)
