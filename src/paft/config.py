@@ -189,7 +189,8 @@ class GuardConfig:
     accepted, above this cap rolls the step back to the pre-step snapshot and
     recomputes it, on steps where the guard asked for a snapshot (see the README's
     Guard section); elsewhere the ratio is not measured: it needs the pre-step
-    weights. (The first updates of a small or zero initialisation legitimately
+    weights. The spike rule compares it with the ratios measured in the last
+    --guard-window steps only (none: only this cap). (The first updates of a small or zero initialisation legitimately
     exceed the weights.) A reproduced ratio skips the batch; after --shift-after such
     skips with no batch applied between them, the next is applied. inf: no cap (the
     spike rule stays); 0 disables the detector and the snapshots (``--update-ratio``)."""

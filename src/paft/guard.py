@@ -115,6 +115,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -248,10 +249,9 @@ class Guard:
                 return GuardVerdict("proceed", prev.detector, prev.ranks, cause, self._summary(view))
             return GuardVerdict("proceed", values=self._summary(view))
         detector, ranks, values = found
-        st.incident = True
+        self._new_incident(st)
         bits = view.header_bits()
         if prev is None or prev.source != "check":
-            self.counters["detections"] += 1
             st.pending = _Incident("check", detector, ranks, bits)
             verdict = self._rerun(st, detector, ranks, values)
             if verdict.detector == "rerun_cap" and detector in _SPIKES and not ranks and self._rose_alike(view):
@@ -335,6 +335,7 @@ class Guard:
         if st is None or st.step != step:
             st = self._st = _StepState(step)
         ratio = float(ratio)
+        self._expire_ratios(step)
         # The cap holds once the ratios are warm: from a small or zero initialisation the
         # first updates are legitimately larger than the weights (Adam's first steps on
         # weights of std 1e-3: ratio 10), and a recompute reproduces them exactly.
@@ -349,16 +350,14 @@ class Guard:
                 st.pending = None
                 return GuardVerdict("proceed", "update_ratio", [], self._decide(st, st.cause or "transient"), values)
             return GuardVerdict("proceed", values=values)
-        st.incident = True
+        self._new_incident(st)
         if self._armed_step != step:
             # No snapshot to return to: a record for the events log, and the step's
             # values are kept out of the history.
-            self.counters["detections"] += 1
             st.tainted = True
             return GuardVerdict("proceed", "update_ratio", [], None, values)
         bits = [[f64_bits(ratio)]]
         if prev is None or prev.source != "update":
-            self.counters["detections"] += 1
             st.pending = _Incident("update", "update_ratio", [], bits)
             verdict = self._rerun(st, "update_ratio", [], values)
         elif prev.bits == bits or (math.isfinite(ratio) and close(bits_f64(prev.bits[0][0]), ratio)):
@@ -374,6 +373,20 @@ class Guard:
         if verdict.action != "proceed":  # a level shift keeps the update
             self.counters["rollbacks"] += 1
         return verdict
+
+    def _new_incident(self, st: _StepState) -> None:
+        """Something was detected in ``st``'s step: one detection per step, whatever its
+        recomputes find (they are part of the incident that started them)."""
+        if not st.incident:
+            self.counters["detections"] += 1
+        st.incident = True
+
+    def _expire_ratios(self, step: int) -> None:
+        """Drop the ratios older than ``window`` steps: the spike rule judges an update
+        against recent ones only (with none, only the ``update_ratio`` cap applies)."""
+        while self._ratio_steps and self._ratio_steps[0] < step - self.config.window:
+            self._ratio_steps.popleft()
+            self._ratio.drop_oldest()
 
     def accept(self, step: int, view: ControlView, ratio: float | None = None) -> None:
         """``step`` was applied: its values join the history (unless its update was anomalous).
@@ -396,6 +409,7 @@ class Guard:
             # be a gross jump over 0.
             if ratio is not None and math.isfinite(ratio) and ratio > 0:
                 self._ratio.push(float(ratio))
+                self._ratio_steps.append(step)
                 self._ratios_seen += 1
         self._st = None
         self._armed_step = None
@@ -419,6 +433,10 @@ class Guard:
         re-warm from the new level)."""
         w = self.config.window
         self._loss, self._grad, self._ratio = SpikeWindow(w), SpikeWindow(w), SpikeWindow(w)
+        # The step of each ratio in _ratio: ratios are measured only on armed steps, so
+        # after the warm-up they come rarely, and a window of old ones (tiny, under a
+        # learning-rate warm-up) would call a clean recompute's update a spike.
+        self._ratio_steps: deque[int] = deque(maxlen=w)
         # Local values of all ranks pooled: ranks draw batches from one distribution,
         # and world_size times the samples describe its tails better than one rank's.
         self._rank_loss, self._rank_norm = SpikeWindow(w * self.world_size), SpikeWindow(w * self.world_size)
@@ -577,6 +595,7 @@ class Guard:
             "data_skips": self._data_skips,
             "counters": dict(self.counters),
             "windows": {name: list(w.values) for name, w in self._windows().items()},
+            "ratio_steps": list(self._ratio_steps),
             "step": None if st is None else {
                 "step": st.step, "reruns": st.reruns, "cause": st.cause, "incident": st.incident,
                 "tainted": st.tainted,
@@ -596,6 +615,11 @@ class Guard:
         self.counters.update({k: int(v) for k, v in state["counters"].items()})
         for name, w in self._windows().items():
             setattr(self, f"_{name}", SpikeWindow(w.values.maxlen or 1, state["windows"][name]))
+        steps = state.get("ratio_steps")
+        if steps is None or len(steps) != len(self._ratio.values):  # older checkpoints: no steps, start afresh
+            self._ratio = SpikeWindow(self.config.window)
+            steps = []
+        self._ratio_steps = deque((int(s) for s in steps), maxlen=self.config.window)
         s = state.get("step")
         self._st = None
         if s is not None:

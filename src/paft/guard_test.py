@@ -728,6 +728,42 @@ def test_update_ratio_spike_reproduced_is_data() -> None:
     assert g.counters["rollbacks"] == 2
 
 
+def test_update_ratio_is_judged_against_recent_ratios_only() -> None:
+    # Ratios are measured on armed steps only: after the warm-up, rarely. A window of
+    # the first steps' ratios (tiny, under a learning-rate warm-up) called a clean
+    # recompute's update 200 steps later a spike, rolled it back and skipped the batch
+    # as data. Older than --guard-window steps, a ratio no longer judges: only the cap.
+    def judged(gap: int) -> str:
+        g = guard(2, update_ratio=1.0)
+        t = warm(g) + gap
+        view = make_view([2.8, 2.8], [1.5, 1.5], 1.0)  # a near miss: armed
+        assert g.check(t, 0, view).detector is None and g.wants_snapshot(t, view)
+        return g.check_update(t, 0.05).action  # 50x the warm-up's 1e-3, below the cap
+
+    assert judged(0) == "recompute"
+    assert judged(200) == "proceed"
+    g = guard(2, update_ratio=1.0)
+    t = warm(g) + 200
+    view = make_view([2.8, 2.8], [1.5, 1.5], 1.0)
+    g.check(t, 0, view)
+    g.wants_snapshot(t, view)
+    assert g.check_update(t, 5.0).action == "recompute"  # the cap still holds
+    restored = guard(2, update_ratio=1.0)
+    restored.load_state_dict(g.state_dict())
+    assert restored.state_dict() == g.state_dict()
+
+
+def test_a_step_and_its_recomputes_count_one_detection() -> None:
+    g = guard(2)
+    t = warm(g)
+    split = make_view([2.0, 2.0], [1.5, 1.5], 1.0, fps=[FP, FP + 1])
+    assert g.check(t, 0, split).action == "recompute"
+    clean = make_view([2.8, 2.8], [1.5, 1.5], 1.0)
+    assert g.check(t, 1, clean).action == "proceed" and g.wants_snapshot(t, clean)
+    assert g.check_update(t, 0.2).action == "recompute"  # the recompute's update spikes: the same incident
+    assert g.counters["detections"] == 1 and g.counters["recomputes"] == 2
+
+
 def test_update_ratio_from_a_zero_learning_rate_or_a_small_init_is_no_detection() -> None:
     # A warm-up from lr 0 makes step 0's ratio 0, and a small initialisation makes the
     # first ratios exceed the cap of 1.0. Kept in the history, the 0 made every later

@@ -74,7 +74,8 @@ class StateSnapshot:
     * m + g``, as hand-written optimizers do) by the old object, and non-tensor
     entries from a copy of their structure (lists and dicts of tensors that the step
     grows or rotates in place get their old members back), the tensors with their
-    old values.
+    old values; and so is every entry of each param group (state an optimizer keeps
+    there, as D-Adaptation's and Prodigy's ``d`` and ``k``).
     """
 
     def __init__(self) -> None:
@@ -83,6 +84,7 @@ class StateSnapshot:
         self._num_params = 0
         # Per parameter: its state's keys and entries (None: no state yet).
         self._extras: dict[torch.Tensor, tuple[set[Any], dict[Any, Any]] | None] = {}
+        self._groups: list[dict[str, Any]] = []
 
     def capture(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> StateSnapshot:
         live = [t for _, t in state_tensors(model, optimizer, buffers=False)]
@@ -94,6 +96,10 @@ class StateSnapshot:
         self._live = live
         self._num_params = sum(1 for _ in model.parameters())
         self._extras = {}
+        # Optimizer state kept per group (D-Adaptation's and Prodigy's ``d`` and ``k``,
+        # which step() changes): every entry but the parameters, tensors by value.
+        self._groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else _copy_structure(v)
+                         for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p)
@@ -124,3 +130,13 @@ class StateSnapshot:
             for key in set(state) - keys:
                 del state[key]
             state.update(values)
+        for group, saved in zip(optimizer.param_groups, self._groups):
+            for key in set(group) - set(saved) - {"params"}:
+                del group[key]
+            for key, value in saved.items():
+                live = group.get(key)
+                if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and live.shape == value.shape:
+                    with torch.no_grad():
+                        live.copy_(value)  # in place: a scheduler may hold this tensor
+                else:
+                    group[key] = value.clone() if isinstance(value, torch.Tensor) else _copy_structure(value)

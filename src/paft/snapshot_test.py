@@ -91,3 +91,37 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
             assert {len(opt.state[p]["history"]) for p in model.parameters()} == {min(k, 2)}
             assert {opt.state[p]["count"] for p in model.parameters()} == {k}
         step(k)  # then really take the step: the next round snapshots a grown state
+
+
+class GroupStateSGD(torch.optim.Optimizer):
+    """SGD whose step size adapts in its param group, as D-Adaptation and Prodigy keep
+    ``d`` and ``k`` there (a float, an int and a tensor, each changed by step())."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1, "d": 1.0, "k": 0, "scale": torch.ones(())})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            group["d"] *= 1.5
+            group["k"] += 1
+            group["scale"].mul_(2.0)
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * group["d"] * float(group["scale"]))
+
+
+def test_state_snapshot_restores_state_kept_in_param_groups() -> None:
+    model = toy_model()
+    opt = GroupStateSGD(model.parameters())
+    model(batch(0, 0)[0]).sum().backward()
+    opt.step()
+    before = [dict(g, scale=g["scale"].clone()) for g in opt.param_groups]
+    scale = opt.param_groups[0]["scale"]
+    snap = StateSnapshot().capture(model, opt)
+    weights = state_fingerprint(model, opt)
+    opt.step()
+    snap.restore(opt)
+    group = opt.param_groups[0]
+    assert (group["d"], group["k"]) == (before[0]["d"], before[0]["k"]) == (1.5, 1)
+    assert group["scale"] is scale and float(scale) == 2.0  # the same tensor, its old value
+    assert state_fingerprint(model, opt) == weights

@@ -82,6 +82,11 @@ class SpikeWindow:
             bisect.insort(self._sorted, x)
             self._stats = None
 
+    def drop_oldest(self) -> None:
+        """Remove the oldest value (the window must not be empty)."""
+        del self._sorted[bisect.bisect_left(self._sorted, self.values.popleft())]
+        self._stats = None
+
     def stats(self) -> tuple[float, float, float]:
         """(median, MAD, max); call only when non-empty."""
         if self._stats is None:
