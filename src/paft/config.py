@@ -67,6 +67,10 @@ def _check_types(obj: Any) -> None:
         value = getattr(obj, f.name)
         if not fits(kind, value):  # the command line and config files are type-checked before this
             raise ValueError(f"{type(obj).__name__}.{f.name}: expected {kind.__name__}, got {value!r}")
+        if type(value) is not kind and not (kind is float and type(value) is int):
+            # numpy's numbers (and Fractions) as Python's own: the tree is written as JSON and
+            # checked again by the schedulers, which know only the built-in types.
+            setattr(obj, f.name, kind(value))
 
 
 def _require(ok: bool, option: str, message: str) -> None:

@@ -5,8 +5,10 @@ overflows float32, so a plain norm reads it as inf, and a detector would call a 
 gradient or update non-finite (and clipping would scale by 0). Every norm paft judges
 (the comm hook's local gradient norm, the aggregated gradient norm that clipping and
 the guard use, the guard's update-to-weight ratio, a sync's divergence) comes from
-here: computed in the values' own dtype (fast), redone in float64 only where that came
-out inf. 16-bit values are widened to float32 first (float16 ends at 65504).
+here. The per-step norms are computed as torch computes them, in the values' own dtype
+(fast; :func:`squared_norm` widens 16-bit values to float32 first), and redone in
+float64 only where that came out inf on finite values; :func:`sq_norm` (a sync's
+divergence, once per sync) accumulates in float64 throughout.
 
 Example::
 
@@ -65,7 +67,10 @@ def sq_norm(x: Tensor) -> float:
 
 
 def _float64_norm(tensors: Sequence[Tensor]) -> Tensor:
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]))
+    """The 2-norm of all of ``tensors`` in float64, on the first one's device (a module may span several)."""
+    device = tensors[0].device
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64).to(device) for t in tensors]))
 
 
 def _narrow(tensors: Sequence[Tensor]) -> bool:

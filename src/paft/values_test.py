@@ -17,3 +17,17 @@ from paft.values import fits
 ])
 def test_fits(kind: type, value: object, ok: bool) -> None:
     assert fits(kind, value) is ok
+
+
+def test_config_fields_hold_python_numbers() -> None:
+    # numpy's numbers passed the type rule and stayed in the tree: JSON could not write
+    # them and PAFT-Dyn's scheduler refused them after protect() had changed the model.
+    import json
+    from fractions import Fraction
+
+    from paft.config import MonitorConfig, ProtectConfig
+
+    p = ProtectConfig(mode="dyn", h_min=np.int64(2), target=np.float32(0.5), sync_period=8)
+    assert type(p.h_min) is int and type(p.target) is float and p.target == 0.5
+    assert ProtectConfig(target=Fraction(1, 1000)).target == 0.001
+    assert json.dumps([MonitorConfig(interval=np.int64(2)).interval, p.h_min, p.target]) == "[2, 2, 0.5]"
