@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train on N local workers (DDP, gloo on CPU / NCCL on GPU)",
         description="Train one workload on N local workers launched through torch's elastic launcher, "
-        "writing a run directory (config.json, metrics/, consistency.jsonl, evals.jsonl, checkpoints/, "
+        "writing a run directory (config.json, metrics/, consistency.jsonl unless --no-monitor, evals.jsonl, "
+        "checkpoints/, "
         "summary.json; faults.jsonl and events.jsonl once there is something to record; tb/ with --tensorboard).",
         epilog=train_epilog() + "\n" + _TRAIN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write PNG plots (loss per rank, dispersion, cosine, replica divergence; faults, syncs and "
         "guard events marked) and report.md for RUN_DIR, and print the summary.",
         epilog="exit codes: 0 done, 2 not a readable run directory, or a bad --out-dir (nothing written), "
-        "130 interrupted (143 for SIGTERM, 129 for SIGHUP)",
+        "130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)",
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by paft train")
     report.add_argument("--out-dir", metavar="DIR", help="where to write the plots [default: RUN_DIR/report]")

@@ -199,6 +199,10 @@ def test_overwrite_deletes_only_paft_output(
         (["train", "--run-dir", "mine", "--resume"], "--resume: mine holds no paft run"),
         (["train", "--run-dir", "nothere", "--resume"], "--resume: nothere does not exist"),
         (["train", "--run-dir", "dangling"], "--run-dir: dangling is a symbolic link to nothing (nowhere)"),
+        # under one: it was taken for a new folder, and its creation blamed "another paft train"
+        (["train", "--run-dir", "dangling/run"], "--run-dir: cannot create dangling/run: dangling is a symbolic "
+                                                 "link to nothing"),
+        (["bench", "overhead", "--out", "dangling/b"], "--out: cannot create dangling/b: dangling is a symbolic"),
         # Not told to pass --resume or --overwrite, which would both be refused.
         (["train", "--run-dir", "mine"], "--run-dir: mine holds no config.json of paft's"),
         (["bench", "overhead", "--out", "mine"], "--out: mine holds no .paft-bench of paft's, so it is not paft's "
@@ -401,10 +405,10 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
         assert f"--world-size {asked}: torchrun started 2 processes; pass --world-size 2 or leave it out" in bad.stderr
         assert not (tmp_path / "r2").exists()
     # The run directory is claimed as paft train claims it: not while another run holds it.
-    from paft.launch import _lock
+    from paft.launch import hold_dir_lock
 
     before = sorted(p.name for p in (tmp_path / "r").iterdir())
-    with _lock(tmp_path / "r"):
+    with hold_dir_lock(tmp_path / "r"):
         busy = subprocess.run([*torchrun, "--run-dir", "r", "--overwrite"], cwd=tmp_path, capture_output=True,
                               text=True, timeout=300, env=env)
     assert busy.returncode != 0 and "--run-dir: r is in use by another paft train" in busy.stderr
@@ -739,14 +743,14 @@ def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest
                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Two paft train processes in one run directory interleaved their records: a
     --resume or --overwrite while another run holds the directory is refused."""
-    from paft.launch import _lock
+    from paft.launch import hold_dir_lock
 
     monkeypatch.chdir(tmp_path)
     run = pathlib.Path("r")
     run.mkdir()
     (run / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
     before = sorted(p.name for p in run.iterdir())
-    with _lock(run):  # as the launcher of a run in progress holds it
+    with hold_dir_lock(run):  # as the launcher of a run in progress holds it
         with pytest.raises(SystemExit) as exc:
             main(["train", "--run-dir", "r", "--overwrite", "--steps", "1"])
         assert exc.value.code == 2
@@ -759,11 +763,30 @@ def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest
     assert not list(tmp_path.glob("r.replaced-*"))
 
 
+def test_a_bench_folder_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Two benchmarks into one --out mixed their runs' records (steps 0..4 twice in one
+    metrics file), and the second's --overwrite moved the first's folder aside under it."""
+    from paft.launch import hold_dir_lock
+
+    monkeypatch.chdir(tmp_path)
+    out = pathlib.Path("b")
+    out.mkdir()
+    (out / ".paft-bench").write_text("paft bench scaling\n")
+    with hold_dir_lock(out, "--out", "paft bench"):  # as a benchmark in progress holds it
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "scaling", "--world-sizes", "2", "--steps", "5", "--out", "b", "--overwrite"])
+        assert exc.value.code == 2
+        assert "--out: b is in use by another paft bench" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".paft-bench"]
+    assert not list(tmp_path.glob("b.replaced-*"))
+
+
 def test_a_run_dir_another_start_took_meanwhile_is_left_alone(tmp_path: pathlib.Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Two new runs started together: the one that lost the directory removed the
     winner's files on its way out (the lock came after the directory was written)."""
-    from paft.launch import _lock, claim_run_dir
+    from paft.launch import claim_run_dir, hold_dir_lock
     from paft.rundir import RunDirError
 
     monkeypatch.chdir(tmp_path)
@@ -771,7 +794,7 @@ def test_a_run_dir_another_start_took_meanwhile_is_left_alone(tmp_path: pathlib.
     theirs = pathlib.Path("d")
     theirs.mkdir()
     (theirs / "config.json").write_text("theirs")
-    with _lock(theirs), pytest.raises(RunDirError, match="d is in use by another paft train"):
+    with hold_dir_lock(theirs), pytest.raises(RunDirError, match="d is in use by another paft train"):
         with claim_run_dir(cfg):
             pass
     with pytest.raises(RunDirError, match="d was just filled by another paft train"):  # not locked yet
@@ -796,7 +819,7 @@ def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathli
     pathlib.Path("d").mkdir()
 
     def workers(cfg: TrainConfig) -> int:
-        with pytest.raises(RunDirError, match="in use"), launcher._lock(pathlib.Path("d")):
+        with pytest.raises(RunDirError, match="in use"), launcher.hold_dir_lock(pathlib.Path("d")):
             pass  # held by the launcher while the workers run
         return 0
 

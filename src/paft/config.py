@@ -284,7 +284,7 @@ class TrainConfig:
     """Atomic checkpoint every this many steps and at the end; 0: only at the end
     (``--checkpoint-every``)."""
     run_dir: str = ""
-    """Where the run writes its files; default ``runs/<workload>-<timestamp>``
+    """Where the run writes its files; default ``runs/<workload>-<timestamp>-<pid>``
     (``--run-dir``)."""
     resume: bool = False
     """Continue the run in ``--run-dir`` from its latest checkpoint (``--resume``), with

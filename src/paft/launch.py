@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import sys
@@ -48,6 +49,7 @@ from paft.train import EXIT_PERSISTENT_FAULT, EXIT_USAGE, DeviceError, Trainer, 
 __all__ = [
     "TERMINATING_SIGNALS",
     "claim_run_dir",
+    "hold_dir_lock",
     "ignore_further_signals",
     "interrupted",
     "launch",
@@ -109,7 +111,7 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
         # The folders this run creates, innermost first: an early stop removes them again.
         made = [] if existed else [d for d in (run_dir, *run_dir.parents) if not d.exists()]
         if existed:
-            locks.enter_context(_lock(run_dir))
+            locks.enter_context(hold_dir_lock(run_dir))
         # An empty folder (but for the lock just taken) holds nothing to set aside: --overwrite
         # runs in it as a new run does (set aside, it came back with the lock in it).
         holds = existed and any(p.name != LOCK_FILE for p in run_dir.iterdir())
@@ -117,7 +119,7 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
         if replaced is not None or not existed:
             try:
                 _create(run_dir)
-                locks.enter_context(_lock(run_dir))
+                locks.enter_context(hold_dir_lock(run_dir))
             except RunDirError:
                 if replaced is not None:
                     settle(replaced, run_dir, keep_new=False, prog=prog)
@@ -167,7 +169,7 @@ def _settle_new_run(run_dir: pathlib.Path, made: list[pathlib.Path], replaced: p
               file=sys.stderr)
     elif not resumable:
         print(f"{prog}: the run stopped before its first checkpoint; its records stay in {run_dir} "
-              f"(paft report {run_dir}); --resume cannot continue it, --overwrite starts it again",
+              f"(paft report {shlex.quote(str(run_dir))}); --resume cannot continue it, --overwrite starts it again",
               file=sys.stderr)
     if replaced is not None:
         settle(replaced, run_dir, keep_new=keep, prog=prog)
@@ -198,23 +200,23 @@ def _create(run_dir: pathlib.Path) -> None:
 
 
 @contextlib.contextmanager
-def _lock(run_dir: pathlib.Path) -> Iterator[None]:
+def hold_dir_lock(run_dir: pathlib.Path, option: str = "--run-dir", prog: str = "paft train") -> Iterator[None]:
     """Hold ``run_dir/.lock`` (an advisory flock, released when the process ends, however
     it ends): a second ``paft train --resume`` or ``--overwrite`` of a run in progress
-    would interleave two runs' records in one directory."""
+    would interleave two runs' records in one directory (two benchmarks' too)."""
     try:
         handle = open(run_dir / LOCK_FILE, "a+")
     except OSError as err:
-        raise RunDirError(f"--run-dir: cannot write {run_dir}: {err.strerror or err}") from None
+        raise RunDirError(f"{option}: cannot write {run_dir}: {err.strerror or err}") from None
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunDirError(f"--run-dir: {run_dir} is in use by another paft train; wait for it to end "
-                              "or pick another --run-dir") from None
+            raise RunDirError(f"{option}: {run_dir} is in use by another {prog}; wait for it to end "
+                              f"or pick another {option}") from None
         except OSError as err:  # a file system without flock (some network and FUSE mounts)
-            print(f"paft train: warning: cannot lock {run_dir} ({err.strerror or err}); "
-                  "nothing stops a second paft train from using it meanwhile", file=sys.stderr)
+            print(f"{prog}: warning: cannot lock {run_dir} ({err.strerror or err}); "
+                  f"nothing stops a second {prog} from using it meanwhile", file=sys.stderr)
         yield
 
 
@@ -247,7 +249,7 @@ def ignore_further_signals() -> None:
 
 def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", say: bool = True) -> int:
     """Say (unless ``say`` is false) that the run was interrupted, and by what; the exit
-    code the shell uses for that signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
+    code the shell uses for that signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)."""
     sig = err.sigval if isinstance(err, SignalException) else signal.SIGINT
     what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
     if say:
@@ -317,7 +319,7 @@ def _run_workers(cfg: TrainConfig) -> int:
     except (KeyboardInterrupt, SignalException) as err:
         hint = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
-            hint = f"; to continue from the last checkpoint: paft train --run-dir {cfg.run_dir} --resume"
+            hint = f"; to continue from the last checkpoint: paft train --run-dir {shlex.quote(cfg.run_dir)} --resume"
         return interrupted(err, hint)
     first = results[0]
     if first["status"] == "persistent_fault":
@@ -350,7 +352,8 @@ def start_launched_worker(cfg: TrainConfig) -> None:
     each worker's traceback, and a worker waiting in C++ (the rendezvous, a collective)
     never saw it, so the launcher waited 30 s before killing it. Records are flushed
     line by line and checkpoints written atomically: a worker killed mid-write leaves
-    nothing half-written. (Under torchrun rank 0 holds the run directory itself and
+    no half-written checkpoint in its place (only a ``.rankN.pt.*`` temporary beside it,
+    which no resume reads). (Under torchrun rank 0 holds the run directory itself and
     must unwind: :func:`torchrun_main` keeps Python's handler.)"""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the elastic launcher sets it

@@ -358,7 +358,7 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
-        raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>)")
+        raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>-<pid>)")
     source: dict[str, str] = {}  # option -> the file its value came from (none: the command line)
     # The folder the run will use: "~" expanded, ".." resolved (as launch() does).
     if resume and run_dir and is_file(pathlib.Path(resolve_run_dir(run_dir)) / "config.json"):
@@ -523,7 +523,7 @@ fault specs (--inject, repeatable):
 {grammar.rstrip()}
 
 exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop),
-            130 interrupted (Ctrl-C; 143 for SIGTERM, 129 for SIGHUP; continue with --resume)
+            130 interrupted (Ctrl-C; 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT; continue with --resume)
 """
 
 

@@ -141,6 +141,8 @@ def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwr
         return None if os.access(path, os.W_OK) else f"{option}: {path} is not writable"
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
+        if parent.is_symlink():  # mkdir would fail on it with "File exists"
+            return f"{option}: cannot create {path}: {parent} is a symbolic link to nothing"
         parent = parent.parent
     if not parent.is_dir():
         return f"{option}: cannot create {path}: {parent} is not a directory"

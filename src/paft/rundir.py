@@ -57,8 +57,11 @@ class RunDirError(ValueError):
     """The run directory cannot be used as asked (exists, or nothing to resume)."""
 
 
-def default_run_dir(workload: str) -> str:
-    return os.path.join("runs", f"{workload}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+def default_run_dir(name: str, root: str = "runs") -> str:
+    """``root/<name>-<time>-<process id>``: the process id keeps runs started in the same
+    second apart (``for s in 1 2 3; do paft train --seed $s & done`` collided, and one
+    was refused, naming options the user never gave)."""
+    return os.path.join(root, f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}")
 
 
 # What a resumed run cannot change: its state would not load, or it would be another run.

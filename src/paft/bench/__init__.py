@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -27,6 +27,7 @@ from typing import Any
 from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
 from paft.config import DEVICES
 from paft.options import parse_model_arg
+from paft.rundir import default_run_dir
 from paft.workloads import WORKLOADS
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -48,7 +49,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.epilog = _EXIT_CODES
-        p.add_argument("--out", metavar="DIR", help="output folder [default: bench/<benchmark>-<timestamp>]")
+        p.add_argument("--out", metavar="DIR", help="output folder [default: bench/<benchmark>-<timestamp>-<pid>]")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
         p.add_argument("--device", choices=DEVICES, default="auto",
                        help="auto: CUDA (NCCL, one GPU per worker) if available, else CPU (gloo) "
@@ -129,8 +130,8 @@ def _out_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> pathl
     from paft.records import is_file, output_dir_problem
 
     if args.out is not None and not args.out.strip():
-        parser.error("--out: must not be empty (leave it out for bench/<benchmark>-<time>)")
-    out = pathlib.Path(args.out or f"bench/{args.benchmark}-{datetime.datetime.now():%Y%m%d-%H%M%S}").expanduser()
+        parser.error("--out: must not be empty (leave it out for bench/<benchmark>-<time>-<pid>)")
+    out = pathlib.Path(args.out or default_run_dir(args.benchmark, root="bench")).expanduser()
     # Only the marker: "results.json" is a name anyone's folder may hold.
     problem = output_dir_problem(out, "--out", {BENCH_MARKER: is_file}, args.overwrite)
     if problem:
@@ -228,31 +229,41 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     and come back if it does not."""
     import shutil
 
-    from paft.launch import EXIT_WORKER_FAILED, set_aside, settle
+    from paft.launch import EXIT_WORKER_FAILED, hold_dir_lock, set_aside, settle
     from paft.rundir import RunDirError
 
     _validate(args, parser)
     out = _out_dir(args, parser)
-    try:
-        replaced = set_aside(out) if args.overwrite else None
-    except RunDirError as err:
-        parser.error(str(err))
-    code = EXIT_WORKER_FAILED
-    try:
-        code = _run_into(out, args, parser)
-        return code
-    finally:
-        if replaced is not None:
-            if code != 0:
-                shutil.rmtree(out, ignore_errors=True)
-            settle(replaced, out, keep_new=code == 0, prog="paft bench")
+    with contextlib.ExitStack() as locks:
+        try:
+            if out.is_dir():  # a benchmark still writing there keeps it (its records would mix with ours)
+                locks.enter_context(hold_dir_lock(out, "--out", "paft bench"))
+            replaced = set_aside(out) if args.overwrite else None
+        except RunDirError as err:
+            parser.error(str(err))
+        code = EXIT_WORKER_FAILED
+        try:
+            code = _run_into(out, args, parser, locks)
+            return code
+        finally:
+            if replaced is not None:
+                if code != 0:
+                    shutil.rmtree(out, ignore_errors=True)
+                settle(replaced, out, keep_new=code == 0, prog="paft bench")
 
 
-def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.ArgumentParser,
+              locks: contextlib.ExitStack) -> int:
+    from paft.launch import hold_dir_lock
+    from paft.rundir import RunDirError
+
     # Written first, so that an interrupted benchmark's folder is still known as ours.
     try:
         out.mkdir(parents=True, exist_ok=True)
+        locks.enter_context(hold_dir_lock(out, "--out", "paft bench"))
         (out / BENCH_MARKER).write_text(f"paft bench {args.benchmark}\n")
+    except RunDirError as err:
+        parser.error(str(err))
     except OSError as err:
         parser.error(f"--out: cannot create {out}: {err.strerror or err}")
     from torch.distributed.elastic.multiprocessing.api import SignalException
