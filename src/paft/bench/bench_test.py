@@ -342,7 +342,7 @@ def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, mon
     assert main(["bench", "desync", "--out", str(out)]) == 130  # Ctrl-C: the shell's code, no traceback
     monkeypatch.setattr(desync, "run", lambda out, **_: None)
     assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == [".paft-bench"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".paft-bench"]  # the lock a benchmark holds
 
 
 def test_overwrite_keeps_the_old_results_until_the_new_benchmark_finishes(
@@ -361,7 +361,7 @@ def test_overwrite_keeps_the_old_results_until_the_new_benchmark_finishes(
     monkeypatch.setattr(desync, "run", interrupted)
     assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left aside
-    assert sorted(p.name for p in out.iterdir()) == [".paft-bench", "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".paft-bench", "results.json"]
     assert (out / "results.json").read_text() == "old results"
 
 
