@@ -236,7 +236,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out = _out_dir(args, parser)
     with contextlib.ExitStack() as locks:
         try:
-            if out.is_dir():  # a benchmark still writing there keeps it (its records would mix with ours)
+            if args.overwrite and out.is_dir():  # a benchmark still writing there keeps it (records would mix)
                 locks.enter_context(hold_dir_lock(out, "--out", "paft bench"))
             replaced = set_aside(out) if args.overwrite else None
         except RunDirError as err:

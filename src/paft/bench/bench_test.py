@@ -345,6 +345,18 @@ def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, mon
     assert sorted(p.name for p in out.iterdir()) == [".lock", ".paft-bench"]  # the lock a benchmark holds
 
 
+def test_an_existing_empty_out_is_used(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The folder was locked twice by one benchmark (before and after creating it), and the
+    # second lock refused it as "in use by another paft bench".
+    from paft.bench import desync
+
+    monkeypatch.setattr(desync, "run", lambda out, **_: None)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["bench", "desync", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".paft-bench"]
+
+
 def test_overwrite_keeps_the_old_results_until_the_new_benchmark_finishes(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
