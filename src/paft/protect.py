@@ -712,7 +712,7 @@ class Protector:
 
 
 def _state_fingerprints_now(model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                            group: Any) -> list[int]:
+                            group: dist.ProcessGroup | None) -> list[int]:
     """Every rank's state fingerprint as it is now (a collective: call it on every rank)."""
     fp = torch.tensor([state_fingerprint(model, optimizer, buffers=False)], dtype=torch.int64)
     return gather_rows(fp, group)[:, 0].tolist()
