@@ -21,6 +21,7 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -47,6 +48,7 @@ from paft.rundir import (
 from paft.train import EXIT_PERSISTENT_FAULT, EXIT_USAGE, DeviceError, Trainer, check_devices, format_summary, uses_cuda
 
 __all__ = [
+    "SignalHold",
     "TERMINATING_SIGNALS",
     "claim_run_dir",
     "hold_dir_lock",
@@ -107,42 +109,62 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
     run_dir = pathlib.Path(cfg.run_dir)
     outcome = {"code": EXIT_WORKER_FAILED}
     with contextlib.ExitStack() as locks:
-        existed = run_dir.is_dir()
-        # The folders this run creates, innermost first: an early stop removes them again.
-        made = [] if existed else [d for d in (run_dir, *run_dir.parents) if not d.exists()]
-        if existed:
-            locks.enter_context(hold_dir_lock(run_dir))
-        # An empty folder (but for the lock just taken) holds nothing to set aside: --overwrite
-        # runs in it as a new run does (set aside, it came back with the lock in it).
-        holds = existed and any(p.name != LOCK_FILE for p in run_dir.iterdir())
-        replaced = set_aside(run_dir) if cfg.overwrite and holds else None
-        if replaced is not None or not existed:
-            try:
-                _create(run_dir)
-                locks.enter_context(hold_dir_lock(run_dir))
-            except RunDirError:
-                if replaced is not None:
-                    settle(replaced, run_dir, keep_new=False, prog=prog)
-                raise
-        elif not cfg.resume and holds:
-            # An empty folder taken for a new run: another start filled it since the check.
-            raise RunDirError(f"--run-dir: {run_dir} was just filled by another paft train; pick another --run-dir")
-        saved = (run_dir / "config.json").read_bytes() if cfg.resume else b""  # resume checked it
-        latest, recorded = _latest(run_dir), records_size(run_dir)
+        # Between moving an old run aside and settling it, a signal is held until the
+        # settling code runs: one landing in between left the old run aside for good.
+        hold = SignalHold()
         try:
+            made, replaced = _take_run_dir(cfg, run_dir, locks, prog)
+            saved = (run_dir / "config.json").read_bytes() if cfg.resume else b""  # resume checked it
+            latest, recorded = _latest(run_dir), records_size(run_dir)
+        except BaseException:
+            hold.release()
+            raise
+        try:
+            hold.release()  # a signal held since the set-up unwinds from here, through the settling below
             write_config(cfg)  # on --resume: the options the run goes on with
             yield outcome
         finally:
-            ended = outcome["code"] in (0, EXIT_PERSISTENT_FAULT)
-            if cfg.resume:
-                # The options belong with the checkpoint: a resume goes on from there (also
-                # after the guard stopped it, exit 3: a later --resume goes on from the last).
-                if outcome["code"] != 0 and _latest(run_dir) == latest:
-                    atomic_write_bytes(run_dir / "config.json", saved)
-                    print(f"{prog}: the resumed run stopped before a checkpoint: {run_dir}/config.json keeps "
-                          "the options of its last one", file=sys.stderr)
-            else:
-                _settle_new_run(run_dir, made, replaced, ended, records_size(run_dir) > recorded, prog)
+            # Settling (moving the old run back, or deleting it) must not stop halfway: an
+            # interrupted delete left a half-deleted ".replaced-" folder.
+            with SignalHold():
+                ended = outcome["code"] in (0, EXIT_PERSISTENT_FAULT)
+                if cfg.resume:
+                    # The options belong with the checkpoint: a resume goes on from there (also
+                    # after the guard stopped it, exit 3: a later --resume goes on from the last).
+                    if outcome["code"] != 0 and _latest(run_dir) == latest:
+                        atomic_write_bytes(run_dir / "config.json", saved)
+                        print(f"{prog}: the resumed run stopped before a checkpoint: {run_dir}/config.json keeps "
+                              "the options of its last one", file=sys.stderr)
+                else:
+                    _settle_new_run(run_dir, made, replaced, ended, records_size(run_dir) > recorded, prog)
+
+
+def _take_run_dir(cfg: TrainConfig, run_dir: pathlib.Path, locks: contextlib.ExitStack,
+                  prog: str) -> tuple[list[pathlib.Path], pathlib.Path | None]:
+    """Lock ``run_dir`` (an existing one first), set an old run aside (``--overwrite``)
+    and create the new directory; returns the folders created (innermost first) and
+    where the old run went (``None``: nothing set aside)."""
+    existed = run_dir.is_dir()
+    # The folders this run creates, innermost first: an early stop removes them again.
+    made = [] if existed else [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+    if existed:
+        locks.enter_context(hold_dir_lock(run_dir))
+    # An empty folder (but for the lock just taken) holds nothing to set aside: --overwrite
+    # runs in it as a new run does (set aside, it came back with the lock in it).
+    holds = existed and any(p.name != LOCK_FILE for p in run_dir.iterdir())
+    replaced = set_aside(run_dir) if cfg.overwrite and holds else None
+    if replaced is not None or not existed:
+        try:
+            _create(run_dir)
+            locks.enter_context(hold_dir_lock(run_dir))
+        except RunDirError:
+            if replaced is not None:
+                settle(replaced, run_dir, keep_new=False, prog=prog)
+            raise
+    elif not cfg.resume and holds:
+        # An empty folder taken for a new run: another start filled it since the check.
+        raise RunDirError(f"--run-dir: {run_dir} was just filled by another paft train; pick another --run-dir")
+    return made, replaced
 
 
 def _latest(run_dir: pathlib.Path) -> tuple[int, ...]:
@@ -245,6 +267,49 @@ def ignore_further_signals() -> None:
     signalled twice) would only interrupt torch's exit handlers, with tracebacks."""
     for sig in (signal.SIGINT, *TERMINATING_SIGNALS):
         signal.signal(sig, signal.SIG_IGN)
+
+
+class SignalHold:
+    """From construction until :meth:`release` (or the end of a ``with`` block), Ctrl-C
+    and the terminating signals are only noted; then their handlers come back, and the
+    first noted signal is acted on as its handler would have (a ``KeyboardInterrupt``
+    or a ``SignalException`` raised there). For steps that must not stop halfway.
+    A ``with`` block drops the noted signal when the block raised, or when it runs
+    while an exception already unwinds (clean-up in a ``finally``): one interruption
+    is enough. Outside the main thread, where handlers cannot be set, it holds nothing.
+
+    Example::
+
+        with SignalHold():
+            os.replace(new, old)  # a Ctrl-C meanwhile raises KeyboardInterrupt after it
+    """
+
+    def __init__(self) -> None:
+        self.came: list[int] = []
+        self._unwinding = sys.exc_info()[1] is not None
+        self._before: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, *TERMINATING_SIGNALS):
+                self._before[sig] = signal.signal(sig, lambda signum, _frame: self.came.append(signum))
+
+    def __enter__(self) -> SignalHold:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.release(act=exc is None and not self._unwinding)
+
+    def release(self, act: bool = True) -> None:
+        """Restore the handlers; with ``act``, act on the first signal that came."""
+        before, self._before = self._before, {}
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        if not (act and self.came and self.came[0] in before):
+            return
+        sig, handler = self.came[0], before[self.came[0]]
+        if callable(handler):
+            handler(sig, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), sig)
 
 
 def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", say: bool = True) -> int:

@@ -229,27 +229,34 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     and come back if it does not."""
     import shutil
 
-    from paft.launch import EXIT_WORKER_FAILED, hold_dir_lock, set_aside, settle
+    from paft.launch import EXIT_WORKER_FAILED, SignalHold, hold_dir_lock, set_aside, settle
     from paft.rundir import RunDirError
 
     _validate(args, parser)
     out = _out_dir(args, parser)
     with contextlib.ExitStack() as locks:
+        hold = SignalHold()  # a signal between the set-aside and the try below would strand the old results
         try:
             if args.overwrite and out.is_dir():  # a benchmark still writing there keeps it (records would mix)
                 locks.enter_context(hold_dir_lock(out, "--out", "paft bench"))
             replaced = set_aside(out) if args.overwrite else None
         except RunDirError as err:
+            hold.release()
             parser.error(str(err))
+        except BaseException:
+            hold.release()
+            raise
         code = EXIT_WORKER_FAILED
         try:
+            hold.release()  # a signal held since the set-aside unwinds from here, through the settling below
             code = _run_into(out, args, parser, locks)
             return code
         finally:
             if replaced is not None:
-                if code != 0:
-                    shutil.rmtree(out, ignore_errors=True)
-                settle(replaced, out, keep_new=code == 0, prog="paft bench")
+                with SignalHold():  # deleting or moving back must not stop halfway
+                    if code != 0:
+                        shutil.rmtree(out, ignore_errors=True)
+                    settle(replaced, out, keep_new=code == 0, prog="paft bench")
 
 
 def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.ArgumentParser,

@@ -1,0 +1,94 @@
+"""A signal never strands a run directory halfway: held while an old run is set aside
+and while it is settled (moved back, or deleted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+from typing import Any
+
+import pytest
+
+from paft import launch as launcher
+from paft.config import TrainConfig
+from paft.launch import SignalHold
+
+
+def test_a_held_signal_is_acted_on_at_release() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    hold = SignalHold()
+    os.kill(os.getpid(), signal.SIGINT)
+    assert hold.came == [signal.SIGINT]  # noted, nothing raised
+    with pytest.raises(KeyboardInterrupt):
+        hold.release()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_hold_in_clean_up_drops_a_second_signal() -> None:
+    with pytest.raises(ValueError):
+        try:
+            raise ValueError("the first interruption")
+        finally:
+            with SignalHold() as hold:
+                os.kill(os.getpid(), signal.SIGINT)
+            assert hold.came == [signal.SIGINT]  # dropped: the ValueError goes on unwinding
+
+
+def test_a_hold_whose_block_raised_drops_its_signal() -> None:
+    with pytest.raises(OSError), SignalHold():
+        os.kill(os.getpid(), signal.SIGINT)
+        raise OSError("the block's own error wins")
+
+
+def _old_run(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    monkeypatch.chdir(tmp_path)
+    run = pathlib.Path("r")
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(TrainConfig(run_dir="r", steps=2).to_dict()))
+    return run
+
+
+def _interrupting(real: Any, after: bool = False) -> Any:
+    """``real``, with a Ctrl-C just before it starts (or just ``after`` it returned)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not after:
+            os.kill(os.getpid(), signal.SIGINT)  # unless held, the handler raises before ``real`` starts
+        result = real(*args, **kwargs)
+        if after:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    return call
+
+
+def test_ctrl_c_while_the_replaced_run_is_deleted_deletes_it_whole(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while --overwrite deleted the run it replaced (the new one had finished)
+    stopped the delete: a ``r.replaced-<id>`` folder stayed behind."""
+    run = _old_run(tmp_path, monkeypatch)
+
+    def finished(cfg: TrainConfig) -> int:
+        (run / "summary.json").write_text("{}")
+        return 0
+
+    monkeypatch.setattr(launcher, "_run_workers", finished)
+    monkeypatch.setattr(shutil, "rmtree", _interrupting(shutil.rmtree))
+    with pytest.raises(KeyboardInterrupt):
+        launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert (run / "summary.json").is_file() and json.loads((run / "config.json").read_text())["steps"] == 1
+
+
+def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C between moving the old run aside and the clean-up's ``try`` left it aside."""
+    run = _old_run(tmp_path, monkeypatch)
+    monkeypatch.setattr(launcher, "set_aside", _interrupting(launcher.set_aside, after=True))
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: pytest.fail("the run must not start"))
+    with pytest.raises(KeyboardInterrupt):
+        launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert json.loads((run / "config.json").read_text())["steps"] == 2
