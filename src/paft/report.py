@@ -378,14 +378,16 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks) if ranks else '?'}"
 
 
-_MISMATCH = {"grad_mismatch": "aggregated gradient", "state_mismatch": "training state"}
+# What differed, as the split line names it: the per-step checksum of the aggregated
+# gradient, or the fingerprint of the parameters, buffers and optimizer state.
+_MISMATCH = {"grad_mismatch": "aggregated-gradient checksums", "state_mismatch": "training-state fingerprints"}
 
 
 def _split_in(rec: dict[str, Any]) -> tuple[list[int], list[str]] | None:
     """(ranks outside the largest group, what differed) if the record shows a split."""
     ranks: set[int] = set()
     what: list[str] = []
-    for kind, name in (("grad", "aggregated gradient"), ("state", "training state")):
+    for kind, name in (("grad", _MISMATCH["grad_mismatch"]), ("state", _MISMATCH["state_mismatch"])):
         if _num(rec.get(f"replicas/{kind}_distinct", 1)) > 1:
             what.append(name)
             ranks.update(int(r) for r in rec.get(f"replicas/{kind}_minority_ranks", []))
@@ -542,7 +544,7 @@ def _first_split_line(run: RunData) -> str:
         tie = "; no strict majority" if not ranks or 2 * len(ranks) >= run.world_size else ""
         undone = "; the guard caught it before the update" if caught else ""
         where = f" on {_ranks(ranks)}" if ranks else ""
-        return f"first replica split: step {step}{where} ({' and '.join(what)} fingerprints differ{tie}{undone})"
+        return f"first replica split: step {step}{where} ({' and '.join(what)} differ{tie}{undone})"
     if any("replicas/grad_distinct" in r for r in run.consistency):
         return "first replica split: none (replicas identical at every recorded step)"
     return "first replica split: not recorded (no fingerprints in consistency.jsonl)"

@@ -94,7 +94,7 @@ def test_fault_run_report(fault_run: pathlib.Path) -> None:
     assert report.text in (out / "report.md").read_text()
     text = report.text
     # Two ranks that disagree: no majority, so no rank is named (faults.jsonl names the one hit).
-    assert "first replica split: step 5 (aggregated gradient fingerprints differ; no strict majority)" in text
+    assert "first replica split: step 5 (aggregated-gradient checksums differ; no strict majority)" in text
     assert "faults injected: 1\n" in text
     assert "by site: aggregation (1)" in text and "by kind: bitflip (1)" in text and "by rank: rank 1 (1)" in text
     assert "replicas distinct at the end: 2" in text
@@ -127,7 +127,7 @@ def test_crashed_run_without_cosine(fault_run: pathlib.Path, tmp_path: pathlib.P
     report = build_report(run)
     assert_pngs(report.files, ["loss.png", "dispersion.png", "divergence.png"])
     assert "note: no summary.json" in report.text
-    assert "first replica split: step 5 (aggregated gradient" in report.text
+    assert "first replica split: step 5 (aggregated-gradient checksums" in report.text
     # The state split shows at the fingerprint step (10), not in the records after it.
     assert "replicas distinct at the last state check (step 10): 2\n" in report.text  # two ranks: no minority
     rewrite_jsonl(run / "consistency.jsonl", lambda r: {**r, "replicas/state_distinct": 1,
@@ -405,7 +405,7 @@ def test_a_run_without_worker_metrics_is_reported(fault_run: pathlib.Path, tmp_p
     assert_pngs(report.files, ["loss.png", "divergence.png"])  # no empty dispersion plot
     assert "max loss_cv: not recorded (worker metrics off: --monitor-interval 0)" in report.text
     assert "min grad_cos_min: not recorded (worker metrics off: --monitor-interval 0)" in report.text
-    assert "first replica split: step 5 (aggregated gradient" in report.text
+    assert "first replica split: step 5 (aggregated-gradient checksums" in report.text
     (run / "config.json").write_text(json.dumps({**config, "monitor": "on"}))
     with pytest.raises(ReportError, match="monitor must be an object"):
         build_report(run)
@@ -456,7 +456,7 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
         ):
             f.write(json.dumps(event) + "\n")
     text = build_report(run).text
-    assert ("first replica split: step 3 (training state fingerprints differ; no strict majority; "
+    assert ("first replica split: step 3 (training-state fingerprints differ; no strict majority; "
             "the guard caught it before the update)") in text
     assert "syncs: 2   detections: 1   recomputes: 1" in text  # the guard's repair is a sync, and reruns
     assert _periods(load_run(run)) == [(7, 25.0), (7, 5.0)]  # the sync's period is the one in force
