@@ -124,37 +124,49 @@ class Monitor:
             if key not in m or (name == "state_split" and stale_fingerprints):
                 continue
             value = m[key]
-            if kind:
-                ranks = m.get(f"replicas/{kind}_minority_ranks", [])
-            else:
-                ranks = value if name == "nonfinite_local" else []
             active = bool(fires(value))
-            # What makes an alert while one lasts new: a split that regroups (another rank
-            # hit meanwhile); another rank gone non-finite.
-            groups = m.get(f"replicas/{kind}_groups") if kind else None
-            before = self.alerting.get(name, False)
-            if name == "nonfinite_local":
-                groups = sorted(value)
-                named = before if isinstance(before, list) else []  # True: saved by an older version
-                new = active and (not before or bool(set(groups) - set(named)))
-            else:
-                new = active and (not before or bool(groups and isinstance(before, list) and before != groups))
-            if new:
-                self.alerts += 1
-                event = {"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks}
-                if not kind:
-                    who = ""
-                elif ranks:
-                    who = f" (rank(s) {ranks} disagree)"
-                else:  # no strict majority: which side is faulty is unknown
-                    who = f" (no majority: groups {groups})"
-                if name == "state_split" and self.divergence is not None:  # every rank alike: a shared view
-                    event["divergence"], far = self._split_magnitude()
-                    who += far
-                self.recorder.event(event)
-                shown = f"{value:.4g}" if isinstance(value, float) else value
-                self.recorder.say(f"[alert] step {step}: {name} = {shown}{who}")
+            ranks, groups = self._who(name, kind, value, m)
+            if active and self._is_new(name, groups):
+                self._alert(step, name, kind, value, ranks, groups)
             self.alerting[name] = groups if active and groups else active
+
+    @staticmethod
+    def _who(name: str, kind: str | None, value: Any, m: dict[str, Any]) -> tuple[list[int], list[Any] | None]:
+        """(the ranks the alert names, what makes an alert new while one lasts: a split's
+        groups, the non-finite ranks; ``None`` for a threshold)."""
+        if kind:
+            return m.get(f"replicas/{kind}_minority_ranks", []), m.get(f"replicas/{kind}_groups")
+        if name == "nonfinite_local":
+            return value, sorted(value)
+        return [], None
+
+    def _is_new(self, name: str, groups: list[Any] | None) -> bool:
+        """Whether condition ``name``, on now, is news: it was off, or while it lasts
+        another rank went non-finite, or a split regrouped (another rank hit meanwhile)."""
+        before = self.alerting.get(name, False)
+        if not before:
+            return True
+        if name == "nonfinite_local":  # before True: saved by an older version, which named no ranks
+            return bool(set(groups or []) - set(before if isinstance(before, list) else []))
+        return bool(groups) and isinstance(before, list) and before != groups
+
+    def _alert(self, step: int, name: str, kind: str | None, value: Any, ranks: list[int],
+               groups: list[Any] | None) -> None:
+        """Record the alert in ``events.jsonl`` and say it on the console."""
+        self.alerts += 1
+        event = {"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks}
+        if not kind:
+            who = ""
+        elif ranks:
+            who = f" (rank(s) {ranks} disagree)"
+        else:  # no strict majority: which side is faulty is unknown
+            who = f" (no majority: groups {groups})"
+        if name == "state_split" and self.divergence is not None:  # every rank alike: a shared view
+            event["divergence"], far = self._split_magnitude()
+            who += far
+        self.recorder.event(event)
+        shown = f"{value:.4g}" if isinstance(value, float) else value
+        self.recorder.say(f"[alert] step {step}: {name} = {shown}{who}")
 
     def _split_magnitude(self) -> tuple[dict[str, Any], str]:
         """How far apart the replicas are, now that their fingerprints disagree: each
