@@ -539,7 +539,7 @@ class Guard:
         """The replicas' parameters / optimizer state differ (corrupted at rest, or by a
         fault inside ``optimizer.step()``): recomputing from that state would only
         reproduce it, so re-synchronize from the majority first, then recompute."""
-        st.incident = True
+        self._new_incident(st)  # or what this step's recompute found: one incident
         minority = outside_majority(groups, self.world_size)
         prev = st.pending
         repeated = prev is not None and prev.source == "check" and prev.detector == "state_mismatch"
@@ -547,8 +547,6 @@ class Guard:
         # Split again right after its repair: stuck memory, also where no majority names
         # the replica either time (2 ranks, an even split), as a grad_mismatch that comes back.
         persistent = bool(again) or (repeated and not minority and not prev.ranks)
-        if prev is None or prev.source != "check":  # else: what the step's recompute found, one incident
-            self.counters["detections"] += 1
         self._decide(st, "persistent" if persistent else "state")
         st.pending = _Incident("check", "state_mismatch", minority, view.header_bits())
         if persistent and self.config.on_persistent == "stop":

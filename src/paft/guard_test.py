@@ -762,6 +762,14 @@ def test_a_step_and_its_recomputes_count_one_detection() -> None:
     assert g.check(t, 1, clean).action == "proceed" and g.wants_snapshot(t, clean)
     assert g.check_update(t, 0.2).action == "recompute"  # the recompute's update spikes: the same incident
     assert g.counters["detections"] == 1 and g.counters["recomputes"] == 2
+    # The other way round: a rolled-back update, then the recompute finds the state split.
+    g = guard(3)
+    t = warm(g)
+    clean = make_view([2.8] * 3, [1.5] * 3, 1.0)
+    assert g.check(t, 0, clean).action == "proceed" and g.wants_snapshot(t, clean)
+    assert g.check_update(t, float("nan")).action == "recompute"
+    assert g.check(t, 1, make_view([2.8] * 3, [1.5] * 3, 1.0, states=[5, 9, 5])).action == "repair"
+    assert g.counters["detections"] == 1 and g.counters["recomputes"] == 2
 
 
 def test_update_ratio_from_a_zero_learning_rate_or_a_small_init_is_no_detection() -> None:
