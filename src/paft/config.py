@@ -191,8 +191,8 @@ class GuardConfig:
     """Post-step detector: ||w_new - w_old|| / ||w_old|| (max over ranks) non-finite,
     spiking (the --spike-threshold rule), or, once --guard-warmup positive ratios were
     accepted, above this cap rolls the step back to the pre-step snapshot and
-    recomputes it, on steps where the guard asked for a snapshot (see the README's
-    Guard section); elsewhere the ratio is not measured: it needs the pre-step
+    recomputes it, on steps where the guard asked for a snapshot (see docs/GUARD.md,
+    update_ratio); elsewhere the ratio is not measured: it needs the pre-step
     weights. The spike rule compares it with the ratios measured in the last
     --guard-window steps only (none: only this cap). (The first updates of a small or zero initialisation legitimately
     exceed the weights.) A reproduced ratio skips the batch; after --shift-after such
