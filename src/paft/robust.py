@@ -1,7 +1,7 @@
 """Coordinate-wise robust merges of replicas: pure tensor functions, no communication.
 
-PAFT-Sync's ``median`` modes merge replicas that disagree without a majority. Both
-merges here return, per coordinate, one of the inputs' own values (never an
+PAFT-Sync's ``median`` modes merge replicas that disagree without a majority. Every
+merge here returns, per coordinate, one of the inputs' own values (never an
 average), so a flipped exponent bit (1e30) or a NaN on one replica is never mixed
 into the result; NaN counts as +inf, so it loses every comparison it can lose.
 
@@ -9,7 +9,10 @@ into the result; NaN counts as +inf, so it loses every comparison it can lose.
   values of an even ``n``, the one of smaller magnitude;
 - :func:`median_of_finite`: the same over each column's finite values only;
 - :func:`median_of_three`: ``clamp(ref, min(a, b), max(a, b))``, for two replicas and
-  the last state both agreed on (world size 2).
+  the last state both agreed on (world size 2);
+- :func:`finite_where_outvoted_` and :func:`sound_where_it_can_tell_`: where replicas
+  hold NaN/Inf of their own, what replaces a median that came out non-finite, and
+  which of two ranks' buffers a median with the reference may overrule.
 
 Example::
 
@@ -27,7 +30,13 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["replica_median", "median_of_finite", "median_of_three"]
+__all__ = [
+    "replica_median",
+    "median_of_finite",
+    "median_of_three",
+    "finite_where_outvoted_",
+    "sound_where_it_can_tell_",
+]
 
 # The odd-even transposition network beats torch.kthvalue by ~10x for a handful of
 # replicas (it is a few bandwidth-bound min/max passes); beyond this many replicas
@@ -114,3 +123,33 @@ def median_of_three(
         a, b, ref = _nan_as_inf(a), _nan_as_inf(b), _nan_as_inf(ref)
     lo, hi = torch.minimum(a, b), torch.maximum(a, b)
     return torch.minimum(torch.maximum(ref, lo, out=lo), hi, out=out)
+
+
+def finite_where_outvoted_(merged: Tensor, rows: Tensor, good: list[int]) -> None:
+    """Fix, in place, the coordinates where :func:`replica_median` of ``rows`` gave
+    ``merged`` a non-finite value. Per coordinate NaN counts as +inf in the median, so a
+    replica holding NaN or Inf somewhere still votes everywhere else (dropping it whole
+    left two replicas with three ranks, whose lower median is their minimum: a -1e30 on
+    the other won). Where so many values are non-finite that the median is too, take the
+    median of the finite (``good``) replicas instead; with none, the median of the
+    coordinate's finite values (a coordinate non-finite on every replica, a mask's
+    -inf, stays): nothing non-finite spreads."""
+    bad = ~torch.isfinite(merged)
+    if not bool(bad.any()):
+        return
+    if good:
+        merged[bad] = replica_median(rows[good][:, bad], nan_free=True)
+        return
+    values = median_of_finite(rows[:, bad])  # NaN where no replica is finite: kept as it was
+    merged[bad] = torch.where(torch.isnan(values), merged[bad], values)
+
+
+def sound_where_it_can_tell_(merged: Tensor, sound: Tensor, other: Tensor) -> None:
+    """Two ranks' buffers, one with NaN/Inf of its own (see
+    :func:`paft.sync_plan.plan_sync`'s ``per_coordinate``), ``merged`` their
+    :func:`median_of_three` with the reference: write into ``merged`` the sound copy's
+    values, as a copy of it would give, except where the other holds an infinity the
+    sound one lacks. There the median with the reference stays: a mask's -inf that the
+    sound-looking copy lost comes back. A NaN is never state: there the sound value."""
+    take = torch.isfinite(sound) & ~torch.isinf(other)
+    merged[take] = sound[take]

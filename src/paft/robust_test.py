@@ -1,4 +1,5 @@
-"""Tests for paft.robust: the coordinate-wise merges against sorting, NaN and outliers."""
+"""Tests for paft.robust: the coordinate-wise merges against sorting, NaN and outliers,
+and the fallback where a median comes out non-finite."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from paft import robust
-from paft.robust import median_of_three, replica_median
+from paft.robust import finite_where_outvoted_, median_of_three, replica_median
 
 
 def test_replica_median_matches_sort_and_nan_loses():
@@ -51,6 +52,23 @@ def test_median_of_three_is_clamp_of_reference():
     # the huge and the NaN coordinate are dropped
     assert out.tolist() == pytest.approx([1.0, 0.1, 0.3, 0.0, 0.3, 5.0])
     assert a[1].item() > 1e29 and math.isnan(a[4].item())  # inputs untouched
+
+
+def test_a_median_where_every_replica_holds_nan_somewhere_spreads_none() -> None:
+    """No replica entirely finite: a coordinate NaN on 2 of 3 ranks kept the median's +inf
+    and copied it onto the rank that was finite there."""
+    rows = torch.tensor([[math.nan, 1.0, 2.0, -math.inf],
+                         [0.0, math.nan, 7.0, -math.inf],
+                         [0.0, math.nan, 2.0, -math.inf]])
+    merged = replica_median(rows)
+    finite_where_outvoted_(merged, rows, good=[])
+    # The finite value where one rank had one; a -inf every replica holds (a mask) stays.
+    assert merged.tolist() == [0.0, 1.0, 2.0, -math.inf]
+    # An even split of the finite values: the smaller magnitude wins, as in replica_median.
+    rows = torch.tensor([[math.nan, 0.0], [math.nan, 0.0], [math.nan, 1.0], [1.0, math.nan], [-1e30, math.nan]])
+    merged = replica_median(rows)
+    finite_where_outvoted_(merged, rows, good=[])
+    assert merged.tolist() == [1.0, 1.0]  # (the second: NaN counts as +inf, 1 is the middle of 5)
 
 
 def test_docstring_example_runs() -> None:

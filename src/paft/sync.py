@@ -148,7 +148,7 @@ from paft.flat import (
 )
 from paft.norms import sq_norm, wide_dtype
 from paft.records import jsonable
-from paft.robust import median_of_finite, median_of_three, replica_median
+from paft.robust import finite_where_outvoted_, median_of_three, replica_median, sound_where_it_can_tell_
 from paft.sync_plan import COPY_MODES, SyncPlan, as_ddp_would, plan_sync
 
 __all__ = [
@@ -717,11 +717,11 @@ class ReplicaSync:
                     if ref is not None:
                         median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
                         if len(good) == 1 and g.floating:
-                            self._sound_where_it_can_tell(out_flat[a:b], rows[good[0]], rows[1 - good[0]])
+                            sound_where_it_can_tell_(out_flat[a:b], rows[good[0]], rows[1 - good[0]])
                     else:
                         merged = replica_median(rows, out=out_flat[a:b], nan_free=nan_free)
                         if not nan_free:
-                            self._finite_where_outvoted(merged, rows, good)
+                            finite_where_outvoted_(merged, rows, good)
                     if not (measure and g.floating):
                         continue
                     for lo, hi in ranges_in(g.param_ranges, a, b):
@@ -778,34 +778,6 @@ class ReplicaSync:
             agreed = p.reference if p.reference is not None else synced
             self._ref = {**(self._ref or {}), **self._capture(layout, agreed)}
         return _Done(d, divergence, bytes_sent, collectives, delta_tensors)
-
-    @staticmethod
-    def _sound_where_it_can_tell(merged: Tensor, sound: Tensor, other: Tensor) -> None:
-        """Two ranks' buffers, one with NaN/Inf of its own (see :func:`plan_sync`'s
-        ``per_coordinate``): the sound copy's values, as a copy of it would give, except
-        where the other holds an infinity the sound one lacks. There the median with the
-        reference stays: a mask's -inf that the sound-looking copy lost comes back. A NaN
-        is never state: there the sound value."""
-        take = torch.isfinite(sound) & ~torch.isinf(other)
-        merged[take] = sound[take]
-
-    @staticmethod
-    def _finite_where_outvoted(merged: Tensor, rows: Tensor, good: list[int]) -> None:
-        """Per coordinate NaN counts as +inf in the median, so a replica holding NaN or
-        Inf somewhere still votes everywhere else (dropping it whole left two replicas
-        with three ranks, whose lower median is their minimum: a -1e30 on the other
-        won). Where so many values are non-finite that the median is too, take the
-        median of the finite (``good``) replicas instead; with none, the median of the
-        coordinate's finite values (a coordinate non-finite on every replica, a mask's
-        -inf, stays): nothing non-finite spreads."""
-        bad = ~torch.isfinite(merged)
-        if not bool(bad.any()):
-            return
-        if good:
-            merged[bad] = replica_median(rows[good][:, bad], nan_free=True)
-            return
-        values = median_of_finite(rows[:, bad])  # NaN where no replica is finite: kept as it was
-        merged[bad] = torch.where(torch.isnan(values), merged[bad], values)
 
     def _apply(self, p: _InFlight, synced: list[Tensor | None], state_changed: bool | None) -> int:
         d, layout = p.decision, p.layout

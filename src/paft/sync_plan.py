@@ -116,7 +116,7 @@ def plan_sync(
     buffer that gained a NaN from a mask that lost a ``-inf``. The sync then takes the
     sound replica's values except where the other holds an infinity the sound one
     lacks, where the median with the last agreed buffers decides
-    (:meth:`~paft.sync.ReplicaSync` ``_sound_where_it_can_tell``).
+    (:func:`paft.robust.sound_where_it_can_tell_`).
     """
     if mode not in SYNC_MODES:
         raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")

@@ -441,25 +441,6 @@ def test_buffers_sync_apart_from_parameters_and_optimizer_state():
         assert torch.equal(got, sound), n
 
 
-def test_a_median_where_every_replica_holds_nan_somewhere_spreads_none() -> None:
-    """No replica entirely finite: a coordinate NaN on 2 of 3 ranks kept the median's +inf
-    and copied it onto the rank that was finite there."""
-    from paft.robust import replica_median
-
-    rows = torch.tensor([[math.nan, 1.0, 2.0, -math.inf],
-                         [0.0, math.nan, 7.0, -math.inf],
-                         [0.0, math.nan, 2.0, -math.inf]])
-    merged = replica_median(rows)
-    ReplicaSync._finite_where_outvoted(merged, rows, good=[])
-    # The finite value where one rank had one; a -inf every replica holds (a mask) stays.
-    assert merged.tolist() == [0.0, 1.0, 2.0, -math.inf]
-    # An even split of the finite values: the smaller magnitude wins, as in replica_median.
-    rows = torch.tensor([[math.nan, 0.0], [math.nan, 0.0], [math.nan, 1.0], [1.0, math.nan], [-1e30, math.nan]])
-    merged = replica_median(rows)
-    ReplicaSync._finite_where_outvoted(merged, rows, good=[])
-    assert merged.tolist() == [1.0, 1.0]  # (the second: NaN counts as +inf, 1 is the middle of 5)
-
-
 def _w_nested(rank: int, ws: int) -> dict:
     model = _model("mlp")
     opt = NestedStateSGD(model.parameters())
