@@ -56,19 +56,14 @@ itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alik
   - world size 2 (``"median-with-reference"``): two replicas never form a majority,
     and a plain mean would spread a flipped exponent (1e30 / 2) to both. A third
     opinion breaks the tie: the REFERENCE, the state at the last completed sync
-    (identical on both ranks). Per coordinate the result is the median of the
+    (identical on both ranks; or at the last state check the guard passed, see
+    :meth:`ReplicaSync.set_reference`). Per coordinate the result is the median of the
     three values, i.e. ``clamp(ref, min(a, b), max(a, b))``: if both replicas moved
     the same way since the last sync it is the one that moved less (the huge
     corrupted value is dropped), if they moved in opposite ways it is the agreed
-    value itself. The result always lies between the two replicas. The reference
-    costs one copy of the state and is kept only for world size 2 in robust mode;
-    state that did not exist at the last sync (optimizer state created later) has
-    reference 0, which keeps the smaller-magnitude value where the two replicas
-    share a sign, and 0 where they do not. If the two ranks'
-    references disagree (constructed while the replicas differed, or loaded from
-    different checkpoints) a zero reference is used and the report says so. The
-    guard, which repairs with a robust sync, also keeps the state of every state
-    check it passes as the reference (:meth:`ReplicaSync.set_reference`).
+    value itself. The result always lies between the two replicas. What the
+    reference costs, what stands in for state it has not seen, and when the ranks'
+    references disagree: :mod:`paft.sync_reference`.
 
 * ``mean``: average over the FINITE replicas only. A non-finite replica contributes
   zeros to the sum-all-reduce and the sum is divided by the number of finite
@@ -150,6 +145,7 @@ from paft.norms import sq_norm, wide_dtype
 from paft.records import jsonable
 from paft.robust import finite_where_outvoted_, median_of_three, replica_median, sound_where_it_can_tell_
 from paft.sync_plan import COPY_MODES, SyncPlan, as_ddp_would, plan_sync
+from paft.sync_reference import SyncReference
 
 __all__ = [
     "ReplicaSync",
@@ -312,15 +308,14 @@ class ReplicaSync:
 
             # Removed with this object, so a discarded ReplicaSync leaves nothing behind.
             weakref.finalize(self, optimizer.register_step_post_hook(_count_step).remove)
-        # The world-size-2 reference: name -> tensor (transport dtype) and a tag that
-        # is equal on both ranks exactly when their references are.
-        self._ref: dict[str, Tensor] | None = None
-        self._ref_tag = 0
-        if self._keeps_reference:
+        # Two replicas never form a majority: robust mode breaks their ties with the
+        # state they last agreed on (see paft.sync_reference).
+        self._reference: SyncReference | None = None
+        if mode == "robust" and self.world_size == 2:
             entries = self._entries()
             layout = self._layout_for(entries)
-            self._ref = self._capture(layout, [self._pack_group(g, entries) for g in layout.groups])
-            self._ref_tag = fingerprint(list(self._ref.values()))
+            self._reference = SyncReference(layout, [self._pack_group(g, entries) for g in layout.groups],
+                                            self._device)
 
     # -- public API -----------------------------------------------------------------
 
@@ -387,25 +382,22 @@ class ReplicaSync:
         """
         if self._pending is not None:
             raise RuntimeError("ReplicaSync.set_reference(): a sync is in flight; call finish() first")
-        if not self._keeps_reference:
+        if self._reference is None:
             return
         entries = [e for e in self._entries() if not e[0].startswith("buffer/")]
-        ref = self._ref or {}
-        if all(n in ref and ref[n].dtype == t.dtype and ref[n].shape == t.shape for n, t, _ in entries):
-            dst, src = [ref[n] for n, _, _ in entries], [t for _, t, _ in entries]
-            with torch.no_grad():  # the usual case: the same tensors as last time, copied in place
-                copy_all_(dst, src)
+        named = [(n, t) for n, t, _ in entries]
+        if self._reference.holds_all(named):  # the usual case: the same tensors as last time, copied in place
+            self._reference.copy_in(named)
         else:  # state the reference has not seen yet (optimizer state created since)
             layout = self._layout_for(entries)
-            self._ref = {**ref, **self._capture(layout, [self._pack_group(g, entries) for g in layout.groups])}
-        # Equal on both ranks iff the references are: equal before, and the same state now.
-        self._ref_tag = fingerprint([torch.tensor([self._ref_tag, agreed], dtype=torch.int64)])
+            self._reference.keep(layout, [self._pack_group(g, entries) for g in layout.groups])
+        self._reference.agreed_on(agreed)
 
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint: the world-size-2 reference (else None)."""
         if self._pending is not None:
             raise RuntimeError("ReplicaSync.state_dict(): a sync is in flight; call finish() first")
-        ref = None if self._ref is None else {k: v.detach().cpu().clone() for k, v in self._ref.items()}
+        ref = None if self._reference is None else self._reference.state_dict()
         return {"mode": self.mode, "world_size": self.world_size, "syncs": self.syncs, "reference": ref}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -419,10 +411,8 @@ class ReplicaSync:
                              f"(a ReplicaSync.state_dict()), got {type(ref).__name__}")
         self.syncs = int(state.get("syncs", 0))
         same_run = state.get("world_size") == self.world_size and state.get("mode") == self.mode
-        if self._keeps_reference and ref is not None and same_run:
-            self._ref = {k: transport_view(v).to(self._device).clone() for k, v in ref.items()}
-            # A fresh tag from the bytes: equal on both ranks iff they loaded equal state.
-            self._ref_tag = fingerprint(list(self._ref.values()))
+        if self._reference is not None and ref is not None and same_run:
+            self._reference.load_state_dict(ref)
 
     def _agreed_buffer_source(self, model: nn.Module) -> int | None:
         """The rank (in ``group``) whose buffers DDP broadcasts at every forward, when
@@ -441,10 +431,6 @@ class ReplicaSync:
         return source if len(named) == 1 and source >= 0 else None
 
     # -- internals: state and layout ---------------------------------------------------
-
-    @property
-    def _keeps_reference(self) -> bool:
-        return self.mode == "robust" and self.world_size == 2
 
     def _entries(self) -> list[tuple[str, Tensor, Tensor]]:
         """(name, transport view, live object) for every state tensor, each memory once:
@@ -477,25 +463,6 @@ class ReplicaSync:
         flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
         return pack(flat, [entries[i][1] for i in g.members])
 
-    def _capture(self, layout: Layout, flats: list[Tensor | None]) -> dict[str, Tensor]:
-        """Name -> view into ``flats`` (zero copy)."""
-        ref: dict[str, Tensor] = {}
-        for g, flat in zip(layout.groups, flats):
-            if flat is None:  # an empty dtype group
-                flat = torch.empty(0, dtype=g.dtype, device=self._device)
-            for s in g.slots:
-                ref[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape)
-        return ref
-
-    def _ref_flat(self, g: Group, use: bool) -> Tensor:
-        flat = torch.zeros(g.numel, dtype=g.dtype, device=self._device)
-        if use and self._ref is not None:
-            for s in g.slots:
-                r = self._ref.get(s.name)
-                if r is not None and r.dtype == g.dtype and tuple(r.shape) == s.shape:
-                    flat[s.offset : s.offset + s.numel].copy_(r.reshape(-1))
-        return flat
-
     # -- internals: one sync ----------------------------------------------------------
 
     def _check_structure(self, digests: list[int]) -> None:
@@ -524,7 +491,7 @@ class ReplicaSync:
         # reference tag), 24-32 bytes.
         row = [fingerprint(t for _, t, _ in state), fingerprint(t for _, t, _ in buffers),
                self._layout_for(entries).digest]
-        row += [self._ref_tag] if self._keeps_reference else []
+        row += [self._reference.tag] if self._reference is not None else []
         ctrl = self._gather_ints(row)
         bytes_sent, collectives = len(row) * 8, 1
         self._check_structure([r[2] for r in ctrl])
@@ -548,8 +515,8 @@ class ReplicaSync:
                 # non-finite on every rank alike (nothing to average from), never buffers
                 strict = self.mode == "mean" and part is state
                 finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
-            decisions.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._keeps_reference,
-                                       reference_ok=self._ref is not None and len(set(tags)) == 1,
+            decisions.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._reference is not None,
+                                       reference_ok=self._reference is not None and len(set(tags)) == 1,
                                        per_coordinate=part is buffers))
         state_d, buffers_d = decisions
         if self._buffer_src is not None:
@@ -639,7 +606,7 @@ class ReplicaSync:
         # The next world-size-2 reference after a no-op is the state agreed NOW: by
         # finish() an overlapped step may have moved the two replicas apart.
         reference = None
-        if d.mode == "noop" and self._keeps_reference:
+        if d.mode == "noop" and self._reference is not None:
             reference = [self._pack_group(g, entries) for g in layout.groups]
         return _InFlight(
             decision=d,
@@ -664,9 +631,8 @@ class ReplicaSync:
         t1 = time.perf_counter()
         done, buffers = self._finish_transfer(p.state, state_changed), p.buffers
         self.syncs += 1
-        if self._keeps_reference:
-            tag = torch.tensor([self.syncs, *(x for r in p.ctrl for x in r[:2])], dtype=torch.int64)
-            self._ref_tag = fingerprint([tag])  # same on both ranks: same inputs
+        if self._reference is not None:
+            self._reference.after_sync(self.syncs, p.ctrl)
         d, note = done.decision, done.decision.note
         if buffers.decision.mode != "noop":
             if d.mode == "noop":  # parameters and optimizer state agree: only the buffers moved
@@ -711,7 +677,7 @@ class ReplicaSync:
                 continue
             if d.mode in ("median", "median-with-reference"):
                 out_flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
-                ref = self._ref_flat(g, d.reference_ok) if d.mode == "median-with-reference" else None
+                ref = self._reference.flat(g, d.reference_ok) if d.mode == "median-with-reference" else None
                 nan_free = all(d.finite)  # then the NaN pass of the medians is skipped
                 for (a, b), rows in zip(g.buckets, p.gathered[gi]):
                     if ref is not None:
@@ -774,9 +740,9 @@ class ReplicaSync:
 
         # 3. The reference for the next world-size-2 median: the state just agreed
         # (merged by name: each part replaces its own tensors' reference).
-        if self._keeps_reference:
+        if self._reference is not None:
             agreed = p.reference if p.reference is not None else synced
-            self._ref = {**(self._ref or {}), **self._capture(layout, agreed)}
+            self._reference.keep(layout, agreed)
         return _Done(d, divergence, bytes_sent, collectives, delta_tensors)
 
     def _apply(self, p: _InFlight, synced: list[Tensor | None], state_changed: bool | None) -> int:

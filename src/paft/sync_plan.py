@@ -19,7 +19,7 @@ out. The rules, in order:
    - a strict majority of identical replicas that is finite: ``majority-copy`` from
      its lowest rank (exact repair of the minority);
    - else exactly one finite replica: ``finite-copy`` of it;
-   - else, where a reference is kept (world size 2, see :mod:`paft.sync`):
+   - else, where a reference is kept (world size 2, see :mod:`paft.sync_reference`):
      ``median-with-reference``, the per-coordinate median of both replicas and the
      last agreed state (a zero state when the ranks' references disagree);
    - else ``median``: the per-coordinate median of all replicas, in which a

@@ -591,10 +591,10 @@ def _w_two(rank: int, ws: int) -> dict:
     got = fresh.state_dict()["reference"]
     assert got.keys() == sd["reference"].keys()
     assert all(torch.equal(got[k], sd["reference"][k]) for k in got)
-    out["tags"] = (sync._ref_tag, fresh._ref_tag)
+    out["tags"] = (sync._reference.tag, fresh._reference.tag)
     fresh.load_state_dict({**sd, "world_size": 3, "reference": {}})  # elastic restart: ignored
     assert all(torch.equal(fresh.state_dict()["reference"][k], got[k]) for k in got)  # kept
-    out["tags"] += (fresh._ref_tag,)
+    out["tags"] += (fresh._reference.tag,)
 
     # references that disagree (constructed on differing replicas): zero reference
     model = _model("mlp")
