@@ -39,9 +39,7 @@ itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alik
 * ``robust`` (default):
 
   - a strict majority of bitwise identical, finite replicas (``"majority-copy"``):
-    copy from the lowest majority rank -- point-to-point when a single rank is off
-    (the common case: the other majority ranks move nothing), else a broadcast.
-    Exact repair; majority ranks keep their bits;
+    copy from the lowest majority rank. Exact repair; majority ranks keep their bits;
   - exactly one finite replica (``"finite-copy"``): copy it, in the same way;
   - no (finite) majority, world size >= 3 (``"median"``): all-gather and take, per
     coordinate, the median of the replicas' values (:func:`~paft.robust.replica_median`).
@@ -52,7 +50,7 @@ itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alik
     votes everywhere else; where too many values of a coordinate are non-finite for
     its median to be finite, the median of the finite replicas is taken, or, when
     every replica holds NaN/Inf somewhere, the median of that coordinate's finite
-    values (the report's note says so);
+    values (:func:`~paft.robust.finite_where_outvoted_`; the report's note says so);
   - world size 2 (``"median-with-reference"``): two replicas never form a majority,
     and a plain mean would spread a flipped exponent (1e30 / 2) to both. A third
     opinion breaks the tie: the REFERENCE, the state at the last completed sync
@@ -65,19 +63,10 @@ itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alik
     reference costs, what stands in for state it has not seen, and when the ranks'
     references disagree: :mod:`paft.sync_reference`.
 
-* ``mean``: average over the FINITE replicas only. A non-finite replica contributes
-  zeros to the sum-all-reduce and the sum is divided by the number of finite
-  replicas, so NaN/Inf never contaminate the others. Where the sum of finite
-  replicas overflows (two float16 values near 40000), the coordinate takes a second
-  sum instead, of each share scaled by ``1 / count`` first, so finite replicas stay
-  finite. With a power-of-two count of finite replicas (2, 4, 8) sum-then-divide keeps
-  the values they agree on exact; with 3 an agreed ``x`` becomes ``fl(fl(3x) / 3)``,
-  which moves about one float32 value in five by one ulp (identically on every
-  rank: replicas still end bitwise equal). float16 and bfloat16 are summed and
-  divided in float32 and rounded once, so their agreed values stay exact (and the
-  measured divergence has no floor of one 16-bit ulp). ``robust`` never
-  touches agreed values. No finite replica at all raises :class:`RuntimeError` (on
-  every rank).
+* ``mean``: average over the FINITE replicas only, so NaN/Inf never contaminate the
+  others (how the sum is taken, and which agreed values it keeps exact:
+  :mod:`paft.sync_transfer`). ``robust`` never touches agreed values. No finite
+  replica at all raises :class:`RuntimeError` (on every rank).
 * ``broadcast``: copy rank ``src`` exactly. If ``src`` holds NaN/Inf, the lowest
   finite rank is copied instead (the report's note says so); none finite raises
   :class:`RuntimeError`, as in ``mean``.
@@ -86,15 +75,9 @@ Integer tensors (``num_batches_tracked``, integer steps) are never averaged: the
 copied from the chosen source (``mean``: the lowest finite rank) or, in the median
 modes, take the coordinate-wise median, which is again one replica's value.
 
-Wire format: tensors are grouped by dtype (complex as real pairs, bool as uint8) into
-one flat buffer per dtype, cut into buckets of at most ``bucket_mb``; ONE collective
-per bucket, never one per tensor. ``bytes_sent`` counts the logical payload this rank
-hands to the collectives it launched (all-reduce: the buffer; all-gather: its own
-contribution; broadcast / send: the buffer on the source, 0 on receivers), not the
-algorithm-dependent wire traffic. Every sync that moves parameters or optimizer
-state ends with one 8-byte all-reduce (max) of their divergence, so all ranks report
-the same number (the buffers are not measured: a replica whose buffers hold NaN/Inf
-of its own makes the divergence ``inf``, else they add nothing).
+The transfers themselves (one collective per bucket of a flat buffer per dtype,
+point-to-point where a single rank is repaired, what ``bytes_sent`` counts, the one
+8-byte exchange of the divergence) are :mod:`paft.sync_transfer`'s.
 
 After any completed blocking sync every rank holds bitwise identical parameters,
 buffers and optimizer state. The overlapped form syncs the buffers at
@@ -109,8 +92,7 @@ comes before the next ``optimizer.step()``. If something did (an optimizer step)
 finish applies ``w <- synced + (w - snapshot)`` per coordinate: additive progress is
 kept, so for plain SGD without weight decay the replicas are equal up to the rounding
 of that addition; where the update reads the state (momentum, Adam's moments, weight
-decay) they stay apart by its non-additive part. Boolean tensors take the live value
-where it changed and the synced one elsewhere (a sum of booleans is not a boolean).
+decay) they stay apart by its non-additive part.
 """
 
 from __future__ import annotations
@@ -118,7 +100,6 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -126,26 +107,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from paft.collectives import collective_device, gather_rows, max_over_ranks
+from paft.collectives import collective_device, gather_rows
 from paft.config import SYNC_MODES
-from paft.divergence import all_finite, nonfinite_patterns, rel_distance, sound_replicas
+from paft.divergence import all_finite, nonfinite_patterns, sound_replicas
 from paft.fingerprint import fingerprint, group_replicas, state_tensors
-from paft.flat import (
-    Group,
-    Layout,
-    build_layout,
-    copy_all_,
-    pack,
-    ranges_in,
-    storage_of,
-    structure_key,
-    transport_view,
-)
-from paft.norms import sq_norm, wide_dtype
+from paft.flat import Layout, build_layout, storage_of, structure_key, transport_view
 from paft.records import jsonable
-from paft.robust import finite_where_outvoted_, median_of_three, replica_median, sound_where_it_can_tell_
-from paft.sync_plan import COPY_MODES, SyncPlan, as_ddp_would, plan_sync
+from paft.sync_plan import SyncPlan, as_ddp_would, plan_sync
 from paft.sync_reference import SyncReference
+from paft.sync_transfer import Entry, PartDone, PartInFlight, Transfer, pack_group
 
 __all__ = [
     "ReplicaSync",
@@ -207,36 +177,6 @@ class SyncReport:
 
 
 @dataclass
-class _InFlight:
-    """One part of a sync (the parameters and optimizer state, or the buffers) in flight."""
-
-    decision: SyncPlan
-    layout: Layout
-    originals: list[Tensor]  # the live objects, for identity / version checks
-    versions: list[int]
-    opt_steps: int
-    overlapped: bool
-    snaps: list[Tensor | None]  # per dtype group: this rank's packed state
-    bufs: list[Tensor | None]  # per dtype group: reduced / broadcast buffer
-    gathered: list[list[Tensor]]  # per dtype group, per bucket: [ws, len]
-    works: list[Any]
-    reference: list[Tensor | None] | None  # no-op, world size 2: the agreed state at start
-    bytes_sent: int
-    collectives: int
-
-
-@dataclass
-class _Done:
-    """A completed part: what the report says of it."""
-
-    decision: SyncPlan
-    divergence: float
-    bytes_sent: int
-    collectives: int
-    delta_tensors: int
-
-
-@dataclass
 class _Sync:
     """A sync between start and finish: its control exchange, the buffers' part
     (completed at start) and the parameters' and optimizer state's part in flight."""
@@ -244,8 +184,8 @@ class _Sync:
     ctrl: list[list[int]]  # every rank's fingerprints: the next reference's tag
     control_bytes: int  # the control and finite-flag exchanges
     control_collectives: int
-    buffers: _Done
-    state: _InFlight
+    buffers: PartDone
+    state: PartInFlight
     t0: float
     critical: float
 
@@ -294,6 +234,7 @@ class ReplicaSync:
         self._layouts: dict[tuple[Any, ...], Layout] = {}  # all tensors, buffers only, all but buffers
         self._pending: _Sync | None = None
         self._device = collective_device(group, next(iter(model.parameters()), None))
+        self._transfer = Transfer(group, self.rank, self.world_size, self._device)
         self._buffer_src = self._agreed_buffer_source(model)
         # Fused optimizers update parameters and state without bumping the tensors'
         # version counters; a step hook tells finish() that a step happened anyway.
@@ -314,7 +255,7 @@ class ReplicaSync:
         if mode == "robust" and self.world_size == 2:
             entries = self._entries()
             layout = self._layout_for(entries)
-            self._reference = SyncReference(layout, [self._pack_group(g, entries) for g in layout.groups],
+            self._reference = SyncReference(layout, [pack_group(g, entries, self._device) for g in layout.groups],
                                             self._device)
 
     # -- public API -----------------------------------------------------------------
@@ -390,7 +331,7 @@ class ReplicaSync:
             self._reference.copy_in(named)
         else:  # state the reference has not seen yet (optimizer state created since)
             layout = self._layout_for(entries)
-            self._reference.keep(layout, [self._pack_group(g, entries) for g in layout.groups])
+            self._reference.keep(layout, [pack_group(g, entries, self._device) for g in layout.groups])
         self._reference.agreed_on(agreed)
 
     def state_dict(self) -> dict[str, Any]:
@@ -432,12 +373,12 @@ class ReplicaSync:
 
     # -- internals: state and layout ---------------------------------------------------
 
-    def _entries(self) -> list[tuple[str, Tensor, Tensor]]:
+    def _entries(self) -> list[Entry]:
         """(name, transport view, live object) for every state tensor, each memory once:
         a tensor that is another's exact alias (two Parameter objects over one storage,
         optimizer state that *is* its parameter) is left out. The overlapped correction
         ``synced + (w - snapshot)`` written through both would add the progress twice
-        (partial overlaps, which cannot be left out, are corrected apart: see _apply)."""
+        (partial overlaps, which cannot be left out, are corrected apart: see paft.sync_transfer)."""
         seen: set[tuple[Any, ...]] = set()
         entries = []
         for n, t in state_tensors(self.model, self.optimizer):
@@ -450,7 +391,7 @@ class ReplicaSync:
             entries.append((n, transport_view(t), t))
         return entries
 
-    def _layout_for(self, entries: list[tuple[str, Tensor, Tensor]]) -> Layout:
+    def _layout_for(self, entries: list[Entry]) -> Layout:
         key = structure_key((n, t) for n, t, _ in entries)
         layout = self._layouts.get(key)
         if layout is None:
@@ -458,10 +399,6 @@ class ReplicaSync:
                 self._layouts.clear()
             layout = self._layouts[key] = build_layout(key, [(n, t) for n, t, _ in entries], self.bucket_bytes)
         return layout
-
-    def _pack_group(self, g: Group, entries: list[tuple[str, Tensor, Tensor]]) -> Tensor:
-        flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
-        return pack(flat, [entries[i][1] for i in g.members])
 
     # -- internals: one sync ----------------------------------------------------------
 
@@ -525,111 +462,24 @@ class ReplicaSync:
         # their updates (BatchNorm's running averages) are not additive, so the overlapped
         # correction synced + (w - snapshot) would put a replica's deviation back with the
         # opposite sign (a negative running variance). They are small.
-        buffers_done = self._finish_transfer(self._transfer(buffers_d, buffers, overlapped=False), False)
-        pending = self._transfer(state_d, state, overlapped and not (repair_now and differ[0]))
+        buffers_done = self._finish_part(self._launch_part(buffers_d, buffers, overlapped=False), False)
+        pending = self._launch_part(state_d, state, overlapped and not (repair_now and differ[0]))
         return _Sync(ctrl, bytes_sent, collectives, buffers_done, pending, t0, critical=time.perf_counter() - t0)
 
-    def _transfer(self, d: SyncPlan, entries: list[tuple[str, Tensor, Tensor]], overlapped: bool) -> _InFlight:
-        """Launch the collectives of one part (the parameters and optimizer state, or the
-        buffers) as decided by ``d``."""
-        ws, rank, group = self.world_size, self.rank, self.group
-        layout = self._layout_for(entries)
-        bytes_sent = collectives = 0
-        snaps: list[Tensor | None] = []
-        bufs: list[Tensor | None] = []
-        gathered: list[list[Tensor]] = []
-        works: list[Any] = []
-        src_global = dist.get_global_rank(group, d.src) if group is not None and d.src >= 0 else d.src
-        for g in layout.groups:
-            snap: Tensor | None = None
-            buf: Tensor | None = None
-            outs: list[Tensor] = []
-            copy_mode = d.mode in COPY_MODES or (d.mode == "mean" and not g.floating)
-            if d.mode == "noop" or g.numel == 0:
-                pass
-            elif d.mode in COPY_MODES and len(d.minority) == 1:
-                # One rank to repair (the common case): send it the source's state
-                # point-to-point; the other majority members move nothing at all.
-                (bad,) = d.minority
-                if rank == d.src:
-                    buf = snap = self._pack_group(g, entries)
-                    dst = dist.get_global_rank(group, bad) if group is not None else bad
-                    for k, (a, b) in enumerate(g.buckets):
-                        works.append(dist.isend(buf[a:b], dst, group=group, tag=k))
-                    bytes_sent += buf.numel() * buf.element_size()
-                    collectives += len(g.buckets)
-                elif rank == bad:
-                    snap = self._pack_group(g, entries)
-                    buf = torch.empty(g.numel, dtype=g.dtype, device=self._device)
-                    for k, (a, b) in enumerate(g.buckets):
-                        works.append(dist.irecv(buf[a:b], src_global, group=group, tag=k))
-                    collectives += len(g.buckets)
-            elif copy_mode:
-                if rank == d.src:
-                    # The source's buffer is never overwritten: it is its own snapshot.
-                    buf = snap = self._pack_group(g, entries)
-                    bytes_sent += buf.numel() * buf.element_size()
-                else:
-                    # Majority members hold the result already and only receive; the
-                    # others keep a snapshot for divergence and the overlapped delta.
-                    if not d.holds_result(rank):
-                        snap = self._pack_group(g, entries)
-                    buf = torch.empty(g.numel, dtype=g.dtype, device=self._device)
-                for a, b in g.buckets:
-                    works.append(dist.broadcast(buf[a:b], src_global, group=group, async_op=True))
-                collectives += len(g.buckets)
-            elif d.mode == "mean":
-                snap = self._pack_group(g, entries)
-                # Sum, then divide (in _finish_transfer): exact where the replicas agree for a
-                # power-of-two count (n * x / n is x) and for the smallest subnormals
-                # (halving first would round them to 0). A non-finite replica contributes
-                # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
-                # averaged (copy_mode above).
-                wide = wide_dtype(g.dtype)
-                buf = snap.to(wide, copy=True) if d.finite[rank] else torch.zeros_like(snap, dtype=wide)
-                for a, b in g.buckets:
-                    works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
-                bytes_sent += buf.numel() * buf.element_size()
-                collectives += len(g.buckets)
-            else:  # median, median-with-reference
-                snap = self._pack_group(g, entries)
-                for a, b in g.buckets:
-                    out = torch.empty(ws, b - a, dtype=g.dtype, device=self._device)
-                    works.append(dist.all_gather(list(out.unbind(0)), snap[a:b], group=group, async_op=True))
-                    outs.append(out)
-                bytes_sent += snap.numel() * snap.element_size()
-                collectives += len(g.buckets)
-            snaps.append(snap)
-            bufs.append(buf)
-            gathered.append(outs)
-        originals = [o for _, _, o in entries]
-        # The next world-size-2 reference after a no-op is the state agreed NOW: by
-        # finish() an overlapped step may have moved the two replicas apart.
-        reference = None
-        if d.mode == "noop" and self._reference is not None:
-            reference = [self._pack_group(g, entries) for g in layout.groups]
-        return _InFlight(
-            decision=d,
-            layout=layout,
-            originals=originals,
-            versions=[o._version for o in originals],
-            opt_steps=self._opt_steps,
-            overlapped=overlapped,
-            snaps=snaps,
-            bufs=bufs,
-            gathered=gathered,
-            works=works,
-            reference=reference,
-            bytes_sent=bytes_sent,
-            collectives=collectives,
-        )
+    def _launch_part(self, d: SyncPlan, entries: list[Entry], overlapped: bool) -> PartInFlight:
+        return self._transfer.launch(d, self._layout_for(entries), entries, overlapped=overlapped,
+                                     opt_steps=self._opt_steps, reference=self._reference)
+
+    def _finish_part(self, p: PartInFlight, state_changed: bool | None) -> PartDone:
+        return self._transfer.finish(p, state_changed, live_entries=self._entries, opt_steps=self._opt_steps,
+                                     reference=self._reference)
 
     def _complete(self, state_changed: bool | None) -> SyncReport:
         p = self._pending
         assert p is not None
         self._pending = None
         t1 = time.perf_counter()
-        done, buffers = self._finish_transfer(p.state, state_changed), p.buffers
+        done, buffers = self._finish_part(p.state, state_changed), p.buffers
         self.syncs += 1
         if self._reference is not None:
             self._reference.after_sync(self.syncs, p.ctrl)
@@ -654,157 +504,3 @@ class ReplicaSync:
             delta_tensors=done.delta_tensors,
             note=note,
         )
-
-    def _finish_transfer(self, p: _InFlight, state_changed: bool | None) -> _Done:
-        """Wait for one part's collectives, merge, measure and apply them."""
-        d, layout = p.decision, p.layout
-        for w in p.works:
-            w.wait()
-        bytes_sent, collectives = p.bytes_sent, p.collectives
-
-        # 1. The synced flats (identical on every rank) and this rank's distance to
-        # the centre: the mean of the finite replicas (median modes: from the gather;
-        # mean: the result), or the copied source (copy modes).
-        synced: list[Tensor | None] = []
-        local_sq = ref_sq = 0.0
-        me = self.rank
-        measure = d.mode != "noop" and not d.holds_result(me) and d.finite[me]
-        good = [r for r in range(self.world_size) if d.finite[r]]
-        for gi, g in enumerate(layout.groups):
-            snap, buf = p.snaps[gi], p.bufs[gi]
-            if d.mode == "noop" or g.numel == 0 or (buf is None and d.holds_result(me)):
-                synced.append(None)  # nothing moved, or a majority member left out of the copy
-                continue
-            if d.mode in ("median", "median-with-reference"):
-                out_flat = torch.empty(g.numel, dtype=g.dtype, device=self._device)
-                ref = self._reference.flat(g, d.reference_ok) if d.mode == "median-with-reference" else None
-                nan_free = all(d.finite)  # then the NaN pass of the medians is skipped
-                for (a, b), rows in zip(g.buckets, p.gathered[gi]):
-                    if ref is not None:
-                        median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
-                        if len(good) == 1 and g.floating:
-                            sound_where_it_can_tell_(out_flat[a:b], rows[good[0]], rows[1 - good[0]])
-                    else:
-                        merged = replica_median(rows, out=out_flat[a:b], nan_free=nan_free)
-                        if not nan_free:
-                            finite_where_outvoted_(merged, rows, good)
-                    if not (measure and g.floating):
-                        continue
-                    for lo, hi in ranges_in(g.param_ranges, a, b):
-                        part = rows[:, lo:hi].to(wide_dtype(g.dtype))
-                        c = (part if len(good) == self.world_size else part[good]).mean(0)
-                        ref_sq += sq_norm(c)
-                        local_sq += sq_norm(part[me] - c)
-                synced.append(out_flat)
-                continue
-            assert buf is not None
-            if d.mode == "mean" and g.floating:
-                buf.div_(d.count)
-                overflowed = ~torch.isfinite(buf)
-                if bool(overflowed.any()):
-                    # Finite replicas whose sum overflowed (40000 + 40992 in float16): sum
-                    # again with each share scaled first, and take that where the plain
-                    # sum overflowed. The all-reduce left the same result on every rank,
-                    # so every rank takes this branch alike.
-                    assert snap is not None
-                    scaled = snap.to(buf.dtype) * (1.0 / d.count) if d.finite[me] else torch.zeros_like(buf)
-                    for a, b in g.buckets:
-                        dist.all_reduce(scaled[a:b], group=self.group)
-                    buf = torch.where(overflowed, scaled, buf)
-                    bytes_sent += scaled.numel() * scaled.element_size()
-                    collectives += len(g.buckets)
-            if measure and g.floating and snap is not None:
-                for lo, hi in g.param_ranges:
-                    local_sq += sq_norm(snap[lo:hi] - buf[lo:hi])
-                    ref_sq += sq_norm(buf[lo:hi])
-            synced.append(buf.to(g.dtype))  # a float32 mean of 16-bit state, rounded once
-
-        # The max over ranks: one 8-byte all-reduce, so that every rank reports the
-        # very same number (PAFT-Dyn takes its decisions from it on every rank). A part
-        # without parameters (the buffers) is not measured: its finite flags, which every
-        # rank holds, say all there is.
-        if d.mode == "noop":
-            divergence = 0.0
-        elif not any(g.param_ranges for g in layout.groups):
-            divergence = 0.0 if all(d.finite) else math.inf
-        else:
-            mine = rel_distance(local_sq, ref_sq) if measure else 0.0
-            divergence = max_over_ranks(mine if d.finite[me] else math.inf, self.group)
-            bytes_sent, collectives = bytes_sent + 8, collectives + 1
-
-        # 2. Apply: copy where the tensor is untouched since the snapshot, else the
-        # correction synced + (w - snapshot).
-        delta_tensors = 0
-        if d.mode != "noop" and not d.holds_result(self.rank):
-            delta_tensors = self._apply(p, synced, state_changed)
-
-        # 3. The reference for the next world-size-2 median: the state just agreed
-        # (merged by name: each part replaces its own tensors' reference).
-        if self._reference is not None:
-            agreed = p.reference if p.reference is not None else synced
-            self._reference.keep(layout, agreed)
-        return _Done(d, divergence, bytes_sent, collectives, delta_tensors)
-
-    def _apply(self, p: _InFlight, synced: list[Tensor | None], state_changed: bool | None) -> int:
-        d, layout = p.decision, p.layout
-        if p.overlapped:
-            # Re-resolve by name: the optimizer may have replaced a state tensor.
-            now = {n: (t, o) for n, t, o in self._entries()}
-        # A non-finite replica's own progress is garbage: it just takes the result.
-        garbage = not d.finite[self.rank]
-        stepped = self._opt_steps != p.opt_steps
-        delta_tensors = 0
-        copy_dst: list[Tensor] = []
-        copy_src: list[Tensor] = []
-        # Tensors over one memory, partly overlapping (a Parameter over a view of another):
-        # each correction reads the progress through its own view, so all are computed
-        # before any is written; the overlap's synced values agree, so either write is right.
-        storages = Counter(storage_of(o) for o in p.originals)
-        shared = {k for k, n in storages.items() if k is not None and n > 1}
-        later: list[tuple[Tensor, Tensor]] = []
-        with torch.no_grad():
-            for gi, g in enumerate(layout.groups):
-                flat, snap = synced[gi], p.snaps[gi]
-                if flat is None:
-                    continue
-                for s, i in zip(g.slots, g.members):
-                    orig = p.originals[i]
-                    if p.overlapped:
-                        cur = now.get(s.name)
-                        if cur is None or cur[0].dtype != g.dtype or tuple(cur[0].shape) != s.shape:
-                            continue  # gone or reshaped meanwhile: nothing sensible to write
-                        target, live = cur
-                    else:
-                        target, live = transport_view(orig), orig
-                    new = flat[s.offset : s.offset + s.numel].view(s.shape)
-                    if garbage or snap is None or not p.overlapped:
-                        changed = False
-                    elif state_changed is not None:
-                        changed = state_changed
-                    else:
-                        changed = live is not orig or live._version != p.versions[i] or stepped
-                    if not changed:
-                        copy_dst.append(target)
-                        copy_src.append(new)
-                        continue
-                    delta_tensors += 1
-                    old = snap[s.offset : s.offset + s.numel].view(s.shape)
-                    if live.dtype == torch.bool:  # flags: the live value where it changed
-                        value = torch.where(target != old.to(target.device), target, new.to(target.device))
-                    else:
-                        progress = target - old.to(target.device)
-                        res = new.to(target.device) + progress
-                        # Untouched coordinates (progress 0) get the synced bits exactly;
-                        # a non-finite result (a NaN replica's progress) falls back to them.
-                        keep = progress == 0
-                        if res.is_floating_point():
-                            keep |= ~torch.isfinite(res)
-                        value = torch.where(keep, new.to(target.device), res)
-                    if shared and storage_of(target) in shared:
-                        later.append((target, value))
-                    else:
-                        target.copy_(value)
-            copy_all_(copy_dst, copy_src)
-            for a, b in later:  # after the copies: a correction wins over a plain copy
-                a.copy_(b)
-        return delta_tensors

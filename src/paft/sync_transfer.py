@@ -1,0 +1,407 @@
+"""PAFT-Sync's transfer: one part of the state carried through flat, bucketed collectives.
+
+A sync moves its two parts apart, the parameters with the optimizer state and the
+buffers (see :mod:`paft.sync`), each as its :class:`~paft.sync_plan.SyncPlan` says.
+:meth:`Transfer.launch` packs this rank's part and launches its collectives;
+:meth:`Transfer.finish` waits for them, merges what they brought, measures how far
+apart the replicas were and applies the result to the live tensors.
+
+Wire format: tensors are grouped by dtype (complex as real pairs, bool as uint8) into
+one flat buffer per dtype, cut into buckets of at most ``bucket_mb``; ONE collective
+per bucket, never one per tensor (:mod:`paft.flat`). ``bytes_sent`` counts the logical
+payload this rank hands to the collectives it launched (all-reduce: the buffer;
+all-gather: its own contribution; broadcast / send: the buffer on the source, 0 on
+receivers), not the algorithm-dependent wire traffic. Per mode:
+
+* ``majority-copy`` and ``finite-copy``: point-to-point from the copied rank when a
+  single rank is to be repaired (the common case: the other majority ranks move
+  nothing), else a broadcast, as ``broadcast`` always is;
+* ``median`` and ``median-with-reference``: an all-gather of every rank's flat,
+  merged per coordinate by :mod:`paft.robust` (with the reference's flat, at world
+  size 2);
+* ``mean``: a sum-all-reduce, to which a non-finite replica contributes zeros, then a
+  division by the number of finite replicas. Where the sum of finite replicas
+  overflows (two float16 values near 40000), the coordinate takes a second sum
+  instead, of each share scaled by ``1 / count`` first, so finite replicas stay
+  finite. With a power-of-two count of finite replicas (2, 4, 8) sum-then-divide keeps
+  the values they agree on exact; with 3 an agreed ``x`` becomes ``fl(fl(3x) / 3)``,
+  which moves about one float32 value in five by one ulp (identically on every
+  rank: replicas still end bitwise equal). float16 and bfloat16 are summed and
+  divided in float32 and rounded once, so their agreed values stay exact (and the
+  measured divergence has no floor of one 16-bit ulp).
+
+Every sync that moves parameters or optimizer state ends with one 8-byte all-reduce
+(max) of their divergence, so all ranks report the same number (the buffers are not
+measured: a replica whose buffers hold NaN/Inf of its own makes the divergence
+``inf``, else they add nothing).
+
+A rank whose state is not the result already copies the synced values into its live
+tensors, or, where they changed since the launch (an overlapped sync), applies
+``w <- synced + (w - snapshot)`` per coordinate (see
+:meth:`paft.sync.ReplicaSync.finish`). Boolean tensors take the live value where it
+changed and the synced one elsewhere (a sum of booleans is not a boolean).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from paft.collectives import max_over_ranks
+from paft.divergence import rel_distance
+from paft.flat import Group, Layout, copy_all_, pack, ranges_in, storage_of, transport_view
+from paft.norms import sq_norm, wide_dtype
+from paft.robust import finite_where_outvoted_, median_of_three, replica_median, sound_where_it_can_tell_
+from paft.sync_plan import COPY_MODES, SyncPlan
+from paft.sync_reference import SyncReference
+
+__all__ = [
+    "Entry",
+    "PartDone",
+    "PartInFlight",
+    "Transfer",
+    "pack_group",
+]
+
+Entry = tuple[str, Tensor, Tensor]
+"""One state tensor: its name, its transport view (:func:`paft.flat.transport_view`)
+and the live object."""
+
+
+def pack_group(g: Group, entries: list[Entry], device: torch.device) -> Tensor:
+    """``g``'s members of ``entries`` packed into a new flat on ``device``."""
+    flat = torch.empty(g.numel, dtype=g.dtype, device=device)
+    return pack(flat, [entries[i][1] for i in g.members])
+
+
+@dataclass
+class PartInFlight:
+    """One part of a sync (the parameters and optimizer state, or the buffers) in flight."""
+
+    decision: SyncPlan
+    layout: Layout
+    originals: list[Tensor]  # the live objects, for identity / version checks
+    versions: list[int]
+    opt_steps: int
+    overlapped: bool
+    snaps: list[Tensor | None]  # per dtype group: this rank's packed state
+    bufs: list[Tensor | None]  # per dtype group: reduced / broadcast buffer
+    gathered: list[list[Tensor]]  # per dtype group, per bucket: [ws, len]
+    works: list[Any]
+    agreed_at_launch: list[Tensor | None] | None  # no-op, world size 2: the next reference
+    bytes_sent: int
+    collectives: int
+
+
+@dataclass
+class PartDone:
+    """A completed part: what the report says of it."""
+
+    decision: SyncPlan
+    divergence: float
+    bytes_sent: int
+    collectives: int
+    delta_tensors: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Launches and finishes the collectives of a sync's parts over ``group`` (this
+    ``rank`` of ``world_size``), with flat buffers on ``device``."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def launch(
+        self,
+        d: SyncPlan,
+        layout: Layout,
+        entries: list[Entry],
+        *,
+        overlapped: bool,
+        opt_steps: int,
+        reference: SyncReference | None,
+    ) -> PartInFlight:
+        """Launch the collectives of one part (the parameters and optimizer state, or the
+        buffers) as decided by ``d``. ``layout``: the entries' layout; ``overlapped``: the
+        caller's next step may change the state before :meth:`finish`; ``opt_steps``:
+        the optimizer steps so far; ``reference``: where one is kept, a no-op keeps the
+        state agreed now for it."""
+        ws, rank, group = self.world_size, self.rank, self.group
+        bytes_sent = collectives = 0
+        snaps: list[Tensor | None] = []
+        bufs: list[Tensor | None] = []
+        gathered: list[list[Tensor]] = []
+        works: list[Any] = []
+        src_global = dist.get_global_rank(group, d.src) if group is not None and d.src >= 0 else d.src
+        for g in layout.groups:
+            snap: Tensor | None = None
+            buf: Tensor | None = None
+            outs: list[Tensor] = []
+            copy_mode = d.mode in COPY_MODES or (d.mode == "mean" and not g.floating)
+            if d.mode == "noop" or g.numel == 0:
+                pass
+            elif d.mode in COPY_MODES and len(d.minority) == 1:
+                # One rank to repair (the common case): send it the source's state
+                # point-to-point; the other majority members move nothing at all.
+                (bad,) = d.minority
+                if rank == d.src:
+                    buf = snap = pack_group(g, entries, self.device)
+                    dst = dist.get_global_rank(group, bad) if group is not None else bad
+                    for k, (a, b) in enumerate(g.buckets):
+                        works.append(dist.isend(buf[a:b], dst, group=group, tag=k))
+                    bytes_sent += buf.numel() * buf.element_size()
+                    collectives += len(g.buckets)
+                elif rank == bad:
+                    snap = pack_group(g, entries, self.device)
+                    buf = torch.empty(g.numel, dtype=g.dtype, device=self.device)
+                    for k, (a, b) in enumerate(g.buckets):
+                        works.append(dist.irecv(buf[a:b], src_global, group=group, tag=k))
+                    collectives += len(g.buckets)
+            elif copy_mode:
+                if rank == d.src:
+                    # The source's buffer is never overwritten: it is its own snapshot.
+                    buf = snap = pack_group(g, entries, self.device)
+                    bytes_sent += buf.numel() * buf.element_size()
+                else:
+                    # Majority members hold the result already and only receive; the
+                    # others keep a snapshot for divergence and the overlapped delta.
+                    if not d.holds_result(rank):
+                        snap = pack_group(g, entries, self.device)
+                    buf = torch.empty(g.numel, dtype=g.dtype, device=self.device)
+                for a, b in g.buckets:
+                    works.append(dist.broadcast(buf[a:b], src_global, group=group, async_op=True))
+                collectives += len(g.buckets)
+            elif d.mode == "mean":
+                snap = pack_group(g, entries, self.device)
+                # Sum, then divide (in finish): exact where the replicas agree for a
+                # power-of-two count (n * x / n is x) and for the smallest subnormals
+                # (halving first would round them to 0). A non-finite replica contributes
+                # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
+                # averaged (copy_mode above).
+                wide = wide_dtype(g.dtype)
+                buf = snap.to(wide, copy=True) if d.finite[rank] else torch.zeros_like(snap, dtype=wide)
+                for a, b in g.buckets:
+                    works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
+                bytes_sent += buf.numel() * buf.element_size()
+                collectives += len(g.buckets)
+            else:  # median, median-with-reference
+                snap = pack_group(g, entries, self.device)
+                for a, b in g.buckets:
+                    out = torch.empty(ws, b - a, dtype=g.dtype, device=self.device)
+                    works.append(dist.all_gather(list(out.unbind(0)), snap[a:b], group=group, async_op=True))
+                    outs.append(out)
+                bytes_sent += snap.numel() * snap.element_size()
+                collectives += len(g.buckets)
+            snaps.append(snap)
+            bufs.append(buf)
+            gathered.append(outs)
+        originals = [o for _, _, o in entries]
+        # The next world-size-2 reference after a no-op is the state agreed NOW: by
+        # finish() an overlapped step may have moved the two replicas apart.
+        agreed_at_launch: list[Tensor | None] | None = None
+        if d.mode == "noop" and reference is not None:
+            agreed_at_launch = [pack_group(g, entries, self.device) for g in layout.groups]
+        return PartInFlight(
+            decision=d,
+            layout=layout,
+            originals=originals,
+            versions=[o._version for o in originals],
+            opt_steps=opt_steps,
+            overlapped=overlapped,
+            snaps=snaps,
+            bufs=bufs,
+            gathered=gathered,
+            works=works,
+            agreed_at_launch=agreed_at_launch,
+            bytes_sent=bytes_sent,
+            collectives=collectives,
+        )
+
+    def finish(
+        self,
+        p: PartInFlight,
+        state_changed: bool | None,
+        *,
+        live_entries: Callable[[], list[Entry]],
+        opt_steps: int,
+        reference: SyncReference | None,
+    ) -> PartDone:
+        """Wait for one part's collectives, merge, measure and apply them.
+
+        ``state_changed``: as :meth:`paft.sync.ReplicaSync.finish` takes it;
+        ``live_entries``: the state's entries as they are now (an overlapped part
+        re-resolves its tensors by name); ``opt_steps``: the optimizer steps so far;
+        ``reference``: where one is kept, the median's third opinion, and then replaced
+        by the state just agreed."""
+        d, layout = p.decision, p.layout
+        for w in p.works:
+            w.wait()
+        bytes_sent, collectives = p.bytes_sent, p.collectives
+
+        # 1. The synced flats (identical on every rank) and this rank's distance to
+        # the centre: the mean of the finite replicas (median modes: from the gather;
+        # mean: the result), or the copied source (copy modes).
+        synced: list[Tensor | None] = []
+        local_sq = ref_sq = 0.0
+        me = self.rank
+        measure = d.mode != "noop" and not d.holds_result(me) and d.finite[me]
+        good = [r for r in range(self.world_size) if d.finite[r]]
+        for gi, g in enumerate(layout.groups):
+            snap, buf = p.snaps[gi], p.bufs[gi]
+            if d.mode == "noop" or g.numel == 0 or (buf is None and d.holds_result(me)):
+                synced.append(None)  # nothing moved, or a majority member left out of the copy
+                continue
+            if d.mode in ("median", "median-with-reference"):
+                out_flat = torch.empty(g.numel, dtype=g.dtype, device=self.device)
+                ref = None
+                if d.mode == "median-with-reference":
+                    assert reference is not None  # planned only where a reference is kept
+                    ref = reference.flat(g, d.reference_ok)
+                nan_free = all(d.finite)  # then the NaN pass of the medians is skipped
+                for (a, b), rows in zip(g.buckets, p.gathered[gi]):
+                    if ref is not None:
+                        median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
+                        if len(good) == 1 and g.floating:
+                            sound_where_it_can_tell_(out_flat[a:b], rows[good[0]], rows[1 - good[0]])
+                    else:
+                        merged = replica_median(rows, out=out_flat[a:b], nan_free=nan_free)
+                        if not nan_free:
+                            finite_where_outvoted_(merged, rows, good)
+                    if not (measure and g.floating):
+                        continue
+                    for lo, hi in ranges_in(g.param_ranges, a, b):
+                        part = rows[:, lo:hi].to(wide_dtype(g.dtype))
+                        c = (part if len(good) == self.world_size else part[good]).mean(0)
+                        ref_sq += sq_norm(c)
+                        local_sq += sq_norm(part[me] - c)
+                synced.append(out_flat)
+                continue
+            assert buf is not None
+            if d.mode == "mean" and g.floating:
+                buf.div_(d.count)
+                overflowed = ~torch.isfinite(buf)
+                if bool(overflowed.any()):
+                    # Finite replicas whose sum overflowed (40000 + 40992 in float16): sum
+                    # again with each share scaled first, and take that where the plain
+                    # sum overflowed. The all-reduce left the same result on every rank,
+                    # so every rank takes this branch alike.
+                    assert snap is not None
+                    scaled = snap.to(buf.dtype) * (1.0 / d.count) if d.finite[me] else torch.zeros_like(buf)
+                    for a, b in g.buckets:
+                        dist.all_reduce(scaled[a:b], group=self.group)
+                    buf = torch.where(overflowed, scaled, buf)
+                    bytes_sent += scaled.numel() * scaled.element_size()
+                    collectives += len(g.buckets)
+            if measure and g.floating and snap is not None:
+                for lo, hi in g.param_ranges:
+                    local_sq += sq_norm(snap[lo:hi] - buf[lo:hi])
+                    ref_sq += sq_norm(buf[lo:hi])
+            synced.append(buf.to(g.dtype))  # a float32 mean of 16-bit state, rounded once
+
+        # The max over ranks: one 8-byte all-reduce, so that every rank reports the
+        # very same number (PAFT-Dyn takes its decisions from it on every rank). A part
+        # without parameters (the buffers) is not measured: its finite flags, which every
+        # rank holds, say all there is.
+        if d.mode == "noop":
+            divergence = 0.0
+        elif not any(g.param_ranges for g in layout.groups):
+            divergence = 0.0 if all(d.finite) else math.inf
+        else:
+            mine = rel_distance(local_sq, ref_sq) if measure else 0.0
+            divergence = max_over_ranks(mine if d.finite[me] else math.inf, self.group)
+            bytes_sent, collectives = bytes_sent + 8, collectives + 1
+
+        # 2. Apply: copy where the tensor is untouched since the snapshot, else the
+        # correction synced + (w - snapshot).
+        delta_tensors = 0
+        if d.mode != "noop" and not d.holds_result(self.rank):
+            delta_tensors = self._apply(p, synced, state_changed, live_entries, opt_steps)
+
+        # 3. The reference for the next world-size-2 median: the state just agreed
+        # (merged by name: each part replaces its own tensors' reference).
+        if reference is not None:
+            agreed = p.agreed_at_launch if p.agreed_at_launch is not None else synced
+            reference.keep(layout, agreed)
+        return PartDone(d, divergence, bytes_sent, collectives, delta_tensors)
+
+    def _apply(
+        self,
+        p: PartInFlight,
+        synced: list[Tensor | None],
+        state_changed: bool | None,
+        live_entries: Callable[[], list[Entry]],
+        opt_steps: int,
+    ) -> int:
+        """Write ``synced`` into the live state; how many tensors took the correction."""
+        d, layout = p.decision, p.layout
+        if p.overlapped:
+            # Re-resolve by name: the optimizer may have replaced a state tensor.
+            now = {n: (t, o) for n, t, o in live_entries()}
+        # A non-finite replica's own progress is garbage: it just takes the result.
+        garbage = not d.finite[self.rank]
+        stepped = opt_steps != p.opt_steps
+        delta_tensors = 0
+        copy_dst: list[Tensor] = []
+        copy_src: list[Tensor] = []
+        # Tensors over one memory, partly overlapping (a Parameter over a view of another):
+        # each correction reads the progress through its own view, so all are computed
+        # before any is written; the overlap's synced values agree, so either write is right.
+        storages = Counter(storage_of(o) for o in p.originals)
+        shared = {k for k, n in storages.items() if k is not None and n > 1}
+        later: list[tuple[Tensor, Tensor]] = []
+        with torch.no_grad():
+            for gi, g in enumerate(layout.groups):
+                flat, snap = synced[gi], p.snaps[gi]
+                if flat is None:
+                    continue
+                for s, i in zip(g.slots, g.members):
+                    orig = p.originals[i]
+                    if p.overlapped:
+                        cur = now.get(s.name)
+                        if cur is None or cur[0].dtype != g.dtype or tuple(cur[0].shape) != s.shape:
+                            continue  # gone or reshaped meanwhile: nothing sensible to write
+                        target, live = cur
+                    else:
+                        target, live = transport_view(orig), orig
+                    new = flat[s.offset : s.offset + s.numel].view(s.shape)
+                    if garbage or snap is None or not p.overlapped:
+                        changed = False
+                    elif state_changed is not None:
+                        changed = state_changed
+                    else:
+                        changed = live is not orig or live._version != p.versions[i] or stepped
+                    if not changed:
+                        copy_dst.append(target)
+                        copy_src.append(new)
+                        continue
+                    delta_tensors += 1
+                    old = snap[s.offset : s.offset + s.numel].view(s.shape)
+                    if live.dtype == torch.bool:  # flags: the live value where it changed
+                        value = torch.where(target != old.to(target.device), target, new.to(target.device))
+                    else:
+                        progress = target - old.to(target.device)
+                        res = new.to(target.device) + progress
+                        # Untouched coordinates (progress 0) get the synced bits exactly;
+                        # a non-finite result (a NaN replica's progress) falls back to them.
+                        keep = progress == 0
+                        if res.is_floating_point():
+                            keep |= ~torch.isfinite(res)
+                        value = torch.where(keep, new.to(target.device), res)
+                    if shared and storage_of(target) in shared:
+                        later.append((target, value))
+                    else:
+                        target.copy_(value)
+            copy_all_(copy_dst, copy_src)
+            for a, b in later:  # after the copies: a correction wins over a plain copy
+                a.copy_(b)
+        return delta_tensors
