@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from paft.collectives import all_gather_flat, start_gather_rows
-from paft.fingerprint import group_replicas, join_int64, outside_majority, split_int64
+from paft.fingerprint import join_int64, split_int64
+from paft.replicas import group_replicas, outside_majority
 
 __all__ = [
     "FLAG_LOSS_NONFINITE",

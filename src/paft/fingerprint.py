@@ -12,9 +12,10 @@ and the helpers around it:
   check of the aggregated gradient, kept on the device;
 * :func:`split_int64` / :func:`join_int64` -- carry a fingerprint exactly through
   the per-step float64 control collective;
-* :func:`group_replicas` / :func:`majority` / :func:`outside_majority` -- who agrees
-  with whom; :func:`repr_digest`
-  -- a process-independent 64-bit digest, to check that ranks agree on settings.
+* :func:`repr_digest` -- a process-independent 64-bit digest, to check that ranks
+  agree on settings.
+
+Who agrees with whom, from the gathered values, is :mod:`paft.replicas`.
 
 How the fingerprint is built
 ----------------------------
@@ -83,7 +84,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,9 +99,6 @@ __all__ = [
     "state_fingerprint",
     "split_int64",
     "join_int64",
-    "group_replicas",
-    "majority",
-    "outside_majority",
     "repr_digest",
 ]
 
@@ -553,7 +551,7 @@ def join_int64(hi: float, lo: float) -> int:
 
 
 # ----------------------------------------------------------------------------
-# Agreement between replicas
+# Settings digests
 # ----------------------------------------------------------------------------
 
 
@@ -562,35 +560,3 @@ def repr_digest(value: object) -> int:
     print alike (settings, a state's names, dtypes and shapes). Unlike ``hash()``,
     which is salted per process for strings, it is the same in every process."""
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def group_replicas(fps: Sequence[int]) -> list[list[int]]:
-    """Ranks grouped by equal fingerprint (``fps[r]`` is rank ``r``'s), each group in
-    ascending rank order; largest group first, ties broken by the lowest rank.
-
-    ``group_replicas([7, 9, 7, 9]) == [[0, 2], [1, 3]]``.
-    """
-    groups: dict[int, list[int]] = {}
-    for rank, fp in enumerate(fps):
-        groups.setdefault(int(fp), []).append(rank)
-    return sorted(groups.values(), key=lambda g: (-len(g), g[0]))
-
-
-def _first_is_majority(groups: list[list[int]], world_size: int) -> bool:
-    # The one strict-majority rule: more than half of all ranks.
-    return bool(groups) and 2 * len(groups[0]) > world_size
-
-
-def outside_majority(groups: list[list[int]], world_size: int) -> list[int]:
-    """The ranks outside the group that holds a strict majority of ``world_size`` ranks
-    (``groups`` as :func:`group_replicas` orders them), or none when no group holds one:
-    with two ranks that disagree, or an even split, which side is faulty is unknown."""
-    return sorted(r for g in groups[1:] for r in g) if _first_is_majority(groups, world_size) else []
-
-
-def majority(fps: Sequence[int]) -> list[int] | None:
-    """The ranks of the group holding a strict majority (more than half of all
-    ranks) of identical fingerprints, or ``None`` (no ranks, even split, all
-    different, two ranks that disagree)."""
-    groups = group_replicas(fps)
-    return groups[0] if _first_is_majority(groups, len(fps)) else None

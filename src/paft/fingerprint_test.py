@@ -1,5 +1,5 @@
 """Tests for paft.fingerprint: exactness, the single-word guarantee, state naming,
-the float64 carrying of fingerprints, and replica grouping."""
+the float64 carrying of fingerprints, and settings digests."""
 
 from __future__ import annotations
 
@@ -22,14 +22,13 @@ from paft import fingerprint as F
 from paft.fingerprint import (
     digest,
     fingerprint,
-    group_replicas,
     join_int64,
-    majority,
     repr_digest,
     split_int64,
     state_fingerprint,
     state_tensors,
 )
+from paft.replicas import group_replicas
 from paft.testing import NestedStateSGD, run_workers
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -464,7 +463,7 @@ def test_ddp_replicas_agree_and_names_are_unwrapped() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Carrying through float64, grouping
+# Carrying through float64, settings digests
 # ---------------------------------------------------------------------------
 
 
@@ -498,31 +497,6 @@ def test_split_join_reject_bad_values() -> None:
                          (0.0, float("nan"), "lo"), (float("inf"), 0.0, "hi")):
         with pytest.raises(ValueError, match=name):
             join_int64(hi, lo)
-
-
-@pytest.mark.parametrize(
-    "fps, groups, maj",
-    [
-        ([], [], None),
-        ([5], [[0]], [0]),
-        ([5, 5], [[0, 1]], [0, 1]),
-        ([5, 6], [[0], [1]], None),  # two ranks that disagree: no majority
-        ([5, 5, 5], [[0, 1, 2]], [0, 1, 2]),
-        ([5, 6, 5], [[0, 2], [1]], [0, 2]),
-        ([6, 5, 5], [[1, 2], [0]], [1, 2]),
-        ([1, 2, 3], [[0], [1], [2]], None),
-        ([7, 9, 7, 9], [[0, 2], [1, 3]], None),  # tie: lowest rank's group first
-        ([9, 7, 7, 9], [[0, 3], [1, 2]], None),
-        ([4, 4, 4, 8], [[0, 1, 2], [3]], [0, 1, 2]),
-        ([1, 2, 3, 3], [[2, 3], [0], [1]], None),
-        ([-(2**63), 2**63 - 1, -(2**63), 0, -(2**63)], [[0, 2, 4], [1], [3]], [0, 2, 4]),
-    ],
-)
-def test_group_replicas_and_majority(
-    fps: list[int], groups: list[list[int]], maj: list[int] | None
-) -> None:
-    assert group_replicas(fps) == groups
-    assert majority(fps) == maj
 
 
 def test_repr_digest_is_the_same_in_another_process() -> None:

@@ -121,8 +121,8 @@ from typing import Any
 
 from paft.config import GuardConfig
 from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOCAL_NONFINITE, FLAG_LOSS_NONFINITE, ControlView
-from paft.fingerprint import group_replicas, outside_majority
 from paft.records import jsonable
+from paft.replicas import group_replicas, outside_majority
 from paft.rerun import bits_f64, close, f64_bits, reproduced, unsteady_ranks
 from paft.spikes import (
     MAD_TO_STD,

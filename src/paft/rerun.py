@@ -53,7 +53,7 @@ from paft.consistency import (
     FLAG_STATE_CHECKED,
     checksum_keys,
 )
-from paft.fingerprint import group_replicas
+from paft.replicas import group_replicas
 
 __all__ = ["RERUN_RTOL", "bits_f64", "close", "f64_bits", "reproduced", "unsteady_ranks"]
 

@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.config import ProtectConfig
 from paft.consistency import ControlView
 from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
-from paft.fingerprint import group_replicas
 from paft.records import RunRecorder
+from paft.replicas import group_replicas
 from paft.sync import ReplicaSync, SyncReport
 
 __all__ = ["Resync"]

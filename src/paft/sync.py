@@ -110,9 +110,10 @@ from torch import Tensor, nn
 from paft.collectives import collective_device, gather_rows
 from paft.config import SYNC_MODES
 from paft.divergence import all_finite, nonfinite_patterns, sound_replicas
-from paft.fingerprint import fingerprint, group_replicas, state_tensors
+from paft.fingerprint import fingerprint, state_tensors
 from paft.flat import Layout, build_layout, storage_of, structure_key, transport_view
 from paft.records import jsonable
+from paft.replicas import group_replicas
 from paft.sync_plan import SyncPlan, as_ddp_would, plan_sync
 from paft.sync_reference import SyncReference
 from paft.sync_transfer import Entry, PartDone, PartInFlight, Transfer, pack_group

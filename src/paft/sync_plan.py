@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from paft.config import SYNC_MODES
-from paft.fingerprint import group_replicas, majority
+from paft.replicas import group_replicas, majority
 
 __all__ = [
     "COPY_MODES",

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.collectives import gather_rows
 from paft.config import TrainConfig
 from paft.divergence import measure_divergence
-from paft.fingerprint import group_replicas, state_fingerprint
+from paft.fingerprint import state_fingerprint
 from paft.protect import Protector, StepReport, protect
 from paft.records import (
     RunRecorder,
@@ -45,6 +45,7 @@ from paft.records import (
     read_jsonl,
     truncate_jsonl,
 )
+from paft.replicas import group_replicas
 from paft.rundir import (
     checkpoint_candidates,
     load_checkpoint_file,
