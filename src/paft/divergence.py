@@ -19,9 +19,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from paft.collectives import collective_device, gather_rows
-from paft.fingerprint import digest, repr_digest, state_tensors
+from paft.fingerprint import digest, repr_digest
 from paft.flat import pack, structure_key, transport_view
 from paft.records import jsonable
+from paft.state import state_tensors
 
 __all__ = [
     "DivergenceReport",

@@ -1,4 +1,4 @@
-"""Tests for paft.fingerprint: exactness, the single-word guarantee, state naming,
+"""Tests for paft.fingerprint: exactness, the single-word guarantee, the digest,
 the float64 carrying of fingerprints, and settings digests."""
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 from paft import fingerprint as F
 from paft.fingerprint import (
@@ -25,11 +23,7 @@ from paft.fingerprint import (
     join_int64,
     repr_digest,
     split_int64,
-    state_fingerprint,
-    state_tensors,
 )
-from paft.replicas import group_replicas
-from paft.testing import NestedStateSGD, run_workers
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -43,7 +37,7 @@ _BIT_CLASSES = {
 }
 
 
-def _flip(t: torch.Tensor, index: int, bit: int) -> None:
+def flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
     """Flip ``bit`` of element ``index`` (flat) of ``t`` in place, bitwise."""
     width = 8 * t.element_size()
     mask = -(1 << (width - 1)) if bit == width - 1 else 1 << bit
@@ -161,9 +155,9 @@ def test_single_bit_flip_always_changes(case: tuple, position: int) -> None:
     target = _random(n, dtype, seed)
     tensors.insert(position, target)
     before = fingerprint(tensors)
-    _flip(target, index, bit)
+    flip_bit(target, index, bit)
     assert fingerprint(tensors) != before
-    _flip(target, index, bit)
+    flip_bit(target, index, bit)
     assert fingerprint(tensors) == before
 
 
@@ -173,9 +167,9 @@ def test_every_bit_of_an_element_and_0dim(dtype: torch.dtype) -> None:
         before = fingerprint([t])
         seen = {before}
         for bit in range(8 * t.element_size()):
-            _flip(t, t.numel() - 1, bit)
+            flip_bit(t, t.numel() - 1, bit)
             seen.add(fingerprint([t]))
-            _flip(t, t.numel() - 1, bit)
+            flip_bit(t, t.numel() - 1, bit)
         assert len(seen) == 8 * t.element_size() + 1
         assert fingerprint([t]) == before
 
@@ -183,7 +177,7 @@ def test_every_bit_of_an_element_and_0dim(dtype: torch.dtype) -> None:
 def test_nan_payloads_and_signed_zero_are_bits() -> None:
     nan = torch.tensor([float("nan")] * 4)
     other = nan.clone()
-    _flip(other, 2, 0)  # a different quiet-NaN payload: still NaN
+    flip_bit(other, 2, 0)  # a different quiet-NaN payload: still NaN
     assert torch.isnan(other).all()
     assert fingerprint([nan]) != fingerprint([other])
     assert fingerprint([nan]) == fingerprint([nan.clone()])
@@ -216,7 +210,7 @@ def test_digest_is_the_fingerprints_digest_and_sees_every_flip(case: tuple, offs
     t = base[offset:]  # also views that do not start on an aligned boundary
     before = digest(t)
     assert before & F._M64 == _ref_digest(t) and -(2**63) <= before < 2**63
-    _flip(t, index, bit)
+    flip_bit(t, index, bit)
     assert digest(t) != before
 
 
@@ -230,8 +224,8 @@ def test_digest_sees_what_a_word_sum_misses() -> None:
         b[[1, 3]] = -b[[1, 3]]
         assert digest(a) != digest(b) and fingerprint([a]) != fingerprint([b])
         c, e = a.clone(), a.clone()  # the same flip, at two different elements
-        _flip(c, 1, 30 if a.dtype == torch.float32 else 62)
-        _flip(e, 5, 30 if a.dtype == torch.float32 else 62)
+        flip_bit(c, 1, 30 if a.dtype == torch.float32 else 62)
+        flip_bit(e, 5, 30 if a.dtype == torch.float32 else 62)
         assert digest(c) != digest(e)
     # Row and column sums that wrap in 32 bits (in place and packed), as documented.
     for wrap in (torch.full((8 * 128,), 2**31 - 1, dtype=torch.int32), torch.tensor([2**31 - 1, 1], dtype=torch.int32)):
@@ -300,169 +294,6 @@ def test_speed_budget() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Training state
-# ---------------------------------------------------------------------------
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-        self.head = nn.Linear(4 * 6 * 6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
-
-
-def _trained(seed: int = 0) -> tuple[_Net, torch.optim.Adam]:
-    torch.manual_seed(seed)
-    model = _Net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x = torch.randn(5, 1, 8, 8)
-    model(x).square().mean().backward()
-    opt.step()
-    return model, opt
-
-
-def test_state_tensors_canonical_order() -> None:
-    model, opt = _trained()
-    names = [n for n, _ in state_tensors(model, opt)]
-    params = ["conv.weight", "conv.bias", "bn.weight", "bn.bias", "head.weight", "head.bias"]
-    buffers = ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
-    optim = [f"optim/{i}/{k}" for i in range(6) for k in ("exp_avg", "exp_avg_sq", "step")]
-    assert names == [f"param/{p}" for p in params] + [f"buffer/{b}" for b in buffers] + optim
-    assert names == [n for n, _ in state_tensors(model, opt)]  # stable
-    named = dict(state_tensors(model, opt))
-    assert named["buffer/bn.num_batches_tracked"].dtype == torch.int64
-    assert named["optim/0/step"] is opt.state[model.conv.weight]["step"]
-    assert [n for n, _ in state_tensors(model)] == names[:9]
-
-
-def test_state_tensors_groups_missing_state_and_non_tensors() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    opt = torch.optim.SGD(
-        [{"params": [model[1].weight]}, {"params": [model[0].weight, model[0].bias]}],
-        lr=0.1,
-        momentum=0.9,
-    )
-    opt.state[model[1].weight]["note"] = "not a tensor"
-    model(torch.randn(3, 2)).sum().backward()
-    model[0].bias.grad = None  # index 2 gets no state, but keeps its number
-    opt.step()
-    names = [n for n, _ in state_tensors(model, opt) if n.startswith("optim/")]
-    assert names == ["optim/0/momentum_buffer", "optim/1/momentum_buffer"]
-    assert model[0].bias not in opt.state  # listing never grows the defaultdict
-
-
-def test_state_tensors_reach_tensors_nested_in_optimizer_state() -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    opt = NestedStateSGD(model.parameters())
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(4, 3)).square().sum().backward()
-        opt.step()
-    named = dict(state_tensors(model, opt))
-    optim = [n for n in named if n.startswith("optim/")]
-    # dict keys sorted, list positions in order; the Python int "count" is not a tensor
-    assert optim == [f"optim/{i}/{key}" for i in (0, 1) for key in ("history/0", "history/1", "stats/sq")]
-    assert named["optim/1/history/1"] is opt.state[model.bias]["history"][1]
-    before = state_fingerprint(model, opt)
-    with torch.no_grad():
-        opt.state[model.weight]["stats"]["sq"].view(-1).view(torch.int32)[3] ^= 1  # one mantissa bit
-    assert state_fingerprint(model, opt) != before
-
-
-@pytest.mark.parametrize(
-    "name, index, bit",
-    [
-        ("param/conv.weight", 5, 3),
-        ("param/head.bias", 2, 31),
-        ("buffer/bn.running_mean", 1, 25),
-        ("buffer/bn.num_batches_tracked", 0, 0),
-        ("optim/4/exp_avg_sq", 17, 22),
-        ("optim/1/step", 0, 23),
-    ],
-)
-def test_state_fingerprint_sees_one_flipped_bit(name: str, index: int, bit: int) -> None:
-    model, opt = _trained()
-    before = state_fingerprint(model, opt)
-    assert before == state_fingerprint(*_trained())  # same seed: bitwise same state
-    target = dict(state_tensors(model, opt))[name]
-    with torch.no_grad():
-        _flip(target, index, bit)
-        assert state_fingerprint(model, opt) != before
-        _flip(target, index, bit)
-    assert state_fingerprint(model, opt) == before
-
-
-class _Wrapper(nn.Module):
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-
-class _HasModuleChild(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.module = nn.Linear(2, 2)
-        self.extra = nn.Linear(2, 2)
-
-
-def test_wrappers_are_unwrapped_but_user_modules_named_module_are_not() -> None:
-    model, opt = _trained()
-    fp = state_fingerprint(model, opt)
-    assert state_fingerprint(_Wrapper(model), opt) == fp
-    assert [n for n, _ in state_tensors(_Wrapper(_Wrapper(model)))][0] == "param/conv.weight"
-    user = _HasModuleChild()
-    assert [n for n, _ in state_tensors(user)][:2] == ["param/module.weight", "param/module.bias"]
-    assert len(state_tensors(user)) == 4
-
-
-def _ddp_worker(rank: int, world_size: int) -> tuple[list[str], int, int]:
-    model, _ = _trained(seed=0)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
-    for step in range(2):
-        torch.manual_seed(100 * step + rank)  # each rank its own batch
-        ddp(torch.randn(4, 1, 8, 8)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    assert state_fingerprint(ddp, opt) == state_fingerprint(model, opt)
-    # BatchNorm running stats legitimately differ between ranks after a forward on
-    # rank-local data (DDP re-broadcasts buffers at the start of the next forward),
-    # so only parameters and optimizer state must agree bitwise here.
-    fp = fingerprint(t for n, t in state_tensors(ddp, opt) if not n.startswith("buffer/"))
-    fps = [None] * world_size
-    dist.all_gather_object(fps, fp)
-    return [n for n, _ in state_tensors(ddp, opt)], fp, len(set(fps))
-
-
-def test_ddp_is_unwrapped_in_process() -> None:
-    """One-rank gloo group in this process: DDP's ``module.`` prefix never shows."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model, opt = _trained()
-        ddp = nn.parallel.DistributedDataParallel(model)
-        assert "module.conv.weight" in dict(ddp.named_parameters())
-        assert state_tensors(ddp, opt) == state_tensors(model, opt)
-        assert state_fingerprint(ddp, opt) == state_fingerprint(model, opt)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_ddp_replicas_agree_and_names_are_unwrapped() -> None:
-    results = run_workers(_ddp_worker, 2)
-    (names0, fp0, distinct), (names1, fp1, _) = results
-    assert distinct == 1 and fp0 == fp1
-    assert names0 == names1
-    assert not any("module." in n for n in names0)
-
-
-# ---------------------------------------------------------------------------
 # Carrying through float64, settings digests
 # ---------------------------------------------------------------------------
 
@@ -507,22 +338,3 @@ def test_repr_digest_is_the_same_in_another_process() -> None:
                          env={**os.environ, "PYTHONHASHSEED": "random"})
     assert int(out.stdout) == repr_digest(value)
     assert repr_digest(value) != repr_digest((value[0], {"lr": 0.2}))
-
-
-def flip_buffer_and_fingerprint(rank: int, world_size: int) -> int:
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
-    torch.manual_seed(0)
-    for p in model.parameters():
-        nn.init.normal_(p)
-    if rank == 2:
-        bits = model[1].running_var.view(torch.int32)
-        bits[1] ^= 1 << 3  # one mantissa bit of one BatchNorm statistic
-    fp = torch.tensor([state_fingerprint(model)], dtype=torch.int64)
-    fps = [torch.zeros_like(fp) for _ in range(world_size)]
-    dist.all_gather(fps, fp)
-    return group_replicas([int(f) for f in fps])[1:]
-
-
-def test_single_flipped_buffer_bit_names_the_rank() -> None:
-    # state_fingerprint's buffers (the syncs compare them; the per-step check leaves them out)
-    assert run_workers(flip_buffer_and_fingerprint, 3)[0] == [[2]]

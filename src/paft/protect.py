@@ -53,7 +53,6 @@ from paft.consistency import (
 from paft.divergence import measure_divergence
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec
-from paft.fingerprint import state_fingerprint, state_tensors
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.monitor import Monitor
 from paft.norms import judged_norm, total_norm
@@ -61,6 +60,7 @@ from paft.preflight import mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot
+from paft.state import state_fingerprint, state_tensors
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 

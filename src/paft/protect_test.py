@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import pairwise_cosine
-from paft.fingerprint import state_fingerprint
 from paft.protect import PersistentFaultError, protect
 from paft.records import RunRecorder, read_jsonl
+from paft.state import state_fingerprint
 from paft.testing import run_workers
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from paft.fingerprint import state_tensors
 from paft.norms import norm_of
+from paft.state import state_tensors
 
 __all__ = ["ForwardSnapshot", "StateSnapshot"]
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from paft.fingerprint import state_fingerprint
 from paft.norms import norm_of
 from paft.protect_test import batch, toy_model
 from paft.snapshot import StateSnapshot
+from paft.state import state_fingerprint
 from paft.testing import NestedStateSGD
 
 

@@ -110,10 +110,11 @@ from torch import Tensor, nn
 from paft.collectives import collective_device, gather_rows
 from paft.config import SYNC_MODES
 from paft.divergence import all_finite, nonfinite_patterns, sound_replicas
-from paft.fingerprint import fingerprint, state_tensors
+from paft.fingerprint import fingerprint
 from paft.flat import Layout, build_layout, storage_of, structure_key, transport_view
 from paft.records import jsonable
 from paft.replicas import group_replicas
+from paft.state import state_tensors
 from paft.sync_plan import SyncPlan, as_ddp_would, plan_sync
 from paft.sync_reference import SyncReference
 from paft.sync_transfer import Entry, PartDone, PartInFlight, Transfer, pack_group
@@ -315,7 +316,7 @@ class ReplicaSync:
         """Keep the current parameters and optimizer state as the world-size-2 reference.
 
         Call it on every rank right after checking that the replicas agree -- their
-        :func:`~paft.fingerprint.state_fingerprint` (``buffers=False``) values are all
+        :func:`~paft.state.state_fingerprint` (``buffers=False``) values are all
         ``agreed`` -- and before anything changes the state; the guard does so at each
         state check it passes, so that a later repair takes the median with the last
         agreed state, not with the state at the last sync. Buffers keep their reference

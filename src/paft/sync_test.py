@@ -13,7 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.divergence import all_finite, measure_divergence
-from paft.fingerprint import fingerprint, state_tensors
+from paft.fingerprint import fingerprint
+from paft.state import state_tensors
 from paft.sync import ReplicaSync, SyncReport
 from paft.testing import NestedStateSGD, run_workers
 

@@ -34,7 +34,6 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.collectives import gather_rows
 from paft.config import TrainConfig
 from paft.divergence import measure_divergence
-from paft.fingerprint import state_fingerprint
 from paft.protect import Protector, StepReport, protect
 from paft.records import (
     RunRecorder,
@@ -51,6 +50,7 @@ from paft.rundir import (
     load_checkpoint_file,
     stale_checkpoints,
 )
+from paft.state import state_fingerprint
 from paft.workloads import ShardedSampler, Workload, build_workload, parameter_count
 
 __all__ = [
