@@ -71,7 +71,7 @@ def all_gather_flat(flat: torch.Tensor, group: dist.ProcessGroup | None = None) 
     return out
 
 
-def collective_device(group: Any = None, like: torch.Tensor | None = None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None = None, like: torch.Tensor | None = None) -> torch.device:
     """Where tensors must live for ``group``'s collectives: NCCL moves CUDA tensors, gloo
     CPU tensors; another backend gets ``like``'s device (CPU without one)."""
     backend = str(dist.get_backend(group)).lower()

@@ -124,7 +124,7 @@ def measure_divergence(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     per_tensor: bool = False,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     buffers: bool = True,
     bucket_mb: float = 32.0,
 ) -> DivergenceReport:

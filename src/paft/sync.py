@@ -214,7 +214,7 @@ class ReplicaSync:
         mode: str = "robust",
         src: int = 0,
         bucket_mb: float = 25.0,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if mode not in SYNC_MODES:
             raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")

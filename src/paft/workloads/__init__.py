@@ -69,7 +69,7 @@ __all__ = [
 WORKLOADS: tuple[str, ...] = ("gpt", "llama", "resnet")
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def _without_ddp(model: nn.Module) -> nn.Module:
     # Evaluate on the inner module: a DDP forward may run collectives (buffer
     # broadcast), which would hang if only some ranks evaluate.
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -112,7 +112,7 @@ class Workload:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_batches is not None and max_batches < 1:
             raise ValueError(f"max_batches must be >= 1 (or None: the whole split), got {max_batches}")
-        module = _unwrap(model)
+        module = _without_ddp(model)
         was_training = module.training
         device = next(module.parameters()).device
         n = len(self.val)
