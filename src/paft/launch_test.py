@@ -8,6 +8,7 @@ import os
 import pathlib
 import shutil
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,14 +18,22 @@ from paft.config import TrainConfig
 from paft.launch import SignalHold
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt, as in a terminal: a shell starts a background
+    job (as CI may run the suite) with SIGINT ignored, and Python then leaves it so."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def test_a_held_signal_is_acted_on_at_release() -> None:
-    before = signal.getsignal(signal.SIGINT)
     hold = SignalHold()
     os.kill(os.getpid(), signal.SIGINT)
     assert hold.came == [signal.SIGINT]  # noted, nothing raised
     with pytest.raises(KeyboardInterrupt):
         hold.release()
-    assert signal.getsignal(signal.SIGINT) is before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_hold_in_clean_up_drops_a_second_signal() -> None:
