@@ -862,6 +862,30 @@ def test_overlapped_correction_of_aliased_tensors_equals_blocking(case: str) -> 
             assert torch.equal(out[r][mode, True], out[0][mode, False]), (mode, r)
 
 
+def _nan_in_the_window(rank: int, ws: int, mode: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    m = nn.Linear(2, 1, bias=False)
+    if rank == ws - 1:
+        with torch.no_grad():
+            m.weight.add_(1.0)  # the minority replica: it receives, the others hold the result
+    sync = ReplicaSync(m, None, mode=mode)
+    sync.start()
+    with torch.no_grad():
+        m.weight[0, 0] = float("nan")  # the step in the window goes NaN, on every rank
+    sync.finish()
+    return m.weight.detach().clone()
+
+
+@pytest.mark.parametrize("ws,mode", [(3, "robust"), (2, "broadcast"), (2, "mean")])
+def test_a_nan_the_window_made_stays_on_every_rank(ws: int, mode: str) -> None:
+    # The ranks holding the result keep their live NaN; the receivers fell back to the
+    # synced value where their correction was NaN: the ranks ended disagreeing (in mean
+    # mode, where every rank receives, the NaN vanished silently).
+    out = run_workers(_nan_in_the_window, ws, mode)
+    for w in out:
+        assert math.isnan(w[0, 0]) and w[0, 1] == out[0][0, 1], (mode, out)
+
+
 def _huge_float64_scalar(rank: int, ws: int) -> dict[str, float]:
     out = {}
     for mode in ("robust", "mean"):

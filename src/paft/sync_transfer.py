@@ -389,13 +389,16 @@ class Transfer:
                     if live.dtype == torch.bool:  # flags: the live value where it changed
                         value = torch.where(target != old.to(target.device), target, new.to(target.device))
                     else:
-                        progress = target - old.to(target.device)
-                        res = new.to(target.device) + progress
-                        # Untouched coordinates (progress 0) get the synced bits exactly;
-                        # a non-finite result (a NaN replica's progress) falls back to them.
-                        keep = progress == 0
+                        old = old.to(target.device)
+                        res = new.to(target.device) + (target - old)
+                        # Untouched coordinates (a mask's -inf too) get the synced bits
+                        # exactly. A result the sum alone made non-finite (an overflow)
+                        # falls back to them; one whose live value went NaN/Inf in the
+                        # window stays so, as on the ranks that hold the result and apply
+                        # nothing: every rank ends alike.
+                        keep = target == old
                         if res.is_floating_point():
-                            keep |= ~torch.isfinite(res)
+                            keep |= ~torch.isfinite(res) & torch.isfinite(target)
                         value = torch.where(keep, new.to(target.device), res)
                     if shared and storage_of(target) in shared:
                         later.append((target, value))
