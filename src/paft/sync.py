@@ -305,7 +305,9 @@ class ReplicaSync:
         The correction yields the synced bits wherever a coordinate did not change, and
         keeps additive progress (an SGD step) exactly; a running average's is not
         additive (Adam's moments), so call finish() before the next optimizer step, as
-        :class:`paft.protect.Protector` does. Changes made through ``.data`` or other
+        :class:`paft.protect.Protector` does. A coordinate that went NaN/Inf since
+        :meth:`start` stays so on every rank; one the sum alone overflows takes the
+        synced value. Changes made through ``.data`` or other
         kernels that bypass version counters must be declared with ``True``.
         """
         if self._pending is None:
