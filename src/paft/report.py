@@ -318,7 +318,7 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
     _scale(ax, [*values, *(v for _, v in pos)])
     if ax.get_yscale() == "linear":  # a distance: nothing below 0 (an all-zero panel showed -0.05)
         ax.set_ylim(bottom=0)
-    if not steps and not pos:
+    if not steps and not pos and not bad:
         ax.text(0.5, 0.5, "every sync found identical replicas", transform=ax.transAxes, ha="center", color="0.4")
     _finish(ax, run, "relative L2 distance of the replicas to their mean (max over ranks)", "divergence")
 
@@ -619,7 +619,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     label = "--out-dir" if out_dir is not None else "the report folder"
     # Writes only into a new folder or an earlier report's: never among a user's files.
     try:
-        target = out.resolve() if out.is_symlink() else out
+        # A link to a folder writes there; a dangling one is said so by output_dir_problem.
+        target = out.resolve() if out.is_symlink() and out.exists() else out
     except OSError as err:  # e.g. a name too long for the file system
         raise ReportError(f"{label}: cannot use {out}: {err.strerror or err}") from None
     # A user's folder that happens to hold a report.md or a loss.png is not ours; a report

@@ -238,6 +238,25 @@ def test_a_sync_ends_a_state_split_and_evaluations_show_the_divergence(
     assert_pngs(report.files, PLOTS)
 
 
+def test_a_non_finite_replica_at_a_sync_is_no_identical_replicas(fault_run: pathlib.Path,
+                                                                  tmp_path: pathlib.Path) -> None:
+    """The divergence panel marked a repair's NaN replica and said, beside the marker,
+    "every sync found identical replicas"."""
+    import matplotlib.pyplot as plt
+
+    run_dir = copy_run(fault_run, tmp_path / "nan-at-sync")
+    rewrite_jsonl(run_dir / "evals.jsonl", lambda r: {**r, "replica_rel_diff": 0.0})
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 9, "event": "sync", "period": 8, "divergence": "inf", "mode": "finite-copy"})
+                + "\n")
+    fig, ax = plt.subplots()
+    report_module._divergence_panel(ax, load_run(run_dir))
+    said = [t.get_text() for t in ax.texts]
+    plt.close(fig)
+    assert "every sync found identical replicas" not in said
+    assert "non-finite replica at a sync" in [line.get_label() for line in ax.get_lines()]
+
+
 def test_a_nan_replica_is_the_worst_in_the_text(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     run_dir = copy_run(fault_run, tmp_path / "nan-replica")
     (run_dir / "summary.json").unlink()
@@ -333,7 +352,9 @@ def test_out_dir_is_never_among_other_files(clean_run: pathlib.Path, tmp_path: p
     (tmp_path / "proj" / "report.md").write_text("my notes")
     (tmp_path / "proj" / "loss.png").write_bytes(b"my plot")
     (tmp_path / "afile").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     for out, needle in [(tmp_path / "mine", "--out-dir: " + str(tmp_path / "mine") + " holds no .paft-report"),
+                        (tmp_path / "dangling", "is a symbolic link to nothing"),  # was: "File exists"
                         (tmp_path / "proj", "--out-dir: " + str(tmp_path / "proj") + " holds no .paft-report"),
                         (tmp_path / "afile", "exists and is not a directory"),
                         (tmp_path / "afile" / "sub", "is not a directory")]:

@@ -34,7 +34,7 @@ __all__ = ["add_bench_parser", "run_bench"]
 
 
 _EXIT_CODES = ("exit codes: 0 done, 1 a run failed (its traceback above), 2 bad input (nothing written), "
-               "130 interrupted (143 for SIGTERM, 129 for SIGHUP)")
+               "130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)")
 
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
