@@ -469,7 +469,8 @@ def _notes(run: RunData) -> list[str]:
         reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
         lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
     if run.stale_summary is not None:
-        lines.append(f"note: summary.json ends at step {run.stale_summary} but the records go on to step "
+        went = "go on to" if last > run.stale_summary else "stop at"  # stop: resumed from an earlier checkpoint
+        lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
                      f"{last} (a resume still running or interrupted): reported from the jsonl files "
                      f"({last} of {cfg.get('steps', '?')} steps recorded)")
     elif not stops and run.summary is None:

@@ -461,6 +461,12 @@ def test_a_summary_the_records_went_past_is_set_aside(fault_run: pathlib.Path, t
     assert "steps: 12 of 12" in text and "99.0" not in text
     final = json.loads((run / "evals.jsonl").read_text().splitlines()[-1])
     assert f"-> {final['val_loss']:.4f} (step 12" in text
+    # A resume from an earlier checkpoint (the newest one damaged) cut the records back
+    # below the old summary's 12 steps: the old summary had spoken for them.
+    (run / "summary.json").write_text(json.dumps({**summary, "steps": 20, "final_val_loss": 99.0}))
+    text = build_report(run).text
+    assert "note: summary.json ends at step 20 but the records stop at step 12" in text
+    assert "steps: 12 of 12" in text and "99.0" not in text
 
 
 def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:

@@ -218,7 +218,8 @@ def load_run(run_dir: str | Path) -> RunData:
         faults=_read_jsonl(path / "faults.jsonl"),
     )
     # A resume rewrites summary.json only when it ends: until then the old one describes
-    # fewer steps than the records hold, and mixing the two would contradict itself.
-    if summary is not None and isinstance(summary.get("steps"), int) and summary["steps"] <= run.last_step:
+    # other steps than the records hold (fewer; or more, after a resume from an earlier
+    # checkpoint cut the records back), and mixing the two would contradict itself.
+    if summary is not None and isinstance(summary.get("steps"), int) and summary["steps"] != run.last_step + 1:
         run.stale_summary, run.summary = summary["steps"], None
     return run
