@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from paft.records import atomic_write_bytes, is_file, max_or_nan, output_dir_problem
+from paft.replicas import outside_majority
 from paft.rundata import ReportError, RunData, load_run
 
 __all__ = ["Report", "build_report", "summary_text"]
@@ -266,11 +267,12 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     # An applied update from split aggregated gradients splits the state from the next step
     # on (a skipped one has no grad record); a sync or repair after it joins it again.
     split = [(s + 1, v) for s, v in zip(*_series(run.consistency, "replicas/grad_distinct")) if v > 1]
+    found = [(int(e["step"]), float(len(e["groups"]))) for e in _split_syncs(run)]  # the split a sync saw
     synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0) for e in _syncs(run) if int(e["step"]) >= steps[0]]
     end = [(run.last_step + 1, float(run.summary["replicas_distinct"]))] if run.summary and isinstance(
         run.summary.get("replicas_distinct"), int) else []
     # At one step the later kind has the last word (a fingerprint the last).
-    last = dict([*split, *synced, *zip(steps, values), *end])
+    last = dict([*split, *found, *synced, *zip(steps, values), *end])
     return sorted(last), [last[s] for s in sorted(last)]
 
 
@@ -287,7 +289,7 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
     split = _first_split(run)
     if split is not None:
         who = _ranks(split[1]) if split[1] else "no majority"  # not "rank ?"
-        caught = " (caught by the guard)" if split[3] else ""
+        caught = {"guard": " (caught by the guard)", "sync": " (found by a sync)"}.get(split[3], "")
         late = split[0] > 0.6 * max(run.last_step, 1)  # written leftwards, clear of the legend
         ax.annotate(f"first split: step {split[0]}, {who}{caught}", xy=(split[0], 1),
                     xytext=(-8 if late else 8, 20), ha="right" if late else "left", textcoords="offset points",
@@ -394,18 +396,29 @@ def _split_in(rec: dict[str, Any]) -> tuple[list[int], list[str]] | None:
     return (sorted(ranks), what) if what else None
 
 
-def _first_split(run: RunData) -> tuple[int, list[int], list[str], bool] | None:
-    """(step, ranks outside the largest group, what differed, whether the guard caught it
-    before the update) of the first split: a split record, or a mismatch the guard undid
-    (by a recompute or a repair) before the step's record."""
-    found = next(((int(r["step"]), *split, False) for r in run.consistency if (split := _split_in(r))), None)
+def _first_split(run: RunData) -> tuple[int, list[int], list[str], str] | None:
+    """(step, ranks outside the largest group, what differed, who found it) of the first
+    split: a split record (found ``""``: by the step's own checks), a mismatch the guard
+    undid (by a recompute or a repair) before the step's record (``"guard"``), or a
+    split a sync found and ended before any fingerprint saw it (``"sync"``)."""
+    found = [(int(r["step"]), *split, "") for r in run.consistency if (split := _split_in(r))][:1]
     caught = [g for g in run.events_of("guard") if g.get("detector") in _MISMATCH]
-    if caught and (found is None or int(caught[0]["step"]) < found[0]):
+    if caught:
         step = int(caught[0]["step"])
         same_step = [g for g in caught if int(g["step"]) == step]
         what = sorted({_MISMATCH[g["detector"]] for g in same_step})
-        return step, sorted({int(r) for g in same_step for r in g.get("ranks") or []}), what, True
-    return found
+        found.append((step, sorted({int(r) for g in same_step for r in g.get("ranks") or []}), what, "guard"))
+    synced = _split_syncs(run)[:1]
+    found += [(int(e["step"]), outside_majority(e["groups"], run.world_size), [_MISMATCH["state_mismatch"]], "sync")
+              for e in synced]
+    return min(found, key=lambda f: f[0]) if found else None  # at one step the first kind listed
+
+
+def _split_syncs(run: RunData) -> list[dict[str, Any]]:
+    """The syncs and repairs whose fingerprints found the parameters or optimizer state
+    split (not only the buffers, which differ under DDP's BatchNorm as a rule)."""
+    return [e for e in _syncs(run) if len(e.get("groups") or []) > 1
+            and not str(e.get("note", "")).startswith("buffers only")]
 
 
 def _last_state_check(run: RunData) -> str:
@@ -540,10 +553,11 @@ def _faults(run: RunData) -> list[str]:
 def _first_split_line(run: RunData) -> str:
     split = _first_split(run)
     if split is not None:
-        step, ranks, what, caught = split
+        step, ranks, what, by = split
         # No ranks named: the guard found no strict majority to tell the odd ones out.
         tie = "; no strict majority" if not ranks or 2 * len(ranks) >= run.world_size else ""
-        undone = "; the guard caught it before the update" if caught else ""
+        undone = {"guard": "; the guard caught it before the update",
+                  "sync": "; found and repaired by the sync at this step, no fingerprint saw it before"}.get(by, "")
         where = f" on {_ranks(ranks)}" if ranks else ""
         return f"first replica split: step {step}{where} ({' and '.join(what)} differ{tie}{undone})"
     if any("replicas/grad_distinct" in r for r in run.consistency):

@@ -469,6 +469,27 @@ def test_a_summary_the_records_went_past_is_set_aside(fault_run: pathlib.Path, t
     assert "steps: 12 of 12" in text and "99.0" not in text
 
 
+def test_a_split_a_sync_ended_before_any_fingerprint_is_reported(clean_run: pathlib.Path,
+                                                                  tmp_path: pathlib.Path) -> None:
+    """A scheduled sync repaired a split no fingerprint had seen yet: the report said
+    "first replica split: none" and drew one replica throughout."""
+    run = copy_run(clean_run, tmp_path / "synced")
+    with open(run / "events.jsonl", "a") as f:
+        for event in (  # a BatchNorm model's fault-free sync: only the buffers differ, no split
+            {"step": 2, "event": "sync", "period": 5, "divergence": 0.01, "mode": "median", "groups": [[0], [1]],
+             "note": "buffers only"},
+            {"step": 5, "event": "sync", "period": 5, "divergence": 0.2, "mode": "median-with-reference",
+             "groups": [[0], [1]], "note": ""},
+        ):
+            f.write(json.dumps(event) + "\n")
+    text = build_report(run).text
+    assert ("first replica split: step 5 (training-state fingerprints differ; no strict majority; "
+            "found and repaired by the sync at this step") in text
+    steps, values = _state_distinct(load_run(run))
+    assert dict(zip(steps, values))[5] == 2 and dict(zip(steps, values))[6] == 1
+    assert dict(zip(steps, values)).get(2, 1) == 1
+
+
 def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     run = copy_run(clean_run, tmp_path / "guarded")
     (run / "summary.json").unlink()
