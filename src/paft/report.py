@@ -409,9 +409,8 @@ def _first_split(run: RunData) -> tuple[int, list[int], list[str], str] | None:
         same_step = [g for g in caught if int(g["step"]) == step]
         what = sorted({_MISMATCH[g["detector"]] for g in same_step})
         found.append((step, sorted({int(r) for g in same_step for r in g.get("ranks") or []}), what, "guard"))
-    synced = _split_syncs(run)[:1]
     found += [(int(e["step"]), outside_majority(e["groups"], run.world_size), [_MISMATCH["state_mismatch"]], "sync")
-              for e in synced]
+              for e in _split_syncs(run)[:1]]
     return min(found, key=lambda f: f[0]) if found else None  # at one step the first kind listed
 
 
