@@ -304,15 +304,19 @@ def _eval_divergence(run: RunData) -> tuple[list[int], list[float]]:
 
 
 def _divergence_panel(ax: Axes, run: RunData) -> None:
+    # Both kinds are measurements at single steps, drawn as points: a line between two of
+    # them would claim values for the steps between (it rose before the fault, and ran
+    # across the syncs that found identical replicas).
     steps, values = _eval_divergence(run)
     if steps:
-        _plot(ax, steps, values, color="black", lw=1.2, label="at evaluations")
+        # Hollow and larger: a sync's point at an evaluation's step shows inside it.
+        _plot(ax, steps, values, color="black", ls="", marker="o", ms=8, mfc="none", label="at evaluations")
     # Syncs that found identical replicas (divergence 0) show only as the hollow triangles.
     syncs = [(int(e["step"]), _num(e.get("divergence"))) for e in _syncs(run)]
     pos = [(s, v) for s, v in syncs if math.isfinite(v) and v > 0]
     if pos:
-        ax.plot([s for s, _ in pos], [v for _, v in pos], "o-", color=_SYNC_COLOR, lw=1.0,
-                label="before each sync")
+        ax.plot([s for s, _ in pos], [v for _, v in pos], ls="", marker="o", ms=5, color=_SYNC_COLOR,
+                label="before a sync that found replicas apart")
     bad = [s for s, v in syncs if not math.isfinite(v)]
     if bad:
         ax.plot(bad, [0.88] * len(bad), ls="", marker="$!$", ms=10, color="red",

@@ -547,3 +547,28 @@ def test_the_period_panel_starts_from_the_period_the_run_began_with(fault_run: p
     _period_panel(ax, run, [(4, 30.0)])
     line = ax.get_lines()[0]
     assert list(line.get_xdata())[:2] == [0, 4] and list(line.get_ydata())[:2] == [60.0, 30.0]
+
+
+
+def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pathlib.Path,
+                                                                     tmp_path: pathlib.Path) -> None:
+    """A line through the sparse evaluations rose before the fault (step 5: 0 at the
+    evaluation of step 0, > 0 at step 6's), and one through the syncs that found replicas
+    apart ran across a no-op sync between them."""
+    run_dir = copy_run(fault_run, tmp_path / "points")
+    with open(run_dir / "events.jsonl", "a") as f:
+        for step, divergence, mode in ((3, 0.2, "median"), (6, 0.0, "noop"), (9, 0.4, "median")):
+            f.write(json.dumps({"step": step, "event": "sync", "period": 3, "divergence": divergence,
+                                "mode": mode}) + "\n")
+    run = load_run(run_dir)
+    _, (ax,) = _figure(1, 1, "points")
+    report_module._divergence_panel(ax, run)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    evals, syncs = lines["at evaluations"], lines["before a sync that found replicas apart"]
+    assert list(evals.get_xdata()) == [0, 6, 12] and evals.get_ydata()[0] == 0 < min(evals.get_ydata()[1:])
+    assert list(zip(syncs.get_xdata(), syncs.get_ydata())) == [(3, 0.2), (9, 0.4)]
+    # Nothing joins two measurements: every line of several points is markers only, or
+    # a vertical event line (one step).
+    for line in ax.get_lines():
+        if len(set(line.get_xdata())) > 1:
+            assert line.get_linestyle() == "None" and line.get_marker() != "None", line.get_label()
