@@ -582,12 +582,25 @@ def _counters(run: RunData) -> str:
         "skipped_batches": sum(1 for g in guards if g.get("action") == "skip"),
     }
     counts = {
-        "syncs": s.get("syncs", len(_syncs(run))),
+        "syncs": s.get("syncs", _recorded_syncs(run)),
         "detections": s.get("detections", totals.get("detections", 0)),
         "recomputes": s.get("recomputes", totals.get("recomputes", 0)),
         "skipped batches": s.get("skipped_batches", totals.get("skipped_batches", 0)),
     }
     return "   ".join(f"{k}: {v}" for k, v in counts.items())
+
+
+def _recorded_syncs(run: RunData) -> int:
+    """The syncs and repairs of a run without a summary. events.jsonl holds each of
+    PAFT-Sync's and the guard's, but none of PyTorch's averager, which averages at every
+    step that is a multiple of --sync-period (no warm-up): those are counted from the
+    recorded steps (a step one rank recorded had its averaging all-reduce done)."""
+    protect = run.config.get("protect") or {}
+    period = protect.get("sync_period")
+    averaged = 0
+    if protect.get("mode") == "averager" and isinstance(period, int) and not isinstance(period, bool) and period > 0:
+        averaged = run.last_step // period + 1
+    return len(_syncs(run)) + averaged
 
 
 def _metric_extremes(run: RunData) -> list[str]:

@@ -572,3 +572,18 @@ def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pa
     for line in ax.get_lines():
         if len(set(line.get_xdata())) > 1:
             assert line.get_linestyle() == "None" and line.get_marker() != "None", line.get_label()
+
+
+
+def test_an_averager_run_without_a_summary_counts_its_syncs(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """PyTorch's averager records no event of its own: an interrupted run read "syncs: 0"."""
+    run = copy_run(clean_run, tmp_path / "averager")
+    (run / "summary.json").unlink()  # interrupted (Ctrl-C) before the end
+    config = json.loads((run / "config.json").read_text())
+    config["protect"].update(mode="averager", sync_period=5)
+    (run / "config.json").write_text(json.dumps(config))
+    # Steps 0-11 recorded: averaged at steps 0, 5 and 10 (as Resync counts them: step % H == 0).
+    assert "syncs: 3   detections: 0" in build_report(run).text
+    with open(run / "events.jsonl", "a") as f:  # the guard's repair is a sync too
+        f.write(json.dumps({"step": 7, "event": "repair", "mode": "median-with-reference", "divergence": 0.5}) + "\n")
+    assert "syncs: 4   detections: 0" in build_report(run).text
