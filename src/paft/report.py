@@ -493,6 +493,11 @@ def _notes(run: RunData) -> list[str]:
     elif not stops and run.summary is None:
         lines.append(f"note: no summary.json: the run is still running or crashed; reported from the jsonl "
                      f"files ({last} of {cfg.get('steps', '?')} steps recorded)")
+    missing = [r for r in range(run.world_size) if r not in run.metrics]
+    if missing:
+        files = ", ".join(f"metrics/rank{r}.jsonl" for r in missing)
+        lines.append(f"note: no complete record in {files} (missing or empty): the loss plot lacks "
+                     f"{_ranks(missing)}, and its global loss is the mean over the ranks recorded")
     return lines
 
 

@@ -587,3 +587,17 @@ def test_an_averager_run_without_a_summary_counts_its_syncs(clean_run: pathlib.P
     with open(run / "events.jsonl", "a") as f:  # the guard's repair is a sync too
         f.write(json.dumps({"step": 7, "event": "repair", "mode": "median-with-reference", "divergence": 0.5}) + "\n")
     assert "syncs: 4   detections: 0" in build_report(run).text
+
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["missing", "empty"])
+def test_a_rank_without_metrics_is_named(fault_run: pathlib.Path, tmp_path: pathlib.Path, empty: bool) -> None:
+    run = copy_run(fault_run, tmp_path / "one-rank-missing")
+    (run / "metrics" / "rank1.jsonl").unlink()
+    if empty:
+        (run / "metrics" / "rank1.jsonl").write_text('{"step": 0, "local_lo')  # killed mid-line
+    text = build_report(run).text
+    assert ("note: no complete record in metrics/rank1.jsonl (missing or empty): the loss plot lacks rank 1, "
+            "and its global loss is the mean over the ranks recorded\n") in text
+    assert "world size: 2" in text
+    assert "note:" not in build_report(fault_run, tmp_path / "whole").text
