@@ -541,11 +541,21 @@ def _speed(run: RunData) -> str:
 
 
 def _replicas(run: RunData) -> list[str]:
+    """How many distinct replicas the run ended with, and whether they are finite: the
+    divergence measured at an evaluation is inf exactly when a replica's parameters hold
+    NaN/Inf (see DivergenceReport), which bitwise identical replicas can share."""
     s = run.summary or {}
     if "replicas_distinct" in s:
+        diff = _num(s.get("max_replica_rel_diff"))
+        # One group, yet infinitely apart: every replica holds the same NaN/Inf.
+        bad = ": identical but non-finite, every replica holds NaN/Inf in its parameters" if (
+            s["replicas_distinct"] == 1 and math.isinf(diff)) else ""
         return [f"replicas distinct at the end: {s['replicas_distinct']} (groups {s.get('replica_groups', '?')}, "
-                f"max relative difference {_num(s.get('max_replica_rel_diff')):.3g})"]
-    return [_last_state_check(run)] if run.consistency else []
+                f"max relative difference {diff:.3g}){bad}"]
+    last = run.evals[-1] if run.evals else {}
+    bad = (f"; the last evaluation (step {last['step']}) found NaN/Inf in a replica's parameters"
+           if math.isinf(_num(last.get("replica_rel_diff"))) else "")
+    return [_last_state_check(run) + bad] if run.consistency else []
 
 
 def _faults(run: RunData) -> list[str]:

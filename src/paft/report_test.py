@@ -601,3 +601,27 @@ def test_a_rank_without_metrics_is_named(fault_run: pathlib.Path, tmp_path: path
             "and its global loss is the mean over the ranks recorded\n") in text
     assert "world size: 2" in text
     assert "note:" not in build_report(fault_run, tmp_path / "whole").text
+
+
+
+def test_identical_non_finite_replicas_are_not_a_healthy_end(clean_run: pathlib.Path, fault_run: pathlib.Path,
+                                                              tmp_path: pathlib.Path) -> None:
+    """A NaN in one rank's local gradient reaches every replica through the all-reduce:
+    one fingerprint group, every replica NaN alike, which the report read as 1 replica."""
+    run = copy_run(clean_run, tmp_path / "all-nan")
+    summary = json.loads((run / "summary.json").read_text())
+    # What such a run writes (nan:site=local-grad,steps=5,ranks=0, seen in a real run).
+    summary.update(replicas_distinct=1, replica_groups=[[0, 1]], max_replica_rel_diff="inf", final_val_loss="nan")
+    (run / "summary.json").write_text(json.dumps(summary))
+    rewrite_jsonl(run / "evals.jsonl", lambda r: {**r, "replica_rel_diff": "inf"} if r["step"] > 0 else r)
+    assert ("replicas distinct at the end: 1 (groups [[0, 1]], max relative difference inf): identical but "
+            "non-finite, every replica holds NaN/Inf in its parameters\n") in build_report(run).text
+    (run / "summary.json").unlink()  # interrupted: the last evaluation says it
+    assert "; the last evaluation (step 12) found NaN/Inf in a replica's parameters\n" in build_report(run).text
+    # Apart, a NaN replica is one of two groups: not "identical".
+    split = copy_run(fault_run, tmp_path / "one-nan")
+    summary = json.loads((split / "summary.json").read_text())
+    (split / "summary.json").write_text(json.dumps({**summary, "max_replica_rel_diff": "inf"}))
+    text = build_report(split).text
+    assert "replicas distinct at the end: 2 (" in text and "non-finite, every replica" not in text
+    assert "non-finite, every replica" not in build_report(clean_run, tmp_path / "clean").text
