@@ -549,7 +549,6 @@ def test_the_period_panel_starts_from_the_period_the_run_began_with(fault_run: p
     assert list(line.get_xdata())[:2] == [0, 4] and list(line.get_ydata())[:2] == [60.0, 30.0]
 
 
-
 def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pathlib.Path,
                                                                      tmp_path: pathlib.Path) -> None:
     """A line through the sparse evaluations rose before the fault (step 5: 0 at the
@@ -574,7 +573,6 @@ def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pa
             assert line.get_linestyle() == "None" and line.get_marker() != "None", line.get_label()
 
 
-
 def test_an_averager_run_without_a_summary_counts_its_syncs(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """PyTorch's averager records no event of its own: an interrupted run read "syncs: 0"."""
     run = copy_run(clean_run, tmp_path / "averager")
@@ -589,7 +587,6 @@ def test_an_averager_run_without_a_summary_counts_its_syncs(clean_run: pathlib.P
     assert "syncs: 4   detections: 0" in build_report(run).text
 
 
-
 @pytest.mark.parametrize("empty", [False, True], ids=["missing", "empty"])
 def test_a_rank_without_metrics_is_named(fault_run: pathlib.Path, tmp_path: pathlib.Path, empty: bool) -> None:
     run = copy_run(fault_run, tmp_path / "one-rank-missing")
@@ -601,7 +598,6 @@ def test_a_rank_without_metrics_is_named(fault_run: pathlib.Path, tmp_path: path
             "and its global loss is the mean over the ranks recorded\n") in text
     assert "world size: 2" in text
     assert "note:" not in build_report(fault_run, tmp_path / "whole").text
-
 
 
 def test_identical_non_finite_replicas_are_not_a_healthy_end(clean_run: pathlib.Path, fault_run: pathlib.Path,
