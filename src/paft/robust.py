@@ -3,7 +3,9 @@
 PAFT-Sync's ``median`` modes merge replicas that disagree without a majority. Every
 merge here returns, per coordinate, one of the inputs' own values (never an
 average), so a flipped exponent bit (1e30) or a NaN on one replica is never mixed
-into the result; NaN counts as +inf, so it loses every comparison it can lose.
+into the result; NaN counts as +inf, so it loses every comparison it can lose. Where
+the result comes out +inf and no input holds +inf there (a coordinate NaN on enough
+replicas to take the median), it is NaN: never a value no replica held.
 
 - :func:`replica_median`: the middle of ``n`` rows (world size >= 3); of the two middle
   values of an even ``n``, the one of smaller magnitude;
@@ -51,16 +53,34 @@ def _nan_as_inf(x: Tensor) -> Tensor:
     return torch.nan_to_num(x, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
+def _nan_where_no_input_is_inf_(merged: Tensor, inputs: list[Tensor]) -> Tensor:
+    """``merged``, a median taken with NaN counted as +inf, with NaN put back in place,
+    in place: where it is +inf but no input is, the inputs it came from held NaN."""
+    if not merged.is_floating_point():
+        return merged
+    held = torch.isposinf(inputs[0])
+    for x in inputs[1:]:
+        held |= torch.isposinf(x)
+    return merged.masked_fill_(torch.isposinf(merged) & ~held, math.nan)
+
+
 def replica_median(rows: Tensor, out: Tensor | None = None, nan_free: bool = False) -> Tensor:
     """Per column, the median of the ``n`` rows, always one row's own value; NaN counts
-    as +inf. For odd ``n`` the middle value; for even ``n``, of the two middle values
-    the one of smaller magnitude, so that where the replicas split evenly a flipped
+    as +inf (a median that came out of NaN is NaN). For odd ``n`` the middle value; for
+    even ``n``, of the two middle values the one of smaller magnitude, so that where the replicas split evenly a flipped
     exponent that enlarged a value (``-1e30``, ``inf``) loses the tie on either side
     (the lower middle value alone would take ``-1e30`` from two ranks of four).
     ``rows``: ``[n, m]``, not modified. ``nan_free=True`` skips the NaN pass (the
     caller knows every replica is finite)."""
+    if nan_free:
+        return _median_of_rows(rows, rows, out)
+    merged = _median_of_rows(rows, _nan_as_inf(rows), out)
+    return _nan_where_no_input_is_inf_(merged, list(rows.unbind(0)))
+
+
+def _median_of_rows(rows: Tensor, work: Tensor, out: Tensor | None) -> Tensor:
+    """:func:`replica_median` of ``work``: ``rows``, or a copy of it without NaN."""
     n = rows.shape[0]
-    work = rows if nan_free else _nan_as_inf(rows)
     if n == 1:
         return work[0].clone() if out is None else out.copy_(work[0])
     lo, hi = _middle(work, owned=work is not rows)
@@ -118,9 +138,16 @@ def median_of_three(
     a: Tensor, b: Tensor, ref: Tensor, out: Tensor | None = None, nan_free: bool = False
 ) -> Tensor:
     """Per coordinate, the median of ``a``, ``b`` and ``ref`` = ``clamp(ref, min(a, b),
-    max(a, b))``; NaN counts as +inf. Inputs are not modified."""
-    if not nan_free:
-        a, b, ref = _nan_as_inf(a), _nan_as_inf(b), _nan_as_inf(ref)
+    max(a, b))``; NaN counts as +inf (a median that came out of NaN is NaN: where both
+    replicas hold NaN, NaN, as they hold it). Inputs are not modified."""
+    if nan_free:
+        return _clamp(a, b, ref, out)
+    merged = _clamp(_nan_as_inf(a), _nan_as_inf(b), _nan_as_inf(ref), out)
+    return _nan_where_no_input_is_inf_(merged, [a, b, ref])
+
+
+def _clamp(a: Tensor, b: Tensor, ref: Tensor, out: Tensor | None) -> Tensor:
+    """``clamp(ref, min(a, b), max(a, b))`` (NaN-free inputs, or NaN propagates)."""
     lo, hi = torch.minimum(a, b), torch.maximum(a, b)
     return torch.minimum(torch.maximum(ref, lo, out=lo), hi, out=out)
 

@@ -71,6 +71,25 @@ def test_a_median_where_every_replica_holds_nan_somewhere_spreads_none() -> None
     assert merged.tolist() == [1.0, 1.0]  # (the second: NaN counts as +inf, 1 is the middle of 5)
 
 
+def test_a_median_that_comes_out_of_nan_is_nan_never_an_infinity_no_input_held() -> None:
+    """NaN counts as +inf inside the median: where enough inputs held NaN to take it, the
+    +inf leaked out as a value no replica held (both replicas NaN at world size 2)."""
+    nan, inf = math.nan, math.inf
+    a = torch.tensor([nan, nan, nan, 1.0, nan, -inf])
+    b = torch.tensor([nan, nan, inf, nan, 2.0, nan])
+    r = torch.tensor([0.3, nan, 1.0, nan, 0.5, 0.5])
+    out = torch.empty(6)
+    assert median_of_three(a, b, r, out=out) is out
+    # NaN on both replicas stays NaN (reference finite or not); a real +inf stays +inf
+    assert out.nan_to_num(nan=7.0, posinf=inf, neginf=-inf).tolist() == [7.0, 7.0, inf, 7.0, 2.0, 0.5]
+    rows = torch.tensor([[nan, nan, 1.0], [nan, inf, nan], [nan, nan, 3.0]])  # +inf: a replica holds it
+    merged = replica_median(rows)
+    assert merged.nan_to_num(nan=7.0, posinf=inf, neginf=-inf).tolist() == [7.0, inf, 3.0]
+    finite_where_outvoted_(merged, rows, good=[])  # NaN on every replica: nothing finite to take
+    assert merged.nan_to_num(nan=7.0, posinf=inf, neginf=-inf).tolist() == [7.0, inf, 3.0]
+    assert math.isnan(replica_median(torch.tensor([[nan]])).item())  # a single replica: its own value
+
+
 def test_docstring_example_runs() -> None:
     result = doctest.testmod(robust)
     assert result.attempted >= 1 and result.failed == 0

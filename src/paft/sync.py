@@ -47,10 +47,11 @@ itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alik
     leak into it) and any minority of outliers on either side loses; where the
     replicas split evenly (2 against 2), the middle value of smaller magnitude wins.
     NaN counts as +inf per coordinate, so a replica holding NaN/Inf somewhere still
-    votes everywhere else; where too many values of a coordinate are non-finite for
-    its median to be finite, the median of the finite replicas is taken, or, when
-    every replica holds NaN/Inf somewhere, the median of that coordinate's finite
-    values (:func:`~paft.robust.finite_where_outvoted_`; the report's note says so);
+    votes everywhere else (a median that comes out of NaN is NaN, never +inf); where
+    too many values of a coordinate are non-finite for its median to be finite, the
+    median of the finite replicas is taken, or, when every replica holds NaN/Inf
+    somewhere, the median of that coordinate's finite values
+    (:func:`~paft.robust.finite_where_outvoted_`; the report's note says so);
   - world size 2 (``"median-with-reference"``): two replicas never form a majority,
     and a plain mean would spread a flipped exponent (1e30 / 2) to both. A third
     opinion breaks the tie: the REFERENCE, the state at the last completed sync
@@ -59,7 +60,8 @@ itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alik
     three values, i.e. ``clamp(ref, min(a, b), max(a, b))``: if both replicas moved
     the same way since the last sync it is the one that moved less (the huge
     corrupted value is dropped), if they moved in opposite ways it is the agreed
-    value itself. The result always lies between the two replicas. What the
+    value itself. The result always lies between the two replicas (where both hold
+    NaN, it is NaN, as they hold it: NaN counts as +inf, as above). What the
     reference costs, what stands in for state it has not seen, and when the ranks'
     references disagree: :mod:`paft.sync_reference`.
 

@@ -657,6 +657,28 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
         assert 0 < report.divergence < 0.02  # 496 / 40496 on either rank
 
 
+def _w_two_nan_alike(rank: int, ws: int) -> dict:
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1, bias=False)
+    sync = ReplicaSync(m, None)  # robust; the reference: the finite state both agree on
+    with torch.no_grad():
+        m.weight[0, 0] = math.nan  # both replicas: NaN here
+        m.weight[0, 1] = math.nan if rank == 0 else 1.0  # rank 0 only: NaN here
+        m.weight[0, 2] = 0.5 + rank
+    rep = sync.sync()
+    return {"mode": rep.mode, "bits": m.weight.detach().view(torch.int32).clone(), "ref": sync._reference.tag}
+
+
+def test_two_ranks_nan_on_both_replicas_stays_nan() -> None:
+    """Both replicas NaN at one coordinate, the reference finite there: the median of
+    three counted NaN as +inf and gave both ranks +inf, a value neither held."""
+    res = run_workers(_w_two_nan_alike, 2)
+    assert [r["mode"] for r in res] == ["median-with-reference"] * 2
+    assert torch.equal(res[0]["bits"], res[1]["bits"]) and res[0]["ref"] == res[1]["ref"]  # bitwise
+    w = res[0]["bits"].view(torch.float32)[0]
+    assert math.isnan(w[0]) and w[1:].tolist() == [1.0, 0.5]  # NaN stays NaN; max(ref, 1.0); the lesser move
+
+
 class _Flagged(nn.Module):
     """A parameter and a frozen bool one (bool travels as uint8). A parameter, not a
     buffer: start() syncs buffers blocking, so only the state part meets finish()'s
