@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from paft.dyn import DynConfig, check_bounds
 from paft.records import from_jsonable_float
 from paft.values import fits
 
@@ -143,11 +144,12 @@ class ProtectConfig:
     that finds the replicas split repairs them at once either way, and one that finds
     them in agreement moves nothing, so both give the same replicas (README: what
     overlaps) (``--overlap``)."""
-    h_min: int = 5
+    # PAFT-Dyn's bounds: defaults and checks are DynConfig's (paft.dyn), their one home.
+    h_min: int = DynConfig.h_min
     """Smallest period PAFT-Dyn may choose (``--h-min``)."""
-    h_max: int = 400
+    h_max: int = DynConfig.h_max
     """Largest period PAFT-Dyn may choose (``--h-max``)."""
-    target: float = 1e-4
+    target: float = DynConfig.target
     """PAFT-Dyn divergence target: the parameters' largest relative L2 distance to the
     replica the sync takes (the mean, or the copied replica) (``--dyn-target``)."""
 
@@ -157,10 +159,7 @@ class ProtectConfig:
         _require(self.sync_period >= 1, "--sync-period", f"must be >= 1, got {self.sync_period}")
         _require(self.sync_mode in SYNC_MODES, "--sync-mode", f"must be one of {SYNC_MODES}, got {self.sync_mode!r}")
         _require(self.broadcast_src >= 0, "--broadcast-src", f"must be a rank >= 0, got {self.broadcast_src}")
-        _require(self.h_min >= 1, "--h-min", f"must be >= 1, got {self.h_min}")
-        _require(self.h_max >= self.h_min, "--h-max", f"must be >= --h-min ({self.h_min}), got {self.h_max}")
-        _require(self.target > 0 and math.isfinite(self.target), "--dyn-target",
-                 f"must be a finite number > 0, got {self.target}")
+        check_bounds(self.h_min, self.h_max, self.target, names=("--h-min", "--h-max", "--dyn-target"))
 
 
 @dataclass

@@ -46,7 +46,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SyncScheduler", "FixedScheduler", "DynScheduler", "DynConfig"]
+__all__ = ["SyncScheduler", "FixedScheduler", "DynScheduler", "DynConfig", "check_bounds"]
 
 
 def _step(step: int) -> int:
@@ -57,8 +57,24 @@ def _step(step: int) -> int:
 
 def _check_period(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
     return value
+
+
+def check_bounds(
+    h_min: Any, h_max: Any, target: Any, names: tuple[str, str, str] = ("h_min", "h_max", "target")
+) -> None:
+    """Check PAFT-Dyn's period bounds and divergence target: the one home of these
+    checks, for :class:`DynConfig` and :class:`paft.config.ProtectConfig` alike. The
+    ``ValueError`` names each value as ``names`` does (``h_min``, ``h_max``, ``target``;
+    ProtectConfig passes its command-line options)."""
+    n_min, n_max, n_target = names
+    _check_period(n_min, h_min)
+    _check_period(n_max, h_max)
+    if h_max < h_min:
+        raise ValueError(f"{n_max}: must be >= {n_min} ({h_min}), got {h_max}")
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
+        raise ValueError(f"{n_target}: must be a finite number > 0, got {target!r}")
 
 
 class SyncScheduler(abc.ABC):
@@ -206,17 +222,12 @@ class DynConfig:
     """Consecutive calm syncs needed before the period grows (>= 1)."""
 
     def __post_init__(self) -> None:
-        for name in ("h_init", "h_min", "h_max", "patience"):
+        check_bounds(self.h_min, self.h_max, self.target)
+        for name in ("h_init", "patience"):
             _check_period(name, getattr(self, name))
-        if self.h_min > self.h_max:
-            raise ValueError(f"h_min ({self.h_min}) must be <= h_max ({self.h_max})")
         if not self.h_min <= self.h_init <= self.h_max:
-            raise ValueError(
-                f"h_init ({self.h_init}) must lie in [h_min, h_max] = "
-                f"[{self.h_min}, {self.h_max}]"
-            )
+            raise ValueError(f"h_init: must lie in [h_min, h_max] = [{self.h_min}, {self.h_max}], got {self.h_init}")
         checks = {
-            "target": (lambda x: 0 < x < math.inf, "a finite number > 0"),
             "shrink": (lambda x: 0 < x < 1, "in (0, 1)"),
             "grow": (lambda x: 1 < x < math.inf, "a finite number > 1"),
             "low_water": (lambda x: 0 <= x <= 1, "in [0, 1]"),
@@ -224,7 +235,7 @@ class DynConfig:
         for name, (ok, what) in checks.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-                raise ValueError(f"{name} must be {what}, got {value!r}")
+                raise ValueError(f"{name}: must be {what}, got {value!r}")
 
 
 def _floor(x: float) -> int:

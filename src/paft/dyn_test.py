@@ -63,6 +63,26 @@ def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
         DynConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [{"h_min": 0}, {"h_min": 10, "h_max": 8}, {"h_max": 0}, {"target": 0.0},
+                                    {"target": float("inf")}, {"target": float("nan")}])
+def test_protect_config_checks_the_bounds_as_dyn_config_does(kwargs: dict) -> None:
+    """One home for PAFT-Dyn's bounds: ProtectConfig (the command line) and DynConfig (the
+    library) hold the same defaults and refuse the same values with the same message,
+    each naming its own option or field."""
+    from paft.config import ProtectConfig
+
+    options = {"h_min": "--h-min", "h_max": "--h-max", "target": "--dyn-target"}
+    assert {k: getattr(ProtectConfig(), k) for k in options} == {k: getattr(DynConfig(), k) for k in options}
+    with pytest.raises(ValueError) as lib:
+        DynConfig(**kwargs, h_init=kwargs.get("h_min", 5))
+    with pytest.raises(ValueError) as cli:
+        ProtectConfig(**kwargs)
+    expected = str(lib.value)
+    for field, option in options.items():
+        expected = expected.replace(field, option)
+    assert str(cli.value) == expected and str(cli.value).startswith("--")
+
+
 def test_shrinks_to_h_min_and_not_below() -> None:
     sched = DynScheduler()
     periods = [sched.observe(step, HIGH) for step in range(1, 7)]
