@@ -27,7 +27,7 @@ the launch queue each time and leave the GPU idle while the rest of the backward
 pass is launched again (measured on an H200: +11% per step for an 85 M-parameter
 GPT, from about 40 such reads). With no faults configured and no capture requested,
 the fault-free path is bit-for-bit DDP's default all-reduce (one exception, which
-no hook can tell apart, in :meth:`CommHookState._allreduce`).
+no hook can tell apart, in :meth:`CommHookState.allreduce`).
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's real
@@ -44,7 +44,7 @@ from paft.faults import FaultInjector, FaultRecord
 from paft.fingerprint import digest_tensor
 from paft.norms import squared_norm, widened
 
-__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "CountSketch", "CommHook"]
+__all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "registered_comm_hooks", "CountSketch", "CommHook"]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -265,9 +265,10 @@ class CommHookState:
         dim = self.sketcher.dim if self.direction_enabled and self.sketcher is not None else 0
         self.current = BucketCapture(sketch_dim=dim)
 
-    # -- the chain ---------------------------------------------------------------
+    # -- the chain: paft_comm_hook's steps, one bucket at a time ----------------------
 
-    def _inject(self, site: str, index: int, tensor: torch.Tensor) -> None:
+    def inject(self, site: str, index: int, tensor: torch.Tensor) -> None:
+        """Inject this step's faults at ``site`` into bucket ``index`` (``tensor``), in place."""
         # A bucket beyond the step's count (DDP re-bucketed since) cannot be the target.
         if (self.injector is not None and self.inject_enabled and index < self.step_buckets
                 and self.injector.has_site(site)):
@@ -277,7 +278,8 @@ class CommHookState:
                 )
             )
 
-    def _capture_local(self, index: int, flat: torch.Tensor, bucket: dist.GradBucket) -> None:
+    def capture_local(self, index: int, flat: torch.Tensor, bucket: dist.GradBucket) -> None:
+        """Add bucket ``index``'s local gradient ``flat`` to the capture (norm, sketch or copy)."""
         cap = self.current
         sketch = cap.sketch_on(flat.device)
         if sketch is not None and self.sketcher is not None:
@@ -288,10 +290,11 @@ class CommHookState:
             if self.cosine == "exact" and self.direction_enabled:  # stays on the device: gathered there
                 cap.local_grads[index] = flat.detach().to(torch.float64, copy=True)
 
-    def _capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
+    def capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
+        """Add the digest of bucket ``index``'s aggregated gradient ``flat`` to the capture."""
         self.current.add_aggregated(index, digest_tensor(flat))
 
-    def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
+    def allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
         """Launch the bucket's all-reduce; the future's value is the result tensor or,
         from a process group's own work, a one-element list holding it."""
         if self.inner_hook is not None and not self.priming:
@@ -315,19 +318,33 @@ def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
     if bucket.is_last():
         state.num_buckets = index + 1  # for the next begin()
     buffer = bucket.buffer()
-    state._inject("local-grad", index, buffer)
+    state.inject("local-grad", index, buffer)
     if state.local_enabled:
-        state._capture_local(index, buffer, bucket)
-    fut = state._allreduce(bucket)
+        state.capture_local(index, buffer, bucket)
+    fut = state.allreduce(bucket)
     checksum = state.checksum_enabled
 
     def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
         # One callback per bucket unwraps the result and runs the aggregated-side chain.
         value = fut.value()
         result = value[0] if isinstance(value, (list, tuple)) else value
-        state._inject("aggregation", index, result)
+        state.inject("aggregation", index, result)
         if checksum:
-            state._capture_aggregated(index, result)
+            state.capture_aggregated(index, result)
         return result
 
     return fut.then(after)
+
+
+def registered_comm_hooks(model: torch.nn.parallel.DistributedDataParallel) -> list[tuple[Callable, Any]]:
+    """The ``(hook, state)`` pairs registered on ``model`` through ``register_comm_hook``.
+
+    paft's one use of torch's private API, kept here alone: DDP takes one comm hook
+    and keeps it for good, so :func:`paft.protect` must know of one before it
+    registers its own, on every rank alike (the reducer's refusal comes only at
+    registration, on the rank that has one). torch offers no public way to ask, so
+    this reads DDP's private ``_comm_hooks`` list (torch 2.x; it misses hooks
+    registered through ``_register_builtin_comm_hook``): empty where a torch lacks it.
+    A hook missed here stops :func:`paft.protect` only at the registration, on the
+    rank that holds it; ``comm_test.py`` checks that this still sees a hook."""
+    return list(getattr(model, "_comm_hooks", None) or [])

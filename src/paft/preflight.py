@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.amp import OptimizerStep
 from paft.collectives import gather_rows
-from paft.comm import paft_comm_hook
+from paft.comm import paft_comm_hook, registered_comm_hooks
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
@@ -61,7 +61,7 @@ def preflight(
         # DDP takes one comm hook, and keeps it for good: a rank whose model has one
         # already must refuse here, with the others. An earlier protector's hook goes on
         # injecting and capturing for a protector that wants none: refused too.
-        hooks = getattr(model, "_comm_hooks", None) or []
+        hooks = registered_comm_hooks(model)
         hooked = wants_comm_hook(monitor, specs, comm_hook)
         if hooks and (hooked or any(hook is paft_comm_hook for hook, _ in hooks)):
             raise RuntimeError("protect(): this DDP model already has a comm hook (from register_comm_hook, or "
