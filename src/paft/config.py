@@ -382,8 +382,8 @@ class TrainConfig:
             "--broadcast-src",
             f"must be a rank in [0, {self.world_size}), got {self.protect.broadcast_src}",
         )
-        # FaultSpecError messages already name --inject and the bad field.
-        specs = parse_specs(self.inject)
+        # Named --inject here, the FaultSpecError messages name the option and the bad field.
+        specs = parse_specs(self.inject, option="--inject")
         for text, spec in zip(self.inject, specs):  # the workloads train in float32
             try:
                 spec.check_ranks(self.world_size, "--world-size")

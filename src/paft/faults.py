@@ -249,15 +249,18 @@ class FaultSchedule:
     Every decision hashes its coordinates (blake2b, counter-based), so queries are
     random-access: asking about step 1000 first, or after a resume, gives the same
     answer as walking steps 0..1000. Specs are identified by their index in ``specs``.
+    A spec given as text is parsed here; its errors name it by ``option``, as the
+    caller's users know it (the command line passes ``--inject``).
     """
 
-    def __init__(self, specs: Sequence[FaultSpec | str], seed: int, world_size: int) -> None:
+    def __init__(self, specs: Sequence[FaultSpec | str], seed: int, world_size: int, *,
+                 option: str = "FaultSchedule(): specs") -> None:
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
         if not is_int(world_size) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         self.specs: tuple[FaultSpec, ...] = tuple(
-            FaultSpec.parse(s) if isinstance(s, str) else s for s in specs
+            FaultSpec.parse(s, option=option) if isinstance(s, str) else s for s in specs
         )
         self.seed = seed
         self.world_size = world_size

@@ -372,6 +372,19 @@ def test_schedule_checks_ranks_against_world_size():
     assert e.value.field == "ranks"
 
 
+def test_a_bad_spec_is_named_as_the_caller_knows_it():
+    """A schedule built in Python said "--inject", an option its user never typed."""
+    bad = "bitflip:rate=2"
+    for kwargs, label in (({}, "FaultSchedule(): specs"), ({"option": "--inject"}, "--inject")):
+        with pytest.raises(FaultSpecError) as e:
+            FaultSchedule([bad], seed=0, world_size=1, **kwargs)
+        assert str(e.value) == f"{label} '{bad}': field 'rate' must be in [0, 1], got 2"
+    with pytest.raises(FaultSpecError, match=r"^fault spec 'bitflip:rate=2': field 'rate'"):
+        parse_specs([bad])
+    with pytest.raises(FaultSpecError, match=r"^--inject 'bitflip:rate=2': field 'rate'"):
+        parse_specs([bad], option="--inject")
+
+
 # --------------------------------------------------------------------------- spec text
 
 
@@ -491,7 +504,7 @@ def test_malformed_spec_names_the_field(text, field, fragment):
     assert isinstance(e.value, ValueError)
     assert e.value.field == field
     msg = str(e.value)
-    assert msg.startswith(f"--inject '{text}': ")
+    assert msg.startswith(f"fault spec '{text}': ")
     if field != "kind":
         assert f"'{field}'" in msg
     if fragment:

@@ -282,14 +282,14 @@ class FaultSpec:
     # ------------------------------------------------------------------ text form
 
     @classmethod
-    def parse(cls, text: str, *, option: str = "--inject") -> FaultSpec:
+    def parse(cls, text: str, *, option: str = "fault spec") -> FaultSpec:
         """Parse ``KIND[:key=value,...]`` (see the module docstring for the keys).
 
         Errors are :class:`FaultSpecError` whose message starts with
         ``"{option} '{text}': "`` and names the field, e.g.
-        ``--inject 'bitflip:rate=2': field 'rate' must be in [0, 1], got 2``
-        (``protect()`` names its own argument instead).
-        """
+        ``fault spec 'bitflip:rate=2': field 'rate' must be in [0, 1], got 2``.
+        ``option`` is how the caller's users know the text: the command line passes
+        ``--inject``, ``protect()`` its own argument."""
         try:
             return cls._parse(text)
         except FaultSpecError as e:
@@ -491,9 +491,10 @@ _PARSERS = {  # in FaultSpec field order, which is also to_text's order
 }
 
 
-def parse_specs(texts: Iterable[str]) -> list[FaultSpec]:
-    """Parse several ``--inject`` values, in order (the order fixes spec indices)."""
-    return [FaultSpec.parse(t) for t in texts]
+def parse_specs(texts: Iterable[str], option: str = "fault spec") -> list[FaultSpec]:
+    """Parse several specs, in order (the order fixes spec indices); errors name each
+    text as :meth:`FaultSpec.parse` does, by ``option``."""
+    return [FaultSpec.parse(t, option=option) for t in texts]
 
 
 def bit_range(dtype: torch.dtype, bits: int | str) -> tuple[int, int]:

@@ -422,7 +422,7 @@ def idle_faults(cfg: TrainConfig) -> list[str]:
     """A warning for each fault spec that cannot fire within --steps: most likely a
     typo; not an error, since a later --resume with more steps may reach it."""
     out = []
-    for text, spec in zip(cfg.inject, parse_specs(cfg.inject)):
+    for text, spec in zip(cfg.inject, parse_specs(cfg.inject, option="--inject")):
         if spec.site == "optimizer-state" and cfg.optimizer == "sgd":
             out.append(f"--inject {text!r} never fires: --optimizer sgd keeps no state (momentum, adam and "
                        "adamw do)")
