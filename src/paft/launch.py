@@ -24,6 +24,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -359,6 +360,7 @@ def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft"
     raises ``ChildFailedError`` when a worker fails (no restarts). ``entry`` must be a
     module-level function (the workers are spawned) that sets up its process group."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    _start_resource_tracker()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -370,6 +372,21 @@ def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft"
         start_method="spawn",
     )
     return elastic_launch(config, entry)
+
+
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the helper process that spawning the
+    workers needs) deaf to SIGHUP and SIGQUIT, as Python makes it deaf to SIGINT and
+    SIGTERM. It shares the launcher's process group: a closed terminal, or ``kill -QUIT``
+    of the group, killed it with the workers, and the launcher, on its way out, started
+    a new one, which printed a KeyError traceback for each semaphore it never knew.
+    Blocked while it starts, the signals stay blocked in it (its own set-up unblocks
+    only SIGINT and SIGTERM, which it ignores); it still ends with the launcher."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP, signal.SIGQUIT))
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _run_workers(cfg: TrainConfig) -> int:

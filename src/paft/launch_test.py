@@ -8,11 +8,14 @@ import os
 import pathlib
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+import paft
 from paft import launch as launcher
 from paft.config import TrainConfig
 from paft.launch import SignalHold
@@ -101,3 +104,28 @@ def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pa
         launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
     assert json.loads((run / "config.json").read_text())["steps"] == 2
+
+
+def test_sigquit_or_sighup_to_the_process_group_leaves_the_resource_tracker_alive() -> None:
+    """``kill -QUIT`` of ``paft train``'s whole group (or SIGHUP, a closed terminal) also
+    killed multiprocessing's resource tracker, which the launcher's spawned workers
+    need; on its way out the launcher started a new one, which printed a KeyError
+    traceback for every semaphore the first one knew. Here one process stands for the
+    launcher: it starts the workers' machinery (not the workers), takes a semaphore,
+    has its group signalled, and lets the semaphore go."""
+    code = """if True:
+        import multiprocessing, os, signal, time
+        from paft.launch import local_workers
+        for sig in (signal.SIGHUP, signal.SIGQUIT):  # the launcher's handlers unwind
+            signal.signal(sig, lambda signum, frame: None)
+        local_workers(print, 1)  # only set up: the workers start when it is called
+        lock = multiprocessing.get_context("spawn").Lock()
+        for sig in (signal.SIGHUP, signal.SIGQUIT):
+            os.killpg(0, sig)
+        time.sleep(0.5)
+        del lock
+        """
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(paft.__file__).parents[1])}  # this paft, not an installed one
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          start_new_session=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
