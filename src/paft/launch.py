@@ -35,7 +35,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paft.config import TrainConfig
 from paft.protect import PersistentFaultError
-from paft.records import atomic_write_bytes, console
+from paft.records import atomic_write_bytes, console, sort_faults
 from paft.rundir import (
     LOCK_FILE,
     RunDirError,
@@ -90,6 +90,9 @@ def launch(cfg: TrainConfig) -> int:
     check_run_dir(cfg)
     with claim_run_dir(cfg) as outcome:
         code = _run_workers(cfg)
+        # The workers are gone, however they ended: a failed or interrupted run's faults
+        # are put in order too (rank 0 does it at a run's end).
+        sort_faults(cfg.run_dir)
         outcome["code"] = code
         return code
 
@@ -459,6 +462,8 @@ def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
         except PersistentFaultError as err:
             if dist.get_rank() == 0:
                 trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
+                # Every rank wrote its faults of the step before the decision they all stop on.
+                sort_faults(run_dir)
             trainer.recorder.close()
             return {"status": "persistent_fault", "ranks": err.ranks, "step": err.step, "message": str(err)}
     finally:

@@ -19,6 +19,7 @@ import paft
 from paft import launch as launcher
 from paft.config import TrainConfig
 from paft.launch import SignalHold
+from paft.records import read_jsonl
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +105,25 @@ def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pa
         launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
     assert json.loads((run / "config.json").read_text())["steps"] == 2
+
+
+def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 sorts faults.jsonl at a run's end; a run whose workers failed (or were
+    interrupted) never got there: the launcher sorts it once they are gone."""
+    monkeypatch.chdir(tmp_path)
+
+    def failed(cfg: TrainConfig) -> int:
+        run = pathlib.Path(cfg.run_dir)
+        (run / "metrics").mkdir()
+        (run / "metrics" / "rank0.jsonl").write_text('{"step": 0}\n')  # a step trained: the run is kept
+        (run / "faults.jsonl").write_text("".join(f'{{"attempt": 0, "rank": {r}, "step": {s}}}\n'
+                                                  for s, r in ((0, 1), (0, 0), (1, 1), (1, 0))))
+        return launcher.EXIT_WORKER_FAILED
+
+    monkeypatch.setattr(launcher, "_run_workers", failed)
+    assert launcher.launch(TrainConfig(run_dir="r", steps=2)) == launcher.EXIT_WORKER_FAILED
+    faults = read_jsonl(tmp_path / "r" / "faults.jsonl")
+    assert [(f["step"], f["rank"]) for f in faults] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_sigquit_or_sighup_to_the_process_group_leaves_the_resource_tracker_alive() -> None:

@@ -7,7 +7,8 @@ Layout (the contract other tools read; see docs/ARCHITECTURE.md):
 - ``metrics/rank{r}.jsonl``: per rank, per step: step, local loss, global loss,
   grad norm, lr, step time;
 - ``consistency.jsonl`` (rank 0): the per-step worker metrics;
-- ``faults.jsonl``: every injected fault (each rank appends its own lines);
+- ``faults.jsonl``: every injected fault (each rank appends its own lines; put in
+  (step, attempt, rank) order once the ranks stop: :func:`sort_faults`);
 - ``events.jsonl`` (rank 0): detections, recomputes, syncs, skips, alerts;
 - ``checkpoints/step{NNNNNNN}/rank{r}.pt`` (the last two kept) and ``checkpoints/latest``
   (the name of the newest complete one);
@@ -42,6 +43,7 @@ __all__ = [
     "read_utf8",
     "is_file",
     "truncate_jsonl",
+    "sort_faults",
     "jsonable",
     "from_jsonable",
     "max_or_nan",
@@ -327,5 +329,26 @@ def truncate_jsonl(path: str | os.PathLike[str], step: int) -> None:
     p = pathlib.Path(path)
     if not p.exists():
         return
-    kept = [r for r in read_jsonl(p) if r.get("step", -1) < step]
-    atomic_write_bytes(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept).encode())
+    _rewrite_jsonl(p, [r for r in read_jsonl(p) if r.get("step", -1) < step])
+
+
+def sort_faults(run_dir: str | os.PathLike[str]) -> None:
+    """Put ``faults.jsonl``'s lines in (step, attempt, rank) order. The ranks append
+    their own lines as they inject, so two identical runs interleaved them differently;
+    each rank's lines keep the order it wrote them in (a stable sort), so the file is
+    the same for identical runs, and for a resumed run as for the uninterrupted one.
+    Call it only once no rank writes any more (a line appended meanwhile would be lost
+    with the rewrite); a file that does not read back (damaged) is left as it is."""
+    p = pathlib.Path(run_dir) / "faults.jsonl"
+    try:
+        records = read_jsonl(p)
+    except (OSError, ValueError):
+        return
+    ordered = sorted(records, key=lambda r: (r.get("step", -1), r.get("attempt", 0), r.get("rank", -1)))
+    if ordered != records:
+        _rewrite_jsonl(p, ordered)
+
+
+def _rewrite_jsonl(path: pathlib.Path, records: list[dict[str, Any]]) -> None:
+    # Each line as RunRecorder wrote it: JSON numbers read back exactly.
+    atomic_write_bytes(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())

@@ -11,7 +11,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paft.records import RunRecorder, from_jsonable, jsonable, max_or_nan
+from paft.records import RunRecorder, from_jsonable, jsonable, max_or_nan, read_jsonl, sort_faults
 
 floats = st.floats(allow_nan=True, allow_infinity=True)
 values = st.recursive(floats | st.integers() | st.text(alphabet="abc"),
@@ -79,3 +79,33 @@ def test_a_console_that_went_away_stops_no_work(tmp_path: pathlib.Path) -> None:
     proc = subprocess.run(["bash", "-c", f"{sys.executable} work.py | true; exit ${{PIPESTATUS[0]}}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stderr) == (0, "False True done")
+
+
+def test_sort_faults_orders_by_step_attempt_rank_and_keeps_each_ranks_order(tmp_path: pathlib.Path) -> None:
+    # Two identical runs' ranks append their lines in another interleaving each time.
+    lines = {r: [{"step": s, "attempt": a, "rank": r, "site": site, "before": [0.1 * r]}
+                 for s, a, site in ((0, 0, "params"), (0, 0, "aggregation"), (0, 1, "aggregation"), (3, 0, "x"))]
+             for r in range(3)}
+    files = []
+    for order in ([0, 1, 2], [2, 0, 1]):
+        run = tmp_path / "".join(map(str, order))
+        recorders = {r: RunRecorder(run, r) for r in order}
+        for i in range(4):
+            for r in order:
+                recorders[r].faults([lines[r][i]])
+        for recorder in recorders.values():
+            recorder.close()
+        sort_faults(run)
+        files.append((run / "faults.jsonl").read_bytes())
+    assert files[0] == files[1]
+    got = read_jsonl(tmp_path / "012" / "faults.jsonl")
+    assert [(f["step"], f["attempt"], f["rank"], f["site"]) for f in got] == [
+        (0, 0, r, site) for r in range(3) for site in ("params", "aggregation")
+    ] + [(0, 1, r, "aggregation") for r in range(3)] + [(3, 0, r, "x") for r in range(3)]
+    # A damaged file is left for --resume to name, a missing one not made.
+    damaged = b'{"step": 2, "rank": 0}\nnot json\n{"step": 1, "rank": 0}\n'
+    (tmp_path / "012" / "faults.jsonl").write_bytes(damaged)
+    sort_faults(tmp_path / "012")
+    assert (tmp_path / "012" / "faults.jsonl").read_bytes() == damaged
+    sort_faults(tmp_path / "none")
+    assert not (tmp_path / "none").exists()

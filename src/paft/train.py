@@ -42,6 +42,7 @@ from paft.records import (
     from_jsonable,
     max_or_nan,
     read_jsonl,
+    sort_faults,
     truncate_jsonl,
 )
 from paft.replicas import group_replicas
@@ -405,6 +406,7 @@ class Trainer:
             summary["initial_val_acc"] = first["val_acc"]
             summary["final_val_acc"] = last["val_acc"]
         if self.rank == 0:
+            sort_faults(self.run_dir)  # past the collectives above: every rank has written its last fault
             atomic_write_json(self.run_dir / "summary.json", summary)
         self.recorder.close()
         return summary

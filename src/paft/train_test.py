@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
+from paft.launch import run_worker
 from paft.records import read_jsonl
 from paft.rundir import RunDirError, check_run_dir, prepare_run_dir, stale_checkpoints
 from paft.testing import run_workers
@@ -117,11 +118,13 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
     losses = lambda d: [m["loss"] for m in read_jsonl(tmp_path / d / "metrics" / "rank0.jsonl")]  # noqa: E731
     assert losses("a") == losses("b") and len(losses("b")) == opts.get("steps", 12)
     assert straight[0]["summary"]["final_val_loss"] == resumed[0]["summary"]["final_val_loss"]
-    def faults(run: str) -> list[dict[str, Any]]:  # every rank appends: order by content
-        lines = read_jsonl(tmp_path / run / "faults.jsonl") if opts.get("inject") else []
-        return sorted(lines, key=lambda f: json.dumps(f, sort_keys=True))
+    def faults(run: str) -> list[dict[str, Any]]:
+        return read_jsonl(tmp_path / run / "faults.jsonl") if opts.get("inject") else []
 
+    # The same lines in the same order (every rank appends its own; sorted at the end).
     assert faults("a") == faults("b") and bool(faults("a")) == bool(opts.get("inject"))  # they fired
+    if opts.get("inject"):
+        assert (tmp_path / "a" / "faults.jsonl").read_bytes() == (tmp_path / "b" / "faults.jsonl").read_bytes()
     # The run's other records too, step for step (a sync's timings aside; floats to 1e-6:
     # local gradient norms may differ in their last bits, as above).
     def records(run: str, name: str) -> list[dict[str, Any]]:
@@ -132,6 +135,37 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
         assert _close(records("b", name), records("a", name)), name
     if case == "two-buckets":
         assert {f["target"] for f in faults("a")} == {0, 1}
+
+
+def launched_worker(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """One worker as ``paft train`` runs it (a guard's stop is a result, not an error)."""
+    return run_worker(cfg_dict, cfg_dict["run_dir"])
+
+
+# Faults on every rank at every step: harmless ones (the lowest mantissa bit of a local
+# gradient), and for the guard's stop a persistent one on rank 2.
+FAULT_RUNS = {
+    "end": {"inject": ["bitflip:site=local-grad,steps=0-3,bits=0,ranks=0+1+2", "bitflip:site=params,steps=1+2,bits=0"]},
+    "guard-stop": {"inject": ["bitflip:site=local-grad,steps=0-5,bits=0,ranks=0+1+2",
+                              "bitflip:steps=5,ranks=2,bits=30,count=4,persistent=true"],
+                   "guard": GuardConfig(enabled=True, warmup=3, on_persistent="stop")},
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAULT_RUNS))
+def test_identical_runs_write_identical_faults_jsonl(tmp_path: pathlib.Path, case: str) -> None:
+    # Every rank appends the faults it injects: two identical runs interleaved the
+    # ranks' lines differently, until rank 0 put them in order at the end (or the stop).
+    cfgs = [tiny_config(tmp_path / name, world_size=3, batch_size=12, steps=8, **FAULT_RUNS[case]) for name in "ab"]
+    for cfg in cfgs:
+        prepare_run_dir(cfg)
+        status = run_workers(launched_worker, 3, cfg.to_dict())[0]["status"]
+        assert status == ("persistent_fault" if case == "guard-stop" else "ok")
+    data = (tmp_path / "a" / "faults.jsonl").read_bytes()
+    assert data == (tmp_path / "b" / "faults.jsonl").read_bytes()
+    faults = read_jsonl(tmp_path / "a" / "faults.jsonl")
+    keys = [(f["step"], f["attempt"], f["rank"]) for f in faults]
+    assert keys == sorted(keys) and {(s, r) for s, _, r in keys} >= {(s, r) for s in range(4) for r in range(3)}
 
 
 def _close(a: Any, b: Any) -> bool:
