@@ -43,6 +43,7 @@ from paft.rundir import (
     default_run_dir,
     has_checkpoint,
     records_size,
+    remove_checkpoint_temporaries,
     resolve_run_dir,
     write_config,
 )
@@ -91,8 +92,10 @@ def launch(cfg: TrainConfig) -> int:
     with claim_run_dir(cfg) as outcome:
         code = _run_workers(cfg)
         # The workers are gone, however they ended: a failed or interrupted run's faults
-        # are put in order too (rank 0 does it at a run's end).
+        # are put in order too (rank 0 does it at a run's end), and the temporaries of a
+        # checkpoint a worker was writing when it was stopped are removed.
         sort_faults(cfg.run_dir)
+        remove_checkpoint_temporaries(pathlib.Path(cfg.run_dir))
         outcome["code"] = code
         return code
 
@@ -438,8 +441,9 @@ def start_launched_worker(cfg: TrainConfig) -> None:
     never saw it, so the launcher waited 30 s before killing it. Records are flushed
     line by line and checkpoints written atomically: a worker killed mid-write leaves
     no half-written checkpoint in its place (only a ``.rankN.pt.*`` temporary beside it,
-    which no resume reads). (Under torchrun rank 0 holds the run directory itself and
-    must unwind: :func:`torchrun_main` keeps Python's handler.)"""
+    which no resume reads and :func:`launch` removes once the workers are gone). (Under
+    torchrun rank 0 holds the run directory itself and must unwind:
+    :func:`torchrun_main` keeps Python's handler.)"""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the elastic launcher sets it
     _init_process_group(cfg)

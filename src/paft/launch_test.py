@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,6 +125,32 @@ def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, mon
     assert launcher.launch(TrainConfig(run_dir="r", steps=2)) == launcher.EXIT_WORKER_FAILED
     faults = read_jsonl(tmp_path / "r" / "faults.jsonl")
     assert [(f["step"], f["rank"]) for f in faults] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_a_failed_run_leaves_no_checkpoint_temporaries(tmp_path: pathlib.Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers stopped while writing a checkpoint (a failing peer, Ctrl-C) left their
+    temporaries; the launcher removes them, and the folders left empty, and nothing
+    else, once the workers are gone."""
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "r" / "checkpoints"
+
+    def stopped_mid_checkpoint(cfg: TrainConfig) -> int:
+        for name in ("step0000002/rank0.pt", "step0000002/rank1.pt", "latest", "step0000006/rank0.pt",
+                     "step0000002/.rank0.pt.notes"):  # not a temporary's name: the user's
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text("step0000002" if name == "latest" else "complete")
+        for name in ("step0000004/.rank0.pt.", "step0000004/.rank1.pt.", "step0000006/.rank1.pt.", ".latest."):
+            (root / name).parent.mkdir(exist_ok=True)
+            os.close(tempfile.mkstemp(prefix=pathlib.PurePath(name).name, dir=(root / name).parent)[0])
+        (root / "step0000001").mkdir()  # pruned but for the folder
+        return launcher.EXIT_WORKER_FAILED
+
+    monkeypatch.setattr(launcher, "_run_workers", stopped_mid_checkpoint)
+    assert launcher.launch(TrainConfig(run_dir="r", steps=8)) == launcher.EXIT_WORKER_FAILED
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
+        "latest", "step0000002", "step0000002/.rank0.pt.notes", "step0000002/rank0.pt", "step0000002/rank1.pt",
+        "step0000006", "step0000006/rank0.pt"]
 
 
 def test_sigquit_or_sighup_to_the_process_group_leaves_the_resource_tracker_alive() -> None:

@@ -2,13 +2,15 @@
 checks, the checkpoint files, ``config.json``.
 
 Everything here reads or refuses; only :func:`prepare_run_dir` and
-:func:`write_config` write. ``paft train`` claims the directory itself under a lock
+:func:`write_config` write, and :func:`remove_checkpoint_temporaries` deletes what
+stopped workers left. ``paft train`` claims the directory itself under a lock
 (:func:`paft.launch.claim_run_dir`); the training ranks write their checkpoints
 (:class:`paft.train.Trainer`) and logs (:class:`paft.records.RunRecorder`) into it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import fcntl
@@ -43,6 +45,7 @@ __all__ = [
     "in_use",
     "records_size",
     "stale_checkpoints",
+    "remove_checkpoint_temporaries",
     "checkpoint_candidates",
     "load_checkpoint_file",
     "prepare_run_dir",
@@ -145,6 +148,28 @@ def stale_checkpoints(folders: list[pathlib.Path], latest: str) -> list[pathlib.
     ordered, at = sorted(folders, key=lambda f: _step_of(f.name)), _step_of(latest)
     upto = [f for f in ordered if _step_of(f.name) <= at]
     return upto[:-_KEEP_CHECKPOINTS] + [f for f in ordered if _step_of(f.name) > at]
+
+
+# What atomic_write_bytes leaves of a checkpoint file when its writer is killed
+# (mkstemp's name: "." + the file's name + "." + 8 characters).
+_CHECKPOINT_TEMPORARY = re.compile(r"\.(rank\d+\.pt|latest)\.[a-z0-9_]{8}")
+
+
+def remove_checkpoint_temporaries(run_dir: pathlib.Path) -> None:
+    """Delete what workers stopped while writing a checkpoint left in ``run_dir``: the
+    temporaries of their ``rank{r}.pt`` and ``latest`` (no resume reads them; they
+    stayed until a resume's next checkpoint pruned their folder, or for good beside
+    ``latest``), then the step folders left empty (that one's, or one rank 0 was
+    pruning). A complete file is never touched. Call it only once no worker writes
+    any more."""
+    root = run_dir / "checkpoints"
+    for path in (*root.glob(".latest.*"), *root.glob("step*/.rank*.pt.*")):
+        if _CHECKPOINT_TEMPORARY.fullmatch(path.name):
+            with contextlib.suppress(OSError):
+                path.unlink()
+    for folder in root.glob("step*"):
+        with contextlib.suppress(OSError):  # not empty (or not a folder): it stays
+            folder.rmdir()
 
 
 def _step_of(name: str) -> int:
