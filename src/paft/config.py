@@ -288,7 +288,8 @@ class TrainConfig:
     resume: bool = False
     """Continue the run in ``--run-dir`` from its latest checkpoint (``--resume``), with
     its saved options; workload, model, world size, batch size, optimizer, seed,
-    ``--desync-seed``, protection (with its ``--sync-mode``) and guard cannot change. A
+    ``--desync-seed``, ``--desync-shuffle``, protection (with its ``--sync-mode``) and
+    guard cannot change. A
     larger ``--steps`` trains on, with the learning-rate schedule stretched to the new
     length from that step on."""
     overwrite: bool = False
