@@ -291,6 +291,10 @@ class Protector:
                              replicas_agree=self.monitor.replicas_agree,
                              fingerprints_now=lambda: _state_fingerprints_now(model, optimizer, group))
         self._faults_injected = 0
+        # A stop on a state mismatch left the replicas split: the next step checks the
+        # state, whatever --fingerprint-every says, and so repairs them (the stop is
+        # decided alike on every rank, so every rank sends the same control vector).
+        self._check_state_next = False
 
     # -- one step -----------------------------------------------------------------
 
@@ -306,9 +310,11 @@ class Protector:
         # The worker metrics (every --monitor-interval steps) need the local gradients'
         # norms and directions; the guard, every step, their norms; the aggregated
         # gradient's checksum, which sees replicas split, runs every step.
-        plan = _StepPlan(t, closure, rest_faults, check_state=self._due(self.monitor_cfg.fingerprint_every, t),
+        check_state = self._check_state_next or self._due(self.monitor_cfg.fingerprint_every, t)
+        plan = _StepPlan(t, closure, rest_faults, check_state=check_state,
                          metric_step=self._due(self.monitor_cfg.interval, t))
         out = self._update(plan) if self.guard is None else self._guarded_update(plan)
+        self._check_state_next = False  # once a step got this far: one that raised keeps it (a stop sets it anew)
         if self.guard is not None and out.applied:
             self.guard.accept(t, out.view, out.ratio)
         if not out.applied:
@@ -588,11 +594,13 @@ class Protector:
         overlapped sync in flight lands, and the step index moves on, so that a caller
         that catches the error may :meth:`close` and checkpoint, or step on with the next
         batch as step ``step + 1``. A stop on a state mismatch leaves the replicas split
-        (the faulty rank's state reproduced the fault); the next step's check repairs
-        them. (Only the pre-step checks stop: :meth:`Guard.check_update` never does.)"""
+        (the faulty rank's state reproduced the fault); the next step checks the state,
+        due or not, and repairs them. (Only the pre-step checks stop:
+        :meth:`Guard.check_update` never does.)"""
         self._stepper.discard()
         self.optimizer.zero_grad(set_to_none=True)
         self.resync.finish(step)
+        self._check_state_next = verdict.detector == "state_mismatch"
         self.step_idx = step + 1
         self.resync.set_next_step(self.step_idx)
         return PersistentFaultError(step, verdict.ranks)
@@ -661,6 +669,7 @@ class Protector:
             "guard": self.guard.state_dict() if self.guard is not None else None,
             "repairer": resync["repairer"],
             "alerting": dict(self.monitor.alerting),  # an alert still active after a resume is not new
+            "check_state": self._check_state_next,  # replicas left split by a stop, saved rank by rank
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -705,6 +714,7 @@ class Protector:
         self.monitor.alerts = int(counts.pop("alerts", 0))
         self._faults_injected = counts.get("faults_injected", self._faults_injected)
         self.monitor.alerting = dict(state.get("alerting", {}))
+        self._check_state_next = bool(state.get("check_state", False))  # older states lack it
 
     def _totals(self) -> dict[str, int]:
         """The run's counts a checkpoint keeps: faults injected here, syncs, bytes, alerts."""

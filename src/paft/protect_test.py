@@ -523,6 +523,46 @@ def test_a_stopped_step_leaves_no_trace_and_the_caller_may_step_on(mode: str) ->
     assert len({o["last"][2] for o in out}) == 1
 
 
+def stop_on_split_state(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+    """Stuck memory in rank 1's weights stops step 5 (a state check step); the caller
+    catches the error and steps on, with the next state check five steps away."""
+    model = DistributedDataParallel(toy_model())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    protector = protect(model, optimizer, monitor=MonitorConfig(fingerprint_every=5),
+                        protect=ProtectConfig(mode=mode), guard=GuardConfig(**GUARD, on_persistent="stop"),
+                        inject=["bitflip:site=params,steps=5,ranks=1,bits=30,persistent=true"], seed=3)
+    out: dict[str, Any] = {"fingerprints": []}
+    for step in range(7):
+        x, y = batch(rank, step)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        try:
+            report = protector.step(closure)
+            out[step] = (report.applied, report.synced)
+        except PersistentFaultError as err:
+            out[step] = ("stopped", err.ranks)
+        protector.close()
+        out["fingerprints"].append(state_fingerprint(model, optimizer, buffers=False))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["none", "dyn"])
+def test_the_step_after_a_stop_on_split_replicas_repairs_them(mode: str) -> None:
+    # The stopped step left rank 1's corrupted weights in place; the next step's check
+    # repairs them (it waited for the next --fingerprint-every step, five steps on,
+    # while the replicas trained apart).
+    out = run_workers(stop_on_split_state, 2, mode)
+    assert out[0]["fingerprints"][5] != out[1]["fingerprints"][5]  # split by the stop
+    assert out[0]["fingerprints"][6] == out[1]["fingerprints"][6]  # bitwise: params and optimizer state
+    for o in out:
+        assert o[5] == ("stopped", []) and o[6] == (True, True)  # the repair is the step's sync
+
+
 def test_a_persistent_fault_at_rest_strikes_the_rerun_and_names_the_rank() -> None:
     # Stuck memory: the repaired replica is corrupted again (elsewhere) when the step is
     # recomputed, so the state mismatch recurs on the same rank: persistent, not transient.
