@@ -6,6 +6,7 @@ injection is keyed by (rank, step) through the fault specs.
 
 from __future__ import annotations
 
+import copy
 import gc
 from pathlib import Path
 from typing import Any
@@ -523,19 +524,26 @@ def test_a_stopped_step_leaves_no_trace_and_the_caller_may_step_on(mode: str) ->
     assert len({o["last"][2] for o in out}) == 1
 
 
-def stop_on_split_state(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+def stop_on_split_state(rank: int, world_size: int, mode: str, resume: bool) -> dict[str, Any]:
     """Stuck memory in rank 1's weights stops step 5 (a state check step); the caller
-    catches the error and steps on, with the next state check five steps away."""
-    model = DistributedDataParallel(toy_model())
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    protector = protect(model, optimizer, monitor=MonitorConfig(fingerprint_every=5),
-                        protect=ProtectConfig(mode=mode), guard=GuardConfig(**GUARD, on_persistent="stop"),
-                        inject=["bitflip:site=params,steps=5,ranks=1,bits=30,persistent=true"], seed=3)
+    catches the error and steps on, with the next state check five steps away;
+    ``resume``: from a checkpoint, each rank its own, taken after the stop."""
+
+    def build() -> tuple[DistributedDataParallel, torch.optim.Optimizer, Any]:
+        model = DistributedDataParallel(toy_model())
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return model, optimizer, protect(
+            model, optimizer, monitor=MonitorConfig(fingerprint_every=5), protect=ProtectConfig(mode=mode),
+            guard=GuardConfig(**GUARD, on_persistent="stop"), seed=3,
+            inject=["bitflip:site=params,steps=5,ranks=1,bits=30,persistent=true"])
+
+    model, optimizer, protector = build()
     out: dict[str, Any] = {"fingerprints": []}
     for step in range(7):
         x, y = batch(rank, step)
 
-        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y, model: nn.Module = model,
+                    optimizer: torch.optim.Optimizer = optimizer) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -548,15 +556,22 @@ def stop_on_split_state(rank: int, world_size: int, mode: str) -> dict[str, Any]
             out[step] = ("stopped", err.ranks)
         protector.close()
         out["fingerprints"].append(state_fingerprint(model, optimizer, buffers=False))
+        if resume and step == 5:
+            saved = copy.deepcopy((model.module.state_dict(), optimizer.state_dict(), protector.state_dict()))
+            model, optimizer, protector = build()
+            model.module.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            protector.load_state_dict(saved[2])
     return out
 
 
-@pytest.mark.parametrize("mode", ["none", "dyn"])
-def test_the_step_after_a_stop_on_split_replicas_repairs_them(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "resume"), [("none", False), ("dyn", False), ("dyn", True)])
+def test_the_step_after_a_stop_on_split_replicas_repairs_them(mode: str, resume: bool) -> None:
     # The stopped step left rank 1's corrupted weights in place; the next step's check
     # repairs them (it waited for the next --fingerprint-every step, five steps on,
-    # while the replicas trained apart).
-    out = run_workers(stop_on_split_state, 2, mode)
+    # while the replicas trained apart), also in a run resumed from a checkpoint of each
+    # rank's own state.
+    out = run_workers(stop_on_split_state, 2, mode, resume)
     assert out[0]["fingerprints"][5] != out[1]["fingerprints"][5]  # split by the stop
     assert out[0]["fingerprints"][6] == out[1]["fingerprints"][6]  # bitwise: params and optimizer state
     for o in out:
