@@ -1,10 +1,12 @@
 """The configuration tree of a paft run: one dataclass per concern, validated up front.
 
 Every field has a docstring; every check lives in ``__post_init__`` and raises
-``ValueError`` naming the command-line option, so ``paft train`` can refuse bad input
-before any worker starts. The same tree is built from the command line, from a
-TOML/YAML/JSON file whose keys mirror the long option names (``world-size = 4``), or
-from Python.
+``ValueError`` naming the field as both Python and the command line spell it
+(``ProtectConfig.target (--dyn-target): must be ...``), so ``paft train`` can refuse
+bad input before any worker starts and a library user need not guess the field. The
+same tree is built from the command line, from a TOML/YAML/JSON file whose keys mirror
+the long option names (``world-size = 4``), or from Python. A field's long option is
+its name with dashes unless its ``option`` metadata says otherwise (:func:`long_option`).
 
 Example::
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +37,8 @@ __all__ = [
     "COSINE_MODES",
     "DEVICES",
     "ON_PERSISTENT",
+    "long_option",
+    "error_option",
     "MonitorConfig",
     "ProtectConfig",
     "GuardConfig",
@@ -67,27 +72,56 @@ def _check_types(obj: Any) -> None:
             continue
         value = getattr(obj, f.name)
         if not fits(kind, value):  # the command line and config files are type-checked before this
-            raise ValueError(f"{type(obj).__name__}.{f.name}: expected {kind.__name__}, got {value!r}")
+            raise ValueError(f"{_named(obj, f.name)}: expected {kind.__name__}, got {value!r}")
         if type(value) is not kind and not (kind is float and type(value) is int):
             # numpy's numbers (and Fractions) as Python's own: the tree is written as JSON and
             # checked again by the schedulers, which know only the built-in types.
             setattr(obj, f.name, kind(value))
 
 
-def _require(ok: bool, option: str, message: str) -> None:
+def _option(name: str) -> dict[str, str]:
+    """The metadata of a field whose long option is not its name with dashes."""
+    return {"option": name}
+
+
+def long_option(cls: type, name: str) -> str:
+    """The long option (no dashes) of config field ``cls.name``: ``dyn-target`` for
+    ``ProtectConfig.target``; the one home of the mapping, which :mod:`paft.options` reads."""
+    (f,) = (f for f in dataclasses.fields(cls) if f.name == name)
+    return f.metadata.get("option", name.replace("_", "-"))
+
+
+# A config error's first words: the field as Python and the command line spell it.
+_NAMED = re.compile(r"[A-Za-z]\w*\.\w+ \(--([a-z][\w-]*)\): ")
+
+
+def _named(obj: Any, name: str) -> str:
+    """Field ``name`` of config ``obj`` as its errors name it: ``ProtectConfig.target (--dyn-target)``."""
+    return f"{type(obj).__name__}.{name} (--{long_option(type(obj), name)})"
+
+
+def error_option(message: str) -> tuple[str, str] | None:
+    """``(long option, what is wrong)`` of a config error's message that starts with the
+    field it is about (``ProtectConfig.target (--dyn-target): must be ...``); None for one
+    that does not (a bad fault spec)."""
+    m = _NAMED.match(message)
+    return (m[1], message[m.end():]) if m else None
+
+
+def _require(ok: bool, obj: Any, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{option}: {message}")
+        raise ValueError(f"{_named(obj, name)}: {message}")
 
 
 @dataclass
 class MonitorConfig:
     """Worker-consistency diagnostics (loss / grad-norm dispersion, cosine, fingerprints)."""
 
-    enabled: bool = True
+    enabled: bool = field(default=True, metadata=_option("monitor"))
     """Run the per-step monitor: capture in the comm hook and ONE control collective per
     step. ``--no-monitor`` gives plain DDP (a baseline for benchmarks); the guard and
     PAFT-Dyn's fingerprint trigger need the monitor (``--monitor``)."""
-    interval: int = 1
+    interval: int = field(default=1, metadata=_option("monitor-interval"))
     """Compute the worker metrics (dispersion, cosine) every this many steps; 0: never,
     only the replica checks that the guard and PAFT-Dyn read (``--monitor-interval``).
     The local losses and the aggregated-gradient checksum, which sees replicas split,
@@ -114,20 +148,20 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _require(self.interval >= 0, "--monitor-interval", f"must be >= 0, got {self.interval}")
-        _require(self.cosine in COSINE_MODES, "--cosine", f"must be one of {COSINE_MODES}, got {self.cosine!r}")
-        _require(8 <= self.sketch_dim <= 65536, "--sketch-dim", f"must be in [8, 65536], got {self.sketch_dim}")
-        _require(self.fingerprint_every >= 0, "--fingerprint-every", f"must be >= 0, got {self.fingerprint_every}")
+        _require(self.interval >= 0, self, "interval", f"must be >= 0, got {self.interval}")
+        _require(self.cosine in COSINE_MODES, self, "cosine", f"must be one of {COSINE_MODES}, got {self.cosine!r}")
+        _require(8 <= self.sketch_dim <= 65536, self, "sketch_dim", f"must be in [8, 65536], got {self.sketch_dim}")
+        _require(self.fingerprint_every >= 0, self, "fingerprint_every", f"must be >= 0, got {self.fingerprint_every}")
         # NaN would never fire and never say so; a cosine outside [-1, 1] is a typo.
-        _require(self.alert_loss_cv >= 0, "--alert-loss-cv", f"must be >= 0, got {self.alert_loss_cv}")
-        _require(-1 <= self.alert_cos_min <= 1, "--alert-cos-min", f"must be in [-1, 1], got {self.alert_cos_min}")
+        _require(self.alert_loss_cv >= 0, self, "alert_loss_cv", f"must be >= 0, got {self.alert_loss_cv}")
+        _require(-1 <= self.alert_cos_min <= 1, self, "alert_cos_min", f"must be in [-1, 1], got {self.alert_cos_min}")
 
 
 @dataclass
 class ProtectConfig:
     """PAFT-Sync / PAFT-Dyn re-synchronization of replicas."""
 
-    mode: str = "none"
+    mode: str = field(default="none", metadata=_option("protect"))
     """``none``, ``sync`` (PAFT-Sync, fixed period), ``dyn`` (PAFT-Dyn, adaptive period) or
     ``averager`` (PyTorch's PeriodicModelAverager at ``--sync-period``: parameters only,
     blocking; the in-tree baseline) (``--protect``)."""
@@ -149,24 +183,26 @@ class ProtectConfig:
     """Smallest period PAFT-Dyn may choose (``--h-min``)."""
     h_max: int = DynConfig.h_max
     """Largest period PAFT-Dyn may choose (``--h-max``)."""
-    target: float = DynConfig.target
+    target: float = field(default=DynConfig.target, metadata=_option("dyn-target"))
     """PAFT-Dyn divergence target: the parameters' largest relative L2 distance to the
     replica the sync takes (the mean, or the copied replica) (``--dyn-target``)."""
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _require(self.mode in PROTECT_MODES, "--protect", f"must be one of {PROTECT_MODES}, got {self.mode!r}")
-        _require(self.sync_period >= 1, "--sync-period", f"must be >= 1, got {self.sync_period}")
-        _require(self.sync_mode in SYNC_MODES, "--sync-mode", f"must be one of {SYNC_MODES}, got {self.sync_mode!r}")
-        _require(self.broadcast_src >= 0, "--broadcast-src", f"must be a rank >= 0, got {self.broadcast_src}")
-        check_bounds(self.h_min, self.h_max, self.target, names=("--h-min", "--h-max", "--dyn-target"))
+        _require(self.mode in PROTECT_MODES, self, "mode", f"must be one of {PROTECT_MODES}, got {self.mode!r}")
+        _require(self.sync_period >= 1, self, "sync_period", f"must be >= 1, got {self.sync_period}")
+        _require(self.sync_mode in SYNC_MODES, self, "sync_mode",
+                 f"must be one of {SYNC_MODES}, got {self.sync_mode!r}")
+        _require(self.broadcast_src >= 0, self, "broadcast_src", f"must be a rank >= 0, got {self.broadcast_src}")
+        check_bounds(self.h_min, self.h_max, self.target, names=(_named(self, "h_min"), _named(self, "h_max"),
+                                                                 _named(self, "target")))
 
 
 @dataclass
 class GuardConfig:
     """Harmful-update detection, step recomputation and fault attribution (:mod:`paft.guard`)."""
 
-    enabled: bool = False
+    enabled: bool = field(default=False, metadata=_option("guard"))
     """Turn the guard on (``--guard``)."""
     spike_threshold: float = 10.0
     """Upward spike of the loss (mean of the local losses), the aggregated gradient
@@ -176,10 +212,10 @@ class GuardConfig:
     excursion above its median (so heavy-tailed, near-zero losses do not fire). At
     10 a spike is at least +50% loss or 6x grad norm. Half of it marks a near miss,
     for which the guard asks for a pre-step snapshot (``--spike-threshold``)."""
-    window: int = 50
+    window: int = field(default=50, metadata=_option("guard-window"))
     """Accepted (clean, applied) steps of history for the robust running statistics;
     per-rank values are pooled over ranks (``--guard-window``)."""
-    warmup: int = 20
+    warmup: int = field(default=20, metadata=_option("guard-warmup"))
     """Accepted steps before the spike and rank-outlier detectors arm; until then
     they fire only on gross jumps (above 1e4 x the largest accepted value, or, with
     3+ ranks, the ranks' median; at the first step, with 2 ranks, the smaller rank's
@@ -203,10 +239,10 @@ class GuardConfig:
     history of accepted local values by the same rule; with 2 ranks only the history
     test applies. Ranks see different data, so local losses legitimately differ by
     tens of percent: at 20 a rank needs about 6x its peers (``--outlier-threshold``)."""
-    max_reruns_per_step: int = 2
+    max_reruns_per_step: int = field(default=2, metadata=_option("max-reruns"))
     """Recomputations of one step (pre- and post-step detections together) before
     the guard skips its batch (``--max-reruns``)."""
-    max_reruns_per_run: int = 100
+    max_reruns_per_run: int = field(default=100, metadata=_option("max-reruns-total"))
     """Recomputations over the whole run; once spent, every detection skips its batch
     (``--max-reruns-total``)."""
     shift_after: int = 5
@@ -226,19 +262,21 @@ class GuardConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         # inf would make a limit of inf * 0 = NaN on a flat history, which check_update reads as a spike.
-        _require(0 < self.spike_threshold < math.inf, "--spike-threshold",
+        _require(0 < self.spike_threshold < math.inf, self, "spike_threshold",
                  f"must be a finite number > 0, got {self.spike_threshold}")
-        _require(5 <= self.window <= 1_000_000, "--guard-window", f"must be in [5, 1000000], got {self.window}")
-        _require(self.warmup >= 0, "--guard-warmup", f"must be >= 0, got {self.warmup}")
-        _require(self.update_ratio >= 0, "--update-ratio", f"must be >= 0, got {self.update_ratio}")
-        _require(0 < self.outlier_threshold < math.inf, "--outlier-threshold",
+        _require(5 <= self.window <= 1_000_000, self, "window", f"must be in [5, 1000000], got {self.window}")
+        _require(self.warmup >= 0, self, "warmup", f"must be >= 0, got {self.warmup}")
+        _require(self.update_ratio >= 0, self, "update_ratio", f"must be >= 0, got {self.update_ratio}")
+        _require(0 < self.outlier_threshold < math.inf, self, "outlier_threshold",
                  f"must be a finite number > 0, got {self.outlier_threshold}")
-        _require(self.max_reruns_per_step >= 1, "--max-reruns", f"must be >= 1, got {self.max_reruns_per_step}")
-        _require(self.max_reruns_per_run >= 1, "--max-reruns-total", f"must be >= 1, got {self.max_reruns_per_run}")
-        _require(self.shift_after >= 0, "--shift-after", f"must be >= 0, got {self.shift_after}")
+        _require(self.max_reruns_per_step >= 1, self, "max_reruns_per_step",
+                 f"must be >= 1, got {self.max_reruns_per_step}")
+        _require(self.max_reruns_per_run >= 1, self, "max_reruns_per_run",
+                 f"must be >= 1, got {self.max_reruns_per_run}")
+        _require(self.shift_after >= 0, self, "shift_after", f"must be >= 0, got {self.shift_after}")
         _require(
             self.on_persistent in ON_PERSISTENT,
-            "--on-persistent",
+            self, "on_persistent",
             f"must be 'repair' or 'stop', got {self.on_persistent!r}",
         )
 
@@ -328,22 +366,22 @@ class TrainConfig:
         from paft.faultspec import parse_specs
         from paft.workloads import WORKLOADS, model_config, train_items
 
-        _require(self.workload in WORKLOADS, "--workload", f"must be one of {WORKLOADS}, got {self.workload!r}")
+        _require(self.workload in WORKLOADS, self, "workload", f"must be one of {WORKLOADS}, got {self.workload!r}")
         try:
             model = model_config(self.workload, self.model)
             items = train_items(self.workload, model)  # block_size decides the LM's items
         except (ValueError, TypeError) as err:
-            raise ValueError(f"--model: {err}") from None
-        _require(self.world_size >= 1, "--world-size", f"must be >= 1, got {self.world_size}")
-        _require(self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
+            raise ValueError(f"{_named(self, 'model')}: {err}") from None
+        _require(self.world_size >= 1, self, "world_size", f"must be >= 1, got {self.world_size}")
+        _require(self.steps >= 1, self, "steps", f"must be >= 1, got {self.steps}")
         # Every seed paft derives (per rank, per purpose) must stay a valid torch seed.
-        _require(0 <= self.seed < 2**32, "--seed", f"must be in [0, 2**32), got {self.seed}")
-        _require(self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}")
-        _require(not self.tensorboard or importlib.util.find_spec("tensorboard") is not None, "--tensorboard",
+        _require(0 <= self.seed < 2**32, self, "seed", f"must be in [0, 2**32), got {self.seed}")
+        _require(self.batch_size >= 1, self, "batch_size", f"must be >= 1, got {self.batch_size}")
+        _require(not self.tensorboard or importlib.util.find_spec("tensorboard") is not None, self, "tensorboard",
                  "needs the tensorboard package, which is not installed: pip install 'paft[tensorboard]'")
         _require(
             self.batch_size % self.world_size == 0,
-            "--batch-size",
+            self, "batch_size",
             f"{self.batch_size} cannot be split evenly across --world-size {self.world_size}",
         )
         # A language model's items are block_size-token windows: a huge block_size is the
@@ -351,46 +389,48 @@ class TrainConfig:
         unit = f"windows of --model block_size={model.block_size}" if hasattr(model, "block_size") else "items"
         _require(
             self.batch_size <= items,
-            "--batch-size",
+            self, "batch_size",
             f"{self.batch_size} is more than the {self.workload} training set holds ({items} {unit})",
         )
-        _require(self.optimizer in OPTIMIZERS, "--optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        _require(self.lr > 0 and math.isfinite(self.lr), "--lr", f"must be > 0, got {self.lr}")
-        _require(0 <= self.weight_decay < math.inf, "--weight-decay",
+        _require(self.optimizer in OPTIMIZERS, self, "optimizer",
+                 f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        _require(self.lr > 0 and math.isfinite(self.lr), self, "lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.weight_decay < math.inf, self, "weight_decay",
                  f"must be a finite number >= 0, got {self.weight_decay}")
-        _require(self.warmup_steps >= 0, "--warmup-steps", f"must be >= 0, got {self.warmup_steps}")
-        _require(0 <= self.min_lr_ratio <= 1, "--min-lr-ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _require(0 <= self.grad_clip < math.inf, "--grad-clip",
+        _require(self.warmup_steps >= 0, self, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, self, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _require(0 <= self.grad_clip < math.inf, self, "grad_clip",
                  f"must be a finite number >= 0 (0 disables), got {self.grad_clip}")
-        _require(self.eval_every >= 1, "--eval-every", f"must be >= 1, got {self.eval_every}")
-        _require(self.eval_batches >= 1, "--eval-batches", f"must be >= 1, got {self.eval_batches}")
-        _require(self.log_every >= 1, "--log-every", f"must be >= 1, got {self.log_every}")
-        _require(self.checkpoint_every >= 0, "--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
-        _require(not (self.resume and self.overwrite), "--resume", "cannot be combined with --overwrite")
-        _require(not self.resume or bool(self.run_dir), "--resume", "needs --run-dir, the run to continue")
-        _require(self.device in DEVICES, "--device", f"must be auto, cpu or cuda, got {self.device!r}")
-        _require(0 <= self.dropout < 1, "--dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(self.eval_every >= 1, self, "eval_every", f"must be >= 1, got {self.eval_every}")
+        _require(self.eval_batches >= 1, self, "eval_batches", f"must be >= 1, got {self.eval_batches}")
+        _require(self.log_every >= 1, self, "log_every", f"must be >= 1, got {self.log_every}")
+        _require(self.checkpoint_every >= 0, self, "checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
+        _require(not (self.resume and self.overwrite), self, "resume", "cannot be combined with --overwrite")
+        _require(not self.resume or bool(self.run_dir), self, "resume", "needs --run-dir, the run to continue")
+        _require(self.device in DEVICES, self, "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _require(0 <= self.dropout < 1, self, "dropout", f"must be in [0, 1), got {self.dropout}")
         # One home for it: with both, which one wins was a detail of the code.
-        _require("dropout" not in self.model, "--model", "dropout is set with --dropout (e.g. --dropout 0.1), "
+        _require("dropout" not in self.model, self, "model", "dropout is set with --dropout (e.g. --dropout 0.1), "
                  "not --model")
         _require(
             self.monitor.enabled or not self.guard.enabled,
-            "--guard",
+            self.guard, "enabled",
             "needs the per-step monitor; drop --no-monitor",
         )
         _require(
             self.protect.sync_mode != "broadcast" or 0 <= self.protect.broadcast_src < self.world_size,
-            "--broadcast-src",
+            self.protect, "broadcast_src",
             f"must be a rank in [0, {self.world_size}), got {self.protect.broadcast_src}",
         )
-        # Named --inject here, the FaultSpecError messages name the option and the bad field.
-        specs = parse_specs(self.inject, option="--inject")
+        # Named so here, the FaultSpecError messages name the field, its option and the bad spec's field.
+        inject = _named(self, "inject")
+        specs = parse_specs(self.inject, option=inject)
         for text, spec in zip(self.inject, specs):  # the workloads train in float32
             try:
-                spec.check_ranks(self.world_size, "--world-size")
+                spec.check_ranks(self.world_size, _named(self, "world_size"))
                 spec.check_dtype(torch.float32)
             except ValueError as err:
-                raise ValueError(f"--inject {text!r}: {err}") from None
+                raise ValueError(f"{inject} {text!r}: {err}") from None
 
     @property
     def per_rank_batch_size(self) -> int:

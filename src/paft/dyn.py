@@ -61,18 +61,16 @@ def _check_period(name: str, value: Any) -> int:
     return value
 
 
-def check_bounds(
-    h_min: Any, h_max: Any, target: Any, names: tuple[str, str, str] = ("h_min", "h_max", "target")
-) -> None:
+def check_bounds(h_min: Any, h_max: Any, target: Any, names: tuple[str, str, str]) -> None:
     """Check PAFT-Dyn's period bounds and divergence target: the one home of these
     checks, for :class:`DynConfig` and :class:`paft.config.ProtectConfig` alike. The
-    ``ValueError`` names each value as ``names`` does (``h_min``, ``h_max``, ``target``;
-    ProtectConfig passes its command-line options)."""
+    ``ValueError`` names each value as ``names`` does, the caller's fields
+    (``DynConfig.h_min``; ``ProtectConfig.h_min (--h-min)``, with its option)."""
     n_min, n_max, n_target = names
     _check_period(n_min, h_min)
     _check_period(n_max, h_max)
     if h_max < h_min:
-        raise ValueError(f"{n_max}: must be >= {n_min} ({h_min}), got {h_max}")
+        raise ValueError(f"{n_max}: must be >= {n_min} = {h_min}, got {h_max}")
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
         raise ValueError(f"{n_target}: must be a finite number > 0, got {target!r}")
 
@@ -222,11 +220,15 @@ class DynConfig:
     """Consecutive calm syncs needed before the period grows (>= 1)."""
 
     def __post_init__(self) -> None:
-        check_bounds(self.h_min, self.h_max, self.target)
+        def named(name: str) -> str:  # as paft.config's errors name a field
+            return f"{type(self).__name__}.{name}"
+
+        check_bounds(self.h_min, self.h_max, self.target, names=(named("h_min"), named("h_max"), named("target")))
         for name in ("h_init", "patience"):
-            _check_period(name, getattr(self, name))
+            _check_period(named(name), getattr(self, name))
         if not self.h_min <= self.h_init <= self.h_max:
-            raise ValueError(f"h_init: must lie in [h_min, h_max] = [{self.h_min}, {self.h_max}], got {self.h_init}")
+            raise ValueError(f"{named('h_init')}: must lie in [h_min, h_max] = [{self.h_min}, {self.h_max}], "
+                             f"got {self.h_init}")
         checks = {
             "shrink": (lambda x: 0 < x < 1, "in (0, 1)"),
             "grow": (lambda x: 1 < x < math.inf, "a finite number > 1"),
@@ -235,7 +237,7 @@ class DynConfig:
         for name, (ok, what) in checks.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-                raise ValueError(f"{name}: must be {what}, got {value!r}")
+                raise ValueError(f"{named(name)}: must be {what}, got {value!r}")
 
 
 def _floor(x: float) -> int:

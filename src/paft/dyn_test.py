@@ -66,21 +66,23 @@ def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
 @pytest.mark.parametrize("kwargs", [{"h_min": 0}, {"h_min": 10, "h_max": 8}, {"h_max": 0}, {"target": 0.0},
                                     {"target": float("inf")}, {"target": float("nan")}])
 def test_protect_config_checks_the_bounds_as_dyn_config_does(kwargs: dict) -> None:
-    """One home for PAFT-Dyn's bounds: ProtectConfig (the command line) and DynConfig (the
-    library) hold the same defaults and refuse the same values with the same message,
-    each naming its own option or field."""
+    """One home for PAFT-Dyn's bounds: ProtectConfig (a run's config, also the command
+    line's) and DynConfig (the scheduler's) hold the same defaults and refuse the same
+    values with the same message, each naming its own fields (ProtectConfig's with their
+    options)."""
     from paft.config import ProtectConfig
 
     options = {"h_min": "--h-min", "h_max": "--h-max", "target": "--dyn-target"}
     assert {k: getattr(ProtectConfig(), k) for k in options} == {k: getattr(DynConfig(), k) for k in options}
-    with pytest.raises(ValueError) as lib:
+    with pytest.raises(ValueError) as dyn:
         DynConfig(**kwargs, h_init=kwargs.get("h_min", 5))
-    with pytest.raises(ValueError) as cli:
+    with pytest.raises(ValueError) as protect:
         ProtectConfig(**kwargs)
-    expected = str(lib.value)
+    expected = str(dyn.value)
+    assert expected.startswith("DynConfig.")
     for field, option in options.items():
-        expected = expected.replace(field, option)
-    assert str(cli.value) == expected and str(cli.value).startswith("--")
+        expected = expected.replace(f"DynConfig.{field}", f"ProtectConfig.{field} ({option})")
+    assert str(protect.value) == expected
 
 
 def test_shrinks_to_h_min_and_not_below() -> None:

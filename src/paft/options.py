@@ -1,7 +1,8 @@
 """Command-line options and config files for a training run, mapped onto :class:`TrainConfig`.
 
-One table, :data:`OPTIONS`, ties each ``--long-option`` to a field of the config
-tree; the help text is the field's own docstring, so the two never drift apart.
+One table, :data:`OPTIONS`, ties each field of the config tree to a ``--long-option``
+(named as :func:`paft.config.long_option` says, the name the config's errors use); the
+help text is the field's own docstring, so the two never drift apart.
 Values come, lowest precedence first, from the dataclass defaults, a ``--config``
 file (TOML, YAML or JSON, keys spelled like the long options: ``world-size = 4``), and the
 command line. Both ``paft train`` and ``python -m paft.train`` (under torchrun) use
@@ -34,6 +35,8 @@ from paft.config import (
     MonitorConfig,
     ProtectConfig,
     TrainConfig,
+    error_option,
+    long_option,
 )
 from paft.faultspec import parse_specs
 from paft.records import is_file
@@ -57,12 +60,16 @@ class ConfigFileError(ValueError):
 
 @dataclass(frozen=True)
 class Option:
-    flag: str
     section: str | None  # None: a top-level TrainConfig field
     name: str
     kind: Any  # int, float, str, bool, "list", "model"
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        """The long option, without its dashes: the config field's (:func:`paft.config.long_option`)."""
+        return long_option(_SECTIONS[self.section], self.name)
 
 
 _SECTIONS: dict[str | None, type] = {
@@ -73,57 +80,57 @@ _SECTIONS: dict[str | None, type] = {
 }
 
 OPTIONS: tuple[Option, ...] = (
-    Option("workload", None, "workload", str, WORKLOADS),
-    Option("world-size", None, "world_size", int),
-    Option("steps", None, "steps", int),
-    Option("batch-size", None, "batch_size", int),
-    Option("optimizer", None, "optimizer", str, OPTIMIZERS),
-    Option("lr", None, "lr", float),
-    Option("weight-decay", None, "weight_decay", float),
-    Option("warmup-steps", None, "warmup_steps", int),
-    Option("min-lr-ratio", None, "min_lr_ratio", float),
-    Option("grad-clip", None, "grad_clip", float),
-    Option("seed", None, "seed", int),
-    Option("eval-every", None, "eval_every", int),
-    Option("eval-batches", None, "eval_batches", int),
-    Option("log-every", None, "log_every", int),
-    Option("checkpoint-every", None, "checkpoint_every", int),
-    Option("run-dir", None, "run_dir", str, metavar="DIR"),
-    Option("resume", None, "resume", bool),
-    Option("overwrite", None, "overwrite", bool),
-    Option("device", None, "device", str, DEVICES),
-    Option("model", None, "model", "model", metavar="KEY=VALUE"),
-    Option("dropout", None, "dropout", float),
-    Option("desync-shuffle", None, "desync_shuffle", bool),
-    Option("desync-seed", None, "desync_seed", bool),
-    Option("inject", None, "inject", "list", metavar="SPEC"),
-    Option("tensorboard", None, "tensorboard", bool),
-    Option("quiet", None, "quiet", bool),
-    Option("monitor", "monitor", "enabled", bool),
-    Option("monitor-interval", "monitor", "interval", int),
-    Option("cosine", "monitor", "cosine", str, COSINE_MODES),
-    Option("sketch-dim", "monitor", "sketch_dim", int),
-    Option("fingerprint-every", "monitor", "fingerprint_every", int),
-    Option("alert-loss-cv", "monitor", "alert_loss_cv", float),
-    Option("alert-cos-min", "monitor", "alert_cos_min", float),
-    Option("protect", "protect", "mode", str, PROTECT_MODES),
-    Option("sync-period", "protect", "sync_period", int),
-    Option("sync-mode", "protect", "sync_mode", str, SYNC_MODES),
-    Option("broadcast-src", "protect", "broadcast_src", int),
-    Option("overlap", "protect", "overlap", bool),
-    Option("h-min", "protect", "h_min", int),
-    Option("h-max", "protect", "h_max", int),
-    Option("dyn-target", "protect", "target", float),
-    Option("guard", "guard", "enabled", bool),
-    Option("spike-threshold", "guard", "spike_threshold", float),
-    Option("guard-window", "guard", "window", int),
-    Option("guard-warmup", "guard", "warmup", int),
-    Option("update-ratio", "guard", "update_ratio", float),
-    Option("outlier-threshold", "guard", "outlier_threshold", float),
-    Option("max-reruns", "guard", "max_reruns_per_step", int),
-    Option("max-reruns-total", "guard", "max_reruns_per_run", int),
-    Option("shift-after", "guard", "shift_after", int),
-    Option("on-persistent", "guard", "on_persistent", str, ON_PERSISTENT),
+    Option(None, "workload", str, WORKLOADS),
+    Option(None, "world_size", int),
+    Option(None, "steps", int),
+    Option(None, "batch_size", int),
+    Option(None, "optimizer", str, OPTIMIZERS),
+    Option(None, "lr", float),
+    Option(None, "weight_decay", float),
+    Option(None, "warmup_steps", int),
+    Option(None, "min_lr_ratio", float),
+    Option(None, "grad_clip", float),
+    Option(None, "seed", int),
+    Option(None, "eval_every", int),
+    Option(None, "eval_batches", int),
+    Option(None, "log_every", int),
+    Option(None, "checkpoint_every", int),
+    Option(None, "run_dir", str, metavar="DIR"),
+    Option(None, "resume", bool),
+    Option(None, "overwrite", bool),
+    Option(None, "device", str, DEVICES),
+    Option(None, "model", "model", metavar="KEY=VALUE"),
+    Option(None, "dropout", float),
+    Option(None, "desync_shuffle", bool),
+    Option(None, "desync_seed", bool),
+    Option(None, "inject", "list", metavar="SPEC"),
+    Option(None, "tensorboard", bool),
+    Option(None, "quiet", bool),
+    Option("monitor", "enabled", bool),
+    Option("monitor", "interval", int),
+    Option("monitor", "cosine", str, COSINE_MODES),
+    Option("monitor", "sketch_dim", int),
+    Option("monitor", "fingerprint_every", int),
+    Option("monitor", "alert_loss_cv", float),
+    Option("monitor", "alert_cos_min", float),
+    Option("protect", "mode", str, PROTECT_MODES),
+    Option("protect", "sync_period", int),
+    Option("protect", "sync_mode", str, SYNC_MODES),
+    Option("protect", "broadcast_src", int),
+    Option("protect", "overlap", bool),
+    Option("protect", "h_min", int),
+    Option("protect", "h_max", int),
+    Option("protect", "target", float),
+    Option("guard", "enabled", bool),
+    Option("guard", "spike_threshold", float),
+    Option("guard", "window", int),
+    Option("guard", "warmup", int),
+    Option("guard", "update_ratio", float),
+    Option("guard", "outlier_threshold", float),
+    Option("guard", "max_reruns_per_step", int),
+    Option("guard", "max_reruns_per_run", int),
+    Option("guard", "shift_after", int),
+    Option("guard", "on_persistent", str, ON_PERSISTENT),
 )
 _BY_KEY = {opt.flag: opt for opt in OPTIONS}
 
@@ -394,15 +401,16 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
         sections = {name: _SECTIONS[name](**kw) for name, kw in kwargs.items()}
         return TrainConfig(**top, **sections)  # type: ignore[arg-type]
     except ValueError as err:
-        # Checks name the option ("--lr: must be > 0"); a value read from a file is
-        # that file's, named the way its type errors are ("neg.toml: lr: ...").
-        # A check across options ("--h-max: must be >= --h-min") blames the file only
-        # when no option it names was typed.
-        flag, sep, rest = str(err).partition(": ")
+        # Checks name the field and its option ("TrainConfig.lr (--lr): must be > 0"); a
+        # value read from a file is that file's, named the way its type errors are
+        # ("neg.toml: lr: ..."). A check across options ("... (--h-max): must be >=
+        # ProtectConfig.h_min (--h-min) ...") blames the file only when no option it
+        # names was typed.
+        about = error_option(str(err))
         # (--no-monitor is typed for the option "monitor")
         named = {m[2:].removeprefix("no-") for m in re.findall(r"--[a-z][\w-]*", str(err))}
-        if sep and flag.startswith("--") and source.get(flag[2:]) and not named & given.keys():
-            raise ConfigFileError(f"{source[flag[2:]]}: {flag[2:]}: {rest}") from None
+        if about is not None and source.get(about[0]) and not named & given.keys():
+            raise ConfigFileError(f"{source[about[0]]}: {about[0]}: {about[1]}") from None
         # Else say where the options it names that were not typed come from: a file, or
         # (next to one that was typed: --h-min 500 against --h-max's 400) the default.
         notes = [f"--{n} is set in {_file(source[n])}" for n in sorted(named) if n in source and n not in given]

@@ -72,7 +72,7 @@ class PersistentFaultError(RuntimeError):
         who = f"rank(s) {ranks}" if ranks else "a rank (which one the ranks' values cannot tell)"
         super().__init__(
             f"step {step}: {who} reproduced a harmful update on recomputation "
-            "(persistent fault); stopping as --on-persistent=stop asks"
+            "(persistent fault); stopping as on_persistent='stop' (--on-persistent stop) asks"
         )
         self.step = step
         self.ranks = ranks

@@ -471,6 +471,13 @@ def test_persistent_faulty_rank_is_named_and_stops() -> None:
     assert all(o == {"stopped": 6, "ranks": [2]} for o in out)
 
 
+def test_a_persistent_fault_error_names_the_policy_as_python_and_the_command_line_do() -> None:
+    # It said "as --on-persistent=stop asks" to a library user who had set GuardConfig.on_persistent.
+    assert str(PersistentFaultError(6, [2])) == (
+        "step 6: rank(s) [2] reproduced a harmful update on recomputation (persistent fault); stopping as "
+        "on_persistent='stop' (--on-persistent stop) asks")
+
+
 def stop_then_step_on(rank: int, world_size: int, mode: str) -> dict[str, Any]:
     """A persistent fault stops step 6; the caller catches the error and steps on."""
     torch.manual_seed(0)
