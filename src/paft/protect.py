@@ -406,22 +406,34 @@ class Protector:
                 return _StepOutcome(view, attempt + 1, applied=False, synced=synced)
             if not finished:  # else a sync just landed: it keeps its own reference
                 self.resync.keep_agreed_state(view)
-            armed = self.guard_cfg.update_ratio > 0 and guard.wants_snapshot(t, view)
-            before = self._snapshot.capture(self.model, self.optimizer) if armed else None
-            scaler_state = self._stepper.state() if armed else None
-            self._stepper.step()  # every rank's aggregated gradient is finite here: no skip
-            if before is None:
-                return _StepOutcome(view, attempt + 1, synced=synced)
-            ratio = max_over_ranks(before.update_ratio(), self.group)
-            verdict = self._judge(t, attempt, guard.check_update(t, ratio))
-            if verdict.action == "proceed":
-                return _StepOutcome(view, attempt + 1, ratio=ratio, synced=synced)
-            before.restore(self.optimizer)
-            self._stepper.restore(scaler_state)
-            rerun_from.restore()
-            if verdict.action == "skip":
-                return _StepOutcome(view, attempt + 1, applied=False, synced=synced)
+            outcome = self._checked_update(t, attempt, view, rerun_from, synced)
+            if outcome is not None:
+                return outcome
             attempt += 1
+
+    def _checked_update(self, t: int, attempt: int, view: ControlView, rerun_from: ForwardSnapshot,
+                        synced: bool) -> _StepOutcome | None:
+        """Apply the attempt's update; where the update-to-weight check is armed, judge it
+        and roll a rejected one back (state, loss scale, RNG and buffers as before the
+        attempt). The step's outcome, or ``None``: recompute it."""
+        guard = self.guard
+        assert guard is not None
+        armed = self.guard_cfg.update_ratio > 0 and guard.wants_snapshot(t, view)
+        before = self._snapshot.capture(self.model, self.optimizer) if armed else None
+        scaler_state = self._stepper.state() if armed else None
+        self._stepper.step()  # every rank's aggregated gradient is finite here: no skip
+        if before is None:
+            return _StepOutcome(view, attempt + 1, synced=synced)
+        ratio = max_over_ranks(before.update_ratio(), self.group)
+        verdict = self._judge(t, attempt, guard.check_update(t, ratio))
+        if verdict.action == "proceed":
+            return _StepOutcome(view, attempt + 1, ratio=ratio, synced=synced)
+        before.restore(self.optimizer)
+        self._stepper.restore(scaler_state)
+        rerun_from.restore()
+        if verdict.action == "skip":
+            return _StepOutcome(view, attempt + 1, applied=False, synced=synced)
+        return None
 
     def _unmonitored_step(self, t: int, closure: Callable[[], torch.Tensor]) -> StepReport:
         """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
