@@ -38,6 +38,7 @@ __all__ = [
     "DEVICES",
     "ON_PERSISTENT",
     "long_option",
+    "as_options",
     "error_option",
     "MonitorConfig",
     "ProtectConfig",
@@ -93,11 +94,19 @@ def long_option(cls: type, name: str) -> str:
 
 # A config error's first words: the field as Python and the command line spell it.
 _NAMED = re.compile(r"[A-Za-z]\w*\.\w+ \(--([a-z][\w-]*)\): ")
+_FIELD = re.compile(r"\b[A-Z]\w*Config\.\w+ \(--([a-z][\w-]*)\)")
 
 
 def _named(obj: Any, name: str) -> str:
     """Field ``name`` of config ``obj`` as its errors name it: ``ProtectConfig.target (--dyn-target)``."""
     return f"{type(obj).__name__}.{name} (--{long_option(type(obj), name)})"
+
+
+def as_options(message: str) -> str:
+    """``message`` with every field named as the command line knows it alone:
+    ``ProtectConfig.target (--dyn-target): ...`` -> ``--dyn-target: ...``. The CLI prints
+    config errors so (its user typed options, not dataclass fields)."""
+    return _FIELD.sub(r"--\1", message)
 
 
 def error_option(message: str) -> tuple[str, str] | None:

@@ -35,6 +35,7 @@ from paft.config import (
     MonitorConfig,
     ProtectConfig,
     TrainConfig,
+    as_options,
     error_option,
     long_option,
 )
@@ -504,14 +505,15 @@ class OptionParser(argparse.ArgumentParser):
     (``add_subparsers`` builds them with the parent's class). With it, ``paft train
     --out DIR`` would silently mean ``--outlier-threshold DIR`` and fail on its value.
     A usage error prints the one line that says what is wrong and where to read more,
-    not the 35-line usage block above it."""
+    not the 35-line usage block above it, naming config fields by their options alone
+    (:func:`paft.config.as_options`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n(options: {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {as_options(message)}\n(options: {self.prog} --help)\n")
 
 
 def train_warnings(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:

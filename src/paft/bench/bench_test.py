@@ -262,6 +262,7 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["scaling", "--world-size", "2"], "paft bench scaling: error: unrecognized arguments: --world-size 2"),
     (["detection", "--world-size", "1"], "--world-size: must be >= 2 for detection"),
     (["matrix", "--world-size", "1"], "--world-size: must be >= 2 for matrix"),
+    (["desync", "--world-size", "0"], "--world-size: must be >= 2 for desync"),  # the bound that holds, not >= 1
     (["scaling", "--world-sizes", "1,2"], "--world-sizes: must all be in [2, 64]"),
     (["scaling", "--world-sizes", "2,4,2"], "--world-sizes: 2 listed more than once"),
     (["matrix", "--workloads", "gpt,gpt"], "--workloads: gpt listed more than once"),

@@ -19,8 +19,8 @@ the averager, syncs parameters only.)
 
 Fault settings: aggregation bit flips on rank 1, exponent and mantissa classes, at
 rates 1e-3, 1e-2, 1e-1 per step; plus an exponent flip in the local gradient
-(compute SDC) at 2e-2 for the guard scenarios. ``--quick``: exponent at 1e-1 only,
-fewer steps.
+(compute SDC) at 2e-2 for the guard scenarios. ``--quick``: exponent at 1e-1 only, the
+local-gradient flips at 1e-1 too, fewer steps, sync period 10.
 
 Per cell: final validation loss (and accuracy) and its gap to the fault-free run,
 max replica divergence over the run (sampled at evaluations) and at the end,
@@ -148,7 +148,7 @@ def run(out: pathlib.Path, *, quick: bool, workloads: list[str], steps: int | No
 
 
 def summarize(out: pathlib.Path, runs: list[Run], workloads: list[str], steps: int, world_size: int) -> dict[str, Any]:
-    """Rows, tables and plots from finished runs (also rebuilds a report from results.json)."""
+    """Rows, tables and plots from finished runs."""
     rows: list[dict[str, Any]] = []
     for workload in workloads:
         group = [r for r in runs if r.group == workload]
