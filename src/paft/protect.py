@@ -176,6 +176,7 @@ def protect(
         protector.close()  # finish an in-flight overlapped sync
         if dist.get_rank() == 0:
             print(f"{protector.counters['syncs']} syncs, loss {report.loss:.3f}")
+        dist.barrier()  # no rank closes its gloo connections while a peer still reads them
         dist.destroy_process_group()
     """
     return Protector(
