@@ -92,8 +92,8 @@ def long_option(cls: type, name: str) -> str:
     return f.metadata.get("option", name.replace("_", "-"))
 
 
-# A config error's first words: the field as Python and the command line spell it.
-_NAMED = re.compile(r"[A-Za-z]\w*\.\w+ \(--([a-z][\w-]*)\): ")
+# A field as a config error names it, the way Python and the command line spell it
+# (:func:`_named` writes it; a message starts with it and may name others).
 _FIELD = re.compile(r"\b[A-Z]\w*Config\.\w+ \(--([a-z][\w-]*)\)")
 
 
@@ -113,8 +113,10 @@ def error_option(message: str) -> tuple[str, str] | None:
     """``(long option, what is wrong)`` of a config error's message that starts with the
     field it is about (``ProtectConfig.target (--dyn-target): must be ...``); None for one
     that does not (a bad fault spec)."""
-    m = _NAMED.match(message)
-    return (m[1], message[m.end():]) if m else None
+    m = _FIELD.match(message)
+    if m is None or not message.startswith(": ", m.end()):
+        return None
+    return m[1], message[m.end() + 2:]
 
 
 def _require(ok: bool, obj: Any, name: str, message: str) -> None:
