@@ -31,6 +31,7 @@ from matplotlib.ticker import MaxNLocator
 
 from paft.records import atomic_write_bytes, is_file, max_or_nan, output_dir_problem
 from paft.replicas import outside_majority
+from paft.resync import averages_at
 from paft.rundata import ReportError, RunData, load_run
 
 __all__ = ["Report", "build_report", "summary_text"]
@@ -607,14 +608,14 @@ def _counters(run: RunData) -> str:
 
 def _recorded_syncs(run: RunData) -> int:
     """The syncs and repairs of a run without a summary. events.jsonl holds each of
-    PAFT-Sync's and the guard's, but none of PyTorch's averager, which averages at every
-    step that is a multiple of --sync-period (no warm-up): those are counted from the
-    recorded steps (a step one rank recorded had its averaging all-reduce done)."""
+    PAFT-Sync's and the guard's, but none of PyTorch's averager: its averages are
+    counted from the recorded steps (a step one rank recorded had its averaging
+    all-reduce done), at the steps :func:`paft.resync.averages_at` says it averages."""
     protect = run.config.get("protect") or {}
     period = protect.get("sync_period")
     averaged = 0
     if protect.get("mode") == "averager" and isinstance(period, int) and not isinstance(period, bool) and period > 0:
-        averaged = run.last_step // period + 1
+        averaged = sum(1 for step in range(run.last_step + 1) if averages_at(step, period))
     return len(_syncs(run)) + averaged
 
 

@@ -580,7 +580,7 @@ def test_an_averager_run_without_a_summary_counts_its_syncs(clean_run: pathlib.P
     config = json.loads((run / "config.json").read_text())
     config["protect"].update(mode="averager", sync_period=5)
     (run / "config.json").write_text(json.dumps(config))
-    # Steps 0-11 recorded: averaged at steps 0, 5 and 10 (as Resync counts them: step % H == 0).
+    # Steps 0-11 recorded: averaged at steps 0, 5 and 10 (paft.resync.averages_at, as Resync counts).
     assert "syncs: 3   detections: 0" in build_report(run).text
     with open(run / "events.jsonl", "a") as f:  # the guard's repair is a sync too
         f.write(json.dumps({"step": 7, "event": "repair", "mode": "median-with-reference", "divergence": 0.5}) + "\n")

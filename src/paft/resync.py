@@ -32,7 +32,16 @@ from paft.records import RunRecorder
 from paft.replicas import group_replicas
 from paft.sync import ReplicaSync, SyncReport
 
-__all__ = ["Resync"]
+__all__ = ["Resync", "averages_at"]
+
+
+def averages_at(step: int, period: int) -> bool:
+    """Whether PyTorch's model averager (``--protect averager``, no warm-up) averages
+    the replicas at ``step``: every ``period``-th step from step 0, as
+    ``PeriodicModelAverager`` counts its calls. One rule for :class:`Resync`, which
+    counts the averages, and :mod:`paft.report`, which counts them again from the
+    recorded steps when a run has no summary (the averager records no event)."""
+    return step % period == 0
 
 
 class Resync:
@@ -127,7 +136,7 @@ class Resync:
         its aggregated gradients were).
         """
         if self.averager is not None:
-            due = step % self.averager.period == 0
+            due = averages_at(step, self.averager.period)
             self.averager.average_parameters(self._params)
             if due:
                 self.syncs += 1
