@@ -78,16 +78,37 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 
 def _lone(values: Sequence[float], kw: dict[str, Any]) -> dict[str, Any]:
-    """``kw`` with a marker where fewer than two finite points make no line to draw (a
-    one-step run, a sparse record): else the series is in the legend and nowhere else."""
-    if sum(1 for v in values if math.isfinite(v)) < 2 and "marker" not in kw:
-        return {**kw, "marker": "o", "ms": 4}
+    """``kw`` with a marker on each lone point: a finite value with no finite neighbour,
+    which no line reaches (a one-step run; a measurement between unmeasured steps, or
+    beside a non-finite one). Else such a value is in the legend and nowhere else."""
+    lone = [i for i, v in enumerate(values) if math.isfinite(v)
+            and not any(0 <= j < len(values) and math.isfinite(values[j]) for j in (i - 1, i + 1))]
+    if lone and "marker" not in kw:
+        return {**kw, "marker": "o", "ms": 4, "markevery": lone}
     return kw
 
 
+def _gapped(steps: Sequence[int], values: Sequence[float]) -> tuple[list[int], list[float]]:
+    """The series with NaN for its non-finite values and at the first step of each gap
+    between two measurements: matplotlib breaks a line at a NaN, so no line claims a
+    value for steps where nothing was measured (``--monitor-interval``, the records
+    between metric steps, a sparse record)."""
+    xs: list[int] = []
+    ys: list[float] = []
+    for step, value in zip(steps, values):
+        if xs and step > xs[-1] + 1:
+            xs.append(xs[-1] + 1)
+            ys.append(math.nan)
+        xs.append(step)
+        ys.append(value if math.isfinite(value) else math.nan)
+    return xs, ys
+
+
 def _plot(ax: Axes, steps: Sequence[int], values: Sequence[float], **kw: Any) -> None:
-    """A line of the finite values; non-finite ones as markers on the top edge."""
-    ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], **_lone(values, kw))
+    """A line of the finite values, broken where a step was not measured, a marker on a
+    lone point; non-finite values as markers on the top edge."""
+    xs, ys = _gapped(steps, values)
+    ax.plot(xs, ys, **_lone(ys, kw))
     bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
     if bad:
         # Each series its own row, so that which rank went non-finite first shows.

@@ -414,6 +414,37 @@ def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_ru
     assert values == pytest.approx([r["loss"] for r in records], rel=1e-12)
 
 
+def test_no_line_bridges_a_step_that_was_not_measured(fault_run: pathlib.Path, tmp_path: pathlib.Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker metrics at some steps only (--monitor-interval; between its steps the
+    records hold the replica checks alone): a line from step 2 to step 5 drew values
+    for steps 3 and 4, where nothing was measured."""
+    run_dir = copy_run(fault_run, tmp_path / "gaps")
+    measured = {0, 1, 2, 5, 9, 10, 11}
+    metric = re.compile(r"consistency/|local_grad_norms$")
+    rewrite_jsonl(run_dir / "consistency.jsonl",
+                  lambda r: r if r["step"] in measured else {k: v for k, v in r.items() if not metric.match(k)})
+    figures: list[Any] = []
+    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    run = load_run(run_dir)
+    report_module._plot_dispersion(run)
+    report_module._plot_cosine(run)
+    series = [line for fig in figures for ax in fig.axes for line in ax.get_lines()
+              if line.get_label().startswith(("consistency/", "grad_cos_", "rank "))]
+    assert len(series) == 4 + 2 + 2  # the dispersion panels, pairwise cosine, each rank's cosine to the mean
+    for line in series:
+        xs, ys = list(line.get_xdata()), list(line.get_ydata())
+        assert [x for x, y in zip(xs, ys) if math.isfinite(y)] == sorted(measured), line.get_label()
+        # Every segment joins two neighbouring steps; the point at step 5 stands alone, as a marker.
+        joined = [(a, b) for a, b, ya, yb in zip(xs, xs[1:], ys, ys[1:]) if math.isfinite(ya) and math.isfinite(yb)]
+        assert joined == [(0, 1), (1, 2), (9, 10), (10, 11)], line.get_label()
+        assert line.get_marker() == "o" and [xs[i] for i in line.get_markevery()] == [5], line.get_label()
+    # Measured at every step: one unbroken line, no marker.
+    _, (ax,) = _figure(1, 1, "every step")
+    _plot(ax, [0, 1, 2], [1.0, 2.0, 3.0])
+    assert list(ax.get_lines()[0].get_xdata()) == [0, 1, 2] and ax.get_lines()[0].get_marker() == "None"
+
+
 def test_a_run_without_worker_metrics_is_reported(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     # --monitor-interval 0: only the replica checks' records (the split, its end, the
     # state fingerprints), no dispersion or cosine. The report says why they are missing.
@@ -564,7 +595,8 @@ def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pa
     report_module._divergence_panel(ax, run)
     lines = {line.get_label(): line for line in ax.get_lines()}
     evals, syncs = lines["at evaluations"], lines["before a sync that found replicas apart"]
-    assert list(evals.get_xdata()) == [0, 6, 12] and evals.get_ydata()[0] == 0 < min(evals.get_ydata()[1:])
+    measured = [(x, y) for x, y in zip(evals.get_xdata(), evals.get_ydata()) if math.isfinite(y)]
+    assert [x for x, _ in measured] == [0, 6, 12] and measured[0][1] == 0 < min(y for _, y in measured[1:])
     assert list(zip(syncs.get_xdata(), syncs.get_ydata())) == [(3, 0.2), (9, 0.4)]
     # Nothing joins two measurements: every line of several points is markers only, or
     # a vertical event line (one step).
