@@ -20,6 +20,19 @@ from paft.bench.runner import Run, alternate, mean_local_loss, throughput_ratios
 from paft.cli import main
 from paft.records import read_jsonl
 
+# The results committed under docs/results, which the README quotes.
+RESULTS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "results"
+
+
+def assert_no_stale_keys(benchmark: str, fresh: dict[str, Any]) -> None:
+    """The committed ``docs/results/<benchmark>/results.json`` holds no key, at its top or
+    in its rows, that the benchmark no longer writes: a reader takes such a leftover for
+    a measurement of the current code. (Keys added since may be missing from it.)"""
+    committed = json.loads((RESULTS / benchmark / "results.json").read_text())
+    assert set(committed) - set(fresh) == set()
+    assert {k for r in committed["rows"] for k in r} - {k for r in fresh["rows"] for k in r} == set()
+
+
 # -- (a) schedules -------------------------------------------------------------------------
 
 
@@ -207,6 +220,7 @@ def test_matrix_quick_end_to_end(tmp_path: pathlib.Path) -> None:
     # Throughput is over plain DDP: the reference runs without the monitor's hook and collective.
     reference = json.loads((out / "runs" / "resnet" / f"{matrix.REFERENCE}-0" / "config.json").read_text())
     assert reference["monitor"]["enabled"] is False and reference["protect"]["mode"] == "none"
+    assert_no_stale_keys("matrix", results)
 
 
 def test_overhead_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
@@ -397,6 +411,7 @@ def test_desync_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
         assert f"| {key} {description} |" in md
     assert [r["setting"] for r in json.loads((out / "results.json").read_text())["rows"]] == list(desync.SETTINGS)
     assert set(results["comparisons"]) == {"S2", "S3", "S1r"}
+    assert_no_stale_keys("desync", results)
     for name in ("loss.png", "dispersion.png", "cosine.png"):
         assert (out / name).stat().st_size > 0
     # Nothing here injects faults: every setting ends with one replica.
@@ -432,6 +447,7 @@ def test_detection_tiny_end_to_end(tmp_path: pathlib.Path) -> None:
     assert set(results["overhead"]["costs"]) == {"plain", "monitor", "guard"}
     assert results["overhead"]["false_positives_fault_free"] == 0
     assert (out / "detection.png").stat().st_size > 0
+    assert_no_stale_keys("detection", results)
 
 
 def test_scaling_cost_model_matches_the_protocol() -> None:

@@ -129,7 +129,6 @@ def analyze(runs: list[Run], warmup: int) -> dict[str, Any]:
         diffs = [b - a for a, b in zip(after, after[1:])]
         row["loss_diff_std"] = statistics.pstdev(diffs) if len(diffs) > 1 else math.nan
         row["final_val_loss"] = r.summary["final_val_loss"]
-        row["final_train_loss"] = statistics.fmean(loss[-10:]) if loss else math.nan
         row["steps_per_s"] = r.summary["steps_per_s"]
         stats[key] = row
     comparisons: dict[str, dict[str, Any]] = {}
