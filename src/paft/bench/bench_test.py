@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from paft.bench import desync, detection, matrix, overhead
+from paft.bench import desync, detection, matrix, overhead, scaling
 from paft.bench.runner import Run, alternate, mean_local_loss, throughput_ratios
 from paft.cli import main
+from paft.consistency import HEADER
 from paft.records import read_jsonl
 
 # The results committed under docs/results, which the README quotes.
@@ -464,3 +465,24 @@ def test_scaling_cost_model_matches_the_protocol() -> None:
     assert big["sync_median_received_B"] == 7e9 * 12 * 1023
     assert 1.6 < big["sync_majority_copy_s"] < 1.8  # 84 GB at 400 Gb/s
     assert big["control_vs_gradient_allreduce"] < 1e-4
+
+
+def test_scaling_states_the_sketch_dimension_its_runs_used(tmp_path: pathlib.Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its control rows and calculated jobs took k from a copy of the default (and its
+    text said "k = 256" whatever the runs did): runs with k = 64 must read 64."""
+    base = scaling._base
+
+    def small(world_size: int, steps: int, device: str) -> dict[str, Any]:
+        cfg = base(world_size, steps, device)
+        return {**cfg, "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
+                "monitor": {**cfg["monitor"], "sketch_dim": 64}}
+
+    monkeypatch.setattr(scaling, "_base", small)
+    out = tmp_path / "scaling"
+    results = scaling.run(out, world_sizes=(2,), steps=5)
+    assert results["sketch_dim"] == results["measured"]["2"]["sketch_dim"] == 64
+    assert results["measured"]["2"]["control_row_B"] == 8 * (HEADER + 64)
+    assert all(c["control_row_B"] == 8 * (HEADER + 64) for c in results["calculated"].values())
+    md = (out / "results.md").read_text()
+    assert "| 2 | 64 | 584 / 584 |" in md and "k = 64, as in the runs" in md and "k = 256" not in md

@@ -21,6 +21,7 @@ median gathers every replica's state.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import statistics
 from typing import Any
@@ -34,6 +35,10 @@ from paft.records import console, read_jsonl
 __all__ = ["run", "model"]
 
 _GB = 1e9
+
+_JOBS = ((4, 0.8e6), (64, 1.3e9), (1024, 7e9))
+"""(ranks, parameters) of the jobs the cost model is calculated for: the measured
+runs' size (default gpt), and two large jobs."""
 
 
 def _control_bytes(sketch_dim: int) -> int:
@@ -75,6 +80,11 @@ def model(ranks: int, params: float, *, sketch_dim: int = MonitorConfig.sketch_d
     }
 
 
+def _sketch_dim(run_dir: pathlib.Path) -> int:
+    """The sketch dimension k of a run's monitor, from the ``config.json`` it wrote."""
+    return int(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["monitor"]["sketch_dim"])
+
+
 def _base(world_size: int, steps: int, device: str) -> dict[str, Any]:
     return TrainConfig(world_size=world_size, steps=steps, eval_every=steps, eval_batches=1, checkpoint_every=0,
                        warmup_steps=steps // 4, device=device).to_dict()
@@ -83,12 +93,14 @@ def _base(world_size: int, steps: int, device: str) -> dict[str, Any]:
 def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int = 40,
         device: str = "auto") -> dict[str, Any]:
     measured: dict[int, dict[str, Any]] = {}
-    control = _control_bytes(MonitorConfig().sketch_dim)  # each rank's row in the monitored runs
     for ws in world_sizes:
         # One run's steps/s against another's scatters by +-12% here: the monitor's
         # few percent are measured from paired steps instead.
-        cost = overhead.measure(out / "runs" / f"ws{ws}-paired", _base(ws, overhead.WARMUP + steps, device),
-                                ["monitor"], steps=steps, world_size=ws)
+        paired = out / "runs" / f"ws{ws}-paired"
+        cost = overhead.measure(paired, _base(ws, overhead.WARMUP + steps, device), ["monitor"], steps=steps,
+                                world_size=ws)
+        sketch_dim = _sketch_dim(paired / "monitor")
+        control = _control_bytes(sketch_dim)  # each rank's row in the monitored run
         base = _base(ws, steps, device)
         period = min(5, steps // 2)  # two syncs or more: --steps may be as few as 5
         variants = {
@@ -110,6 +122,7 @@ def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int 
             "monitor_step_time_ratio": cost["monitor"]["wall"],
             "monitor_cpu_ratio": cost["monitor"]["cpu"],
             "plain_step_ms": cost["plain"]["wall_ms"],
+            "sketch_dim": sketch_dim,
             "control_row_B": control,
             "control_received_B": control * (ws - 1),
             "syncs": {mode: {"count": len(es), "bytes_sent_rank0": statistics.median(e["bytes_sent"] for e in es),
@@ -121,26 +134,28 @@ def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int 
             rows.append([ws, mode, s["count"], s["bytes_sent_rank0"], s["seconds"] * 1e3])
     sync_table = markdown_table(["ranks", "sync mode", "syncs", "bytes sent (rank 0, median)", "ms (median)"], rows)
     control_table = markdown_table(
-        ["ranks", "control row per rank / received per step (B, calculated)", "monitored / plain DDP step time",
-         "CPU per step", "plain DDP step (ms)"],
-        [[ws, f"{m['control_row_B']} / {m['control_received_B']}", m["monitor_step_time_ratio"],
+        ["ranks", "sketch k", "control row per rank / received per step (B, calculated)",
+         "monitored / plain DDP step time", "CPU per step", "plain DDP step (ms)"],
+        [[ws, m["sketch_dim"], f"{m['control_row_B']} / {m['control_received_B']}", m["monitor_step_time_ratio"],
           m["monitor_cpu_ratio"], m["plain_step_ms"]] for ws, m in measured.items()])
-    calc_rows = []
-    for ranks, params in ((4, 0.8e6), (64, 1.3e9), (1024, 7e9)):
-        c = model(ranks, params)
-        calc_rows.append([ranks, f"{params:.3g}", f"{c['control_received_B'] / 1e6:.3g} MB",
-                          f"{c['control_vs_gradient_allreduce']:.2e}",
-                          f"{c['sync_noop_row_B']} B / {c['sync_noop_received_B'] / 1e3:.3g} KB",
-                          f"{c['sync_majority_copy_B'] / _GB:.3g} GB ({c['sync_majority_copy_s']:.2f} s)",
-                          f"{c['sync_median_received_B'] / _GB:.3g} GB ({c['sync_median_s']:.1f} s)"])
+    # The large jobs are calculated with the k the runs used (every run's monitor is _base's).
+    sketch_dim = measured[world_sizes[-1]]["sketch_dim"]
+    calculated = {job: model(*job, sketch_dim=sketch_dim) for job in _JOBS}
     calc_table = markdown_table(
         ["ranks", "params", "control received/step", "control / grad all-reduce bytes", "noop sync row / received",
-         "majority copy (at 400 Gb/s)", "median gather (at 400 Gb/s)"], calc_rows)
+         "majority copy (at 400 Gb/s)", "median gather (at 400 Gb/s)"],
+        [[ranks, f"{params:.3g}", f"{c['control_received_B'] / 1e6:.3g} MB",
+          f"{c['control_vs_gradient_allreduce']:.2e}",
+          f"{c['sync_noop_row_B']} B / {c['sync_noop_received_B'] / 1e3:.3g} KB",
+          f"{c['sync_majority_copy_B'] / _GB:.3g} GB ({c['sync_majority_copy_s']:.2f} s)",
+          f"{c['sync_median_received_B'] / _GB:.3g} GB ({c['sync_median_s']:.1f} s)"]
+         for (ranks, params), c in calculated.items()])
     md = (f"Measured on this machine (gpt default; the monitor over plain DDP from {steps} paired steps after "
           f"{overhead.WARMUP} untimed, the syncs from {steps}-step runs):\n\n{control_table}\n\n{sync_table}\n\n"
-          f"Calculated (fp32 weights + Adam moments = 12 B/param, k = 256):\n\n{calc_table}\n")
-    results = {"measured": {str(k): v for k, v in measured.items()},
-               "calculated": {f"{r}x{p:g}": model(r, p) for r, p in ((4, 0.8e6), (64, 1.3e9), (1024, 7e9))}}
+          f"Calculated (fp32 weights + Adam moments = 12 B/param, k = {sketch_dim}, as in the runs):"
+          f"\n\n{calc_table}\n")
+    results = {"measured": {str(k): v for k, v in measured.items()}, "sketch_dim": sketch_dim,
+               "calculated": {f"{r}x{p:g}": c for (r, p), c in calculated.items()}}
     write_outputs(out, "Scaling of paft's costs", results, md)
     console("\n" + md)
     return results
