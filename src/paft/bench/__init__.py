@@ -83,7 +83,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--workload", default="gpt", metavar="WORKLOAD",
                           help=f"one of {', '.join(WORKLOADS)} [default: %(default)s]")
     world_size(overhead, 4)
-    overhead.add_argument("--batch-size", type=int, default=64,
+    overhead.add_argument("--batch-size", type=int, default=64, metavar="BATCH-SIZE",
                           help="global batch size; the monitor's cost per step is fixed, so its share falls as "
                           "the work per rank grows [default: %(default)s, as paft train]")
     overhead.add_argument("--model", metavar="KEY=VALUE", action="append", type=parse_model_arg,
