@@ -42,7 +42,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "bench",
         help="side-by-side experiments (matrix, overhead, desync, detection, scaling)",
         description="Run a benchmark: all its runs share one worker group on this machine, same seeds and "
-        "data order; throughput is compared from alternating runs (overhead: from paired steps).",
+        "data order; throughput is compared from alternating runs (overhead, and the guard's cost in detection "
+        "and the monitor's in scaling: from paired steps).",
         epilog=_EXIT_CODES,
     )
     kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
