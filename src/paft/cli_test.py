@@ -18,6 +18,7 @@ import torch
 from paft.cli import main
 from paft.config import TrainConfig
 from paft.records import read_jsonl
+from paft.workloads import GPT, Llama, ResNet
 
 
 @pytest.mark.parametrize(
@@ -98,6 +99,31 @@ def test_bad_input_exits_2_and_writes_nothing(
         main(["train", "--run-dir", "out", *argv])
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("workload,model", [
+    ("gpt", ["n_layer=100000", "n_embd=65536"]),
+    ("llama", ["n_layer=100000", "n_embd=65536"]),
+    ("resnet", ["depth=600002", "width=4096"]),
+])
+def test_oversized_model_is_refused_without_building_it(
+    workload: str, model: list[str], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The memory check counted the parameters of a model it built (on the meta device):
+    100000 layers took minutes to refuse. It counts from the config now."""
+    monkeypatch.chdir(tmp_path)
+
+    def built(self: object, cfg: object) -> None:
+        pytest.fail(f"the check built the {type(self).__name__} it refuses")
+
+    for cls in (GPT, Llama, ResNet):
+        monkeypatch.setattr(cls, "__init__", built)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--run-dir", "out", "--workload", workload, *(w for m in model for w in ("--model", m))])
+    assert exc.value.code == 2
+    assert f"--model: the {workload} model would need about" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -59,6 +59,17 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
 
+    @property
+    def parameter_count(self) -> int:
+        """``sum(p.numel() for p in GPT(self).parameters())``, without building it (a
+        size far beyond memory is refused at once). Per block: the four matrices
+        (qkv 3C^2, proj C^2, fc 4C^2, proj 4C^2) and two LayerNorm weights, with biases
+        11C more (qkv 3C, proj C, fc 4C, proj C, two LayerNorms 2C); the head is the
+        token embedding (tied), counted once."""
+        c, bias = self.n_embd, int(self.bias)
+        block = 12 * c * c + 2 * c + 11 * c * bias
+        return (self.vocab_size + self.block_size) * c + self.n_layer * block + c * (1 + bias)
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:

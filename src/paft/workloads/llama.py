@@ -76,6 +76,16 @@ class LlamaConfig:
         hidden = int(2 * 4 * self.n_embd / 3)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    @property
+    def parameter_count(self) -> int:
+        """``sum(p.numel() for p in Llama(self).parameters())``, without building it (a
+        size far beyond memory is refused at once): per block the four attention
+        matrices, the three SwiGLU ones and two RMSNorm weights; the untied embedding
+        and head, and the final RMSNorm. (The RoPE tables are buffers.)"""
+        c = self.n_embd
+        block = 4 * c * c + 3 * c * self.ffn_hidden + 2 * c
+        return 2 * self.vocab_size * c + self.n_layer * block + c
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` (no mean subtraction, no bias)."""

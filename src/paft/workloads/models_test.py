@@ -22,6 +22,7 @@ from paft.workloads import (
     ShardedSampler,
     Workload,
     build_workload,
+    parameter_count,
 )
 
 
@@ -95,6 +96,31 @@ def test_causal_masking(cls: type, cfg: Any) -> None:
         a, b = model(idx), model(changed)
     assert torch.equal(a[:, :20], b[:, :20])  # the future token cannot leak backwards
     assert not torch.equal(a[:, 20:], b[:, 20:])
+
+
+@pytest.mark.parametrize("cls, cfg", [
+    (GPT, GPTConfig()),
+    (GPT, GPTConfig(vocab_size=7, block_size=5, n_layer=3, n_head=3, n_embd=24)),
+    (GPT, GPTConfig(n_layer=1, n_head=2, n_embd=10, bias=False)),
+    (Llama, LlamaConfig()),
+    (Llama, LlamaConfig(vocab_size=7, block_size=5, n_layer=3, n_head=3, n_embd=24, multiple_of=7)),
+    (Llama, LlamaConfig(n_layer=1, n_head=1, n_embd=10, multiple_of=1)),
+    (ResNet, ResNetConfig()),
+    (ResNet, ResNetConfig(depth=14, width=3, num_classes=12, in_channels=3)),
+    (ResNet, ResNetConfig(depth=20, width=1)),
+])
+def test_parameter_count_is_the_models(cls: type, cfg: Any) -> None:
+    # Exactly: the memory check counts from the config alone, without building the model.
+    assert cfg.parameter_count == _num_params(cls(cfg))
+
+
+@pytest.mark.parametrize("name, model_args", [
+    ("gpt", None), ("gpt", {"n_layer": 2, "n_embd": 48, "n_head": 3, "bias": False, "vocab_size": 70}),
+    ("llama", None), ("llama", {"n_layer": 1, "n_embd": 40, "n_head": 2, "multiple_of": 24}),
+    ("resnet", None), ("resnet", {"depth": 14, "width": 5, "num_classes": 11}),
+])
+def test_the_workloads_parameter_count_is_its_models(name: str, model_args: dict[str, Any] | None) -> None:
+    assert parameter_count(name, model_args) == _num_params(build_workload(name, model_args=model_args).model)
 
 
 def test_gpt_ties_and_llama_does_not() -> None:

@@ -52,6 +52,23 @@ class ResNetConfig:
     def blocks_per_stage(self) -> int:
         return (self.depth - 2) // 6
 
+    @property
+    def parameter_count(self) -> int:
+        """``sum(p.numel() for p in ResNet(self).parameters())``, without building it (a
+        size far beyond memory is refused at once). Each BatchNorm has a weight and a
+        bias (its running statistics are buffers); the first block of stages 2 and 3
+        doubles the channels, through a 1x1 conv + BatchNorm shortcut."""
+        w, n = self.width, self.blocks_per_stage
+
+        def block(in_ch: int, out_ch: int) -> int:
+            shortcut = in_ch * out_ch + 2 * out_ch if in_ch != out_ch else 0
+            return 9 * in_ch * out_ch + 9 * out_ch * out_ch + 4 * out_ch + shortcut
+
+        stages = sum(block(in_ch, out_ch) + (n - 1) * block(out_ch, out_ch)
+                     for in_ch, out_ch in ((w, w), (w, 2 * w), (2 * w, 4 * w)))
+        stem = 9 * self.in_channels * w + 2 * w
+        return stem + stages + (4 * w + 1) * self.num_classes
+
 
 class BasicBlock(nn.Module):
     """``relu(bn(conv(relu(bn(conv(x))))) + shortcut(x))``."""
