@@ -56,6 +56,7 @@ __all__ = [
     "hold_dir_lock",
     "ignore_further_signals",
     "interrupted",
+    "last_rank_out_tidies",
     "launch",
     "local_workers",
     "run_worker",
@@ -91,13 +92,17 @@ def launch(cfg: TrainConfig) -> int:
     check_run_dir(cfg)
     with claim_run_dir(cfg) as outcome:
         code = _run_workers(cfg)
-        # The workers are gone, however they ended: a failed or interrupted run's faults
-        # are put in order too (rank 0 does it at a run's end), and the temporaries of a
-        # checkpoint a worker was writing when it was stopped are removed.
-        sort_faults(cfg.run_dir)
-        remove_checkpoint_temporaries(pathlib.Path(cfg.run_dir))
+        _tidy_after_workers(pathlib.Path(cfg.run_dir))  # the workers are gone, however they ended
         outcome["code"] = code
         return code
+
+
+def _tidy_after_workers(run_dir: pathlib.Path) -> None:
+    """Once no worker writes to ``run_dir`` any more: a failed or interrupted run's
+    faults are put in order too (rank 0 does it at a run's end), and the temporaries of
+    a checkpoint a worker was writing when it was stopped are removed."""
+    sort_faults(run_dir)
+    remove_checkpoint_temporaries(run_dir)
 
 
 @contextlib.contextmanager
@@ -466,12 +471,49 @@ def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
         except PersistentFaultError as err:
             if dist.get_rank() == 0:
                 trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
-                # Every rank wrote its faults of the step before the decision they all stop on.
-                sort_faults(run_dir)
             trainer.recorder.close()
             return {"status": "persistent_fault", "ranks": err.ranks, "step": err.step, "message": str(err)}
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def last_rank_out_tidies(run_dir: pathlib.Path) -> Iterator[None]:
+    """Under torchrun no launcher outlives the ranks to tidy ``run_dir`` once they are
+    gone, as ``paft train``'s does (:func:`launch`): a failed run left its faults in the
+    order the ranks happened to append them. So each rank holds a shared flock on the
+    directory while it runs and, on its way out however it leaves, lets go and tries
+    for an exclusive one: the rank that gets it has no peer left that could still write
+    (a peer killed outright loses its lock with its process), and tidies. Of two ranks
+    leaving together the later try wins; a rank that takes its shared lock late (when the
+    others have left) tidies again on its own way out. The directory is tidied only if
+    it is still at ``run_dir``: rank 0's claim may have removed it, or moved an old run
+    back there. A file system without flock leaves it untidied."""
+    try:
+        handle: int | None = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # not on this machine's disk: rank 0 claimed it on another
+        handle = None
+    if handle is not None:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+        except OSError:  # a file system without flock
+            os.close(handle)
+            handle = None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    last = os.path.samestat(os.fstat(handle), os.stat(run_dir))
+                except OSError:  # BlockingIOError: a peer is still in, and tidies as it leaves
+                    last = False
+                if last:
+                    _tidy_after_workers(run_dir)
+            finally:
+                os.close(handle)
 
 
 def torchrun_main(argv: Sequence[str] | None = None) -> int:
@@ -546,6 +588,8 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
                 print(f"{prog}: error: {error[0]}", file=sys.stderr)
             dist.destroy_process_group()
             return EXIT_USAGE
+        # Entered after the claim, so rank 0 tidies (when last out) before it settles.
+        claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir)))
         result = _train_in_group(cfg, cfg.run_dir)
         code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
         outcome["code"] = code

@@ -3,6 +3,7 @@ and while it is settled (moved back, or deleted)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -15,12 +16,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 import paft
 from paft import launch as launcher
 from paft.config import TrainConfig
-from paft.launch import SignalHold
-from paft.records import read_jsonl
+from paft.launch import SignalHold, last_rank_out_tidies
+from paft.records import RunRecorder, read_jsonl
+from paft.testing import run_workers
 
 
 @pytest.fixture(autouse=True)
@@ -125,6 +128,60 @@ def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, mon
     assert launcher.launch(TrainConfig(run_dir="r", steps=2)) == launcher.EXIT_WORKER_FAILED
     faults = read_jsonl(tmp_path / "r" / "faults.jsonl")
     assert [(f["step"], f["rank"]) for f in faults] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _steps_and_ranks(run: pathlib.Path) -> list[tuple[int, int]]:
+    return [(f["step"], f["rank"]) for f in read_jsonl(run / "faults.jsonl")]
+
+
+def _failing_in_turn(rank: int, world_size: int, run_dir: str) -> list[tuple[int, int]]:
+    """Torchrun's entry once the process group is up, training replaced: rank 0 appends
+    two faults out of order and fails; rank 1, still in, then appends one more and
+    fails too. Returns the faults rank 1 saw before its own (rank 0's must be as
+    written: it was not the last out)."""
+    seen: list[tuple[int, int]] = []
+
+    def train(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
+        dist.barrier()  # both training (the Trainer's own first collectives: DDP's, protect's)
+        recorder = RunRecorder(pathlib.Path(run_dir), rank)
+        if rank == 0:
+            recorder.metrics({"step": 0})  # a step trained: rank 0's claim keeps the run
+            recorder.faults([{"attempt": 0, "rank": 0, "step": 1}, {"attempt": 0, "rank": 0, "step": 0}])
+        else:
+            dist.barrier()  # rank 0 is out
+            seen.extend(_steps_and_ranks(pathlib.Path(run_dir)))
+            recorder.faults([{"attempt": 0, "rank": 1, "step": 0}])
+        recorder.close()
+        raise RuntimeError("a failing rank")
+
+    launcher._train_in_group = train  # this worker's own module: it ends with the test
+    with contextlib.suppress(RuntimeError):
+        launcher._main(TrainConfig(run_dir=run_dir, world_size=2, steps=1), "torchrun", rank == 0)
+    if rank == 0:
+        dist.barrier()
+    return seen
+
+
+def test_under_torchrun_the_last_rank_out_puts_the_faults_in_order(tmp_path: pathlib.Path) -> None:
+    """No launcher outlives torchrun's ranks to sort a failed run's faults.jsonl, as
+    paft train's does: they stayed in the order the ranks happened to append them. The
+    last rank out sorts them now (and not one that leaves while a peer may still write)."""
+    seen = run_workers(_failing_in_turn, 2, str(tmp_path / "r"), timeout=120)
+    assert seen[1] == [(1, 0), (0, 0)]
+    assert _steps_and_ranks(tmp_path / "r") == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_the_last_rank_out_leaves_a_directory_put_in_its_place_alone(tmp_path: pathlib.Path) -> None:
+    """Rank 0's claim may remove the run, or move the run --overwrite replaced back in
+    its place, while a peer is still on its way out: that one tidies nothing there."""
+    run = tmp_path / "r"
+    run.mkdir()
+    unsorted = '{"attempt": 0, "rank": 0, "step": 1}\n{"attempt": 0, "rank": 0, "step": 0}\n'
+    with last_rank_out_tidies(run):
+        run.rename(tmp_path / "gone")
+        run.mkdir()
+        (run / "faults.jsonl").write_text(unsorted)
+    assert (run / "faults.jsonl").read_text() == unsorted
 
 
 def test_a_failed_run_leaves_no_checkpoint_temporaries(tmp_path: pathlib.Path,
