@@ -464,17 +464,30 @@ def run_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
 def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
     """Train in the process group already up (a launched worker's, or a torchrun rank's),
     then take it down; a persistent fault the guard stops on is a result, not an error."""
+    done = False  # the run finished, or the guard stopped it (every rank stops at the same step)
     try:
         trainer = Trainer(cfg, pathlib.Path(run_dir))
         try:
-            return {"status": "ok", "summary": trainer.train()}
+            result = {"status": "ok", "summary": trainer.train()}
         except PersistentFaultError as err:
             if dist.get_rank() == 0:
                 trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
             trainer.recorder.close()
-            return {"status": "persistent_fault", "ranks": err.ranks, "step": err.step, "message": str(err)}
+            result = {"status": "persistent_fault", "ranks": err.ranks, "step": err.step, "message": str(err)}
+        done = True
+        return result
     finally:
-        dist.destroy_process_group()
+        _take_group_down(every_rank_done=done)
+
+
+def _take_group_down(every_rank_done: bool) -> None:
+    """Destroy the process group: once every rank is done, after a barrier, so that no
+    rank closes its gloo connections while a peer still reads them (a rank aborted in
+    gloo's teardown: 'terminate called without an active exception'); where this rank
+    failed, at once, since a barrier would wait for peers that may never come."""
+    if every_rank_done:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -586,7 +599,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         if error[0]:
             if rank0:
                 print(f"{prog}: error: {error[0]}", file=sys.stderr)
-            dist.destroy_process_group()
+            _take_group_down(every_rank_done=True)  # every rank refuses, on the broadcast
             return EXIT_USAGE
         # Entered after the claim, so rank 0 tidies (when last out) before it settles.
         claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir)))

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ import paft
 from paft import launch as launcher
 from paft.config import TrainConfig
 from paft.launch import SignalHold, last_rank_out_tidies
+from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, read_jsonl
 from paft.testing import run_workers
 
@@ -182,6 +184,63 @@ def test_the_last_rank_out_leaves_a_directory_put_in_its_place_alone(tmp_path: p
         run.mkdir()
         (run / "faults.jsonl").write_text(unsorted)
     assert (run / "faults.jsonl").read_text() == unsorted
+
+
+def _finishing_apart(rank: int, world_size: int, tmp: str, how: str) -> tuple[str, str]:
+    """:func:`launch._train_in_group` with the trainer replaced. ``how``: "finish" (rank 1
+    the slower), "stop" (the guard stops both; rank 1 the slower), or "fail" (rank 1
+    fails at once; rank 0, still training, fails once rank 1 has taken its group down, as
+    its next collective would). Returns how this rank ended, and which ranks were done
+    when it took its group down."""
+    root = pathlib.Path(tmp)
+    destroy = dist.destroy_process_group
+
+    def taken_down() -> None:
+        (root / f"down{rank}").write_text(" ".join(sorted(p.name for p in root.glob("done*"))))
+        destroy()
+
+    class Trainer:
+        def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path) -> None:
+            self.recorder = RunRecorder(None, rank)
+
+        def train(self) -> dict[str, Any]:
+            if how == "fail":
+                if rank == 1:
+                    raise RuntimeError("rank 1 failed")
+                deadline = time.monotonic() + 60
+                while not (root / "down1").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                raise RuntimeError(f"rank 1 took its group down: {(root / 'down1').exists()}")
+            if rank == 1:
+                time.sleep(1)  # the slower: a rank that did not wait would be down by then
+            (root / f"done{rank}").touch()
+            if how == "stop":
+                raise PersistentFaultError(3, [1])
+            return {}
+
+    # This worker's own modules: they end with the test.
+    launcher.Trainer = Trainer
+    dist.destroy_process_group = taken_down
+    try:
+        outcome = launcher._train_in_group(TrainConfig(), tmp)["status"]
+    except RuntimeError as err:
+        outcome = str(err)
+    return outcome, (root / f"down{rank}").read_text()
+
+
+@pytest.mark.parametrize("how, outcomes", [
+    ("finish", [("ok", "done0 done1")] * 2),
+    ("stop", [("persistent_fault", "done0 done1")] * 2),
+    ("fail", [("rank 1 took its group down: True", ""), ("rank 1 failed", "")]),
+])
+def test_a_rank_takes_its_group_down_once_every_rank_is_done_unless_one_failed(
+        tmp_path: pathlib.Path, how: str, outcomes: list[tuple[str, str]]) -> None:
+    """A rank that destroyed its process group while a peer still talked to it aborted
+    now and then in gloo's teardown ('terminate called without an active exception'):
+    a run that finished, or that the guard stopped, takes its group down after a
+    barrier. A failed rank does not wait there (its peers may never come): it leaves with
+    its error while its peer is still training."""
+    assert run_workers(_finishing_apart, 2, str(tmp_path), how, timeout=120) == outcomes
 
 
 def test_a_failed_run_leaves_no_checkpoint_temporaries(tmp_path: pathlib.Path,
