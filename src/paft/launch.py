@@ -472,6 +472,8 @@ def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
         except PersistentFaultError as err:
             if dist.get_rank() == 0:
                 trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
+                # Every rank wrote its faults of the step before the decision they all stop on.
+                sort_faults(run_dir)
             trainer.recorder.close()
             result = {"status": "persistent_fault", "ranks": err.ranks, "step": err.step, "message": str(err)}
         done = True
