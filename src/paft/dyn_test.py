@@ -39,6 +39,7 @@ def test_defaults() -> None:
     [
         ({"h_init": 0, "h_min": 1}, "h_init"),
         ({"h_init": 2.0}, "h_init"),
+        ({"h_init": 7.5}, "h_init"),  # within the bounds, but not an int
         ({"h_min": 0}, "h_min"),
         ({"h_min": True}, "h_min"),
         ({"h_max": -3}, "h_max"),
@@ -48,6 +49,8 @@ def test_defaults() -> None:
         ({"target": 0.0}, "target"),
         ({"target": float("nan")}, "target"),
         ({"target": float("inf")}, "target"),
+        ({"target": True}, "target"),
+        ({"target": "1e-4"}, "target"),
         ({"shrink": 1.0}, "shrink"),
         ({"shrink": 0.0}, "shrink"),
         ({"grow": 1.0}, "grow"),
@@ -55,6 +58,7 @@ def test_defaults() -> None:
         ({"low_water": -0.1}, "low_water"),
         ({"low_water": 1.5}, "low_water"),
         ({"low_water": "0.2"}, "low_water"),
+        ({"low_water": True}, "low_water"),
         ({"patience": 0}, "patience"),
     ],
 )
@@ -85,6 +89,26 @@ def test_protect_config_checks_the_bounds_as_dyn_config_does(kwargs: dict) -> No
     assert str(protect.value) == expected
 
 
+@pytest.mark.parametrize("kwargs", [{"h_min": 7, "h_init": 7, "h_max": 7}, {"h_init": 5}, {"h_init": 400},
+                                    {"low_water": 0.0}, {"low_water": 1.0}])
+def test_config_bounds_are_inclusive(kwargs: dict) -> None:
+    DynConfig(**kwargs)
+
+
+def test_equal_bounds_pin_the_period() -> None:
+    sched = DynScheduler(DynConfig(h_min=7, h_init=7, h_max=7, patience=1))
+    assert [sched.observe(s, d) for s, d in enumerate([HIGH, CALM, float("nan"), 0.0])] == [7] * 4
+
+
+@pytest.mark.parametrize("bad", [True, 2.5])
+@pytest.mark.parametrize("call", ["due", "trigger", "observe"])
+def test_steps_must_be_ints(call: str, bad: object) -> None:
+    sched = DynScheduler()
+    args = (bad, 0.0) if call == "observe" else (bad,)
+    with pytest.raises(TypeError):
+        getattr(sched, call)(*args)
+
+
 def test_shrinks_to_h_min_and_not_below() -> None:
     sched = DynScheduler()
     periods = [sched.observe(step, HIGH) for step in range(1, 7)]
@@ -106,6 +130,23 @@ def test_grows_after_patience_calm_syncs_to_h_max_and_not_above() -> None:
     assert periods == [50, 100, 100, 200, 200, 400, 400, 400, 400, 400]
     sched = DynScheduler(DynConfig(patience=1, grow=1.5, h_max=100))
     assert [sched.observe(s, 0.0) for s in range(4)] == [75, 100, 100, 100]
+
+
+@pytest.mark.parametrize("h_init, grow, grown", [
+    (100, 1.1, 110),  # 100 * 1.1 = 110.00000000000001: rounded before ceil
+    (13, 1.5, 20),  # 19.5 rounds up...
+    (5, 1.1, 6),  # ...so that a small period still grows
+])
+def test_growth_rounds_up(h_init: int, grow: float, grown: int) -> None:
+    assert DynScheduler(DynConfig(h_init=h_init, grow=grow, patience=1)).observe(0, 0.0) == grown
+
+
+@pytest.mark.parametrize("low_water, calm, period", [(0.0, 0.0, 50), (1.0, 0.99 * T, 100)])
+def test_low_water_bounds_what_counts_as_calm(low_water: float, calm: float, period: int) -> None:
+    """low_water = 0: nothing is calm, not even zero divergence (growth is off);
+    low_water = 1: anything under the target is."""
+    sched = DynScheduler(DynConfig(low_water=low_water, patience=1))
+    assert sched.observe(50, calm) == period
 
 
 def test_holds_in_between_and_calm_streak_must_be_consecutive() -> None:
@@ -198,10 +239,10 @@ _EVENT = st.one_of(
 def _drive(sched: SyncScheduler, step: int, events: list[tuple[str, float]]) -> int:
     for kind, div in events:
         step += 1
-        if kind == "trigger":
-            sched.trigger(step)
         if kind == "observe" or sched.due(step):
             sched.observe(step, div)
+        if kind == "trigger":  # its sync at the next event: a checkpoint may fall in between
+            sched.trigger(step)
         cfg = getattr(sched, "config", None)
         if cfg is not None:
             assert cfg.h_min <= sched.period <= cfg.h_max
@@ -243,6 +284,19 @@ def test_load_state_dict_checks_kind_and_clamps_to_own_config() -> None:
     small = DynScheduler(DynConfig(h_max=100, h_init=50))
     small.load_state_dict(big.state_dict())
     assert small.period == 100 and small.next_sync_step == 100  # last sync 0 + the clamped period
+    large_min = DynScheduler(DynConfig(h_min=10))
+    large_min.load_state_dict(DynScheduler(DynConfig(h_min=2, h_init=4)).state_dict())
+    assert large_min.period == 10 and large_min.next_sync_step == 4  # a longer period postpones nothing
+
+
+def test_pending_trigger_restored_into_a_smaller_h_max() -> None:
+    """The triggered sync shrinks from the pre-event period as the new bounds clamp it."""
+    big = DynScheduler(DynConfig(h_init=300))
+    big.trigger(10)
+    small = DynScheduler(DynConfig(h_max=100, h_init=50))
+    small.load_state_dict(big.state_dict())
+    assert small.due(10) and small.period == 100
+    assert small.observe(10, 4 * T) == 25  # 100 / 4, not 300 / 4
 
 
 def test_fixed_period_is_the_loading_schedulers_own() -> None:
