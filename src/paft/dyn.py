@@ -166,6 +166,16 @@ class SyncScheduler(abc.ABC):
         self._pending_trigger = bool(state["pending_trigger"])
         self._period_before_trigger = int(state["period_before_trigger"])
 
+    def _restore_period(self, period: int) -> None:
+        """Replace a restored period by ``period`` (the loading scheduler's own, or the
+        saved one clamped into its bounds). A shorter one brings the next sync forward by
+        as much, unless a trigger is pending: that sync is due at once already, and
+        moving it before the event's step would report it due at a step long gone
+        (negative, for an event early in a run)."""
+        if not self._pending_trigger:
+            self._next -= max(0, self._period - period)
+        self._period = period
+
 
 class FixedScheduler(SyncScheduler):
     """PAFT-Sync: a sync every ``period`` steps. A :meth:`trigger` makes one due at
@@ -183,8 +193,8 @@ class FixedScheduler(SyncScheduler):
         forward by as much."""
         period = self._period
         super().load_state_dict(state)
-        self._next -= max(0, self._period - period)
-        self._period = self._period_before_trigger = period
+        self._restore_period(period)
+        self._period_before_trigger = period
 
 
 @dataclass
@@ -312,9 +322,6 @@ class DynScheduler(SyncScheduler):
         super().load_state_dict(state)
         self._calm = int(state["calm"])
         cfg = self.config
-        saved = self._period
-        self._period = min(cfg.h_max, max(cfg.h_min, self._period))
-        # A period clamped shorter brings the next sync forward by as much.
-        self._next -= max(0, saved - self._period)
+        self._restore_period(min(cfg.h_max, max(cfg.h_min, self._period)))
         self._period_before_trigger = min(cfg.h_max, max(cfg.h_min, self._period_before_trigger))
 

@@ -296,6 +296,7 @@ def test_pending_trigger_restored_into_a_smaller_h_max() -> None:
     small = DynScheduler(DynConfig(h_max=100, h_init=50))
     small.load_state_dict(big.state_dict())
     assert small.due(10) and small.period == 100
+    assert small.next_sync_step == 10  # the event's step, not 10 - (150 - 100) = -40
     assert small.observe(10, 4 * T) == 25  # 100 / 4, not 300 / 4
 
 
@@ -313,3 +314,7 @@ def test_fixed_period_is_the_loading_schedulers_own() -> None:
     shorter = FixedScheduler(4)
     shorter.load_state_dict(FixedScheduler(10).state_dict())
     assert (shorter.period, shorter.next_sync_step) == (4, 4)  # brought forward by 10 - 4
+    triggered = FixedScheduler(10)
+    triggered.trigger(3)
+    shorter.load_state_dict(triggered.state_dict())
+    assert (shorter.period, shorter.next_sync_step) == (4, 3)  # due at once already: not moved to 3 - 6
