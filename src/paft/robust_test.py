@@ -10,24 +10,34 @@ import pytest
 import torch
 
 from paft import robust
-from paft.robust import finite_where_outvoted_, median_of_three, replica_median
+from paft.robust import (
+    finite_where_outvoted_,
+    median_of_finite,
+    median_of_three,
+    replica_median,
+    sound_where_it_can_tell_,
+)
+
+nan, inf = math.nan, math.inf
 
 
 def test_replica_median_matches_sort_and_nan_loses():
     torch.manual_seed(0)
     for n in (2, 3, 4, 5, 6, 8, 17, 18):
-        rows = torch.randn(n, 1000)
-        rows[0, :10] = math.nan
-        rows[-1, 10:20] = -math.inf
-        ranked = torch.sort(torch.where(rows.isnan(), math.inf, rows), dim=0).values
-        lo = ranked[(n - 1) // 2]
-        hi = ranked[n // 2]  # == lo for odd n
-        expected = torch.where(hi.abs() < lo.abs(), hi, lo)
-        before = rows.clone()
-        assert torch.equal(replica_median(rows), expected), n
-        out = torch.empty(1000)
-        assert replica_median(rows, out=out) is out and torch.equal(out, expected), n
-        assert torch.equal(rows.nan_to_num(7.0), before.nan_to_num(7.0)), n  # the input is not sorted in place
+        for nan_free in (False, True):
+            rows = torch.randn(n, 1000)
+            rows[-1, 10:20] = -math.inf
+            if not nan_free:
+                rows[0, :10] = math.nan
+            ranked = torch.sort(torch.where(rows.isnan(), math.inf, rows), dim=0).values
+            lo = ranked[(n - 1) // 2]
+            hi = ranked[n // 2]  # == lo for odd n
+            expected = torch.where(hi.abs() < lo.abs(), hi, lo)
+            before = rows.clone()
+            assert torch.equal(replica_median(rows, nan_free=nan_free), expected), n
+            out = torch.empty(1000)
+            assert replica_median(rows, out=out, nan_free=nan_free) is out and torch.equal(out, expected), n
+            assert torch.equal(rows.nan_to_num(7.0), before.nan_to_num(7.0)), n  # the input is not sorted in place
     # one outlier on either side never wins for 3+ replicas; the result is a replica value
     rows = torch.tensor([[1.0, 1e30, math.nan], [2.0, 2.0, 2.0], [3.0, 3.0, 3.0]])
     assert replica_median(rows).tolist() == [2.0, 3.0, 3.0]
@@ -41,6 +51,24 @@ def test_an_even_split_keeps_the_value_a_flipped_exponent_did_not_enlarge() -> N
         rows = torch.tensor([[0.5], [0.5], [bad], [bad]])
         assert replica_median(rows).tolist() == [0.5], bad
         assert replica_median(rows.flip(0)).tolist() == [0.5], bad
+
+
+@pytest.mark.parametrize("values", [
+    [1.0, -1.0],
+    [-5.0, -1.0, 1.0, 5.0],  # four replicas' middle pair comes out as (1, -1): ordered before the tie
+    [5.0, 4.0, 1.0, -1.0, -4.0, -5.0],
+    [float(v) for v in range(-9, 10) if v],  # 18 replicas: past the sorting network
+])
+def test_middle_values_of_equal_magnitude_give_the_lower(values: list[float]) -> None:
+    assert replica_median(torch.tensor(values).unsqueeze(1)).tolist() == [-1.0]
+
+
+def test_median_of_finite_values_only() -> None:
+    cols = torch.tensor([[inf, 1.0, 2.0, -1.0, nan],
+                         [inf, nan, 1.0, 1.0, -inf],
+                         [3.0, 2.0, nan, inf, nan]])
+    # inf ignored; an even count: the smaller magnitude (1 and 2, either order); on a tie the lower; none: NaN
+    assert median_of_finite(cols).nan_to_num(7.0).tolist() == [3.0, 1.0, 1.0, -1.0, 7.0]
 
 
 def test_median_of_three_is_clamp_of_reference():
@@ -74,20 +102,44 @@ def test_a_median_where_every_replica_holds_nan_somewhere_spreads_none() -> None
 def test_a_median_that_comes_out_of_nan_is_nan_never_an_infinity_no_input_held() -> None:
     """NaN counts as +inf inside the median: where enough inputs held NaN to take it, the
     +inf leaked out as a value no replica held (both replicas NaN at world size 2)."""
-    nan, inf = math.nan, math.inf
-    a = torch.tensor([nan, nan, nan, 1.0, nan, -inf])
-    b = torch.tensor([nan, nan, inf, nan, 2.0, nan])
-    r = torch.tensor([0.3, nan, 1.0, nan, 0.5, 0.5])
-    out = torch.empty(6)
+    a = torch.tensor([nan, nan, nan, inf, 1.0, nan, -inf, 1.0])
+    b = torch.tensor([nan, nan, inf, nan, nan, 2.0, nan, nan])
+    r = torch.tensor([0.3, nan, 1.0, nan, nan, 0.5, 0.5, inf])
+    out = torch.empty(8)
     assert median_of_three(a, b, r, out=out) is out
-    # NaN on both replicas stays NaN (reference finite or not); a real +inf stays +inf
-    assert out.nan_to_num(nan=7.0, posinf=inf, neginf=-inf).tolist() == [7.0, 7.0, inf, 7.0, 2.0, 0.5]
-    rows = torch.tensor([[nan, nan, 1.0], [nan, inf, nan], [nan, nan, 3.0]])  # +inf: a replica holds it
+    # NaN on both replicas stays NaN (reference finite or not); a real +inf, whichever input holds it, stays +inf
+    assert out.nan_to_num(nan=7.0, posinf=inf).tolist() == [7.0, 7.0, inf, inf, 7.0, 2.0, 0.5, inf]
+    rows = torch.tensor([[nan, nan, inf, nan, 1.0], [nan, inf, nan, nan, nan], [nan, nan, nan, inf, 3.0]])
     merged = replica_median(rows)
-    assert merged.nan_to_num(nan=7.0, posinf=inf, neginf=-inf).tolist() == [7.0, inf, 3.0]
-    finite_where_outvoted_(merged, rows, good=[])  # NaN on every replica: nothing finite to take
-    assert merged.nan_to_num(nan=7.0, posinf=inf, neginf=-inf).tolist() == [7.0, inf, 3.0]
-    assert math.isnan(replica_median(torch.tensor([[nan]])).item())  # a single replica: its own value
+    assert merged.nan_to_num(nan=7.0, posinf=inf).tolist() == [7.0, inf, inf, inf, 3.0]
+    finite_where_outvoted_(merged, rows, good=[])  # NaN or +inf on every replica: nothing finite to take
+    assert merged.nan_to_num(nan=7.0, posinf=inf).tolist() == [7.0, inf, inf, inf, 3.0]
+    out = torch.empty(3)
+    assert replica_median(torch.tensor([[nan, -inf, 2.0]]), out=out) is out  # a single replica: its own values
+    assert out.nan_to_num(nan=7.0, neginf=-inf).tolist() == [7.0, -inf, 2.0]
+
+
+def test_a_median_outvoted_by_non_finite_values_takes_the_finite_replicas_median() -> None:
+    """Rank 3 alone is finite everywhere: where NaN (as +inf) or -inf took the median,
+    its value replaces it, not the median of every finite value there (which would take
+    rank 4's 1.0 or 2.0, from a replica holding NaN elsewhere)."""
+    rows = torch.tensor([[nan, -inf, 0.0],
+                         [nan, -inf, 0.0],
+                         [nan, -inf, 0.0],
+                         [4.0, 3.0, 0.0],
+                         [1.0, 2.0, nan]])
+    merged = replica_median(rows)
+    finite_where_outvoted_(merged, rows, good=[3])
+    assert merged.tolist() == [4.0, 3.0, 0.0]
+
+
+def test_sound_copy_is_taken_except_where_the_other_holds_an_infinity() -> None:
+    merged = torch.zeros(6)
+    sound = torch.tensor([1.0, 2.0, 3.0, 4.0, -inf, nan])
+    other = torch.tensor([9.0, inf, -inf, nan, 3.0, 5.0])
+    sound_where_it_can_tell_(merged, sound, other)
+    # the other's NaN is no state: the sound value; its infinity, or no finite sound value: the median stays
+    assert merged.tolist() == [1.0, 0.0, 0.0, 4.0, 0.0, 0.0]
 
 
 def test_docstring_example_runs() -> None:
