@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import doctest
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paft import spikes
 from paft.spikes import (
     GROSS_FACTOR,
     MAD_TO_STD,
+    REL_FLOOR_GRAD,
     REL_FLOOR_LOSS,
     REL_FLOOR_RANK,
+    TAIL_FACTOR,
     SpikeWindow,
     cross_rank_limit,
     median,
     median_distance,
+    pair_limit,
 )
 
 finite = st.floats(-1e6, 1e6) | st.sampled_from([0.0, 1.0, 2.5])
@@ -33,20 +39,27 @@ def test_median_distance_is_the_sorted_definition(xs: list[float], center: float
 
 
 @settings(max_examples=200, deadline=None)
-@given(size=st.integers(1, 12), xs=st.lists(finite | st.sampled_from([math.nan, math.inf]), max_size=40))
-def test_window_keeps_the_last_finite_values_and_their_statistics(size: int, xs: list[float]) -> None:
-    """Past its size the window drops the oldest value from the sorted copy too, and the
-    cached statistics are those of exactly the values it holds; NaN/Inf never enter."""
+@given(size=st.integers(1, 12), ops=st.lists(finite | st.sampled_from([math.nan, math.inf, None]), max_size=40))
+def test_window_keeps_the_last_finite_values_and_their_statistics(size: int, ops: list[float | None]) -> None:
+    """Past its size (or at drop_oldest, None here) the window drops the oldest value
+    from the sorted copy too, and the cached statistics are, after every change, those
+    of exactly the values it holds; NaN/Inf never enter."""
     w = SpikeWindow(size)
-    for x in xs:
-        w.push(x)
-    expect = [x for x in xs if math.isfinite(x)][-size:]
-    assert list(w.values) == expect
-    if expect:
-        med = median(sorted(expect))
-        assert w.stats() == (med, median(sorted(abs(x - med) for x in expect)), max(expect))
-    else:
-        assert w.limit(10, REL_FLOOR_LOSS, armed=True) == math.inf
+    expect: list[float] = []
+    for x in ops:
+        if x is None:
+            if expect:
+                w.drop_oldest()
+                expect.pop(0)
+        else:
+            w.push(x)
+            expect = (expect + [x])[-size:] if math.isfinite(x) else expect
+        assert list(w.values) == expect
+        if expect:
+            med = median(sorted(expect))
+            assert w.stats() == (med, median(sorted(abs(x - med) for x in expect)), max(expect))
+        else:
+            assert w.limit(10, REL_FLOOR_LOSS, armed=True) == math.inf
 
 
 def test_limit_is_median_plus_floored_mads_or_the_tail() -> None:
@@ -58,6 +71,24 @@ def test_limit_is_median_plus_floored_mads_or_the_tail() -> None:
     # One earlier excursion, MAD 0: the tail (3 x the max's distance) is above 10 floors.
     tail = SpikeWindow(100, [1.0] * 9 + [5.0])
     assert tail.limit(10, REL_FLOOR_LOSS, armed=True) == 1 + 3 * (5 - 1)
+
+
+@pytest.mark.parametrize("values, limit", [
+    ([0.0] * 9 + [1.0], 3.0),  # median and MAD 0: the tail alone, 3 x (1 - 0)
+    ([4.0] * 5, 4.0 + 10 * 0.05 * 4.0),  # no excursion: the relative floor alone
+])
+def test_either_the_floor_or_the_tail_gives_a_scale(values: list[float], limit: float) -> None:
+    assert SpikeWindow(100, values).limit(10, REL_FLOOR_LOSS, armed=True) == limit
+
+
+def test_a_negative_series_scales_by_its_magnitude() -> None:
+    """A loss can be negative (a continuous density's NLL): the floor and the warm-up
+    reach are magnitudes, so the limit still lies above the values."""
+    w = SpikeWindow(100, [-10.0, -10.0, -10.0, -9.0, -11.0])  # median -10, MAD 0, max -9
+    assert w.limit(10, REL_FLOOR_LOSS, armed=True) == -10 + 10 * 0.05 * 10
+    assert w.limit(10, REL_FLOOR_LOSS, armed=False) == -9 + GROSS_FACTOR * 10
+    assert cross_rank_limit([-4.0, -4.0, -4.0, -5.0], 20, armed=True) == -4 + 20 * 0.25 * 4
+    assert cross_rank_limit([-4.0, -4.0, -5.0], 20, armed=False) == -4 + GROSS_FACTOR * 4
 
 
 def test_an_all_zero_history_fires_only_past_the_gross_factor() -> None:
@@ -79,3 +110,33 @@ def test_cross_rank_limit_ignores_non_finite_values() -> None:
     assert cross_rank_limit([math.nan, math.inf], 20, armed=True) == math.inf
     assert cross_rank_limit([2.0, math.nan, 2.0, 2.0], 20, armed=True) == cross_rank_limit([2.0] * 3, 20, armed=True)
     assert cross_rank_limit([2.0, 2.0, 2.0], 20, armed=False) == 2.0 + GROSS_FACTOR * 2.0
+
+
+@pytest.mark.parametrize("values, limit", [
+    ([1.0, 2.0, 40.0], 2.0 + GROSS_FACTOR * 2.0),  # above the median, not the outlier
+    ([0.0, 0.0, 5.0], GROSS_FACTOR),  # a median of 0: no scale
+])
+def test_cross_rank_warm_up_limit_is_a_gross_jump_above_the_median(values: list[float], limit: float) -> None:
+    assert cross_rank_limit(values, 20, armed=False) == limit
+
+
+@pytest.mark.parametrize("values, limit", [
+    ([3.0, 2.0], 2.0 + GROSS_FACTOR * 2.0),  # above the smaller: a bit-30 value cannot raise it
+    ([-2.0, math.inf, 3.0], -2.0 + GROSS_FACTOR * 2.0),
+    ([0.0, 5.0], GROSS_FACTOR),
+    ([2.0, math.nan], math.inf),  # one finite value: nothing to compare to
+    ([], math.inf),
+])
+def test_pair_limit_is_a_gross_jump_above_the_smaller_value(values: list[float], limit: float) -> None:
+    assert pair_limit(values) == limit
+
+
+def test_documented_floors_and_factors() -> None:
+    assert (MAD_TO_STD, REL_FLOOR_LOSS, REL_FLOOR_GRAD, REL_FLOOR_RANK, TAIL_FACTOR, GROSS_FACTOR) == (
+        1.4826, 0.05, 0.5, 0.25, 3.0, 1e4
+    )
+
+
+def test_docstring_examples_run() -> None:
+    result = doctest.testmod(spikes)
+    assert result.attempted >= 3 and result.failed == 0
