@@ -13,7 +13,19 @@ from hypothesis import strategies as st
 from torch import nn
 
 from paft.comm import BucketCapture, CountSketch
-from paft.consistency import ControlVector, ControlView, pairwise_cosine, worker_metrics
+from paft.consistency import (
+    FLAG_AGG_NONFINITE,
+    FLAG_LOCAL_NONFINITE,
+    FLAG_LOSS_NONFINITE,
+    FLAG_STATE_CHECKED,
+    HEADER,
+    ControlVector,
+    ControlView,
+    checksum_keys,
+    dispersion,
+    pairwise_cosine,
+    worker_metrics,
+)
 from paft.fingerprint import digest, digest_tensor
 from paft.norms import total_norm
 from paft.workloads import build_workload
@@ -32,10 +44,44 @@ def view_of(losses: list[float], norms: list[float], sketches: torch.Tensor | No
     return ControlView(torch.stack(rows))
 
 
+def test_the_control_view_reads_back_what_each_rank_packed() -> None:
+    fps = [-(2**63), 2**63 - 1]  # a state fingerprint is any signed int64
+    rows = [ControlVector(loss=float(1 + r), local_sq=float(9 + 7 * r), agg_norm=0.5 * r, agg_checksum=r,
+                          state_fingerprint=fps[r], flags=[FLAG_LOSS_NONFINITE | FLAG_AGG_NONFINITE, 0][r],
+                          faults=3 * r, sketch=torch.tensor([r, -1.0], dtype=torch.float64)).pack(2)
+            for r in range(2)]
+    view = ControlView(torch.stack(rows))
+    assert view.losses.tolist() == [1.0, 2.0] and view.local_norms.tolist() == [3.0, 4.0]
+    assert view.agg_norms.tolist() == [0.0, 0.5] and view.faults == [0, 3]
+    assert view.sketches.tolist() == [[0.0, -1.0], [1.0, -1.0]]
+    assert view.state_fingerprints() == fps
+    assert view.flags == [FLAG_LOSS_NONFINITE | FLAG_AGG_NONFINITE | FLAG_STATE_CHECKED, FLAG_STATE_CHECKED]
+    assert view.ranks_with(FLAG_AGG_NONFINITE) == [0] and view.ranks_with(FLAG_LOCAL_NONFINITE) == []
+
+
+def test_state_fingerprints_only_when_every_rank_took_one() -> None:
+    assert view_of([1.0, 1.0], [1.0, 1.0]).state_fingerprints() is None
+    mixed = [ControlVector(1.0, 1.0, 1.0, 0, fp, 0, 0, None).pack(0) for fp in (5, None)]
+    assert ControlView(torch.stack(mixed)).state_fingerprints() is None
+
+
+def test_checksum_keys_compare_both_halves_bitwise() -> None:
+    def row(hi: int, lo: int) -> list[int]:
+        bits = [0] * HEADER
+        bits[3:5] = hi, lo  # COL_AGG_HI, COL_AGG_LO
+        return bits
+
+    keys = checksum_keys([row(1, 0), row(0, 1 << 32), row(0, 0), row(0, -1)])
+    assert len(set(keys)) == 4
+    # checksums that differ in their high half only are different replicas
+    assert worker_metrics(view_of([1.0] * 2, [1.0] * 2, agg_fps=[1 << 32, 0]))["replicas/grad_distinct"] == 2
+
+
 def test_dispersion_matches_hand_computation() -> None:
-    m = worker_metrics(view_of([1.0, 2.0, 3.0, 6.0], [2.0, 2.0, 4.0, 4.0]))
+    view = view_of([1.0, 2.0, 3.0, 6.0], [2.0, 2.0, 4.0, 4.0])
+    m = worker_metrics(view)
     # losses: mean 3, population variance (4 + 1 + 0 + 9) / 4 = 3.5
-    assert m["consistency/loss_mean"] == 3.0
+    assert m["consistency/loss_mean"] == view.global_loss == 3.0
     assert m["consistency/loss_std"] == pytest.approx(math.sqrt(3.5), rel=1e-12)
     assert m["consistency/loss_cv"] == pytest.approx(math.sqrt(3.5) / 3.0, rel=1e-12)
     assert m["consistency/loss_range"] == 5.0
@@ -45,6 +91,41 @@ def test_dispersion_matches_hand_computation() -> None:
     assert m["consistency/gnorm_cv"] == pytest.approx(1 / 3, rel=1e-12)
     assert m["consistency/gnorm_range"] == pytest.approx(2.0, rel=1e-12)
     assert m["replicas/grad_distinct"] == 1 and m["replicas/grad_minority_ranks"] == []
+
+
+@pytest.mark.parametrize("values, cv", [
+    ([-1.0, -3.0], 0.5),  # std over |mean|: a negative mean gives no negative cv
+    ([-1.0, 1.0], math.inf),  # spread about a zero mean
+    ([0.0, 0.0], 0.0),
+])
+def test_coefficient_of_variation(values: list[float], cv: float) -> None:
+    assert dispersion(np.array(values))["cv"] == cv
+
+
+def test_non_finite_ranks_are_those_with_a_non_finite_loss_or_norm() -> None:
+    m = worker_metrics(view_of([1.0, math.nan, 1.0, math.inf], [1.0, 1.0, math.inf, 1.0]))
+    assert m["consistency/nonfinite_ranks"] == [1, 2, 3]
+    assert worker_metrics(view_of([1.0, 2.0], [1.0, 2.0]))["consistency/nonfinite_ranks"] == []
+
+
+def test_cosine_metrics_from_the_sketches_and_only_with_two_ranks_and_a_sketch() -> None:
+    m = worker_metrics(view_of([1.0] * 2, [1.0] * 2, sketches=torch.tensor([[1.0, 0.0], [1.0, 1.0]])))
+    assert m["consistency/grad_cos_min"] == m["consistency/grad_cos_mean"] == pytest.approx(1 / math.sqrt(2))
+    for view in (view_of([1.0] * 2, [1.0] * 2), view_of([1.0], [1.0], sketches=torch.ones(1, 2))):
+        assert not [key for key in worker_metrics(view) if "cos" in key]
+
+
+def test_cosine_metrics_with_one_finite_gradient() -> None:
+    """No pair of finite gradients: no pairwise cosine; the finite one is its own mean."""
+    g = torch.tensor([[math.nan, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    m = worker_metrics(view_of([1.0] * 2, [1.0] * 2), grads=g)
+    assert math.isnan(m["consistency/grad_cos_mean"]) and math.isnan(m["consistency/grad_cos_min"])
+    assert m["consistency/cos_to_mean_min"] == 1.0
+
+
+def test_gradients_that_cancel_are_orthogonal_to_their_zero_mean() -> None:
+    _, to_mean = pairwise_cosine(np.array([[1.0, 2.0], [-1.0, -2.0]]))
+    assert to_mean.tolist() == [0.0, 0.0]
 
 
 def test_cosine_matches_hand_computation() -> None:
@@ -101,6 +182,9 @@ def test_two_ranks_and_replica_groups() -> None:
     assert m["replicas/grad_distinct"] == 2 and m["replicas/grad_groups"] == [[0], [1]]
     assert m["replicas/grad_minority_ranks"] == []  # no majority: neither rank is named
     assert m["replicas/state_distinct"] == 1 and "replicas/state_groups" not in m
+    m = worker_metrics(view_of([1.0] * 3, [1.0] * 3, agg_fps=[5, 9, 5], state_fps=[1, 1, 2]))
+    assert m["replicas/grad_minority_ranks"] == [1] and m["replicas/grad_groups"] == [[0, 2], [1]]
+    assert m["replicas/state_minority_ranks"] == [2] and m["replicas/state_groups"] == [[0, 1], [2]]
 
 
 def test_cosines_of_float64_extremes() -> None:
@@ -262,11 +346,14 @@ def test_one_rank_has_no_spread_even_when_its_value_is_not_finite() -> None:
         assert (d["std"], d["cv"], d["range"]) == (0.0, 0.0, 0.0), value  # a NaN here fired the loss_cv alert
 
 
-def test_cosines_of_identical_gradients_never_pass_one() -> None:
-    # Unclipped, rounding took this one's cosines to 1.0000000000000002.
-    row = [0.9470809631292422, -0.7037352358069926, -1.2654214710460525, -0.6232744625373522, 0.0413259793472436,
-           -2.3250307746388343, -0.21879166393254573]
-    m = worker_metrics(view_of([1.0] * 3, [1.0] * 3), grads=torch.tensor([row] * 3, dtype=torch.float64))
+@pytest.mark.parametrize("row, ranks", [
+    # Unclipped, rounding took these cosines (pairwise; to the mean) to 1.0000000000000002.
+    ([0.9470809631292422, -0.7037352358069926, -1.2654214710460525, -0.6232744625373522, 0.0413259793472436,
+      -2.3250307746388343, -0.21879166393254573], 3),
+    ([-0.6617025720390349, -0.43643524714322124], 4),
+])
+def test_cosines_of_identical_gradients_never_pass_one(row: list[float], ranks: int) -> None:
+    m = worker_metrics(view_of([1.0] * ranks, [1.0] * ranks), grads=torch.tensor([row] * ranks, dtype=torch.float64))
     cosines = [m["consistency/grad_cos_min"], m["consistency/grad_cos_mean"], *m["consistency/cos_to_mean"]]
     assert all(1 - 1e-15 < c <= 1.0 for c in cosines), cosines
 
