@@ -102,6 +102,9 @@ def test_bit_ranges_match_the_formats():
     assert bit_range(torch.bfloat16, "mantissa") == (0, 6)
     assert bit_range(torch.float16, "sign") == (15, 15)
     assert bit_range(torch.float64, "exponent") == (52, 62)
+    assert bit_range(torch.float16, "any") == (0, 15) and bit_range(torch.float16, 15) == (15, 15)
+    with pytest.raises(ValueError, match="bit 16"):
+        bit_range(torch.float16, 16)
     # A sign flip is exactly negation; an exponent-LSB flip of 1.0 halves it.
     for dtype in DTYPES:
         t = torch.tensor([1.5], dtype=dtype)
@@ -444,6 +447,60 @@ def test_parse_examples_and_defaults():
     assert [s.kind for s in parse_specs(["nan:rate=1", "zero:steps=1"])] == ["nan", "zero"]
 
 
+def test_parse_ignores_case_and_a_trailing_comma() -> None:
+    assert FaultSpec.parse("BitFlip:Site=Params,RATE=1,Ranks=Random,Bits=Sign,Persistent=TRUE,") == FaultSpec(
+        "bitflip", site="params", rate=1, bits="sign", persistent=True)
+
+
+@pytest.mark.parametrize("steps, merged", [
+    ("5+6+7", ((5, 7),)),  # adjacent steps: one range
+    ("1-10+2-3", ((1, 10),)),  # a range inside another
+    ([9, 2, (4, 5)], ((2, 2), (4, 5), (9, 9))),  # sorted
+])
+def test_steps_are_sorted_merged_ranges(steps: str | list, merged: tuple) -> None:
+    spec = FaultSpec.parse(f"nan:steps={steps}") if isinstance(steps, str) else FaultSpec("nan", steps=steps)
+    assert spec.steps == merged
+
+
+@pytest.mark.parametrize("spec, text", [
+    (FaultSpec("scale", steps=[5, (10, 12)], factor=-1e4, persistent=True),
+     "scale:steps=5+10-12,factor=-10000,persistent=true"),
+    (FaultSpec("scale", rate=0.5, factor=1e300), "scale:rate=0.5,factor=1e+300"),  # no 301 digits
+])
+def test_to_text_writes_values_as_a_user_would(spec: FaultSpec, text: str) -> None:
+    assert spec.to_text() == text
+
+
+@pytest.mark.parametrize("text, after, first", [
+    ("nan:rate=0.5", 0, 0),
+    ("nan:rate=0.5,start=10", 3, 10),
+    ("nan:steps=0-10,start=4", 0, 4),
+    ("nan:steps=5+20", 5, 5),  # a range ending at the first candidate step
+    ("nan:steps=5+20", 6, 20),
+    ("nan:rate=0.5,burst=3", 10, 10),  # a burst from step 8 fires at 10: never before `after`
+    ("nan:steps=5,burst=3", 7, 7),  # the burst from 5 still runs at 7...
+    ("nan:steps=5,burst=3", 8, None),  # ...but has ended by 8
+    ("nan:rate=0.5,stop=4", 4, None),  # stop is exclusive
+    ("nan:steps=3,rate=0", 0, None),
+])
+def test_first_firing(text: str, after: int, first: int | None) -> None:
+    assert FaultSpec.parse(text).first_firing(after=after) == first
+
+
+@pytest.mark.parametrize("text, dtype, takes", [
+    ("random:rate=1,value=65504", torch.float16, True),  # float16's largest finite value
+    ("bitflip:rate=1,bits=15", torch.bfloat16, True),
+    ("bitflip:rate=1,bits=16", torch.bfloat16, False),
+    ("bitflip:rate=1", torch.int32, False),
+])
+def test_takes_says_whether_check_dtype_accepts(text: str, dtype: torch.dtype, takes: bool) -> None:
+    spec = FaultSpec.parse(text)
+    assert spec.takes(dtype) == takes
+    if not takes:
+        with pytest.raises(FaultSpecError, match="'bits'"):
+            spec.check_dtype(dtype)
+
+
 BAD = [
     ("bitflip:rate=2", "rate", "field 'rate' must be in [0, 1], got 2"),
     ("bitflip:rate=-0.1", "rate", None),
@@ -459,7 +516,7 @@ BAD = [
     ("bitflip:rate=0.1,rate=0.2", "rate", "twice"),
     ("bitflip:rate=1,site=memory", "site", None),
     ("bitflip:steps=x", "steps", None),
-    ("bitflip:steps=5-3", "steps", None),
+    ("bitflip:steps=5-3", "steps", "got 5-3"),  # as the user typed it
     ("bitflip:steps=-1", "steps", None),
     ("bitflip:steps=1++2", "steps", None),
     ("bitflip:rate=1,ranks=x", "ranks", None),
@@ -481,6 +538,9 @@ BAD = [
     ("scale:rate=1,factor=1", "factor", "unchanged"),
     ("random:rate=1,value=0", "value", None),
     ("zero:rate=1,value=1", "value", None),
+    ("zero:rate=1,value=0", "value", "only to kind 'random'"),  # the kind first, then the value
+    ("nan:rate=1,bits=any", "bits", "only to kind 'bitflip'"),  # even bitflip's default
+    ("random:rate=1,value=inf", "value", "must be a finite number > 0"),
     ("stale:rate=1,count=2", "count", None),
     ("stale:rate=1,fraction=0.5", "fraction", None),
     ("nan:rate=1,burst=0", "burst", None),
@@ -514,10 +574,16 @@ def test_malformed_spec_names_the_field(text, field, fragment):
 @pytest.mark.parametrize("kwargs,field", [
     ({"steps": [True]}, "steps"), ({"steps": [(1, 2, 3)]}, "steps"), ({"steps": "5"}, "steps"),
     ({"steps": 5.0}, "steps"), ({"steps": 5, "ranks": 5.0}, "ranks"),
+    ({"steps": range(0, 10, 2)}, "steps"), ({"steps": -1}, "steps"), ({"steps": [(5, 3)]}, "steps"),
+    ({"steps": []}, "steps"), ({"rate": True}, "rate"), ({"steps": 1, "ranks": ()}, "ranks"),
+    ({"rate": 1, "fraction": True}, "fraction"),
+    ({"kind": "noise", "rate": 1, "sigma": True}, "sigma"), ({"kind": "random", "rate": 1, "value": True}, "value"),
+    ({"rate": 1, "factor": 2.0}, "factor"), ({"rate": 1, "persistent": 1}, "persistent"),
+    ({"rate": 1, "start": 1.5}, "start"),
 ])
-def test_direct_construction_names_the_field_of_a_wrong_type(kwargs: dict, field: str) -> None:
+def test_direct_construction_names_the_field_of_a_bad_value(kwargs: dict, field: str) -> None:
     with pytest.raises(FaultSpecError, match=f"field '{field}'"):
-        FaultSpec("nan", **kwargs)
+        FaultSpec(**{"kind": "nan", **kwargs})
 
 
 def test_direct_construction_validates_too():
