@@ -1,14 +1,64 @@
-"""Tests for paft.divergence: distances between replicas, measured across real gloo ranks."""
+"""Tests for paft.divergence: the finiteness judgement (pure), and distances between
+replicas measured across real gloo ranks."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
-from paft.divergence import measure_divergence
+from paft.divergence import all_finite, measure_divergence, nonfinite_patterns, rel_distance, sound_replicas
 from paft.testing import run_workers
+
+nan, inf = math.nan, math.inf
+
+
+@pytest.mark.parametrize("sq, ref_sq, rel", [
+    (1.0, 4.0, 0.5),
+    (0.0, 0.0, 0.0),  # nothing to measure, and no distance
+    (1.0, 0.0, inf),
+    (nan, 1.0, inf),
+    (1.0, inf, inf),
+])
+def test_rel_distance(sq: float, ref_sq: float, rel: float) -> None:
+    assert rel_distance(sq, ref_sq) == rel
+
+
+def test_huge_finite_values_of_every_float_dtype_are_finite():
+    # The extremes were compared in float32: a finite float64 1e300 (a flipped float64
+    # exponent bit) read as inf, which made its replica "non-finite" in every mode.
+    huge = [torch.tensor([1e300, -1e300], dtype=torch.float64), torch.tensor([65504.0], dtype=torch.float16),
+            torch.tensor([3e38], dtype=torch.bfloat16), torch.tensor([-3.4e38])]
+    assert all_finite(huge)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.float32):
+        for bad in (math.inf, -math.inf, math.nan):
+            assert not all_finite([*huge, torch.tensor([0.0, bad], dtype=dtype)]), (dtype, bad)
+    assert all_finite([torch.tensor([2**62]), torch.zeros(0)])  # integers and empty tensors are not read
+
+
+def test_nonfinite_patterns_tell_the_kind_and_the_place() -> None:
+    assert nonfinite_patterns([torch.ones(2), torch.zeros(3)]) == [0, 0, 0, 0]
+    out = nonfinite_patterns([torch.ones(2), *(torch.tensor(t) for t in ([nan, 1.0], [1.0, nan], [inf, 1.0],
+                                                                        [-inf, 1.0]))])
+    assert out[0::2] == [0, 1, 1, 1, 1] and out[1] == 0
+    assert len(set(out[3::2])) == 4  # NaN here or there, +inf, -inf: four patterns
+
+
+@pytest.mark.parametrize("rows, lenient, sound", [
+    # parameters: NaN/Inf even on every rank alike is corruption
+    ([[1, 7], [1, 7], [1, 7]], [False], [[False]] * 3),
+    # buffers: a strict majority's pattern is state
+    ([[1, 7], [1, 7], [2, 9]], [True], [[True], [True], [False]]),
+    # no majority: the fewest NaN/Inf, if one pattern holds the fewest
+    ([[1, 7], [1, 7], [2, 9], [2, 9]], [True], [[True], [True], [False], [False]]),
+    ([[1, 7], [1, 8]], [True], [[False], [False]]),
+    # per tensor: rank 2's parameter is not sound, its buffer (like everyone's) is
+    ([[0, 0, 1, 7], [0, 0, 1, 7], [1, 5, 1, 7]], [False, True], [[True, True], [True, True], [False, True]]),
+])
+def test_sound_replicas(rows: list[list[int]], lenient: list[bool], sound: list[list[bool]]) -> None:
+    assert sound_replicas(rows, lenient) == sound
 
 
 def _w_float64(rank: int, ws: int) -> dict:
@@ -41,3 +91,33 @@ def test_identical_float64_replicas_are_at_distance_zero() -> None:
         assert moved.per_rank[1] > 0 and moved.per_tensor[0][0] == "param/bias"
         assert dict((n, rel) for n, rel, _ in moved.per_tensor)["param/weight"] == 0.0
         assert r["nan_rank"].per_rank[:2] == [0.0, 0.0] and math.isinf(r["nan_rank"].per_rank[2])
+
+
+def _w_by_hand(rank: int, ws: int) -> dict:
+    # float32 (no bitwise shortcut): weight (3, 4), (3, 4), (3, 7), mean (3, 5); a buffer
+    # (-inf, 1), (-inf, 1), (-inf, 4), mean (-inf, 2), whose -inf (a mask's) they share.
+    model = nn.Linear(2, 1, bias=False)
+    model.register_buffer("mask", torch.tensor([-inf, 4.0 if rank == 2 else 1.0]))
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, 7.0 if rank == 2 else 4.0]]))
+    plain = measure_divergence(model, per_tensor=True)
+    no_buffers = measure_divergence(model, buffers=False)
+    if rank == 2:
+        model.mask[1] = nan  # NaN of its own in a buffer: out of the buffer's mean, not the weight's
+    return {"plain": plain, "no_buffers": no_buffers, "nan_buffer": measure_divergence(model)}
+
+
+def test_distances_by_hand() -> None:
+    """Weight distances 1, 1, 2 over a mean of norm sqrt(34); the buffer's 1, 1, 2 over
+    sqrt(4), the shared -inf agreement; the state both (1 + 1 = 2 ...) over sqrt(38)."""
+    sqrt = math.sqrt
+    for r in run_workers(_w_by_hand, 3):
+        plain = r["plain"]
+        assert plain.per_rank == [sqrt(1 / 34), sqrt(1 / 34), sqrt(4 / 34)] and plain.max == sqrt(4 / 34)
+        assert plain.state_per_rank == [sqrt(2 / 38), sqrt(2 / 38), sqrt(8 / 38)]
+        assert plain.state_max == sqrt(8 / 38) and plain.finite == [True] * 3
+        assert plain.per_tensor == [("buffer/mask", 1.0, 2), ("param/weight", sqrt(4 / 34), 2)]
+        assert r["no_buffers"].state_per_rank == plain.per_rank
+        nan_buffer = r["nan_buffer"]  # buffer mean (-inf, 1) of ranks 0 and 1, norm 1
+        assert nan_buffer.per_rank == plain.per_rank and nan_buffer.finite == [True, True, False]
+        assert nan_buffer.state_per_rank == [sqrt(1 / 35), sqrt(1 / 35), inf]
