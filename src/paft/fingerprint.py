@@ -265,7 +265,8 @@ def _plan_for(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
 
 
 def _as_bytes(i: int, t: torch.Tensor) -> torch.Tensor:
-    """Flat uint8 view of ``t``'s logical contents (copy only if non-contiguous)."""
+    """Flat uint8 view of ``t``'s logical contents (a copy only where they are not one
+    run of bytes in order)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fingerprint: item {i} is {type(t).__name__}, not a torch.Tensor")
     if t.layout != torch.strided:
@@ -278,10 +279,13 @@ def _as_bytes(i: int, t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    if not t.is_contiguous():  # a strided 1-D tensor (x[::2], an expand) reshapes to itself
-        t = t.contiguous()
     try:
-        return t.reshape(-1).view(torch.uint8)
+        flat = t.reshape(-1)  # a view where the layout allows, else a contiguous copy
+        # Not one run of bytes yet: a strided 1-D tensor (x[::2], an expand) reshapes to
+        # itself, and a one-element tensor is contiguous to torch whatever its stride.
+        if flat.stride(0) != 1:
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        return flat.view(torch.uint8)
     except RuntimeError as e:  # quantized, sub-byte dtypes, ...
         raise TypeError(f"fingerprint: cannot read the bytes of tensor {i} ({t.dtype}): {e}") from e
 

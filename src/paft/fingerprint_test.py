@@ -232,6 +232,17 @@ def test_digest_sees_what_a_word_sum_misses() -> None:
         assert digest(wrap) & F._M64 == _ref_digest(wrap)
 
 
+def test_a_one_element_view_with_any_stride_is_read_as_its_value() -> None:
+    """torch calls a one-element tensor contiguous whatever its stride, and view() then
+    refused its bytes: fingerprint and digest raised TypeError on ``x[::5]`` of a
+    5-element ``x``, a one-element expand, or the imaginary part of a one-element
+    complex tensor."""
+    for odd in (torch.randn(5)[::5], torch.tensor(5.0).expand(1), torch.randn(4, 4)[::4, ::4],
+                torch.randn(1, dtype=torch.complex64).conj().imag):
+        same = odd.clone(memory_format=torch.contiguous_format)
+        assert fingerprint([odd]) == fingerprint([same]) and digest(odd) == digest(same)
+
+
 def test_order_dtype_and_shape_are_part_of_the_fingerprint() -> None:
     a, b = torch.randn(8), torch.randn(8)
     assert fingerprint([a, b]) != fingerprint([b, a])
