@@ -243,11 +243,17 @@ def test_a_one_element_view_with_any_stride_is_read_as_its_value() -> None:
         assert fingerprint([odd]) == fingerprint([same]) and digest(odd) == digest(same)
 
 
+def test_a_lazily_negated_tensor_is_read_as_its_value() -> None:
+    lazy = torch.tensor(1 + 2j, dtype=torch.complex64).conj().imag  # -2.0: a negative bit on a view
+    assert lazy.is_neg() and fingerprint([lazy]) == fingerprint([torch.tensor(-2.0)])
+
+
 def test_order_dtype_and_shape_are_part_of_the_fingerprint() -> None:
     a, b = torch.randn(8), torch.randn(8)
     assert fingerprint([a, b]) != fingerprint([b, a])
     assert fingerprint([a]) != fingerprint([a.view(torch.int32)])  # same bytes
     assert fingerprint([a]) != fingerprint([a.view(2, 4)])
+    assert fingerprint([a.view(2, 4)]) != fingerprint([a.view(4, 2)])
     assert fingerprint([a]) != fingerprint([a, torch.zeros(0)])
     assert fingerprint([torch.tensor(1.0)]) != fingerprint([torch.tensor([1.0])])
 
@@ -349,3 +355,8 @@ def test_repr_digest_is_the_same_in_another_process() -> None:
                          env={**os.environ, "PYTHONHASHSEED": "random"})
     assert int(out.stdout) == repr_digest(value)
     assert repr_digest(value) != repr_digest((value[0], {"lr": 0.2}))
+
+
+def test_repr_digest_is_a_signed_int64_of_the_repr() -> None:
+    assert all(-(2**63) <= repr_digest(v) < 2**63 for v in range(16))  # as the ranks exchange it, an int64
+    assert repr_digest(1) != repr_digest("1")  # alike by str(), not by repr()
