@@ -138,8 +138,9 @@ def median_of_three(
     a: Tensor, b: Tensor, ref: Tensor, out: Tensor | None = None, nan_free: bool = False
 ) -> Tensor:
     """Per coordinate, the median of ``a``, ``b`` and ``ref`` = ``clamp(ref, min(a, b),
-    max(a, b))``; NaN counts as +inf (a median that came out of NaN is NaN: where both
-    replicas hold NaN, NaN, as they hold it). Inputs are not modified."""
+    max(a, b))``; NaN counts as +inf, and a +inf median is NaN where no input holds +inf
+    (both replicas hold NaN: NaN, as they hold it; with ``ref`` at +inf: +inf). Inputs
+    are not modified."""
     if nan_free:
         return _clamp(a, b, ref, out)
     merged = _clamp(_nan_as_inf(a), _nan_as_inf(b), _nan_as_inf(ref), out)
