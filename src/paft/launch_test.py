@@ -128,11 +128,11 @@ def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, mon
 
     monkeypatch.setattr(launcher, "_run_workers", failed)
     assert launcher.launch(TrainConfig(run_dir="r", steps=2)) == launcher.EXIT_WORKER_FAILED
-    faults = read_jsonl(tmp_path / "r" / "faults.jsonl")
-    assert [(f["step"], f["rank"]) for f in faults] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert _steps_and_ranks(tmp_path / "r") == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def _steps_and_ranks(run: pathlib.Path) -> list[tuple[int, int]]:
+    """(step, rank) of each line of ``run``'s faults.jsonl, in file order."""
     return [(f["step"], f["rank"]) for f in read_jsonl(run / "faults.jsonl")]
 
 
