@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.amp import OptimizerStep
@@ -106,6 +106,13 @@ def mark_protected(model: DistributedDataParallel, protector: Any) -> None:
 _PROTECTED: weakref.WeakKeyDictionary[DistributedDataParallel, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
+def _is_zero_redundancy(optimizer: Any) -> bool:
+    # Looked up, not imported: importing torch.distributed.optim costs every worker about
+    # a second, and an optimizer can only be one if the user's program imported it.
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
+
+
 def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: Any, protect: Any, guard: Any,
                      inject: Any, grad_clip: Any) -> None:
     """Misuse that would otherwise fail deep inside a later step, or not at all."""
@@ -115,7 +122,7 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
                            "that one (its state_dict() carries over), or wrap the module in a new DDP model")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"protect() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _is_zero_redundancy(optimizer):
         # Its state lives sharded in optimizer.optim.state: paft could neither fingerprint
         # nor sync it, and a rolled-back step would keep the state it advanced.
         raise TypeError("protect(): ZeroRedundancyOptimizer is not supported (each rank holds only its shard of "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -1023,3 +1025,11 @@ def test_prime_leaves_a_stateful_hook_alone_and_the_group_rank_0_speaks() -> Non
     for rank in (1, 2):
         assert out[rank]["primed"] == 0 and out[rank]["stepped"]
     assert [out[r]["speaker"] for r in (1, 2)] == [0, 1]  # the group's ranks: global 1 speaks
+
+
+def test_importing_paft_leaves_torch_distributed_optim_unloaded() -> None:
+    # It costs each worker about a second; protect() only looks ZeroRedundancyOptimizer up.
+    code = ("import sys, paft, paft.cli, paft.launch, paft.train; "
+            "print('torch.distributed.optim' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
