@@ -93,7 +93,8 @@ def _fmt(v: Any) -> str:
     """Render a value as a user typed it: 2.0 -> '2', 0.01 -> '0.01' (exact repr)."""
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 1e16:
+    negative_zero = isinstance(v, float) and v == 0 and math.copysign(1, v) < 0  # scales to other bits than 0
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 1e16 and not negative_zero:
         return str(int(v))
     return repr(v) if isinstance(v, float) else str(v)
 
@@ -220,7 +221,9 @@ class FaultSpec:
         if self.rate is None and self.steps is None:
             raise _err("rate", "or 'steps' must be given (a fault needs to know when to fire)")
         if self.ranks != "random":
-            if isinstance(self.ranks, str) or is_int(self.ranks) or not isinstance(self.ranks, Iterable):
+            # bytes iterate as ints: b"1" would have named rank 49.
+            if (isinstance(self.ranks, (str, bytes, bytearray)) or is_int(self.ranks)
+                    or not isinstance(self.ranks, Iterable)):
                 raise _err("ranks", "must be 'random' or a tuple of ranks", self.ranks)
             ranks = tuple(self.ranks)
             if not ranks or not all(is_int(r) and r >= 0 for r in ranks):
