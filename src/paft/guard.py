@@ -360,7 +360,7 @@ class Guard:
         if prev is None or prev.source != "update":
             st.pending = _Incident("update", "update_ratio", [], bits)
             verdict = self._rerun(st, "update_ratio", [], values)
-        elif prev.bits == bits or (math.isfinite(ratio) and close(bits_f64(prev.bits[0][0]), ratio)):
+        elif prev.bits == bits or close(bits_f64(prev.bits[0][0]), ratio):
             st.pending = None
             self._decide(st, "data")
             self.counters["skipped_batches"] += 1

@@ -728,6 +728,20 @@ def test_update_ratio_spike_reproduced_is_data() -> None:
     assert g.counters["rollbacks"] == 2
 
 
+@pytest.mark.parametrize("first,again", [(math.inf, 0.2), (0.2, math.inf)])
+def test_an_update_ratio_infinite_on_one_attempt_only_is_not_reproduced(first: float, again: float) -> None:
+    # An infinity lies within any relative tolerance of every value: a finite spike on
+    # the rerun of an infinite update read as reproduced, and the batch was skipped as data.
+    g = guard(2)
+    t = warm(g)
+    view = make_view([2.8, 2.8], [1.5, 1.5], 1.0)  # a near miss: armed
+    for attempt, ratio in enumerate((first, again)):
+        assert g.check(t, attempt, view).action == "proceed" and g.wants_snapshot(t, view)
+        v = g.check_update(t, ratio)
+        assert (v.action, v.cause) == ("recompute", None), attempt
+    assert g.counters["data"] == 0
+
+
 def test_update_ratio_is_judged_against_recent_ratios_only() -> None:
     # Ratios are measured on armed steps only: after the warm-up, rarely. A window of
     # the first steps' ratios (tiny, under a learning-rate warm-up) called a clean

@@ -71,8 +71,9 @@ def bits_f64(bits: int) -> float:
 
 
 def close(a: float, b: float) -> bool:
-    """Within RERUN_RTOL of each other, relative to the larger magnitude."""
-    return abs(a - b) <= RERUN_RTOL * max(abs(a), abs(b))
+    """Both finite and within RERUN_RTOL of each other, relative to the larger magnitude
+    (an infinity would be within any relative tolerance of every value)."""
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= RERUN_RTOL * max(abs(a), abs(b))
 
 
 def _cleared(row: list[int], cols: tuple[int, ...], flag: int) -> list[int]:
@@ -99,7 +100,7 @@ def _state_checked(bits: list[list[int]]) -> bool:
 
 
 def _same(x: float, y: float) -> bool:
-    return (math.isnan(x) and math.isnan(y)) or x == y or (math.isfinite(x) and math.isfinite(y) and close(x, y))
+    return (math.isnan(x) and math.isnan(y)) or x == y or close(x, y)
 
 
 def reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | None = None) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from paft.consistency import COL_AGG_HI, COL_AGG_LO, COL_FLAGS, COL_STATE_HI, FLAG_STATE_CHECKED
-from paft.rerun import f64_bits, reproduced, unsteady_ranks
+from paft.rerun import close, f64_bits, reproduced, unsteady_ranks
 
 NAN = math.nan
 
@@ -27,6 +27,16 @@ def test_finite_values_within_the_tolerance_reproduce_and_others_do_not() -> Non
     assert not reproduced(first, [row(2.0 * (1 + 5e-3)), row(3.0)])
     assert not reproduced(first, [row(2.0), row(3.0, fp=8)])  # the replica grouping changed
     assert not reproduced(first, [row(2.0), row(3.0, state=1)])  # the state changed
+    assert not reproduced(first, [row(math.inf), row(3.0)])  # finite on one attempt only
+    assert not reproduced(first, [row(2.0, agg=math.inf), row(3.0, agg=math.inf)])
+
+
+def test_close_is_relative_to_the_larger_magnitude_and_never_holds_for_an_infinity() -> None:
+    assert close(1.0, 1.0 + 1.0005e-3) and close(1.0 + 1.0005e-3, 1.0)  # 0.9995e-3 of the larger
+    assert not close(1.0, 1.0 + 1.002e-3)
+    # An infinity would be within any relative tolerance of every value.
+    assert not close(2.0, math.inf) and not close(-math.inf, -2.0) and not close(math.inf, math.inf)
+    assert not close(NAN, NAN)
 
 
 def test_a_nan_must_reproduce_bitwise_where_the_other_ranks_are_deterministic() -> None:
