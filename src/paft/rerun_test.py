@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 from paft.consistency import COL_AGG_HI, COL_AGG_LO, COL_FLAGS, COL_STATE_HI, FLAG_STATE_CHECKED
@@ -49,6 +50,16 @@ def test_a_nan_must_reproduce_bitwise_where_the_other_ranks_are_deterministic() 
     moved = [row(NAN, fp=8), row(3.0 * (1 + 1e-6), fp=8)]
     assert reproduced(first, moved, rows=[0])
     assert not reproduced(first, [row(5.0, fp=8), row(3.0 * (1 + 1e-6), fp=8)], rows=[0])
+    # In kind: a NaN of other bits, an infinity again; not where its state moved.
+    assert reproduced(first, [other_nan, row(3.0 * (1 + 1e-6))], rows=[0])
+    inf_first = [row(math.inf, local_sq=2.0), row(3.0)]
+    assert reproduced(inf_first, [row(math.inf, local_sq=2.0 * (1 + 1e-6)), row(3.0 * (1 + 1e-6))], rows=[0])
+    checked = [row(NAN, state=5, flags=FLAG_STATE_CHECKED), row(3.0, state=5, flags=FLAG_STATE_CHECKED)]
+    assert not reproduced(checked, [row(NAN, state=6, flags=FLAG_STATE_CHECKED),
+                                    row(3.0 * (1 + 1e-6), state=5, flags=FLAG_STATE_CHECKED)], rows=[0])
+    # Another rank's fault on one attempt moved its aggregate: that takes no part either.
+    hit = [row(NAN, agg=5e30, fp=9), row(3.0, local_sq=9e60, agg=5e30, fp=9)]
+    assert reproduced(hit, first, rows=[0])
 
 
 def test_only_the_suspects_rows_count_when_both_attempts_name_them() -> None:
@@ -68,8 +79,19 @@ def test_state_columns_take_no_part_when_only_the_rerun_checked_the_state() -> N
     assert not reproduced(both, [row(2.0, state=6, flags=checked), row(3.0, state=6, flags=checked)])
 
 
+def test_the_attempts_rows_are_left_as_they_were() -> None:
+    # The guard keeps a rerun's rows as the next rerun's first attempt.
+    checked = FLAG_STATE_CHECKED
+    first = [row(NAN, fp=8), row(3.0)]
+    again = [row(NAN, state=5, flags=checked), row(3.0 * (1 + 1e-6), state=5, flags=checked)]
+    copies = copy.deepcopy((first, again))
+    assert reproduced(first, again, rows=[0]) and not reproduced(first, again)
+    assert (first, again) == copies
+
+
 def test_unsteady_ranks_are_those_moved_outside_the_steady_ranks_range() -> None:
     first = [row(2.0), row(2.5), row(3.0), row(9.0)]
     assert unsteady_ranks(first, [row(2.0), row(2.5), row(3.0), row(11.0)]) == [3]
     assert unsteady_ranks(first, [row(2.0), row(2.5), row(3.0), row(2.7)]) == []  # moved back into range
+    assert unsteady_ranks(first, [row(2.0), row(2.5), row(3.0), row(1.0)]) == [3]  # below the range
     assert unsteady_ranks(first, [row(2.1), row(2.6), row(3.1), row(11.0)]) == []  # every rank moved
