@@ -10,7 +10,7 @@ import doctest
 import json
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -188,6 +188,9 @@ def test_nonfinite_loss_by_flag_and_by_value() -> None:
     assert (v.detector, v.ranks) == ("nonfinite_loss", [2])
     assert json.dumps(v.to_json(), allow_nan=False)  # NaN became a string
     assert v.to_json()["values"]["value"] == "nan"
+    # Every rank's loss: every rank (only the aggregate's suspects come from the local values).
+    v = guard(4).check(0, 0, make_view([NAN] * 4, [1.0] * 4, 1.0))
+    assert (v.detector, v.ranks) == ("nonfinite_loss", [0, 1, 2, 3])
 
 
 def test_nonfinite_local_and_aggregated_gradients() -> None:
@@ -198,6 +201,8 @@ def test_nonfinite_local_and_aggregated_gradients() -> None:
     # NaN received by one rank only (aggregation SDC): that rank.
     v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0] * 4, [1.0, NAN, 1.0, 1.0], fps=[FP, 5, FP, FP]))
     assert (v.detector, v.ranks) == ("nonfinite_agg_grad", [1])
+    v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0] * 4, [1.0, NAN, NAN, 1.0], fps=[FP, 5, 5, FP]))
+    assert (v.detector, v.ranks) == ("nonfinite_agg_grad", [1, 2])
     # Every rank's aggregate overflowed from finite inputs: blame the huge local gradient.
     g = guard(4)
     t = warm(g)
@@ -220,6 +225,49 @@ def test_bit30_flip_in_local_gradient_names_the_rank() -> None:
     assert (v.detector, v.ranks) == ("rank_outlier", [3])
 
 
+def test_the_aggregated_norm_is_judged_by_its_largest_rank() -> None:
+    # The checksums agree, one rank's norm does not (a fault in that norm's own reduction).
+    g = guard(4)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0] * 4, [1.5] * 4, [1.0, 1.0, 1e36, 1.0]))
+    assert (v.detector, v.values["value"]) == ("grad_spike", 1e36)
+    assert g.check(t, 0, make_view([2.0] * 4, [1.5] * 4, [1.0, 1.2, 1.0, 1.0])).values["grad_norm"] == 1.2
+
+
+@pytest.mark.parametrize("ws,local,suspects", [(4, [1.5, 1.5, 1.5, 7.0], [3]), (2, [7.0, 7.0], [])])
+def test_a_spike_names_the_ranks_whose_own_values_spike_and_none_where_all_do(
+        ws: int, local: list[float], suspects: list[int]) -> None:
+    # 7.0 is above a local norm's limit at spike_threshold (about 5.5), not at outlier_threshold (about 9).
+    g = guard(ws)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0] * ws, local, 1e4))
+    assert (v.detector, v.ranks) == ("grad_spike", suspects)
+
+
+@pytest.mark.parametrize("above", [False, True])
+def test_a_value_at_its_limit_is_no_detection(above: bool) -> None:
+    # A flat history makes the limits exact: the loss 2 + 10 * 5% * 2, the aggregated
+    # norm 1 + 10 * 50% * 1, a local norm 1.5 + 20 * 25% * 1.5 by its history and its peers.
+    g = guard(4)
+    for s in range(25):
+        assert g.check(s, 0, steady(4)).action == "proceed"
+        g.accept(s, steady(4))
+
+    def at(x: float) -> float:
+        return math.nextafter(x, math.inf) if above else x
+
+    cases = ((steady(4, agg=at(6.0)), "grad_spike"), (make_view([at(3.0)] * 4, [1.5] * 4, 1.0), "loss_spike"),
+             (make_view([2.0] * 4, [1.5, 1.5, 1.5, at(9.0)], 1.0), "rank_outlier"))
+    assert [g.check(25, 0, view).detector for view, _ in cases] == [d if above else None for _, d in cases]
+
+
+def test_rank_outlier_reports_the_worst_rank() -> None:
+    g = guard(5)
+    t = warm(g)
+    v = g.check(t, 0, make_view([2.0, 2.0, 90.0, 2.0, 60.0], [1.5] * 5, 1.0))
+    assert (v.detector, v.ranks, v.values["loss_value"]) == ("rank_outlier", [2, 4], 90.0)
+
+
 def test_grad_mismatch_names_the_minority() -> None:
     v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0] * 4, [1.0, 1.0, 1e36, 1.0], fps=[FP, FP, 99, FP]))
     assert (v.action, v.detector, v.ranks) == ("recompute", "grad_mismatch", [2])
@@ -239,6 +287,21 @@ def test_grad_mismatch_two_ranks_tie_broken_by_history() -> None:
     # Without history, no guess either.
     v = guard(2).check(0, 0, make_view([2.0] * 2, [1.5] * 2, [2e36, 1.0], fps=[3, FP]))
     assert (v.detector, v.ranks) == ("grad_mismatch", [])
+
+
+@pytest.mark.parametrize("agg,threshold,suspects", [
+    ([1.0, 1.1], 10.0, []),  # both plausible: 10% is within the 50% floor of the median
+    ([1e36, 2e36], 10.0, []),  # both far off: which one is wrong is unknown
+    ([1.0, 1e-3], 1.5, [1]),  # a flip can shrink a value too
+])
+def test_grad_mismatch_two_ranks_against_a_flat_history(agg: list[float], threshold: float,
+                                                        suspects: list[int]) -> None:
+    g = guard(2, spike_threshold=threshold)
+    for s in range(5):
+        assert g.check(s, 0, steady(2)).action == "proceed"
+        g.accept(s, steady(2))
+    v = g.check(5, 0, make_view([2.0] * 2, [1.5] * 2, agg, fps=[3, FP]))
+    assert (v.detector, v.ranks) == ("grad_mismatch", suspects)
 
 
 def test_loss_spike() -> None:
@@ -291,9 +354,18 @@ def test_warmup_arms_spikes_gross_jumps_fire_earlier() -> None:
     assert g2.check(0, 0, steady(2, agg=1e36)).action == "proceed"  # nothing to compare with yet
     g2.accept(0, steady(2))
     assert g2.check(1, 0, steady(2, agg=1e36)).detector == "grad_spike"
-    # With 3+ ranks, peers catch a gross local value even at step 0.
-    v = guard(4).check(0, 0, make_view([2.0] * 4, [1.0, 1e36, 1.0, 1.0], 1e35))
-    assert (v.detector, v.ranks) == ("rank_outlier", [1])
+
+
+@pytest.mark.parametrize("ws", [3, 4])
+def test_peers_catch_a_gross_local_value_at_the_first_step(ws: int) -> None:
+    g = guard(ws)
+    local = [1.0] * ws
+    local[1] = 1e36
+    bad = make_view([2.0] * ws, local, 1e35)
+    v = g.check(0, 0, bad)
+    assert (v.action, v.detector, v.ranks) == ("recompute", "rank_outlier", [1])
+    v = g.check(0, 1, bad)  # reproduced before any step was accepted: bad data all the same
+    assert (v.action, v.detector, v.ranks, v.cause) == ("skip", "rank_outlier", [1], "data")
 
 
 # --------------------------------------------------------------------------- state machine
@@ -365,6 +437,10 @@ def test_a_replica_corrupted_again_after_its_repair_is_persistent(policy: str, a
     other.check(t, 0, split)
     assert other.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[6, 6, 8])).cause == "state"
     assert other.counters["detections"] == 1  # what a step's recompute finds is the same incident
+    spread = guard(3, on_persistent=policy)  # no majority on the rerun: no rank named twice
+    t = warm(spread)
+    spread.check(t, 0, split)
+    assert spread.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[6, 7, 8])).cause == "state"
 
 
 @pytest.mark.parametrize("policy,action", [("stop", "stop"), ("repair", "repair")])
@@ -392,15 +468,16 @@ def test_a_state_mismatch_found_by_the_recompute_is_the_same_incident() -> None:
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_data_nan_is_skipped(ws: int) -> None:
-    g = guard(ws)
+    g = guard(ws, shift_after=1)  # NaN batches never count towards a level shift
     t = warm(g)
-    v0 = g.check(t, 0, nan_data_view(ws, 1))
-    assert (v0.action, v0.detector, v0.ranks) == ("recompute", "nonfinite_loss", [1])
-    v1 = g.check(t, 1, nan_data_view(ws, 1))
-    assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("skip", "nonfinite_loss", [1], "data")
-    assert (g.counters["data"], g.counters["skipped_batches"], g.counters["persistent"]) == (1, 1, 0)
+    for step in (t, t + 1):
+        v0 = g.check(step, 0, nan_data_view(ws, 1))
+        assert (v0.action, v0.detector, v0.ranks) == ("recompute", "nonfinite_loss", [1])
+        v1 = g.check(step, 1, nan_data_view(ws, 1))
+        assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("skip", "nonfinite_loss", [1], "data")
+    assert (g.counters["data"], g.counters["skipped_batches"], g.counters["persistent"]) == (2, 2, 0)
     # The next step starts afresh.
-    assert g.check(t + 1, 0, steady(ws)).action == "proceed"
+    assert g.check(t + 2, 0, steady(ws)).action == "proceed"
 
 
 def test_a_lasting_rise_is_taken_as_the_new_level_after_shift_after_skips() -> None:
@@ -418,7 +495,21 @@ def test_a_lasting_rise_is_taken_as_the_new_level_after_shift_after_skips() -> N
     g.wants_snapshot(t + 3, high)
     g.accept(t + 3, high, 0.01)
     assert g.check(t + 4, 0, high).action == "proceed"  # the statistics start over, at the new level
+    assert g.check(t + 4, 0, make_view([30.0] * 4, [1.5] * 4, 1.0)).action == "proceed"  # warming up: gross jumps only
     assert g.state_dict()["data_skips"] == 0
+    # A batch applied between two skips starts the count again.
+    g = guard(4, shift_after=2)
+    t = warm(g)
+    actions = []
+    for step, view in enumerate((high, steady(4), high, high), start=t):
+        v = g.check(step, 0, view)
+        if v.action == "recompute":
+            v = g.check(step, 1, view)
+        if v.action == "proceed":
+            g.wants_snapshot(step, view)
+            g.accept(step, view, 1e-3)
+        actions.append(v.action)
+    assert actions == ["skip", "proceed", "skip", "skip"]
     never = guard(4, shift_after=0)  # skip for ever, as asked
     t = warm(never)
     for step in range(t, t + 8):
@@ -464,15 +555,37 @@ def test_spikes_skipped_at_the_rerun_cap_count_towards_a_level_shift_only_when_e
     assert verdicts[3] == ("proceed", "level_shift") and verdicts[4:] == [("proceed", None)] * 4
 
 
-def test_unnamed_recurring_anomaly_is_pinned_on_the_ranks_whose_values_moved() -> None:
+@pytest.mark.parametrize("view,shifts", [
+    (make_view([2.0] * 4, [1.5] * 4, 50.0), True),  # the aggregate alone: no rank's own values rose
+    (make_view([9.0, 9.0, 9.0, 400.0], [1.5] * 4, 1.0), False),  # every rank rose, one far more: maybe its fault
+])
+def test_at_the_rerun_cap_a_spike_counts_towards_a_level_shift_only_where_no_rank_stands_out(
+        view: ControlView, shifts: bool) -> None:
+    g = guard(4, shift_after=1, max_reruns_per_run=1)
+    t = warm(g)
+    assert g.check(t, 0, steady(4, agg=1e36)).action == "recompute"  # the budget's one rerun
+    assert g.check(t, 1, steady(4)).action == "proceed"
+    g.accept(t, steady(4))
+    verdicts = [(v.action, v.detector) for v in (g.check(s, 0, view) for s in (t + 1, t + 2))]
+    assert verdicts == [("skip", "rerun_cap"), ("proceed", "level_shift") if shifts else ("skip", "rerun_cap")]
+
+
+@pytest.mark.parametrize("policy,action", [("stop", "stop"), ("repair", "recompute")])
+def test_unnamed_recurring_anomaly_is_pinned_on_the_ranks_whose_values_moved(policy: str, action: str) -> None:
     # Two of four ranks persistently faulty: the ranks' median moves with them and
     # names nobody, but healthy ranks recompute their own values bit for bit.
-    g = guard(4, on_persistent="stop")
+    g = guard(4, on_persistent=policy)
     t = warm(g)
     v0 = g.check(t, 0, make_view([2.0] * 4, [1.5, 40.0, 50.0, 1.5], 1e4))
     assert (v0.action, v0.detector, v0.ranks) == ("recompute", "grad_spike", [])
     v1 = g.check(t, 1, make_view([2.0] * 4, [1.5, 60.0, 30.0, 1.5], 2e4))
-    assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("stop", "grad_spike", [1, 2], "persistent")
+    assert (v1.action, v1.detector, v1.ranks, v1.cause) == (action, "grad_spike", [1, 2], "persistent")
+    # Unnamed both times, but by another detector: a new detection, not this one again.
+    g = guard(4, on_persistent="stop")
+    t = warm(g)
+    assert g.check(t, 0, make_view([2.0, 50.0, 60.0, 2.0], [1.5] * 4, 1.0)).detector == "loss_spike"
+    v1 = g.check(t, 1, make_view([2.0, 50.0, 60.0, 2.0], [1.5, 60.0, 30.0, 1.5], 2e4))
+    assert (v1.action, v1.detector, v1.ranks, v1.cause) == ("recompute", "grad_spike", [], None)
     # A rank that moved only because a one-off fault hit its first attempt is not blamed:
     # on the rerun it sits among the others, and the all-rank spike reproduces (data).
     g = guard(4, on_persistent="stop")
@@ -519,7 +632,8 @@ def test_no_level_shift_applies_an_attempt_where_another_rank_was_hit(hit: bool)
     g.check(t + 1, 0, bad)
     rerun = make_view([2.0, 400.0, 2.0], [1.5, 60.0, 4e36], 1.3e36) if hit else bad
     v = g.check(t + 1, 1, rerun)
-    assert (v.action, v.detector) == (("skip", "rank_outlier") if hit else ("proceed", "level_shift"))
+    expected = ("skip", "rank_outlier", [1]) if hit else ("proceed", "level_shift", [1])
+    assert (v.action, v.detector, v.ranks) == expected
 
 
 @pytest.mark.parametrize("nan_first", [True, False])
@@ -654,6 +768,18 @@ def test_grad_mismatch_that_comes_back_is_never_data() -> None:
     g.check(0, 0, make_view([2.0] * 2, [1.5] * 2, 1.0, fps=[FP, 5]))
     v = g.check(0, 1, make_view([2.0] * 2, [1.5] * 2, 1.0, fps=[FP, 6]))
     assert (v.action, v.ranks, v.cause) == ("stop", [], "persistent")
+    # ... also where the history named one of them the first time only.
+    g = guard(2, on_persistent="stop")
+    t = warm(g)
+    assert g.check(t, 0, make_view([2.0] * 2, [1.5] * 2, [2e36, 1.0], fps=[3, FP])).ranks == [0]
+    v = g.check(t, 1, make_view([2.0] * 2, [1.5] * 2, 1.0, fps=[3, FP]))
+    assert (v.action, v.ranks, v.cause) == ("stop", [], "persistent")
+    # A mismatch on the recompute of another detection is a new fault, not the reduction failing again.
+    g = guard(4, on_persistent="stop")
+    t = warm(g)
+    assert g.check(t, 0, steady(4, agg=1e36)).detector == "grad_spike"
+    v = g.check(t, 1, make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, 5, FP, FP]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("recompute", "grad_mismatch", [1], None)
 
 
 def test_different_rank_on_rerun_is_a_new_fault() -> None:
@@ -755,6 +881,11 @@ def test_update_ratio_is_judged_against_recent_ratios_only() -> None:
         return g.check_update(t, 0.05).action  # 50x the warm-up's 1e-3, below the cap
 
     assert judged(0) == "recompute"
+    assert judged(49) == "recompute"  # the last warm-up ratio, of step 29, is 50 steps old: still judged
+    assert judged(50) == "proceed"
+    short = guard(2, window=10)  # a full window: each ratio's step beside it
+    warm(short)
+    assert (short.state_dict()["ratio_steps"], len(short.state_dict()["windows"]["ratio"])) == (list(range(20, 30)), 10)
     assert judged(200) == "proceed"
     g = guard(2, update_ratio=1.0)
     t = warm(g) + 200
@@ -812,11 +943,15 @@ def test_update_ratio_from_a_zero_learning_rate_or_a_small_init_is_no_detection(
     assert [v.action for v in actions] == ["recompute", "skip"] * g.config.shift_after + ["recompute", "proceed"]
     assert actions[-1].detector == "level_shift"
     assert g.counters["skipped_batches"] == g.config.shift_after
+    assert g.counters["rollbacks"] == 2 * g.config.shift_after + 1  # the level shift keeps its update
 
 
 def test_a_reproduced_non_finite_update_is_always_skipped() -> None:
     # Adam's eps=0 on a feature that is always 0: the update is 0/0 = NaN every time.
     # The level shift applies reproduced spikes after --shift-after skips; never NaN.
+    fresh = guard(2)  # also before any ratio: no spike limit yet, no cap in the warm-up
+    assert fresh.check(0, 0, steady(2)).action == "proceed" and fresh.wants_snapshot(0, steady(2))
+    assert fresh.check_update(0, math.inf).action == "recompute"
     g = guard(2, shift_after=2)
     t = warm(g)
     near_miss = make_view([2.8, 2.8], [1.5, 1.5], 1.0)  # arms the snapshot
@@ -839,10 +974,48 @@ def test_rollback_recompute_numbered_from_zero_keeps_the_step_state() -> None:
     assert g.counters["recomputes"] == 2 and g.counters["rollbacks"] == 3
 
 
+def test_a_step_left_mid_rollback_does_not_leak_into_the_next() -> None:
+    # A loss-scale overflow on the recompute of a rolled-back update ends the step with
+    # no further call: the next step has a rerun budget of its own.
+    g = guard(4, max_reruns_per_step=1)
+    t = warm(g)
+    odd = make_view([2.8] * 4, [1.5] * 4, 1.0)
+    assert g.check(t, 0, odd).action == "proceed" and g.wants_snapshot(t, odd)
+    assert g.check_update(t, math.inf).action == "recompute"
+    v = g.check(t + 1, 0, steady(4, agg=1e36))
+    assert (v.action, v.detector) == ("recompute", "grad_spike")
+
+
+def test_an_update_anomaly_resolved_after_a_repair_keeps_the_steps_cause() -> None:
+    g = guard(3)
+    t = warm(g)
+    assert g.check(t, 0, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[5, 9, 5])).action == "repair"
+    clean = make_view([2.0] * 3, [1.5] * 3, 1.0, states=[5, 5, 5])
+    assert g.check(t, 1, clean).cause == "state" and g.wants_snapshot(t, clean)
+    assert g.check_update(t, 0.2).action == "recompute"
+    assert g.check(t, 2, clean).action == "proceed" and g.wants_snapshot(t, clean)
+    v = g.check_update(t, 1e-3)
+    assert (v.action, v.detector, v.cause) == ("proceed", "update_ratio", "state")
+    assert (g.counters["state"], g.counters["transient"]) == (1, 0)
+
+
+@pytest.mark.parametrize("ratio,action", [(0.5, "proceed"), (math.nextafter(0.5, 1.0), "recompute")])
+def test_the_update_ratio_cap_is_inclusive(ratio: float, action: str) -> None:
+    g = guard(2, update_ratio=0.5, warmup=3)
+    for t in range(3):
+        assert g.check(t, 0, steady(2)).action == "proceed" and g.wants_snapshot(t, steady(2))
+        assert g.check_update(t, 0.5).action == "proceed"
+        g.accept(t, steady(2), 0.5)
+    near_miss = make_view([2.8, 2.8], [1.5, 1.5], 1.0)
+    assert g.check(3, 0, near_miss).action == "proceed" and g.wants_snapshot(3, near_miss)
+    assert g.check_update(3, ratio).action == action
+
+
 def test_update_ratio_disabled() -> None:
     g = guard(2, update_ratio=0.0)
     assert not g.wants_snapshot(0, steady(2))
-    assert g.check_update(0, math.nan).action == "proceed"
+    v = g.check_update(0, math.nan)
+    assert (v.action, v.detector, g.counters["detections"]) == ("proceed", None, 0)
 
 
 def test_wants_snapshot() -> None:
@@ -853,6 +1026,7 @@ def test_wants_snapshot() -> None:
     assert g.wants_snapshot(t, make_view([2.8] * 4, [1.5] * 4, 1.0))  # loss near miss ...
     assert g.check(t, 0, make_view([2.8] * 4, [1.5] * 4, 1.0)).detector is None  # ... not a detection
     assert g.wants_snapshot(t, steady(4, agg=4.0))  # grad-norm near miss
+    assert not g.wants_snapshot(t, steady(4, agg=2.0))  # within the norm's floor of 50% of its median
     assert g.check(t, 0, steady(4, agg=4.0)).detector is None
     assert g.wants_snapshot(t, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 2, 1]))  # state split
     assert not g.wants_snapshot(t, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 1, 1]))
@@ -907,6 +1081,12 @@ def test_state_dict_round_trip_continues_identically() -> None:
 def test_state_dict_mid_step() -> None:
     a = guard(4)
     t = warm(a)
+    odd = make_view([2.8] * 4, [1.5] * 4, 1.0)
+    assert a.check(t, 0, odd).action == "proceed" and a.wants_snapshot(t, odd)
+    assert a.check_update(t, 1e-3).action == "proceed"
+    a.accept(t, odd, 1e-3)
+    assert (a.state_dict()["step"], a.state_dict()["armed_step"]) == (None, None)  # nothing in flight
+    t += 1
     a.check(t, 0, steady(4, agg=1e36))
     b = guard(4)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
@@ -914,6 +1094,27 @@ def test_state_dict_mid_step() -> None:
         v = g.check(t, 1, steady(4, agg=1e36))  # reproduced bitwise
         assert (v.action, v.cause) == ("skip", "data")
     assert a.state_dict() == b.state_dict()
+    # An update anomaly that could not be rolled back keeps its step out of the history
+    # across a restore too; the count of skips towards a level shift is restored.
+    t += 1
+    for g in (a, b):
+        assert g.check(t, 0, steady(4)).action == "proceed" and not g.wants_snapshot(t, steady(4))
+        assert g.check_update(t, 5.0).detector == "update_ratio"
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict() and a.state_dict()["data_skips"] == 1
+    for g in (a, b):
+        g.accept(t, steady(4), 5.0)
+    assert a.state_dict() == b.state_dict()
+    # A state with nothing in flight ends the step in flight.
+    c = guard(4)
+    c.check(0, 0, steady(4))
+    c.load_state_dict(a.state_dict())
+    assert c.state_dict() == a.state_dict()
+    # Ratios whose steps do not match them (a torn checkpoint): the ratio history starts afresh.
+    state = a.state_dict()
+    state["ratio_steps"] = state["ratio_steps"][1:]
+    c.load_state_dict(state)
+    assert (c.state_dict()["windows"]["ratio"], c.state_dict()["ratio_steps"]) == ([], [])
     with pytest.raises(ValueError, match="version"):
         b.load_state_dict({"version": 99})
 
@@ -921,6 +1122,17 @@ def test_state_dict_mid_step() -> None:
 def test_view_of_wrong_world_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="ranks"):
         guard(4).check(0, 0, steady(2))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: GuardVerdict("go"),
+    lambda: GuardVerdict("skip", "grad_spikes"),
+    lambda: GuardVerdict("skip", cause="bad_luck"),
+    lambda: guard(0),
+])
+def test_a_misspelt_verdict_or_an_empty_world_is_rejected(make: Callable[[], object]) -> None:
+    with pytest.raises(ValueError):
+        make()
 
 
 def test_verdict_json() -> None:
