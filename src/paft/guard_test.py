@@ -231,7 +231,10 @@ def test_the_aggregated_norm_is_judged_by_its_largest_rank() -> None:
     t = warm(g)
     v = g.check(t, 0, make_view([2.0] * 4, [1.5] * 4, [1.0, 1.0, 1e36, 1.0]))
     assert (v.detector, v.values["value"]) == ("grad_spike", 1e36)
-    assert g.check(t, 0, make_view([2.0] * 4, [1.5] * 4, [1.0, 1.2, 1.0, 1.0])).values["grad_norm"] == 1.2
+    uneven = make_view([2.0] * 4, [1.5] * 4, [1.0, 1.2, 1.0, 1.0])
+    assert g.check(t, 0, uneven).values["grad_norm"] == 1.2
+    g.accept(t, uneven)
+    assert g.state_dict()["windows"]["grad"][-1] == 1.2  # the history holds the same largest norm
 
 
 @pytest.mark.parametrize("ws,local,suspects", [(4, [1.5, 1.5, 1.5, 7.0], [3]), (2, [7.0, 7.0], [])])
