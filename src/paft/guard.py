@@ -165,7 +165,10 @@ class GuardVerdict:
     detector: str | None = None
     """The detector that fired (kept on the ``proceed`` that resolves a detection)."""
     ranks: list[int] = field(default_factory=list)
-    """Suspect ranks; empty when all ranks or unknown."""
+    """Suspect ranks. For a rank's own values (non-finite loss or local gradient, rank
+    outlier): the ranks whose values fired, every rank if all did. For the shared
+    aggregate (its spikes, its non-finite result on every rank): the ranks whose local
+    values stand out, empty when none or all do; for a mismatch, the minority."""
     cause: str | None = None
     """None while undecided; ``transient`` | ``persistent`` | ``data`` | ``state`` once decided."""
     values: dict[str, float] = field(default_factory=dict)
@@ -524,8 +527,9 @@ class Guard:
         minority = outside_majority(groups, self.world_size)  # groups hold a split: never empty with a majority
         if minority:
             return minority
-        # No strict majority: blame the groups whose aggregated norm is far from
-        # the history (either way: a flip can also shrink a value).
+        # No strict majority: blame the groups whose aggregated norm is far from the
+        # history. Either way in principle; with the 50% relative floor a non-negative
+        # norm can fall that far below the median only for spike_threshold < 2.
         if not self._grad.values:
             return []
         med, mad, _ = self._grad.stats()
