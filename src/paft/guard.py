@@ -168,7 +168,8 @@ class GuardVerdict:
     """Suspect ranks. For a rank's own values (non-finite loss or local gradient, rank
     outlier): the ranks whose values fired, every rank if all did. For the shared
     aggregate (its spikes, its non-finite result on every rank): the ranks whose local
-    values stand out, empty when none or all do; for a mismatch, the minority."""
+    values stand out, empty when none or all do. For a mismatch: the ranks outside the
+    majority, or with no majority those whose aggregated norm stands out."""
     cause: str | None = None
     """None while undecided; ``transient`` | ``persistent`` | ``data`` | ``state`` once decided."""
     values: dict[str, float] = field(default_factory=dict)
