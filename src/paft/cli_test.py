@@ -139,6 +139,9 @@ def test_oversized_model_is_refused_without_building_it(
         ("bad.yaml", "steps: 0", "bad.yaml: steps: must be >= 1, got 0"),
         ("off.yaml", "cosine: off\n", "off.yaml: cosine: expected str, got False; quote it"),
         ("twice.yaml", "steps: 3\nsteps: 4\n", "key 'steps' is given twice"),
+        # One line, placed as TOML's errors are: PyYAML's own message spans five.
+        ("flow.yaml", "steps: [3\n", "--config: flow.yaml is not valid YAML: while parsing a flow sequence: "
+         "expected ',' or ']', but got '<stream end>' (at line 2, column 1)\n(options"),
         ("twice.json", '{"steps": 3, "steps": 4}', "key 'steps' is given twice"),
         ("spellings.toml", "world-size = 2\nworld_size = 4\n", "option 'world-size' is given twice"),
         ("floats.yaml", "lr: 3e-3\nsteps: 0\n", "floats.yaml: steps: must be >= 1"),  # 3e-3 read as a float

@@ -239,7 +239,15 @@ def _load_yaml(text: str) -> Any:
             return _unique_keys([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
                                  for k, v in node.value])
 
-    return yaml.load(text, Loader=Loader)  # a SafeLoader subclass: safe
+    try:
+        return yaml.load(text, Loader=Loader)  # a SafeLoader subclass: safe
+    except yaml.MarkedYAMLError as err:
+        # PyYAML's own message spans several lines (the offending source line and a caret);
+        # a refusal is one line, with the place as TOML's errors give it.
+        mark = err.problem_mark
+        where = f" (at line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        context = f"{err.context}: " if err.context else ""
+        raise ValueError(f"{context}{err.problem}{where}") from None
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
