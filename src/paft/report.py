@@ -513,8 +513,8 @@ def _notes(run: RunData) -> list[str]:
                      f"{last} (a resume still running or interrupted): reported from the jsonl files "
                      f"({last} of {cfg.get('steps', '?')} steps recorded)")
     elif not stops and run.summary is None:
-        lines.append(f"note: no summary.json: the run is still running or crashed; reported from the jsonl "
-                     f"files ({last} of {cfg.get('steps', '?')} steps recorded)")
+        lines.append(f"note: no summary.json: the run is still running, crashed or was interrupted; reported "
+                     f"from the jsonl files ({last} of {cfg.get('steps', '?')} steps recorded)")
     missing = [r for r in range(run.world_size) if r not in run.metrics]
     if missing:
         files = ", ".join(f"metrics/rank{r}.jsonl" for r in missing)
