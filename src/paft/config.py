@@ -124,6 +124,11 @@ def _require(ok: bool, obj: Any, name: str, message: str) -> None:
         raise ValueError(f"{_named(obj, name)}: {message}")
 
 
+def _require_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    _require(value in choices, obj, name, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass
 class MonitorConfig:
     """Worker-consistency diagnostics (loss / grad-norm dispersion, cosine, fingerprints)."""
@@ -161,7 +166,7 @@ class MonitorConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _require(self.interval >= 0, self, "interval", f"must be >= 0, got {self.interval}")
-        _require(self.cosine in COSINE_MODES, self, "cosine", f"must be one of {COSINE_MODES}, got {self.cosine!r}")
+        _require_choice(self, "cosine", COSINE_MODES)
         _require(8 <= self.sketch_dim <= 65536, self, "sketch_dim", f"must be in [8, 65536], got {self.sketch_dim}")
         _require(self.fingerprint_every >= 0, self, "fingerprint_every", f"must be >= 0, got {self.fingerprint_every}")
         # NaN would never fire and never say so; a cosine outside [-1, 1] is a typo.
@@ -201,10 +206,9 @@ class ProtectConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _require(self.mode in PROTECT_MODES, self, "mode", f"must be one of {PROTECT_MODES}, got {self.mode!r}")
+        _require_choice(self, "mode", PROTECT_MODES)
         _require(self.sync_period >= 1, self, "sync_period", f"must be >= 1, got {self.sync_period}")
-        _require(self.sync_mode in SYNC_MODES, self, "sync_mode",
-                 f"must be one of {SYNC_MODES}, got {self.sync_mode!r}")
+        _require_choice(self, "sync_mode", SYNC_MODES)
         _require(self.broadcast_src >= 0, self, "broadcast_src", f"must be a rank >= 0, got {self.broadcast_src}")
         check_bounds(self.h_min, self.h_max, self.target, names=(_named(self, "h_min"), _named(self, "h_max"),
                                                                  _named(self, "target")))
@@ -378,7 +382,7 @@ class TrainConfig:
         from paft.faultspec import parse_specs
         from paft.workloads import WORKLOADS, model_config, train_items
 
-        _require(self.workload in WORKLOADS, self, "workload", f"must be one of {WORKLOADS}, got {self.workload!r}")
+        _require_choice(self, "workload", WORKLOADS)
         try:
             model = model_config(self.workload, self.model)
             items = train_items(self.workload, model)  # block_size decides the LM's items
@@ -404,8 +408,7 @@ class TrainConfig:
             self, "batch_size",
             f"{self.batch_size} is more than the {self.workload} training set holds ({items} {unit})",
         )
-        _require(self.optimizer in OPTIMIZERS, self, "optimizer",
-                 f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        _require_choice(self, "optimizer", OPTIMIZERS)
         _require(self.lr > 0 and math.isfinite(self.lr), self, "lr", f"must be > 0, got {self.lr}")
         _require(0 <= self.weight_decay < math.inf, self, "weight_decay",
                  f"must be a finite number >= 0, got {self.weight_decay}")

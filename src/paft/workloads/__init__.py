@@ -23,6 +23,7 @@ Typical rank loop::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -140,12 +141,14 @@ class Workload:
         return out
 
 
-def _make_config(cls: type, defaults: dict[str, Any], model_args: dict[str, Any] | None) -> Any:
+def _make_config(workload: str, cls: type, defaults: dict[str, Any], model_args: dict[str, Any] | None) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     args = dict(model_args or {})
     for key, value in args.items():
         if key not in fields:
-            raise ValueError(f"unknown key {key!r} for {cls.__name__}; valid: {sorted(fields)}")
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown key {key!r} for the {workload} model{hint}; valid: {', '.join(sorted(fields))}")
         # The type of the field's default is the type asked for (the fields are int,
         # float or bool); an integer is fine where a float is, and so is a YAML 1.1
         # float read as a string ("1e-5"); numpy numbers count as numbers.
@@ -172,16 +175,16 @@ def model_config(name: str, model_args: dict[str, Any] | None = None) -> Any:
     """The validated model config of workload ``name`` with ``model_args`` applied;
     builds no model (cheap enough to check options before any worker starts)."""
     if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if name == "resnet":
-        config = _make_config(ResNetConfig, {}, model_args)
+        config = _make_config(name, ResNetConfig, {}, model_args)
         if config.in_channels != 1:
             raise ValueError(f"in_channels must be 1 (MNIST images have one channel), got {config.in_channels}")
         if config.num_classes < 10:
             raise ValueError(f"num_classes must be >= 10 (MNIST has 10 classes), got {config.num_classes}")
         return config
     vocab_size = len(shakespeare_datasets()[2])
-    config = _make_config(GPTConfig if name == "gpt" else LlamaConfig, {"vocab_size": vocab_size}, model_args)
+    config = _make_config(name, GPTConfig if name == "gpt" else LlamaConfig, {"vocab_size": vocab_size}, model_args)
     if config.vocab_size < vocab_size:
         raise ValueError(f"vocab_size {config.vocab_size} is smaller than the data's {vocab_size}")
     return config
