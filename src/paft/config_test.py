@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 
 import pytest
 
-from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig, error_option
+from paft.config import (
+    COSINE_MODES,
+    DEVICES,
+    ON_PERSISTENT,
+    OPTIMIZERS,
+    PROTECT_MODES,
+    SYNC_MODES,
+    GuardConfig,
+    MonitorConfig,
+    ProtectConfig,
+    TrainConfig,
+    error_option,
+    long_option,
+)
 from paft.options import OPTIONS, add_train_options
 
 SECTIONS = {None: TrainConfig, "monitor": MonitorConfig, "protect": ProtectConfig, "guard": GuardConfig}
@@ -55,3 +69,93 @@ def test_each_field_is_named_with_the_option_paft_train_takes() -> None:
         assert error_option(str(err.value)) == (opt.flag, str(err.value).partition(": ")[2])
         checked += 1
     assert checked == len(OPTIONS) - 2
+
+
+# Each check's edge: the last value it takes and the first it refuses, on each side it has.
+EDGES: list[tuple[type, str, list[object], list[object]]] = [
+    (MonitorConfig, "interval", [0], [-1]),
+    (MonitorConfig, "cosine", list(COSINE_MODES), ["fast"]),
+    (MonitorConfig, "sketch_dim", [8, 65536], [7, 65537]),
+    (MonitorConfig, "fingerprint_every", [0], [-1]),
+    (MonitorConfig, "alert_loss_cv", [0.0], [-0.1, math.nan]),
+    (MonitorConfig, "alert_cos_min", [-1.0, 1.0], [-1.01, 1.01, math.nan]),
+    (ProtectConfig, "mode", list(PROTECT_MODES), ["always"]),
+    (ProtectConfig, "sync_period", [1], [0]),
+    (ProtectConfig, "sync_mode", list(SYNC_MODES), ["median"]),
+    (ProtectConfig, "broadcast_src", [0], [-1]),
+    (GuardConfig, "spike_threshold", [1e-9], [0.0, math.inf, math.nan]),
+    (GuardConfig, "window", [5, 1_000_000], [4, 1_000_001]),
+    (GuardConfig, "warmup", [0], [-1]),
+    (GuardConfig, "update_ratio", [0.0, math.inf], [-0.1, math.nan]),
+    (GuardConfig, "outlier_threshold", [1e-9], [0.0, math.inf, math.nan]),
+    (GuardConfig, "max_reruns_per_step", [1], [0]),
+    (GuardConfig, "max_reruns_per_run", [1], [0]),
+    (GuardConfig, "shift_after", [0], [-1]),
+    (GuardConfig, "on_persistent", list(ON_PERSISTENT), ["ignore"]),
+    (TrainConfig, "workload", ["gpt", "llama", "resnet"], ["bert"]),
+    (TrainConfig, "model", [{}], [3]),  # model_config's TypeError too
+    (TrainConfig, "world_size", [1], [0]),
+    (TrainConfig, "steps", [1], [0]),
+    (TrainConfig, "seed", [0, 2**32 - 1], [-1, 2**32]),
+    (TrainConfig, "optimizer", list(OPTIMIZERS), ["lion"]),
+    (TrainConfig, "lr", [1e-9], [0.0, math.inf, math.nan]),
+    (TrainConfig, "weight_decay", [0.0], [-0.1, math.inf, math.nan]),
+    (TrainConfig, "warmup_steps", [0], [-1]),
+    (TrainConfig, "min_lr_ratio", [0.0, 1.0], [-0.1, 1.1]),
+    (TrainConfig, "grad_clip", [0.0], [-0.1, math.inf, math.nan]),
+    (TrainConfig, "eval_every", [1], [0]),
+    (TrainConfig, "eval_batches", [1], [0]),
+    (TrainConfig, "log_every", [1], [0]),
+    (TrainConfig, "checkpoint_every", [0], [-1]),
+    (TrainConfig, "device", list(DEVICES), ["tpu"]),
+    (TrainConfig, "dropout", [0.0, 0.99], [-0.1, 1.0]),
+]
+
+
+@pytest.mark.parametrize(("cls", "name", "good", "bad"), EDGES, ids=[f"{c.__name__}.{n}" for c, n, _, _ in EDGES])
+def test_each_check_takes_its_edge_and_refuses_past_it(cls: type, name: str, good: list[object],
+                                                       bad: list[object]) -> None:
+    base = {"world_size": 1, "batch_size": 2} if cls is TrainConfig else {}  # a batch that any world size splits
+    for value in good:
+        assert getattr(cls(**{**base, name: value}), name) == value
+    for value in bad:
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}\.{name} \(--{long_option(cls, name)}\): "):
+            cls(**{**base, name: value})
+
+
+@pytest.mark.parametrize(("message", "about"), [
+    ("ProtectConfig.target (--dyn-target): must be a finite number > 0, got 0",
+     ("dyn-target", "must be a finite number > 0, got 0")),
+    # A bad fault spec names the field, but the spec follows it, not what is wrong.
+    ("TrainConfig.inject (--inject) 'bitflip:bits=40': field 'bits' must be < 32", None),
+    ("cannot read x.toml: TrainConfig.lr (--lr): must be > 0, got 0", None),  # not about the field it names
+])
+def test_error_option_reads_only_a_message_that_starts_with_its_field(message: str,
+                                                                      about: tuple[str, str] | None) -> None:
+    assert error_option(message) == about
+
+
+def test_from_dict_takes_a_config_json_without_the_fields_paft_added_since() -> None:
+    old = {"workload": "resnet", "world_size": 2, "batch_size": 8, "monitor": {"interval": 2}, "guard": {}}
+    assert TrainConfig.from_dict(old) == TrainConfig(workload="resnet", world_size=2, batch_size=8,
+                                                     monitor=MonitorConfig(interval=2))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(batch_size=0), "TrainConfig.batch_size (--batch-size): must be >= 1, got 0"),
+    (dict(resume=True, overwrite=True, run_dir="r"),
+     "TrainConfig.resume (--resume): cannot be combined with --overwrite"),
+    (dict(resume=True), "TrainConfig.resume (--resume): needs --run-dir, the run to continue"),
+    (dict(world_size=2, batch_size=2, protect=ProtectConfig(sync_mode="broadcast", broadcast_src=2)),
+     "ProtectConfig.broadcast_src (--broadcast-src): must be a rank in [0, 2), got 2"),
+])
+def test_checks_across_fields_refuse(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        TrainConfig(**options)  # type: ignore[arg-type]
+    assert str(err.value) == message
+
+
+def test_checks_across_fields_take_what_they_do_not_concern() -> None:
+    TrainConfig(workload="resnet", world_size=1, batch_size=8000)  # the whole training set in one batch
+    TrainConfig(world_size=2, batch_size=2, protect=ProtectConfig(broadcast_src=5))  # no broadcast: no source
+    TrainConfig(monitor=MonitorConfig(enabled=False))  # plain DDP, no guard
