@@ -1,0 +1,66 @@
+"""Norms stay finite on finite values and otherwise are torch's own, bit for bit (single process)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from paft.norms import judged_norm, norm_of, sq_norm, squared_norm, total_norm, wide_dtype, widened
+
+HUGE = torch.full((4,), 1e20)  # a flipped exponent bit: finite, but its square overflows float32
+
+
+@pytest.mark.parametrize(("dtype", "wide"), [
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float32, torch.float32), (torch.float64, torch.float64),
+])
+def test_only_16_bit_floats_are_widened(dtype: torch.dtype, wide: torch.dtype) -> None:
+    x = torch.arange(5, dtype=dtype)
+    assert wide_dtype(dtype) == wide and widened(x).dtype == wide
+    assert torch.equal(widened(x), x.to(wide))
+    assert (widened(x) is x) == (dtype == wide)  # no copy when it already is
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_squared_norm_is_one_dot_in_the_wide_dtype(dtype: torch.dtype) -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(dtype) * 300  # float16's squares overflow
+    wide = x.to(wide_dtype(dtype))
+    assert torch.equal(squared_norm(x), torch.dot(wide, wide))
+
+
+def test_squared_norm_is_redone_in_float64_only_where_float32_overflowed() -> None:
+    assert squared_norm(HUGE).item() == float(HUGE.double().norm()) ** 2
+    assert math.isinf(squared_norm(torch.tensor([1.0, math.inf])))
+    assert math.isnan(squared_norm(torch.tensor([1.0, math.nan])))
+
+
+def test_sq_norm_accumulates_in_float64_and_is_inf_past_its_range() -> None:
+    assert sq_norm(HUGE) == float(torch.linalg.vector_norm(HUGE, dtype=torch.float64).square())
+    assert sq_norm(torch.tensor([3.0, 4.0])) == 25.0
+    assert sq_norm(torch.full((2,), 1e200, dtype=torch.float64)) == math.inf  # a Python ** 2 raises there
+
+
+def test_total_norm_is_torchs_unless_squares_overflowed() -> None:
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(300, generator=g), torch.randn(7, generator=g).double(), torch.randn(5, generator=g).half()]
+    assert torch.equal(total_norm(tensors), torch.nn.utils.get_total_norm(tensors))
+    # Overflowed squares: the float64 norm of every tensor, in the norm's own dtype.
+    both = [HUGE, 0.75 * HUGE]
+    assert total_norm(both).dtype == torch.float32
+    assert torch.equal(total_norm(both), torch.tensor(2.5e20))
+    mixed = [HUGE, torch.full((1,), 1.5e20, dtype=torch.float64)]  # float64 alongside: still redone
+    assert total_norm(mixed).dtype == torch.float64
+    assert float(total_norm(mixed)) == pytest.approx(math.hypot(*[float(v) for t in mixed for v in t]), rel=1e-12)
+    assert math.isnan(total_norm([HUGE, torch.tensor([math.nan])]))
+
+
+def test_judged_norm_reads_a_norm_past_its_dtype_as_the_float64_one() -> None:
+    big = [torch.full((100,), 10000.0, dtype=torch.float16)]  # norm 1e5 > float16's 65504
+    norm = total_norm(big)
+    assert math.isinf(norm)  # as clipping keeps it
+    assert judged_norm(norm, big) == 1e5 == norm_of(big)
+    small = [torch.full((3,), 0.1)]
+    assert judged_norm(total_norm(small), small) == float(total_norm(small)) == norm_of(small)  # float32's rounding
+    assert norm_of([]) == 0.0
