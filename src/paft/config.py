@@ -383,6 +383,8 @@ class TrainConfig:
         from paft.workloads import WORKLOADS, model_config, train_items
 
         _require_choice(self, "workload", WORKLOADS)
+        _require(isinstance(self.model, dict), self, "model",
+                 f"expected a dict of model fields (e.g. {{'n_layer': 2}}), got {self.model!r}")
         try:
             model = model_config(self.workload, self.model)
             items = train_items(self.workload, model)  # block_size decides the LM's items

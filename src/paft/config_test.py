@@ -38,6 +38,11 @@ SECTIONS = {None: TrainConfig, "monitor": MonitorConfig, "protect": ProtectConfi
         (lambda: ProtectConfig(h_min=10, h_max=8),
          "ProtectConfig.h_max (--h-max): must be >= ProtectConfig.h_min (--h-min) = 10, got 8"),
         (lambda: MonitorConfig(interval=-1), "MonitorConfig.interval (--monitor-interval): must be >= 0, got -1"),
+        (lambda: ProtectConfig(mode="dynn"), "ProtectConfig.mode (--protect): must be one of none, sync, dyn, "
+                                             "averager, got 'dynn'"),
+        # It raised TypeError ("argument of type 'NoneType' is not iterable") from a later check.
+        (lambda: TrainConfig(model=None), "TrainConfig.model (--model): expected a dict of model fields "
+                                          "(e.g. {'n_layer': 2}), got None"),
         (lambda: TrainConfig(world_size=2, batch_size=3),
          "TrainConfig.batch_size (--batch-size): 3 cannot be split evenly across --world-size 2"),
         (lambda: TrainConfig(guard=GuardConfig(enabled=True), monitor=MonitorConfig(enabled=False)),
