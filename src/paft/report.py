@@ -486,13 +486,14 @@ def _counts(records: list[dict[str, Any]], key: str, prefix: str = "") -> str:
 
 
 def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
-    """The plain-text summary of a run (what ``paft report`` prints)."""
+    """The plain-text summary of a run (what ``paft report`` prints); ``files``: what the
+    report writes, listed on its last line."""
     lines = [f"paft report: {run.path}", *_notes(run), *_header(run), *_losses(run), _speed(run),
              *_replicas(run), *_faults(run), _first_split_line(run), _counters(run), *_metric_extremes(run),
              _alerts(run)]
     if files:
         folder = Path(files[0]).parent
-        lines.append(f"plots in {folder}: {', '.join(Path(f).name for f in files)}")
+        lines.append(f"report in {folder}: {', '.join(Path(f).name for f in files)}")
     return "\n".join(lines) + "\n"
 
 
@@ -702,7 +703,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     # of load_run let through and the drawing cannot take leaves no half report.
     try:
         plots = _plots(run)
-        text = summary_text(run, [out / name for name in plots])
+        text = summary_text(run, [out / "report.md", *(out / name for name in plots)])
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as err:
         raise ReportError(f"{run.path}: a record holds a value of an unexpected kind "
                           f"({type(err).__name__}: {err}); nothing was written") from None

@@ -169,6 +169,7 @@ def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path, monkeyp
     report = build_report(run)
     assert_pngs(report.files, ["loss.png"])
     assert sorted(p.name for p in (run / "report").iterdir()) == [".paft-report", "loss.png", "report.md"]
+    assert report.text.splitlines()[-1] == f"report in {run / 'report'}: report.md, loss.png"
     assert "first replica split: not recorded" in report.text
     assert "max loss_cv: not recorded (no consistency.jsonl: monitoring off)" in report.text
     # Given as "." from inside the run directory: still named.
