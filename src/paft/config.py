@@ -184,7 +184,9 @@ class ProtectConfig:
     blocking; the in-tree baseline) (``--protect``)."""
     sync_period: int = 50
     """H, steps between synchronizations for ``sync`` and ``averager``; the initial H
-    for ``dyn``, clamped into [--h-min, --h-max] (``--sync-period``)."""
+    for ``dyn``, clamped into [--h-min, --h-max] (``--sync-period``). PAFT-Sync syncs
+    at steps H, 2H, ...; PyTorch's averager, counting its calls, at steps 0, H, 2H, ...:
+    one more over a run."""
     sync_mode: str = "robust"
     """How replicas are merged: ``robust`` (majority copy, else median), ``mean`` or
     ``broadcast`` (``--sync-mode``)."""
