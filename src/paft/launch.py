@@ -365,12 +365,28 @@ def settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str
               f"failed: {err.strerror or err})", file=sys.stderr)
 
 
+# The launcher's word on stopping the workers (on Ctrl-C, a signal, a failed rank), by
+# logger and message template: paft says what happened and what to do in its own line.
+_SHUTDOWN_CHATTER = {
+    "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
+    "torch.distributed.elastic.multiprocessing.api": "Closing process %s via signal %s",
+}
+
+
+def _drop_shutdown_chatter(record: logging.LogRecord) -> bool:
+    return _SHUTDOWN_CHATTER.get(record.name) != record.msg
+
+
 def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft") -> Callable[..., dict[int, Any]]:
     """``entry`` as torchrun would start it on ``world_size`` local workers: call the
     result with ``entry``'s arguments; it returns rank -> ``entry``'s return value, or
     raises ``ChildFailedError`` when a worker fails (no restarts). ``entry`` must be a
     module-level function (the workers are spawned) that sets up its process group."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    for name in _SHUTDOWN_CHATTER:
+        logger = logging.getLogger(name)
+        if _drop_shutdown_chatter not in logger.filters:
+            logger.addFilter(_drop_shutdown_chatter)
     _start_resource_tracker()
     config = LaunchConfig(
         min_nodes=1,

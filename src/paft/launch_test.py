@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -292,3 +293,20 @@ def test_sigquit_or_sighup_to_the_process_group_leaves_the_resource_tracker_aliv
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                           start_new_session=True)
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def _noop(rank: int) -> None:
+    pass
+
+
+@pytest.mark.parametrize(("name", "msg", "args", "kept"), [
+    ("torch.distributed.elastic.multiprocessing.api", "Closing process %s via signal %s", (12, "SIGINT"), False),
+    ("torch.distributed.elastic.agent.server.api", "Received %s death signal, shutting down workers", (2,), False),
+    # The launcher's other words stay: a worker that would not stop, say.
+    ("torch.distributed.elastic.multiprocessing.api",
+     "Unable to shutdown process %s via %s, forcefully exiting via %s", (12, "SIGINT", "SIGKILL"), True),
+])
+def test_the_launchers_shutdown_chatter_is_dropped(name: str, msg: str, args: tuple, kept: bool) -> None:
+    launcher.local_workers(_noop, 1)  # sets the launcher's logging up; starts nothing
+    record = logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
+    assert bool(logging.getLogger(name).filter(record)) == kept
