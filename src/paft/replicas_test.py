@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from paft.replicas import group_replicas, majority, outside_majority
 
@@ -30,6 +31,13 @@ def test_group_replicas_and_majority(
 ) -> None:
     assert group_replicas(fps) == groups
     assert majority(fps) == maj
+
+
+def test_a_gathered_tensor_of_fingerprints_groups_by_value() -> None:
+    # The gathered tensor itself, not its .tolist(): its elements hash by identity, not value.
+    fps = torch.tensor([7, 9, 7, 7], dtype=torch.int64)
+    assert group_replicas(fps) == [[0, 2, 3], [1]]
+    assert majority(fps) == [0, 2, 3]
 
 
 @pytest.mark.parametrize(
