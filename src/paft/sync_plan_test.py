@@ -29,6 +29,9 @@ def test_robust_copies_the_lowest_rank_of_a_finite_majority() -> None:
     # Two off the majority: both are repaired, the majority keeps its bits.
     plan = plan_sync("robust", [1, 7, 7, 7, 2], [True] * 5)
     assert (plan.mode, plan.src, plan.minority) == ("majority-copy", 1, [0, 4])
+    # A non-finite minority is repaired the same way: only the majority's own finiteness counts.
+    plan = plan_sync("robust", [9, 7, 7, 7], [False, True, True, True])
+    assert (plan.mode, plan.src, plan.minority) == ("majority-copy", 1, [0])
 
 
 def test_robust_never_copies_a_non_finite_majority() -> None:
@@ -81,6 +84,7 @@ def test_mean_averages_the_finite_replicas_only() -> None:
     assert plan.note == "non-finite ranks [1] excluded"
     assert not any(plan.holds_result(r) for r in range(4))
     assert plan_sync("mean", [1, 2], [False, True]).src == 1  # integer tensors come from a finite rank
+    assert plan_sync("mean", [1, 2], [True, True]).note == ""  # every replica finite: nothing excluded
     # No finite replica: nothing to average from, even when they all agree.
     for fps in ([1, 2], [1, 1]):
         with pytest.raises(RuntimeError, match="mode='mean'.*no replica is finite"):
@@ -93,7 +97,9 @@ def test_mean_averages_the_finite_replicas_only() -> None:
         (("median", [1, 2], [True, True]), {}, "mode must be one of"),
         (("robust", [], []), {}, "one fingerprint and one finite flag per rank, got 0 and 0"),
         (("robust", [1, 2], [True]), {}, "got 2 and 1"),
+        (("robust", [1, 2], [True] * 3), {}, "got 2 and 3"),
         (("broadcast", [1, 2], [True, True]), {"src": 2}, r"src must be a rank in \[0, 2\), got 2"),
+        (("broadcast", [1, 2], [True, True]), {"src": -1}, r"src must be a rank in \[0, 2\), got -1"),
     ],
 )
 def test_bad_inputs_are_refused(args: tuple, kwargs: dict, message: str) -> None:
@@ -165,6 +171,13 @@ def test_buffers_are_settled_per_coordinate_only_with_an_agreed_reference() -> N
     with a zero reference (the references disagree) it would keep neither replica's value
     (a mask's -inf became 0), so the sound replica is copied."""
     plan = plan_sync("robust", [1, 2], [False, True], with_reference=True, per_coordinate=True)
-    assert plan.mode == "median-with-reference"
+    assert (plan.mode, plan.sources) == ("median-with-reference", [0, 1])  # both vote where finite
+    assert plan.note == "non-finite ranks [0] outvoted where non-finite"
     plan = plan_sync("robust", [1, 2], [False, True], with_reference=True, reference_ok=False, per_coordinate=True)
     assert (plan.mode, plan.src) == ("finite-copy", 1)
+    # Without a reference there is nothing to take the median with: the sound replica is copied.
+    plan = plan_sync("robust", [1, 2], [False, True], per_coordinate=True)
+    assert (plan.mode, plan.src) == ("finite-copy", 1)
+    # Neither finite: no replica is outvoted, the median with the reference decides.
+    plan = plan_sync("robust", [1, 2], [False, False], with_reference=True, per_coordinate=True)
+    assert plan.mode == "median-with-reference" and "outvoted" not in plan.note
