@@ -11,7 +11,7 @@ from torch import nn
 
 from paft.norms import norm_of
 from paft.protect_test import batch, toy_model
-from paft.snapshot import StateSnapshot
+from paft.snapshot import ForwardSnapshot, StateSnapshot
 from paft.state import state_fingerprint
 from paft.testing import NestedStateSGD
 
@@ -38,6 +38,29 @@ def test_a_finite_update_of_huge_entries_has_a_finite_ratio() -> None:
     with torch.no_grad():
         model.weight.add_(1e20)
     assert math.isfinite(snap.update_ratio()) and snap.update_ratio() > 1e19
+
+
+def test_forward_snapshot_rewinds_the_rng_and_buffers_and_keeps_a_repairs_buffers() -> None:
+    """A recompute starts where the step did: the same dropout draws, the BatchNorm
+    statistics from before the forward; after keep_buffers, the repaired ones."""
+    bn = nn.BatchNorm1d(3)
+    buffers = list(bn.buffers())  # running_mean, running_var, num_batches_tracked
+    before = [b.clone() for b in buffers]
+    snap = ForwardSnapshot(buffers)
+    draw = torch.rand(4)
+    bn(torch.randn(5, 3))
+    snap.restore()
+    assert torch.equal(torch.rand(4), draw)
+    assert all(torch.equal(b, old) for b, old in zip(buffers, before))
+    with torch.no_grad():
+        for b in buffers:
+            b.add_(7)  # what a repair's sync put there
+    repaired = [b.clone() for b in buffers]
+    snap.keep_buffers()
+    assert all(torch.equal(b, new) for b, new in zip(buffers, repaired))
+    bn(torch.randn(5, 3))
+    snap.restore()
+    assert all(torch.equal(b, new) for b, new in zip(buffers, repaired))
 
 
 class RebindingMomentum(torch.optim.Optimizer):
