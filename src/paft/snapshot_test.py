@@ -79,11 +79,31 @@ class RebindingMomentum(torch.optim.Optimizer):
                 p.add_(state["m"], alpha=-group["lr"])
 
 
-@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw", "nested", "rebinding"])
+class DeepStateSGD(torch.optim.Optimizer):
+    """State nested two levels deep, changed at each level by step(): a dict whose
+    tensor entry is replaced, a list in that dict that grows, and a list in that list
+    that grows."""
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                tree = self.state[p].setdefault("tree", {"last": torch.zeros_like(p), "windows": [[]]})
+                tree["last"] = p.grad.clone()
+                tree["windows"].append([p.grad.clone()])
+                tree["windows"][0].append(p.grad.clone())
+                p.add_(tree["last"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw", "nested", "rebinding", "deep"])
 def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: str) -> None:
     """The guard's rollback: a snapshot (buffers reused across steps) undoes a step exactly,
     including the optimizer state that a first step creates, and lists / dicts of
-    tensors in the state that the step grows or rotates in place ("nested")."""
+    tensors in the state that the step grows or rotates in place ("nested"), also
+    nested in each other ("deep")."""
     model = toy_model()
     if opt_name == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -91,6 +111,8 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
         opt = NestedStateSGD(model.parameters(), lr=0.05)
     elif opt_name == "rebinding":
         opt = RebindingMomentum(model.parameters())
+    elif opt_name == "deep":
+        opt = DeepStateSGD(model.parameters())
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
