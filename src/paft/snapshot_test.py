@@ -63,6 +63,52 @@ def test_forward_snapshot_rewinds_the_rng_and_buffers_and_keeps_a_repairs_buffer
     assert all(torch.equal(b, new) for b, new in zip(buffers, repaired))
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "ratio"),
+    [
+        ([3.0, 0.0, 4.0], [3.0, 0.0, 4.0], 0.0),
+        ([3.0, 0.0, 4.0], [3.0, 3.0, 0.0], 1.0),  # only the last parameter moved: 5 / 5
+        ([3.0, 0.0, 4.0], [6.0, 4.0, 4.0], 1.0),
+        ([0.0, 0.0, 0.0], [1.0, 0.0, 0.0], 0.0),  # no scale to compare with
+        ([3.0, 0.0, 4.0], [3.0, math.nan, 4.0], math.inf),
+        ([3.0, 0.0, 4.0], [math.inf, 0.0, 4.0], math.inf),
+    ],
+)
+def test_update_ratio_by_hand(old: list[float], new: list[float], ratio: float) -> None:
+    """||w_new - w_old|| / ||w_old|| over the parameters alone (not the momentum)."""
+    model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1, bias=False))
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    model(torch.ones(1, 1)).sum().backward()
+    opt.step()  # momentum buffers, which the ratio leaves out
+    with torch.no_grad():
+        for p, v in zip(params, old):
+            p.fill_(v)
+    snap = StateSnapshot().capture(model, opt)
+    with torch.no_grad():
+        for p, v in zip(params, new):
+            p.fill_(v)
+    assert snap.update_ratio() == ratio
+
+
+def test_a_reused_snapshot_follows_a_new_state_layout() -> None:
+    """The copies are reallocated when shapes or dtypes change, and a snapshot taken of
+    another optimizer leaves nothing of the old one behind."""
+    snap = StateSnapshot()
+    for width, dtype in [(3, torch.float32), (3, torch.float64), (4, torch.float64)]:
+        torch.manual_seed(width)
+        model = nn.Linear(width, 2).to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(3, width, dtype=dtype)).square().sum().backward()
+        opt.step()  # momentum buffers: as many tensors as before the change
+        before = state_fingerprint(model, opt)
+        snap.capture(model, opt)
+        opt.step()
+        snap.restore(opt)
+        assert state_fingerprint(model, opt) == before
+        assert set(opt.state) <= set(model.parameters())
+
+
 class RebindingMomentum(torch.optim.Optimizer):
     """SGD with momentum as hand-written optimizers often have it: a new state tensor
     each step (``state["m"] = 0.9 * m + g``), not an update in place."""
@@ -82,7 +128,7 @@ class RebindingMomentum(torch.optim.Optimizer):
 class DeepStateSGD(torch.optim.Optimizer):
     """State nested two levels deep, changed at each level by step(): a dict whose
     tensor entry is replaced, a list in that dict that grows, and a list in that list
-    that grows."""
+    that grows; and a state key that the second step adds."""
 
     def __init__(self, params: Any, lr: float = 0.05) -> None:
         super().__init__(params, {"lr": lr})
@@ -91,7 +137,10 @@ class DeepStateSGD(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         for group in self.param_groups:
             for p in group["params"]:
-                tree = self.state[p].setdefault("tree", {"last": torch.zeros_like(p), "windows": [[]]})
+                state = self.state[p]
+                if "tree" in state:  # a key that only a later step adds
+                    state["previous"] = state["tree"]["last"]
+                tree = state.setdefault("tree", {"last": torch.zeros_like(p), "windows": [[]]})
                 tree["last"] = p.grad.clone()
                 tree["windows"].append([p.grad.clone()])
                 tree["windows"][0].append(p.grad.clone())
@@ -170,3 +219,7 @@ def test_state_snapshot_restores_state_kept_in_param_groups() -> None:
     assert (group["d"], group["k"]) == (before[0]["d"], before[0]["k"]) == (1.5, 1)
     assert group["scale"] is scale and float(scale) == 2.0  # the same tensor, its old value
     assert state_fingerprint(model, opt) == weights
+    # A key the step adds goes again; a tensor it replaced by one of another shape is put back.
+    group["added"], group["scale"] = 1, torch.ones(3)
+    snap.restore(opt)
+    assert set(group) == set(before[0]) and torch.equal(group["scale"], torch.tensor(2.0))
