@@ -48,6 +48,9 @@ def test_state_tensors_canonical_order() -> None:
     assert named["buffer/bn.num_batches_tracked"].dtype == torch.int64
     assert named["optim/0/step"] is opt.state[model.conv.weight]["step"]
     assert [n for n, _ in state_tensors(model)] == names[:9]
+    without = [n for n in names if not n.startswith("buffer/")]
+    assert [n for n, _ in state_tensors(model, opt, buffers=False)] == without
+    assert state_fingerprint(model, opt, buffers=False) == fingerprint(named[n] for n in without)
 
 
 def test_state_tensors_groups_missing_state_and_non_tensors() -> None:
@@ -60,11 +63,11 @@ def test_state_tensors_groups_missing_state_and_non_tensors() -> None:
     )
     opt.state[model[1].weight]["note"] = "not a tensor"
     model(torch.randn(3, 2)).sum().backward()
-    model[0].bias.grad = None  # index 2 gets no state, but keeps its number
+    model[0].weight.grad = None  # index 1 gets no state, but keeps its number
     opt.step()
     names = [n for n, _ in state_tensors(model, opt) if n.startswith("optim/")]
-    assert names == ["optim/0/momentum_buffer", "optim/1/momentum_buffer"]
-    assert model[0].bias not in opt.state  # listing never grows the defaultdict
+    assert names == ["optim/0/momentum_buffer", "optim/2/momentum_buffer"]
+    assert model[0].weight not in opt.state  # listing never grows the defaultdict
 
 
 def test_state_tensors_reach_tensors_nested_in_optimizer_state() -> None:
@@ -80,6 +83,11 @@ def test_state_tensors_reach_tensors_nested_in_optimizer_state() -> None:
     # dict keys sorted, list positions in order; the Python int "count" is not a tensor
     assert optim == [f"optim/{i}/{key}" for i in (0, 1) for key in ("history/0", "history/1", "stats/sq")]
     assert named["optim/1/history/1"] is opt.state[model.bias]["history"][1]
+    # tuples too, and a dict's keys sorted whatever their insertion order
+    opt.state[model.bias]["extra"] = ({"b": torch.ones(1), "a": torch.zeros(1)}, 3)
+    extra = [n for n, _ in state_tensors(model, opt) if n.startswith("optim/1/extra")]
+    assert extra == ["optim/1/extra/0/a", "optim/1/extra/0/b"]
+    del opt.state[model.bias]["extra"]
     before = state_fingerprint(model, opt)
     with torch.no_grad():
         opt.state[model.weight]["stats"]["sq"].view(-1).view(torch.int32)[3] ^= 1  # one mantissa bit
@@ -127,6 +135,10 @@ def test_wrappers_are_unwrapped_but_user_modules_named_module_are_not() -> None:
     fp = state_fingerprint(model, opt)
     assert state_fingerprint(_Wrapper(model), opt) == fp
     assert [n for n, _ in state_tensors(_Wrapper(_Wrapper(model)))][0] == "param/conv.weight"
+    assert state_tensors(torch.compile(model), opt) == state_tensors(model, opt)  # lazy: nothing compiles
+    buffered = _Wrapper(model)
+    buffered.register_buffer("own", torch.zeros(1))  # a wrapper with state of its own is kept whole
+    assert [n for n, _ in state_tensors(buffered)][0] == "param/module.conv.weight"
     user = _HasModuleChild()
     assert [n for n, _ in state_tensors(user)][:2] == ["param/module.weight", "param/module.bias"]
     assert len(state_tensors(user)) == 4
