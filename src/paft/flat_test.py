@@ -1,0 +1,81 @@
+"""Tests for paft.flat: the layout of a sync's flat buffers, and its small helpers.
+Pure logic, one process (sync_test.py carries layouts through real collectives)."""
+
+from __future__ import annotations
+
+import torch
+
+from paft.flat import build_layout, copy_all_, pack, ranges_in, storage_of, structure_key, transport_view
+
+
+def test_layout_groups_by_dtype_cuts_byte_buckets_and_joins_adjacent_parameters() -> None:
+    entries = [
+        ("param/a", torch.zeros(3)),
+        ("param/b", torch.zeros(2, 2)),
+        ("optim/0/step", torch.zeros((), dtype=torch.int64)),
+        ("buffer/m", torch.zeros(2)),
+        ("param/empty", torch.zeros(0)),
+        ("param/c", torch.zeros(1)),
+    ]
+    layout = build_layout(structure_key(entries), entries, bucket_bytes=16)
+    floats, ints = layout.groups
+    assert (floats.dtype, floats.floating, ints.dtype, ints.floating) == (torch.float32, True, torch.int64, False)
+    assert [(s.name, s.offset, s.numel, s.shape) for s in floats.slots] == [
+        ("param/a", 0, 3, (3,)), ("param/b", 3, 4, (2, 2)), ("buffer/m", 7, 2, (2,)),
+        ("param/empty", 9, 0, (0,)), ("param/c", 9, 1, (1,)),
+    ]
+    assert (floats.members, ints.members) == ([0, 1, 3, 4, 5], [2])
+    assert floats.param_ranges == [(0, 7), (9, 10)]  # the buffer between them splits the range
+    assert (floats.numel, floats.buckets) == (10, [(0, 4), (4, 8), (8, 10)])  # 16 bytes: 4 float32
+    assert (ints.numel, ints.buckets, ints.param_ranges) == (1, [(0, 1)], [])
+    assert build_layout(layout.key, entries, bucket_bytes=1).groups[0].buckets[:2] == [(0, 1), (1, 2)]
+    assert layout.digest != 0
+    assert layout.digest == build_layout(structure_key(entries), entries, 16).digest
+    reshaped = [(n, t.reshape(-1)) if n == "param/b" else (n, t) for n, t in entries]
+    assert build_layout(structure_key(reshaped), reshaped, 16).digest != layout.digest
+
+
+def test_structure_key_names_dtypes_and_shapes() -> None:
+    a = [("param/w", torch.zeros(2, 3))]
+    assert structure_key(a) == (("param/w", torch.float32, (2, 3)),)
+    for other in ([("param/v", torch.zeros(2, 3))], [("param/w", torch.zeros(3, 2))],
+                  [("param/w", torch.zeros(2, 3, dtype=torch.float64))]):
+        assert structure_key(other) != structure_key(a)
+
+
+def test_ranges_in_clips_and_rebases() -> None:
+    ranges = [(0, 3), (5, 9), (12, 14)]
+    assert ranges_in(ranges, 2, 13) == [(0, 1), (3, 7), (10, 11)]
+    assert ranges_in(ranges, 3, 5) == []  # touching ends are empty, not zero-length ranges
+    assert ranges_in(ranges, 0, 20) == ranges
+
+
+def test_transport_views_carry_complex_and_bool() -> None:
+    z = torch.tensor([1 + 2j, 3 - 4j]).conj()
+    view = transport_view(z)
+    assert view.dtype == torch.float32 and torch.equal(view, torch.tensor([[1.0, -2.0], [3.0, 4.0]]))
+    mask = torch.tensor([True, False])
+    view = transport_view(mask)
+    assert view.dtype == torch.uint8
+    view[1] = 1  # what a received copy writes lands in the mask itself
+    assert torch.equal(mask, torch.tensor([True, True]))
+    w = torch.zeros(2, requires_grad=True)
+    assert not transport_view(w).requires_grad
+
+
+def test_copy_all_copies_each_pair_into_its_destination() -> None:
+    dst, src = [torch.zeros(2), torch.zeros((), dtype=torch.int64)], [torch.tensor([1.0, 2.0]), torch.tensor(7)]
+    copy_all_(dst, src)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src))
+    assert torch.equal(src[0], torch.tensor([1.0, 2.0]))
+
+
+def test_pack_and_storage_of() -> None:
+    flat = torch.empty(5)
+    assert torch.equal(pack(flat, [torch.tensor([1.0, 2.0]), torch.tensor([[3.0], [4.0], [5.0]])]),
+                       torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    assert pack(flat, []) is flat
+    base = torch.zeros(4)
+    assert storage_of(base[2:]) == storage_of(base) == (base.device, base.untyped_storage().data_ptr())
+    assert storage_of(torch.zeros(0)) is None
+    assert storage_of(torch.zeros(2, 2).to_sparse()) is None
