@@ -37,7 +37,9 @@ def transport_view(t: Tensor) -> Tensor:
     """A view of ``t`` (same storage) in a dtype collectives can carry."""
     t = t.detach()
     if t.is_complex():
-        return torch.view_as_real(t.resolve_conj())
+        # A lazy conjugate (is_conj) stores conj(values): carry that memory, read alike on
+        # every rank, so that a write still lands in t (resolve_conj would copy).
+        return torch.view_as_real(t.conj() if t.is_conj() else t)
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
     return t

@@ -51,9 +51,16 @@ def test_ranges_in_clips_and_rebases() -> None:
 
 
 def test_transport_views_carry_complex_and_bool() -> None:
-    z = torch.tensor([1 + 2j, 3 - 4j]).conj()
+    z = torch.tensor([1 + 2j, 3 - 4j])
     view = transport_view(z)
-    assert view.dtype == torch.float32 and torch.equal(view, torch.tensor([[1.0, -2.0], [3.0, 4.0]]))
+    assert view.dtype == torch.float32 and torch.equal(view, torch.tensor([[1.0, 2.0], [3.0, -4.0]]))
+    view[0, 1] = 5.0
+    assert torch.equal(z, torch.tensor([1 + 5j, 3 - 4j]))
+    lazy = z.conj()  # its memory is z's: the view carries that memory, and writes land in it
+    view = transport_view(lazy)
+    assert torch.equal(view, torch.tensor([[1.0, 5.0], [3.0, -4.0]]))
+    view[1, 0] = 7.0
+    assert torch.equal(lazy, torch.tensor([1 - 5j, 7 + 4j]))
     mask = torch.tensor([True, False])
     view = transport_view(mask)
     assert view.dtype == torch.uint8
