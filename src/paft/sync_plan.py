@@ -157,6 +157,8 @@ def plan_sync(
     if with_reference:
         if 0 < len(good) < ws:  # per_coordinate: the buffers
             note += f"non-finite ranks {[r for r in everyone if r not in good]} outvoted where non-finite; "
+        elif not good:
+            note += "every rank holds NaN/Inf; "
         if not reference_ok:
             note += "references disagree; used a zero reference"
         return SyncPlan("median-with-reference", groups, everyone, finite,
