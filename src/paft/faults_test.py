@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paft.faults import (
+    RECORD_VALUES,
     FaultInjector,
     FaultRecord,
     FaultSchedule,
@@ -161,7 +162,8 @@ def test_count_selects_distinct_sorted_indices(n, count, seed):
 
 
 @pytest.mark.parametrize("n,fraction,k", [(100, 0.1, 10), (10, 0.05, 1), (7, 1.0, 7),
-                                          (1000, 0.0125, 13), (5, 0.5, 3), (20000, 0.5, 10000)])
+                                          (1000, 0.0125, 13), (5, 0.5, 3), (20000, 0.5, 10000),
+                                          (1000, 0.0001, 1)])  # rounds to 0: still one
 def test_fraction_selects_rounded_count(n, fraction, k):
     idx = select_indices(n, gen(3), fraction=fraction)
     assert idx.numel() == k and idx.unique().numel() == k
@@ -229,12 +231,89 @@ def test_noise_is_relative():
     assert abs(rel[nz].mean().item()) < 0.01 and abs(rel[nz].std().item() - 0.1) < 0.005
 
 
+def int_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s integer view: equal only when bit-identical (NaN payloads, -0.0 vs 0.0)."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("kw", [{"kind": "noise", "sigma": 0.3}, {"kind": "random"},
+                                {"kind": "random", "value": 0.25}, {"kind": "scale", "factor": 1.37},
+                                {"kind": "zero"}], ids=lambda kw: ",".join(f"{v}" for v in kw.values()))
+def test_values_are_the_documented_function_of_the_generators_draws(dtype: torch.dtype, kw: dict) -> None:
+    """Bit for bit as ``apply_fault`` documents: the selection first, then N(0, 1) noise
+    in float32 (float64 for float64) scaled by ``|x|``, or ``U[-r, r)`` with ``r`` the
+    largest finite magnitude in the whole tensor (not only the hit elements)."""
+    n, count = 100, 10
+    g = gen(5)
+    idx = select_indices(n, g, count=count)  # replays the selection, then the value draws
+    t = sample(dtype, n)
+    spare = [i for i in range(n) if i not in idx.tolist()]
+    t[spare[0]], t[spare[1]] = 50.0, float("inf")  # the range comes from an element not hit
+    expected = t.clone()
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    x = t[idx].to(cdt)
+    if kw["kind"] == "noise":
+        z = torch.randn(count, generator=g, dtype=cdt)
+        expected[idx] = (x + z * kw["sigma"] * x.abs()).to(dtype)
+    elif kw["kind"] == "random":
+        r = kw.get("value", 50.0)
+        u = torch.rand(count, generator=g, dtype=torch.float64)
+        expected[idx] = (u * (2 * r) - r).to(dtype)
+    elif kw["kind"] == "scale":
+        expected[idx] = (x * kw["factor"]).to(dtype)
+    else:
+        expected[idx] = torch.zeros(count, dtype=dtype)  # +0.0: a cleared word, not -0.0
+    apply_fault(FaultSpec(steps=0, count=count, **kw), t, gen(5))
+    assert torch.equal(int_bits(t), int_bits(expected))
+
+
+def test_random_without_a_finite_value_to_scale_by_writes_zeros() -> None:
+    t = torch.tensor([float("nan"), float("inf"), float("-inf"), float("nan")])
+    apply_fault(FaultSpec("random", steps=0, fraction=1.0), t, gen(0))
+    assert torch.equal(int_bits(t), int_bits(torch.zeros(4)))
+
+
+@pytest.mark.parametrize("kind", ["bitflip", "scale", "stale"])
+def test_a_record_keeps_the_first_values_and_stale_names_the_elements_whose_bits_changed(kind: str) -> None:
+    t = sample(torch.float32, 64)
+    prev = t.clone()
+    prev[::2] += 1
+    # Equal as numbers but not as bits (0.0 / -0.0), and equal bits but not as numbers (NaN).
+    t[0] = prev[0] = float("nan")
+    t[1], prev[1] = 0.0, -0.0
+    before = t.clone()
+    applied = apply_fault(FaultSpec(kind, steps=0, count=None if kind == "stale" else 20), t, gen(0), prev)
+    assert applied is not None
+    assert len(applied.indices) == len(applied.before) == len(applied.after) == RECORD_VALUES
+    if kind == "stale":
+        assert applied.num_elements == 64 and applied.bits is None  # the whole tensor is replaced
+        assert applied.indices == [1, 2, 4, 6, 8, 10, 12, 14]
+        assert torch.equal(int_bits(t), int_bits(prev))
+    else:
+        assert applied.num_elements == 20
+        assert (len(applied.bits) == RECORD_VALUES) if kind == "bitflip" else applied.bits is None
+    for recorded, source in ((applied.before, before), (applied.after, t)):  # exactly, NaN included
+        torch.testing.assert_close(torch.tensor(recorded, dtype=torch.float64), source[applied.indices].double(),
+                                   rtol=0, atol=0, equal_nan=True)
+
+
 def test_empty_tensor_and_stale_without_previous_do_nothing():
     assert apply_fault(FaultSpec("nan", steps=0), torch.empty(0), gen(0)) is None
     t = torch.ones(3)
     assert apply_fault(FaultSpec("stale", steps=0), t, gen(0)) is None
     assert apply_fault(FaultSpec("stale", steps=0), t, gen(0), previous=torch.ones(4)) is None
+    assert apply_fault(FaultSpec("stale", steps=0), t, gen(0),
+                       previous=torch.zeros(3, dtype=torch.float64)) is None
     assert torch.equal(t, torch.ones(3))
+
+
+@pytest.mark.parametrize("kind", ["zero", "bitflip"])
+def test_only_floating_point_tensors_are_corrupted(kind: str) -> None:
+    t = torch.arange(4)
+    with pytest.raises(ValueError, match="floating-point tensors, got torch.int64"):
+        apply_fault(FaultSpec(kind, steps=0), t, gen(0))
+    assert torch.equal(t, torch.arange(4))
 
 
 def test_same_generator_same_corruption():
