@@ -387,6 +387,7 @@ def test_listed_ranks_draw_independently():
 def test_steps_ranges_start_stop():
     sched = FaultSchedule(["nan:steps=5+10-12,ranks=0"], seed=0, world_size=1)
     assert fired(sched, range(30)) == [5, 10, 11, 12]
+    assert [s for s in range(30) if sched.starts(0, s, 0)] == [5, 10, 11, 12]
     sched = FaultSchedule(["nan:rate=1,start=7,stop=10,ranks=0"], seed=0, world_size=1)
     assert fired(sched, range(30)) == [7, 8, 9]
     sched = FaultSchedule(["nan:steps=0-100,rate=0.5,stop=50,ranks=0"], seed=0, world_size=1)
@@ -446,6 +447,34 @@ def test_sites_are_separate():
     assert sched.events(1, 0, "local-grad") and not sched.events(1, 0, "aggregation")
     with pytest.raises(ValueError, match="site"):
         sched.events(1, 0, "bogus")
+
+
+def test_tensor_for_weighs_by_elements_and_never_picks_an_empty_tensor() -> None:
+    sched = FaultSchedule(["nan:rate=1,site=params"], seed=0, world_size=1)
+    picks = [sched.tensor_for(sched.events(step, 0, "params")[0], ["a", "b", "c"], [0, 1, 1])
+             for step in range(100)]
+    assert set(picks) == {"b", "c"}
+
+
+_SCHED = FaultSchedule(["nan:steps=0,ranks=0"], seed=0, world_size=2)
+_EVENT = _SCHED.events(0, 0, "aggregation")[0]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: FaultSchedule([], seed=1.5, world_size=1), "seed must be an int"),
+    (lambda: FaultSchedule([], seed=0, world_size=0), "world_size must be an int >= 1"),
+    (lambda: _SCHED.events(0, 2, "aggregation"), r"rank must be in \[0, 2\)"),
+    (lambda: _SCHED.events(0, 0, "aggregation", attempt=-1), "step and attempt must be >= 0"),
+    (lambda: _SCHED.bucket_for(_EVENT, 0), "num_buckets must be >= 1"),
+    (lambda: _SCHED.tensor_for(_EVENT, ["a"], [0]), "no elements"),
+    (lambda: FaultInjector(_SCHED, rank=2), r"rank must be in \[0, 2\)"),
+    (lambda: FaultInjector(_SCHED, rank=0).inject_bucket("aggregation", 0, 2, 2, torch.ones(2)),
+     r"bucket_index 2 not in \[0, 2\)"),
+], ids=["seed", "world_size", "events rank", "attempt", "num_buckets", "no elements", "injector rank",
+        "bucket_index"])
+def test_bad_arguments_are_refused(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def test_schedule_checks_ranks_against_world_size():
@@ -789,16 +818,22 @@ def test_inject_tensors_corrupts_one_named_tensor_in_place():
     sched_opt = FaultSchedule(["zero:rate=1,site=optimizer-state"], seed=2, world_size=1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     picks = []
+    refs = []
     for step in range(40):
         named = dict(model.named_parameters())
-        ref = {n: p.detach().clone() for n, p in named.items()}
+        refs.append({n: p.detach().clone() for n, p in named.items()})
         recs = inj.inject_tensors("params", step, named)
-        changed = [n for n, p in named.items() if not torch.equal(p, ref[n])]
+        changed = [n for n, p in named.items() if not torch.equal(p, refs[step][n])]
         scale = [r for r in recs if r.kind == "scale"]
         assert len(scale) == 1 and scale[0].target in changed
         if step != 3:
             assert changed == [scale[0].target]
+        else:  # stale: the tensor it picks holds its value from before step 2's scaling again
+            (stale,) = [r for r in recs if r.kind == "stale"]
+            assert torch.equal(named[stale.target], refs[2][stale.target])
         picks.append(scale[0].target)
+    # A recompute fires only persistent specs, at rest too.
+    assert inj.inject_tensors("params", 39, dict(model.named_parameters()), attempt=1) == []
     # Weighted by numel: the 32-element weight is picked most often, all get picked.
     assert max(set(picks), key=picks.count) == "0.weight" and len(set(picks)) >= 3
     inj2 = FaultInjector(sched_opt, rank=0)
@@ -806,6 +841,64 @@ def test_inject_tensors_corrupts_one_named_tensor_in_place():
     (rec,) = inj2.inject_tensors("optimizer-state", 0, state)
     assert rec.target == "exp_avg" and (state["exp_avg"] == 0).sum() == 1
     assert state["step"].item() == 3
+
+
+def test_inject_tensors_picks_among_eligible_tensors_by_sorted_name() -> None:
+    """Only floating, non-empty tensors whose dtype the spec takes, weighted by their
+    elements; the dict's order does not matter."""
+    sched = FaultSchedule(["bitflip:site=params,rate=1,bits=40,ranks=0"], seed=1, world_size=1)
+
+    def named(order: list[str]) -> dict[str, torch.Tensor]:
+        pool = {"a": torch.ones(3000), "b": torch.ones(1000, dtype=torch.float64),
+                "c": torch.ones(3000, dtype=torch.float64), "d": torch.arange(3),
+                "e": torch.empty(0, dtype=torch.float64)}
+        return {n: pool[n] for n in order}
+
+    picks = {}
+    for order in (["a", "b", "c", "d", "e"], ["e", "d", "c", "b", "a"]):
+        inj = FaultInjector(sched, rank=0)
+        picks[order[0]] = [inj.inject_tensors("params", step, named(order))[0].target for step in range(40)]
+    assert picks["a"] == picks["e"]
+    # "a" (float32) cannot take bit 40; "c" holds 3/4 of the float64 elements.
+    assert set(picks["a"]) == {"b", "c"} and picks["a"].count("c") > 2 * picks["a"].count("b")
+    # Nothing eligible (an integer counter, an empty tensor): nothing to do.
+    zero = FaultSchedule(["zero:site=params,rate=1,ranks=0"], seed=1, world_size=1)
+    assert FaultInjector(zero, rank=0).inject_tensors("params", 0, named(["d", "e"])) == []
+
+
+@pytest.mark.parametrize("site", ["aggregation", "params"])
+def test_elements_are_drawn_from_the_generator_of_the_event_and_its_target(site: str) -> None:
+    sched = FaultSchedule([f"zero:site={site},rate=1,count=3,ranks=0"], seed=6, world_size=1)
+    inj = FaultInjector(sched, rank=0)
+    for step in range(10):
+        (ev,) = sched.events(step, 0, site)
+        if site == "aggregation":
+            bs = buckets(4, seed=step)
+            recs = [r for i, b in enumerate(bs) for r in inj.inject_bucket(site, step, i, 4, b)]
+        else:
+            recs = inj.inject_tensors(site, step, {str(i): b for i, b in enumerate(buckets(4, seed=step))})
+        (rec,) = recs
+        assert rec.indices == select_indices(50, sched.generator(ev, rec.target), count=3).tolist()
+
+
+def test_a_records_fields_name_its_spec_burst_and_bit() -> None:
+    specs = ["nan:steps=0,ranks=0", "bitflip:steps=3,ranks=0,count=3,bits=30,burst=4",  # as to_text writes them
+             "bitflip:steps=5,ranks=0,bits=sign", "bitflip:steps=5,ranks=0,count=2,bits=sign"]
+    inj = FaultInjector(FaultSchedule(specs, seed=0, world_size=1), rank=0)
+    recs = inj.inject_bucket("aggregation", 5, 0, 1, torch.ones(10))
+    assert [(r.spec_index, r.spec, r.burst_start, r.step) for r in recs] == [
+        (1, specs[1], 3, 5), (2, specs[2], 5, 5), (3, specs[3], 5, 5)]
+    # One bit named: the spec's bit, or the one element's; a class over several elements names none.
+    assert [r.bit for r in recs] == [30, 31, None]
+    assert recs[0].bits == [30] * 3 and recs[1].bits == [31] and recs[2].bits == [31] * 2
+
+
+def test_events_asked_for_one_site_are_not_served_for_another() -> None:
+    """The comm hook asks for local-grad, then aggregation events of the same step."""
+    sched = FaultSchedule(["nan:site=local-grad,steps=0,ranks=0", "zero:steps=0,ranks=0"], seed=0, world_size=1)
+    inj = FaultInjector(sched, rank=0)
+    assert [r.kind for r in inj.inject_bucket("local-grad", 0, 0, 1, torch.ones(4))] == ["nan"]
+    assert [r.kind for r in inj.inject_bucket("aggregation", 0, 0, 1, torch.ones(4))] == ["zero"]
 
 
 def test_inject_rejects_wrong_site_kind():
