@@ -3,36 +3,49 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from paft.config import MonitorConfig
 from paft.consistency import ControlVector, ControlView
 from paft.divergence import DivergenceReport
-from paft.monitor import Monitor
+from paft.monitor import SPLIT_TENSORS, Monitor
 from paft.records import RunRecorder
 
 
-def view(states: list[int | None], aggs: list[int] | None = None, losses: list[float] | None = None) -> ControlView:
+def view(states: list[int | None], aggs: list[int] | None = None, losses: list[float] | None = None,
+         faults: list[int] | None = None) -> ControlView:
     aggs = aggs or [7] * len(states)
     losses = losses or [2.0] * len(states)
-    rows = [ControlVector(x, 1.0, 1.0, a, s, 0, 0, None).pack(0) for s, a, x in zip(states, aggs, losses)]
+    faults = faults or [0] * len(states)
+    rows = [ControlVector(x, 1.0, 1.0, a, s, 0, f, None).pack(0) for s, a, x, f in zip(states, aggs, losses, faults)]
     return ControlView(torch.stack(rows))
 
 
+def sketched(sketches: list[list[float]], sq: list[float] | None = None) -> ControlView:
+    """Two-element gradient sketches (and squared local norms) per rank."""
+    sq = sq or [1.0] * len(sketches)
+    return ControlView(torch.stack([ControlVector(2.0, q, 1.0, 7, None, 0, 0, torch.tensor(v)).pack(2)
+                                    for v, q in zip(sketches, sq)]))
+
+
 def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repair(tmp_path: Path) -> None:
     calls = []
 
+    moved = [(f"param/w{i}", 0.7 - 0.1 * i, 2) for i in range(SPLIT_TENSORS + 2)]
+
     def divergence() -> DivergenceReport:
         calls.append(1)
         return DivergenceReport(per_rank=[0.0, 0.0, 0.5], max=0.5, finite=[True] * 3, state_per_rank=[0.0, 0.0, 0.7],
-                                state_max=0.7,
-                                per_tensor=[("param/w", 0.7, 2), ("param/b", 0.0, 0)])
+                                state_max=0.7, per_tensor=[*moved[:2], ("param/b", 0.0, 0), *moved[2:]])
 
     monitor = Monitor(MonitorConfig(), RunRecorder(tmp_path, rank=0, quiet=True), divergence)
     split = view([1, 1, 9])
@@ -40,26 +53,42 @@ def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repai
     monitor.record(1, split, metric_step=True)  # still split: no new alert
     assert monitor.alerts == 1 and len(calls) == 1
     monitor.replicas_agree()
-    monitor.record(2, split, metric_step=True, stale_fingerprints=True)  # taken before the repair
-    assert monitor.alerts == 1
+    # Fingerprints taken before the repair: no state alert, but the gradients' split is one
+    # (and measures no divergence: that collective is for state splits).
+    monitor.record(2, view([1, 1, 9], aggs=[7, 7, 8]), metric_step=True, stale_fingerprints=True)
+    assert [e["detector"] for e in events(tmp_path)] == ["state_split", "replicas_split"] and len(calls) == 1
     monitor.record(3, split, metric_step=True)  # split again after the repair: a new alert
-    assert monitor.alerts == 2
+    assert monitor.alerts == 3
     (first, second) = [e for e in events(tmp_path) if e["detector"] == "state_split"]
     assert (first["step"], second["step"], first["ranks"]) == (0, 3, [2])
-    assert first["divergence"]["tensors"] == [["param/w", 0.7, 2]]  # unmoved tensors left out
+    # Unmoved tensors left out, the farthest apart first, at most SPLIT_TENSORS of them.
+    assert first["divergence"] == {"params_per_rank": [0.0, 0.0, 0.5], "state_per_rank": [0.0, 0.0, 0.7],
+                                   "tensors": [list(t) for t in moved[:SPLIT_TENSORS]]}
 
 
 def test_between_metric_steps_only_news_of_the_replicas_is_recorded(tmp_path: Path) -> None:
     monitor = Monitor(MonitorConfig(interval=10), RunRecorder(tmp_path, rank=0, quiet=True), None)
     assert monitor.record(1, view([None, None]), metric_step=False) == {}
-    split = monitor.record(2, view([None, None], aggs=[7, 8]), metric_step=False)
+    split = monitor.record(2, view([None, None], aggs=[7, 8], losses=[1.0, 3.0], faults=[0, 1]), metric_step=False)
     assert split["replicas/grad_distinct"] == 2 and "consistency/loss_cv" not in split
+    # What every step carries; the local gradient norms come with the worker metrics only.
+    assert (split["loss"], split["local_losses"], split["faults"]) == (2.0, [1.0, 3.0], [0, 1])
+    assert "local_grad_norms" not in split
     assert monitor.record(3, view([None, None]), metric_step=False)["step"] == 3  # the split's end
     assert monitor.record(4, view([None, None]), metric_step=False) == {}
-    skipped = monitor.record(5, view([None, None], aggs=[7, 8]), metric_step=True, applied=False)
+    skipped = monitor.record(5, view([3, 3], aggs=[7, 8]), metric_step=True, applied=False)
     assert not any(k.startswith("replicas/grad_") for k in skipped)  # a skipped update split nothing
+    assert skipped["replicas/state_distinct"] == 1  # ...but its fingerprints are kept
+    # A fingerprint is news, agreeing or not; a state split lasts until the replicas agree.
+    assert monitor.record(6, view([3, 3]), metric_step=False)["replicas/state_distinct"] == 1
+    assert monitor.alerts == 1  # the split at step 2 only
+    assert monitor.record(7, view([3, 4]), metric_step=False)["replicas/state_distinct"] == 2
+    assert monitor.record(8, view([None, None]), metric_step=False)["step"] == 8
+    monitor.replicas_agree()
+    assert monitor.record(9, view([None, None]), metric_step=False) == {}
+    assert [e["detector"] for e in events(tmp_path)] == ["replicas_split", "state_split"]
     lines = (tmp_path / "consistency.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [2, 3, 5]
+    assert [json.loads(x)["step"] for x in lines] == [2, 3, 5, 6, 7, 8]
 
 
 def test_a_nan_loss_alerts_except_on_a_loss_scalers_overflow(tmp_path: Path) -> None:
@@ -103,13 +132,66 @@ def test_a_split_that_regroups_is_alerted_again(tmp_path: Path) -> None:
     monitor.record(2, view([None] * 4, aggs=[9, 7, 7, 7]), metric_step=True)  # rank 0 hit while it lasts
     assert [(e["step"], e["ranks"]) for e in events(tmp_path) if e["detector"] == "replicas_split"] == [
         (0, [2]), (2, [0])]
+    monitor.alerting["replicas_split"] = True  # as a checkpoint of an older version saved it: no groups
+    monitor.record(3, view([None] * 4, aggs=[9, 7, 7, 7]), metric_step=True)  # which regrouping is unknown
+    assert monitor.alerts == 2
 
 
-def test_a_split_whose_distance_the_update_rounded_away_names_no_farthest_rank(tmp_path: Path) -> None:
+def _report(per_tensor: list | None, state: list[float]) -> Callable[[], DivergenceReport]:
+    return lambda: DivergenceReport(per_rank=[0.0, 0.9, 0.5], max=0.9, finite=[True] * 3, state_per_rank=state,
+                                    state_max=max(state), per_tensor=per_tensor)
+
+
+def _structure_differs() -> DivergenceReport:
+    raise RuntimeError("tensor shapes differ")
+
+
+@pytest.mark.parametrize("divergence, words, record", [
+    (None, "", None),
+    # The distance the update rounded away: no farthest rank.
+    (_report([], [0.0] * 3), "; equal in value after this step's update", []),
+    # The farthest over the whole state (not the parameters alone), and the tensor that moved most.
+    (_report([("param/w", 0.7, 2)], [0.0, 0.0, 0.7]),
+     "; farthest from the mean: rank(s) [2], 0.7, most in param/w (0.7)", [["param/w", 0.7, 2]]),
+    (_report(None, [0.0, 0.0, 0.7]), "; farthest from the mean: rank(s) [2], 0.7", []),
+    (_structure_differs, "; the states differ in structure", None),
+], ids=["no divergence", "rounded away", "one tensor", "no per-tensor", "structure"])
+def test_a_state_splits_line_says_how_far_apart_the_replicas_are(
+        tmp_path: Path, divergence: Callable[[], DivergenceReport] | None, words: str, record: list | None) -> None:
     said: list[str] = []
     recorder = RunRecorder(tmp_path, rank=0, quiet=True)
     recorder.say = said.append  # type: ignore[method-assign]
-    monitor = Monitor(MonitorConfig(), recorder, lambda: DivergenceReport(
-        per_rank=[0.0] * 3, max=0.0, finite=True, state_per_rank=[0.0] * 3, state_max=0.0, per_tensor=[]))
+    monitor = Monitor(MonitorConfig(), recorder, divergence)
     monitor.record(0, view([1, 1, 9]), metric_step=True)
-    assert said == ["[alert] step 0: state_split = 2 (rank(s) [2] disagree); equal in value after this step's update"]
+    assert said == [f"[alert] step 0: state_split = 2 (rank(s) [2] disagree){words}"]
+    (event,) = events(tmp_path)
+    if divergence is None:
+        assert "divergence" not in event
+    elif record is None:
+        assert event["divergence"] == {"error": "tensor shapes differ"}
+    else:
+        assert event["divergence"]["tensors"] == record
+
+
+@pytest.mark.parametrize("config, rows, alerted", [
+    # At the threshold is not past it: a CV of exactly 0.5, a cosine of exactly 0.
+    (MonitorConfig(alert_loss_cv=0.5), view([None, None], losses=[1.0, 3.0]), []),
+    (MonitorConfig(alert_cos_min=0.0), sketched([[1.0, 0.0], [0.0, 1.0]]), []),
+    (MonitorConfig(alert_cos_min=0.0), sketched([[1.0, 0.0], [-1.0, 0.1]]), ["grad_cos_min"]),
+    # Two ranks, one non-finite: no pair of finite gradients is left, and a NaN minimum fires.
+    (MonitorConfig(), sketched([[1.0, 0.0], [float("nan"), 0.0]], sq=[1.0, float("nan")]),
+     ["nonfinite_local", "grad_cos_min"]),
+], ids=["cv at threshold", "cos at threshold", "cos below", "nan cos"])
+def test_a_value_at_a_threshold_is_not_past_it_and_nan_is(
+        tmp_path: Path, config: MonitorConfig, rows: ControlView, alerted: list[str]) -> None:
+    monitor = Monitor(config, RunRecorder(tmp_path, rank=0, quiet=True), None)
+    monitor.record(0, rows, metric_step=True)
+    assert [e["detector"] for e in events(tmp_path)] == alerted and monitor.alerts == len(alerted)
+
+
+def test_exact_gradients_given_replace_the_sketches_in_the_cosines(tmp_path: Path) -> None:
+    monitor = Monitor(MonitorConfig(), RunRecorder(tmp_path, rank=0, quiet=True), None)
+    orthogonal = sketched([[1.0, 0.0], [0.0, 1.0]])
+    assert monitor.record(0, orthogonal, metric_step=True)["consistency/grad_cos_min"] == 0.0
+    parallel = torch.tensor([[1.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
+    assert monitor.record(1, orthogonal, metric_step=True, grads=parallel)["consistency/grad_cos_min"] == 1.0
