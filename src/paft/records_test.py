@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paft.records import RunRecorder, from_jsonable, jsonable, max_or_nan, read_jsonl, sort_faults
+from paft.records import (
+    RunRecorder,
+    from_jsonable,
+    from_jsonable_float,
+    jsonable,
+    max_or_nan,
+    output_dir_problem,
+    path_name_problem,
+    read_jsonl,
+    sort_faults,
+)
 
 floats = st.floats(allow_nan=True, allow_infinity=True)
 values = st.recursive(floats | st.integers() | st.text(alphabet="abc"),
@@ -31,6 +43,20 @@ def _same(a: object, b: object) -> bool:
 @given(values)
 def test_from_jsonable_inverts_jsonable_through_json(value: object) -> None:
     assert _same(from_jsonable(json.loads(json.dumps(jsonable(value)))), value)
+
+
+def test_jsonable_is_strict_json_with_string_keys() -> None:
+    # Python's json writes Infinity and NaN, which other readers refuse; and sort_keys
+    # fails on keys of mixed types.
+    value = jsonable({1: math.inf, "a": (1.5, -math.inf, {"b": math.nan})})
+    assert value == {"1": "inf", "a": [1.5, "-inf", {"b": "nan"}]}
+    json.dumps(value, allow_nan=False, sort_keys=True)
+
+
+@pytest.mark.parametrize("text", ["Inf", "INF", "-Inf", "NaN"])
+def test_from_jsonable_float_reads_any_case(text: str) -> None:
+    value = from_jsonable_float(text)
+    assert isinstance(value, float) and str(value) == text.lower()
 
 
 def test_max_or_nan_takes_a_nan_wherever_it_is() -> None:
@@ -109,3 +135,27 @@ def test_sort_faults_orders_by_step_attempt_rank_and_keeps_each_ranks_order(tmp_
     assert (tmp_path / "012" / "faults.jsonl").read_bytes() == damaged
     sort_faults(tmp_path / "none")
     assert not (tmp_path / "none").exists()
+
+
+LIMIT = os.pathconf(".", "PC_NAME_MAX")
+
+
+@pytest.mark.parametrize("parts,too_long", [
+    (["a" * LIMIT], False),
+    (["a" * (LIMIT + 1)], True),
+    (["\u00e9" * (LIMIT // 2 + 1)], True),  # fewer characters than bytes
+    (["a" * (LIMIT + 1), "run"], True),  # a parent's name
+])
+def test_a_name_longer_than_the_file_system_allows_is_refused(parts: list[str], too_long: bool) -> None:
+    problem = path_name_problem(pathlib.Path("out", *parts), "--out")
+    assert (problem is not None and "is longer than the file system allows" in problem) == too_long
+
+
+def test_an_output_folder_the_file_system_cannot_look_at_is_refused(tmp_path: pathlib.Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def denied(path: pathlib.Path) -> bool:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pathlib.Path, "exists", denied)
+    problem = output_dir_problem(tmp_path / "out", "--out", {}, overwrite=False)
+    assert problem == f"--out: cannot use {tmp_path / 'out'}: Permission denied"
