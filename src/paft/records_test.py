@@ -159,3 +159,34 @@ def test_an_output_folder_the_file_system_cannot_look_at_is_refused(tmp_path: pa
     monkeypatch.setattr(pathlib.Path, "exists", denied)
     problem = output_dir_problem(tmp_path / "out", "--out", {}, overwrite=False)
     assert problem == f"--out: cannot use {tmp_path / 'out'}: Permission denied"
+
+
+def _ours(path: pathlib.Path) -> bool:
+    return path.is_file()
+
+
+@pytest.mark.parametrize("make,overwrite,problem", [
+    ({"a/.paft-bench": ""}, True, None),  # either marker marks paft's folder
+    ({"a/.paft-bench": "", "a/x": ""}, False, "--out: {a} already exists; pass --overwrite to replace it"),
+    ({"a/x": ""}, True, "--overwrite: {a} holds no config.json or .paft-bench of paft's, so it is not paft's "
+                        "output; refusing to delete it"),
+    ({"a": ""}, False, "--out: {a} exists and is not a directory"),
+    ({"real/config.json": "", "a": "->real"}, True, "--overwrite: {a} is a symbolic link; give the real "
+                                                    "directory to replace"),
+    ({"a": "->real"}, False, "--out: {a} is a symbolic link to nothing (real)"),
+    ({"real/": None, "a": "->real"}, False, None),
+])
+def test_output_dir_problem(tmp_path: pathlib.Path, make: dict[str, str | None], overwrite: bool,
+                            problem: str | None) -> None:
+    for name, text in make.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if text is None:
+            path.mkdir()
+        elif text.startswith("->"):
+            path.symlink_to(text[2:])
+        else:
+            path.write_text(text)
+    markers = {"config.json": _ours, ".paft-bench": _ours}
+    got = output_dir_problem(tmp_path / "a", "--out", markers, overwrite)
+    assert got == (problem and problem.format(a=tmp_path / "a"))
