@@ -1,0 +1,161 @@
+"""Tests of the run directory's checks (single process): fake run directories, a
+``config.json`` and checkpoint files holding just the keys a checkpoint needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from paft.config import GuardConfig, ProtectConfig, TrainConfig
+from paft.rundir import (
+    _CHECKPOINT_KEYS,
+    _RUN_CONFIG_KEYS,
+    RunDirError,
+    check_run_dir,
+    default_run_dir,
+    prepare_run_dir,
+    remove_checkpoint_temporaries,
+)
+from paft.workloads import model_config
+
+N_LAYER = model_config("gpt", {}).n_layer
+
+
+def _config(run_dir: pathlib.Path, **overrides: Any) -> TrainConfig:
+    return TrainConfig(**{"world_size": 2, "steps": 12, "batch_size": 16, "run_dir": str(run_dir), **overrides})
+
+
+def _fake_run(cfg: TrainConfig, steps: tuple[int, ...] = (6, 12), held: TrainConfig | None = None,
+              options: bool = True) -> pathlib.Path:
+    """The run directory a run of ``cfg`` leaves: config.json and, for each of ``steps``,
+    every rank's checkpoint, holding ``held``'s options (``cfg``'s by default; none
+    without ``options``, as before checkpoints held them), and ``latest`` naming the last."""
+    path = prepare_run_dir(cfg)
+    state = {**dict.fromkeys(_CHECKPOINT_KEYS), **({"config": (held or cfg).to_dict()} if options else {})}
+    for step in steps:
+        (path / "checkpoints" / f"step{step:07d}").mkdir(parents=True)
+        for rank in range(cfg.world_size):
+            torch.save(state, path / "checkpoints" / f"step{step:07d}" / f"rank{rank}.pt")
+    (path / "checkpoints" / "latest").write_text(f"step{steps[-1]:07d}\n")
+    return path
+
+
+def _resume(cfg: TrainConfig, **changes: Any) -> TrainConfig:
+    return dataclasses.replace(cfg, resume=True, **changes)
+
+
+@pytest.mark.parametrize("changes", [
+    {"steps": 20},
+    {"model": {"n_layer": N_LAYER}},  # the default, spelled out
+    {"protect": ProtectConfig(sync_mode="mean")},  # no sync, so no sync mode, takes effect
+], ids=["steps", "model-default", "sync-mode-unused"])
+def test_a_resume_that_changes_nothing_fixed_is_accepted(tmp_path: pathlib.Path, changes: dict[str, Any]) -> None:
+    cfg = _config(tmp_path / "r")
+    _fake_run(cfg)
+    check_run_dir(_resume(cfg, **changes))
+
+
+@pytest.mark.parametrize("held", ["config.json", "checkpoint"])
+@pytest.mark.parametrize("before,changes,said", [
+    ({}, {"seed": 1}, "--seed (0 in"),
+    ({}, {"desync_shuffle": True}, "--desync-shuffle (False in"),
+    ({}, {"guard": GuardConfig(enabled=True)}, "--guard (False in"),
+    ({}, {"model": {"n_embd": 64}}, "--model ({'n_embd': 128} in"),  # only the fields that differ
+    ({"protect": ProtectConfig(mode="dyn")}, {"protect": ProtectConfig(mode="dyn", sync_mode="mean")},
+     "--sync-mode ('robust' in"),
+])
+def test_a_resume_that_changes_a_fixed_option_is_refused(tmp_path: pathlib.Path, before: dict[str, Any],
+                                                         changes: dict[str, Any], said: str, held: str) -> None:
+    # Checked against config.json (all that checkpoints written before they held their
+    # options have), and against the checkpoint's own options (config.json edited).
+    cfg = _config(tmp_path / "r", **before)
+    if held == "config.json":
+        _fake_run(cfg, options=False)
+        where = str(tmp_path / "r")
+    else:
+        _fake_run(dataclasses.replace(cfg, **changes), held=cfg)
+        where = "its checkpoint step0000012"
+    with pytest.raises(RunDirError, match=re.escape(f"--resume: cannot change {said} {where}, ")):
+        check_run_dir(_resume(cfg, **changes))
+
+
+@pytest.mark.parametrize("steps,summary,refused", [
+    (12, {"steps": 12}, True),  # the run ended
+    (12, None, False),  # stopped before summary.json: the resume writes it
+    (12, {"steps": 12.0}, False),  # not a step count: as if unreadable
+    (10, None, True),
+    (13, {"steps": 12}, False),
+])
+def test_a_resume_must_train_on_or_finish_the_summary(tmp_path: pathlib.Path, steps: int,
+                                                      summary: dict[str, Any] | None, refused: bool) -> None:
+    cfg = _config(tmp_path / "r")
+    path = _fake_run(cfg)
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    resume = _resume(cfg, steps=steps)
+    if refused:
+        with pytest.raises(RunDirError, match=f"has trained 12 steps already \\(--steps {steps}\\)"):
+            check_run_dir(resume)
+    else:
+        check_run_dir(resume)
+
+
+def test_a_resume_falls_back_to_the_newest_checkpoint_intact_on_every_rank(tmp_path: pathlib.Path) -> None:
+    cfg = _config(tmp_path / "r", world_size=4)
+    root = _fake_run(cfg, steps=(4, 8, 12)) / "checkpoints"
+    resume = _resume(cfg, steps=20)
+    for step, rank in ((12, 3), (8, 1)):  # a write cut short; a file lost
+        rank_file = root / f"step{step:07d}" / f"rank{rank}.pt"
+        if step == 12:
+            rank_file.write_bytes(rank_file.read_bytes()[:100])
+        else:
+            rank_file.unlink()
+        check_run_dir(resume)  # step 8 or 4 then
+    (root / "step0000004" / "rank3.pt").write_text("not a checkpoint")
+    with pytest.raises(RunDirError, match=re.escape(f"no checkpoint in {root} has an intact file for every rank "
+                                                    "(step0000012: rank(s) [3] missing or damaged)")):
+        check_run_dir(resume)
+
+
+def test_a_default_run_dir_is_named_by_workload_time_and_process() -> None:
+    # The process id keeps runs started in the same second apart.
+    assert re.fullmatch(rf"runs/gpt-\d{{8}}-\d{{6}}-{os.getpid()}", default_run_dir("gpt"))
+
+
+@pytest.mark.parametrize("config,said", [
+    (dict.fromkeys(_RUN_CONFIG_KEYS), "stopped before its first checkpoint"),  # the keys every run's has had
+    (dict.fromkeys(_RUN_CONFIG_KEYS - {"guard"}), "holds no config.json of paft's"),
+    ([1], "holds no config.json of paft's"),
+])
+def test_a_run_is_told_from_a_users_folder_by_its_config_keys(tmp_path: pathlib.Path, config: Any, said: str) -> None:
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RunDirError, match=said):
+        check_run_dir(_config(tmp_path / "r"))
+
+
+def test_a_run_dir_that_links_to_an_empty_folder_is_used(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "r").symlink_to("real")
+    check_run_dir(_config(tmp_path / "r"))
+
+
+def test_only_checkpoint_temporaries_and_the_folders_they_leave_empty_are_removed(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "checkpoints"
+    names = ["step0000002/.rank0.pt.abcd_123", "step0000002/.rank0.pt.abcd_123.bak", "step0000004/.rank1.pt.x1y2z3w4",
+             ".latest.abcdefgh", ".latest.abcdefgh~", "step0000004/rank0.pt"]
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    (root / "step0000006").mkdir()
+    remove_checkpoint_temporaries(tmp_path)
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
+        ".latest.abcdefgh~", "step0000002", "step0000002/.rank0.pt.abcd_123.bak", "step0000004",
+        "step0000004/rank0.pt"]
