@@ -19,8 +19,10 @@ from paft.rundir import (
     _RUN_CONFIG_KEYS,
     RunDirError,
     check_run_dir,
+    checkpoint_candidates,
     default_run_dir,
     prepare_run_dir,
+    records_size,
     remove_checkpoint_temporaries,
 )
 from paft.workloads import model_config
@@ -159,3 +161,44 @@ def test_only_checkpoint_temporaries_and_the_folders_they_leave_empty_are_remove
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
         ".latest.abcdefgh~", "step0000002", "step0000002/.rank0.pt.abcd_123.bak", "step0000004",
         "step0000004/rank0.pt"]
+
+
+@pytest.mark.parametrize("log", ["events.jsonl", "faults.jsonl", "metrics/rank1.jsonl"])
+def test_a_resume_refuses_a_damaged_log(tmp_path: pathlib.Path, log: str) -> None:
+    cfg = _config(tmp_path / "r")
+    path = _fake_run(cfg)
+    (path / log).parent.mkdir(exist_ok=True)
+    (path / log).write_text('{"step": 0}\nnot json\n')
+    with pytest.raises(RunDirError, match=re.escape(f"--resume: {path / log}: line 2 is not JSON")):
+        check_run_dir(_resume(cfg, steps=20))
+
+
+@pytest.mark.parametrize("make,said", [
+    ({}, "does not exist"),
+    ({"r": ""}, "is not a directory"),
+    ({"r/config.json": "{}"}, "holds no paft run"),
+    ({"r/config.json": "run", "r/checkpoints/step0000006/rank0.pt": ""}, "checkpoints/latest is missing"),
+    ({"r/config.json": "run", "r/checkpoints/latest": "best"}, "names 'best', not a checkpoint folder"),
+])
+def test_a_resume_with_nothing_to_resume_says_why(tmp_path: pathlib.Path, make: dict[str, str], said: str) -> None:
+    cfg = _config(tmp_path / "r")
+    for name, text in make.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(cfg.to_dict()) if text == "run" else text)
+    with pytest.raises(RunDirError, match=re.escape(said)):
+        check_run_dir(_resume(cfg))
+
+
+def test_resume_candidates_are_latest_then_older_checkpoints_newest_first(tmp_path: pathlib.Path) -> None:
+    for name in ("step0000004", "step0000008", "step0000012", "step0000016", "step_old", "stepping"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "latest").write_text("step0000012\n")
+    assert checkpoint_candidates(tmp_path) == ["step0000012", "step0000008", "step0000004"]
+
+
+def test_records_size_is_rank_0s_metrics(tmp_path: pathlib.Path) -> None:
+    assert records_size(tmp_path) == 0
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "rank0.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "metrics" / "rank1.jsonl").write_text("")
+    assert records_size(tmp_path) == len('{"step": 0}\n')
