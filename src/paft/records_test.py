@@ -15,8 +15,11 @@ from hypothesis import strategies as st
 
 from paft.records import (
     RunRecorder,
+    atomic_write_bytes,
+    atomic_write_json,
     from_jsonable,
     from_jsonable_float,
+    is_file,
     jsonable,
     max_or_nan,
     output_dir_problem,
@@ -190,3 +193,65 @@ def test_output_dir_problem(tmp_path: pathlib.Path, make: dict[str, str | None],
     markers = {"config.json": _ours, ".paft-bench": _ours}
     got = output_dir_problem(tmp_path / "a", "--out", markers, overwrite)
     assert got == (problem and problem.format(a=tmp_path / "a"))
+
+
+def test_atomic_writes_make_shared_files_and_leave_no_temporary(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "new" / "summary.json"
+    atomic_write_json(path, {"b": math.inf, "a": 1})
+    assert path.read_text() == '{\n  "a": 1,\n  "b": "inf"\n}\n'
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # mkstemp's own mode is 0600
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        atomic_write_bytes(tmp_path / "dir", b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "new"]
+
+
+def test_read_jsonl_drops_only_a_partial_last_line(tmp_path: pathlib.Path) -> None:
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0}\nnot json\n{"step": 2, "lo')  # damage before a cut last line
+    with pytest.raises(ValueError, match="log.jsonl: line 2 is not JSON"):
+        read_jsonl(log)
+
+
+def test_is_file_is_false_where_the_file_system_cannot_look(tmp_path: pathlib.Path) -> None:
+    assert not is_file(tmp_path / ("a" * (LIMIT + 1)))
+    (tmp_path / "f").write_text("")
+    assert is_file(tmp_path / "f")
+
+
+@pytest.mark.parametrize("denied,exists,problem", [
+    (os.W_OK, True, "--out: {a} is not writable"),
+    (os.W_OK, False, "--out: cannot create {a}: {parent} is not writable"),
+    (os.X_OK, False, "--out: cannot create {a}: {parent} is not writable"),  # cannot enter it
+])
+def test_an_output_folder_paft_cannot_write_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                       denied: int, exists: bool, problem: str) -> None:
+    # As root every access is allowed: os.access answers as for another user.
+    monkeypatch.setattr(os, "access", lambda path, mode: not mode & denied)
+    if exists:
+        (tmp_path / "a").mkdir()
+    got = output_dir_problem(tmp_path / "a", "--out", {}, overwrite=False)
+    assert got == problem.format(a=tmp_path / "a", parent=tmp_path)
+
+
+def test_only_rank_0_writes_the_shared_records(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for rank in (1, 0):
+        recorder = RunRecorder(tmp_path, rank, tensorboard=True, quiet=rank == 0)
+        recorder.say("progress")  # rank 1 never speaks; rank 0 is quiet
+        recorder.jsonl("evals.jsonl", {"step": 0})
+        recorder.consistency({"step": 0, "consistency/loss_cv": 1.0})
+        recorder.event({"step": 0, "kind": "alert"})
+        recorder.scalars(1, {"train/loss": 1.0})  # TensorBoard too
+        recorder.metrics({"step": 0, "loss": math.inf})
+        recorder.faults([{"step": 0, "rank": rank}])
+        recorder.close()
+        if rank == 1:
+            assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [  # no tb/
+                "faults.jsonl", "metrics", "metrics/rank1.jsonl"]
+    assert capsys.readouterr().out == ""
+    assert (tmp_path / "metrics" / "rank1.jsonl").read_text() == '{"loss": "inf", "step": 0}\n'
+    assert [r["rank"] for r in read_jsonl(tmp_path / "faults.jsonl")] == [1, 0]
+    assert all(len(read_jsonl(tmp_path / name)) == 1 for name in ("evals.jsonl", "consistency.jsonl", "events.jsonl"))
