@@ -21,9 +21,11 @@ from paft.rundir import (
     check_run_dir,
     checkpoint_candidates,
     default_run_dir,
+    load_checkpoint_file,
     prepare_run_dir,
     records_size,
     remove_checkpoint_temporaries,
+    write_config,
 )
 from paft.workloads import model_config
 
@@ -202,3 +204,45 @@ def test_records_size_is_rank_0s_metrics(tmp_path: pathlib.Path) -> None:
     (tmp_path / "metrics" / "rank0.jsonl").write_text('{"step": 0}\n')
     (tmp_path / "metrics" / "rank1.jsonl").write_text("")
     assert records_size(tmp_path) == len('{"step": 0}\n')
+
+
+def _central_directory_damaged(path: pathlib.Path) -> None:
+    data = path.read_bytes()  # the end record, all zipfile.is_zipfile looks at, stays
+    path.write_bytes(data.replace(b"PK\x01\x02", b"XX\x01\x02", 1))
+
+
+@pytest.mark.parametrize("write,said", [
+    (lambda path: path.write_text("not a zip"), "is not a torch checkpoint (truncated or overwritten)"),
+    (lambda path: torch.save({"step": 1}, path), "is a torch file but not a paft checkpoint"),
+    (lambda path: (torch.save(dict.fromkeys(_CHECKPOINT_KEYS), path), _central_directory_damaged(path)),
+     "Bad magic number for central directory"),
+])
+def test_a_file_that_is_no_paft_checkpoint_is_refused(tmp_path: pathlib.Path, write: Any, said: str) -> None:
+    write(tmp_path / "rank0.pt")
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_checkpoint_file(tmp_path / "rank0.pt")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_prepare_run_dir_replaces_the_old_run_only_with_overwrite(tmp_path: pathlib.Path, overwrite: bool) -> None:
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "summary.json").write_text("old")
+    cfg = _config(tmp_path / "r", overwrite=overwrite)
+    prepare_run_dir(cfg)
+    kept = [] if overwrite else ["summary.json"]
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["config.json", *kept]
+    assert TrainConfig.from_dict(json.loads((tmp_path / "r" / "config.json").read_text())) == cfg
+
+
+def test_a_run_dir_the_file_system_refuses_is_a_run_dir_error(tmp_path: pathlib.Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RunDirError, match="--run-dir: cannot write .*file"):
+        write_config(_config(tmp_path / "file"))
+
+    def denied(path: pathlib.Path) -> bool:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pathlib.Path, "is_dir", denied)
+    with pytest.raises(RunDirError, match=re.escape(f"--run-dir: cannot use {tmp_path / 'r'}: Permission denied")):
+        check_run_dir(_config(tmp_path / "r"))
