@@ -26,6 +26,7 @@ from paft.records import (
     path_name_problem,
     read_jsonl,
     sort_faults,
+    truncate_jsonl,
 )
 
 floats = st.floats(allow_nan=True, allow_infinity=True)
@@ -69,6 +70,14 @@ def test_max_or_nan_takes_a_nan_wherever_it_is() -> None:
     assert max_or_nan(iter([2.0, 5.0])) == 5.0
 
 
+def _tags(tb: pathlib.Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    return sorted(acc.Tags()["scalars"])
+
+
 def _scalars(tb: pathlib.Path, key: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -92,6 +101,7 @@ def test_a_resume_hides_the_interrupted_legs_tensorboard_scalars(tmp_path: pathl
         resumed.scalars(done, {"train/loss": 100.0 + done})
     resumed.close()
     expect = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 105), (6, 106), (7, 107)]
+    assert _tags(tmp_path / "tb") == ["consistency/loss_cv", "train/loss"]  # not the record's step
     assert _scalars(tmp_path / "tb", "train/loss") == expect
     assert _scalars(tmp_path / "tb", "consistency/loss_cv") == expect
 
@@ -255,3 +265,12 @@ def test_only_rank_0_writes_the_shared_records(tmp_path: pathlib.Path, capsys: p
     assert (tmp_path / "metrics" / "rank1.jsonl").read_text() == '{"loss": "inf", "step": 0}\n'
     assert [r["rank"] for r in read_jsonl(tmp_path / "faults.jsonl")] == [1, 0]
     assert all(len(read_jsonl(tmp_path / name)) == 1 for name in ("evals.jsonl", "consistency.jsonl", "events.jsonl"))
+
+
+def test_truncate_jsonl_drops_the_steps_a_resume_redoes(tmp_path: pathlib.Path) -> None:
+    log = tmp_path / "events.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in [{"step": 2}, {"kind": "start"}, {"step": 3}, {"step": 4}]))
+    truncate_jsonl(log, 3)
+    assert read_jsonl(log) == [{"step": 2}, {"kind": "start"}]
+    truncate_jsonl(tmp_path / "none.jsonl", 3)
+    assert not (tmp_path / "none.jsonl").exists()
