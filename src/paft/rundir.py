@@ -120,6 +120,10 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         raise RunDirError(
             f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
         )
+    if path.is_symlink() and not cfg.overwrite and _is_run_config(path / "config.json"):
+        # output_dir_problem would advise --overwrite, which refuses a link.
+        raise RunDirError(f"--run-dir: {path} is a symbolic link to a paft run; pass --resume to continue it, "
+                          f"or give the real directory ({path.resolve()}) with --overwrite to replace it")
     problem = output_dir_problem(path, "--run-dir", {"config.json": _is_run_config}, cfg.overwrite)
     if problem:
         raise RunDirError(problem)

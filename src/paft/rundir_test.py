@@ -151,6 +151,18 @@ def test_a_run_dir_that_links_to_an_empty_folder_is_used(tmp_path: pathlib.Path)
     check_run_dir(_config(tmp_path / "r"))
 
 
+def test_a_run_dir_that_links_to_a_run_says_what_works(tmp_path: pathlib.Path) -> None:
+    real = _fake_run(_config(tmp_path / "real"))
+    (tmp_path / "r").symlink_to("real")
+    with pytest.raises(RunDirError) as err:  # it advised --overwrite, which refuses a link
+        check_run_dir(_config(tmp_path / "r"))
+    assert str(err.value) == (f"--run-dir: {tmp_path / 'r'} is a symbolic link to a paft run; pass --resume to "
+                              f"continue it, or give the real directory ({real.resolve()}) with --overwrite to "
+                              "replace it")
+    check_run_dir(_resume(_config(tmp_path / "r"), steps=20))  # what it says works
+    check_run_dir(_config(real, overwrite=True))
+
+
 def test_only_checkpoint_temporaries_and_the_folders_they_leave_empty_are_removed(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "checkpoints"
     names = ["step0000002/.rank0.pt.abcd_123", "step0000002/.rank0.pt.abcd_123.bak", "step0000004/.rank1.pt.x1y2z3w4",
