@@ -1028,7 +1028,8 @@ def test_prime_leaves_a_stateful_hook_alone_and_the_group_rank_0_speaks() -> Non
 
 
 def test_importing_paft_leaves_torch_distributed_optim_unloaded() -> None:
-    # It costs each worker about a second; protect() only looks ZeroRedundancyOptimizer up.
+    # About a second for every command that imports paft (paft --help, paft report, the
+    # launcher before it starts the workers); protect() only looks ZeroRedundancyOptimizer up.
     code = ("import sys, paft, paft.cli, paft.launch, paft.train; "
             "print('torch.distributed.optim' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
