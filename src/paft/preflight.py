@@ -107,8 +107,9 @@ _PROTECTED: weakref.WeakKeyDictionary[DistributedDataParallel, weakref.ref[Any]]
 
 
 def _is_zero_redundancy(optimizer: Any) -> bool:
-    # Looked up, not imported: importing torch.distributed.optim costs every worker about
-    # a second, and an optimizer can only be one if the user's program imported it.
+    # Looked up, not imported: importing torch.distributed.optim costs about a second in
+    # every command that imports paft (paft --help, paft report, the launcher), and an
+    # optimizer can only be one if the user's program imported it.
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
 
