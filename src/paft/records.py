@@ -138,6 +138,9 @@ def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwr
                 said, what = ("--overwrite", "refusing to delete it") if overwrite else (option, "pick another")
                 return (f"{said}: {path} holds no {' or '.join(markers)} of paft's, so it is not paft's "
                         f"output; {what}")
+            if not overwrite and path.is_symlink():  # --overwrite refuses a link (above)
+                return (f"{option}: {path} already exists, as a symbolic link to {path.resolve()}; give that "
+                        "real directory with --overwrite to replace it")
             if not overwrite:
                 return f"{option}: {path} already exists; pass --overwrite to replace it"
         return None if os.access(path, os.W_OK) else f"{option}: {path} is not writable"

@@ -186,6 +186,9 @@ def _ours(path: pathlib.Path) -> bool:
     ({"a": ""}, False, "--out: {a} exists and is not a directory"),
     ({"real/config.json": "", "a": "->real"}, True, "--overwrite: {a} is a symbolic link; give the real "
                                                     "directory to replace"),
+    # It advised --overwrite, which then refused the link.
+    ({"real/config.json": "", "a": "->real"}, False, "--out: {a} already exists, as a symbolic link to {real}; "
+                                                     "give that real directory with --overwrite to replace it"),
     ({"a": "->real"}, False, "--out: {a} is a symbolic link to nothing (real)"),
     ({"real/": None, "a": "->real"}, False, None),
 ])
@@ -202,7 +205,7 @@ def test_output_dir_problem(tmp_path: pathlib.Path, make: dict[str, str | None],
             path.write_text(text)
     markers = {"config.json": _ours, ".paft-bench": _ours}
     got = output_dir_problem(tmp_path / "a", "--out", markers, overwrite)
-    assert got == (problem and problem.format(a=tmp_path / "a"))
+    assert got == (problem and problem.format(a=tmp_path / "a", real=(tmp_path / "real").resolve()))
 
 
 def test_atomic_writes_make_shared_files_and_leave_no_temporary(tmp_path: pathlib.Path) -> None:
