@@ -383,8 +383,8 @@ def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft"
     raises ``ChildFailedError`` when a worker fails (no restarts). ``entry`` must be a
     module-level function (the workers are spawned) that sets up its process group."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    for name in _SHUTDOWN_CHATTER:
-        logger = logging.getLogger(name)
+    for logger_name in _SHUTDOWN_CHATTER:
+        logger = logging.getLogger(logger_name)
         if _drop_shutdown_chatter not in logger.filters:
             logger.addFilter(_drop_shutdown_chatter)
     _start_resource_tracker()

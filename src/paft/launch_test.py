@@ -299,6 +299,12 @@ def _noop(rank: int) -> None:
     pass
 
 
+def test_the_run_id_is_named_by_the_caller() -> None:
+    # The chatter filter's loop once reused the parameter's name: run ids were "torch.distributed....".
+    launch = launcher.local_workers(_noop, 1, "paft-bench")
+    assert launch._config.run_id.startswith("paft-bench-")  # torch's launcher keeps it there alone
+
+
 @pytest.mark.parametrize(("name", "msg", "args", "kept"), [
     ("torch.distributed.elastic.multiprocessing.api", "Closing process %s via signal %s", (12, "SIGINT"), False),
     ("torch.distributed.elastic.agent.server.api", "Received %s death signal, shutting down workers", (2,), False),
