@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pathlib
 import shlex
@@ -396,9 +398,26 @@ def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft"
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port, taken at bind time: no race between runs
         max_restarts=0,
-        start_method="spawn",
+        start_method=_worker_start_method(),
     )
     return elastic_launch(config, entry)
+
+
+def _worker_start_method() -> str:
+    """Fork the workers from a server that has imported what they need once (see
+    :mod:`paft.workerserver`), or spawn them where there is no fork server (Windows).
+    The server starts here, deaf to Ctrl-C (an ignored signal stays ignored across
+    exec, and Python leaves it so), and ends with the launcher; ``paft bench`` forks
+    every run's workers from the same one."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["paft.workerserver"])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return "forkserver"
 
 
 def _start_resource_tracker() -> None:

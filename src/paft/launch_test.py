@@ -295,6 +295,26 @@ def test_sigquit_or_sighup_to_the_process_group_leaves_the_resource_tracker_aliv
     assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
+def test_the_workers_fork_from_a_server_deaf_to_ctrl_c_that_gives_them_the_default() -> None:
+    """The launcher forks its workers from a server that imports torch once for all of
+    them. A Ctrl-C during those imports printed their traceback (the launcher handles
+    it); and a worker must still end on the Ctrl-C the launcher forwards before it has
+    set up its own handler, where an inherited ignore left the launcher waiting 30 s."""
+    code = """if True:
+        import multiprocessing, multiprocessing.forkserver, os, signal
+        from paft.launch import local_workers
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see ctrl_c_raises)
+        local_workers(print, 1)  # starts the server
+        os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGINT)  # while it imports
+        with multiprocessing.get_context("forkserver").Pool(1) as pool:
+            print(pool.apply(signal.getsignal, (signal.SIGINT,)) is signal.SIG_DFL)
+        """
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(paft.__file__).parents[1])}  # this paft, not an installed one
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          start_new_session=True)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", ""), done.stderr
+
+
 def _noop(rank: int) -> None:
     pass
 
