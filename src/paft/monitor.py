@@ -12,7 +12,10 @@ Alerts are edge-triggered: written when a condition starts, not every step it ho
 
 - ``nonfinite_local``: ranks whose local loss or gradient is NaN/Inf, named;
 - ``loss_cv``: the ranks' loss coefficient of variation above ``alert_loss_cv``;
-- ``grad_cos_min``: the lowest pairwise gradient cosine below ``alert_cos_min``;
+- ``grad_cos_min``: the lowest pairwise gradient cosine (over the ranks with finite
+  gradients) below ``alert_cos_min``. Either fires on NaN too, except where a
+  non-finite rank made it: that step it measured nothing, and ``nonfinite_local``
+  alone is alerted;
 - ``replicas_split``: the ranks received different aggregated gradients;
 - ``state_split``: the ranks' parameters / optimizer state differ (with the
   replicas' distance from the mean replica and the tensors that moved most).
@@ -37,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -108,22 +112,30 @@ class Monitor:
 
     def _alerts(self, step: int, m: dict[str, Any], stale_fingerprints: bool) -> None:
         """Edge-triggered: a condition whose metric this step lacks (not computed at this
-        step, e.g. the state fingerprint between checks) keeps its state."""
+        step, e.g. the state fingerprint between checks, or a threshold's NaN that a
+        non-finite rank made) keeps its state."""
         cfg = self.config
         conditions = {
             # A rank's non-finite loss or local gradient, named at once: the dispersion
             # turns NaN alike whichever rank it is, and the cosines leave the rank out.
             "nonfinite_local": ("consistency/nonfinite_ranks", lambda v: bool(v), None),
-            # Written so that NaN fires too.
+            # Written so that NaN fires too: one no non-finite rank explains (finite
+            # losses whose sum overflows) is news.
             "loss_cv": ("consistency/loss_cv", lambda v: not v <= cfg.alert_loss_cv, None),
             "grad_cos_min": ("consistency/grad_cos_min", lambda v: not v >= cfg.alert_cos_min, None),
             "replicas_split": ("replicas/grad_distinct", lambda v: v > 1, "grad"),
             "state_split": ("replicas/state_distinct", lambda v: v > 1, "state"),
         }
+        # A non-finite rank turns the loss CV NaN, and the cosines once no pair of finite
+        # gradients is left: such a NaN measured nothing (the other ranks may agree) and
+        # nonfinite_local names the cause, so the threshold keeps its state, unmeasured.
+        explained = bool(m.get("consistency/nonfinite_ranks"))
         for name, (key, fires, kind) in conditions.items():
             if key not in m or (name == "state_split" and stale_fingerprints):
                 continue
             value = m[key]
+            if explained and name in ("loss_cv", "grad_cos_min") and math.isnan(value):
+                continue
             active = bool(fires(value))
             ranks, groups = self._who(name, kind, value, m)
             if active and self._is_new(name, groups):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,17 +92,29 @@ def test_between_metric_steps_only_news_of_the_replicas_is_recorded(tmp_path: Pa
     assert [json.loads(x)["step"] for x in lines] == [2, 3, 5, 6, 7, 8]
 
 
-def test_a_nan_loss_alerts_except_on_a_loss_scalers_overflow(tmp_path: Path) -> None:
-    """Its NaN coefficient of variation fires the loss_cv alert; a loss scaler's overflow
-    step (its non-finite values are routine) is recorded without one."""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_is_alerted_by_name_alone_except_on_a_loss_scalers_overflow(
+        tmp_path: Path, bad: float) -> None:
+    """The NaN coefficient of variation it makes measured nothing: no loss_cv alert
+    besides the rank's. A loss scaler's overflow step (its non-finite values are
+    routine) is recorded without one."""
     monitor = Monitor(MonitorConfig(alert_loss_cv=0.5), RunRecorder(tmp_path, rank=0, quiet=True), None)
-    nan = view([None, None], losses=[2.0, float("nan")])
+    nan = view([None, None], losses=[2.0, bad])
     overflow = monitor.record(0, nan, metric_step=True, alerts=False)
     assert overflow["local_grad_norms"] == [1.0, 1.0] and monitor.alerts == 0
-    monitor.record(1, nan, metric_step=True)
-    assert monitor.alerts == 2  # the rank by name, and the statistic it turns NaN
-    assert [(e["step"], e["detector"], e["ranks"]) for e in events(tmp_path)] == [
-        (1, "nonfinite_local", [1]), (1, "loss_cv", [])]
+    assert math.isnan(monitor.record(1, nan, metric_step=True)["consistency/loss_cv"])
+    assert [(e["step"], e["detector"], e["ranks"]) for e in events(tmp_path)] == [(1, "nonfinite_local", [1])]
+    assert monitor.alerts == 1
+
+
+def test_a_threshold_left_unmeasured_by_a_non_finite_rank_keeps_its_state(tmp_path: Path) -> None:
+    monitor = Monitor(MonitorConfig(alert_loss_cv=0.5), RunRecorder(tmp_path, rank=0, quiet=True), None)
+    far, nan, near = [1.0, 9.0], [1.0, float("nan")], [2.0, 2.0]
+    # Apart, unmeasured, apart: one incident. Together, unmeasured, apart: a new one.
+    for step, losses in enumerate([far, nan, far, near, nan, far]):
+        monitor.record(step, view([None, None], losses=losses), metric_step=True)
+    assert [(e["step"], e["detector"]) for e in events(tmp_path)] == [
+        (0, "loss_cv"), (1, "nonfinite_local"), (4, "nonfinite_local"), (5, "loss_cv")]
 
 
 def test_a_rank_with_a_non_finite_gradient_is_alerted_by_name_while_the_cosines_stay_finite(tmp_path: Path) -> None:
@@ -178,10 +191,15 @@ def test_a_state_splits_line_says_how_far_apart_the_replicas_are(
     (MonitorConfig(alert_loss_cv=0.5), view([None, None], losses=[1.0, 3.0]), []),
     (MonitorConfig(alert_cos_min=0.0), sketched([[1.0, 0.0], [0.0, 1.0]]), []),
     (MonitorConfig(alert_cos_min=0.0), sketched([[1.0, 0.0], [-1.0, 0.1]]), ["grad_cos_min"]),
-    # Two ranks, one non-finite: no pair of finite gradients is left, and a NaN minimum fires.
-    (MonitorConfig(), sketched([[1.0, 0.0], [float("nan"), 0.0]], sq=[1.0, float("nan")]),
-     ["nonfinite_local", "grad_cos_min"]),
-], ids=["cv at threshold", "cos at threshold", "cos below", "nan cos"])
+    # Two ranks, one non-finite: no pair of finite gradients is left, and the rank alone is named.
+    (MonitorConfig(), sketched([[1.0, 0.0], [float("nan"), 0.0]], sq=[1.0, float("nan")]), ["nonfinite_local"]),
+    (MonitorConfig(), sketched([[1.0, 0.0], [float("inf"), 0.0]], sq=[1.0, float("inf")]), ["nonfinite_local"]),
+    # A NaN that no non-finite rank explains fires: finite losses whose sum overflows,
+    # a sketch gone non-finite from a finite gradient.
+    pytest.param(MonitorConfig(), view([None, None], losses=[1e308, 1e308]), ["loss_cv"],
+                 marks=pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")),
+    (MonitorConfig(), sketched([[1.0, 0.0], [float("nan"), 0.0]]), ["grad_cos_min"]),
+], ids=["cv at threshold", "cos at threshold", "cos below", "nan rank", "inf rank", "nan cv", "nan cos"])
 def test_a_value_at_a_threshold_is_not_past_it_and_nan_is(
         tmp_path: Path, config: MonitorConfig, rows: ControlView, alerted: list[str]) -> None:
     monitor = Monitor(config, RunRecorder(tmp_path, rank=0, quiet=True), None)

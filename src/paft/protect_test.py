@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import pairwise_cosine
 from paft.protect import PersistentFaultError, protect
-from paft.records import RunRecorder, read_jsonl
+from paft.records import RunRecorder, from_jsonable, read_jsonl
 from paft.state import state_fingerprint
 from paft.testing import run_workers
 
@@ -217,23 +218,31 @@ def test_stale_aggregation_delivers_the_previous_result() -> None:
     assert m["replicas/grad_minority_ranks"] == [] and m["replicas/grad_groups"] == [[0], [1]]
 
 
-def test_a_rank_gone_non_finite_raises_an_alert(tmp_path: Path) -> None:
-    # An inf in rank 1's weights: its loss and gradient are non-finite, the metrics NaN,
-    # which no threshold comparison used to cross.
-    run_workers(train_toy, 2, {"steps": 4, "optimizer": "sgd", "run_dir": str(tmp_path),
-                               "inject": ["inf:site=params,steps=2,ranks=1"]})
-    alerts = [(e["step"], e["detector"]) for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "alert"]
-    # Edge-triggered: written when the condition starts (step 2), not again while it lasts (step 3).
-    assert [step for step, detector in alerts if detector == "grad_cos_min"] == [2], alerts
-
-
-def test_a_non_finite_local_gradient_is_alerted_at_its_step_with_the_rank(tmp_path: Path) -> None:
-    # Three ranks: the cosines leave the NaN rank out and stay finite, and the NaN
-    # reaches every replica only with the update; the rank is named at the step itself.
-    run_workers(train_toy, 3, {"steps": 4, "optimizer": "sgd", "run_dir": str(tmp_path),
-                               "inject": ["nan:site=local-grad,steps=2,ranks=1,count=1"]})
-    first = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "alert")
-    assert (first["step"], first["detector"], first["ranks"]) == (2, "nonfinite_local", [1])
+@pytest.mark.parametrize("world_size, opts, cosine_alert", [
+    (2, {"nan_input_at": [1, 2]}, False),  # bad data: rank 1's loss and gradient are NaN
+    (2, {"inject": ["inf:site=params,steps=2,ranks=1"]}, False),  # an Inf weight: a finite loss, an Inf gradient
+    (2, {"inject": ["nan:site=local-grad,steps=2,ranks=1"]}, False),
+    (2, {"inject": ["inf:site=local-grad,steps=2,ranks=1"]}, False),
+    # Three ranks, rank 0's gradient negated besides: the two finite ones point apart
+    # (cosine -0.32), which is alerted whatever rank 1 holds.
+    (3, {"inject": ["nan:site=local-grad,steps=2,ranks=1",
+                    "scale:site=local-grad,steps=2,ranks=0,factor=-1,fraction=1"],
+         "monitor": {"alert_cos_min": -0.2}}, True),
+], ids=["nan loss", "inf params", "nan local grad", "inf local grad", "3 ranks, low cosine too"])
+def test_a_rank_gone_non_finite_is_alerted_once_by_name(tmp_path: Path, world_size: int, opts: dict[str, Any],
+                                                        cosine_alert: bool) -> None:
+    # Rank 1 non-finite at step 2, every replica from step 3 (the update spreads it). The
+    # loss CV and the cosines it turns NaN measure nothing: nonfinite_local alone names
+    # the cause (they used to be alerted too, as if the ranks disagreed).
+    out = run_workers(train_toy, world_size, {"steps": 4, "optimizer": "sgd", "run_dir": str(tmp_path), **opts})
+    alerts = [(e["step"], e["detector"], e["ranks"]) for e in read_jsonl(tmp_path / "events.jsonl")
+              if e["event"] == "alert"]
+    assert alerts == [(2, "nonfinite_local", [1]), *[(2, "grad_cos_min", [])] * cosine_alert,
+                      (3, "nonfinite_local", list(range(world_size)))]
+    assert out[0]["counters"]["alerts"] == len(alerts)  # the summary's count
+    records = {r["step"]: from_jsonable(r) for r in read_jsonl(tmp_path / "consistency.jsonl")}
+    # Two ranks, one non-finite: no pair of finite gradients, so no cosine (NaN, "nan" in the file).
+    assert math.isnan(records[2]["consistency/grad_cos_min"]) == (world_size == 2)
 
 
 @pytest.mark.parametrize("case,opts,alerted", [
