@@ -1,16 +1,28 @@
-"""Tests of :mod:`paft.resync`'s schedule rule for PyTorch's averager (the step
-protocol around the syncs and repairs is tested through the protector, in protect_test.py)."""
+"""Tests of :mod:`paft.resync`: the schedule rule for PyTorch's averager, and the step
+protocol around the syncs and repairs, through the protector on real DDP (the real
+ReplicaSync, scheduler and collectives; faults keyed by (rank, step)): what each sync
+records as ``seen_from``, a Dyn trigger while a sync is in flight, a repair that finds
+one in flight, and a split repaired after its step's fingerprints, which must not be
+repaired again. More of the protocol is tested in protect_test.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paft.config import ProtectConfig
-from paft.records import RunRecorder
+from paft.collectives import gather_rows
+from paft.config import GuardConfig, MonitorConfig, ProtectConfig
+from paft.protect import protect
+from paft.protect_test import batch, toy_model
+from paft.records import RunRecorder, read_jsonl
 from paft.resync import Resync, averages_at
+from paft.state import state_fingerprint
 from paft.testing import run_workers
 
 
@@ -54,3 +66,145 @@ def test_the_averager_averages_exactly_at_the_steps_averages_at_names() -> None:
         assert [identical for _, identical, _, _ in out] == expected
         assert out[-1][2] == sum(expected) == 2
         assert out[-1][3] == 2 * 8 * 4  # two averages of 8 float32 parameters
+
+
+# -- the step protocol, through the protector -------------------------------------------
+
+
+def protected_run(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """protect_test's toy model under :func:`paft.protect` for ``steps`` steps (``opts``:
+    the optimizer, the configs, the faults). Per step: the report's ``synced``,
+    ``applied`` and ``attempts``, then :class:`Resync`'s ``stale_fingerprints`` and
+    ``in_flight``, and whether the replicas' state fingerprints agree. ``close()`` after
+    step ``close_after`` (as a checkpoint does) and at the end."""
+    model = DistributedDataParallel(toy_model())
+    optimizer: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=0.05) if opts.get("sgd")
+                                        else torch.optim.Adam(model.parameters(), lr=1e-2))
+    protector = protect(model, optimizer, monitor=MonitorConfig(**opts.get("monitor", {})),
+                        protect=ProtectConfig(**opts["protect"]), guard=GuardConfig(**opts.get("guard", {})),
+                        inject=opts.get("inject", []), seed=3, recorder=RunRecorder(opts["run_dir"], rank, quiet=True))
+    steps = []
+    for step in range(opts["steps"]):
+        x, y = batch(rank, step)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        r = protector.step(closure)
+        fp = torch.tensor([state_fingerprint(model, optimizer, buffers=False)], dtype=torch.int64)
+        steps.append({"synced": r.synced, "applied": r.applied, "attempts": r.attempts,
+                      "stale": protector.resync.stale_fingerprints, "in_flight": protector.resync.in_flight,
+                      "agree": len(set(gather_rows(fp, None)[:, 0].tolist())) == 1})
+        if step == opts.get("close_after"):
+            protector.close()
+    protector.close()
+    return {"steps": steps, "fingerprint": state_fingerprint(model, optimizer, buffers=False)}
+
+
+def column(out: list[dict[str, Any]], key: str) -> list[Any]:
+    """The per-step ``key`` of :func:`protected_run`, the same on every rank."""
+    values = [[s[key] for s in o["steps"]] for o in out]
+    assert all(v == values[0] for v in values[1:]), key
+    return values[0]
+
+
+def steps_where(out: list[dict[str, Any]], key: str) -> list[int]:
+    """The steps where :func:`protected_run`'s ``key`` is true."""
+    return [step for step, value in enumerate(column(out, key)) if value]
+
+
+def events(run_dir: Path, *keys: str) -> list[tuple[Any, ...]]:
+    """events.jsonl's syncs, repairs and Dyn triggers, in the order written: (step,
+    event, seen_from or None, then ``keys``)."""
+    return [(e["step"], e["event"], e.get("seen_from"), *(e.get(k) for k in keys))
+            for e in read_jsonl(run_dir / "events.jsonl") if e["event"] in ("sync", "repair", "dyn_trigger")]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_seen_from_of_scheduled_overlapped_closed_and_repairing_syncs(tmp_path: Path, overlap: bool) -> None:
+    """``seen_from``: the first step whose state fingerprints see a sync's result (what
+    ``paft report`` plots it from). Period 3, overlapped: the sync started after step 3
+    lands in close() between steps, so step 4's fingerprints see it; the one after
+    step 6 lands in step 7, after step 7's fingerprints: seen from step 8; each is
+    recorded at the step it started after. Blocking, each is seen from the next step.
+    The sync after step 9 finds rank 1 corrupted at rest: a repair, blocking in
+    either mode, seen from step 10, nothing left in flight."""
+    out = run_workers(protected_run, 2, {
+        "steps": 10, "close_after": 3, "run_dir": str(tmp_path), "monitor": {"fingerprint_every": 100},
+        "protect": {"mode": "sync", "sync_period": 3, "overlap": overlap},
+        "inject": ["bitflip:site=params,steps=9,ranks=1,bits=exponent,count=4"]})
+    seen = (4, 8) if overlap else (4, 7)
+    assert events(tmp_path, "mode") == [(3, "sync", seen[0], "noop"), (6, "sync", seen[1], "noop"),
+                                        (9, "sync", 10, "median-with-reference")]
+    # Overlapped, a step's report says synced where its sync lands: step 3's landed
+    # between steps (close), step 6's in step 7.
+    assert steps_where(out, "synced") == ([7, 9] if overlap else [3, 6, 9])
+    assert steps_where(out, "in_flight") == ([3, 6] if overlap else [])
+    assert not any(column(out, "stale"))  # no sync changed what a step's fingerprints saw
+    assert all(column(out, "agree")) and out[0]["fingerprint"] == out[1]["fingerprint"]
+
+
+def test_a_dyn_trigger_while_a_sync_is_in_flight_lands_it_then_syncs_blocking(tmp_path: Path) -> None:
+    """The sync due after step 4 is in flight when step 5's all-reduce hands rank 1 a
+    flipped bit (its checksum differs: PAFT-Dyn's trigger). The sync in flight lands
+    first, before the update (recorded at step 4, seen from step 6); the trigger then
+    halves H and syncs at once, blocking, never overlapped: also where the flip (bit 0,
+    under SGD) left every replica's update the same and the sync finds nothing to
+    repair. The exponent flip is repaired with the majority's bits: that run ends where
+    the bit-0 run does, which no update of a replica ever left, the fault-free one."""
+    runs = {}
+    for bits, mode in (("0", "noop"), ("exponent", "majority-copy")):
+        run_dir = tmp_path / bits
+        runs[bits] = run_workers(protected_run, 3, {
+            "steps": 6, "sgd": True, "run_dir": str(run_dir), "protect": {"mode": "dyn", "sync_period": 4, "h_min": 1},
+            "inject": [f"bitflip:steps=5,ranks=1,bits={bits}"]})
+        assert events(run_dir, "mode", "period") == [(4, "sync", 6, "noop", 4), (5, "dyn_trigger", None, None, 2),
+                                                     (5, "sync", 6, mode, 2)], bits
+        assert steps_where(runs[bits], "synced") == [5] and steps_where(runs[bits], "in_flight") == [4], bits
+        assert all(column(runs[bits], "agree")), bits
+    assert len({o["fingerprint"] for out in runs.values() for o in out}) == 1
+
+
+def test_a_split_repaired_after_its_fingerprints_is_not_repaired_again(tmp_path: Path) -> None:
+    """Rank 1's weights are corrupted at rest at step 5, persistently: the guard repairs
+    them and recomputes (seen from step 5: the recompute fingerprints the repaired
+    state), the fault strikes the recompute too, and at the rerun cap the guard repairs
+    once more and skips the batch (seen from step 6: the step's fingerprints, which
+    still show the split, predate it). Each repair is PAFT-Dyn's event (a trigger, H
+    cut). After the step, the split those stale fingerprints show is no news: the state
+    is looked at again and found repaired, so no third trigger and sync; nor does the
+    monitor alert it. The stale flag lasts until the next step fingerprints afresh."""
+    out = run_workers(protected_run, 2, {
+        "steps": 7, "run_dir": str(tmp_path), "monitor": {"fingerprint_every": 1},
+        "protect": {"mode": "dyn", "sync_period": 8, "h_min": 1},
+        "guard": {"enabled": True, "max_reruns_per_step": 1},
+        "inject": ["bitflip:site=params,steps=5,ranks=1,bits=exponent,count=4,persistent=true"]})
+    assert events(tmp_path, "period") == [(5, "dyn_trigger", None, 4), (5, "sync", 5, 1), (5, "dyn_trigger", None, 1),
+                                          (5, "sync", 6, 1), (6, "sync", 7, 1)]  # the last: due at 6, lands in close()
+    assert [(s["applied"], s["attempts"]) for s in out[0]["steps"][5:]] == [(False, 2), (True, 1)]
+    assert steps_where(out, "stale") == [5]
+    assert not [e for e in read_jsonl(tmp_path / "events.jsonl") if e.get("detector") == "state_split"]
+    assert all(column(out, "agree")) and out[0]["fingerprint"] == out[1]["fingerprint"]
+
+
+def test_a_repair_lands_the_sync_in_flight_first(tmp_path: Path) -> None:
+    """The sync due after step 4 is in flight when the guard finds rank 1 corrupted at
+    rest in step 5. The sync lands before the repair (with ``--sync-mode mean`` the
+    repair is the guard's own robust sync, which nothing else would stop from running
+    first): recorded at step 4 and seen from step 6, then the repair, seen from step 5,
+    whose recompute is the fault-free step: the replicas end bitwise as in the run
+    without the fault. (Under the protector a sync left in flight found the replicas
+    agreeing, so landing it moves no state: what its order decides is the record, and,
+    with PAFT-Dyn, the schedule.)"""
+    opts = {"steps": 6, "monitor": {"fingerprint_every": 1}, "guard": {"enabled": True},
+            "protect": {"mode": "sync", "sync_period": 4, "sync_mode": "mean"}}
+    clean = run_workers(protected_run, 3, {**opts, "run_dir": str(tmp_path / "clean")})
+    out = run_workers(protected_run, 3, {**opts, "run_dir": str(tmp_path),
+                                         "inject": ["bitflip:site=params,steps=5,ranks=1,bits=exponent,count=4"]})
+    assert events(tmp_path, "mode") == [(4, "sync", 6, "noop"), (5, "repair", 5, "majority-copy")]
+    assert out[0]["steps"][5]["attempts"] == 2 and steps_where(out, "synced") == [5]
+    assert steps_where(out, "in_flight") == [4] and all(column(out, "agree"))
+    assert [o["fingerprint"] for o in out] == [c["fingerprint"] for c in clean] == [clean[0]["fingerprint"]] * 3
