@@ -98,9 +98,13 @@ class Resync:
         """Syncs and repairs in the run (an averager's: the steps it averaged at)."""
         self.sync_bytes = 0
         """What they sent, in bytes."""
-        # A sync landed in this step after its state fingerprints and changed the state:
+        # A repair landed in this step after its state fingerprints and changed the state:
         # the alerts do not judge those fingerprints (they would re-alert a repaired split).
-        # Set here, where syncs land; cleared by new_attempt(), which fingerprints afresh.
+        # Set by repair(); cleared by new_attempt(), which fingerprints afresh. A sync left
+        # in flight never sets it: start(repair_now=True) repairs a split at once, so one
+        # still in flight found the parameters and optimizer state agreeing, and landing it
+        # moves at most the buffers, which the state fingerprints leave out (a BatchNorm
+        # model's every sync moves them): a split those fingerprints show is real.
         self._stale_fingerprints = False
 
     @property
@@ -110,7 +114,7 @@ class Resync:
 
     @property
     def stale_fingerprints(self) -> bool:
-        """A sync changed the state during this attempt, after its state fingerprints."""
+        """A repair changed the state during this attempt, after its state fingerprints."""
         return self._stale_fingerprints
 
     def new_attempt(self) -> None:
@@ -212,8 +216,6 @@ class Resync:
         if self.sync is None or not self.sync.in_flight:
             return False
         report = self.sync.finish()
-        if in_step and report.mode != "noop":
-            self._stale_fingerprints = True  # this step's show the state before the sync
         self._on_sync(step - 1, report, seen_from=step + 1 if in_step else step)
         return True
 

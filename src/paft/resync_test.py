@@ -77,7 +77,7 @@ def protected_run(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str,
     ``applied`` and ``attempts``, then :class:`Resync`'s ``stale_fingerprints`` and
     ``in_flight``, and whether the replicas' state fingerprints agree. ``close()`` after
     step ``close_after`` (as a checkpoint does) and at the end."""
-    model = DistributedDataParallel(toy_model())
+    model = DistributedDataParallel(toy_model(opts.get("batchnorm", False)))
     optimizer: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=0.05) if opts.get("sgd")
                                         else torch.optim.Adam(model.parameters(), lr=1e-2))
     protector = protect(model, optimizer, monitor=MonitorConfig(**opts.get("monitor", {})),
@@ -208,3 +208,21 @@ def test_a_repair_lands_the_sync_in_flight_first(tmp_path: Path) -> None:
     assert out[0]["steps"][5]["attempts"] == 2 and steps_where(out, "synced") == [5]
     assert steps_where(out, "in_flight") == [4] and all(column(out, "agree"))
     assert [o["fingerprint"] for o in out] == [c["fingerprint"] for c in clean] == [clean[0]["fingerprint"]] * 3
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_buffers_only_sync_landing_mid_step_hides_no_split(tmp_path: Path, overlap: bool) -> None:
+    """Every sync of a BatchNorm model moves buffers (each rank's running statistics
+    differ). Overlapped, the one due after step 4 lands in step 5, after step 5's state
+    fingerprints, which show rank 1's weights corrupted at rest in step 5. They leave
+    the buffers out, and the sync moved nothing else (it found the weights agreeing):
+    the split is real, and is alerted in step 5 as without overlap. Taken for a
+    repaired one, it was never alerted at all (PAFT-Dyn repairs it in the same step)."""
+    out = run_workers(protected_run, 2, {
+        "steps": 6, "batchnorm": True, "run_dir": str(tmp_path), "monitor": {"fingerprint_every": 1},
+        "protect": {"mode": "dyn", "sync_period": 4, "h_min": 1, "overlap": overlap},
+        "inject": ["bitflip:site=params,steps=5,ranks=1,bits=exponent,count=4"]})
+    alerts = [e for e in read_jsonl(tmp_path / "events.jsonl") if e.get("detector") == "state_split"]
+    assert [e["step"] for e in alerts] == [5]
+    assert events(tmp_path)[:3] == [(4, "sync", 6 if overlap else 5), (5, "dyn_trigger", None), (5, "sync", 6)]
+    assert not any(column(out, "stale")) and all(column(out, "agree"))
