@@ -44,6 +44,7 @@ from paft.rundir import (
     check_run_dir,
     default_run_dir,
     has_checkpoint,
+    ranks_inside,
     records_size,
     remove_checkpoint_temporaries,
     resolve_run_dir,
@@ -239,20 +240,27 @@ def _create(run_dir: pathlib.Path) -> None:
 def hold_dir_lock(run_dir: pathlib.Path, option: str = "--run-dir", prog: str = "paft train") -> Iterator[None]:
     """Hold ``run_dir/.lock`` (an advisory flock, released when the process ends, however
     it ends): a second ``paft train --resume`` or ``--overwrite`` of a run in progress
-    would interleave two runs' records in one directory (two benchmarks' too)."""
+    would interleave two runs' records in one directory (two benchmarks' too). Refused
+    also while a torchrun rank is still inside ``run_dir``: its rank 0, which held the
+    lock, may have gone before its peers finished writing and tidying
+    (:func:`~paft.rundir.ranks_inside`)."""
     try:
         handle = open(run_dir / LOCK_FILE, "a+")
     except OSError as err:
         raise RunDirError(f"{option}: cannot write {run_dir}: {err.strerror or err}") from None
     with handle:
+        busy = False
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunDirError(f"{option}: {run_dir} is in use by another {prog}; wait for it to end "
-                              f"or pick another {option}") from None
+            busy = True
         except OSError as err:  # a file system without flock (some network and FUSE mounts)
             print(f"{prog}: warning: cannot lock {run_dir} ({err.strerror or err}); "
                   f"nothing stops a second {prog} from using it meanwhile", file=sys.stderr)
+        # Probed once the lock is held: a rank enters only while its rank 0 holds it.
+        if busy or ranks_inside(run_dir):
+            raise RunDirError(f"{option}: {run_dir} is in use by another {prog}; wait for it to end "
+                              f"or pick another {option}")
         yield
 
 
@@ -538,7 +546,11 @@ def last_rank_out_tidies(run_dir: pathlib.Path) -> Iterator[None]:
     leaving together the later try wins; a rank that takes its shared lock late (when the
     others have left) tidies again on its own way out. The directory is tidied only if
     it is still at ``run_dir``: rank 0's claim may have removed it, or moved an old run
-    back there. A file system without flock leaves it untidied."""
+    back there. A file system without flock leaves it untidied.
+
+    The shared locks also keep the directory claimed once rank 0 has let its
+    :data:`~paft.rundir.LOCK_FILE` go: :func:`hold_dir_lock` refuses a new claim while
+    any rank on this machine is still inside."""
     try:
         handle: int | None = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:  # not on this machine's disk: rank 0 claimed it on another
@@ -640,6 +652,9 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
             return EXIT_USAGE
         # Entered after the claim, so rank 0 tidies (when last out) before it settles.
         claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir)))
+        # Rank 0 leaves (and lets the claim's lock go) only once every rank holds its shared
+        # lock: a peer slow to take it was not yet inside for a new claim to see.
+        dist.barrier()
         result = _train_in_group(cfg, cfg.run_dir)
         code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
         outcome["code"] = code

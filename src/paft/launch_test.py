@@ -26,6 +26,7 @@ from paft.config import TrainConfig
 from paft.launch import SignalHold, last_rank_out_tidies
 from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, read_jsonl
+from paft.rundir import RunDirError, in_use
 from paft.testing import run_workers
 
 
@@ -172,6 +173,50 @@ def test_under_torchrun_the_last_rank_out_puts_the_faults_in_order(tmp_path: pat
     seen = run_workers(_failing_in_turn, 2, str(tmp_path / "r"), timeout=120)
     assert seen[1] == [(1, 0), (0, 0)]
     assert _steps_and_ranks(tmp_path / "r") == [(0, 0), (0, 1), (1, 0)]
+
+
+def _claiming_while_a_peer_lingers(rank: int, world_size: int, run_dir: str) -> str:
+    """Torchrun's entry once the process group is up, training replaced by a guard's
+    stop (the run is kept): rank 0 leaves, then tries to claim the directory for an
+    --overwrite while rank 1 is still inside (as when it tidies a long faults.jsonl).
+    Returns, on rank 0, how the claim went."""
+    run, tried = pathlib.Path(run_dir), pathlib.Path(run_dir).with_name("tried")
+
+    def train(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
+        deadline = time.monotonic() + 60
+        while rank == 1 and not tried.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"status": "persistent_fault", "message": "stopped"}
+
+    launcher._train_in_group = train  # this worker's own module: it ends with the test
+    launcher._main(TrainConfig(run_dir=run_dir, world_size=2, steps=1), "torchrun", rank == 0)
+    outcome = ""
+    if rank == 0:
+        probed = in_use(run)
+        try:
+            with launcher.claim_run_dir(TrainConfig(run_dir=run_dir, world_size=2, steps=1, overwrite=True)):
+                outcome = "claimed"
+        except RunDirError as err:
+            outcome = str(err)
+        outcome = f"in use: {probed}; {outcome}"
+        tried.touch()
+    dist.barrier()  # rank 1 is out
+    return outcome
+
+
+def test_under_torchrun_the_run_dir_stays_claimed_until_the_last_rank_is_out(tmp_path: pathlib.Path) -> None:
+    """Rank 0 let the run directory's lock go on its way out while its peers were still
+    writing or tidying there: a second run started then took the directory (an
+    --overwrite moved it aside and deleted it under them). Each rank's shared lock now
+    keeps it claimed until the last rank on this machine is out."""
+    run = tmp_path / "r"
+    outcomes = run_workers(_claiming_while_a_peer_lingers, 2, str(run), timeout=120)
+    assert outcomes[0] == f"in use: True; --run-dir: {run} is in use by another paft train; " \
+                          "wait for it to end or pick another --run-dir"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r", "tried"]  # not set aside
+    assert not in_use(run)
+    with launcher.hold_dir_lock(run):  # free once every rank is out
+        pass
 
 
 def test_the_last_rank_out_leaves_a_directory_put_in_its_place_alone(tmp_path: pathlib.Path) -> None:

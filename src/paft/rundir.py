@@ -43,6 +43,7 @@ __all__ = [
     "check_run_dir",
     "has_checkpoint",
     "in_use",
+    "ranks_inside",
     "records_size",
     "stale_checkpoints",
     "remove_checkpoint_temporaries",
@@ -188,14 +189,37 @@ def has_checkpoint(run_dir: pathlib.Path) -> bool:
 
 
 def in_use(run_dir: pathlib.Path) -> bool:
-    """Whether a paft train holds ``run_dir``'s lock now (a probe: taken and let go)."""
+    """Whether a paft train holds ``run_dir``'s lock now, or a torchrun rank of one is
+    still inside it (probes: each lock taken and let go)."""
     try:
         with open(run_dir / LOCK_FILE, "rb") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     except OSError:  # no lock file, or a file system without flock
+        pass
+    return ranks_inside(run_dir)
+
+
+def ranks_inside(run_dir: pathlib.Path) -> bool:
+    """Whether a rank of a torchrun run is still inside ``run_dir`` (a probe). Each
+    rank holds a shared flock on the directory itself until it is out
+    (:func:`paft.launch.last_rank_out_tidies`), and its peers may still be tidying or
+    writing when rank 0, the holder of :data:`LOCK_FILE`, has gone. (A probe that lands
+    between the last rank's letting go and its try for the exclusive lock makes that
+    rank leave its run untidied: a window of microseconds.)"""
+    try:
+        handle = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # missing, or not a directory
         return False
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a file system without flock
+        return False
+    finally:
+        os.close(handle)  # lets the probe's lock go
     return False
 
 
