@@ -425,6 +425,13 @@ def _worker_start_method() -> str:
         multiprocessing.forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, previous)
+    # Wait for its imports here, through a process that needs nothing of the launcher.
+    # The first worker's start waited for them inside the elastic launcher, and a Ctrl-C
+    # meanwhile left that worker out of the launcher's shutdown: forked once the imports
+    # were done, it found the launcher's semaphores gone and printed a traceback.
+    ready = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+    ready.start()
+    ready.join()
     return "forkserver"
 
 
