@@ -6,8 +6,13 @@ PAFT-Dyn, :mod:`paft.sync`, :mod:`paft.dyn`) and guard updates (:mod:`paft.guard
 all wired around a standard DDP model by :func:`paft.protect`.
 """
 
-from paft.config import GuardConfig, MonitorConfig, ProtectConfig
-from paft.protect import PersistentFaultError, Protector, StepReport, protect
+from paft.startup import exit_on_interrupt
+
+# Before torch is imported, which takes a paft command its first second or two.
+exit_on_interrupt()
+
+from paft.config import GuardConfig, MonitorConfig, ProtectConfig  # noqa: E402
+from paft.protect import PersistentFaultError, Protector, StepReport, protect  # noqa: E402
 
 __all__ = [
     "protect",

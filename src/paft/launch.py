@@ -50,6 +50,7 @@ from paft.rundir import (
     resolve_run_dir,
     write_config,
 )
+from paft.startup import interrupted_line, unwind_on_interrupt
 from paft.train import EXIT_PERSISTENT_FAULT, EXIT_USAGE, DeviceError, Trainer, check_devices, format_summary, uses_cuda
 
 __all__ = [
@@ -279,7 +280,9 @@ TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 def unwind_on_termination() -> None:
     """Install :func:`on_sigterm` for SIGTERM, SIGHUP (a closed terminal or ssh session)
-    and SIGQUIT: their default action killed the process before its clean-up ran."""
+    and SIGQUIT: their default action killed the process before its clean-up ran. Ctrl-C,
+    which ended the command at once while it started (:mod:`paft.startup`), unwinds too."""
+    unwind_on_interrupt()
     for sig in TERMINATING_SIGNALS:
         signal.signal(sig, on_sigterm)
 
@@ -340,7 +343,7 @@ def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", sa
     sig = err.sigval if isinstance(err, SignalException) else signal.SIGINT
     what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
     if say:
-        print(f"\n{prog}: interrupted ({what}){hint}", file=sys.stderr)
+        print(interrupted_line(prog, what, hint), file=sys.stderr)
     return 128 + int(sig)
 
 
