@@ -331,8 +331,9 @@ class TrainConfig:
     """Evaluate on the validation split every this many steps, and at the end
     (``--eval-every``)."""
     eval_batches: int = 8
-    """Validation batches of 64 items per evaluation, the same on every rank
-    (``--eval-batches``)."""
+    """Validation batches of 64 items per evaluation, the same for every replica: split
+    among the ranks while the replicas are bitwise equal, evaluated by each rank on its
+    own when they differ (``--eval-batches``)."""
     log_every: int = 10
     """Console progress line every this many steps (``--log-every``)."""
     checkpoint_every: int = 100

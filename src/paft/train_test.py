@@ -12,10 +12,11 @@ import torch
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.launch import run_worker
-from paft.records import read_jsonl
+from paft.records import from_jsonable, read_jsonl
 from paft.rundir import RunDirError, check_run_dir, prepare_run_dir, stale_checkpoints
 from paft.testing import run_workers
 from paft.train import Trainer, _lr_lambda
+from paft.workloads import build_workload
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
@@ -58,6 +59,15 @@ def test_fault_free_ddp_keeps_replicas_bitwise_identical(tmp_path: pathlib.Path)
     metrics = read_jsonl(tmp_path / "run" / "metrics" / "rank1.jsonl")
     assert [m["step"] for m in metrics] == list(range(12))
     assert {"step", "local_loss", "loss", "grad_norm", "lr", "step_time"} <= set(metrics[0])
+    # Equal replicas split the evaluation (2 batches over 3 ranks: rank 2 evaluates none)
+    # and each rank records what it would have got alone, to the bit.
+    wl = build_workload("gpt", seed=0, model_args=dict(TINY_LM))
+    with torch.no_grad():
+        for mine, trained in zip(wl.model.parameters(), out[0]["params"]):
+            mine.copy_(trained)
+    last = read_jsonl(tmp_path / "run" / "evals.jsonl")[-1]
+    alone = wl.evaluate(wl.model, batch_size=64, max_batches=2)["val_loss"]
+    assert (last["step"], last["val_loss_per_rank"], last["replica_rel_diff"]) == (12, [alone] * 3, 0.0)
 
 
 RESUME_CASES = {
@@ -253,9 +263,15 @@ def test_resume_of_a_run_stopped_before_its_summary_writes_only_the_summary(tmp_
 
 
 def test_non_finite_evaluations_count_and_survive_a_resume(tmp_path: pathlib.Path) -> None:
-    # A NaN in rank 1's aggregated gradient: its replica evaluates to NaN from step 6 on.
-    opts: dict[str, Any] = dict(world_size=3, batch_size=12, inject=["nan:site=aggregation,steps=4,ranks=1"])
+    # A NaN in rank 1's aggregated gradient at step 5: its replica alone evaluates to NaN
+    # at step 6; the next all-reduce has carried the NaN into every replica by step 12.
+    opts: dict[str, Any] = dict(world_size=3, batch_size=12, inject=["nan:site=aggregation,steps=5,ranks=1"])
     first = run(tiny_config(tmp_path / "r", **opts))[0]["summary"]
+    evals = {e["step"]: from_jsonable(e) for e in read_jsonl(tmp_path / "r" / "evals.jsonl")}
+    assert [math.isnan(v) for v in evals[6]["val_loss_per_rank"]] == [False, True, False]
+    assert evals[6]["replica_rel_diff"] == math.inf
+    # Bitwise equal replicas, all NaN (the evaluation split among them): still non-finite.
+    assert evals[12]["replica_rel_diff"] == math.inf and all(map(math.isnan, evals[12]["val_loss_per_rank"]))
     # The NaN replica is the worst one (max() skipped a NaN that did not come first).
     assert math.isnan(first["final_val_loss_max"]) and first["max_replica_rel_diff_run"] == math.inf
     # A resume reads the evaluations back ("nan" and "inf" in evals.jsonl) and finishes.

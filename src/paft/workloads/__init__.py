@@ -98,7 +98,6 @@ class Workload:
         logits = model(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    @torch.no_grad()
     def evaluate(
         self, model: nn.Module, batch_size: int = 64, max_batches: int | None = 20
     ) -> dict[str, float]:
@@ -109,10 +108,25 @@ class Workload:
         DDP-wrapped model is unwrapped, so this runs no collectives and may be called
         on a single rank. ``max_batches=None`` covers the whole val split.
         """
+        return self.summarize(self.batch_sums(model, batch_size, max_batches))
+
+    @torch.no_grad()
+    def batch_sums(
+        self, model: nn.Module, batch_size: int = 64, max_batches: int | None = 20, share: tuple[int, int] = (0, 1)
+    ) -> torch.Tensor:
+        """What :meth:`evaluate` adds up, per val batch: float64 ``[batches, 3]`` rows of
+        (summed loss, correct predictions, targets). ``share=(i, n)`` evaluates only the
+        batches ``b`` with ``b % n == i`` and leaves the other rows zero, so ``n`` ranks
+        holding the same weights can split the work and add their tables up (``x + 0``
+        is exact): :meth:`summarize` then gives what one rank evaluating them all would,
+        to the bit, since each batch's numbers depend only on the weights."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_batches is not None and max_batches < 1:
             raise ValueError(f"max_batches must be >= 1 (or None: the whole split), got {max_batches}")
+        index, parts = share
+        if not 0 <= index < parts:
+            raise ValueError(f"share must be (i, n) with 0 <= i < n, got {share}")
         module = _without_ddp(model)
         was_training = module.training
         device = next(module.parameters()).device
@@ -120,24 +134,33 @@ class Workload:
         n_batches = -(-n // batch_size)
         if max_batches is not None:
             n_batches = min(n_batches, max_batches)
-        loss_sum, correct, count = 0.0, 0, 0
+        sums = torch.zeros(n_batches, 3, dtype=torch.float64)
         module.eval()
         try:
-            for b in range(n_batches):
+            for b in range(index, n_batches, parts):
                 idx = torch.arange(b * batch_size, min((b + 1) * batch_size, n))
                 inputs, targets = self.val.get(idx)
                 inputs, targets = inputs.to(device), targets.to(device)
                 logits = module(inputs)
                 flat_logits = logits.reshape(-1, logits.shape[-1]).float()
                 flat_targets = targets.reshape(-1)
-                loss_sum += F.cross_entropy(flat_logits, flat_targets, reduction="sum").item()
-                correct += int((flat_logits.argmax(-1) == flat_targets).sum())
-                count += flat_targets.numel()
+                sums[b, 0] = F.cross_entropy(flat_logits, flat_targets, reduction="sum").item()
+                sums[b, 1] = int((flat_logits.argmax(-1) == flat_targets).sum())
+                sums[b, 2] = flat_targets.numel()
         finally:
             module.train(was_training)
+        return sums
+
+    def summarize(self, sums: torch.Tensor) -> dict[str, float]:
+        """:meth:`evaluate`'s metrics from :meth:`batch_sums`' table (the losses added in
+        batch order, as one float64 each)."""
+        loss_sum = 0.0
+        for loss in sums[:, 0].tolist():
+            loss_sum += loss
+        count = int(sums[:, 2].sum())
         out = {"val_loss": loss_sum / count}
         if self.has_accuracy:
-            out["val_acc"] = correct / count
+            out["val_acc"] = int(sums[:, 1].sum()) / count
         return out
 
 

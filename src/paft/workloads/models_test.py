@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 from paft.testing import run_workers
 from paft.workloads import (
@@ -229,6 +230,32 @@ def test_evaluate_metrics_mode_and_determinism() -> None:
     assert 0.0 <= full["val_acc"] <= 1.0
     with pytest.raises(ValueError, match="max_batches must be >= 1"):  # it divided by zero
         wl.evaluate(wl.model, batch_size=512, max_batches=0)
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_shares_of_the_evaluation_add_up_to_it_bit_for_bit(name: str) -> None:
+    wl = build_workload(name, model_args=None if name == "resnet" else {"n_layer": 1})
+    whole = wl.batch_sums(wl.model, batch_size=16, max_batches=5)
+    shares = [wl.batch_sums(wl.model, batch_size=16, max_batches=5, share=(i, 3)) for i in range(3)]
+    for i, share in enumerate(shares):  # each evaluates its own batches, zero elsewhere
+        assert all(bool(share[b].any()) == (b % 3 == i) for b in range(5))
+    assert torch.equal(shares[0] + shares[1] + shares[2], whole)
+    assert wl.summarize(whole) == wl.evaluate(wl.model, batch_size=16, max_batches=5)
+    # What evaluate reports, computed here batch by batch.
+    wl.model.eval()
+    losses = []
+    with torch.no_grad():
+        for b in range(5):
+            inputs, targets = wl.val.get(torch.arange(16 * b, 16 * b + 16))
+            logits = wl.model(inputs)
+            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                          reduction="sum").item())
+    total = 0.0
+    for loss in losses:
+        total += loss
+    assert wl.summarize(whole)["val_loss"] == total / (5 * whole[0, 2].item())
+    with pytest.raises(ValueError, match=r"share must be \(i, n\)"):
+        wl.batch_sums(wl.model, share=(3, 3))
 
 
 def _ddp_worker(rank: int, world_size: int, name: str, model_args: dict[str, Any]) -> Any:
