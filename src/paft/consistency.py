@@ -159,8 +159,10 @@ class ControlView:
 
     @property
     def global_loss(self) -> float:
-        """Mean of the local losses: what DDP users usually log."""
-        return float(self.losses.mean())
+        """Mean of the local losses: what DDP users usually log (inf where finite losses
+        near the float64 limit overflow their sum, quietly, as the dispersion's)."""
+        with np.errstate(over="ignore"):
+            return float(self.losses.mean())
 
 
 def checksum_keys(bits: list[list[int]]) -> list[int]:
