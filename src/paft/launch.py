@@ -624,12 +624,19 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     except DeviceError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    # torchrun stops the ranks with SIGTERM (when one fails, or when it is stopped) and
-    # passes SIGHUP and SIGQUIT on: unwind, so that rank 0's claim cleans up as paft
-    # train's launcher does.
-    unwind_on_termination()
     _set_threads(workers_here)
+    # A rank waiting for its peers waits in C++, where no Python handler runs (SIGTERM's
+    # and Ctrl-C's went unheard for the rendezvous' 30 minutes): until the group is up,
+    # when nothing needs undoing yet, a signal ends it by its default action.
+    interrupt = signal.getsignal(signal.SIGINT)
+    if interrupt is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     _init_process_group(cfg)
+    signal.signal(signal.SIGINT, interrupt)
+    # From here torchrun's SIGTERM (when a rank fails, or torchrun is stopped), the SIGHUP
+    # and SIGQUIT it passes on, and Ctrl-C unwind, so that rank 0's claim cleans up as
+    # paft train's launcher does.
+    unwind_on_termination()
     rank0 = dist.get_rank() == 0
     try:
         return _main(cfg, prog, rank0)

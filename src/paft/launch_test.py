@@ -10,6 +10,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -358,6 +359,34 @@ def test_the_workers_fork_from_a_server_deaf_to_ctrl_c_that_gives_them_the_defau
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                           start_new_session=True)
     assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", ""), done.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_torchrun_rank_waiting_for_its_peers_ends_on_a_signal(tmp_path: pathlib.Path, sig: int) -> None:
+    """Rank 0 of two, alone, waits in the rendezvous (in C++, where no Python handler
+    runs): Ctrl-C and SIGTERM went unheard there for its 30-minute timeout."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "PYTHONPATH": str(pathlib.Path(paft.__file__).parents[1])}
+    rank = subprocess.Popen([sys.executable, "-m", "paft.train", "--run-dir", "r", "--world-size", "2"], cwd=tmp_path,
+                            env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    try:
+        while True:  # rank 0 hosts the rendezvous' store: up once it waits there
+            assert rank.poll() is None, rank.communicate()[1]
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        time.sleep(0.5)
+        rank.send_signal(sig)
+        err = rank.communicate(timeout=30)[1]
+    finally:
+        rank.kill()
+    assert (rank.returncode, err, list(tmp_path.iterdir())) == (-sig, "", [])
 
 
 def _noop(rank: int) -> None:
