@@ -69,15 +69,16 @@ def _entry(
 
 
 def _context() -> Any:
-    """Workers forked from a server process that has imported torch once: a fresh
-    process each, as with spawn, without each paying torch's import (with 4 ranks on
-    2 cores, about 7 s a call). torch._dynamo too: DDP's constructor imports it, 1.6 s
-    in each rank of each test otherwise. Workers see the environment of the first call.
+    """Workers forked from a server process that has imported torch once, with what
+    ``paft train``'s workers are forked with (:mod:`paft.workerserver`: torch._dynamo
+    too, which DDP's constructor imports, 1.6 s in each rank of each test otherwise): a
+    fresh process each, as with spawn, without each paying torch's import (with 4 ranks
+    on 2 cores, about 7 s a call). Workers see the environment of the first call.
     Spawn where there is no fork server (Windows)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "paft.testing"])
+    ctx.set_forkserver_preload(["paft.workerserver", "paft.testing"])
     return ctx
 
 

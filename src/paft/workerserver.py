@@ -1,6 +1,7 @@
 """What the fork server that ``paft train`` and ``paft bench`` start their workers from
-loads before it forks the first one (see :func:`paft.launch.local_workers`); nothing
-else imports this module.
+loads before it forks the first one (see :func:`paft.launch.local_workers`; the test
+suite's multi-rank workers too, :func:`paft.testing.run_workers`); nothing imports this
+module but such a server.
 
 Each worker is forked from the server, so it starts with everything below already
 imported instead of paying for it as a spawned worker would: torch, and
