@@ -2,8 +2,9 @@
 
 ``paft`` and ``python -m paft.train`` spend their first second or two in ``import paft``,
 which imports torch, before the command's own handlers (:func:`paft.cli.run`,
-:func:`paft.launch.torchrun_main`) are in place; so do the workers ``paft train`` spawns,
-which import the console script again. A Ctrl-C there raised KeyboardInterrupt inside
+:func:`paft.launch.torchrun_main`) are in place; so do the workers ``paft train`` spawns
+where there is no fork server, which import the console script again (elsewhere they
+are forked from a server that imported torch deaf to Ctrl-C). A Ctrl-C there raised KeyboardInterrupt inside
 torch's import, which ended the process with a traceback of torch's files (up to 50
 lines, once per process), or, where torch's C++ called back into Python, was taken for
 numpy being unavailable (the command carried on) or aborted the process
@@ -71,9 +72,11 @@ def exit_on_interrupt() -> None:
     prog = command_name()
     if prog is None or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return
-    # A worker of paft train or paft bench is spawned by multiprocessing, which runs the
-    # console script again in it, with the launcher's sys.argv; its own command line ends
-    # in this flag. torchrun's ranks are started as they are, each with its RANK.
+    # Where there is no fork server (Windows), a worker of paft train or paft bench is
+    # spawned by multiprocessing, which runs the console script again in it, with the
+    # launcher's sys.argv; its own command line ends in this flag. (Forked workers never
+    # get here: their server imported paft as ``python -c``.) torchrun's ranks are
+    # started as they are, each with its RANK.
     spawned = "--multiprocessing-fork" in sys.orig_argv
     speaks = not spawned and (prog != _MODULES["paft.train"] or os.environ.get("RANK", "0") == "0")
     signal.signal(signal.SIGINT, _Exit(prog, speaks))

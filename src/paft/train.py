@@ -225,16 +225,17 @@ class Trainer:
         share of the batches and the ranks add their per-batch sums up: the numbers each
         would have got alone, to the bit, for a world-size-th of the work."""
         fp = torch.tensor([state_fingerprint(self.model)], dtype=torch.int64)
-        if len(set(gather_rows(fp).flatten().tolist())) == 1:
+        equal = len(set(gather_rows(fp).flatten().tolist())) == 1
+        if equal:
             sums = self.workload.batch_sums(self.model, batch_size=64, max_batches=self.cfg.eval_batches,
                                             share=(self.rank, self.world_size))
             dist.all_reduce(sums)  # the host-side gloo group: a few rows
             result = self.workload.summarize(sums)
-            gathered = [[result[k] for k in sorted(result)]] * self.world_size
         else:
             result = self.workload.evaluate(self.model, batch_size=64, max_batches=self.cfg.eval_batches)
-            gathered = gather_rows(torch.tensor([result[k] for k in sorted(result)], dtype=torch.float64)).tolist()
         keys = sorted(result)
+        row = [result[k] for k in keys]
+        gathered = [row] * self.world_size if equal else gather_rows(torch.tensor(row, dtype=torch.float64)).tolist()
         # Replica divergence at every evaluation: its magnitude over the run, not just at the
         # end (inf where the replicas hold NaN/Inf, bitwise equal or not: see DivergenceReport).
         record: dict[str, Any] = {"step": self.step, "replica_rel_diff": measure_divergence(self.model).max}
