@@ -76,12 +76,11 @@ def _ref_digest(t: torch.Tensor) -> int:
 
 
 def _ref_fingerprint(tensors: list[torch.Tensor]) -> int:
-    h = F._SEED
+    h = 0
     for i, t in enumerate(tensors):
-        meta = F._meta_hash(t.dtype, tuple(t.shape))
-        h = F._mix64(h ^ F._mix64(meta + i * F._GAMMA))
-        h = F._mix64(h ^ _ref_digest(t))
-    return F._to_signed(F._mix64(h ^ len(tensors)))
+        key = F._mix64(F._meta_hash(t.dtype, tuple(t.shape)) + i * F._GAMMA)
+        h += F._mix64(key ^ _ref_digest(t))
+    return F._to_signed(F._mix64((h & F._M64) ^ F._mix64(F._SEED + len(tensors))))
 
 
 def test_weights_are_the_splitmix64_stream() -> None:
