@@ -39,6 +39,7 @@ from paft.workloads import GPT, Llama, ResNet
         (["--h-min", "10", "--h-max", "5"], "--h-max"),
         (["--broadcast-src", "-1"], "--broadcast-src: must be a rank >= 0, got -1"),
         (["--resume"], "--resume"),
+        (["--config", " "], "--config: must not be empty"),  # not a file named " "
         (["--model", "n_layers=2"], "--model: unknown key 'n_layers' for the gpt model (did you mean 'n_layer'?)"),
         (["--model", "n_head=3"], "--model: n_embd (128) must be divisible by n_head (3)"),
         (["--workload", "resnet", "--model", "n_layer=2"],
@@ -55,6 +56,9 @@ from paft.workloads import GPT, Llama, ResNet
         (["--step", "5"], "unrecognized arguments: --step 5"),
         (["--seed", "99999999999999999999"], "--seed: must be in [0, 2**32)"),
         (["--model", "bias=maybe"], "--model: bias must be true or false, got 'maybe'"),
+        (["--model", "=5"], "argument --model: expected KEY=VALUE, got '=5'"),
+        # Not Python (literal_eval raises SyntaxError): a text the model's check names.
+        (["--model", "n_layer=2 3"], "--model: n_layer must be an integer, got '2 3'"),
         (["--model", "dropout=0.3"],
          "--model: dropout is set with --dropout (e.g. --dropout 0.1), not --model"),
         (["--model", "dropout=0.3", "--dropout", "0"], "--model: dropout is set with --dropout"),
@@ -137,6 +141,12 @@ def test_oversized_model_is_refused_without_building_it(
         ("double.toml", "no-overlap = false", "unknown option 'no-overlap' (write overlap = true)"),
         ("typed.toml", 'steps = "many"', "steps"),
         ("bad.yaml", "steps: 0", "bad.yaml: steps: must be >= 1, got 0"),
+        ("upper.YML", "steps: 0", "upper.YML: steps: must be >= 1, got 0"),  # read as YAML too
+        ("nonbool.toml", "no-steps = 3", "unknown option 'no-steps'\n(options"),  # not a switch: no "write ..."
+        ("ints.toml", "inject = [1]", "--config: ints.toml: inject: expected a string or a list of strings"),
+        ("model.toml", "model = 3", "--config: model.toml: model: expected a table/mapping of model fields"),
+        ("yes.toml", 'guard = "yes"', "--config: yes.toml: guard: expected true or false, got 'yes'"),
+        ("bool.toml", "lr = true", "--config: bool.toml: lr: expected float, got True"),  # not taken for 1.0
         ("off.yaml", "cosine: off\n", "off.yaml: cosine: expected str, got False; quote it"),
         ("twice.yaml", "steps: 3\nsteps: 4\n", "key 'steps' is given twice"),
         # One line, placed as TOML's errors are: PyYAML's own message spans five.
@@ -306,6 +316,16 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
 
     for flag in ["--config", *(f"--{opt.flag}" for opt in OPTIONS)]:  # an entry of its own, not only the usage
         assert re.search(rf"^  {flag}[ ,\n]", out, re.MULTILINE), flag
+    # Each entry as one line: the switches' defaults said as on/off, an empty default as
+    # what it means, and no RST markup from the field docstrings.
+    entries = {m[1]: " ".join(m[2].split()) for m in re.finditer(r"^  (--[a-z-]+)(.*?)(?=^  -|^\S|\Z)", out,
+                                                                    re.MULTILINE | re.DOTALL)}
+    assert entries["--guard"].endswith("[default: off]") and entries["--monitor"].endswith("[default: on]")
+    assert entries["--run-dir"].endswith("[default: auto]")
+    assert "``" not in out
+    # The epilog: the --inject grammar from the faultspec docstring, and the exit codes.
+    assert "fault specs (--inject, repeatable):\n\n    KIND:key=value,key=value," in out
+    assert "exit codes: 0 done, 1 a worker failed, 2 bad input" in out
 
 
 def test_paft_train_end_to_end_with_config_file(
@@ -491,6 +511,8 @@ def test_under_torchrun_a_world_size_mismatch_says_where_the_size_came_from(
     (tmp_path / "r" / "config.json").write_text(json.dumps(TrainConfig(world_size=2).to_dict()))
     for argv, needle in [
         (["--config", "two.toml"], "--world-size 2 (in two.toml): torchrun started 3 processes; pass --world-size 3"),
+        # typed over the file's: the command line's, not the file's
+        (["--config", "two.toml", "--world-size", "4"], "error: --world-size 4: torchrun started 3 processes"),
         # fixed at the first run: passing --world-size 3 would be refused too
         (["--run-dir", "r", "--resume", "--steps", "500"],
          "--resume: r was trained on 2 ranks and torchrun started 3 processes; "
@@ -621,6 +643,8 @@ def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
     ("stale:steps=1,site=optimizer-state,optimizer=adamw",
      "optimizer state exists only from step 1 on and a stale fault needs the step before's value"),
     ("stale:steps=1-2,site=optimizer-state,optimizer=adamw", None),
+    ("bitflip:steps=3", "cannot fire before step 3, past --steps 3"),  # steps 0-2 run: the edge
+    ("bitflip:steps=100,site=optimizer-state", "never fires: --optimizer sgd keeps no state"),  # said once
 ])
 def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None) -> None:
     from paft.options import idle_faults
@@ -671,6 +695,16 @@ def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatc
      ["--guard-warmup 300 is not below --steps 200: the spike and rank-outlier detectors never arm (only gross "
       "jumps fire)"]),
     (["--guard", "--guard-warmup", "30"], []),
+    (["--guard", "--guard-warmup", "200", "--steps", "200"],
+     ["--guard-warmup 200 is not below --steps 200: the spike and rank-outlier detectors never arm (only gross "
+      "jumps fire)"]),
+    (["--warmup-steps", "5", "--steps", "5"],
+     ["--warmup-steps 5 is not below --steps 5: the learning rate never reaches --lr and never decays"]),
+    (["--guard-warmup", "300", "--steps", "200"], ["--guard-warmup has no effect without --guard"]),  # said once
+    (["--sync-period", "5"], ["--sync-period has no effect with --protect none"]),
+    (["--protect", "sync", "--h-max", "500"], ["--h-max has no effect without --protect dyn"]),
+    (["--protect", "dyn", "--sync-mode", "broadcast", "--broadcast-src", "1"], []),
+    (["--cosine", "exact", "--sketch-dim", "64"], ["--sketch-dim has no effect without --cosine sketch"]),
     (["--no-overlap"], ["--no-overlap has no effect without --protect sync or dyn"]),  # as typed
     (["--protect", "dyn", "--no-monitor"],
      ["--protect dyn with --no-monitor has no fingerprint trigger: replicas that split stay split until the "
@@ -683,6 +717,44 @@ def test_options_that_change_nothing_are_named(argv: list[str], expect: list[str
     add_train_options(parser)
     ns = parser.parse_args(argv)
     assert ignored_options(ns, config_from_namespace(ns)) == expect
+
+
+def test_config_file_and_command_line_values_combine(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from paft.options import parse_train_config
+
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("empty.yaml").write_text("# nothing set yet\n")
+    assert parse_train_config(["--config", "empty.yaml"]) == parse_train_config([])
+    pathlib.Path("run.toml").write_text('inject = "bitflip:steps=1"\n[model]\nn_layer = 1\n')
+    # --model fields add to the file's; spelled as a shell user may (spaces, a config file's FALSE)
+    cfg = parse_train_config(["--config", "run.toml", "--model", "n_embd = 64", "--model", "bias=FALSE"])
+    assert cfg.inject == ["bitflip:steps=1"]  # one spec as a string: a list of one
+    assert cfg.model == {"n_layer": 1, "n_embd": 64, "bias": False}
+
+
+def test_a_resume_starts_from_the_runs_config_json(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The options a run was started with come back on --resume (from the command line
+    or a config file); its --overwrite does not, and a damaged config.json is named."""
+    from paft.options import parse_train_config
+
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("r").mkdir()
+    first = TrainConfig(world_size=2, batch_size=8, steps=10, optimizer="sgd", run_dir="r", overwrite=True)
+    pathlib.Path("r/config.json").write_text(json.dumps(first.to_dict()))
+    pathlib.Path("resume.toml").write_text("resume = true\n")
+    for argv in (["--resume"], ["--config", "resume.toml"]):
+        cfg = parse_train_config(["--run-dir", "r", "--steps", "20", *argv])
+        assert (cfg.optimizer, cfg.world_size, cfg.steps, cfg.resume, cfg.overwrite) == ("sgd", 2, 20, True, False)
+    for saved, argv, needle in [
+        (first.to_dict(), ["--world-size", "4"],
+         "error: --resume: cannot change --world-size (2 in r, 4 asked); start a new run"),
+        ({"guard": 3}, [], f"error: --resume: {pathlib.Path('r', 'config.json')}: 'guard' must be a mapping, got 3"),
+    ]:
+        pathlib.Path("r/config.json").write_text(json.dumps(saved))
+        with pytest.raises(SystemExit) as exc:
+            parse_train_config(["--run-dir", "r", "--resume", "--steps", "20", *argv])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
 def test_a_config_with_infinite_values_comes_back_from_config_json() -> None:
