@@ -666,6 +666,12 @@ def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatc
         "paft train: warning: --spike-threshold has no effect without --guard",
     ]
     assert len(ran) == 1  # a warning, not a refusal
+    from paft.options import parse_train_config
+
+    for warn in (False, True):  # under torchrun, one rank of several says them
+        parse_train_config(["--spike-threshold", "3"], prog="python -m paft.train", warn=warn)
+        said = "python -m paft.train: warning: --spike-threshold has no effect without --guard\n" if warn else ""
+        assert capsys.readouterr().err == said
 
 
 @pytest.mark.parametrize("argv,expect", [
