@@ -30,6 +30,7 @@ from paft.report import (
     _replica_panel,
     _state_distinct,
     build_report,
+    summary_text,
 )
 from paft.rundata import ReportError, load_run
 from paft.rundir import prepare_run_dir
@@ -99,6 +100,7 @@ def test_fault_run_report(fault_run: pathlib.Path) -> None:
     assert "by site: aggregation (1)" in text and "by kind: bitflip (1)" in text and "by rank: rank 1 (1)" in text
     assert "replicas distinct at the end: 2" in text
     assert "workload: gpt   world size: 2   steps: 12 of 12" in text
+    assert "protection: none   guard: off   injected: bitflip:steps=5,bits=exponent,ranks=1\n" in text
     assert "syncs: 0   detections: 0   recomputes: 0   skipped batches: 0" in text
     assert "val loss: " in text and "steps/s" in text and "max loss_cv: " in text
     alerts = json.loads((fault_run / "summary.json").read_text())["alerts"]
@@ -201,6 +203,10 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
                   lambda r: {**r, "consistency/loss_cv": "nan", "loss": "inf"} if r["step"] == 8 else r)
     data = load_run(run)
     assert data.metrics[0][8]["local_loss"] == float("inf")
+    _, (ax,) = _figure(1, 1, "events")
+    report_module._mark_events(ax, data)
+    labels = ax.get_legend_handles_labels()[1]  # a recompute's "proceed" verdict did nothing: no marker
+    assert "guard: recompute" in labels and not any("proceed" in label for label in labels)
     report = build_report(run)
     assert_pngs(report.files, PLOTS)
     text = report.text
@@ -414,6 +420,17 @@ def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_ru
     steps, values = _global_loss(load_run(run_dir))
     assert steps == [r["step"] for r in records] == list(range(12))
     assert values == pytest.approx([r["loss"] for r in records], rel=1e-12)
+    # A rank that stopped recording a step early (killed): no mean of the others' alone.
+    path = run_dir / "metrics" / "rank1.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+    steps, values = _global_loss(load_run(run_dir))
+    assert steps == list(range(11)) and values == pytest.approx([r["loss"] for r in records[:11]], rel=1e-12)
+
+
+def test_per_rank_validation_losses_are_drawn_when_they_differ_visibly() -> None:
+    visible = report_module._visible_spread
+    assert visible([3.9, 3.95]) and not visible([3.9, 3.9 + 1e-7])  # 1e-3 relative: apart by more than rounding
+    assert visible([3.9, math.nan]) and not visible([math.nan, math.nan])  # a NaN beside a number shows
 
 
 def test_no_line_bridges_a_step_that_was_not_measured(fault_run: pathlib.Path, tmp_path: pathlib.Path,
@@ -445,6 +462,34 @@ def test_no_line_bridges_a_step_that_was_not_measured(fault_run: pathlib.Path, t
     _, (ax,) = _figure(1, 1, "every step")
     _plot(ax, [0, 1, 2], [1.0, 2.0, 3.0])
     assert list(ax.get_lines()[0].get_xdata()) == [0, 1, 2] and ax.get_lines()[0].get_marker() == "None"
+
+
+def test_a_line_breaks_at_each_unmeasured_step_and_marks_what_it_cannot_draw() -> None:
+    # A bool is no number: a gap, as any other non-number in a record.
+    steps, values = report_module._series([{"step": 0, "v": 1.0}, {"step": 1, "v": True}, {"step": 2},
+                                            {"step": 3, "v": 2}], "v")
+    assert steps == [0, 1, 3] and values[0] == 1.0 and math.isnan(values[1]) and values[2] == 2.0
+    _, (ax,) = _figure(1, 1, "lines")
+    _plot(ax, [0, 1, 3, 4], [1.0, 2.0, 3.0, 4.0])  # step 2 alone missing: no line across it either
+    xs, ys = list(ax.get_lines()[0].get_xdata()), list(ax.get_lines()[0].get_ydata())
+    assert xs == [0, 1, 2, 3, 4] and math.isnan(ys[2]) and ys[:2] + ys[3:] == [1.0, 2.0, 3.0, 4.0]
+    # Two series gone non-finite: each its own row of markers (which went first shows), one legend entry.
+    _plot(ax, [0, 1], [math.inf, 1.0], color="C0")
+    _plot(ax, [0, 1], [1.0, math.nan], color="C1")
+    rows = [(line.get_color(), line.get_ydata()[0]) for line in ax.get_lines() if line.get_gid() == "nonfinite"]
+    assert rows == [("C0", 0.88), ("C1", pytest.approx(0.84))]
+    assert ax.get_legend_handles_labels()[1].count("non-finite value (color: series)") == 1
+    assert len({report_module._rank_color(rank) for rank in range(10)}) == 10  # tab10: one colour per rank
+
+
+@pytest.mark.parametrize("values,scale", [
+    ([1.0, 50.0], "linear"), ([1.0, 100.0], "log"), ([0.0, 1.0, 100.0], "symlog"), ([-1.0, 1.0, 100.0], "symlog"),
+    ([math.nan, 1.0, 100.0], "log"),  # the non-finite values are no part of the span
+])
+def test_a_panel_is_logarithmic_once_its_positive_values_span_two_decades(values: list[float], scale: str) -> None:
+    _, (ax,) = _figure(1, 1, "scale")
+    report_module._scale(ax, values)
+    assert ax.get_yscale() == scale
 
 
 def test_a_run_without_worker_metrics_is_reported(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -481,6 +526,10 @@ def test_a_lone_point_is_drawn_over_the_whole_run(fault_run: pathlib.Path, tmp_p
     _plot(other, [0, 1], [1.0, 2.0])  # a line: no marker added
     _plot(other, [0, 1], [1.0, math.nan])
     assert [line.get_marker() for line in other.get_lines()[:2]] == ["None", "o"]
+    _, (alone,) = _figure(1, 1, "one point")  # x not shared with a panel that spans the run
+    _plot(alone, [0], [1.0])
+    report_module._finish(alone, run, "one point", "value")  # to the end state, after the last step's update
+    assert alone.get_xlim()[1] == run.last_step + 1
 
 
 def test_a_summary_the_records_went_past_is_set_aside(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -521,6 +570,63 @@ def test_a_split_a_sync_ended_before_any_fingerprint_is_reported(clean_run: path
     steps, values = _state_distinct(load_run(run))
     assert dict(zip(steps, values))[5] == 2 and dict(zip(steps, values))[6] == 1
     assert dict(zip(steps, values)).get(2, 1) == 1
+
+
+def test_the_first_split_is_the_earliest_whoever_found_it(fault_run: pathlib.Path, clean_run: pathlib.Path,
+                                                         tmp_path: pathlib.Path) -> None:
+    early, late = copy_run(fault_run, tmp_path / "early"), copy_run(clean_run, tmp_path / "late")
+    with open(early / "events.jsonl", "a") as f:  # later splits, found by the guard and a sync
+        for event in ({"step": 8, "event": "guard", "attempt": 0, "action": "recompute", "detector": "state_mismatch",
+                       "cause": "state", "ranks": [1], "values": {}},
+                      {"step": 9, "event": "sync", "period": 5, "divergence": 0.2, "mode": "median",
+                       "groups": [[0], [1]], "note": ""}):
+            f.write(json.dumps(event) + "\n")
+    assert "first replica split: step 5 (aggregated-gradient checksums differ" in summary_text(load_run(early))
+    with open(late / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 10, "event": "sync", "period": 5, "divergence": 0.2, "mode": "median",
+                            "groups": [[0], [1]], "note": ""}) + "\n")
+    # Beside the split, written leftwards when it is late in the run (clear of the legend).
+    for run_dir, step, side in ((early, 5, "left"), (late, 10, "right")):
+        _, (ax,) = _figure(1, 1, "split")
+        _replica_panel(ax, load_run(run_dir))
+        (note,) = ax.texts
+        assert note.get_text().startswith(f"first split: step {step}, ") and note.get_horizontalalignment() == side
+
+
+def test_the_training_state_line_takes_a_repair_at_its_own_step(clean_run: pathlib.Path,
+                                                                tmp_path: pathlib.Path) -> None:
+    """The guard's repair before a step's rerun (seen_from: that step) found the replicas
+    split and left them one: one replica from that step on, not two until the next fingerprint."""
+    run = copy_run(clean_run, tmp_path / "repaired")
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "event": "repair", "mode": "median-with-reference", "divergence": 0.5,
+                            "groups": [[0], [1]], "note": "", "seen_from": 3}) + "\n")
+    steps, values = _state_distinct(load_run(run))
+    assert list(zip(steps, values)) == [(0, 1), (3, 1), (10, 1), (12, 1)]
+
+
+def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run = copy_run(clean_run, tmp_path / "interrupted")
+    (run / "summary.json").unlink()
+    for rank in (0, 1):
+        rewrite_jsonl(run / "metrics" / f"rank{rank}.jsonl", lambda r: {**r, "step_time": 0.25})
+    rewrite_jsonl(run / "consistency.jsonl",
+                  lambda r: {**r, "consistency/loss_cv": 0.5 if r["step"] in (3, 7) else 0.1})
+    # The ranks' accuracies differ: the worst rank is said for the loss only (the largest accuracy is the best).
+    rewrite_jsonl(run / "evals.jsonl", lambda r: {**r, "val_acc": 0.6, "val_acc_per_rank": [0.5, 0.7]})
+    (run / "faults.jsonl").write_text("".join(json.dumps({"step": 2, "rank": rank, "site": "params", "kind": "zero"})
+                                              + "\n" for rank in (10, 2)))
+    with open(run / "events.jsonl", "a") as f:  # the rerun of a detection names the rank the first could not
+        for attempt, detector, ranks in ((0, "grad_mismatch", []), (1, "state_mismatch", [1])):
+            f.write(json.dumps({"step": 3, "event": "guard", "attempt": attempt, "action": "repair",
+                                "detector": detector, "cause": "state", "ranks": ranks, "values": {}}) + "\n")
+    text = summary_text(load_run(run))
+    assert "speed: 4.00 steps/s (rank 0 step times)\n" in text
+    assert "max loss_cv: 0.5 at step 3\n" in text  # the first step holding it
+    assert "val acc: 0.6000 (step 0) -> 0.6000 (step 12)\n" in text
+    assert "by rank: rank 2 (1), rank 10 (1)\n" in text
+    assert ("first replica split: step 3 on rank 1 (aggregated-gradient checksums and training-state fingerprints "
+            "differ; no strict majority; the guard caught it before the update)\n") in text
 
 
 def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -580,6 +686,10 @@ def test_the_period_panel_starts_from_the_period_the_run_began_with(fault_run: p
     _period_panel(ax, run, [(4, 30.0)])
     line = ax.get_lines()[0]
     assert list(line.get_xdata())[:2] == [0, 4] and list(line.get_ydata())[:2] == [60.0, 30.0]
+    assert (line.get_xdata()[-1], line.get_ydata()[-1]) == (run.last_step, 30.0)  # held to the end of the run
+    _, (ax,) = _figure(1, 1, "dyn from step 0")  # a period set at step 0 is the first: none before it
+    _period_panel(ax, run, [(0, 30.0), (4, 20.0)])
+    assert list(ax.get_lines()[0].get_xdata())[:2] == [0, 4] and list(ax.get_lines()[0].get_ydata())[:2] == [30, 20]
 
 
 def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pathlib.Path,
