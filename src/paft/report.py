@@ -456,9 +456,11 @@ def _last_state_check(run: RunData) -> str:
         ranks = rec.get("replicas/state_minority_ranks") or []
         differ = f"; minority: {_ranks(ranks)}" if ranks else ""
         n = rec["replicas/state_distinct"]
-        # An aggregated gradient that differed after the check split the replicas since.
+        # An aggregated gradient that differed after the check split the replicas since:
+        # the check's own step's too, whose update follows the fingerprints of the state
+        # it starts from.
         later = [r["step"] for r in run.consistency
-                 if r["step"] > rec["step"] and _num(r.get("replicas/grad_distinct", 1)) > 1]
+                 if r["step"] >= rec["step"] and _num(r.get("replicas/grad_distinct", 1)) > 1]
         since = f"; aggregated gradients differed after it, first at step {later[0]}" if later else ""
         return f"replicas distinct at the last state check (step {rec['step']}): {n}{differ}{since}"
     rec = run.consistency[-1]

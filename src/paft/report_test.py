@@ -138,6 +138,12 @@ def test_crashed_run_without_cosine(fault_run: pathlib.Path, tmp_path: pathlib.P
                   if "replicas/state_distinct" in r else {**r, "replicas/grad_distinct": 2} if r["step"] == 11 else r)
     assert ("replicas distinct at the last state check (step 10): 1; aggregated gradients differed after it, "
             "first at step 11\n") in build_report(run).text
+    # A check fingerprints the state its step starts from: that step's own update, from
+    # split gradients, came after it (a real run with --fingerprint-every 5 and the fault
+    # at step 5, interrupted, read "(step 5): 1" and nothing more).
+    rewrite_jsonl(run / "consistency.jsonl", lambda r: {**r, "replicas/grad_distinct": 2} if r["step"] == 10 else r)
+    assert ("replicas distinct at the last state check (step 10): 1; aggregated gradients differed after it, "
+            "first at step 10\n") in summary_text(load_run(run))
     assert "faults injected: 1\n" in report.text
     assert "not recorded (cosine monitoring off)" in report.text
     alerts = sum(1 for line in (run / "events.jsonl").read_text().splitlines() if '"alert"' in line)
