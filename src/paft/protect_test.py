@@ -90,6 +90,12 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
 
         def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
+            if opts.get("accumulate"):  # two micro-batches, DDP all-reducing once, after the last
+                with model.no_sync():
+                    (nn.functional.mse_loss(model(x[:5]), y[:5]) * 5 / 8).backward()
+                loss = nn.functional.mse_loss(model(x[5:]), y[5:]) * 3 / 8
+                loss.backward()
+                return loss
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             return loss
@@ -308,6 +314,24 @@ def test_guard_recomputes_a_transient_bit30_flip_exactly(site: str, interval: in
     last = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "guard"][-1]
     # The guard's counts so far, for a run that ends without its summary.
     assert last["totals"] and last["totals"] == {k: c[k] for k in last["totals"]}
+
+
+@pytest.mark.parametrize("site", ["aggregation", "local-grad"])
+def test_gradient_accumulation_under_no_sync_is_plain_ddp_and_guarded(site: str) -> None:
+    # The closure accumulates two micro-batches, the first under ddp.no_sync(): the hook
+    # sees (and the guard judges) only the all-reduce of the accumulated gradient. The
+    # protected run is plain DDP's bit for bit, and a transient flip there is recomputed
+    # (both micro-batches: the closure zeroes first) back to the fault-free run.
+    opts = {"accumulate": True, "steps": 8}
+    plain = run_workers(train_toy, 3, {**opts, "plain": True})
+    guarded = {**opts, "guard": GUARD}
+    clean = run_workers(train_toy, 3, guarded)
+    out = run_workers(train_toy, 3, {**guarded, "inject": [f"bitflip:site={site},steps=5,ranks=1,bits=30,count=4"]})
+    for p, c, o in zip(plain, clean, out):
+        assert same(p, c) and same(c, o)
+    assert not any(r["attempts"] > 1 for r in clean[0]["reports"])
+    assert [r["attempts"] for r in out[0]["reports"]] == [1] * 5 + [2] + [1] * 2
+    assert out[0]["counters"]["transient"] == 1
 
 
 def test_guard_recomputes_a_bit30_flip_at_the_first_step_of_two_ranks() -> None:
