@@ -842,6 +842,33 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
 
         protector.step(closure)
 
+    def under_no_sync_only(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        def closure() -> torch.Tensor:  # accumulates, but never leaves no_sync(): DDP reduces nothing
+            optimizer.zero_grad(set_to_none=True)
+            with model.no_sync():
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+            return loss
+
+        protect(model, optimizer).step(closure)
+
+    class OwnSGD(torch.optim.SGD):  # SGD's hyperparameters, another type
+        pass
+
+    def load_fails_late(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        protector = protect(model, optimizer, guard=GuardConfig(enabled=True))
+        protector.step(full(model, optimizer))
+        def kept() -> Any:  # what a half-done load would have changed: the step, the guard's state, the counts
+            return protector.step_idx, protector.guard.state_dict(), protector.counters  # type: ignore[union-attr]
+
+        before = kept()
+        try:  # passes the up-front checks; fails while loading, after the step and the guard's part
+            protector.load_state_dict({**protector.state_dict(), "step": 5, "alerting": "x"})
+        except ValueError as err:
+            if kept() != before:
+                raise RuntimeError("a failed load_state_dict() changed the protector") from err
+            raise
+
     class Spare(nn.Module):  # a parameter the forward never uses, without find_unused_parameters
         def __init__(self) -> None:
             super().__init__()
@@ -895,6 +922,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "closure returns None": lambda m, o: protect(m, o).step(lambda: None),
         "no backward": lambda m, o: protect(m, o).step(forward_only(m)),
         "no backward after a step": stale,
+        "every backward under no_sync": under_no_sync_only,
         "unused parameters": lambda m, o: unused(*wrapped(Spare())),
         "protect twice": lambda m, o: (protect(m, o), protect(m, o)),
         "protect again, the first dropped": dropped_first,
@@ -914,9 +942,16 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "garbage state": lambda m, o: protect(m, o).load_state_dict({}),
         "state of another mode": lambda m, o: protect(m, o).load_state_dict(
             {"step": 3, "counters": {}, "scheduler": {"kind": "FixedScheduler", "period": 5}}),
+        "guarded state, no guard": lambda m, o: protect(m, o).load_state_dict(
+            protect(*fresh(), guard=GuardConfig(enabled=True)).state_dict()),
+        "unguarded state, a guard": lambda m, o: protect(m, o, guard=GuardConfig(enabled=True)).load_state_dict(
+            protect(*fresh()).state_dict()),
+        "load that fails late": load_fails_late,
         "averager state": lambda m, o: protect(m, o).load_state_dict(
             protect(*fresh(), protect=ProtectConfig(mode="averager")).state_dict()),
         "period per rank": lambda m, o: protect(m, o, protect=ProtectConfig(mode="sync", sync_period=1 + rank)),
+        "optimizer type per rank": lambda m, o: protect(m, (torch.optim.SGD if rank else OwnSGD)(
+            m.parameters(), lr=0.1)),
         "parameter order per rank": lambda m, o: protect(m, torch.optim.SGD(
             list(m.parameters())[::1 - 2 * rank], lr=0.1)),
     }
@@ -1021,6 +1056,13 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
                                  "protector has none",
         "averager state": "ValueError: Protector.load_state_dict(): the state was saved with protect mode "
                           "'averager', this protector has 'none'",
+        "guarded state, no guard": "ValueError: Protector.load_state_dict(): the state has guard part and this "
+                                   "protector has none",
+        "unguarded state, a guard": "ValueError: Protector.load_state_dict(): the state has no guard part and "
+                                    "this protector has one",
+        "load that fails late": "ValueError: dictionary update sequence",  # and the protector kept its state
+        "every backward under no_sync": "RuntimeError: the closure ran no backward(): DDP all-reduced no gradient",
+        "optimizer type per rank": "ValueError: protect(): ranks disagree on the optimizer's type",
         "period per rank": "ValueError: protect(): ranks disagree on the protect config",
         "parameter order per rank": "ValueError: protect(): ranks disagree on the optimizer's parameter order",
     }
