@@ -207,6 +207,13 @@ def test_a_users_comm_hook_is_wrapped_not_replaced(hook: str) -> None:
     faulty = run_workers(train_toy, 3, {"comm_hook": hook, "inject": ["bitflip:steps=4,ranks=1,bits=exponent"]})
     assert faulty[0]["reports"][4]["metrics"]["replicas/grad_minority_ranks"] == [1]
     assert same(faulty[0], faulty[2]) and not same(faulty[0], faulty[1])
+    # A stateless hook: the guard's recompute of a transient flip runs the hook again and
+    # is the fault-free step bit for bit (docs/LIBRARY.md, comm hooks of your own).
+    guarded = run_workers(train_toy, 3, {"comm_hook": hook, "guard": GUARD,
+                                         "inject": ["bitflip:steps=4,ranks=1,bits=30,count=4"]})
+    assert [r["attempts"] for r in guarded[0]["reports"]] == [1] * 4 + [2] + [1] * 5
+    for a, g in zip(alone, guarded):
+        assert same(a, g)
 
 
 def test_local_grad_fault_changes_the_model_on_every_rank_alike() -> None:
@@ -1075,21 +1082,39 @@ def _w_subgroup_with_a_stateful_hook(rank: int, world_size: int) -> dict[str, An
     group = dist.new_group([1, 2])  # every rank creates it; rank 0 is outside
     if rank == 0:
         return {}
-    model = DistributedDataParallel(toy_model(), process_group=group)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = DistributedDataParallel(toy_model(batchnorm=True), process_group=group)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     calls = {"n": 0}
 
     def counting(state: dict[str, int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         state["n"] += 1  # a stateful hook, as PowerSGD's step counter and error feedback
         return default_hooks.allreduce_hook(group, bucket)
 
-    protector = protect(model, optimizer, comm_hook=counting, comm_state=calls)
+    protector = protect(model, optimizer, comm_hook=counting, comm_state=calls, inject=["bitflip:steps=0-1,bits=0"])
     x, y = batch(rank, 0)
-    closure = lambda: nn.functional.mse_loss(model(x), y).backward() or torch.zeros(())  # noqa: E731
+
+    def closure() -> torch.Tensor:  # draws from the RNG (dropout), moves BatchNorm's statistics
+        loss = nn.functional.mse_loss(nn.functional.dropout(model(x), 0.1), y)
+        loss.backward()
+        return loss
+
+    protector.step(closure)  # a step first: optimizer state for prime() to leave alone
+    optimizer.zero_grad(set_to_none=False)
+
+    def now() -> tuple[Any, ...]:
+        return ([b.clone() for b in model.module.buffers()], torch.get_rng_state(),
+                state_fingerprint(model, optimizer), protector.step_idx, protector.counters["faults_injected"])
+
+    before, hook_calls = now(), calls["n"]
     protector.prime(closure)
-    primed = calls["n"]
+    after = now()
+    unchanged = (all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and torch.equal(before[1], after[1])
+                 and before[2:] == after[2:])
+    primed = calls["n"] - hook_calls
+    grads = [p.grad for p in model.parameters()]
     protector.step(closure)
-    return {"primed": primed, "stepped": calls["n"] > 0, "speaker": protector.recorder.rank}
+    return {"primed": primed, "stepped": calls["n"] > hook_calls, "speaker": protector.recorder.rank,
+            "unchanged": unchanged, "grads": grads}
 
 
 def test_prime_leaves_a_stateful_hook_alone_and_the_group_rank_0_speaks() -> None:
@@ -1099,6 +1124,9 @@ def test_prime_leaves_a_stateful_hook_alone_and_the_group_rank_0_speaks() -> Non
     out = run_workers(_w_subgroup_with_a_stateful_hook, 3)
     for rank in (1, 2):
         assert out[rank]["primed"] == 0 and out[rank]["stepped"]
+        # "prime() takes any batch: it changes nothing": RNG, buffers, parameters and
+        # optimizer state, the step; no fault injected; the gradients set to None.
+        assert out[rank]["unchanged"] and out[rank]["grads"] == [None] * len(out[rank]["grads"])
     assert [out[r]["speaker"] for r in (1, 2)] == [0, 1]  # the group's ranks: global 1 speaks
 
 
