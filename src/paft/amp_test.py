@@ -22,7 +22,9 @@ from paft.testing import run_workers
 SCALER = {"init_scale": 2.0**127, "growth_interval": 3}
 
 
-def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: str = "") -> dict[str, Any]:
+def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: str = "",
+           nan_at: int = -1) -> dict[str, Any]:
+    """``nan_at``: a step whose batch holds a NaN on rank 1 (bad data, a non-finite loss)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     ddp = DistributedDataParallel(model)
@@ -36,6 +38,8 @@ def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: st
     scales, applied = [], []
     for step in range(16):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        if (rank, step) == (1, nan_at):
+            x[0, 0] = math.nan
 
         def closure(x: torch.Tensor = x) -> torch.Tensor:
             optimizer.zero_grad()
@@ -84,6 +88,51 @@ def test_the_guard_recomputes_a_scaled_step_and_tells_a_fault_from_an_overflow()
     assert hit[0]["scales"] == clean[0]["scales"] and hit[0]["applied"] == clean[0]["applied"]
     for a, b in zip(clean, hit):
         assert _same_params(a, b)
+
+
+def test_a_non_finite_loss_under_the_guard_is_a_bad_batch_that_keeps_the_scale() -> None:
+    # A NaN in rank 1's batch: every rank's aggregated gradient is NaN, as in an overflow,
+    # but a smaller scale would not fix a forward pass gone non-finite. The guard
+    # recomputes it and skips it as data, on every rank, without backing the scale off.
+    clean = run_workers(_train, 2, "guard", [])
+    out = run_workers(_train, 2, "guard", [], "", 10)
+    assert out[0]["applied"][10] is out[1]["applied"][10] is False and clean[0]["applied"][10]
+    assert out[0]["scales"][:11] == clean[0]["scales"][:10] + [clean[0]["scales"][9]]
+    assert out[0]["scales"] == out[1]["scales"]
+    c = out[0]["counters"]
+    assert (c["data"], c["recomputes"], c["skipped_batches"]) == (1, 1, 1)
+
+
+def _random_value_in_the_scaled_gradient(rank: int, world_size: int, run_dir: str) -> list[float]:
+    ddp = DistributedDataParallel(nn.Linear(4, 1, bias=False))
+    with torch.no_grad():
+        ddp.module.weight.zero_()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    protector = protect(ddp, optimizer, scaler=scaler, inject=["random:steps=0,ranks=0,value=4096"],
+                        recorder=RunRecorder(run_dir, rank, quiet=True))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = ddp(x).square().mean()
+        scaler.scale(loss).backward()
+        return loss
+
+    assert protector.step(closure).applied
+    return ddp.module.weight.detach().flatten().tolist()
+
+
+def test_a_gradient_fault_strikes_the_scaled_gradient_and_is_recorded_scaled(tmp_path: Path) -> None:
+    # "random:value=X puts X there, so the optimizer sees X / scale, and faults.jsonl
+    # records the scaled values": from zero weights and lr 1, a weight is minus what the
+    # optimizer saw; rank 1, not hit, took the fault-free aggregated gradient.
+    out = run_workers(_random_value_in_the_scaled_gradient, 2, str(tmp_path))
+    [fault] = read_jsonl(tmp_path / "faults.jsonl")
+    [i], [before], [after] = fault["indices"], fault["before"], fault["after"]
+    assert fault["rank"] == 0 and abs(after) <= 4096  # drawn in [-4096, 4096]
+    assert out[0][i] == -after / 1024 and out[1][i] == -before / 1024  # unscaled after it
+    assert [w for j, w in enumerate(out[0]) if j != i] == [w for j, w in enumerate(out[1]) if j != i]
 
 
 def test_a_recompute_that_overflows_closes_the_detections_record(tmp_path: Path) -> None:
