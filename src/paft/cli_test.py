@@ -883,6 +883,35 @@ def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest
     assert not list(tmp_path.glob("r.replaced-*"))
 
 
+def test_a_resume_into_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A --resume that every other check accepts (a run with a checkpoint, and more
+    --steps) is refused too while a run holds the directory: exit 2, nothing written."""
+    import torch
+
+    from paft import launch as launcher
+    from paft.launch import hold_dir_lock
+    from paft.rundir import _CHECKPOINT_KEYS
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: pytest.fail("the resume must not start"))
+    cfg = TrainConfig(world_size=2, steps=12, batch_size=16, run_dir="r")
+    step = pathlib.Path("r/checkpoints/step0000012")
+    step.mkdir(parents=True)
+    for rank in range(2):
+        torch.save({**dict.fromkeys(_CHECKPOINT_KEYS), "config": cfg.to_dict()}, step / f"rank{rank}.pt")
+    pathlib.Path("r/checkpoints/latest").write_text("step0000012\n")
+    pathlib.Path("r/config.json").write_text(json.dumps(cfg.to_dict()))
+    before = {p: p.read_bytes() for p in pathlib.Path("r").rglob("*") if p.is_file()}
+    with hold_dir_lock(pathlib.Path("r")):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--run-dir", "r", "--resume", "--steps", "20"])
+        assert exc.value.code == 2
+        assert "--run-dir: r is in use by another paft train" in capsys.readouterr().err
+    after = {p: p.read_bytes() for p in pathlib.Path("r").rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
 def test_a_bench_folder_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """Two benchmarks into one --out mixed their runs' records (steps 0..4 twice in one

@@ -134,6 +134,29 @@ def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, mon
     assert _steps_and_ranks(tmp_path / "r") == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+def test_a_file_system_without_flock_is_warned_about(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # Some network and FUSE mounts refuse flock: the run goes on, and says what that leaves open.
+    def no_flock(fd: Any, operation: int) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(launcher.fcntl, "flock", no_flock)
+    with launcher.hold_dir_lock(tmp_path):
+        pass
+    assert capsys.readouterr().err == (f"paft train: warning: cannot lock {tmp_path} (No locks available); nothing "
+                                       "stops a second paft train from using it meanwhile\n")
+
+
+def test_a_guard_stop_exits_3_with_its_reason(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # The workers return a guard's stop (--on-persistent stop) as a result: exit code 3, not a failure's 1.
+    reason = str(PersistentFaultError(5, [2]))
+    stopped = [{"status": "persistent_fault", "ranks": [2], "step": 5, "message": reason}] * 2
+    monkeypatch.setattr(launcher, "local_workers", lambda worker, n: lambda *args: stopped)
+    assert launcher._run_workers(TrainConfig(run_dir=str(tmp_path), world_size=2)) == 3
+    assert capsys.readouterr().err == f"paft train: {reason}\n"
+
+
 def _steps_and_ranks(run: pathlib.Path) -> list[tuple[int, int]]:
     """(step, rank) of each line of ``run``'s faults.jsonl, in file order."""
     return [(f["step"], f["rank"]) for f in read_jsonl(run / "faults.jsonl")]

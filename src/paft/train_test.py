@@ -173,6 +173,10 @@ def test_identical_runs_write_identical_faults_jsonl(tmp_path: pathlib.Path, cas
         assert status == ("persistent_fault" if case == "guard-stop" else "ok")
     data = (tmp_path / "a" / "faults.jsonl").read_bytes()
     assert data == (tmp_path / "b" / "faults.jsonl").read_bytes()
+    if case == "guard-stop":  # paft train records the stop, with its reason (what paft report notes)
+        stops = [e for e in read_jsonl(tmp_path / "a" / "events.jsonl") if e["event"] == "stop"]
+        assert [(e["step"], e["ranks"]) for e in stops] == [(5, [2])]
+        assert stops[0]["reason"].startswith("step 5: rank(s) [2] reproduced a harmful update on recomputation")
     faults = read_jsonl(tmp_path / "a" / "faults.jsonl")
     keys = [(f["step"], f["attempt"], f["rank"]) for f in faults]
     assert keys == sorted(keys) and {(s, r) for s, _, r in keys} >= {(s, r) for s in range(4) for r in range(3)}
