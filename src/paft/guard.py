@@ -619,7 +619,10 @@ class Guard:
         for name, w in self._windows().items():
             setattr(self, f"_{name}", SpikeWindow(w.values.maxlen or 1, state["windows"][name]))
         steps = state.get("ratio_steps")
-        if steps is None or len(steps) != len(self._ratio.values):  # older checkpoints: no steps, start afresh
+        # Older checkpoints (no steps) or a torn one: the ratio history starts afresh. Matched
+        # against the saved ratios, not the loaded ones: a shorter --guard-window on resume
+        # keeps the newest of both alike (the deque's maxlen drops the same oldest steps).
+        if steps is None or len(steps) != len(state["windows"]["ratio"]):
             self._ratio = SpikeWindow(self.config.window)
             steps = []
         self._ratio_steps = deque((int(s) for s in steps), maxlen=self.config.window)

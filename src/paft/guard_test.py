@@ -1081,6 +1081,28 @@ def test_state_dict_round_trip_continues_identically() -> None:
     assert a.counters["detections"] > 10 and a.counters["data"] > 0 and a.counters["transient"] > 0
 
 
+@pytest.mark.parametrize("window", [10, 50, 80])
+def test_a_resumed_guard_keeps_its_history_in_its_own_window(window: int) -> None:
+    # docs/LIBRARY.md: a resumed run may change --guard-window. A shorter one kept the
+    # newest values of every window but emptied the update ratios' (their steps, saved
+    # beside them, no longer matched in number: read as a torn checkpoint), so a ratio
+    # spike passed on the --update-ratio cap alone.
+    saved = guard(4, window=50)
+    t = warm(saved)
+    state = json.loads(json.dumps(saved.state_dict()))
+    resumed = guard(4, window=window)
+    resumed.load_state_dict(state)
+    got = resumed.state_dict()
+    for name, values in state["windows"].items():  # the newest, as many as the new window holds
+        size = window * (4 if name.startswith("rank_") else 1)
+        assert got["windows"][name] == values[-size:], name
+    assert got["ratio_steps"] == state["ratio_steps"][-window:]
+    view = make_view([2.8] * 4, [1.5] * 4, 1.0)  # a near miss: armed
+    for g in (saved, resumed):
+        assert g.check(t, 0, view).detector is None and g.wants_snapshot(t, view)
+        assert g.check_update(t, 0.05).action == "recompute"  # 50x the warm-up's ratios, below the cap
+
+
 def test_state_dict_mid_step() -> None:
     a = guard(4)
     t = warm(a)
