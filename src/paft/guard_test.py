@@ -871,6 +871,20 @@ def test_an_update_ratio_infinite_on_one_attempt_only_is_not_reproduced(first: f
     assert g.counters["data"] == 0
 
 
+@pytest.mark.parametrize(("cap", "gap", "ratio", "action"), [
+    (1.0, 200, 5.0, "recompute"),  # no recent ratio: the cap alone judges
+    (math.inf, 200, 5.0, "proceed"),  # --update-ratio inf: no cap
+    (math.inf, 0, 0.05, "recompute"),  # ... and the spike rule stays: 50x the warm-up's ratios
+])
+def test_update_ratio_inf_lifts_the_cap_and_keeps_the_spike_rule(cap: float, gap: int, ratio: float,
+                                                                 action: str) -> None:
+    g = guard(2, update_ratio=cap)
+    t = warm(g) + gap
+    view = make_view([2.8, 2.8], [1.5, 1.5], 1.0)  # a near miss: armed
+    assert g.check(t, 0, view).detector is None and g.wants_snapshot(t, view)
+    assert g.check_update(t, ratio).action == action
+
+
 def test_update_ratio_is_judged_against_recent_ratios_only() -> None:
     # Ratios are measured on armed steps only: after the warm-up, rarely. A window of
     # the first steps' ratios (tiny, under a learning-rate warm-up) called a clean

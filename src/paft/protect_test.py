@@ -49,6 +49,18 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(8, 1, generator=g)
 
 
+class SaidRecorder(RunRecorder):
+    """A quiet recorder that keeps rank 0's console lines (``say``) instead of printing them."""
+
+    def __init__(self, run_dir: str, rank: int) -> None:
+        super().__init__(run_dir, rank, quiet=True)
+        self.said: list[str] = []
+
+    def say(self, message: str) -> None:
+        if self.rank == 0:
+            self.said.append(message)
+
+
 USER_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "divide": default_hooks.allreduce_hook}
 
 
@@ -68,6 +80,7 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     scaled_at = opts.get("scaled_targets_at")  # (rank, step): targets 1000x, finite bad data
     user_hook = USER_HOOKS.get(opts.get("comm_hook", ""))  # a comm hook of the user's own
     reports, divergence = [], []
+    recorder = SaidRecorder(opts["run_dir"], rank) if "run_dir" in opts else None
     if opts.get("plain"):
         protector = None
         if user_hook is not None:
@@ -79,7 +92,7 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
             protect=ProtectConfig(**opts.get("protect", {})),
             guard=GuardConfig(**opts.get("guard", {})),
             inject=opts.get("inject", []), seed=3, comm_hook=user_hook,
-            recorder=RunRecorder(opts["run_dir"], rank, quiet=True) if "run_dir" in opts else None,
+            recorder=recorder,
         )
     for step in range(steps):
         x, y = batch(rank, step)
@@ -119,6 +132,7 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         "reports": reports,
         "divergence": divergence,
         "counters": protector.counters if protector is not None else {},
+        "said": recorder.said if recorder is not None else [],
     }
 
 
@@ -316,6 +330,9 @@ def test_guard_recomputes_a_transient_bit30_flip_exactly(site: str, interval: in
     first = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "guard")
     detector = "rank_outlier" if site == "local-grad" else "grad_mismatch"  # finite 1e36s: no overflow
     assert (first["step"], first["detector"], first["ranks"]) == (7, detector, [1])
+    assert [line for line in out[0]["said"] if line.startswith("[guard]")] == [  # the console, as docs/GUARD.md shows
+        f"[guard] step 7 attempt 0: {detector} on rank(s) [1] -> recompute",
+        f"[guard] step 7 attempt 1: clean recompute (of {detector} on rank(s) [1]) -> proceed, cause transient"]
     c = out[0]["counters"]
     assert c["detections"] == 1 and c["recomputes"] == 1 and c["transient"] == 1 and c["skipped_batches"] == 0
     last = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "guard"][-1]
