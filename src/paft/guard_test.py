@@ -871,6 +871,25 @@ def test_an_update_ratio_infinite_on_one_attempt_only_is_not_reproduced(first: f
     assert g.counters["data"] == 0
 
 
+@pytest.mark.parametrize(("probe", "action"), [(55, "proceed"), (56, "recompute")])
+def test_a_spike_accepted_in_the_warm_up_widens_the_limit_for_the_windows_length(probe: int, action: str) -> None:
+    # docs/GUARD.md, the 3x term's price: "a 400-fold gradient norm at step 5 lets a
+    # 200-fold one through until step 55 (checked with the defaults: caught again from step 56)".
+    g = guard(4)  # the defaults: --guard-window 50, --guard-warmup 20, --spike-threshold 10
+    rng = random.Random(0)
+    for t in range(probe):
+        view = make_view([2.0 * math.exp(rng.gauss(0, 0.1)) for _ in range(4)],
+                         [1.5 * math.exp(rng.gauss(0, 0.2)) for _ in range(4)],
+                         (400.0 if t == 5 else 1.0) * math.exp(rng.gauss(0, 0.1)))
+        assert g.check(t, 0, view).action == "proceed", t  # step 5 too: below the warm-up's 1e4x
+        g.wants_snapshot(t, view)
+        ratio = 1e-3 * math.exp(rng.gauss(0, 0.1))
+        assert g.check_update(t, ratio).action == "proceed"
+        g.accept(t, view, ratio)
+    v = g.check(probe, 0, make_view([2.0] * 4, [1.5] * 4, 200.0))
+    assert (v.action, v.detector) == (action, "grad_spike" if action == "recompute" else None)
+
+
 @pytest.mark.parametrize(("cap", "gap", "ratio", "action"), [
     (1.0, 200, 5.0, "recompute"),  # no recent ratio: the cap alone judges
     (math.inf, 200, 5.0, "proceed"),  # --update-ratio inf: no cap
