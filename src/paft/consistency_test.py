@@ -294,6 +294,52 @@ def test_sketch_is_linear_and_rank_independent() -> None:
     assert not torch.equal(sketch_of(a, s1, bucket=0), sketch_of(a, s1, bucket=1))
 
 
+def reference_sketch(flat: torch.Tensor, sketcher: CountSketch, bucket: int, p: int) -> torch.Tensor:
+    """The sketch as documented, one coordinate at a time: coordinate i times its sign
+    into slot ``i mod p``, a slot j past ``dim`` onto ``j mod dim``."""
+    out = torch.zeros(sketcher.dim, dtype=torch.float64)
+    for i, v in enumerate((flat.double() * sketcher.signs(bucket, flat.double())).tolist()):
+        out[i % p % sketcher.dim] += v
+    return out
+
+
+def test_sketch_is_the_documented_count_sketch() -> None:
+    """Coordinate by coordinate, bit for bit (integer values: every order sums them
+    exactly): whole rows of p, the tail past them (alone below p), the slots past dim
+    folded. Dropping the tail or the fold had kept every statistical test passing. One
+    sketcher for every length, as a re-bucketed model has: the signs are cached per
+    length."""
+    sketcher = CountSketch(8)
+    gen = torch.Generator().manual_seed(4)
+    for n, shapes, p in [(5, None, 11), (11, None, 11), (12, None, 11), (37, None, 11), (100, None, 11),
+                         (38, [torch.Size([3, 11]), torch.Size([5])], 13)]:
+        for bucket in (0, 1):
+            flat = torch.randint(-50, 51, (n,), generator=gen).float()
+            out = torch.zeros(8, dtype=torch.float64)
+            sq = sketcher.add_(out, bucket, flat, (lambda s=shapes: s) if shapes else None)
+            assert sketcher.stride(bucket, n) == p
+            assert torch.equal(out, reference_sketch(flat, sketcher, bucket, p)), (n, bucket)
+            assert float(sq) == float(flat.double().square().sum())
+
+
+def test_sketch_stride_is_the_least_prime_from_dim_that_divides_no_trailing_size() -> None:
+    """p >= dim prime (25 and 27 are not); past every product of a parameter's trailing
+    dimensions, however many it must step over, but not a parameter's own size (a 1-D
+    parameter's elements are consecutive: its own slots); chosen once per bucket layout."""
+    sketcher = CountSketch(8)
+    assert sketcher.stride(0, 100) == 11 and CountSketch(24).stride(0, 100) == 29
+    assert sketcher.stride(1, 57, lambda: [torch.Size([4, 11]), torch.Size([13])]) == 13
+    assert sketcher.stride(2, 104, lambda: [torch.Size([2, 11]), torch.Size([2, 2, 13])]) == 17
+    asked: list[int] = []
+
+    def shapes() -> list[torch.Size]:
+        asked.append(1)
+        return [torch.Size([2, 11])]
+
+    assert sketcher.stride(3, 22, shapes) == sketcher.stride(3, 22, shapes) == 13 and len(asked) == 1
+    assert sketcher.stride(3, 10, lambda: [torch.Size([10])]) == 11  # re-bucketed: another layout
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sketch_returns_the_exact_squared_norm(dtype: torch.dtype) -> None:
     """The norm comes off the signed copy: bitwise the dot of the gradient with itself."""
@@ -336,6 +382,9 @@ def test_capture_totals_match_the_host_arithmetic(device: str) -> None:
     only_checksum = BucketCapture()
     only_checksum.agg_terms = cap.agg_terms
     assert only_checksum.totals() == (0.0, checksum, None)
+    # the local parts alone: checksum 0, not the sketch's last word read as one
+    only_local = BucketCapture(sketch_dim=64, sketch=cap.sketch, local_sq=cap.local_sq)
+    assert only_local.totals()[:2] == (local_sq, 0) and torch.equal(only_local.totals()[2], sketch)
 
 
 def test_one_rank_has_no_spread_even_when_its_value_is_not_finite() -> None:
