@@ -127,12 +127,14 @@ class CountSketch:
         return squared_norm(signed)
 
     def _fold(self, out: torch.Tensor, slots: torch.Tensor) -> None:
-        """``out += slots`` for up to ``stride`` slots, those past ``dim`` onto the first."""
+        """``out += slots`` for up to ``stride`` slots, slot j onto ``j mod dim``: those past
+        ``dim`` onto the first, and again past ``2 * dim``, where every prime below that
+        divided a stride (k = 8 with rows of 11 and 13 in one bucket: p = 17)."""
         slots = slots.to(out.device, torch.float64)
         k = self.dim
-        out[: min(k, slots.numel())] += slots[:k]
-        if slots.numel() > k:
-            out[: slots.numel() - k] += slots[k:]
+        for start in range(0, slots.numel(), k):
+            chunk = slots[start : start + k]
+            out[: chunk.numel()] += chunk
 
 
 @dataclass
