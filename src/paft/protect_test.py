@@ -68,7 +68,8 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     """Train the toy model for ``steps``; ``opts`` picks the optimizer, faults and defenses."""
     steps = opts.get("steps", 10)
     model = DistributedDataParallel(toy_model(opts.get("batchnorm", False), opts.get("init_std")),
-                                    gradient_as_bucket_view=opts.get("bucket_view", False))
+                                    gradient_as_bucket_view=opts.get("bucket_view", False),
+                                    bucket_cap_mb=opts.get("bucket_cap_mb", 25))
     opt_name = opts.get("optimizer", "adam")
     if opt_name == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -117,6 +118,8 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
             closure()
             optimizer.step()
         else:
+            if step == 0 and opts.get("prime"):
+                protector.prime(closure)
             r = protector.step(closure)
             reports.append({"step": r.step, "applied": r.applied, "attempts": r.attempts,
                             "metrics": r.metrics, "synced": r.synced})
@@ -243,6 +246,26 @@ def test_stale_aggregation_delivers_the_previous_result() -> None:
     m = out[0]["reports"][5]["metrics"]
     # two ranks that disagree: no majority, so no rank is named, and the groups are given
     assert m["replicas/grad_minority_ranks"] == [] and m["replicas/grad_groups"] == [[0], [1]]
+
+
+def test_bucket_faults_target_the_buckets_ddp_has_rebuilt(tmp_path: Path) -> None:
+    """A 5 KB bucket cap: DDP's first pass has one bucket, its rebuilt layout two. The hook
+    learns the count from each pass's last bucket and fixes it at the next begin(): a
+    fault of step 1 picks among the one bucket known then (bucket 1 arrives, beyond the
+    count: neither hit nor an error), from step 2 on among both; prime() tells the
+    hook of both before step 0. With the count never updated, or the bound on the
+    index dropped (the injector then raised), the protect tests' one-bucket model
+    had seen no difference."""
+    targets = {}
+    for prime in (False, True):
+        run_dir = tmp_path / str(prime)
+        run_workers(train_toy, 2, {"steps": 8, "bucket_cap_mb": 0.005, "prime": prime, "run_dir": str(run_dir),
+                                   "inject": ["bitflip:steps=0-7,ranks=1,bits=3"]})
+        records = read_jsonl(run_dir / "faults.jsonl")
+        assert [(r["step"], r["rank"]) for r in records] == [(t, 1) for t in range(8)]
+        targets[prime] = [r["target"] for r in records]
+    assert targets[False][:2] == [0, 0] and targets[False][2:] == targets[True][2:]
+    assert set(targets[True]) == {0, 1} and targets[True][:2] != [0, 0]
 
 
 @pytest.mark.parametrize("world_size, opts, cosine_alert", [
