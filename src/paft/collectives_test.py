@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from paft.collectives import all_gather_flat, gather_rows, max_over_ranks, start_gather_rows
+from paft.collectives import all_gather_flat, collective_device, gather_rows, max_over_ranks, start_gather_rows
 from paft.testing import run_workers
 
 # Values a control row carries that arithmetic would lose: -0.0, a NaN with a payload,
@@ -32,6 +32,8 @@ def exchange(rank: int, world_size: int) -> dict[str, Any]:
         "max": max_over_ranks(float(rank)),
         "max_nan": max_over_ranks(math.nan if rank == world_size - 1 else float(rank)),
         "flat": all_gather_flat(torch.arange(3, dtype=torch.float32) + 10 * rank).tolist(),
+        # gloo moves CPU tensors, whatever device the row is on (a CUDA one, under gloo)
+        "device": str(collective_device(like=torch.empty(1, device="meta"))),
     }
 
 
@@ -45,3 +47,4 @@ def test_rows_arrive_bit_for_bit_in_rank_order_and_maxima_agree() -> None:
         assert got["max"] == world_size - 1
         assert got["max_nan"] == math.inf  # a NaN on the last rank, not rank 0: still seen
         assert got["flat"] == [10.0 * r + i for r in range(world_size) for i in range(3)]
+        assert got["device"] == "cpu"
