@@ -201,6 +201,64 @@ def test_a_skip_backs_the_scale_off_exactly_as_the_scaler_does(init: float, back
     assert scales[0] == scales[1] != init
 
 
+def _one_step(rank: int, world_size: int, scaled: bool, grad_clip: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+    protector = protect(ddp, optimizer, scaler=scaler, grad_clip=grad_clip)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
+        scaler.scale(loss).backward()
+        return loss
+
+    report = protector.step(closure)
+    return {"params": [p.detach().clone() for p in model.parameters()], "grad_norm": report.grad_norm,
+            "local_grad_norms": report.metrics["local_grad_norms"], "applied": report.applied}
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.01])
+def test_a_power_of_two_scale_leaves_the_norms_clipping_and_step_bit_for_bit_unscaled(grad_clip: float) -> None:
+    # The hook captures the scaled local gradients, the norms and clipping see the
+    # unscaled aggregated ones: at a scale of 2**10 every division is exact, so the
+    # step is the unscaled one, bit for bit. Returning 1.0 as the scale (the local
+    # norms 1024x), dividing the squared norm by the scale once, or no unscale_
+    # before clipping (clipped by the scaled norm) kept the other amp tests passing.
+    plain = run_workers(_one_step, 2, False, grad_clip)
+    scaled = run_workers(_one_step, 2, True, grad_clip)
+    for a, b in zip(plain, scaled):
+        assert a["applied"] and b["applied"] and a["local_grad_norms"] == b["local_grad_norms"]
+        assert a["grad_norm"] == b["grad_norm"] and _same_params(a, b)
+    if grad_clip:  # the clip binds
+        assert plain[0]["grad_norm"] > grad_clip
+
+
+def test_restore_brings_back_the_saved_scale_and_a_fresh_iteration() -> None:
+    # restore() over an attempt already unscaled: the saved scale and growth count, and
+    # the next attempt unscales afresh (restore without its discard left unscale_
+    # raising "unscale_() has already been called"; the protector restores only after
+    # a step, whose update had reset the iteration, so no multi-rank test saw it).
+    p = nn.Parameter(torch.ones(1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    stepper = OptimizerStep(torch.optim.SGD([p], lr=0.1), scaler)
+    saved = stepper.state()
+    scaler.scale(p.sum()).backward()
+    assert stepper.unscale() == 8.0
+    stepper.step()  # clean: the scale grows
+    p.grad = None
+    scaler.scale(p.sum()).backward()
+    assert stepper.unscale() == 16.0
+    stepper.restore(saved)
+    assert stepper.state() == saved
+    p.grad = None
+    scaler.scale(p.sum()).backward()
+    assert stepper.unscale() == 8.0 and p.grad.tolist() == [1.0]
+
+
 def _partial_optimizer(rank: int, world_size: int, partial_on: list[int]) -> str:
     model = DistributedDataParallel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
     held = model.module[0] if rank in partial_on else model
