@@ -303,20 +303,22 @@ def reference_sketch(flat: torch.Tensor, sketcher: CountSketch, bucket: int, p: 
     return out
 
 
-def test_sketch_is_the_documented_count_sketch() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sketch_is_the_documented_count_sketch(dtype: torch.dtype) -> None:
     """Coordinate by coordinate, bit for bit (integer values: every order sums them
-    exactly): whole rows of p, the tail past them (alone below p), the slots past dim
+    exactly, a half-precision gradient's too once widened to float32, not in its own
+    dtype): whole rows of p, the tail past them (alone below p), the slots past dim
     folded. Dropping the tail or the fold had kept every statistical test passing. One
     sketcher for every length, as a re-bucketed model has: the signs are cached per
     length. A stride past 2 * dim (k = 8 with rows of 11 and 13 in one bucket: p = 17)
     wraps the slots twice; the fold raised a shape error in the hook."""
     sketcher = CountSketch(8)
     gen = torch.Generator().manual_seed(4)
-    for n, shapes, p in [(5, None, 11), (11, None, 11), (12, None, 11), (37, None, 11), (100, None, 11),
+    for n, shapes, p in [(5, None, 11), (11, None, 11), (12, None, 11), (37, None, 11), (1000, None, 11),
                          (38, [torch.Size([3, 11]), torch.Size([5])], 13),
                          (60, [torch.Size([2, 11]), torch.Size([2, 13]), torch.Size([12])], 17)]:
         for bucket in (0, 1):
-            flat = torch.randint(-50, 51, (n,), generator=gen).float()
+            flat = torch.randint(-120, 121, (n,), generator=gen).to(dtype)  # exact in bfloat16
             out = torch.zeros(8, dtype=torch.float64)
             sq = sketcher.add_(out, bucket, flat, (lambda s=shapes: s) if shapes else None)
             assert sketcher.stride(bucket, n) == p
