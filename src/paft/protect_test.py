@@ -67,7 +67,8 @@ USER_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "divide": default_hooks.
 def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Train the toy model for ``steps``; ``opts`` picks the optimizer, faults and defenses."""
     steps = opts.get("steps", 10)
-    model = DistributedDataParallel(toy_model(opts.get("batchnorm", False), opts.get("init_std")),
+    dtype = opts.get("dtype", torch.float32)
+    model = DistributedDataParallel(toy_model(opts.get("batchnorm", False), opts.get("init_std")).to(dtype),
                                     gradient_as_bucket_view=opts.get("bucket_view", False),
                                     bucket_cap_mb=opts.get("bucket_cap_mb", 25))
     opt_name = opts.get("optimizer", "adam")
@@ -96,7 +97,7 @@ def train_toy(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
             recorder=recorder,
         )
     for step in range(steps):
-        x, y = batch(rank, step)
+        x, y = (t.to(dtype) for t in batch(rank, step))
         if nan_at == [rank, step]:
             x[0, 0] = float("nan")
         if scaled_at == [rank, step]:
@@ -169,16 +170,18 @@ def test_protected_fault_free_path_is_bitwise_plain_ddp(bucket_view: bool) -> No
     assert same(plain[0], plain[2])
 
 
-@pytest.mark.parametrize("cosine", ["exact", "sketch"])
-def test_step_zero_metrics_equal_the_local_gradients_computed_apart(cosine: str) -> None:
+@pytest.mark.parametrize(("cosine", "dtype"), [("exact", torch.float32), ("sketch", torch.float32),
+                                             ("exact", torch.float64)])
+def test_step_zero_metrics_equal_the_local_gradients_computed_apart(cosine: str, dtype: torch.dtype) -> None:
     """Loss and gradient-norm dispersion and the gradient cosines of step 0 against the
     same local gradients computed here without DDP (exact: to rounding; sketch: to
-    its documented error, k = 256)."""
-    out = run_workers(train_toy, 3, {"steps": 1, "monitor": {"cosine": cosine}})
+    its documented error, k = 256). A float64 model's exact copy must be a copy: its
+    bucket is all-reduced in place (without copy=True, every cosine read 1)."""
+    out = run_workers(train_toy, 3, {"steps": 1, "monitor": {"cosine": cosine}, "dtype": dtype})
     losses, grads = [], []
     for rank in range(3):
-        model = toy_model()
-        x, y = batch(rank, 0)
+        model = toy_model().to(dtype)
+        x, y = (t.to(dtype) for t in batch(rank, 0))
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         losses.append(float(loss.detach()))
