@@ -76,6 +76,16 @@ def _flip_exponent(t: torch.Tensor, index: int) -> None:
         t.view(-1).view(torch.int32)[index] ^= 1 << 30
 
 
+def _corrected(synced, stepped, pre) -> list[tuple[str, torch.Tensor]]:
+    """What an overlapped sync with a step in its window leaves: the synced state plus
+    the step's progress (the buffers, synced at start, as the step left them)."""
+    out = []
+    for (n, s), (_, w), (_, p) in zip(synced, stepped, pre, strict=True):
+        prog = w - p
+        out.append((n, w if n.startswith("buffer/") else torch.where(prog == 0, s, s + prog)))
+    return out
+
+
 def _assert_same(a, b) -> None:
     assert [n for n, _ in a] == [n for n, _ in b]
     for (n, x), (_, y) in zip(a, b):
@@ -229,6 +239,42 @@ def _w_three(rank: int, ws: int) -> dict:
     out["mean_pre"] = _snap(model, opt)
     rep = ReplicaSync(model, opt, mode="mean").sync()
     out["mean"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+    # -- mean, float32: ranks 0 and 1 sum past float32's range where rank 2 holds a NaN;
+    # the smallest subnormal they all hold must stay itself
+    lin = nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[3e38 + 2e37 * rank, 2.0**-149, 2.0 + rank]]))
+        if rank == 2:
+            lin.weight[0, 0] = math.nan
+    out["mean_overflow"] = ReplicaSync(lin, None, mode="mean").sync(), lin.weight.detach().clone()
+
+    # -- a fused optimizer steps in the window without moving a version counter: its
+    # step hook still has finish() apply the correction
+    model = _model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    _train(model, opt, "mlp", steps=1, seed=60 + rank)
+    pre = _snap(model, opt)
+    sync = ReplicaSync(model, opt)
+    sync.sync()
+    synced = _snap(model, opt)
+    _restore(model, opt, pre)
+    sync.start()
+    _train(model, opt, "mlp", steps=1, seed=30)
+    stepped = _snap(model, opt)
+    out["fused"] = {"report": sync.finish(), "state": _snap(model, opt), "expected": _corrected(synced, stepped, pre)}
+
+    # -- overlapped, rank 2 holds a NaN and steps in the window (its loss, gradient and
+    # update go NaN): its progress is garbage, it takes the majority's state as it is
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    sync = ReplicaSync(model, opt)
+    out["garbage_pre"] = _snap(model, opt)
+    if rank == 2:
+        with torch.no_grad():
+            model[0].weight[1, 1] = math.nan
+    sync.start()
+    _train(model, opt, "mlp", steps=1, seed=30)
+    out["garbage"] = {"report": sync.finish(), "state": _snap(model, opt)}
 
     # -- overlapped start/finish == blocking sync (bitwise), for median and mean
     for mode in ("robust", "mean"):
@@ -263,14 +309,10 @@ def _w_three(rank: int, ws: int) -> dict:
         _train(model, opt, "bn", steps=1, seed=30)  # like DDP: the same gradient data
         stepped = _snap(model, opt)
         rep = sync.finish()
-        expected = []
-        for (n, s), (_, w), (_, p) in zip(synced, stepped, pre):
-            prog = w - p
-            expected.append((n, w if n.startswith("buffer/") else torch.where(prog == 0, s, s + prog)))
         out[f"overlap_step_{mode}"] = {
             "report": rep,
             "state": _snap(model, opt),
-            "expected": expected,
+            "expected": _corrected(synced, stepped, pre),
             "synced": synced,
             "stepped": stepped,
         }
@@ -325,6 +367,26 @@ def test_three_ranks_repair_noop_nan_and_overlap():
             assert torch.isfinite(got).all(), n
         else:
             assert torch.equal(got, a), n  # integers copied from the lowest finite rank
+
+    # the sum of the finite pair overflows: each share scaled first, rank 2's NaN left out;
+    # the subnormal exact (halved first it would round to 0), 2.5 exact
+    a, b = torch.tensor([3e38, 3e38 + 2e37])
+    for r in res:
+        report, w = r["mean_overflow"]
+        assert torch.equal(w, torch.stack([a * 0.5 + b * 0.5, torch.tensor(2.0**-149), torch.tensor(2.5)]).view(1, 3))
+        assert report.mode == "mean" and report.source_ranks == [0, 1]
+        # control 24, finite flags 16, the sum 12, the scaled sum 12, the divergence 8
+        assert (report.bytes_sent, report.collectives) == (72, 5)
+
+    for r in res:  # the fused step moved no version counter, yet its progress is kept
+        assert r["fused"]["report"].mode == "median" and r["fused"]["report"].delta_tensors > 0
+        _assert_same(r["fused"]["state"], r["fused"]["expected"])
+    # the NaN rank: the majority's state as it is, without its NaN progress; the majority
+    # keeps the step's progress
+    _assert_same(res[2]["garbage"]["state"], res[0]["garbage_pre"])
+    assert res[2]["garbage"]["report"].mode == "majority-copy" and res[2]["garbage"]["report"].delta_tensors == 0
+    assert not torch.equal(dict(res[0]["garbage"]["state"])["param/0.weight"],
+                           dict(res[0]["garbage_pre"])["param/0.weight"])
 
     for mode, expected_mode in (("robust", "median"), ("mean", "mean")):
         o = [r[f"overlap_{mode}"] for r in res]
@@ -738,6 +800,7 @@ def _w_two_edges(rank: int, ws: int) -> dict:
     sync.start()
     if rank == 1:
         model.flag[0] = True  # where the sync carries rank 0's True: synced + (live - snapshot) = 2
+    model.flag[1] = True  # set on both in the window, where the sync carries False: the live True
     sync.finish()
     out["flag_bytes"] = model.flag.view(torch.uint8).tolist()
     return out
@@ -758,7 +821,7 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     assert [r["noop_mode"] for r in res] == [("noop", False), ("noop", False)]
     _assert_replicas_identical([r["after_noop"] for r in res])
     assert res[0]["after_noop"]["report"].mode == "median-with-reference"
-    assert res[0]["flag_bytes"] == [1, 0] and res[1]["flag_bytes"] == [1, 0]  # never 2
+    assert res[0]["flag_bytes"] == [1, 1] and res[1]["flag_bytes"] == [1, 1]  # never 2
     _assert_replicas_identical([r["bn"] for r in res])
     for r in res:
         rep = r["bn"]["report"]
@@ -874,10 +937,11 @@ def test_overlapped_correction_of_aliased_tensors_equals_blocking(case: str) -> 
 
 def _nan_in_the_window(rank: int, ws: int, mode: str) -> torch.Tensor:
     torch.manual_seed(0)
-    m = nn.Linear(2, 1, bias=False)
-    if rank == ws - 1:
-        with torch.no_grad():
+    m = nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        if rank == ws - 1:
             m.weight.add_(1.0)  # the minority replica: it receives, the others hold the result
+        m.weight[0, 2] = -0.0  # agreed, and untouched in the window: its bits, sign included
     sync = ReplicaSync(m, None, mode=mode)
     sync.start()
     with torch.no_grad():
@@ -891,9 +955,12 @@ def test_a_nan_the_window_made_stays_on_every_rank(ws: int, mode: str) -> None:
     # The ranks holding the result keep their live NaN; the receivers fell back to the
     # synced value where their correction was NaN: the ranks ended disagreeing (in mean
     # mode, where every rank receives, the NaN vanished silently).
+    # An untouched -0.0 must keep its sign (synced + (w - snapshot) is +0.0 there):
+    # the replicas' fingerprints would differ and the next sync repair again.
     out = run_workers(_nan_in_the_window, ws, mode)
     for w in out:
-        assert math.isnan(w[0, 0]) and w[0, 1] == out[0][0, 1], (mode, out)
+        assert math.isnan(w[0, 0]) and torch.equal(w[0, 1:].view(torch.int32), out[0][0, 1:].view(torch.int32))
+        assert math.copysign(1.0, w[0, 2]) == -1.0, (mode, out)
 
 
 def _huge_float64_scalar(rank: int, ws: int) -> dict[str, float]:
