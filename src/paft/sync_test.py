@@ -464,6 +464,16 @@ def _w_buffers_apart(rank: int, ws: int) -> dict:
             model[2].bias[0] += 1.0  # all three differ: no majority, a median
     rep = ReplicaSync(model, opt).sync()
     out["outvoted"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+    # -- every rank holds a NaN, ranks 0 and 2 at one coordinate, rank 1 at another: no
+    # finite replica; where the median is NaN, the coordinate's finite values decide
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    _train(model, opt, "mlp", steps=1, seed=0)
+    out["all_nan_pre"] = _snap(model, opt)
+    with torch.no_grad():
+        model[0].weight[0, 1 if rank == 1 else 0] = math.nan
+    rep = ReplicaSync(model, opt).sync()
+    out["all_nan"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
     return out
 
 
@@ -490,6 +500,12 @@ def test_buffers_sync_apart_from_parameters_and_optimizer_state():
     assert rep.mode == "median" and rep.note == "non-finite ranks [1] outvoted where non-finite"
     for (n, got), (_, sound) in zip(res[0]["outvoted"]["state"], res[0]["sound"]):
         assert torch.equal(got, sound), n
+    # No replica finite: each NaN is outvoted by the one finite value of its coordinate.
+    _assert_replicas_identical([r["all_nan"] for r in res])
+    rep = res[0]["all_nan"]["report"]
+    assert rep.mode == "median" and rep.note == ("majority is non-finite; every rank holds NaN/Inf; "
+                                                 "where the median is non-finite, the finite values' median")
+    _assert_same(res[0]["all_nan"]["state"], res[0]["all_nan_pre"])
 
 
 def _w_nested(rank: int, ws: int) -> dict:
@@ -1084,6 +1100,7 @@ def test_a_mask_every_replica_holds_is_state_not_corruption(ws: int):
         assert math.isfinite(report.divergence)  # PAFT-Dyn was pinned at --h-min by an inf here
     report = res[0]["extra_nan"]["report"]
     assert report.mode == "mean" and report.note == "buffers: mean (non-finite ranks [1] excluded)"
+    assert math.isinf(report.divergence)  # a NaN of one rank's own in its buffers: infinitely far
     _assert_replicas_identical([r["extra_nan"] for r in res])
     assert torch.equal(dict(res[1]["extra_nan"]["state"])["buffer/mask"], mask)
     for r in res:
