@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.divergence import measure_divergence
 from paft.fingerprint import fingerprint
-from paft.state import state_tensors
+from paft.state import state_fingerprint, state_tensors
 from paft.sync import ReplicaSync, SyncReport
 from paft.testing import NestedStateSGD, run_workers
 
@@ -670,6 +670,27 @@ def _w_two(rank: int, ws: int) -> dict:
     sync = ReplicaSync(model, opt)
     _train(model, opt, "mlp", steps=1, seed=2)
     out["disagree"] = {"report": sync.sync(), "state": _snap(model, opt), "fp": _fp(model, opt)}
+    _train(model, opt, "mlp", steps=1, seed=rank)  # apart again: since that sync the references agree
+    out["agree_again"] = {"report": sync.sync(), "state": _snap(model, opt), "fp": _fp(model, opt)}
+
+    # A state check that the parameters and optimizer state agree keeps them as the
+    # reference, never the buffers, which under DDP differ between ranks between syncs:
+    # built while all agree, the buffers' reference stays the one both ranks hold ...
+    model = _model("bn")
+    opt = _optim("sgd", model.parameters())
+    sync = ReplicaSync(model, opt)
+    model(_batch("bn", torch.Generator().manual_seed(60 + rank)))  # each rank its own statistics
+    sync.set_reference(state_fingerprint(model, opt, buffers=False))
+    model(_batch("bn", torch.Generator().manual_seed(70 + rank)))
+    out["checked"] = {"report": sync.sync(), "state": _snap(model, opt), "fp": _fp(model, opt)}
+    # ... and built while the buffers differed, the references still disagree after it
+    model = _model("bn")
+    opt = _optim("sgd", model.parameters())
+    model(_batch("bn", torch.Generator().manual_seed(60 + rank)))
+    sync = ReplicaSync(model, opt)
+    sync.set_reference(state_fingerprint(model, opt, buffers=False))
+    model(_batch("bn", torch.Generator().manual_seed(70 + rank)))
+    out["checked_apart"] = {"report": sync.sync(), "state": _snap(model, opt), "fp": _fp(model, opt)}
 
     # mean with Inf on rank 1: the finite replica's values
     model = _model("mlp")
@@ -713,6 +734,13 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
         assert r["tags"][1] == res[0]["tags"][1] == r["tags"][2]
     _assert_replicas_identical([r["disagree"] for r in res])
     assert res[0]["disagree"]["report"].note == "references disagree; used a zero reference"
+    _assert_replicas_identical([r["agree_again"] for r in res])
+    assert res[0]["agree_again"]["report"].mode == "median-with-reference"
+    assert res[0]["agree_again"]["report"].note == ""  # the sync's tag: the same on both ranks
+    for case in ("checked", "checked_apart"):  # a buffer reference of each rank's own would split them
+        _assert_replicas_identical([r[case] for r in res])
+    assert res[0]["checked"]["report"].note == "buffers only"
+    assert res[0]["checked_apart"]["report"].note == "buffers only; references disagree; used a zero reference"
 
     _assert_replicas_identical([r["mean"] for r in res])
     _assert_same(res[1]["mean"]["state"], res[0]["mean_pre"])
@@ -800,9 +828,12 @@ def _w_two_edges(rank: int, ws: int) -> dict:
     opt = _optim("adam", model.parameters())
     _train(model, opt, "bn", steps=1, seed=0)  # the same on both ranks
     sync = ReplicaSync(model, opt)  # the reference: the state both agree on
+    ref = [b.clone() for b in model.buffers()]
+    sync.sync()  # a no-op keeps the reference anew, the buffers' beside the rest's
     model(_batch("bn", torch.Generator().manual_seed(10 + rank)))  # a forward updates the stats
+    before = [gather_buffers(model, r) for r in range(ws)]
     rep = sync.sync()
-    out["bn"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt),
+    out["bn"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt), "ref": ref, "before": before,
                  "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
                  "buffers": len(list(model.buffers()))}
 
@@ -845,6 +876,10 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
         # fingerprints + structure + tag, NaN/Inf count and places per buffer, the buffers (their
         # divergence is not measured: no max to exchange)
         assert rep.bytes_sent == 32 + 16 * r["bn"]["buffers"] + r["bn"]["buffer_bytes"] and rep.divergence == 0.0
+        # per coordinate the median of the two replicas and the buffers both last agreed on
+        got = [t for n, t in r["bn"]["state"] if n.startswith("buffer/")]
+        for g, ref, a, b in zip(got, r["bn"]["ref"], *r["bn"]["before"], strict=True):
+            assert torch.equal(g, torch.clamp(ref, torch.minimum(a, b), torch.maximum(a, b)))
 
 
 # ----------------------------------------------------------------------------
