@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -652,13 +653,17 @@ def _w_two(rank: int, ws: int) -> dict:
     # checkpoint: a fresh ReplicaSync loading the state dict agrees with the old one. It
     # is built on replicas moved apart, so only a restored reference makes it agree.
     sd = sync.state_dict()
+    assert sd["syncs"] == 2  # the repair and the no-op
     _train(model, opt, "bn", steps=1, seed=50 + rank)
     fresh = ReplicaSync(model, opt)
     fresh.load_state_dict(sd)
+    assert fresh.syncs == 2
     got = fresh.state_dict()["reference"]
     assert got.keys() == sd["reference"].keys()
     assert all(torch.equal(got[k], sd["reference"][k]) for k in got)
     out["tags"] = (sync._reference.tag, fresh._reference.tag)
+    with pytest.raises(ValueError, match="reference must map tensor names to tensors"):
+        fresh.load_state_dict({**sd, "reference": list(sd["reference"].values())})
     fresh.load_state_dict({**sd, "world_size": 3, "reference": {}})  # elastic restart: ignored
     assert all(torch.equal(fresh.state_dict()["reference"][k], got[k]) for k in got)  # kept
     out["tags"] += (fresh._reference.tag,)
@@ -1101,11 +1106,17 @@ def _w_mask(rank: int, ws: int) -> dict:
     out["div_bn_nan"] = measure_divergence(model)
     sync = ReplicaSync(model, None)
     sync.start()
-    try:
-        sync.state_dict()
-    except RuntimeError as e:
-        out["state_dict_in_flight"] = str(e)
+    out["in_flight"] = []
+    for call in (sync.state_dict, sync.sync, sync.start, functools.partial(sync.set_reference, 0)):
+        try:
+            call()
+        except RuntimeError as e:
+            out["in_flight"].append(str(e))
     sync.finish()
+    try:
+        sync.finish()
+    except RuntimeError as e:
+        out["in_flight"].append(str(e))
     # a ReplicaSync dropped takes its optimizer hook with it
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sync = ReplicaSync(model, opt)
@@ -1151,7 +1162,10 @@ def test_a_mask_every_replica_holds_is_state_not_corruption(ws: int):
         else:
             assert report.mode == "median-with-reference"
             assert report.note == "buffers only; non-finite ranks [0] outvoted where non-finite"
-        assert "in flight" in r["state_dict_in_flight"]
+        # while a sync is in flight every call that would read or move the state is refused
+        names = ["state_dict", "sync", "start", "set_reference"]
+        assert [m.split("(")[0] for m in r["in_flight"]] == [f"ReplicaSync.{n}" for n in [*names, "finish"]]
+        assert all("in flight" in m for m in r["in_flight"])
         assert r["hooks"] == [1, 0]
 
 
