@@ -1233,6 +1233,18 @@ def _w_ddp_subgroups(rank: int, ws: int) -> dict:
         ddp(torch.randn(4, 2, 4, 4)).sum().backward()
         opt.step()
         out[case] = {"source": sync._buffer_src, "report": sync.sync(), "fp": _fp(ddp, opt)}
+    # a sync over ranks 1-3 only: its one-rank repair goes point to point between the
+    # global ranks of group ranks 0 and 2
+    trio = torch.distributed.new_group([1, 2, 3])
+    if rank > 0:
+        model = _model("mlp")
+        opt = _optim("sgd", model.parameters())
+        _train(model, opt, "mlp", steps=1, seed=0)
+        out["trio_clean"] = _snap(model, opt)
+        if rank == 3:
+            _flip_exponent(model[0].weight, 2)
+        out["trio"] = {"report": ReplicaSync(model, opt, group=trio).sync(), "state": _snap(model, opt),
+                       "fp": _fp(model, opt)}
     return out
 
 
@@ -1242,7 +1254,7 @@ def test_ddp_buffer_source_is_used_only_where_every_rank_of_the_sync_names_it():
     parameters, which differ between the halves). DDP over the world with a sync per
     half: the half holding rank 0 copies it, the other has no source of its own and
     takes a two-rank sync's median with its reference."""
-    res = run_workers(_w_ddp_subgroups, 4)
+    res = run_workers(_w_ddp_subgroups, 4, timeout=120)  # a send to the wrong rank hangs
     assert [r["ddp_halves"]["source"] for r in res] == [None] * 4
     assert len({r["ddp_halves"]["fp"] for r in res}) == 1
     assert all(r["ddp_halves"]["report"].note == "buffers: median" for r in res), res[0]
@@ -1251,3 +1263,11 @@ def test_ddp_buffer_source_is_used_only_where_every_rank_of_the_sync_names_it():
     assert res[2]["sync_halves"]["report"].mode == "median-with-reference"
     for pair in ((0, 1), (2, 3)):
         assert len({res[r]["sync_halves"]["fp"] for r in pair}) == 1
+    _assert_replicas_identical([r["trio"] for r in res[1:]])
+    _assert_same(res[3]["trio"]["state"], res[3]["trio_clean"])
+    state_bytes = sum(t.numel() * t.element_size() for _, t in res[1]["trio_clean"])
+    for r in res[1:]:
+        rep = r["trio"]["report"]
+        assert rep.mode == "majority-copy" and rep.groups == [[0, 1], [2]] and rep.source_ranks == [0]
+    sent = [r["trio"]["report"].bytes_sent - 24 - 16 * len(res[1]["trio_clean"]) - 8 for r in res[1:]]
+    assert sent == [state_bytes, 0, 0]  # the source alone sends, to the one rank it repairs
