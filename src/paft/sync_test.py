@@ -993,15 +993,18 @@ def test_overlapped_correction_of_aliased_tensors_equals_blocking(case: str) -> 
 
 def _nan_in_the_window(rank: int, ws: int, mode: str) -> torch.Tensor:
     torch.manual_seed(0)
-    m = nn.Linear(3, 1, bias=False)
+    m = nn.Linear(4, 1, bias=False)
     with torch.no_grad():
         if rank == ws - 1:
             m.weight.add_(1.0)  # the minority replica: it receives, the others hold the result
         m.weight[0, 2] = -0.0  # agreed, and untouched in the window: its bits, sign included
+        m.weight[0, 3] = -3e38 if rank == ws - 1 else 3e38
     sync = ReplicaSync(m, None, mode=mode)
     sync.start()
     with torch.no_grad():
         m.weight[0, 0] = float("nan")  # the step in the window goes NaN, on every rank
+        if rank == ws - 1 and mode != "mean":  # (mean: every rank receives 0 there, and moves it apart)
+            m.weight[0, 3] += 3e38  # the receiver's own step to 0: synced 3e38 + (0 - -3e38) overflows
     sync.finish()
     return m.weight.detach().clone()
 
@@ -1012,11 +1015,12 @@ def test_a_nan_the_window_made_stays_on_every_rank(ws: int, mode: str) -> None:
     # synced value where their correction was NaN: the ranks ended disagreeing (in mean
     # mode, where every rank receives, the NaN vanished silently).
     # An untouched -0.0 must keep its sign (synced + (w - snapshot) is +0.0 there):
-    # the replicas' fingerprints would differ and the next sync repair again.
+    # the replicas' fingerprints would differ and the next sync repair again. A
+    # correction that overflows takes the synced value, never inf.
     out = run_workers(_nan_in_the_window, ws, mode)
     for w in out:
         assert math.isnan(w[0, 0]) and torch.equal(w[0, 1:].view(torch.int32), out[0][0, 1:].view(torch.int32))
-        assert math.copysign(1.0, w[0, 2]) == -1.0, (mode, out)
+        assert math.copysign(1.0, w[0, 2]) == -1.0 and math.isfinite(w[0, 3]), (mode, out)
 
 
 def _huge_float64_scalar(rank: int, ws: int) -> dict[str, float]:
