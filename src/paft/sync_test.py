@@ -765,7 +765,12 @@ def _w_two_nan_alike(rank: int, ws: int) -> dict:
         m.weight[0, 1] = math.nan if rank == 0 else 1.0  # rank 0 only: NaN here
         m.weight[0, 2] = 0.5 + rank
     rep = sync.sync()
-    return {"mode": rep.mode, "bits": m.weight.detach().view(torch.int32).clone(), "ref": sync._reference.tag}
+    out = {"mode": rep.mode, "bits": m.weight.detach().view(torch.int32).clone(), "ref": sync._reference.tag}
+    # the weight resized alike on both ranks (a vocabulary grown): the reference holds
+    # nothing of its new shape, so 0 stands in for it and the smaller value wins
+    m.weight = nn.Parameter(torch.full((1, 4), 0.25 + 0.5 * rank))
+    out["resized"] = sync.sync().mode, m.weight.tolist()
+    return out
 
 
 def test_two_ranks_nan_on_both_replicas_stays_nan() -> None:
@@ -776,6 +781,7 @@ def test_two_ranks_nan_on_both_replicas_stays_nan() -> None:
     assert torch.equal(res[0]["bits"], res[1]["bits"]) and res[0]["ref"] == res[1]["ref"]  # bitwise
     w = res[0]["bits"].view(torch.float32)[0]
     assert math.isnan(w[0]) and w[1:].tolist() == [1.0, 0.5]  # NaN stays NaN; max(ref, 1.0); the lesser move
+    assert [r["resized"] for r in res] == [("median-with-reference", [[0.25] * 4])] * 2
 
 
 class _Flagged(nn.Module):
