@@ -948,8 +948,41 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         except ValueError:
             protect(m, o, protect=ProtectConfig(mode="sync", sync_mode="broadcast", broadcast_src=1))
 
+    def changed_since(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
+        monitor = MonitorConfig()
+        monitor.interval = -1  # after construction: its own check never saw it
+        protect(m, o, monitor=monitor)
+
+    def zeroed_in_place(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
+        protector = protect(m, o, monitor=MonitorConfig(enabled=False))
+        for _ in range(2):  # the same gradient tensors, written into: a backward all the same
+            def closure() -> torch.Tensor:
+                o.zero_grad(set_to_none=False)
+                loss = nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                return loss
+            protector.step(closure)
+
+    def vector_loss(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
+        def closure() -> torch.Tensor:
+            losses = (m(x) - y).square()
+            losses.mean().backward()
+            return losses
+        protect(m, o).step(closure)
+
+    class Renamed(torch.optim.Adam):  # Adam's hyperparameters, another type
+        pass
+
+    def scaled_frozen(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
+        module = nn.Sequential(nn.Linear(2, 2).requires_grad_(False), nn.Linear(2, 1))
+        model = DistributedDataParallel(module)
+        trained = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        protect(model, trained, scaler=torch.amp.GradScaler("cpu"))
+
     cases: dict[str, Any] = {
         "bits beyond the dtype": lambda m, o: protect(m, o, inject=["bitflip:steps=1,bits=40"]),
+        "local-grad bits beyond one dtype": lambda m, o: protect(
+            *mixed(), inject=["bitflip:site=local-grad,steps=1,bits=40"]),
         # At rest a fault picks the tensors it can corrupt (the float64 ones here); a
         # gradient bucket may be a float32 one.
         "bits beyond one dtype, at rest": lambda m, o: protect(
@@ -966,6 +999,26 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "lbfgs": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters())),
         "zero": lambda m, o: protect(m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam)),
         "grad_clip nan": lambda m, o: protect(m, o, grad_clip=float("nan")),
+        "grad_clip inf": lambda m, o: protect(m, o, grad_clip=math.inf),
+        "grad_clip negative": lambda m, o: protect(m, o, grad_clip=-1.0),
+        "grad_clip True": lambda m, o: protect(m, o, grad_clip=True),
+        "broadcast rank, dyn": lambda m, o: protect(m, o, protect=ProtectConfig(
+            mode="dyn", sync_mode="broadcast", broadcast_src=2)),
+        "config changed since": changed_since,
+        "closure returns a vector": vector_loss,
+        "no backward, unmonitored": lambda m, o: protect(m, o, monitor=MonitorConfig(enabled=False)).step(
+            forward_only(m)),
+        "zeroed in place, unmonitored": zeroed_in_place,
+        "sparse gradients, unmonitored": lambda m, o: protect(
+            *wrapped(nn.Sequential(nn.Embedding(10, 4, sparse=True))), monitor=MonitorConfig(enabled=False)),
+        "scaler, a frozen parameter left out": scaled_frozen,
+        "monitor per rank": lambda m, o: protect(m, o, monitor=MonitorConfig(interval=1 + rank)),
+        "guard per rank": lambda m, o: protect(m, o, guard=GuardConfig(enabled=True, window=5 + rank)),
+        "grad_clip per rank": lambda m, o: protect(m, o, grad_clip=float(rank)),
+        "seed per rank": lambda m, o: protect(m, o, seed=rank),
+        "inject per rank": lambda m, o: protect(m, o, inject=[f"bitflip:steps={1 + rank}"]),
+        "optimizer type per rank": lambda m, o: protect(m, (torch.optim.Adam, Renamed)[rank](m.parameters(), lr=1e-2)),
+        "loss scaler per rank": lambda m, o: protect(m, o, scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** rank)),
         "inject string": lambda m, o: protect(m, o, inject="bitflip:steps=1"),
         "malformed spec": lambda m, o: protect(m, o, inject=["bitflip:rate=2"]),
         "config dict": lambda m, o: protect(m, o, protect={"mode": "dyn"}),
@@ -1067,6 +1120,8 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
     expect = {
         "bits beyond the dtype": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': ",
         "bits beyond one dtype, at rest": "",
+        "local-grad bits beyond one dtype": "ValueError: protect(): inject 'bitflip:site=local-grad,steps=1,bits=40': "
+                                            "field 'bits' must be < 32 for float32",
         "bits beyond one dtype, in a bucket": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': field 'bits' "
                                               "must be < 32 for float32",
         "random beyond float16": "ValueError: protect(): inject 'random:steps=1,value=1000000': field 'value' "
@@ -1079,6 +1134,26 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "lbfgs": "TypeError: protect(): LBFGS.step() needs a closure",
         "zero": "TypeError: protect(): ZeroRedundancyOptimizer is not supported",
         "grad_clip nan": "ValueError: protect(): grad_clip must be a finite number >= 0",
+        "grad_clip inf": "ValueError: protect(): grad_clip must be a finite number >= 0 (0: no clipping), got inf",
+        "grad_clip negative": "ValueError: protect(): grad_clip must be a finite number >= 0 (0: no clipping), "
+                              "got -1.0",
+        "grad_clip True": "ValueError: protect(): grad_clip must be a finite number >= 0 (0: no clipping), got True",
+        "broadcast rank, dyn": "ValueError: protect(): ProtectConfig.broadcast_src must be a rank in [0, 2), got 2",
+        "config changed since": "ValueError: MonitorConfig.interval (--monitor-interval): must be >= 0, got -1",
+        "closure returns a vector": "TypeError: the closure must return the loss as a one-element tensor, got a "
+                                    "tensor of shape (8, 1)",
+        "no backward, unmonitored": "RuntimeError: the closure ran no backward(): no parameter's gradient was "
+                                    "created or changed",
+        "zeroed in place, unmonitored": "",
+        "sparse gradients, unmonitored": "",  # DDP's own reducer takes sparse gradients
+        "scaler, a frozen parameter left out": "",
+        "monitor per rank": "ValueError: protect(): ranks disagree on the monitor config;",
+        "guard per rank": "ValueError: protect(): ranks disagree on the guard config;",
+        "grad_clip per rank": "ValueError: protect(): ranks disagree on grad_clip;",
+        "seed per rank": "ValueError: protect(): ranks disagree on seed;",
+        "inject per rank": "ValueError: protect(): ranks disagree on inject;",
+        "optimizer type per rank": "ValueError: protect(): ranks disagree on the optimizer's type;",
+        "loss scaler per rank": "ValueError: protect(): ranks disagree on the loss scaler;",
         "inject string": "TypeError: protect(): inject= must be a list of fault specs",
         "malformed spec": "FaultSpecError: protect(): inject 'bitflip:rate=2': field 'rate' must be in [0, 1]",
         "config dict": "TypeError: protect(): protect= must be a ProtectConfig, got dict",
