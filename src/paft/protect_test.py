@@ -1201,6 +1201,36 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
     assert "pass find_unused_parameters=True" in out[0]["unused parameters"]
 
 
+def _w_unmonitored_hook_and_faults(rank: int, world_size: int) -> dict[str, int]:
+    x, y = batch(rank, 0)
+
+    def step(protector: Any, model: DistributedDataParallel) -> None:
+        protector.step(lambda: nn.functional.mse_loss(model(x), y).backward() or torch.zeros(()))
+
+    calls = {"n": 0}
+
+    def counting(state: dict[str, int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        state["n"] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    hooked = DistributedDataParallel(toy_model())
+    step(protect(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), monitor=MonitorConfig(enabled=False),
+                 comm_hook=counting, comm_state=calls), hooked)
+    faulty = DistributedDataParallel(toy_model())
+    protector = protect(faulty, torch.optim.SGD(faulty.parameters(), lr=0.1), monitor=MonitorConfig(enabled=False),
+                        inject=["scale:rate=1,ranks=1"])
+    step(protector, faulty)
+    return {"hook calls": calls["n"], "faults": protector.counters["faults_injected"]}
+
+
+def test_an_unmonitored_protector_still_calls_the_users_hook_and_injects() -> None:
+    # Unmonitored, paft's comm hook is left out only when it has nothing to do: a hook of
+    # the user's or a fault spec still needs it.
+    out = run_workers(_w_unmonitored_hook_and_faults, 2)
+    assert out[0]["hook calls"] >= 1 and out[1]["hook calls"] >= 1
+    assert (out[0]["faults"], out[1]["faults"]) == (0, 1)
+
+
 def _w_subgroup_with_a_stateful_hook(rank: int, world_size: int) -> dict[str, Any]:
     group = dist.new_group([1, 2])  # every rank creates it; rank 0 is outside
     if rank == 0:
