@@ -1231,6 +1231,78 @@ def test_an_unmonitored_protector_still_calls_the_users_hook_and_injects() -> No
     assert (out[0]["faults"], out[1]["faults"]) == (0, 1)
 
 
+def _equal(a: Any, b: Any) -> bool:
+    """Nested states (tensors among them) equal, bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _w_checkpoint_rules(rank: int, world_size: int) -> dict[str, Any]:
+    """state_dict / load_state_dict around an overlapped sync, and refused states."""
+    model = DistributedDataParallel(toy_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    protector = protect(model, optimizer, protect=ProtectConfig(mode="sync", sync_period=2),
+                        guard=GuardConfig(enabled=True))
+    x, y = batch(rank, 0)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(3):  # the sync due after step 2 is left in flight
+        protector.step(closure)
+    out: dict[str, Any] = {}
+    for name, call in (("save", protector.state_dict), ("load", lambda: protector.load_state_dict({}))):
+        try:
+            call()
+            out[f"{name} in flight"] = ""
+        except RuntimeError as err:
+            out[f"{name} in flight"] = str(err)
+    protector.close()
+    saved = protector.state_dict()
+    changed = {**saved, "step": 5, "counters": {key: value + 1 for key, value in saved["counters"].items()},
+               "alerting": {"loss_cv": True}, "check_state": True}
+    protector.load_state_dict(changed)
+    out["restored"] = _equal(protector.state_dict(), changed)
+    refused = {
+        "step True": {**saved, "step": True},
+        "step negative": {**saved, "step": -1},
+        # refused midway through the restore, after the step and the sync counts were set
+        "alerts not a number": {**changed, "step": 9, "counters": {**changed["counters"], "alerts": "many"}},
+    }
+    for name, state in refused.items():
+        try:
+            protector.load_state_dict(state)
+            out[name] = ""
+        except ValueError as err:
+            out[name] = str(err)
+    out["kept"] = _equal(protector.state_dict(), changed)
+    protector.step(closure)  # checks the state, as the loaded state asks, once
+    protector.close()
+    out["check_state after a step"] = protector.state_dict()["check_state"]
+    return out
+
+
+def test_checkpoints_wait_for_close_and_a_refused_state_changes_nothing() -> None:
+    out = run_workers(_w_checkpoint_rules, 2)
+    assert out[0] == out[1]
+    assert out[0]["save in flight"].startswith("Protector.state_dict(): an overlapped sync is in flight; call close()")
+    assert out[0]["load in flight"].startswith("Protector.load_state_dict(): an overlapped sync is in flight")
+    assert out[0]["restored"]
+    assert out[0]["step True"] == "Protector.load_state_dict(): step must be an int >= 0, got True"
+    assert out[0]["step negative"] == "Protector.load_state_dict(): step must be an int >= 0, got -1"
+    assert out[0]["alerts not a number"].startswith("invalid literal for int()")
+    assert out[0]["kept"]  # all or nothing: the state loaded before the refused one
+    assert out[0]["check_state after a step"] is False
+
+
 def _w_subgroup_with_a_stateful_hook(rank: int, world_size: int) -> dict[str, Any]:
     group = dist.new_group([1, 2])  # every rank creates it; rank 0 is outside
     if rank == 0:
