@@ -35,7 +35,7 @@ def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: st
         protector = protect(ddp, optimizer, scaler=scaler, guard=GuardConfig(enabled=mode == "guard", warmup=2),
                             monitor=MonitorConfig(enabled=mode != "unmonitored"), inject=inject,
                             recorder=RunRecorder(run_dir, rank, quiet=True) if run_dir else None)
-    scales, applied = [], []
+    scales, applied, grads_left = [], [], []
     for step in range(16):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
         if (rank, step) == (1, nan_at):
@@ -53,9 +53,11 @@ def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: st
             scaler.update()
         else:
             applied.append(protector.step(closure).applied)
+            if not applied[-1]:
+                grads_left.append(any(p.grad is not None for p in model.parameters()))
         scales.append(scaler.get_scale())
     return {"params": [p.detach().clone() for p in model.parameters()], "scales": scales, "applied": applied,
-            "counters": protector.counters if protector is not None else {}}
+            "counters": protector.counters if protector is not None else {}, "grads_left": grads_left}
 
 
 def _same_params(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -160,9 +162,38 @@ def test_one_ranks_non_finite_gradient_skips_the_step_on_every_rank(mode: str) -
     out = run_workers(_train, 2, mode, ["inf:steps=9,ranks=1"])
     clean = run_workers(_train, 2, mode, [])
     assert out[0]["scales"] == out[1]["scales"] and out[0]["scales"][9] == clean[0]["scales"][8] / 2
-    if mode == "monitor":
-        assert out[0]["applied"][9] is out[1]["applied"][9] is False and clean[0]["applied"][9]
+    assert out[0]["applied"][9] is out[1]["applied"][9] is False and clean[0]["applied"][9]
+    # a skipped step leaves no gradient behind, non-finite or not, monitored or not
+    assert out[0]["grads_left"] == out[1]["grads_left"] == [False] * out[0]["applied"].count(False)
     assert _same_params(out[0], out[1])
+
+
+def _metrics(rank: int, world_size: int, init_scale: float | None) -> list[str]:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2) if init_scale else None
+    protector = protect(ddp, optimizer, scaler=scaler)
+    out = []
+    for step in range(6):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True) * 3)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            return loss
+
+        out.append(repr(protector.step(closure).metrics))
+    return out
+
+
+def test_the_metrics_under_a_loss_scaler_are_those_without_one() -> None:
+    # The hook captures the scaled gradients: their local norms are divided by the scale
+    # (a power of two, growing every 2 steps here: exact), so the metrics match bit for bit.
+    plain = run_workers(_metrics, 2, None)
+    assert "local_grad_norms" in plain[0][0]
+    assert run_workers(_metrics, 2, 2.0**10) == plain
 
 
 @pytest.mark.parametrize("fault", ["nan:site=params,steps=9,ranks=1", "scale:site=params,steps=5,ranks=1,factor=100"])
