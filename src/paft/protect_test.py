@@ -1303,6 +1303,41 @@ def test_checkpoints_wait_for_close_and_a_refused_state_changes_nothing() -> Non
     assert out[0]["check_state after a step"] is False
 
 
+def _w_averager_resumed(rank: int, world_size: int) -> bool:
+    """Rank 1's weights doubled at step 4 (the averager's period 3 averages them back at
+    step 6): resumed at step 4 from a checkpoint, is the run the uninterrupted one?"""
+    def run(steps: range, saved: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+        model = DistributedDataParallel(toy_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        protector = protect(model, optimizer, protect=ProtectConfig(mode="averager", sync_period=3),
+                            inject=["scale:site=params,steps=4,ranks=1,factor=2"])
+        if saved is not None:
+            model.module.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            protector.load_state_dict(saved[2])
+        for t in steps:
+            x, y = batch(rank, t)
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                optimizer.zero_grad(set_to_none=True)
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            protector.step(closure)
+        return copy.deepcopy((model.module.state_dict(), optimizer.state_dict(), protector.state_dict()))
+
+    full = run(range(7))[0]
+    resumed = run(range(4, 7), run(range(4)))[0]
+    return all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_an_averager_resumed_mid_period_averages_at_the_uninterrupted_runs_steps() -> None:
+    # PeriodicModelAverager counts its own calls: a resume must move its count to the
+    # step, or it averages at step 4 (healing the doubled weights two steps early).
+    assert run_workers(_w_averager_resumed, 2) == [True, True]
+
+
 def _w_subgroup_with_a_stateful_hook(rank: int, world_size: int) -> dict[str, Any]:
     group = dist.new_group([1, 2])  # every rank creates it; rank 0 is outside
     if rank == 0:
