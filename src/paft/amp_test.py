@@ -23,7 +23,7 @@ SCALER = {"init_scale": 2.0**127, "growth_interval": 3}
 
 
 def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: str = "",
-           nan_at: int = -1) -> dict[str, Any]:
+           nan_at: int = -1, grad_clip: float = 0.0) -> dict[str, Any]:
     """``nan_at``: a step whose batch holds a NaN on rank 1 (bad data, a non-finite loss)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -34,7 +34,7 @@ def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: st
     if mode != "plain":
         protector = protect(ddp, optimizer, scaler=scaler, guard=GuardConfig(enabled=mode == "guard", warmup=2),
                             monitor=MonitorConfig(enabled=mode != "unmonitored"), inject=inject,
-                            recorder=RunRecorder(run_dir, rank, quiet=True) if run_dir else None)
+                            recorder=RunRecorder(run_dir, rank, quiet=True) if run_dir else None, grad_clip=grad_clip)
     scales, applied, grads_left = [], [], []
     for step in range(16):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -49,6 +49,9 @@ def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: st
 
         if protector is None:
             closure()
+            if grad_clip:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             scaler.step(optimizer)
             scaler.update()
         else:
@@ -168,6 +171,16 @@ def test_one_ranks_non_finite_gradient_skips_the_step_on_every_rank(mode: str) -
     assert _same_params(out[0], out[1])
 
 
+@pytest.mark.parametrize("mode", ["monitor", "guard", "unmonitored"])
+def test_grad_clip_under_a_scaler_clips_the_unscaled_gradients_before_the_step(mode: str) -> None:
+    plain = run_workers(_train, 2, "plain", [], "", -1, 0.5)
+    assert not _same_params(plain[0], run_workers(_train, 2, "plain", [])[0])  # 0.5 clips
+    out = run_workers(_train, 2, mode, [], "", -1, 0.5)
+    assert out[0]["scales"] == plain[0]["scales"]
+    for a, b in zip(plain, out):
+        assert _same_params(a, b)
+
+
 def _metrics(rank: int, world_size: int, init_scale: float | None) -> list[str]:
     torch.manual_seed(0)
     ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
@@ -188,12 +201,14 @@ def _metrics(rank: int, world_size: int, init_scale: float | None) -> list[str]:
     return out
 
 
-def test_the_metrics_under_a_loss_scaler_are_those_without_one() -> None:
+@pytest.mark.parametrize("init_scale", [2.0**10, 2.0**-8])
+def test_the_metrics_under_a_loss_scaler_are_those_without_one(init_scale: float) -> None:
     # The hook captures the scaled gradients: their local norms are divided by the scale
-    # (a power of two, growing every 2 steps here: exact), so the metrics match bit for bit.
+    # (a power of two, growing every 2 steps here: exact; below 1 too), so the metrics
+    # match bit for bit.
     plain = run_workers(_metrics, 2, None)
     assert "local_grad_norms" in plain[0][0]
-    assert run_workers(_metrics, 2, 2.0**10) == plain
+    assert run_workers(_metrics, 2, init_scale) == plain
 
 
 @pytest.mark.parametrize("fault", ["nan:site=params,steps=9,ranks=1", "scale:site=params,steps=5,ranks=1,factor=100"])
