@@ -58,7 +58,8 @@ def test_fault_free_ddp_keeps_replicas_bitwise_identical(tmp_path: pathlib.Path)
     assert {"config.json", "summary.json", "metrics", "checkpoints", "consistency.jsonl"} <= files
     metrics = read_jsonl(tmp_path / "run" / "metrics" / "rank1.jsonl")
     assert [m["step"] for m in metrics] == list(range(12))
-    assert {"step", "local_loss", "loss", "grad_norm", "lr", "step_time"} <= set(metrics[0])
+    assert {"step", "local_loss", "loss", "grad_norm", "lr", "step_time", "applied", "attempts"} <= set(metrics[0])
+    assert all(m["applied"] is True and m["attempts"] == 1 for m in metrics)
     # Equal replicas split the evaluation (2 batches over 3 ranks: rank 2 evaluates none)
     # and each rank records what it would have got alone, to the bit.
     wl = build_workload("gpt", seed=0, model_args=dict(TINY_LM))
@@ -68,6 +69,24 @@ def test_fault_free_ddp_keeps_replicas_bitwise_identical(tmp_path: pathlib.Path)
     last = read_jsonl(tmp_path / "run" / "evals.jsonl")[-1]
     alone = wl.evaluate(wl.model, batch_size=64, max_batches=2)["val_loss"]
     assert (last["step"], last["val_loss_per_rank"], last["replica_rel_diff"]) == (12, [alone] * 3, 0.0)
+
+
+def test_summary_timings_leave_out_the_first_steps_of_every_leg(tmp_path: pathlib.Path) -> None:
+    # README (run directory): steps_per_s and cpu_ms_per_step over the timed steps of
+    # every leg, the first 3 of each leg untimed; with none timed, cpu_ms_per_step is null
+    # and steps_per_s is over every step; wall_s over every leg. A leg of 3 steps times
+    # none; resumed to 7, the second leg times only its 4th step (0-based step 6).
+    def times() -> list[float]:
+        return [m["step_time"] for m in read_jsonl(tmp_path / "r" / "metrics" / "rank0.jsonl")]
+
+    short = run(tiny_config(tmp_path / "r", steps=3, eval_every=3, checkpoint_every=3))[0]["summary"]
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["cpu_ms_per_step"] is None
+    assert short["wall_s"] == pytest.approx(sum(times()), rel=1e-12)
+    assert short["steps_per_s"] == pytest.approx(3 / short["wall_s"], rel=1e-12)
+    longer = run(tiny_config(tmp_path / "r", steps=7, eval_every=3, checkpoint_every=3, resume=True))[0]["summary"]
+    assert len(times()) == 7 and longer["wall_s"] == pytest.approx(sum(times()), rel=1e-12)
+    assert longer["steps_per_s"] == pytest.approx(1 / times()[6], rel=1e-12)
+    assert longer["cpu_ms_per_step"] > 0
 
 
 RESUME_CASES = {
