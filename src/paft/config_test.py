@@ -164,3 +164,19 @@ def test_checks_across_fields_take_what_they_do_not_concern() -> None:
     TrainConfig(workload="resnet", world_size=1, batch_size=8000)  # the whole training set in one batch
     TrainConfig(world_size=2, batch_size=2, protect=ProtectConfig(broadcast_src=5))  # no broadcast: no source
     TrainConfig(monitor=MonitorConfig(enabled=False))  # plain DDP, no guard
+
+
+def test_the_defaults_the_readme_names() -> None:
+    # README: --monitor-interval default 1, --fingerprint-every default 10; the guard's
+    # caps --max-reruns (2) and --max-reruns-total (100), --shift-after (5), --on-persistent
+    # repair (default); --sync-mode robust (default), --overlap the default. (The guard's
+    # window, warm-up and threshold: guard_test's worked example of docs/GUARD.md.)
+    from paft.options import parse_train_config
+
+    cfg = parse_train_config([])  # what paft train runs with, as the library's dataclasses
+    for monitor, guard, protect in ((cfg.monitor, cfg.guard, cfg.protect),
+                                    (MonitorConfig(), GuardConfig(), ProtectConfig())):
+        assert (monitor.enabled, monitor.interval, monitor.fingerprint_every) == (True, 1, 10)
+        assert (guard.max_reruns_per_step, guard.max_reruns_per_run, guard.shift_after) == (2, 100, 5)
+        assert guard.on_persistent == "repair"
+        assert (protect.sync_mode, protect.overlap) == ("robust", True)
