@@ -13,7 +13,7 @@ import torch
 from paft.config import MonitorConfig
 from paft.consistency import ControlVector, ControlView
 from paft.divergence import DivergenceReport
-from paft.monitor import SPLIT_TENSORS, Monitor
+from paft.monitor import Monitor
 from paft.records import RunRecorder
 
 
@@ -41,7 +41,7 @@ def events(run_dir: Path) -> list[dict]:
 def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repair(tmp_path: Path) -> None:
     calls = []
 
-    moved = [(f"param/w{i}", 0.7 - 0.1 * i, 2) for i in range(SPLIT_TENSORS + 2)]
+    moved = [(f"param/w{i}", 0.7 - 0.1 * i, 2) for i in range(7)]
 
     def divergence() -> DivergenceReport:
         calls.append(1)
@@ -62,9 +62,9 @@ def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repai
     assert monitor.alerts == 3
     (first, second) = [e for e in events(tmp_path) if e["detector"] == "state_split"]
     assert (first["step"], second["step"], first["ranks"]) == (0, 3, [2])
-    # Unmoved tensors left out, the farthest apart first, at most SPLIT_TENSORS of them.
+    # Unmoved tensors left out, the farthest apart first, the five that moved most (README).
     assert first["divergence"] == {"params_per_rank": [0.0, 0.0, 0.5], "state_per_rank": [0.0, 0.0, 0.7],
-                                   "tensors": [list(t) for t in moved[:SPLIT_TENSORS]]}
+                                   "tensors": [list(t) for t in moved[:5]]}
 
 
 def test_between_metric_steps_only_news_of_the_replicas_is_recorded(tmp_path: Path) -> None:
