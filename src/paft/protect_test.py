@@ -419,6 +419,46 @@ def test_bad_data_on_one_rank_is_data_while_another_ranks_gradient_was_hit() -> 
     assert all(same(o, d) for o, d in zip(out, data_only))  # as if only the bad batch had been skipped
 
 
+def control_sizes(rank: int, world_size: int) -> dict[str, list[int]]:
+    """Per monitor setting, the float64 count of each step's control vector."""
+    protect_module = sys.modules["paft.protect"]  # the module: paft.protect is the function
+    sizes: list[int] = []
+    launch = protect_module.start_control
+
+    def counting(vec: torch.Tensor, group: Any = None) -> Any:
+        sizes.append(vec.numel())
+        return launch(vec, group)
+
+    def four_steps(monitor: MonitorConfig) -> list[int]:
+        sizes.clear()
+        model = DistributedDataParallel(toy_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        protector = protect(model, optimizer, monitor=monitor)
+        for step in range(4):
+            x, y = batch(rank, step)
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                optimizer.zero_grad(set_to_none=True)
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            protector.step(closure)
+        protector.close()
+        return list(sizes)
+
+    protect_module.start_control = counting
+    return {"sketch": four_steps(MonitorConfig(interval=2, sketch_dim=16)),
+            "exact": four_steps(MonitorConfig(interval=2, cosine="exact"))}
+
+
+def test_the_control_vector_is_9_plus_k_float64_on_metric_steps_and_9_between() -> None:
+    # README: 2.1 KB per rank for k = 256, 72 bytes without a sketch (between metric
+    # steps, or with --cosine exact, whose gradients travel apart).
+    out = run_workers(control_sizes, 2)
+    assert out[0] == out[1] == {"sketch": [9 + 16, 9, 9 + 16, 9], "exact": [9] * 4}
+
+
 def half_model_run(rank: int, world_size: int) -> list[tuple[bool, int, float]]:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Linear(8, 8).half())
