@@ -11,6 +11,7 @@ import gc
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,19 @@ class SaidRecorder(RunRecorder):
     def say(self, message: str) -> None:
         if self.rank == 0:
             self.said.append(message)
+
+
+def toy_closure(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> Callable[[], torch.Tensor]:
+    """The closure of ``step`` on ``rank``'s toy batch: zero the gradients, forward, backward."""
+    x, y = batch(rank, step)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
 
 
 USER_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "divide": default_hooks.allreduce_hook}
@@ -435,15 +449,7 @@ def control_sizes(rank: int, world_size: int) -> dict[str, list[int]]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         protector = protect(model, optimizer, monitor=monitor)
         for step in range(4):
-            x, y = batch(rank, step)
-
-            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-                optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                return loss
-
-            protector.step(closure)
+            protector.step(toy_closure(model, optimizer, rank, step))
         protector.close()
         return list(sizes)
 
@@ -683,17 +689,8 @@ def stop_on_split_state(rank: int, world_size: int, mode: str, resume: bool) -> 
     model, optimizer, protector = build()
     out: dict[str, Any] = {"fingerprints": []}
     for step in range(7):
-        x, y = batch(rank, step)
-
-        def closure(x: torch.Tensor = x, y: torch.Tensor = y, model: nn.Module = model,
-                    optimizer: torch.optim.Optimizer = optimizer) -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
-
         try:
-            report = protector.step(closure)
+            report = protector.step(toy_closure(model, optimizer, rank, step))
             out[step] = (report.applied, report.synced)
         except PersistentFaultError as err:
             out[step] = ("stopped", err.ranks)
@@ -920,22 +917,14 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
     def forward_only(model: DistributedDataParallel) -> Any:
         return lambda: nn.functional.mse_loss(model(x), y)  # no backward()
 
-    def full(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> Any:
-        def closure() -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
-        return closure
-
     def stale(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
         protector = protect(model, optimizer)
-        protector.step(full(model, optimizer))
+        protector.step(toy_closure(model, optimizer, rank, 0))
         protector.step(forward_only(model))  # the last step's gradients are still there
 
     def zeroed_only(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
         protector = protect(model, optimizer)
-        protector.step(full(model, optimizer))
+        protector.step(toy_closure(model, optimizer, rank, 0))
 
         def closure() -> torch.Tensor:
             optimizer.zero_grad(set_to_none=False)  # bumps the gradients' versions, as backward() would
@@ -955,7 +944,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
 
     def load_fails_late(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
         protector = protect(model, optimizer, guard=GuardConfig(enabled=True))
-        protector.step(full(model, optimizer))
+        protector.step(toy_closure(model, optimizer, rank, 0))
         def kept() -> Any:  # what a half-done load would have changed: the step, the guard's state, the counts
             return protector.step_idx, protector.guard.state_dict(), protector.counters  # type: ignore[union-attr]
 
@@ -976,7 +965,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
             return self.used(inputs)
 
     def unused(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
-        protect(model, optimizer).step(full(model, optimizer))
+        protect(model, optimizer).step(toy_closure(model, optimizer, rank, 0))
 
     def dropped_first(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
         gc.disable()  # freed by reference counting alone: no cycle keeps a dropped protector alive
@@ -1356,15 +1345,7 @@ def _w_averager_resumed(rank: int, world_size: int) -> bool:
             optimizer.load_state_dict(saved[1])
             protector.load_state_dict(saved[2])
         for t in steps:
-            x, y = batch(rank, t)
-
-            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-                optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                return loss
-
-            protector.step(closure)
+            protector.step(toy_closure(model, optimizer, rank, t))
         return copy.deepcopy((model.module.state_dict(), optimizer.state_dict(), protector.state_dict()))
 
     full = run(range(7))[0]

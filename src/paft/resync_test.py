@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.collectives import gather_rows
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.protect import protect
-from paft.protect_test import batch, toy_model
+from paft.protect_test import toy_closure, toy_model
 from paft.records import RunRecorder, read_jsonl
 from paft.resync import Resync, averages_at
 from paft.state import state_fingerprint
@@ -85,15 +85,7 @@ def protected_run(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str,
                         inject=opts.get("inject", []), seed=3, recorder=RunRecorder(opts["run_dir"], rank, quiet=True))
     steps = []
     for step in range(opts["steps"]):
-        x, y = batch(rank, step)
-
-        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
-
-        r = protector.step(closure)
+        r = protector.step(toy_closure(model, optimizer, rank, step))
         fp = torch.tensor([state_fingerprint(model, optimizer, buffers=False)], dtype=torch.int64)
         steps.append({"synced": r.synced, "applied": r.applied, "attempts": r.attempts,
                       "stale": protector.resync.stale_fingerprints, "in_flight": protector.resync.in_flight,
