@@ -89,6 +89,38 @@ def test_summary_timings_leave_out_the_first_steps_of_every_leg(tmp_path: pathli
     assert longer["cpu_ms_per_step"] > 0
 
 
+def test_an_averager_run_records_no_event_counts_its_bytes_and_logs_tensorboard_at_steps_done(
+        tmp_path: pathlib.Path) -> None:
+    # README: the averager writes no events.jsonl; summary.json's sync_bytes is the
+    # protector's count (here the parameters' bytes at each averaging: steps 0, 5, 10);
+    # --tensorboard puts the record of 0-based step t at t + 1, training and evaluation
+    # scalars alike (evaluations at steps done 0, 6, 12; training logs every 4 done).
+    cfg = tiny_config(tmp_path / "r", steps=12, eval_every=6, log_every=4, checkpoint_every=0, tensorboard=True,
+                      protect=ProtectConfig(mode="averager", sync_period=5))
+    out = run(cfg)
+    run_dir = tmp_path / "r"
+    assert not (run_dir / "events.jsonl").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    param_bytes = sum(p.numel() * p.element_size()
+                      for p in build_workload("gpt", seed=0, model_args=dict(TINY_LM)).model.parameters())
+    assert summary["syncs"] == 3 and summary["sync_bytes"] == 3 * param_bytes
+    assert all(o["protector"]["counters"]["sync_bytes"] == summary["sync_bytes"] for o in out)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    tb = {key: [(e.step, e.value) for e in acc.Scalars(key)] for key in acc.Tags()["scalars"]}
+    evals = read_jsonl(run_dir / "evals.jsonl")
+    losses = [m["loss"] for m in read_jsonl(run_dir / "metrics" / "rank0.jsonl")]
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731  (TensorBoard stores float32)
+    assert tb["eval/val_loss"] == [(e["step"], f32(e["val_loss"])) for e in evals]
+    assert [s for s, _ in tb["eval/val_loss"]] == [0, 6, 12]
+    assert tb["train/loss"] == [(t + 1, f32(losses[t])) for t in (3, 7, 11)]
+    consistency = read_jsonl(run_dir / "consistency.jsonl")
+    assert tb["consistency/loss_mean"] == [(r["step"] + 1, f32(r["consistency/loss_mean"])) for r in consistency]
+    assert [r["step"] for r in consistency] == list(range(12))
+
+
 RESUME_CASES = {
     "plain": {"optimizer": "momentum", "lr": 0.05},
     # faults + PAFT-Dyn + guard: the scheduler, sync reference and guard history resume too
