@@ -94,8 +94,9 @@ def test_an_averager_run_records_no_event_counts_its_bytes_and_logs_tensorboard_
     # README: the averager writes no events.jsonl; summary.json's sync_bytes is the
     # protector's count (here the parameters' bytes at each averaging: steps 0, 5, 10);
     # --tensorboard puts the record of 0-based step t at t + 1, training and evaluation
-    # scalars alike (evaluations at steps done 0, 6, 12; training logs every 4 done).
-    cfg = tiny_config(tmp_path / "r", steps=12, eval_every=6, log_every=4, checkpoint_every=0, tensorboard=True,
+    # scalars alike (evaluations and training logs every 5 steps done, and at the end);
+    # the last two checkpoints are kept.
+    cfg = tiny_config(tmp_path / "r", steps=12, eval_every=5, log_every=5, checkpoint_every=4, tensorboard=True,
                       protect=ProtectConfig(mode="averager", sync_period=5))
     out = run(cfg)
     run_dir = tmp_path / "r"
@@ -114,11 +115,14 @@ def test_an_averager_run_records_no_event_counts_its_bytes_and_logs_tensorboard_
     losses = [m["loss"] for m in read_jsonl(run_dir / "metrics" / "rank0.jsonl")]
     f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731  (TensorBoard stores float32)
     assert tb["eval/val_loss"] == [(e["step"], f32(e["val_loss"])) for e in evals]
-    assert [s for s, _ in tb["eval/val_loss"]] == [0, 6, 12]
-    assert tb["train/loss"] == [(t + 1, f32(losses[t])) for t in (3, 7, 11)]
+    assert [s for s, _ in tb["eval/val_loss"]] == [0, 5, 10, 12]
+    assert tb["train/loss"] == [(t + 1, f32(losses[t])) for t in (4, 9, 11)]
     consistency = read_jsonl(run_dir / "consistency.jsonl")
     assert tb["consistency/loss_mean"] == [(r["step"] + 1, f32(r["consistency/loss_mean"])) for r in consistency]
     assert [r["step"] for r in consistency] == list(range(12))
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step0000008", "step0000012"]
+    assert (ckpts / "latest").read_text() == "step0000012"
 
 
 RESUME_CASES = {
@@ -324,11 +328,14 @@ def test_non_finite_evaluations_count_and_survive_a_resume(tmp_path: pathlib.Pat
     first = run(tiny_config(tmp_path / "r", **opts))[0]["summary"]
     evals = {e["step"]: from_jsonable(e) for e in read_jsonl(tmp_path / "r" / "evals.jsonl")}
     assert [math.isnan(v) for v in evals[6]["val_loss_per_rank"]] == [False, True, False]
+    assert math.isnan(evals[6]["val_loss"])  # the mean over the replicas, the NaN one too
     assert evals[6]["replica_rel_diff"] == math.inf
     # Bitwise equal replicas, all NaN (the evaluation split among them): still non-finite.
     assert evals[12]["replica_rel_diff"] == math.inf and all(map(math.isnan, evals[12]["val_loss_per_rank"]))
     # The NaN replica is the worst one (max() skipped a NaN that did not come first).
     assert math.isnan(first["final_val_loss_max"]) and first["max_replica_rel_diff_run"] == math.inf
+    # At the end too (not the first evaluation's 0.0); the one fault is rank 1's, summed over ranks.
+    assert first["max_replica_rel_diff"] == math.inf and first["faults_injected"] == 1
     # A resume reads the evaluations back ("nan" and "inf" in evals.jsonl) and finishes.
     resumed = run(tiny_config(tmp_path / "r", steps=18, resume=True, **opts))[0]["summary"]
     assert resumed["steps"] == 18 and math.isnan(resumed["final_val_loss_max"])
