@@ -141,6 +141,9 @@ RESUME_CASES = {
         "optimizer": "adamw", "monitor": MonitorConfig(fingerprint_every=2),
         "guard": GuardConfig(enabled=True, warmup=2), "inject": ["bitflip:site=params,steps=6,bits=sign,ranks=1"],
     },
+    # PAFT-Sync overlapped, a sync in flight at the step-6 checkpoint: it lands first,
+    # in both runs, so the checkpoint holds no half-done collective
+    "sync-in-flight": {"protect": ProtectConfig(mode="sync", sync_period=5)},
     # a model of two gradient buckets (1.6 MB; DDP's first bucket holds 1 MB): every
     # event hits the same one bucket in both runs, also on the first resumed step
     "two-buckets": {
@@ -183,6 +186,11 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
     losses = lambda d: [m["loss"] for m in read_jsonl(tmp_path / d / "metrics" / "rank0.jsonl")]  # noqa: E731
     assert losses("a") == losses("b") and len(losses("b")) == opts.get("steps", 12)
     assert straight[0]["summary"]["final_val_loss"] == resumed[0]["summary"]["final_val_loss"]
+    # sync_bytes: what the recorded syncs and repairs sent, over both legs of the resumed run.
+    sent = sum(e.get("bytes_sent", 0) for e in read_jsonl(tmp_path / "b" / "events.jsonl")) if (
+        tmp_path / "b" / "events.jsonl").exists() else 0
+    assert resumed[0]["summary"]["sync_bytes"] == straight[0]["summary"]["sync_bytes"] == sent
+    assert (sent > 0) == (case in ("dyn-guard-faults", "guard-two-ranks", "sync-in-flight"))  # they synced
     def faults(run: str) -> list[dict[str, Any]]:
         return read_jsonl(tmp_path / run / "faults.jsonl") if opts.get("inject") else []
 
@@ -354,6 +362,8 @@ def test_workload_trains(tmp_path: pathlib.Path, workload: str, overrides: dict[
                       batch_size=32, **overrides)
     summary = run(cfg)[0]["summary"]
     assert summary["final_val_loss"] < summary["initial_val_loss"] * 0.9
+    # --checkpoint-every 0: a checkpoint at the end only
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step0000030"
     if workload == "resnet":
         assert summary["final_val_acc"] > summary["initial_val_acc"]
 
