@@ -22,11 +22,16 @@ from paft.testing import run_workers
 SCALER = {"init_scale": 2.0**127, "growth_interval": 3}
 
 
+def _mlp() -> nn.Module:
+    """The tests' model, with the same initial weights on every rank."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
 def _train(rank: int, world_size: int, mode: str, inject: list[str], run_dir: str = "",
            nan_at: int = -1, grad_clip: float = 0.0) -> dict[str, Any]:
     """``nan_at``: a step whose batch holds a NaN on rank 1 (bad data, a non-finite loss)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = _mlp()
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", **SCALER)
@@ -182,8 +187,7 @@ def test_grad_clip_under_a_scaler_clips_the_unscaled_gradients_before_the_step(m
 
 
 def _metrics(rank: int, world_size: int, init_scale: float | None) -> list[str]:
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    ddp = DistributedDataParallel(_mlp())
     optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2) if init_scale else None
     protector = protect(ddp, optimizer, scaler=scaler)
@@ -248,8 +252,7 @@ def test_a_skip_backs_the_scale_off_exactly_as_the_scaler_does(init: float, back
 
 
 def _one_step(rank: int, world_size: int, scaled: bool, grad_clip: float) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = _mlp()
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)

@@ -1277,14 +1277,7 @@ def _w_checkpoint_rules(rank: int, world_size: int) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     protector = protect(model, optimizer, protect=ProtectConfig(mode="sync", sync_period=2),
                         guard=GuardConfig(enabled=True))
-    x, y = batch(rank, 0)
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        return loss
-
+    closure = toy_closure(model, optimizer, rank, 0)
     for _ in range(3):  # the sync due after step 2 is left in flight
         protector.step(closure)
     out: dict[str, Any] = {}
