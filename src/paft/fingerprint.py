@@ -6,7 +6,8 @@ across ranks, tells exactly which replicas diverged. This module holds that numb
 and the helpers around it:
 
 * :func:`fingerprint` -- the 64-bit fingerprint of a list of tensors (of a rank's
-  whole state: :func:`paft.state.state_fingerprint`);
+  whole state: :func:`paft.state.state_fingerprint`); :func:`fingerprint_and_digests`
+  also gives the per-tensor digests it is built from;
 * :func:`digest` / :func:`digest_tensor` -- one tensor's digest (below), the per-step
   check of the aggregated gradient, kept on the device;
 * :func:`split_int64` / :func:`join_int64` -- carry a fingerprint exactly through
@@ -98,6 +99,7 @@ import torch
 
 __all__ = [
     "fingerprint",
+    "fingerprint_and_digests",
     "digest",
     "digest_tensor",
     "split_int64",
@@ -408,6 +410,20 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
         >>> fingerprint([a]) != fingerprint([b])
         True
     """
+    return fingerprint_and_digests(tensors)[0]
+
+
+def fingerprint_and_digests(tensors: Iterable[torch.Tensor]) -> tuple[int, list[int]]:
+    """:func:`fingerprint` of ``tensors`` and each tensor's :func:`digest` (signed
+    int64 ints), which it is built from: for free beside the fingerprint, they tell
+    which tensors two states that fingerprint differently differ in.
+
+    Example::
+
+        >>> a, b = [torch.zeros(3), torch.ones(2)], [torch.zeros(3), -torch.ones(2)]
+        >>> [x != y for x, y in zip(fingerprint_and_digests(a)[1], fingerprint_and_digests(b)[1])]
+        [False, True]
+    """
     if isinstance(tensors, torch.Tensor):  # iterating it would fingerprint its rows
         raise TypeError("fingerprint: pass a list of tensors, e.g. fingerprint([t]), not a tensor")
     tensors = list(tensors)
@@ -426,7 +442,7 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
     keys = _keys(tuple((t.dtype, t.shape) for t in tensors))
     with np.errstate(over="ignore"):  # a bijection of each d_i, summed mod 2**64: keeps the one-lane guarantee
         h = int(_mix64_array(keys ^ digests).sum(dtype=np.uint64))
-    return _to_signed(_mix64(h ^ _mix64(_SEED + len(views))))
+    return _to_signed(_mix64(h ^ _mix64(_SEED + len(views)))), digests.view(np.int64).tolist()
 
 
 def digest(tensor: torch.Tensor) -> int:

@@ -20,6 +20,7 @@ from paft import fingerprint as F
 from paft.fingerprint import (
     digest,
     fingerprint,
+    fingerprint_and_digests,
     join_int64,
     repr_digest,
     split_int64,
@@ -211,6 +212,22 @@ def test_digest_is_the_fingerprints_digest_and_sees_every_flip(case: tuple, offs
     assert before & F._M64 == _ref_digest(t) and -(2**63) <= before < 2**63
     flip_bit(t, index, bit)
     assert digest(t) != before
+
+
+def test_the_fingerprints_per_tensor_digests_are_each_tensors_digest() -> None:
+    # Batched across a state (big tensors in place with ragged ends packed, small ones
+    # packed together, views, several dtypes), each digest is the tensor's own alone,
+    # so the digests ranks exchange name the tensor two states differ in.
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(9000, generator=gen)
+    state = [torch.randn(40, 128, generator=gen), base[3:4100], torch.randn(7, generator=gen),
+             torch.arange(5, dtype=torch.int64), torch.randn(64, 3, generator=gen).t(), torch.zeros(()),
+             torch.randn(1030, dtype=torch.float64, generator=gen), torch.empty(0)]
+    fp, digests = fingerprint_and_digests(state)
+    assert fp == fingerprint(state) and digests == [digest(t) for t in state]
+    flip_bit(state[1], 4096, 30)  # its ragged end, packed with the small tensors
+    _, after = fingerprint_and_digests(state)
+    assert [i for i, (a, b) in enumerate(zip(digests, after)) if a != b] == [1]
 
 
 def test_digest_sees_what_a_word_sum_misses() -> None:

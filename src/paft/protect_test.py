@@ -538,6 +538,8 @@ def test_two_rank_repair_takes_the_median_with_the_last_agreed_state(tmp_path: P
     (repair,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "repair"]
     assert (repair["step"], repair["mode"], repair["note"]) == (5, "median-with-reference", "")
     (fault,) = read_jsonl(tmp_path / "faults.jsonl")
+    # The repair names the one tensor the fault struck (the ranks' digests of it differ).
+    assert (repair["differing_tensors"], repair["differing"]) == (1, {fault["target"]: [[0], [1]]})
     layer = int(fault["target"].split("/")[1].split(".")[0]) // 2  # Linear layers sit at 0, 2, 4
     index = fault["indices"][0]
     got, want = (o["params"][2 * layer].view(-1)[index].item() for o in (out[0], clean[0]))

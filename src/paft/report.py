@@ -491,7 +491,8 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     """The plain-text summary of a run (what ``paft report`` prints); ``files``: what the
     report writes, listed on its last line."""
     lines = [f"paft report: {run.path}", *_notes(run), *_header(run), *_losses(run), _speed(run),
-             *_replicas(run), *_faults(run), _first_split_line(run), _counters(run), *_metric_extremes(run),
+             *_replicas(run), *_faults(run), _first_split_line(run), *_differing_tensors(run), _counters(run),
+             *_metric_extremes(run),
              _alerts(run)]
     if files:
         folder = Path(files[0]).parent
@@ -607,6 +608,24 @@ def _first_split_line(run: RunData) -> str:
     if any("replicas/grad_distinct" in r for r in run.consistency):
         return "first replica split: none (replicas identical at every recorded step)"
     return "first replica split: not recorded (no fingerprints in consistency.jsonl)"
+
+
+def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
+    """The tensors the first sync or repair that found the parameters or optimizer state
+    split names (its records carry them since the syncs exchange per-tensor digests)."""
+    for e in _split_syncs(run):
+        named: dict[str, list[list[int]]] = e.get("differing") or {}
+        if not named:
+            continue
+        parts = []
+        for name, groups in list(named.items())[:shown]:
+            odd = outside_majority(groups, run.world_size)
+            parts.append(f"{name} on {_ranks(odd)}" if odd else f"{name} (no strict majority: {groups})")
+        more = int(e.get("differing_tensors", len(named))) - len(parts)
+        extra = f" and {more} more" if more > 0 else ""
+        found = f"as the {e['event']} at step {e['step']} found them"
+        return [f"  tensors that differed, {found}: {', '.join(parts)}{extra}"]
+    return []
 
 
 def _counters(run: RunData) -> str:

@@ -643,7 +643,9 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
             # Two ranks: no strict majority, so the guard names no rank.
             {"step": 3, "event": "guard", "attempt": 0, "action": "repair", "detector": "state_mismatch",
              "cause": "state", "ranks": [], "values": {}},
-            {"step": 3, "event": "repair", "mode": "median-with-reference", "divergence": 0.5},
+            {"step": 3, "event": "repair", "mode": "median-with-reference", "divergence": 0.5, "groups": [[0], [1]],
+             "differing_tensors": 6, "differing": {"param/wte.weight": [[0], [1]], **{
+                 f"optim/{i}/exp_avg": [[0], [1]] for i in range(5)}}},
             {"step": 7, "event": "dyn_trigger", "period": 25},
             {"step": 7, "event": "sync", "period": 5, "divergence": 0.1, "mode": "median"},
         ):
@@ -651,6 +653,10 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
     text = build_report(run).text
     assert ("first replica split: step 3 (training-state fingerprints differ; no strict majority; "
             "the guard caught it before the update)") in text
+    # The repair's per-tensor names, the first four of the six.
+    split = "(no strict majority: [[0], [1]])"
+    assert (f"\n  tensors that differed, as the repair at step 3 found them: param/wte.weight {split}, "
+            f"optim/0/exp_avg {split}, optim/1/exp_avg {split}, optim/2/exp_avg {split} and 2 more\n") in text
     assert "syncs: 2   detections: 1   recomputes: 1" in text  # the guard's repair is a sync, and reruns
     assert _periods(load_run(run)) == [(7, 25.0), (7, 5.0)]  # the sync's period is the one in force
     # One incident whose recompute trips another detector is one detection (a run

@@ -29,7 +29,8 @@ only they move (the report's note says ``buffers only``). Under DDP with
 majority those of DDP's source rank, as DDP's next forward would, not their median
 (see :func:`paft.sync_plan.as_ddp_would`). For each part whose
 replicas differ one more exchange carries, per tensor, how many NaN/Inf entries the
-rank holds and where (16 bytes per tensor). "Finite" below means: no NaN/Inf in
+rank holds and where, and the tensor's digest, from which the fingerprint was built
+(24 bytes per tensor): the report names the tensors that differed. "Finite" below means: no NaN/Inf in
 the parameters and optimizer state, and in the buffers none beyond what the
 replicas share (a strict majority's pattern, see
 :func:`~paft.divergence.sound_replicas`), so a ``-inf`` every replica holds alike
@@ -102,7 +103,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -112,7 +113,7 @@ from torch import Tensor, nn
 from paft.collectives import collective_device, gather_rows
 from paft.config import SYNC_MODES
 from paft.divergence import all_finite, nonfinite_patterns, sound_replicas
-from paft.fingerprint import fingerprint
+from paft.fingerprint import fingerprint_and_digests
 from paft.flat import Layout, build_layout, storage_of, structure_key, transport_view
 from paft.records import jsonable
 from paft.replicas import group_replicas
@@ -125,6 +126,8 @@ __all__ = [
     "ReplicaSync",
     "SyncReport",
 ]
+
+_LISTED = 16  # differing tensors a report names (a drifted state differs in every one)
 
 # ----------------------------------------------------------------------------
 # Reports
@@ -169,6 +172,14 @@ class SyncReport:
     """Tensors to which the correction ``synced + (w - snapshot)`` was applied because
     they changed during an overlapped sync (0: plain copies)."""
     note: str = ""
+    differing_tensors: int = 0
+    """How many tensors' bits differed between the replicas before the sync (0 when
+    they agreed)."""
+    differing: dict[str, list[list[int]]] = field(default_factory=dict)
+    """The first 16 of them by name (``param/...``, ``optim/<index>/<key>``, then
+    ``buffer/...``; see :func:`paft.state.state_tensors`), each with the ranks grouped
+    by its bits, largest group first: where a fault at rest struck, or which moment
+    a faulty update wrote."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite floats as strings), e.g. for ``events.jsonl``."""
@@ -190,6 +201,7 @@ class _Sync:
     control_collectives: int
     buffers: PartDone
     state: PartInFlight
+    differing: list[tuple[str, list[list[int]]]]  # tensors whose bits differ, ranks grouped by them
     t0: float
     critical: float
 
@@ -432,28 +444,35 @@ class ReplicaSync:
         buffers = [e for e, b in zip(entries, is_buffer) if b]
         # The control exchange: two fingerprints, the state's structure (+ the
         # reference tag), 24-32 bytes.
-        row = [fingerprint(t for _, t, _ in state), fingerprint(t for _, t, _ in buffers),
-               self._layout_for(entries).digest]
+        (state_fp, state_digests), (buffers_fp, buffer_digests) = (
+            fingerprint_and_digests(t for _, t, _ in part) for part in (state, buffers))
+        row = [state_fp, buffers_fp, self._layout_for(entries).digest]
         row += [self._reference.tag] if self._reference is not None else []
         ctrl = self._gather_ints(row)
         bytes_sent, collectives = len(row) * 8, 1
         self._check_structure([r[2] for r in ctrl])
         tags = [r[-1] for r in ctrl]
-        parts = [(state, [r[0] for r in ctrl]), (buffers, [r[1] for r in ctrl])]
+        parts = [(state, [r[0] for r in ctrl], state_digests), (buffers, [r[1] for r in ctrl], buffer_digests)]
         # Finite flags cost a pass over a part: only where its replicas differ (one more
-        # exchange, 16 bytes per tensor of such a part), or for mean mode's check of
-        # identical parameters and optimizer state. In the buffers "finite" is relative
-        # (see sound_replicas): NaN/Inf the replicas share is state.
-        differ = [len(set(fps)) > 1 for _, fps in parts]
-        mine = [x for (part, _), d in zip(parts, differ) if d for x in nonfinite_patterns([t for _, t, _ in part])]
+        # exchange, 24 bytes per tensor of such a part, with the tensor's digest, which
+        # the fingerprint was built from: which tensors differ is free to tell), or for
+        # mean mode's check of identical parameters and optimizer state. In the buffers
+        # "finite" is relative (see sound_replicas): NaN/Inf the replicas share is state.
+        differ = [len(set(fps)) > 1 for _, fps, _ in parts]
+        mine = [x for (part, _, digests), d in zip(parts, differ) if d
+                for x in nonfinite_patterns([t for _, t, _ in part]) + digests]
         rows = self._gather_ints(mine) if mine else []
         bytes_sent, collectives = bytes_sent + 8 * len(mine), collectives + bool(mine)
-        decisions, at = [], 0
-        for (part, fps), d in zip(parts, differ):
+        decisions, differing, at = [], [], 0
+        for (part, fps, _), d in zip(parts, differ):
             if d:
-                lenient = [part is buffers] * len(part)
-                finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * len(part)] for r in rows], lenient)]
-                at += 2 * len(part)
+                n = len(part)
+                lenient = [part is buffers] * n
+                finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * n] for r in rows], lenient)]
+                for (name, _, _), *digests in zip(part, *(r[at + 2 * n : at + 3 * n] for r in rows)):
+                    if len(set(digests)) > 1:
+                        differing.append((name, group_replicas(digests)))
+                at += 3 * n
             else:  # identical: mean mode still refuses parameters or optimizer state gone
                 # non-finite on every rank alike (nothing to average from), never buffers
                 strict = self.mode == "mean" and part is state
@@ -470,7 +489,8 @@ class ReplicaSync:
         # opposite sign (a negative running variance). They are small.
         buffers_done = self._finish_part(self._launch_part(buffers_d, buffers, overlapped=False), False)
         pending = self._launch_part(state_d, state, overlapped and not (repair_now and differ[0]))
-        return _Sync(ctrl, bytes_sent, collectives, buffers_done, pending, t0, critical=time.perf_counter() - t0)
+        return _Sync(ctrl, bytes_sent, collectives, buffers_done, pending, differing, t0,
+                     critical=time.perf_counter() - t0)
 
     def _launch_part(self, d: SyncPlan, entries: list[Entry], overlapped: bool) -> PartInFlight:
         return self._transfer.launch(d, self._layout_for(entries), entries, overlapped=overlapped,
@@ -509,4 +529,6 @@ class ReplicaSync:
             overlapped=p.state.overlapped and p.state.decision.mode != "noop",  # a transfer was in flight
             delta_tensors=done.delta_tensors,
             note=note,
+            differing_tensors=len(p.differing),
+            differing=dict(p.differing[:_LISTED]),
         )

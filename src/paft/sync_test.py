@@ -330,20 +330,24 @@ def test_three_ranks_repair_noop_nan_and_overlap():
         _assert_same(r["flip"]["state"], res[0]["clean"])
         _assert_same(r["flip"]["state"], res[2]["clean"])
         assert rep.divergence > 1e20  # rank 1 was ~1e37 away
+        # The one tensor that differed is named, with the ranks grouped by its bits.
+        assert (rep.differing_tensors, rep.differing) == (1, {"param/0.weight": [[0, 2], [1]]})
     _assert_replicas_identical([r["flip"] for r in res])
     # no-op: only the two fingerprints and the structure hash (24 bytes per rank)
     for r in res:
         rep = r["noop"]
         assert rep.mode == "noop" and rep.bytes_sent == 24 and rep.collectives == 1
         assert rep.divergence == 0.0 and rep.groups == [[0, 1, 2]]
+        assert (rep.differing_tensors, rep.differing) == (0, {})
     for r in res:
         assert r["flip_optim"].mode == "majority-copy" and r["flip_optim"].groups == [[0, 1], [2]]
+        assert r["flip_optim"].differing == {"optim/0/exp_avg_sq": [[0, 1], [2]]}  # the first parameter's
         _assert_same(r["after_flip_optim"], res[0]["clean"])
     # one rank to repair: the source sends to it point-to-point, rank 2 moves nothing;
     # the buffers agree, so only the parameters and optimizer state move
     state = [t for n, t in res[0]["clean"] if not n.startswith("buffer/")]
     state_bytes = sum(t.numel() * t.element_size() for t in state)
-    control = 24 + 16 * len(state)  # fingerprints + structure, then per tensor its NaN/Inf count and places
+    control = 24 + 24 * len(state)  # fingerprints + structure, then per tensor its NaN/Inf count, places, digest
     assert res[0]["flip"]["report"].bytes_sent == control + state_bytes + 8
     assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == control + 8
     assert res[2]["flip"]["report"].collectives == 3  # fingerprints, finite flags, divergence
@@ -376,8 +380,8 @@ def test_three_ranks_repair_noop_nan_and_overlap():
         report, w = r["mean_overflow"]
         assert torch.equal(w, torch.stack([a * 0.5 + b * 0.5, torch.tensor(2.0**-149), torch.tensor(2.5)]).view(1, 3))
         assert report.mode == "mean" and report.source_ranks == [0, 1]
-        # control 24, finite flags 16, the sum 12, the scaled sum 12, the divergence 8
-        assert (report.bytes_sent, report.collectives) == (72, 5)
+        # control 24, finite flags and digest 24, the sum 12, the scaled sum 12, the divergence 8
+        assert (report.bytes_sent, report.collectives) == (80, 5)
 
     for r in res:  # the fused step moved no version counter, yet its progress is kept
         assert r["fused"]["report"].mode == "median" and r["fused"]["report"].delta_tensors > 0
@@ -606,7 +610,7 @@ def test_four_ranks_split_broadcast_buckets_and_divergence():
         assert rep.mode == "broadcast" and rep.source_ranks == [2]
         # fingerprints + finite flags + buckets + divergence
         assert 2 + total // 64 + 1 <= rep.collectives <= 2 + buckets + 1
-    flags = 16 * len(res[2]["bcast_pre"])  # per tensor its NaN/Inf count and places
+    flags = 24 * len(res[2]["bcast_pre"])  # per tensor its NaN/Inf count, places and digest
     assert res[2]["bcast"]["report"].bytes_sent == 24 + flags + total + 8
     assert res[0]["bcast"]["report"].bytes_sent == 24 + flags + 8
 
@@ -891,7 +895,7 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
         assert rep.mode == "median-with-reference" and rep.note == "buffers only"
         # fingerprints + structure + tag, NaN/Inf count and places per buffer, the buffers (their
         # divergence is not measured: no max to exchange)
-        assert rep.bytes_sent == 32 + 16 * r["bn"]["buffers"] + r["bn"]["buffer_bytes"] and rep.divergence == 0.0
+        assert rep.bytes_sent == 32 + 24 * r["bn"]["buffers"] + r["bn"]["buffer_bytes"] and rep.divergence == 0.0
         # per coordinate the median of the two replicas and the buffers both last agreed on
         got = [t for n, t in r["bn"]["state"] if n.startswith("buffer/")]
         for g, ref, a, b in zip(got, r["bn"]["ref"], *r["bn"]["before"], strict=True):
@@ -1284,5 +1288,5 @@ def test_ddp_buffer_source_is_used_only_where_every_rank_of_the_sync_names_it():
     for r in res[1:]:
         rep = r["trio"]["report"]
         assert rep.mode == "majority-copy" and rep.groups == [[0, 1], [2]] and rep.source_ranks == [0]
-    sent = [r["trio"]["report"].bytes_sent - 24 - 16 * len(res[1]["trio_clean"]) - 8 for r in res[1:]]
+    sent = [r["trio"]["report"].bytes_sent - 24 - 24 * len(res[1]["trio_clean"]) - 8 for r in res[1:]]
     assert sent == [state_bytes, 0, 0]  # the source alone sends, to the one rank it repairs
