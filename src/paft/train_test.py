@@ -233,7 +233,11 @@ def test_identical_runs_write_identical_faults_jsonl(tmp_path: pathlib.Path, cas
     for cfg in cfgs:
         prepare_run_dir(cfg)
         status = run_workers(launched_worker, 3, cfg.to_dict())[0]["status"]
-        assert status == ("persistent_fault" if case == "guard-stop" else "ok")
+        # Rarely, under heavy load, a rerun found rank 0's state apart from the others'
+        # (not reproduced in 170 runs alone): the record names what differed, if it recurs.
+        events = pathlib.Path(cfg.run_dir, "events.jsonl")
+        assert status == ("persistent_fault" if case == "guard-stop" else "ok"), (
+            events.read_text() if events.exists() else "no events.jsonl")
     data = (tmp_path / "a" / "faults.jsonl").read_bytes()
     assert data == (tmp_path / "b" / "faults.jsonl").read_bytes()
     if case == "guard-stop":  # paft train records the stop, with its reason (what paft report notes)
