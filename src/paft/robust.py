@@ -140,7 +140,10 @@ def median_of_three(
     """Per coordinate, the median of ``a``, ``b`` and ``ref`` = ``clamp(ref, min(a, b),
     max(a, b))``; NaN counts as +inf, and a +inf median is NaN where no input holds +inf
     (both replicas hold NaN: NaN, as they hold it; with ``ref`` at +inf: +inf). Inputs
-    are not modified."""
+    are not modified. ``nan_free=True`` skips the NaN pass: the caller knows ``a`` and
+    ``b`` hold NaN only where both do (the sync's finite flags), and there the result is
+    NaN; ``ref`` may hold NaN anywhere (the last agreed state held a NaN alike on both
+    ranks), still counted as +inf."""
     if nan_free:
         return _clamp(a, b, ref, out)
     merged = _clamp(_nan_as_inf(a), _nan_as_inf(b), _nan_as_inf(ref), out)
@@ -148,9 +151,10 @@ def median_of_three(
 
 
 def _clamp(a: Tensor, b: Tensor, ref: Tensor, out: Tensor | None) -> Tensor:
-    """``clamp(ref, min(a, b), max(a, b))`` (NaN-free inputs, or NaN propagates)."""
+    """``clamp(ref, min(a, b), max(a, b))``: a NaN in ``ref`` gives ``max(a, b)``, as
+    +inf would (``fmin`` passes over it), a NaN in ``a`` or ``b`` propagates."""
     lo, hi = torch.minimum(a, b), torch.maximum(a, b)
-    return torch.minimum(torch.maximum(ref, lo, out=lo), hi, out=out)
+    return torch.maximum(torch.fmin(ref, hi, out=hi), lo, out=out)
 
 
 def finite_where_outvoted_(merged: Tensor, rows: Tensor, good: list[int]) -> None:

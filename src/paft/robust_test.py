@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paft import robust
 from paft.robust import (
@@ -80,6 +82,37 @@ def test_median_of_three_is_clamp_of_reference():
     # the huge and the NaN coordinate are dropped
     assert out.tolist() == pytest.approx([1.0, 0.1, 0.3, 0.0, 0.3, 5.0])
     assert a[1].item() > 1e29 and math.isnan(a[4].item())  # inputs untouched
+
+
+def test_a_reference_nan_is_no_value_of_the_nan_free_median() -> None:
+    """Replicas free of NaN (nan_free: the sync's finite flags), the reference NaN where
+    both ranks once held a NaN alike: min/max propagated it, and both ranks took a NaN
+    neither held. NaN counts as +inf there too: the larger replica value, as without
+    nan_free."""
+    a = torch.tensor([1.0, 3.0, -inf, nan])
+    b = torch.tensor([2.0, -1.0, 4.0, nan])  # a NaN both replicas hold alike stays
+    ref = torch.tensor([nan, nan, nan, 0.0])
+    for nan_free in (True, False):
+        out = median_of_three(a, b, ref, nan_free=nan_free)
+        assert out.nan_to_num(7.0).tolist() == [2.0, 3.0, 4.0, 7.0], nan_free
+
+
+_values = st.sampled_from([0.5, -2.0, 3.0, 1e30, -1e30, inf, -inf])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_values, _values, st.one_of(_values, st.just(nan)), st.booleans()), min_size=1, max_size=20))
+def test_median_of_three_nan_free_is_the_same_median(cols: list[tuple[float, float, float, bool]]) -> None:
+    """nan_free=True (replicas NaN only where both are, the reference anything) gives
+    the median of nan_free=False, one of the three inputs' values with NaN as +inf,
+    except that a NaN both replicas hold stays NaN even beside a reference's +inf."""
+    both = torch.tensor([c[3] for c in cols])
+    a, b, ref = (torch.tensor([nan if c[3] and i < 2 else c[i] for c in cols]) for i in range(3))
+    fast, slow = median_of_three(a, b, ref, nan_free=True), median_of_three(a, b, ref)
+    assert torch.equal(fast.isnan(), both | slow.isnan())
+    assert torch.equal(fast[~both], slow[~both])
+    for x, y, r, m in zip(a[~both].tolist(), b[~both].tolist(), ref[~both].tolist(), fast[~both].tolist()):
+        assert m == sorted(inf if math.isnan(v) else v for v in (x, y, r))[1]
 
 
 def test_a_median_where_every_replica_holds_nan_somewhere_spreads_none() -> None:

@@ -793,6 +793,32 @@ def test_two_ranks_nan_on_both_replicas_stays_nan() -> None:
     assert [r["resized"] for r in res] == [("median-with-reference", [[0.25] * 4])] * 2
 
 
+class _Stat(nn.Module):
+    """A parameter and a statistic buffer that starts NaN at one coordinate on both ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+        self.register_buffer("stat", torch.tensor([math.nan, 5.0, -1.0]))
+
+
+def _w_reference_nan(rank: int, ws: int) -> list[float]:
+    torch.manual_seed(0)
+    m = _Stat()
+    sync = ReplicaSync(m, None)  # the reference: NaN at stat[0], as both ranks held it
+    with torch.no_grad():
+        m.stat.copy_(torch.tensor([1.0 + rank, 5.0, -1.0 - rank]))  # reset, then each rank its own
+    rep = sync.sync()
+    assert (rep.mode, rep.note) == ("median-with-reference", "buffers only")
+    return m.stat.tolist()
+
+
+def test_two_ranks_a_nan_only_the_reference_holds_is_not_copied_in() -> None:
+    """Both replicas finite, so the median skipped its NaN pass, and min/max carried the
+    reference's NaN onto both ranks: a NaN neither held. It counts as +inf: the larger."""
+    assert run_workers(_w_reference_nan, 2) == [[2.0, 5.0, -1.0]] * 2
+
+
 class _Flagged(nn.Module):
     """A parameter and a frozen bool one (bool travels as uint8). A parameter, not a
     buffer: start() syncs buffers blocking, so only the state part meets finish()'s
