@@ -47,6 +47,44 @@ def test_replica_median_matches_sort_and_nan_loses():
     assert replica_median(ints).tolist() == [6, 3]
 
 
+def _reference_median(column: list[float]) -> float:
+    """replica_median's rule for one column, by sorting: NaN as +inf; of an even count's
+    middle pair the one of smaller magnitude (the lower on a tie); +inf no row held: NaN."""
+    ranked = sorted(inf if math.isnan(v) else v for v in column)
+    lo, hi = ranked[(len(column) - 1) // 2], ranked[len(column) // 2]
+    m = hi if abs(hi) < abs(lo) else lo
+    return nan if m == inf and inf not in column else m
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 20).flatmap(lambda n: st.lists(
+    st.lists(st.sampled_from([0.5, -0.5, 2.0, -2.0, 1e30, -1e30, inf, -inf, nan]), min_size=n, max_size=n),
+    min_size=1, max_size=6)))
+def test_replica_median_is_the_sorted_rule(columns: list[list[float]]) -> None:
+    """Every replica count (the 2, 3, 4 formulas, the sorting network, kthvalue), ties of
+    equal magnitude, infinities and NaN: the rule by sorting, value for value; without
+    NaN, nan_free=True gives the same; median_of_finite is the rule over the finite values."""
+    rows = torch.tensor(columns).T.contiguous()
+    expected = torch.tensor([_reference_median(c) for c in columns])
+    got = replica_median(rows)
+    assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+    if not rows.isnan().any():
+        assert torch.equal(replica_median(rows, nan_free=True), expected)
+    finite = torch.tensor([_reference_median(f) if (f := [v for v in c if math.isfinite(v)]) else nan for c in columns])
+    got = median_of_finite(rows)
+    assert torch.equal(got.isnan(), finite.isnan()) and torch.equal(got.nan_to_num(7.0), finite.nan_to_num(7.0))
+
+
+def test_a_single_replica_median_is_a_copy() -> None:
+    """The result is written into afterwards (finite_where_outvoted_): it must not be a
+    view of ``rows``, also where no NaN pass copied them (nan_free, integers)."""
+    for rows in (torch.tensor([[1.0, 2.0]]), torch.tensor([[1, 2]])):
+        for nan_free in (False, True):
+            merged = replica_median(rows, nan_free=nan_free)
+            merged[0] = 9
+            assert rows.tolist() == [[1, 2]], (rows.dtype, nan_free)
+
+
 def test_an_even_split_keeps_the_value_a_flipped_exponent_did_not_enlarge() -> None:
     """2 ranks of 4 holding -1e30 took the coordinate: the lower middle value is theirs."""
     for bad in (-1e30, 1e30, math.inf, -math.inf, math.nan):
