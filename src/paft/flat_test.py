@@ -35,6 +35,24 @@ def test_layout_groups_by_dtype_cuts_byte_buckets_and_joins_adjacent_parameters(
     assert build_layout(structure_key(reshaped), reshaped, 16).digest != layout.digest
 
 
+def test_buckets_count_the_dtypes_own_bytes_and_empty_parameters_have_no_range() -> None:
+    """Each dtype's buckets hold bucket_bytes of its own elements (8 per 64 bytes of
+    float64, 32 of float16); an empty parameter adds no (zero-length) parameter range,
+    which would make a group without parameters look like one that has some."""
+    entries = [
+        ("param/w", torch.zeros(20, dtype=torch.float64)),
+        ("param/h", torch.zeros(40, dtype=torch.float16)),
+        ("buffer/mask", torch.zeros(3, dtype=torch.uint8)),  # a bool buffer's transport view
+        ("param/empty", torch.zeros(0, dtype=torch.uint8)),
+    ]
+    wide, half, small = build_layout(structure_key(entries), entries, bucket_bytes=64).groups
+    assert (wide.dtype, wide.floating, wide.buckets) == (torch.float64, True, [(0, 8), (8, 16), (16, 20)])
+    assert (half.dtype, half.floating, half.buckets) == (torch.float16, True, [(0, 32), (32, 40)])
+    assert (small.dtype, small.floating, small.buckets, small.param_ranges) == (torch.uint8, False, [(0, 3)], [])
+    only_empty = [("param/empty", torch.zeros(0))]
+    assert build_layout(structure_key(only_empty), only_empty, 64).groups[0].param_ranges == []
+
+
 def test_structure_key_names_dtypes_and_shapes() -> None:
     a = [("param/w", torch.zeros(2, 3))]
     assert structure_key(a) == (("param/w", torch.float32, (2, 3)),)
