@@ -33,11 +33,12 @@ from paft.faultspec import (
 )
 
 DTYPES = {torch.float32: (torch.int32, 32), torch.bfloat16: (torch.int16, 16),
-          torch.float16: (torch.int16, 16)}
+          torch.float16: (torch.int16, 16), torch.float64: (torch.int64, 64)}
 CLASS_RANGES = {
     torch.float32: {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22), "any": (0, 31)},
     torch.bfloat16: {"sign": (15, 15), "exponent": (7, 14), "mantissa": (0, 6), "any": (0, 15)},
     torch.float16: {"sign": (15, 15), "exponent": (10, 14), "mantissa": (0, 9), "any": (0, 15)},
+    torch.float64: {"sign": (63, 63), "exponent": (52, 62), "mantissa": (0, 51), "any": (0, 63)},
 }
 
 
@@ -51,8 +52,8 @@ def flipped_bits(before: torch.Tensor, after: torch.Tensor) -> dict[int, int]:
     """{flat index: xor of the integer views} for every element whose bits differ."""
     int_dtype, width = DTYPES[before.dtype]
     x = before.reshape(-1).view(int_dtype).long() ^ after.reshape(-1).view(int_dtype).long()
-    x = x & ((1 << width) - 1)  # undo sign extension of the int view
-    return {i: int(x[i]) for i in x.nonzero().flatten().tolist()}
+    # Undo sign extension of the int view in Python: 1 << 64 overflows an int64 tensor.
+    return {i: int(x[i]) & ((1 << width) - 1) for i in x.nonzero().flatten().tolist()}
 
 
 def sample(dtype: torch.dtype, n: int = 64, seed: int = 0) -> torch.Tensor:
@@ -99,11 +100,9 @@ def test_bitflip_class_touches_only_its_bits(dtype, cls, seed):
 
 
 def test_bit_ranges_match_the_formats():
-    assert bit_range(torch.float32, "exponent") == (23, 30)
-    assert bit_range(torch.bfloat16, "mantissa") == (0, 6)
-    assert bit_range(torch.float16, "sign") == (15, 15)
-    assert bit_range(torch.float64, "exponent") == (52, 62)
-    assert bit_range(torch.float16, "any") == (0, 15) and bit_range(torch.float16, 15) == (15, 15)
+    # Every class of every dtype, against the IEEE 754 / bfloat16 layouts written out above.
+    assert {d: {c: bit_range(d, c) for c in BIT_CLASSES} for d in CLASS_RANGES} == CLASS_RANGES
+    assert bit_range(torch.float16, 15) == (15, 15)
     with pytest.raises(ValueError, match="bit 16"):
         bit_range(torch.float16, 16)
     # A sign flip is exactly negation; an exponent-LSB flip of 1.0 halves it.
