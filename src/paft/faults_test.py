@@ -238,11 +238,13 @@ def int_bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("kw", [{"kind": "noise", "sigma": 0.3}, {"kind": "random"},
                                 {"kind": "random", "value": 0.25}, {"kind": "scale", "factor": 1.37},
-                                {"kind": "zero"}], ids=lambda kw: ",".join(f"{v}" for v in kw.values()))
+                                {"kind": "zero"}, {"kind": "bitflip"}],
+                         ids=lambda kw: ",".join(f"{v}" for v in kw.values()))
 def test_values_are_the_documented_function_of_the_generators_draws(dtype: torch.dtype, kw: dict) -> None:
     """Bit for bit as ``apply_fault`` documents: the selection first, then N(0, 1) noise
     in float32 (float64 for float64) scaled by ``|x|``, or ``U[-r, r)`` with ``r`` the
-    largest finite magnitude in the whole tensor (not only the hit elements)."""
+    largest finite magnitude in the whole tensor (not only the hit elements), or one
+    bit per element drawn uniformly from the class (``any``: all of them)."""
     n, count = 100, 10
     g = gen(5)
     idx = select_indices(n, g, count=count)  # replays the selection, then the value draws
@@ -261,6 +263,12 @@ def test_values_are_the_documented_function_of_the_generators_draws(dtype: torch
         expected[idx] = (u * (2 * r) - r).to(dtype)
     elif kw["kind"] == "scale":
         expected[idx] = (x * kw["factor"]).to(dtype)
+    elif kw["kind"] == "bitflip":
+        lo, hi = CLASS_RANGES[dtype]["any"]
+        width = DTYPES[dtype][1]
+        for i, b in zip(idx.tolist(), torch.randint(lo, hi + 1, (count,), generator=g).tolist()):
+            word = int(int_bits(expected)[i]) ^ (1 << b)  # a Python int: wrap it into the signed view
+            int_bits(expected)[i] = word - (1 << width) if word >= 1 << (width - 1) else word
     else:
         expected[idx] = torch.zeros(count, dtype=dtype)  # +0.0: a cleared word, not -0.0
     apply_fault(FaultSpec(steps=0, count=count, **kw), t, gen(5))
