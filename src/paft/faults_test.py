@@ -355,7 +355,31 @@ def test_schedule_is_deterministic_and_random_access():
     assert a.generator(ev, 3).initial_seed() != a.generator(ev, 4).initial_seed()
 
 
-@pytest.mark.parametrize("p", [0.01, 0.2, 0.7])
+def test_schedule_decisions_are_pinned_for_a_seed() -> None:
+    """Ranks are separate processes (and a rerun is a new one): every decision must come
+    from the coordinates alone, never from a per-process salted hash() or from call
+    order, which a test in one process cannot see by comparing two schedules. Pinned
+    values catch both; a deliberate change of the stream bumps "paft-faults/v1"."""
+    s = FaultSchedule(["nan:rate=0.3", "zero:site=params,rate=0.5,ranks=0+2",
+                       "bitflip:rate=0.2,ranks=1+2,burst=2"], seed=7, world_size=3)
+    got = []
+    for step in range(10):
+        for rank in range(3):
+            for site in ("aggregation", "params"):
+                for ev in s.events(step, rank, site):
+                    tgt = s.bucket_for(ev, 4) if site == "aggregation" else s.tensor_for(ev, ["a", "b"], [3, 5])
+                    got.append((step, rank, ev.spec_index, ev.burst_start, tgt,
+                                s.generator(ev, tgt).initial_seed() % 1000))
+    assert got == [
+        (1, 0, 1, 1, "b", 43), (1, 1, 2, 1, 1, 169), (1, 2, 2, 1, 1, 346), (1, 2, 1, 1, "a", 663),
+        (2, 1, 2, 1, 1, 649), (2, 2, 2, 1, 3, 217), (2, 2, 1, 2, "a", 919), (3, 0, 0, 3, 3, 592),
+        (3, 0, 1, 3, "b", 218), (3, 2, 1, 3, "a", 559), (4, 0, 1, 4, "a", 871), (4, 1, 0, 4, 1, 747),
+        (4, 2, 2, 4, 3, 139), (5, 0, 1, 5, "b", 420), (5, 2, 2, 4, 3, 389), (5, 2, 1, 5, "a", 213),
+        (6, 0, 1, 6, "b", 492), (7, 0, 0, 7, 2, 744), (7, 2, 2, 7, 2, 465), (8, 2, 2, 7, 2, 929),
+        (9, 1, 2, 9, 1, 846), (9, 2, 1, 9, "b", 385)]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.01, 0.2, 0.7, 1.0])  # rate=0 never fires, rate=1 always
 def test_empirical_rate_matches_binomial(p):
     n = 10000
     sched = FaultSchedule([f"nan:rate={p},ranks=1"], seed=5, world_size=2)
