@@ -797,6 +797,45 @@ def test_persistent_recompute_fires_again_elsewhere():
     assert torch.equal(b1, b2) and r2.indices == r1[0].indices
 
 
+def test_elements_differ_across_ranks_and_steps_and_repeat_with_the_seed() -> None:
+    """Two ranks hit in the same step draw their own elements: the all-reduced bucket is
+    the same on every rank, and the same elements flipped the same way would leave the
+    replicas agreeing (invisible to a cross-replica check). Steps draw anew too: a fault
+    at every step would otherwise strike one element for the whole run."""
+    def run() -> dict[tuple[int, int], tuple[list[int], list[int] | None]]:
+        sched = FaultSchedule(["bitflip:rate=1,ranks=0+1,count=3"], seed=4, world_size=2)
+        out = {}
+        for rank in (0, 1):
+            inj = FaultInjector(sched, rank=rank)
+            for step in range(8):
+                (rec,) = inj.inject_bucket("aggregation", step, 0, 1, torch.ones(1000))
+                out[step, rank] = (rec.indices, rec.bits)
+        return out
+
+    draws = run()
+    assert len({tuple(idx) for idx, _ in draws.values()}) == len(draws)  # 16 distinct draws
+    assert run() == draws  # the same spec and seed: the same faults
+
+
+@pytest.mark.parametrize("site", ["aggregation", "params"])
+def test_persistent_recompute_hits_the_same_bucket_or_tensor(site: str) -> None:
+    """Faulty hardware strikes the same memory again: a recompute of a step is hit in
+    the bucket or tensor its first attempt was (at other elements)."""
+    sched = FaultSchedule([f"zero:site={site},rate=1,ranks=0,persistent=true"], seed=2, world_size=1)
+    inj = FaultInjector(sched, rank=0)
+
+    def targets(step: int, attempt: int) -> list[int | str]:
+        if site == "aggregation":
+            return [r.target for i, b in enumerate(buckets(8)) for r in inj.inject_bucket(site, step, i, 8, b, attempt)]
+        named = {str(i): b for i, b in enumerate(buckets(8))}
+        return [r.target for r in inj.inject_tensors(site, step, named, attempt)]
+
+    first = [targets(step, 0) for step in range(12)]
+    assert len({t for (t,) in first}) > 1  # the choice varies with the step...
+    for attempt in (1, 2):  # ...but not with the attempt
+        assert [targets(step, attempt) for step in range(12)] == first
+
+
 def test_stale_returns_previous_steps_bucket():
     spec = "stale:site=local-grad,steps=1+3,ranks=0,persistent=true"
     inj = FaultInjector(FaultSchedule([spec], seed=0, world_size=1), rank=0)
