@@ -864,6 +864,17 @@ def test_stale_returns_previous_steps_bucket():
     assert torch.equal(t, torch.full((4,), 6.0))
 
 
+def test_stale_at_rest_remembers_steps_where_nothing_fires() -> None:
+    """The only spec is stale at step 3: step 2, where no event fires, must still be
+    remembered for it to replay."""
+    inj = FaultInjector(FaultSchedule(["stale:site=params,steps=3,ranks=0"], seed=0, world_size=1), rank=0)
+    for step in range(3):
+        assert inj.inject_tensors("params", step, {"w": torch.full((4,), float(step))}) == []
+    t = torch.full((4,), 3.0)
+    (rec,) = inj.inject_tensors("params", 3, {"w": t})
+    assert torch.equal(t, torch.full((4,), 2.0)) and rec.before == [3.0] * 4
+
+
 def test_stale_at_first_step_records_nothing():
     inj = FaultInjector(FaultSchedule(["stale:steps=0"], seed=0, world_size=1), rank=0)
     t = torch.ones(3)
