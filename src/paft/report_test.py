@@ -102,7 +102,9 @@ def test_fault_run_report(fault_run: pathlib.Path) -> None:
     assert "workload: gpt   world size: 2   steps: 12 of 12" in text
     assert "protection: none   guard: off   injected: bitflip:steps=5,bits=exponent,ranks=1\n" in text
     assert "syncs: 0   detections: 0   recomputes: 0   skipped batches: 0" in text
-    assert "val loss: " in text and "steps/s" in text and "max loss_cv: " in text
+    assert "val loss: " in text and "max loss_cv: " in text
+    summary = json.loads((fault_run / "summary.json").read_text())  # the trainer's timing, not the records'
+    assert f"speed: {summary['steps_per_s']:.2f} steps/s ({summary['wall_s']:.2f} s in training steps)\n" in text
     alerts = json.loads((fault_run / "summary.json").read_text())["alerts"]
     assert "min grad_cos_min: " in text and f"alerts: {alerts} (replicas_split (1)" in text
     assert "note:" not in text  # finished run: summary.json was read
@@ -189,8 +191,8 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     run = copy_run(fault_run, tmp_path / "events")
     (run / "summary.json").unlink()
     (run / "faults.jsonl").unlink()  # a second fault, written by rank 0 at step 8
-    with open(run / "faults.jsonl", "w") as f:
-        for rank, step in ((1, 5), (0, 8)):
+    with open(run / "faults.jsonl", "w") as f:  # a run still going: in the order the ranks appended them
+        for rank, step in ((0, 8), (1, 5)):
             f.write(json.dumps({"step": step, "rank": rank, "site": "local-grad", "kind": "nan"}) + "\n")
     with open(run / "events.jsonl", "a") as f:
         for event in (
@@ -220,6 +222,7 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     assert "by rank: rank 0 (1), rank 1 (1)" in text
     assert data.faults[0]["kind"] == "nan"  # a fault kind, not a float NaN (each of which was counted apart)
     assert "by kind: nan (2)" in text
+    assert "  first: step 5, rank 1, local-grad/nan\n" in text  # the earliest, not the first line
     assert "max loss_cv: nan at step 8" in text
 
 
@@ -303,6 +306,8 @@ def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
     ("summary.json", b'{"steps": "x"}', "summary.json: steps must be a number, got 'x'"),
     ("config.json", b"\xff\xfe{}", "config.json is not UTF-8 text"),
     ("config.json", b'{"protect": "x"}', "config.json: protect must be an object, got 'x'"),
+    ("config.json", b'{"steps": true}', "config.json: steps must be an integer, got True"),  # JSON's true is no count
+    ("summary.json", b'{"steps": 12, "final_val_loss": "x"}', "summary.json: final_val_loss must be a number, got 'x'"),
     ("metrics/rank0.jsonl", b'{"step": NaN}\n{"step": 1}\n', "rank0.jsonl: record 1: step must be an integer >= 0"),
     ("events.jsonl", b'{"event": "sync"}\n{"step": 1}\n', "events.jsonl: record 1: step must be an integer >= 0"),
     ("faults.jsonl", b'{"step": 2, "rank": "x"}\n{"step": 1}\n', "faults.jsonl: record 1: rank must be an integer"),
@@ -436,6 +441,7 @@ def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_ru
 def test_per_rank_validation_losses_are_drawn_when_they_differ_visibly() -> None:
     visible = report_module._visible_spread
     assert visible([3.9, 3.95]) and not visible([3.9, 3.9 + 1e-7])  # 1e-3 relative: apart by more than rounding
+    assert visible([3.9, 3.91]) and not visible([3.9, 3.903])  # either side of the 1e-3
     assert visible([3.9, math.nan]) and not visible([math.nan, math.nan])  # a NaN beside a number shows
 
 
@@ -617,7 +623,8 @@ def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Pat
     for rank in (0, 1):
         rewrite_jsonl(run / "metrics" / f"rank{rank}.jsonl", lambda r: {**r, "step_time": 0.25})
     rewrite_jsonl(run / "consistency.jsonl",
-                  lambda r: {**r, "consistency/loss_cv": 0.5 if r["step"] in (3, 7) else 0.1})
+                  lambda r: {**r, "consistency/loss_cv": 0.5 if r["step"] in (3, 7) else 0.1,
+                             "consistency/grad_cos_min": 0.2 if r["step"] in (4, 8) else 0.9})
     # The ranks' accuracies differ: the worst rank is said for the loss only (the largest accuracy is the best).
     rewrite_jsonl(run / "evals.jsonl", lambda r: {**r, "val_acc": 0.6, "val_acc_per_rank": [0.5, 0.7]})
     (run / "faults.jsonl").write_text("".join(json.dumps({"step": 2, "rank": rank, "site": "params", "kind": "zero"})
@@ -629,6 +636,7 @@ def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Pat
     text = summary_text(load_run(run))
     assert "speed: 4.00 steps/s (rank 0 step times)\n" in text
     assert "max loss_cv: 0.5 at step 3\n" in text  # the first step holding it
+    assert "min grad_cos_min: 0.2 at step 4\n" in text
     assert "val acc: 0.6000 (step 0) -> 0.6000 (step 12)\n" in text
     assert "by rank: rank 2 (1), rank 10 (1)\n" in text
     assert ("first replica split: step 3 on rank 1 (aggregated-gradient checksums and training-state fingerprints "
@@ -672,6 +680,11 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
                             "cause": "transient", "ranks": [1], "values": {},
                             "totals": {"detections": 7, "recomputes": 8, "skipped_batches": 1}}) + "\n")
     assert "detections: 7   recomputes: 8   skipped batches: 1" in build_report(run).text
+    with open(run / "events.jsonl", "a") as f:  # each event carries the counts so far: the last one's are the run's
+        f.write(json.dumps({"step": 10, "event": "guard", "attempt": 0, "action": "skip", "detector": "nonfinite",
+                            "cause": "persistent", "ranks": [0], "values": {},
+                            "totals": {"detections": 8, "recomputes": 8, "skipped_batches": 2}}) + "\n")
+    assert "detections: 8   recomputes: 8   skipped batches: 2" in build_report(run).text
 
 
 def test_a_closed_console_ends_the_report_quietly(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -740,6 +753,10 @@ def test_an_averager_run_without_a_summary_counts_its_syncs(clean_run: pathlib.P
     assert "syncs: 3   detections: 0" in build_report(run).text
     with open(run / "events.jsonl", "a") as f:  # the guard's repair is a sync too
         f.write(json.dumps({"step": 7, "event": "repair", "mode": "median-with-reference", "divergence": 0.5}) + "\n")
+    assert "syncs: 4   detections: 0" in build_report(run).text
+    for rank in (0, 1):  # interrupted during step 11: steps 0-10 recorded, the last of them an average
+        path = run / "metrics" / f"rank{rank}.jsonl"
+        path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
     assert "syncs: 4   detections: 0" in build_report(run).text
 
 
