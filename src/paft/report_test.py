@@ -687,6 +687,32 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
     assert "detections: 8   recomputes: 8   skipped batches: 2" in build_report(run).text
 
 
+def test_a_three_rank_split_names_its_minority(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """With a strict majority the odd rank is named: in the first split, at the last state
+    check, and beside each differing tensor of the first sync that named them."""
+    run_dir = copy_run(clean_run, tmp_path / "three")
+    (run_dir / "summary.json").unlink()
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "world_size": 3}))
+    shutil.copy(run_dir / "metrics" / "rank1.jsonl", run_dir / "metrics" / "rank2.jsonl")
+    # The state fingerprint of step 10 finds rank 2 apart; the gradients agreed throughout.
+    rewrite_jsonl(run_dir / "consistency.jsonl", lambda r: {
+        **r, "replicas/state_distinct": 2, "replicas/state_minority_ranks": [2]} if r["step"] == 10 else r)
+    run = load_run(run_dir)
+    text = summary_text(run)
+    assert "first replica split: step 10 on rank 2 (training-state fingerprints differ)\n" in text
+    assert "replicas distinct at the last state check (step 10): 2; minority: rank 2\n" in text
+    # The syncs that found it: the first names no tensor (the split was in none it lists),
+    # the second lists two of the 40 that differed.
+    sync = {"event": "sync", "period": 4, "divergence": 0.3, "mode": "majority-copy", "groups": [[0, 1], [2]]}
+    run.events = [{**sync, "step": 4, "differing_tensors": 0, "differing": {}},
+                  {**sync, "step": 8, "differing_tensors": 40,
+                   "differing": {"param/wte.weight": [[0, 1], [2]], "optim/0/exp_avg": [[0], [1], [2]]}}]
+    assert report_module._differing_tensors(run) == [
+        "  tensors that differed, as the sync at step 8 found them: param/wte.weight on rank 2, "
+        "optim/0/exp_avg (no strict majority: [[0], [1], [2]]) and 38 more"]
+
+
 def test_a_closed_console_ends_the_report_quietly(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     # `paft report RUN | head`: the reader is gone before the summary is printed.
     paft = pathlib.Path(sys.executable).with_name("paft")
