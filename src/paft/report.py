@@ -290,7 +290,9 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     # on (a skipped one has no grad record); a sync or repair after it joins it again.
     split = [(s + 1, v) for s, v in zip(*_series(run.consistency, "replicas/grad_distinct")) if v > 1]
     found = [(int(e["step"]), float(len(e["groups"]))) for e in _split_syncs(run)]  # the split a sync saw
-    synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0) for e in _syncs(run) if int(e["step"]) >= steps[0]]
+    # Every sync's end, also before the first state fingerprint (--fingerprint-every 0):
+    # the split it found is drawn, and so must be the end it put to it.
+    synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0) for e in _syncs(run)]
     end = [(run.last_step + 1, float(run.summary["replicas_distinct"]))] if run.summary and isinstance(
         run.summary.get("replicas_distinct"), int) else []
     # At one step the later kind has the last word (a fingerprint the last).

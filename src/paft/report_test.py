@@ -617,6 +617,22 @@ def test_the_training_state_line_takes_a_repair_at_its_own_step(clean_run: pathl
     assert list(zip(steps, values)) == [(0, 1), (3, 1), (10, 1), (12, 1)]
 
 
+def test_a_sync_before_the_first_state_fingerprint_ends_its_split(clean_run: pathlib.Path,
+                                                                   tmp_path: pathlib.Path) -> None:
+    """--fingerprint-every 0: the state is fingerprinted only after the guard's state
+    mismatch (step 8 here). A sync at step 5 found the replicas split and left them one;
+    the line drew the split and dropped its end, two replicas from step 5 to 8."""
+    run = copy_run(clean_run, tmp_path / "late-fingerprint")
+    rewrite_jsonl(run / "consistency.jsonl", lambda r: {
+        **{k: v for k, v in r.items() if not k.startswith("replicas/state_")},
+        **({"replicas/state_distinct": 1, "replicas/state_minority_ranks": []} if r["step"] == 8 else {})})
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "event": "sync", "period": 5, "divergence": 0.2, "mode": "median",
+                            "groups": [[0], [1]], "note": ""}) + "\n")
+    steps, values = _state_distinct(load_run(run))
+    assert list(zip(steps, values)) == [(5, 2), (6, 1), (8, 1), (12, 1)]
+
+
 def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     run = copy_run(clean_run, tmp_path / "interrupted")
     (run / "summary.json").unlink()
