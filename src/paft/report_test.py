@@ -170,6 +170,12 @@ def test_guard_stopped_run_gets_one_note(fault_run: pathlib.Path, tmp_path: path
     assert text.count("note: the guard stopped the run at step 5 (--on-persistent stop): ") == 1
     assert ("stop): rank(s) [1] reproduce it" in text) == trainer_event  # the step said once
     assert "no summary.json" not in text
+    # A resume of a finished 4-step run, stopped: its old summary is set aside, and said so.
+    summary = json.loads((fault_run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "steps": 4}))
+    text = summary_text(load_run(run))
+    assert "note: the guard stopped the run at step 5" in text
+    assert "note: summary.json ends at step 4 but the records go on to step 12" in text
 
 
 def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,7 +214,8 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     rewrite_jsonl(run / "metrics" / "rank0.jsonl",
                   lambda r: {**r, "local_loss": "inf"} if r["step"] == 8 else r)
     rewrite_jsonl(run / "consistency.jsonl",
-                  lambda r: {**r, "consistency/loss_cv": "nan", "loss": "inf"} if r["step"] == 8 else r)
+                  lambda r: {**r, "consistency/loss_cv": "nan", "loss": "inf"} if r["step"] == 8
+                  else {**r, "consistency/loss_cv": "inf"} if r["step"] == 10 else r)
     data = load_run(run)
     assert data.metrics[0][8]["local_loss"] == float("inf")
     _, (ax,) = _figure(1, 1, "events")
@@ -223,7 +230,7 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     assert data.faults[0]["kind"] == "nan"  # a fault kind, not a float NaN (each of which was counted apart)
     assert "by kind: nan (2)" in text
     assert "  first: step 5, rank 1, local-grad/nan\n" in text  # the earliest, not the first line
-    assert "max loss_cv: nan at step 8" in text
+    assert "max loss_cv: nan at step 8 (non-finite at 2 steps)\n" in text  # the first of them
 
 
 def test_a_sync_ends_a_state_split_and_evaluations_show_the_divergence(
@@ -657,6 +664,9 @@ def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Pat
     assert "by rank: rank 2 (1), rank 10 (1)\n" in text
     assert ("first replica split: step 3 on rank 1 (aggregated-gradient checksums and training-state fingerprints "
             "differ; no strict majority; the guard caught it before the update)\n") in text
+    for rank in (0, 1):  # a library user's metrics, without step times: no speed to say (not a division by 0)
+        rewrite_jsonl(run / "metrics" / f"rank{rank}.jsonl", lambda r: {k: v for k, v in r.items() if k != "step_time"})
+    assert "\nspeed: ?\n" in summary_text(load_run(run))
 
 
 def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -727,6 +737,8 @@ def test_a_three_rank_split_names_its_minority(clean_run: pathlib.Path, tmp_path
     assert report_module._differing_tensors(run) == [
         "  tensors that differed, as the sync at step 8 found them: param/wte.weight on rank 2, "
         "optim/0/exp_avg (no strict majority: [[0], [1], [2]]) and 38 more"]
+    run.events[1]["differing_tensors"] = 2  # every one listed: no "and 0 more"
+    assert report_module._differing_tensors(run)[0].endswith("(no strict majority: [[0], [1], [2]])")
 
 
 def test_a_closed_console_ends_the_report_quietly(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
