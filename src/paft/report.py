@@ -613,8 +613,11 @@ def _first_split_line(run: RunData) -> str:
 
 
 def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
-    """The tensors the first sync or repair that found the parameters or optimizer state
-    split names (its records carry them since the syncs exchange per-tensor digests)."""
+    """The tensors the replicas first differed in, where a record names them: the first
+    sync or repair that found the parameters or optimizer state split (the syncs
+    exchange per-tensor digests), or, earlier, the monitor's first state-split alert
+    (the tensors farthest apart, measured after that step's update)."""
+    found: list[tuple[int, int, str]] = []  # (step, the sync's exact names first, the line)
     for e in _split_syncs(run):
         named: dict[str, list[list[int]]] = e.get("differing") or {}
         if not named:
@@ -625,9 +628,18 @@ def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
             parts.append(f"{name} on {_ranks(odd)}" if odd else f"{name} (no strict majority: {groups})")
         more = int(e.get("differing_tensors", len(named))) - len(parts)
         extra = f" and {more} more" if more > 0 else ""
-        found = f"as the {e['event']} at step {e['step']} found them"
-        return [f"  tensors that differed, {found}: {', '.join(parts)}{extra}"]
-    return []
+        at = f"as the {e['event']} at step {e['step']} found them"
+        found.append((int(e["step"]), 0, f"{at}: {', '.join(parts)}{extra}"))
+        break
+    for a in run.events_of("alert"):
+        moved = (a.get("divergence") or {}).get("tensors") if a.get("detector") == "state_split" else None
+        if moved:
+            parts = [f"{name} on {_ranks([int(rank)])} (relative distance {_num(rel):.3g} to the mean)"
+                     for name, rel, rank in moved[:shown]]
+            found.append((int(a["step"]), 1, f"farthest apart at the state-split alert of step {a['step']}: "
+                                             f"{', '.join(parts)}"))
+            break
+    return [f"  tensors that differed, {min(found)[2]}"] if found else []
 
 
 def _counters(run: RunData) -> str:

@@ -669,6 +669,30 @@ def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Pat
     assert "\nspeed: ?\n" in summary_text(load_run(run))
 
 
+def test_the_tensors_that_differed_come_from_the_first_record_that_names_them(clean_run: pathlib.Path,
+                                                                             tmp_path: pathlib.Path) -> None:
+    # A monitor-only run names them in its state-split alert (the tensors farthest apart);
+    # a sync or repair by their digests, which wins at the same step (exact, before the update).
+    run = copy_run(clean_run, tmp_path / "named")
+    alert = {"step": 6, "event": "alert", "detector": "state_split", "value": 2, "ranks": [1],
+             "divergence": {"tensors": [["param/wte.weight", 2.0, 1], ["optim/0/exp_avg", 0.5, 1]]}}
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps(alert) + "\n")
+
+    def line() -> str:
+        return next(x for x in summary_text(load_run(run)).splitlines() if x.startswith("  tensors that differed"))
+
+    assert line() == ("  tensors that differed, farthest apart at the state-split alert of step 6: param/wte.weight "
+                      "on rank 1 (relative distance 2 to the mean), optim/0/exp_avg on rank 1 (relative distance "
+                      "0.5 to the mean)")
+    events = (run / "events.jsonl").read_text()
+    for step, kept in ((6, "as the repair at step 6"), (8, "farthest apart at the state-split alert of step 6")):
+        repair = {"step": step, "event": "repair", "mode": "median-with-reference", "groups": [[0], [1]],
+                  "differing_tensors": 1, "differing": {"param/wte.weight": [[0], [1]]}}
+        (run / "events.jsonl").write_text(events + json.dumps(repair) + "\n")
+        assert line().startswith(f"  tensors that differed, {kept}")
+
+
 def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     run = copy_run(clean_run, tmp_path / "guarded")
     (run / "summary.json").unlink()
