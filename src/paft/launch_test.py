@@ -116,6 +116,84 @@ def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pa
     assert json.loads((run / "config.json").read_text())["steps"] == 2
 
 
+def test_a_refused_claim_gives_the_signals_back(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claim holds Ctrl-C and the terminating signals while it sets an old run aside;
+    a claim refused there (the directory in use) must hand them back, or a later Ctrl-C
+    is only noted and never acted on."""
+    run = _old_run(tmp_path, monkeypatch)
+    before = signal.getsignal(signal.SIGTERM)
+    with launcher.hold_dir_lock(run), pytest.raises(RunDirError, match="in use"):
+        with launcher.claim_run_dir(TrainConfig(run_dir="r", steps=1, overwrite=True)):
+            pytest.fail("the claim must be refused")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == before
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler runs at the next bytecode; this is never reached
+
+
+def test_an_old_run_comes_back_when_the_new_directory_cannot_be_made(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """--overwrite moves the old run aside and then creates the new directory: when that
+    fails (another start took the name meanwhile), the old run is moved back."""
+    run = _old_run(tmp_path, monkeypatch)
+
+    def taken(run_dir: pathlib.Path) -> None:
+        raise RunDirError(f"--run-dir: {run_dir} was just created by another paft train; pick another --run-dir")
+
+    monkeypatch.setattr(launcher, "_create", taken)
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: pytest.fail("the run must not start"))
+    with pytest.raises(RunDirError, match="r was just created by another paft train"):
+        launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert json.loads((run / "config.json").read_text())["steps"] == 2
+    assert "the output it was to replace is back in r" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["checkpointed", "guard stop"])
+def test_overwrite_deletes_the_old_run_once_the_new_one_checkpointed_or_ended(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], how: str) -> None:
+    """A new run that failed after its first checkpoint (--resume continues it), or that the
+    guard stopped (exit 3, an end the user asked for), replaces the old run for good, even
+    with no step recorded; neither is said to have stopped early."""
+    run = _old_run(tmp_path, monkeypatch)
+
+    def workers(cfg: TrainConfig) -> int:
+        if how == "guard stop":
+            (run / "events.jsonl").write_text('{"step": 0, "event": "stop"}\n')
+            return launcher.EXIT_PERSISTENT_FAULT
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "latest").write_text("step0000001\n")
+        return launcher.EXIT_WORKER_FAILED
+
+    monkeypatch.setattr(launcher, "_run_workers", workers)
+    code = launcher.launch(TrainConfig(run_dir="r", steps=4, overwrite=True))
+    assert code == (3 if how == "guard stop" else 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert json.loads((run / "config.json").read_text())["steps"] == 4
+    assert (run / ("events.jsonl" if how == "guard stop" else "checkpoints/latest")).is_file()
+    assert capsys.readouterr().err == ""
+
+
+def test_an_old_run_that_cannot_go_back_stays_aside_and_is_named(tmp_path: pathlib.Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The run --overwrite set aside goes back in place when the new one is not kept;
+    where something took that place meanwhile, it stays aside, whole, and the user is
+    told where."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "summary.json").write_text("old")
+    aside = launcher.set_aside(run)
+    assert aside is not None
+    run.mkdir()
+    (run / "theirs").write_text("")  # another start took the name
+    launcher.settle(aside, run, keep_new=False)
+    assert (aside / "summary.json").read_text() == "old" and (run / "theirs").is_file()
+    assert capsys.readouterr().err == (f"paft train: the output it was to replace is kept in {aside} (moving it "
+                                       f"back to {run} failed: Directory not empty)\n")
+
+
 def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 sorts faults.jsonl at a run's end; a run whose workers failed (or were
     interrupted) never got there: the launcher sorts it once they are gone."""
