@@ -65,6 +65,43 @@ def test_a_hold_whose_block_raised_drops_its_signal() -> None:
         raise OSError("the block's own error wins")
 
 
+def test_a_held_signal_is_the_first_that_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two signals held: the first is acted on (its exit code is the one said), and one
+    whose handler was the default is sent again, so that it still ends the process."""
+    before = {sig: signal.signal(sig, launcher.on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        hold = SignalHold()
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGHUP)
+        assert hold.came == [signal.SIGTERM, signal.SIGHUP]
+        with pytest.raises(launcher.SignalException) as exc:
+            hold.release()
+        assert exc.value.sigval == signal.SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sent: list[tuple[int, int]] = []
+        monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))  # not to end the test
+        hold = SignalHold()
+        signal.raise_signal(signal.SIGTERM)
+        hold.release()
+        assert sent == [(os.getpid(), signal.SIGTERM)]
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_after_an_interrupt_further_signals_are_ignored() -> None:
+    """One signal ends the command; a second (a key held, a group signalled twice) would
+    only interrupt torch's exit handlers, with tracebacks: all four are ignored from then."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        launcher.ignore_further_signals()
+        assert {sig: signal.getsignal(sig) for sig in signals} == dict.fromkeys(signals, signal.SIG_IGN)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def _old_run(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
     monkeypatch.chdir(tmp_path)
     run = pathlib.Path("r")
