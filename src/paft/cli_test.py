@@ -951,8 +951,15 @@ def test_a_run_dir_another_start_took_meanwhile_is_left_alone(tmp_path: pathlib.
     with pytest.raises(RunDirError, match="d was just filled by another paft train"):  # not locked yet
         with claim_run_dir(cfg):
             pass
-    real_is_dir = pathlib.Path.is_dir
-    monkeypatch.setattr(pathlib.Path, "is_dir", lambda p: False if p == theirs else real_is_dir(p))
+    real_is_dir, looked = pathlib.Path.is_dir, []
+
+    def is_dir(path: pathlib.Path) -> bool:  # the first look misses it; the start that made it is just done
+        if path == theirs and not looked:
+            looked.append(path)
+            return False
+        return real_is_dir(path)
+
+    monkeypatch.setattr(pathlib.Path, "is_dir", is_dir)
     with pytest.raises(RunDirError, match="d was just created by another paft train"):  # seen missing, then made
         with claim_run_dir(cfg):
             pass
