@@ -548,3 +548,30 @@ def test_the_launchers_shutdown_chatter_is_dropped(name: str, msg: str, args: tu
     launcher.local_workers(_noop, 1)  # sets the launcher's logging up; starts nothing
     record = logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
     assert bool(logging.getLogger(name).filter(record)) == kept
+
+
+@pytest.mark.parametrize("cpus, workers, threads", [(8, 1, 8), (8, 3, 2), (8, 16, 1), (None, 2, 1)])
+def test_each_worker_gets_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch, cpus: int | None, workers: int,
+                                                 threads: int) -> None:
+    """N workers on one machine each take 1/N of its cores for their BLAS pool (at least
+    one): one pool each as large as the machine oversubscribed it N times."""
+    set_to: list[int] = []
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(launcher.torch, "set_num_threads", set_to.append)
+    launcher._set_threads(workers)
+    assert set_to == [threads]
+
+
+@pytest.mark.parametrize("local", ["0", "-1", "two", ""])
+def test_a_bad_local_world_size_under_torchrun_exits_2(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str], local: str) -> None:
+    """LOCAL_WORLD_SIZE sizes each rank's share of the cores: a value torchrun never sets
+    is a usage error named by its variable (0 divided by zero), before any rendezvous."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                        "LOCAL_WORLD_SIZE": local}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launcher, "_init_process_group", lambda cfg: pytest.fail("no rendezvous"))
+    assert launcher.torchrun_main(["--run-dir", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == (f"python -m paft.train: error: LOCAL_WORLD_SIZE={local!r}: run it under "
+                                       "torchrun, which sets it\n")
+    assert list(tmp_path.iterdir()) == []
