@@ -575,3 +575,19 @@ def test_a_bad_local_world_size_under_torchrun_exits_2(tmp_path: pathlib.Path, m
     assert capsys.readouterr().err == (f"python -m paft.train: error: LOCAL_WORLD_SIZE={local!r}: run it under "
                                        "torchrun, which sets it\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def _main_exit_codes(rank: int, world_size: int, run_dir: str) -> list[int]:
+    """Torchrun's entry once the process group is up, training replaced by a guard's
+    stop, twice: the new run (exit 3), then a second new run into its directory, which
+    the claim refuses (exit 2). Returns the codes this rank exited with."""
+    # This worker's own module: it ends with the test.
+    launcher._train_in_group = lambda cfg, run_dir: {"status": "persistent_fault", "message": "stopped"}
+    return [launcher._main(TrainConfig(run_dir=run_dir, world_size=2, steps=1), "torchrun", rank == 0)
+            for _ in range(2)]
+
+
+def test_under_torchrun_every_rank_exits_3_on_a_guard_stop_and_2_on_a_refused_claim(tmp_path: pathlib.Path) -> None:
+    """torchrun says which rank failed first, and with what code: each rank's must be
+    paft train's (3: the guard stopped the run; 2: a usage error, the run directory)."""
+    assert run_workers(_main_exit_codes, 2, str(tmp_path / "r"), timeout=120) == [[3, 2], [3, 2]]
