@@ -584,7 +584,9 @@ def test_a_resume_commits_its_options_with_its_first_checkpoint(
     assert main(["train", *_failing(100), "--run-dir", "r"]) == 0
     before = (tmp_path / "r" / "config.json").read_bytes()
     assert main(["train", *_failing(4, steps=8), "--run-dir", "r", "--resume"]) == 1
-    assert "stopped before a checkpoint: r/config.json keeps the options of its last one" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a worker failed (its traceback is above); r keeps its checkpoints (--resume continues from the last)" in err
+    assert "stopped before a checkpoint: r/config.json keeps the options of its last one" in err
     assert (tmp_path / "r" / "config.json").read_bytes() == before
     # Checkpoints at steps 5 and 6 trained with --steps 8: a later --resume goes on with it.
     assert main(["train", *_failing(6, steps=8), "--run-dir", "r", "--resume", "--checkpoint-every", "1"]) == 1
