@@ -16,8 +16,17 @@ import pytest
 import torch
 
 from paft.bench import desync, detection, matrix, overhead, scaling
-from paft.bench.runner import Run, alternate, mean_local_loss, throughput_ratios
+from paft.bench.runner import (
+    Run,
+    alternate,
+    make_config,
+    markdown_table,
+    mean_local_loss,
+    throughput_ratios,
+    trailing_mean,
+)
 from paft.cli import main
+from paft.config import TrainConfig
 from paft.consistency import HEADER
 from paft.records import read_jsonl
 
@@ -90,6 +99,26 @@ def test_throughput_ratios_rejects_bad_schedules() -> None:
         throughput_ratios(["a", "b"], [1.0, 2.0], "R")
     with pytest.raises(ValueError, match="length"):
         throughput_ratios(["R", "a"], [1.0], "R")
+
+
+def test_trailing_mean_skips_non_finite_values_and_looks_back_k_points() -> None:
+    nan = math.nan
+    out = trailing_mean([nan, 1.0, nan, 3.0, 5.0, 8.0], 3)
+    assert math.isnan(out[0])  # nothing finite yet
+    assert out[1:] == [1.0, 1.0, 2.0, 4.0, 16.0 / 3]
+
+
+def test_markdown_table_formats_floats_to_four_digits_and_nan_as_na() -> None:
+    assert markdown_table(["a", "b"], [[1, 2.345678], ["x", math.nan]]) == (
+        "| a | b |\n|---|---|\n| 1 | 2.346 |\n| x | n/a |")
+
+
+def test_make_config_merges_sections_but_replaces_the_model(tmp_path: pathlib.Path) -> None:
+    base = TrainConfig(workload="gpt", world_size=2, batch_size=8, model={"n_layer": 1}).to_dict()
+    cfg = make_config(base, tmp_path / "r", workload="resnet", model={"depth": 8}, monitor={"interval": 5})
+    assert cfg["model"] == {"depth": 8}  # another workload's keys: the model is not merged
+    assert cfg["monitor"] == {**base["monitor"], "interval": 5}
+    assert (cfg["run_dir"], cfg["quiet"], cfg["workload"]) == (str(tmp_path / "r"), True, "resnet")
 
 
 # -- desync and detection analyses on synthetic run directories ----------------------------
