@@ -121,6 +121,65 @@ def test_make_config_merges_sections_but_replaces_the_model(tmp_path: pathlib.Pa
     assert (cfg["run_dir"], cfg["quiet"], cfg["workload"]) == (str(tmp_path / "r"), True, "resnet")
 
 
+# -- paired-step overhead, from synthetic per-rank step times ---------------------------------
+
+
+# Per rank, per variant: wall and CPU seconds of 5 timed steps (one per block).
+_RANK_TIMES = [
+    {"plain": {"wall": [1.0, 2.0, 2.0, 4.0, 1.0], "cpu": [1.0] * 5},
+     "monitor": {"wall": [3.0, 2.0, 1.0, 4.0, 3.0], "cpu": [3.0] * 5}},
+    {"plain": {"wall": [2.0, 1.0, 2.0, 2.0, 1.0], "cpu": [2.0] * 5},
+     "monitor": {"wall": [1.0, 4.0, 2.0, 4.0, 2.0], "cpu": [4.0] * 5}},
+]
+
+
+def _fake_launch(calls: list[tuple[Any, ...]]) -> Any:
+    def launch(entry: Any, world_size: int, *args: Any) -> dict[int, Any]:
+        calls.append((entry, world_size, *args))
+        return {r: {"times": t, "parameters": 1234} for r, t in enumerate(_RANK_TIMES[:world_size])}
+    return launch
+
+
+def test_overhead_measure_compares_summed_paired_steps(tmp_path: pathlib.Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(overhead, "launch", _fake_launch(calls))
+    base = TrainConfig(workload="resnet", world_size=2, batch_size=8, steps=5).to_dict()
+    costs = overhead.measure(tmp_path, base, ["monitor"], steps=5, world_size=2, warmup=3)
+    (_, world_size, configs, steps, warmup), = calls
+    assert (world_size, steps, warmup) == (2, 5, 3)
+    assert list(configs) == ["plain", "monitor"]  # plain DDP added, first
+    assert configs["plain"]["monitor"]["enabled"] is False and configs["monitor"]["monitor"]["enabled"] is True
+    # A step's wall time is the slowest rank's: plain [2, 2, 2, 4, 1], monitor [3, 4, 2, 4, 3];
+    # its CPU time the mean over ranks: plain 1.5, monitor 3.5 every step.
+    assert costs["plain"] == {"wall_ms": 2000.0, "cpu_ms": 1500.0, "parameters": 1234}  # medians
+    monitor = costs["monitor"]
+    assert monitor["wall"] == 16 / 11  # sums, not a mean of per-step ratios (1.7 here)
+    assert monitor["wall_blocks"] == [1.5, 2.0, 1.0, 1.0, 3.0]
+    assert monitor["wall_median_extra_ms"] == 1000.0  # median of [1, 2, 0, 0, 2] s
+    assert monitor["cpu"] == pytest.approx(7 / 3, rel=1e-15)
+    assert monitor["cpu_blocks"] == pytest.approx([7 / 3] * 5, rel=1e-15)
+
+
+def test_overhead_block_range_is_the_lowest_to_the_highest_block() -> None:
+    assert overhead.block_range([1.025, 0.98, 1.1, 1.0]) == "-2.0 to +10.0"
+
+
+def test_overhead_table_states_the_measured_costs(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(overhead, "launch", _fake_launch([]))
+    out = tmp_path / "overhead"
+    out.mkdir()
+    results = overhead.run(out, steps=5, warmup=0, world_size=2, batch_size=8, variants=["monitor"],
+                           workload="resnet")
+    assert json.loads((out / "results.json").read_text())["costs"] == results["costs"]
+    md = (out / "results.md").read_text()
+    # overhead %, range over blocks, median step overhead % (1000 ms over plain's 2000 ms median
+    # step), throughput = 1 / the time ratio, CPU overhead %, its range.
+    assert "| monitor | 45.45 | +0.0 to +200.0 | 50 | 0.6875 | 133.3 | +133.3 to +133.3 |" in md
+    assert "plain DDP: 2000.0 ms per step (wall, slowest rank), 1500.0 ms CPU" in md
+    assert "(0.00 M parameters)" in md and "5 paired steps per variant after 0 untimed" in md
+
+
 # -- desync and detection analyses on synthetic run directories ----------------------------
 
 
