@@ -180,6 +180,67 @@ def test_overhead_table_states_the_measured_costs(tmp_path: pathlib.Path, monkey
     assert "(0.00 M parameters)" in md and "5 paired steps per variant after 0 untimed" in md
 
 
+# -- the matrix's rows, from synthetic run summaries -------------------------------------------
+
+
+def test_matrix_fault_settings_are_the_documented_grid() -> None:
+    every = tuple(matrix.SCENARIOS)
+    agg = "bitflip:site=aggregation,rate={},bits={},ranks=1"
+    assert matrix.fault_settings(False) == {
+        **{f"agg-{b}-{r}": (agg.format(r, b), every)
+           for b in ("exponent", "mantissa") for r in ("0.001", "0.01", "0.1")},
+        "local-exponent-0.02": ("bitflip:site=local-grad,rate=0.02,bits=exponent,ranks=1", matrix.GUARD_SCENARIOS),
+    }
+    assert matrix.fault_settings(True) == {
+        "agg-exponent-0.1": (agg.format("0.1", "exponent"), every),
+        "local-exponent-0.1": ("bitflip:site=local-grad,rate=0.1,bits=exponent,ranks=1", matrix.GUARD_SCENARIOS),
+    }
+
+
+def test_matrix_rows_compare_each_run_with_its_neighbouring_references(tmp_path: pathlib.Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = matrix.plan(tmp_path, ["resnet"], True, 6, 2)
+    # --quick: R, agg x (unprotected, averager, paft-sync), R, agg x (paft-dyn, guard, dyn+guard), R,
+    # local x (unprotected, guard, dyn+guard), R; the references at 10, 20, 40, 80 steps/s.
+    assert [r.labels["scenario"] for r in runs].count(matrix.REFERENCE) == 4
+    ref_rates = iter([10.0, 20.0, 40.0, 80.0])
+    special = {
+        "resnet/agg-exponent-0.1/unprotected": {"steps_per_s": 12.0},  # next to 10 and 20
+        "resnet/agg-exponent-0.1/guard": {  # next to 20 and 40
+            "steps_per_s": 24.0, "final_val_loss": 2.2, "final_val_loss_max": 3.0, "max_replica_rel_diff_run": 0.25,
+            "max_replica_rel_diff": 0.125, "replicas_distinct": 2, "syncs": 4, "sync_bytes": 3 * 2**20,
+            "detections": 5, "recomputes": 6, "skipped_batches": 1, "final_val_acc": 0.25},
+        "resnet/local-exponent-0.1/unprotected": {"steps_per_s": 15.0},
+        "resnet/local-exponent-0.1/dyn+guard": {"steps_per_s": 30.0},  # next to 40 and 80
+    }
+    for r in runs:
+        r.summary = {"final_val_loss": 2.0, "final_val_loss_max": 2.5, "max_replica_rel_diff_run": 0.0,
+                     "max_replica_rel_diff": 0.0, "replicas_distinct": 1, "faults_injected": 3, "syncs": 0,
+                     "sync_bytes": 0, "detections": 0, "recomputes": 0, "skipped_batches": 0, "final_val_acc": 0.5,
+                     "steps_per_s": next(ref_rates) if r.labels["scenario"] == matrix.REFERENCE else 30.0,
+                     **special.get(r.name, {})}
+    monkeypatch.setattr(matrix, "_plots", lambda *_: [])
+    results = matrix.summarize(tmp_path, runs, ["resnet"], 6, 2)
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == results["rows"]
+    rows = {(r["setting"], r["scenario"]): r for r in results["rows"]}
+    guard = rows[("agg-exponent-0.1", "guard")]
+    assert guard["gap_pct"] == pytest.approx(10.0) and guard["gap_worst_pct"] == 20.0  # worst vs the ref's worst
+    assert (guard["max_divergence"], guard["end_divergence"], guard["sync_mb"]) == (0.25, 0.125, 3.0)
+    assert guard["throughput_ratio"] == 0.8 and guard["throughput_vs_unprotected"] == 2.0
+    assert rows[("agg-exponent-0.1", "unprotected")]["throughput_ratio"] == 0.8
+    assert rows[("local-exponent-0.1", "dyn+guard")]["throughput_ratio"] == 0.5
+    assert rows[("local-exponent-0.1", "dyn+guard")]["throughput_vs_unprotected"] == 2.0
+    ref = rows[("none", matrix.REFERENCE)]
+    assert (ref["throughput_ratio"], ref["throughput_vs_unprotected"], ref["gap_pct"]) == (1.0, None, 0.0)
+    md = (tmp_path / "results.md").read_text()
+    # The columns in the header's order: val loss, gap %, worst gap %, max div, end div, replicas,
+    # faults, syncs, sync MB, detect, recomp, thru / ref, thru / unprot.
+    assert "| resnet | agg-exponent-0.1 | guard | 2.2 | 10 | 20 | 0.25 | 0.125 | 2 | 3 | 4 | 3 | 5 | 6 | 0.8 | 2 |" \
+        in md
+    assert "| resnet | none | fault-free | 2 | 0 | 0 | 0 | 0 | 1 | 3 | 0 | 0 | 0 | 0 | 1 | n/a |" in md
+    assert "| agg-exponent-0.1 | guard | 0.25 |" in md  # the accuracy table
+
+
 # -- desync and detection analyses on synthetic run directories ----------------------------
 
 
