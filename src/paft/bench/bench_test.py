@@ -284,6 +284,47 @@ def test_desync_analyze_statistics_and_paired_comparison(tmp_path: pathlib.Path)
     assert "not beyond" not in desync._verdict("loss_cv", higher, 1.0, {"diff": 0.5, "se": 1.0, "z": 0.5})
 
 
+def test_desync_standard_error_is_over_block_means() -> None:
+    # 10 steps: blocks of 2 (at least 5 blocks), means [2, 2, 3, 2, 3]: se = stdev / sqrt(5).
+    mean, se = desync._mean_se([1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 0.0, 4.0, 3.0, 3.0, math.nan])
+    assert mean == 2.4 and se == pytest.approx(math.sqrt(0.3 / 5), rel=1e-12)
+    assert desync._mean_se([1.0, 2.0]) == (1.5, pytest.approx(0.5))  # blocks of one step
+    mean, se = desync._mean_se([1.0, math.inf])
+    assert mean == 1.0 and math.isnan(se)
+
+
+def test_desync_loss_roughness_is_after_the_warmup(tmp_path: pathlib.Path) -> None:
+    # Step-to-step differences from the warm-up on: [4, 3, 3, 1] -> [-1, 0, -2], population std.
+    _consistency(tmp_path / "S1", [1.0] * 6, [9.0, 1.0, 4.0, 3.0, 3.0, 1.0])
+    run = Run("S1", {"run_dir": str(tmp_path / "S1")}, labels={"setting": "S1"},
+              summary={"final_val_loss": 2.0, "steps_per_s": 1.0})
+    assert desync.analyze([run], warmup=2)["stats"]["S1"]["loss_diff_std"] == pytest.approx(math.sqrt(2 / 3))
+
+
+def test_desync_reading_compares_each_setting_with_s1_and_quotes_the_null_control(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    offsets = {"S1": 0.0, "S2": 0.5, "S3": 1.0, "S1r": 0.25}  # global loss and final val loss above S1's
+
+    def run_all(runs: list[Run], world_size: int) -> None:
+        for r in runs:
+            key = r.labels["setting"]
+            _consistency(pathlib.Path(r.config["run_dir"]), [1.0] * 10, [4.0 - t / 8 + offsets[key] for t in range(10)])
+            r.summary = {"final_val_loss": 2.0 + offsets[key], "steps_per_s": 1.0}
+
+    monkeypatch.setattr(desync, "run_all", run_all)
+    monkeypatch.setattr(desync, "_plots", lambda *_: [])
+    out = tmp_path / "desync"
+    results = desync.run(out, steps=10, world_size=2)
+    md = (out / "results.md").read_text()
+    assert results["reading"] == [line for line in md.splitlines() if line.startswith("- ")]
+    s2 = next(line for line in results["reading"] if line.startswith("- S2 "))
+    assert "global loss: +0.5000 per step vs S1 on average (z = +nan), null control +0.2500" in s2
+    assert s2.endswith("; final val loss +0.5000 (null control +0.2500).")
+    s1r = next(line for line in results["reading"] if line.startswith("- S1r "))
+    assert s1r.endswith("; final val loss +0.2500.")  # itself the null control: none quoted
+
+
 def _evals(run_dir: pathlib.Path, losses: list[float], divs: list[float]) -> None:
     _jsonl(run_dir / "evals.jsonl", [
         {"step": s, "val_loss": v, "val_loss_per_rank": [v, v], "replica_rel_diff": d}
