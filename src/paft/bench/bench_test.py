@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -351,6 +352,22 @@ def test_detection_assess_harm(tmp_path: pathlib.Path) -> None:
     assert harm["background"] == {"assessed": 8, "fired": 1}
 
 
+def test_detection_harm_reads_the_worst_replica(tmp_path: pathlib.Path) -> None:
+    ref, bad = tmp_path / "ref", tmp_path / "unguarded"
+    _evals(ref, [2.0] * 7, [0.0] * 7)
+    # Per rank: fault 1 raises one replica's loss 3% (the mean only 1.5%); fault 3 makes one
+    # replica's loss NaN (the other stays finite); at fault-free step 2 the replicas split.
+    per_rank = [[2.0, 2.0], [2.0, 2.0], [2.0, 2.06], [2.0, 2.06], [2.06, math.nan], [2.06, math.nan], [2.06, math.nan]]
+    divs = [0.0, 0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3]
+    _jsonl(bad / "evals.jsonl", [{"step": s, "val_loss": sum(v) / 2, "val_loss_per_rank": v, "replica_rel_diff": d}
+                                 for s, (v, d) in enumerate(zip(per_rank, divs))])
+    _jsonl(bad / "faults.jsonl", [{"step": t, "attempt": 0} for t in (1, 3)])
+    harm = detection.assess_harm(bad, ref, 6)
+    assert [p["harm"] for p in harm["per_fault"]] == ["loss", "nonfinite"]
+    # Steps 0 and 2 assessed (4 and 5 follow the NaN); the split after step 2 fires the test too.
+    assert harm["background"] == {"assessed": 2, "fired": 1}
+
+
 def test_detection_assess_detection(tmp_path: pathlib.Path) -> None:
     run_dir = tmp_path / "guarded"
     _jsonl(run_dir / "faults.jsonl", [{"step": t, "attempt": 0} for t in (2, 9, 15)])
@@ -385,6 +402,70 @@ def test_detection_bits_and_specs() -> None:
         with pytest.raises(ValueError, match="bits"):
             detection.parse_bits(bad)
     assert detection.fault_spec("local-grad", 17, 0.1) == "bitflip:site=local-grad,rate=0.1,bits=17,ranks=1,count=1"
+
+
+def test_detection_bit_labels_name_the_float32_field() -> None:
+    assert [detection.bit_label(b) for b in (0, 22, 23, 30, 31)] == [
+        "0 (mantissa)", "22 (mantissa)", "23 (exponent)", "30 (exponent)", "31 (sign)"]
+    assert detection.bit_label("sign") == "sign (class)"
+    assert detection.bit_label("exponent") == "exponent (random bit)"
+
+
+def test_detection_table_and_results_agree_on_shares_and_counts(tmp_path: pathlib.Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every cell the same: faults at steps 1 (raises the loss), 4 (makes the model non-finite)
+    # and 5 (after the collapse); the guard catches step 1, step 3 late, step 0 falsely.
+    def run_all(runs: list[Run], world_size: int) -> None:
+        for r in runs:
+            run_dir = pathlib.Path(r.config["run_dir"])
+            if r.name == detection.REFERENCE:
+                _evals(run_dir, [2.0] * 7, [0.0] * 7)
+                r.summary = {"final_val_loss": 2.0, "steps_per_s": 1.0}
+                continue
+            _jsonl(run_dir / "faults.jsonl", [{"step": t, "attempt": 0} for t in (1, 4, 5)])
+            if r.labels["guard"]:
+                _jsonl(run_dir / "events.jsonl", [
+                    {"step": t, "event": "guard", "attempt": 0, "action": "recompute", "detector": "grad_mismatch"}
+                    for t in (0, 1, 3)])
+                r.summary = {"final_val_loss": 2.0, "faults_injected": 3, "recomputes": 2, "skipped_batches": 0,
+                             "replicas_distinct": 1}
+            else:
+                _evals(run_dir, [2.0, 2.0, 2.2, 2.2, 2.2, "nan", "nan"], [0.0] * 5 + ["inf", "inf"])  # type: ignore[list-item]
+                r.summary = {"final_val_loss": 2.5, "faults_injected": 3, "replicas_distinct": 2,
+                             "max_replica_rel_diff": 0.5}
+
+    def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str], *, steps: int,
+                world_size: int) -> dict[str, Any]:
+        assert tuple(variants) == detection.OVERHEAD_VARIANTS and steps == 5
+        _jsonl(runs_dir / "guard" / "events.jsonl", [{"step": 40, "event": "guard", "detector": "loss_spike"}])
+        return {"plain": {"wall_ms": 2.0, "cpu_ms": 1.0, "parameters": 5},
+                **{v: {"wall": w, "wall_blocks": [1.25, w], "cpu": 1.25, "cpu_blocks": [1.5, 1.0]}
+                   for v, w in (("monitor", 1.5), ("guard", 1.75))}}
+
+    monkeypatch.setattr(detection, "run_all", run_all)
+    monkeypatch.setattr(overhead, "measure", measure)
+    monkeypatch.setattr(detection, "_plot", lambda out, *_: out / "detection.png")
+    out = tmp_path / "detection"
+    results = detection.run(out, steps=6, rate=0.5, bits=[30, "mantissa"], overhead_steps=5)
+    assert json.loads((out / "results.json").read_text())["rows"] == results["rows"]
+    assert len(results["rows"]) == 4
+    for row in results["rows"]:
+        assert (row["faults"], row["harm_assessed"], row["harmful"], row["collapsed"]) == (3, 2, 2, 1)
+        assert row["harmful_share"] == 1.0  # over the assessed faults, not all 3
+        assert (row["faults_guarded"], row["detected"], row["late"], row["false_positives"]) == (3, 1, 1, 1)
+        assert row["detected_share"] == 1 / 3  # over the injected faults
+        assert row["harmful_missed"] == 1  # step 4's
+        assert (row["gap_guard_pct"], row["gap_unguarded_pct"]) == (0.0, 25.0)
+        assert row["background"] == {"assessed": 3, "fired": 0}  # steps 0, 2, 3
+    md = (out / "results.md").read_text()
+    cell = "| 3 | 2/2 (+1 after NaN) | 1/3 | 1 (+1 late) | 2 | 0 | 25 |"
+    assert f"| 30 (exponent) {cell}{cell[1:]}" in md
+    assert ("- local-grad: over the single-bit rows, 2/2 faults harmful, 1/3 detected; harmful but missed: 30; "
+            "false positives in these runs: 2 (+2 late); harm test background (fired at fault-free steps of the "
+            "unguarded runs): 0/6.") in md
+    assert "| guard | 75 | +25.0 to +75.0 | 25 | +0.0 to +50.0 |" in md
+    assert f"False positives in {overhead.WARMUP + 5} fault-free guarded steps: 1." in md
+    assert results["overhead"]["false_positives_fault_free"] == 1
 
 
 # -- (b), (c) real runs through the CLI ---------------------------------------------------
