@@ -757,3 +757,36 @@ def test_scaling_states_the_sketch_dimension_its_runs_used(tmp_path: pathlib.Pat
     assert all(c["control_row_B"] == 8 * (HEADER + 64) for c in results["calculated"].values())
     md = (out / "results.md").read_text()
     assert "| 2 | 64 | 584 / 584 |" in md and "k = 64, as in the runs" in md and "k = 256" not in md
+
+
+def test_scaling_measured_rows_state_the_paired_costs_and_median_syncs(tmp_path: pathlib.Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str], *, steps: int,
+                world_size: int) -> dict[str, Any]:
+        assert list(variants) == ["monitor"] and (steps, world_size) == (5, 2)
+        (runs_dir / "monitor").mkdir(parents=True)
+        (runs_dir / "monitor" / "config.json").write_text(json.dumps({"monitor": {"sketch_dim": 64}}))
+        return {"plain": {"wall_ms": 4.0, "cpu_ms": 3.0, "parameters": 7},
+                "monitor": {"wall": 1.25, "wall_blocks": [1.25] * 5, "cpu": 1.5, "cpu_blocks": [1.5] * 5}}
+
+    syncs = {"sync-noop": [("noop", 24, 0.001), ("noop", 48, 0.003), ("noop", 24, 0.002)],
+             "sync-repair": [("majority-copy", b, 0.01) for b in (100, 300, 200, 1000)]}
+
+    def run_all(runs: list[Run], world_size: int) -> None:
+        for r in runs:
+            _jsonl(pathlib.Path(r.config["run_dir"]) / "events.jsonl", [{"step": 0, "event": "guard"}] + [
+                {"step": 5 * i, "event": "sync", "mode": m, "bytes_sent": b, "seconds": sec}
+                for i, (m, b, sec) in enumerate(syncs[r.labels["variant"]])])
+
+    monkeypatch.setattr(overhead, "measure", measure)
+    monkeypatch.setattr(scaling, "run_all", run_all)
+    out = tmp_path / "scaling"
+    out.mkdir()
+    results = scaling.run(out, world_sizes=(2,), steps=5)
+    m = results["measured"]["2"]
+    assert (m["monitor_step_time_ratio"], m["monitor_cpu_ratio"], m["plain_step_ms"]) == (1.25, 1.5, 4.0)
+    assert m["syncs"] == {"noop": {"count": 3, "bytes_sent_rank0": 24, "seconds": 0.002},
+                          "majority-copy": {"count": 4, "bytes_sent_rank0": 250.0, "seconds": 0.01}}
+    md = (out / "results.md").read_text()
+    assert "| 2 | 64 | 584 / 584 | 1.25 | 1.5 | 4 |" in md
+    assert "| 2 | majority-copy | 4 | 250 | 10 |" in md and "| 2 | noop | 3 | 24 | 2 |" in md
