@@ -211,6 +211,19 @@ def test_triggered_sync_is_never_calm_but_honours_severity() -> None:
     assert sched.observe(31, float("nan")) == 5
 
 
+def test_triggered_sync_shrinks_from_the_period_at_its_event() -> None:
+    """The period an event's sync shrinks from is the one when the event came, after
+    the growth and shrinks since the start or the last event, not theirs."""
+    sched = DynScheduler()
+    assert [sched.observe(50, CALM), sched.observe(100, CALM)] == [50, 100]
+    sched.trigger(120)
+    assert sched.period == 50
+    assert sched.observe(120, 4 * T) == 25  # 100 / 4, not the initial 50 / 4
+    sched.trigger(130)
+    assert sched.period == 12
+    assert sched.observe(130, MID) == 12  # 25 * shrink: the first event's 100 is gone
+
+
 def test_fixed_scheduler_due_every_period() -> None:
     sched = FixedScheduler(7)
     synced = []
@@ -318,3 +331,6 @@ def test_fixed_period_is_the_loading_schedulers_own() -> None:
     triggered.trigger(3)
     shorter.load_state_dict(triggered.state_dict())
     assert (shorter.period, shorter.next_sync_step) == (4, 3)  # due at once already: not moved to 3 - 6
+    # The checkpoint it writes next carries its own period throughout, not the saved 10.
+    assert shorter.state_dict() == {"kind": "FixedScheduler", "period": 4, "next_sync_step": 3,
+                                    "pending_trigger": True, "period_before_trigger": 4}
