@@ -72,6 +72,7 @@ def test_forward_snapshot_rewinds_the_rng_and_buffers_and_keeps_a_repairs_buffer
         ([0.0, 0.0, 0.0], [1.0, 0.0, 0.0], 0.0),  # no scale to compare with
         ([3.0, 0.0, 4.0], [3.0, math.nan, 4.0], math.inf),
         ([3.0, 0.0, 4.0], [math.inf, 0.0, 4.0], math.inf),
+        ([0.0, 0.0, 0.0], [math.inf, 0.0, 0.0], math.inf),  # not finite: inf, even with no scale
     ],
 )
 def test_update_ratio_by_hand(old: list[float], new: list[float], ratio: float) -> None:
@@ -189,10 +190,11 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
 
 class GroupStateSGD(torch.optim.Optimizer):
     """SGD whose step size adapts in its param group, as D-Adaptation and Prodigy keep
-    ``d`` and ``k`` there (a float, an int and a tensor, each changed by step())."""
+    ``d`` and ``k`` there (a float, an int, a tensor and a list, each changed by step(),
+    the tensor and the list in place)."""
 
     def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 0.1, "d": 1.0, "k": 0, "scale": torch.ones(())})
+        super().__init__(params, {"lr": 0.1, "d": 1.0, "k": 0, "scale": torch.ones(()), "seen": []})
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -200,6 +202,7 @@ class GroupStateSGD(torch.optim.Optimizer):
             group["d"] *= 1.5
             group["k"] += 1
             group["scale"].mul_(2.0)
+            group["seen"].append(group["k"])
             for p in group["params"]:
                 p.add_(p.grad, alpha=-group["lr"] * group["d"] * float(group["scale"]))
 
@@ -218,6 +221,7 @@ def test_state_snapshot_restores_state_kept_in_param_groups() -> None:
     group = opt.param_groups[0]
     assert (group["d"], group["k"]) == (before[0]["d"], before[0]["k"]) == (1.5, 1)
     assert group["scale"] is scale and float(scale) == 2.0  # the same tensor, its old value
+    assert group["seen"] == [1]  # the list the step grew in place, as it was
     assert state_fingerprint(model, opt) == weights
     # A key the step adds goes again; a tensor it replaced by one of another shape is put back.
     group["added"], group["scale"] = 1, torch.ones(3)
