@@ -63,6 +63,26 @@ def test_forward_snapshot_rewinds_the_rng_and_buffers_and_keeps_a_repairs_buffer
     assert all(torch.equal(b, new) for b, new in zip(buffers, repaired))
 
 
+def test_forward_snapshot_rewinds_every_cuda_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout on a GPU draws from the CUDA generators: a recompute must start from their
+    states too, on every device. CUDA faked (this suite runs on CPUs): a generator's
+    state is a byte tensor that each draw advances."""
+    generators = [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)]
+
+    def set_all(states: list[torch.Tensor]) -> None:
+        generators[:] = [s.clone() for s in states]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [g.clone() for g in generators])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+    before = [g.clone() for g in generators]
+    snap = ForwardSnapshot([])
+    for g in generators:
+        g.add_(9)  # the attempt's draws
+    snap.restore()
+    assert len(generators) == 2 and all(torch.equal(g, b) for g, b in zip(generators, before))
+
+
 @pytest.mark.parametrize(
     ("old", "new", "ratio"),
     [
