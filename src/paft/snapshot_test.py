@@ -130,6 +130,25 @@ def test_a_reused_snapshot_follows_a_new_state_layout() -> None:
         assert set(opt.state) <= set(model.parameters())
 
 
+def test_state_snapshot_leaves_the_buffers_to_the_forward_snapshot() -> None:
+    """The rollback puts back parameters and optimizer state only: the buffers it would
+    copy at capture are the ones the attempt's forward already changed, not the ones
+    before it (nor a repair's), which the ForwardSnapshot restores."""
+    model = toy_model(batchnorm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(batch(0, 0)[0]).sum().backward()
+    params = [p.clone() for p in model.parameters()]
+    snap = StateSnapshot().capture(model, opt)
+    opt.step()
+    with torch.no_grad():
+        for b in model.buffers():
+            b.add_(3)  # a repair, or the ForwardSnapshot's restore, after the capture
+    buffers = [b.clone() for b in model.buffers()]
+    snap.restore(opt)
+    assert all(torch.equal(p, old) for p, old in zip(model.parameters(), params))
+    assert all(torch.equal(b, new) for b, new in zip(model.buffers(), buffers))
+
+
 class RebindingMomentum(torch.optim.Optimizer):
     """SGD with momentum as hand-written optimizers often have it: a new state tensor
     each step (``state["m"] = 0.9 * m + g``), not an update in place."""
