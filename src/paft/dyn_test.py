@@ -170,6 +170,9 @@ def test_non_finite_divergence_goes_to_h_min(bad: float) -> None:
     assert sched.observe(60, bad) == 5
     assert sched.next_sync_step == 65
     assert sched.observe(65, CALM) == 5  # ...was reset
+    triggered = DynScheduler()
+    triggered.trigger(3)
+    assert triggered.observe(3, bad) == 5  # an event's sync too: h_min, not the event's 25
 
 
 def test_negative_divergence_is_rejected() -> None:
