@@ -129,7 +129,9 @@ class StateSnapshot:
             state = optimizer.state[p]
             for key in set(state) - keys:
                 del state[key]
-            state.update(values)
+            # Copies again: the snapshot's own lists, handed over, would grow with the
+            # next step, and a second restore from this capture would not be exact.
+            state.update({k: _copy_structure(v) for k, v in values.items()})
         for group, saved in zip(optimizer.param_groups, self._groups):
             for key in set(group) - set(saved) - {"params"}:
                 del group[key]

@@ -227,6 +227,28 @@ def test_state_snapshot_restores_params_and_optimizer_state_bitwise(opt_name: st
         step(k)  # then really take the step: the next round snapshots a grown state
 
 
+@pytest.mark.parametrize("opt_name", ["nested", "deep"])
+def test_one_capture_restores_exactly_twice(opt_name: str) -> None:
+    # A restore hands the live state copies of the capture's lists, not the lists
+    # themselves: the next step grows them in place, and the capture with them.
+    model = toy_model()
+    opt = NestedStateSGD(model.parameters(), lr=0.05) if opt_name == "nested" else DeepStateSGD(model.parameters())
+
+    def step(k: int) -> None:
+        opt.zero_grad()
+        x, y = batch(0, k)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    step(0)
+    before = state_fingerprint(model, opt)
+    snap = StateSnapshot().capture(model, opt)
+    for k in (1, 2):
+        step(k)
+        snap.restore(opt)
+        assert state_fingerprint(model, opt) == before, k
+
+
 class GroupStateSGD(torch.optim.Optimizer):
     """SGD whose step size adapts in its param group, as D-Adaptation and Prodigy keep
     ``d`` and ``k`` there (a float, an int, a tensor and a list, each changed by step(),
