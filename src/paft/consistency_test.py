@@ -14,6 +14,8 @@ from torch import nn
 
 from paft.comm import BucketCapture, CountSketch
 from paft.consistency import (
+    COL_AGG_HI,
+    COL_AGG_LO,
     FLAG_AGG_NONFINITE,
     FLAG_LOCAL_NONFINITE,
     FLAG_LOSS_NONFINITE,
@@ -26,7 +28,7 @@ from paft.consistency import (
     pairwise_cosine,
     worker_metrics,
 )
-from paft.fingerprint import digest, digest_tensor
+from paft.fingerprint import digest, digest_tensor, join_int64
 from paft.norms import total_norm
 from paft.workloads import build_workload
 
@@ -57,6 +59,19 @@ def test_the_control_view_reads_back_what_each_rank_packed() -> None:
     assert view.state_fingerprints() == fps
     assert view.flags == [FLAG_LOSS_NONFINITE | FLAG_AGG_NONFINITE | FLAG_STATE_CHECKED, FLAG_STATE_CHECKED]
     assert view.ranks_with(FLAG_AGG_NONFINITE) == [0] and view.ranks_with(FLAG_LOCAL_NONFINITE) == []
+
+
+def test_header_bits_are_the_packed_header_bitwise_with_the_checksum_split_hi_lo() -> None:
+    """The guard and the rerun read the header's bits by column: every column (NaN and
+    -0.0 as they are, the fault count last), the checksum as split_int64's (hi, lo)."""
+    checksums = [-(2**63) + 5, 2**40 + 3]
+    rows = torch.stack([ControlVector(loss=math.nan if r else -0.0, local_sq=4.0, agg_norm=2.0,
+                                      agg_checksum=checksums[r], state_fingerprint=None,
+                                      flags=FLAG_LOCAL_NONFINITE, faults=r + 1, sketch=None).pack(0)
+                        for r in range(2)])
+    view = ControlView(rows)
+    assert view.header_bits() == rows.view(torch.int64).tolist()
+    assert [join_int64(*view.matrix[r, [COL_AGG_HI, COL_AGG_LO]]) for r in range(2)] == checksums
 
 
 def test_state_fingerprints_only_when_every_rank_took_one() -> None:
