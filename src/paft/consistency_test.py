@@ -209,6 +209,15 @@ def test_cosines_of_float64_extremes() -> None:
     assert cos[0, 1] == 1.0 and list(to_mean) == [1.0, 1.0]
     cos, _ = pairwise_cosine(np.array([[1e200, 0.0], [1e200, 1e200]]))
     assert cos[0, 1] == pytest.approx(math.sqrt(0.5))
+    # the scale comes from the largest magnitude, negative rows included
+    cos, _ = pairwise_cosine(np.array([[-1e200, 0.0], [-1e200, -1e200]]))
+    assert cos[0, 1] == pytest.approx(math.sqrt(0.5))
+    # and from the finite rows only: a NaN or Inf row beside them leaves their scaling alone
+    cos, to_mean = pairwise_cosine(np.array([[1e200, 0.0], [1e200, 1e200], [math.nan, 0.0]]))
+    assert cos[0, 1] == pytest.approx(math.sqrt(0.5))
+    assert to_mean[:2] == pytest.approx([1 / math.sqrt(1.25), 1.5 / math.sqrt(2.5)])  # mean (1, 0.5) * 1e200
+    cos, to_mean = pairwise_cosine(np.array([[1e-200, 0.0], [1e-200, 0.0], [math.inf, 0.0]]))
+    assert cos[0, 1] == 1.0 and list(to_mean[:2]) == [1.0, 1.0]
 
 
 def sketch_of(flat: torch.Tensor, sketcher: CountSketch, bucket: int = 0,
