@@ -44,6 +44,12 @@ def test_nonfinite_patterns_tell_the_kind_and_the_place() -> None:
                                                                         [-inf, 1.0]))])
     assert out[0::2] == [0, 1, 1, 1, 1] and out[1] == 0
     assert len(set(out[3::2])) == 4  # NaN here or there, +inf, -inf: four patterns
+    assert nonfinite_patterns([torch.tensor([nan, 1.0, -inf, inf])])[0] == 3  # a count, not a yes/no
+    # The count decides the fewest rule: two ranks, no majority, a mask's -inf on both
+    # and one more on rank 1; rank 0's pattern is the shared state.
+    rows = [nonfinite_patterns([torch.tensor(t)]) for t in ([-inf, 1.0, 2.0], [-inf, -inf, 2.0])]
+    assert sound_replicas(rows, [True]) == [[True], [False]]
+
 
 
 @pytest.mark.parametrize("rows, lenient, sound", [
