@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from paft.divergence import all_finite, measure_divergence, nonfinite_patterns, rel_distance, sound_replicas
+from paft.divergence import _buckets, all_finite, measure_divergence, nonfinite_patterns, rel_distance, sound_replicas
 from paft.testing import run_workers
 
 nan, inf = math.nan, math.inf
@@ -51,7 +51,6 @@ def test_nonfinite_patterns_tell_the_kind_and_the_place() -> None:
     assert sound_replicas(rows, [True]) == [[True], [False]]
 
 
-
 @pytest.mark.parametrize("rows, lenient, sound", [
     # parameters: NaN/Inf even on every rank alike is corruption
     ([[1, 7], [1, 7], [1, 7]], [False], [[False]] * 3),
@@ -67,6 +66,13 @@ def test_sound_replicas(rows: list[list[int]], lenient: list[bool], sound: list[
     assert sound_replicas(rows, lenient) == sound
 
 
+def test_buckets_are_consecutive_runs_of_at_most_cap_elements() -> None:
+    """The bound on the float64 copies held at a time: a run closes before it would pass
+    the cap; a tensor larger than the cap goes alone; an empty one joins the run."""
+    assert _buckets([3, 3, 1, 10, 2, 0], 6) == [[0, 1], [2], [3], [4, 5]]
+    assert _buckets([0], 1) == [[0]] and _buckets([], 6) == []
+
+
 def _w_float64(rank: int, ws: int) -> dict:
     torch.manual_seed(0)
     model = nn.Linear(7, 5).double()
@@ -79,7 +85,7 @@ def _w_float64(rank: int, ws: int) -> dict:
     moved = measure_divergence(model, per_tensor=True)
     with torch.no_grad():
         model.bias.fill_(0.2)
-        if rank == 2:
+        if rank == ws - 1:
             model.weight[0, 0] = math.nan  # left out of the mean: the others are still alike
     nan_rank = measure_divergence(model)
     return {"same": same, "moved": moved, "nan_rank": nan_rank}
@@ -99,6 +105,16 @@ def test_identical_float64_replicas_are_at_distance_zero() -> None:
         assert r["nan_rank"].per_rank[:2] == [0.0, 0.0] and math.isinf(r["nan_rank"].per_rank[2])
 
 
+def test_identical_float64_replicas_beside_a_nan_one_are_at_distance_zero() -> None:
+    """Four ranks, the last with a NaN: the three voters' mean of 0.1 rounds away from
+    0.1 (with three ranks the two voters' mean is exact), so only their digests, compared
+    among the voters alone, keep them at 0."""
+    for r in run_workers(_w_float64, 4):
+        nan_rank = r["nan_rank"]
+        assert nan_rank.per_rank[:3] == [0.0] * 3 and math.isinf(nan_rank.per_rank[3])
+        assert nan_rank.finite == [True, True, True, False]
+
+
 def _w_by_hand(rank: int, ws: int) -> dict:
     # float32 (no bitwise shortcut): weight (3, 4), (3, 4), (3, 7), mean (3, 5); a buffer
     # (-inf, 1), (-inf, 1), (-inf, 4), mean (-inf, 2), whose -inf (a mask's) they share.
@@ -108,9 +124,17 @@ def _w_by_hand(rank: int, ws: int) -> dict:
         model.weight.copy_(torch.tensor([[3.0, 7.0 if rank == 2 else 4.0]]))
     plain = measure_divergence(model, per_tensor=True)
     no_buffers = measure_divergence(model, buffers=False)
+    one_per_bucket = measure_divergence(model, per_tensor=True, bucket_mb=1e-6)  # a cap of 1 element
+    # optimizer state: a momentum (0, 1), (0, 1), (0, 4), mean (0, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.state[model.weight]["momentum_buffer"] = torch.tensor([[0.0, 4.0 if rank == 2 else 1.0]])
+    optim = measure_divergence(model, opt)
+    opt.state[model.weight]["momentum_buffer"][0, 0] = -inf  # on every rank alike: still corruption
+    optim_inf = measure_divergence(model, opt)
     if rank == 2:
         model.mask[1] = nan  # NaN of its own in a buffer: out of the buffer's mean, not the weight's
-    return {"plain": plain, "no_buffers": no_buffers, "nan_buffer": measure_divergence(model)}
+    return {"plain": plain, "no_buffers": no_buffers, "one_per_bucket": one_per_bucket, "optim": optim,
+            "optim_inf": optim_inf, "nan_buffer": measure_divergence(model)}
 
 
 def test_distances_by_hand() -> None:
@@ -124,6 +148,14 @@ def test_distances_by_hand() -> None:
         assert plain.state_max == sqrt(8 / 38) and plain.finite == [True] * 3
         assert plain.per_tensor == [("buffer/mask", 1.0, 2), ("param/weight", sqrt(4 / 34), 2)]
         assert r["no_buffers"].state_per_rank == plain.per_rank
+        assert r["one_per_bucket"] == plain
+        optim = r["optim"]  # the state adds the momentum's 1, 1, 4 over 4
+        assert optim.per_rank == plain.per_rank and optim.finite == [True] * 3
+        assert optim.state_per_rank == [sqrt(3 / 42), sqrt(3 / 42), sqrt(12 / 42)]
+        optim_inf = r["optim_inf"]  # the parameters are still measured
+        assert optim_inf.per_rank == plain.per_rank and optim_inf.finite == [False] * 3
+        assert optim_inf.state_per_rank == [inf] * 3
         nan_buffer = r["nan_buffer"]  # buffer mean (-inf, 1) of ranks 0 and 1, norm 1
         assert nan_buffer.per_rank == plain.per_rank and nan_buffer.finite == [True, True, False]
         assert nan_buffer.state_per_rank == [sqrt(1 / 35), sqrt(1 / 35), inf]
+
