@@ -159,3 +159,15 @@ def test_distances_by_hand() -> None:
         assert nan_buffer.per_rank == plain.per_rank and nan_buffer.finite == [True, True, False]
         assert nan_buffer.state_per_rank == [sqrt(1 / 35), sqrt(1 / 35), inf]
 
+
+def _w_structure(rank: int, ws: int) -> str:
+    model = nn.Linear(2, 1, bias=rank != 1)  # rank 1 has no bias
+    try:
+        measure_divergence(model)
+    except RuntimeError as e:
+        return str(e)
+    return "measured"
+
+
+def test_states_that_differ_in_structure_raise_on_every_rank() -> None:
+    assert all("differ in structure" in msg for msg in run_workers(_w_structure, 3))
