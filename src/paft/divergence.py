@@ -139,7 +139,8 @@ def measure_divergence(
     (under DDP, BatchNorm's differ between ranks by design). Ranks whose states differ
     in structure (names, dtypes, shapes) raise ``RuntimeError`` on every rank.
 
-    Moves a float64 copy of the measured state through all-reduces of at most
+    Moves a float64 copy of the measured state, scaled by a power of two (float64
+    extremes neither overflow nor underflow), through all-reduces of at most
     ``bucket_mb`` each, and holds about three such buckets at a time beside the state,
     plus a few numbers per tensor (``per_tensor``) or two per rank."""
     ws, me = dist.get_world_size(group), dist.get_rank(group)
@@ -173,6 +174,12 @@ def measure_divergence(
     # Float64 tensors that every voter holds bitwise alike (a NaN rank, left out, aside).
     same_bits = [w and len({their_digests[r][j] for r in range(ws) if votes[r][j]}) == 1
                  for j, w in enumerate(wide)]
+    # One power-of-two scale for every copy (exact: the ratios are the same bits): a
+    # float64 replica of 1e200 (a flipped exponent bit) squared to inf and made every
+    # rank's distance inf, replicas of 1e-200 squared to 0 and read as identical.
+    top = _finite_absmax([(t, rows[me][2 * j] > 0) for j, (_, t) in enumerate(entries) if votes[me][j]], device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    scale = math.ldexp(1.0, -max(math.frexp(float(top))[1], -1021))  # 2**1021 at most: no overflow
 
     sq: list[float] = []
     msq: list[float] = []
@@ -183,6 +190,7 @@ def measure_divergence(
             at += entries[j][1].numel()
         # pack widens into the float64 buffer as it copies: no float64 copy of each tensor.
         local = pack(torch.empty(at, dtype=torch.float64, device=device), [entries[j][1] for j in bucket])
+        local.mul_(scale)
         mean = local.clone()
         for j, (a, b) in zip(bucket, spans):
             if not votes[me][j]:
@@ -221,6 +229,21 @@ def measure_divergence(
         state_per_rank=state_per_rank,
         per_tensor=breakdown,
     )
+
+
+def _finite_absmax(tensors: list[tuple[Tensor, bool]], device: torch.device) -> Tensor:
+    """The largest finite magnitude of the ``(tensor, holds NaN/Inf)`` given, as a float64
+    ``[1]`` tensor on ``device`` (0 without one), with no host sync: each tensor's
+    extremes (one pass, no temporaries); for one with NaN/Inf (a mask's ``-inf``),
+    those of a copy with its NaN/Inf as 0."""
+    out = torch.zeros(1, dtype=torch.float64, device=device)
+    for t, nonfinite in tensors:
+        if nonfinite:
+            t = torch.where(torch.isfinite(t), t, 0.0)
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            out = torch.maximum(out, torch.maximum(-lo.double(), hi.double()).to(device))
+    return out
 
 
 def _buckets(sizes: list[int], cap: int) -> list[list[int]]:

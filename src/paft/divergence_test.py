@@ -160,6 +160,40 @@ def test_distances_by_hand() -> None:
         assert nan_buffer.state_per_rank == [sqrt(1 / 35), sqrt(1 / 35), inf]
 
 
+def _w_extremes(rank: int, ws: int) -> list:
+    # test_distances_by_hand's weights (3, 4), (3, 4), (3, 7) in float64, times 2**660
+    # (squares past the float64 range: a flipped exponent bit), -2**-700 (squares below
+    # it), 2**1021 (their sum over the ranks past it) and -2**-1070 (subnormal): powers
+    # of two, so the distances are the same numbers, bit for bit. A mask's -inf beside
+    # them (alike, and 0 elsewhere: no distance) sets no scale.
+    out = []
+    for factor in (2.0**660, -(2.0**-700), 2.0**1021, -(2.0**-1070)):
+        model = nn.Linear(2, 1, bias=False).double()
+        model.register_buffer("mask", torch.tensor([-inf, 0.0], dtype=torch.float64))
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[3.0, 7.0 if rank == 2 else 4.0]], dtype=torch.float64) * factor)
+        out.append(measure_divergence(model, per_tensor=True))
+    # Rank 2's NaN leaves it out, its 2**600 with it: ranks 0 and 1, (3, 4) and (3, 6)
+    # times 2**-700, keep their scale, so their distances to (3, 5) do not underflow.
+    model = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[nan, 2.0**600] if rank == 2 else [3.0, 4.0 + 2 * rank]],
+                                        dtype=torch.float64) * (1.0 if rank == 2 else 2.0**-700))
+    return out + [measure_divergence(model)]
+
+
+def test_distances_of_float64_extremes() -> None:
+    """A replica at 1e199 squared past the float64 range: every rank, the two good ones
+    too, reported inf, and per_tensor named rank 0 the worst; replicas at 1e-211 squared
+    to 0 and read as identical."""
+    sqrt = math.sqrt
+    for r in run_workers(_w_extremes, 3):
+        for report in r[:4]:
+            assert report.per_rank == [sqrt(1 / 34), sqrt(1 / 34), sqrt(4 / 34)] and report.finite == [True] * 3
+            assert report.per_tensor == [("param/weight", sqrt(4 / 34), 2), ("buffer/mask", 0.0, 0)]
+        assert r[4].per_rank == [sqrt(1 / 34), sqrt(1 / 34), inf] and r[4].finite == [True, True, False]
+
+
 def _w_structure(rank: int, ws: int) -> str:
     model = nn.Linear(2, 1, bias=rank != 1)  # rank 1 has no bias
     try:
