@@ -410,7 +410,7 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
         >>> fingerprint([a]) != fingerprint([b])
         True
     """
-    return fingerprint_and_digests(tensors)[0]
+    return _fingerprint(tensors)[0]
 
 
 def fingerprint_and_digests(tensors: Iterable[torch.Tensor]) -> tuple[int, list[int]]:
@@ -424,6 +424,12 @@ def fingerprint_and_digests(tensors: Iterable[torch.Tensor]) -> tuple[int, list[
         >>> [x != y for x, y in zip(fingerprint_and_digests(a)[1], fingerprint_and_digests(b)[1])]
         [False, True]
     """
+    fp, digests = _fingerprint(tensors)
+    return fp, digests.view(np.int64).tolist()
+
+
+def _fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[int, np.ndarray]:
+    """The fingerprint and the uint64 digests (no Python list on the per-step path)."""
     if isinstance(tensors, torch.Tensor):  # iterating it would fingerprint its rows
         raise TypeError("fingerprint: pass a list of tensors, e.g. fingerprint([t]), not a tensor")
     tensors = list(tensors)
@@ -442,7 +448,7 @@ def fingerprint_and_digests(tensors: Iterable[torch.Tensor]) -> tuple[int, list[
     keys = _keys(tuple((t.dtype, t.shape) for t in tensors))
     with np.errstate(over="ignore"):  # a bijection of each d_i, summed mod 2**64: keeps the one-lane guarantee
         h = int(_mix64_array(keys ^ digests).sum(dtype=np.uint64))
-    return _to_signed(_mix64(h ^ _mix64(_SEED + len(views)))), digests.view(np.int64).tolist()
+    return _to_signed(_mix64(h ^ _mix64(_SEED + len(views)))), digests
 
 
 def digest(tensor: torch.Tensor) -> int:

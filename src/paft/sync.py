@@ -30,9 +30,9 @@ majority those of DDP's source rank, as DDP's next forward would, not their medi
 (see :func:`paft.sync_plan.as_ddp_would`). For each part whose
 replicas differ one more exchange carries, per tensor, how many NaN/Inf entries the
 rank holds and where, and the tensor's digest, from which the fingerprint was built
-(24 bytes per tensor): the report names the tensors that differed. "Finite" below means: no NaN/Inf in
-the parameters and optimizer state, and in the buffers none beyond what the
-replicas share (a strict majority's pattern, see
+(24 bytes per tensor): the report names the tensors that differed. "Finite" below
+means: no NaN/Inf in the parameters and optimizer state, and in the buffers none
+beyond what the replicas share (a strict majority's pattern, see
 :func:`~paft.divergence.sound_replicas`), so a ``-inf`` every replica holds alike
 (an attention-mask buffer) is state, not corruption. Then, per mode (the choice
 itself is :func:`paft.sync_plan.plan_sync`, pure logic that every rank runs alike):
