@@ -63,6 +63,17 @@ def _copy_structure(value: Any) -> Any:
     return value
 
 
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``: itself, or those nested in its lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
+
+
 class StateSnapshot:
     """Parameters and optimizer state before ``optimizer.step()``, for a post-step rollback.
 
@@ -85,6 +96,9 @@ class StateSnapshot:
         # Per parameter: its state's keys and entries (None: no state yet).
         self._extras: dict[torch.Tensor, tuple[set[Any], dict[Any, Any]] | None] = {}
         self._groups: list[dict[str, Any]] = []
+        # The tensors in the param groups (the objects) and copies of their values.
+        self._group_tensors: list[torch.Tensor] = []
+        self._group_values: list[torch.Tensor] = []
 
     def capture(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> StateSnapshot:
         live = [t for _, t in state_tensors(model, optimizer, buffers=False)]
@@ -97,9 +111,13 @@ class StateSnapshot:
         self._num_params = sum(1 for _ in model.parameters())
         self._extras = {}
         # Optimizer state kept per group (D-Adaptation's and Prodigy's ``d`` and ``k``,
-        # which step() changes): every entry but the parameters, tensors by value.
-        self._groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else _copy_structure(v)
-                         for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        # which step() changes): every entry but the parameters, and the values of the
+        # tensors among them, which restore writes back into these same objects (a
+        # scheduler may hold a tensor ``lr``).
+        self._groups = [{k: _copy_structure(v) for k, v in group.items() if k != "params"}
+                        for group in optimizer.param_groups]
+        self._group_tensors = [t for group in self._groups for t in _tensors_in(group)]
+        self._group_values = [t.detach().clone() for t in self._group_tensors]
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p)
@@ -132,13 +150,12 @@ class StateSnapshot:
             # Copies again: the snapshot's own lists, handed over, would grow with the
             # next step, and a second restore from this capture would not be exact.
             state.update({k: _copy_structure(v) for k, v in values.items()})
+        # The captured objects, not the group's present ones: a tensor put in place of
+        # one (a float64 ``lr``) would keep its own dtype if written into.
+        with torch.no_grad():
+            for live, value in zip(self._group_tensors, self._group_values):
+                live.copy_(value)
         for group, saved in zip(optimizer.param_groups, self._groups):
             for key in set(group) - set(saved) - {"params"}:
                 del group[key]
-            for key, value in saved.items():
-                live = group.get(key)
-                if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and live.shape == value.shape:
-                    with torch.no_grad():
-                        live.copy_(value)  # in place: a scheduler may hold this tensor
-                else:
-                    group[key] = value.clone() if isinstance(value, torch.Tensor) else _copy_structure(value)
+            group.update({k: _copy_structure(v) for k, v in saved.items()})

@@ -288,3 +288,65 @@ def test_state_snapshot_restores_state_kept_in_param_groups() -> None:
     group["added"], group["scale"] = 1, torch.ones(3)
     snap.restore(opt)
     assert set(group) == set(before[0]) and torch.equal(group["scale"], torch.tensor(2.0))
+
+
+def _exactly(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same value bit for bit: the same types, tensors of the same
+    dtype, device and shape with the same bytes, containers of such (a rollback's promise)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return ((a.dtype, a.device, a.shape) == (b.dtype, b.device, b.shape)
+                and torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_exactly(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_exactly(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy of ``value``, tensors cloned: what the optimizer held, kept apart from it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
+def _groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [_copied({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
+
+
+@pytest.mark.parametrize("change", ["float64-tensor", "python-float", "new-tensor", "in-place", "nested-in-place"])
+def test_state_snapshot_puts_back_the_captured_tensor_of_a_param_group(change: str) -> None:
+    """A tensor-valued group option (a tensor ``lr``) that a scheduler or the user changes
+    after the capture comes back as it was captured: the same object, dtype and bits.
+    Before, a tensor of the same shape put in its place was written into (a float64
+    ``lr`` stayed float64, holding float32's 0.1), and one nested in a list was not
+    restored at all."""
+    model = toy_model()
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+    group = opt.param_groups[0]
+    group["window"] = [torch.tensor([1.0, 2.0])]
+    model(batch(0, 0)[0]).sum().backward()
+    opt.step()  # momentum buffers, which the rollback leaves as they are
+    lr = group["lr"]
+    before, state = _groups(opt), _copied(opt.state_dict()["state"])
+    snap = StateSnapshot().capture(model, opt)
+    if change == "float64-tensor":
+        group["lr"] = torch.tensor(0.1, dtype=torch.float64)
+    elif change == "python-float":
+        group["lr"] = 0.05
+    elif change == "new-tensor":
+        group["lr"] = torch.tensor(0.05)
+    elif change == "in-place":
+        group["lr"].fill_(0.05)
+    else:
+        group["window"][0].add_(1.0)
+    snap.restore(opt)
+    assert _exactly(_groups(opt), before)
+    assert _exactly(opt.state_dict()["state"], state)
+    assert group["lr"] is lr  # what a scheduler holding it writes into is the group's again
