@@ -350,3 +350,41 @@ def test_state_snapshot_puts_back_the_captured_tensor_of_a_param_group(change: s
     assert _exactly(_groups(opt), before)
     assert _exactly(opt.state_dict()["state"], state)
     assert group["lr"] is lr  # what a scheduler holding it writes into is the group's again
+
+
+@pytest.mark.parametrize("change", ["other-dtype", "other-shape", "in-place", "added", "removed", "dropped",
+                                    "nested-replaced"])
+def test_state_snapshot_undoes_every_change_to_the_optimizer_state(change: str) -> None:
+    """After restore(), state_dict() is the captured one bit for bit (types, dtypes, bytes)
+    and the state's tensors the same objects, whatever happened to an entry in
+    between: replaced by a tensor of another dtype or shape, written in place, a key
+    added or removed, a parameter's whole state dropped, a nested list replaced."""
+    model = toy_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(batch(0, 0)[0]).sum().backward()
+    opt.step()
+    first = next(model.parameters())
+    opt.state[first]["nested"] = {"history": [torch.ones(2)]}
+    before = _copied(opt.state_dict())
+    objects = {k: v for k, v in opt.state[first].items() if isinstance(v, torch.Tensor)}
+    snap = StateSnapshot().capture(model, opt)
+    state = opt.state[first]
+    if change == "other-dtype":
+        state["exp_avg"] = state["exp_avg"].double()
+    elif change == "other-shape":
+        state["exp_avg_sq"] = torch.zeros(3)
+    elif change == "in-place":
+        state["exp_avg"].add_(1.0)
+        state["step"].add_(1.0)
+    elif change == "added":
+        state["extra"] = torch.ones(1)
+    elif change == "removed":
+        del state["exp_avg_sq"]
+    elif change == "dropped":
+        del opt.state[first]
+    else:
+        state["nested"]["history"] = [torch.zeros(3, dtype=torch.float64)]
+        state["nested"]["added"] = 1
+    snap.restore(opt)
+    assert _exactly(opt.state_dict(), before)
+    assert all(opt.state[first][k] is v for k, v in objects.items())
