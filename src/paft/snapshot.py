@@ -93,7 +93,8 @@ class StateSnapshot:
         self._saved: list[torch.Tensor] = []
         self._live: list[torch.Tensor] = []
         self._num_params = 0
-        # Per parameter: its state's keys and entries (None: no state yet).
+        # Per parameter: its state's keys and entries (None: no state entry yet; an
+        # empty dict, which state_dict() lists, is kept as one).
         self._extras: dict[torch.Tensor, tuple[set[Any], dict[Any, Any]] | None] = {}
         self._groups: list[dict[str, Any]] = []
         # The tensors in the param groups (the objects) and copies of their values.
@@ -121,7 +122,8 @@ class StateSnapshot:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p)
-                self._extras[p] = (set(state), {k: _copy_structure(v) for k, v in state.items()}) if state else None
+                self._extras[p] = None if state is None else (
+                    set(state), {k: _copy_structure(v) for k, v in state.items()})
         return self
 
     def update_ratio(self) -> float:

@@ -353,18 +353,21 @@ def test_state_snapshot_puts_back_the_captured_tensor_of_a_param_group(change: s
 
 
 @pytest.mark.parametrize("change", ["other-dtype", "other-shape", "in-place", "added", "removed", "dropped",
-                                    "nested-replaced"])
+                                    "nested-replaced", "first-state"])
 def test_state_snapshot_undoes_every_change_to_the_optimizer_state(change: str) -> None:
     """After restore(), state_dict() is the captured one bit for bit (types, dtypes, bytes)
     and the state's tensors the same objects, whatever happened to an entry in
     between: replaced by a tensor of another dtype or shape, written in place, a key
-    added or removed, a parameter's whole state dropped, a nested list replaced."""
+    added or removed, a parameter's whole state dropped, a nested list replaced, or state
+    given to a parameter whose state was an empty dict (a hand-written optimizer's
+    ``state = self.state[p]`` before it decides to keep anything)."""
     model = toy_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model(batch(0, 0)[0]).sum().backward()
     opt.step()
-    first = next(model.parameters())
+    first, last = list(model.parameters())[0], list(model.parameters())[-1]
     opt.state[first]["nested"] = {"history": [torch.ones(2)]}
+    opt.state[last] = {}
     before = _copied(opt.state_dict())
     objects = {k: v for k, v in opt.state[first].items() if isinstance(v, torch.Tensor)}
     snap = StateSnapshot().capture(model, opt)
@@ -382,6 +385,8 @@ def test_state_snapshot_undoes_every_change_to_the_optimizer_state(change: str) 
         del state["exp_avg_sq"]
     elif change == "dropped":
         del opt.state[first]
+    elif change == "first-state":
+        opt.state[last]["momentum"] = torch.ones(1)
     else:
         state["nested"]["history"] = [torch.zeros(3, dtype=torch.float64)]
         state["nested"]["added"] = 1
