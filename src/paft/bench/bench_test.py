@@ -7,6 +7,7 @@ The matrix, overhead, desync and detection tests launch real gloo workers throug
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from paft.bench import desync, detection, matrix, overhead, scaling
 from paft.bench.runner import (
@@ -160,6 +162,50 @@ def test_overhead_measure_compares_summed_paired_steps(tmp_path: pathlib.Path,
     assert monitor["wall_median_extra_ms"] == 1000.0  # median of [1, 2, 0, 0, 2] s
     assert monitor["cpu"] == pytest.approx(7 / 3, rel=1e-15)
     assert monitor["cpu_blocks"] == pytest.approx([7 / 3] * 5, rel=1e-15)
+
+
+@pytest.mark.parametrize("names", [["plain"], ["plain", "monitor"], ["plain", "monitor", "guard", "dyn"]])
+def test_overhead_round_order_puts_every_variant_in_every_position_equally_often(names: list[str]) -> None:
+    orders = [overhead._round_order(names, i) for i in range(3 * len(names))]
+    assert orders[0] == names  # the first round in the given order
+    assert all(sorted(o) == sorted(names) for o in orders)  # each variant once per round
+    for start in range(len(names)):  # any len(names) consecutive rounds: each position once
+        window = orders[start: start + len(names)]
+        for position in range(len(names)):
+            assert sorted(o[position] for o in window) == sorted(names)
+    # rotated by one each round, so deterministic: the same round, the same order
+    assert all(o[1:] + o[:1] == nxt for o, nxt in zip(orders, orders[1:]))
+    assert [overhead._round_order(names, i) for i in range(3 * len(names))] == orders
+
+
+def test_overhead_worker_steps_the_variants_in_the_rotating_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker itself (trainers and the process group faked): each round steps every
+    trainer once, in _round_order's order, warm-up rounds included; only the timed
+    steps are recorded."""
+    stepped: list[str] = []
+
+    class FakeTrainer:
+        def __init__(self, name: str) -> None:
+            self.name, self.device = name, torch.device("cpu")
+            self.model = torch.nn.Linear(2, 3)
+            self.protector = type("Protector", (), {"close": lambda _: None})()
+
+        def prime(self) -> None:
+            pass
+
+        def train_step(self) -> None:
+            stepped.append(self.name)
+
+    monkeypatch.setattr(overhead, "worker_group", lambda cfg: contextlib.nullcontext())
+    monkeypatch.setattr(overhead, "new_trainer", lambda cfg: FakeTrainer(cfg["name"]))
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    names = ["plain", "monitor", "guard"]
+    out = overhead._paired_worker({n: {"name": n} for n in names}, 4, 2)
+    assert stepped == [n for i in range(6) for n in overhead._round_order(names, i)]
+    assert stepped[:6] == ["plain", "monitor", "guard", "monitor", "guard", "plain"]
+    assert {n: (len(t["wall"]), len(t["cpu"])) for n, t in out["times"].items()} == {n: (4, 4) for n in names}
+    assert out["parameters"] == 9
 
 
 def test_overhead_block_range_is_the_lowest_to_the_highest_block() -> None:

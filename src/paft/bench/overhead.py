@@ -97,6 +97,14 @@ WARMUP = 30
 state and the guard's 20-step warm-up fall inside."""
 
 
+def _round_order(names: Sequence[str], round_index: int) -> list[str]:
+    """The order the variants step in at round ``round_index``: ``names`` rotated left by
+    ``round_index``, so over ``len(names)`` consecutive rounds each variant runs once in
+    each position: none always runs first in a round, nor always last."""
+    k = round_index % len(names)
+    return [*names[k:], *names[:k]]
+
+
 def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
     """One worker: a trainer per variant, stepped in rotating order; per-step wall and CPU
     seconds per variant, and the model's parameter count."""
@@ -109,7 +117,7 @@ def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) 
         names = list(trainers)
         times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
         for i in range(warmup + steps):
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in _round_order(names, i):
                 dist.barrier()
                 wall, cpu = time.perf_counter(), time.process_time()
                 trainers[name].train_step()
