@@ -284,10 +284,13 @@ def test_state_snapshot_restores_state_kept_in_param_groups() -> None:
     assert group["scale"] is scale and float(scale) == 2.0  # the same tensor, its old value
     assert group["seen"] == [1]  # the list the step grew in place, as it was
     assert state_fingerprint(model, opt) == weights
-    # A key the step adds goes again; a tensor it replaced by one of another shape is put back.
+    # A key the step adds goes again; a tensor it replaced by one of another shape is put back;
+    # the list the first restore handed over is a copy, so this step's append is undone too.
+    opt.step()
     group["added"], group["scale"] = 1, torch.ones(3)
     snap.restore(opt)
     assert set(group) == set(before[0]) and torch.equal(group["scale"], torch.tensor(2.0))
+    assert group["seen"] == [1]
 
 
 def _exactly(a: Any, b: Any) -> bool:
