@@ -6,8 +6,8 @@ run directory and hands :func:`run_worker` to
 ``torch.distributed.launcher.api.elastic_launch`` (the machinery behind torchrun:
 c10d rendezvous on a free local port, one process per rank, failures propagated).
 Under torchrun (``python -m paft.train``) each rank runs :func:`torchrun_main`
-instead, and rank 0 claims the run directory as the launcher would. Either way a
-worker trains with :class:`paft.train.Trainer`.
+instead, and rank 0 claims the run directory as the launcher would (and settles it
+once its peers are out). Either way a worker trains with :class:`paft.train.Trainer`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import resource_tracker
@@ -243,8 +244,8 @@ def hold_dir_lock(run_dir: pathlib.Path, option: str = "--run-dir", prog: str = 
     it ends): a second ``paft train --resume`` or ``--overwrite`` of a run in progress
     would interleave two runs' records in one directory (two benchmarks' too). Refused
     also while a torchrun rank is still inside ``run_dir``: its rank 0, which held the
-    lock, may have gone before its peers finished writing and tidying
-    (:func:`~paft.rundir.ranks_inside`)."""
+    lock, may have gone before a peer it stopped waiting for (:func:`_peers_out_first`)
+    finished writing and tidying (:func:`~paft.rundir.ranks_inside`)."""
     try:
         handle = open(run_dir / LOCK_FILE, "a+")
     except OSError as err:
@@ -588,6 +589,45 @@ def last_rank_out_tidies(run_dir: pathlib.Path) -> Iterator[None]:
                 os.close(handle)
 
 
+# How long rank 0 waits under torchrun for its peers to be out before it settles the run
+# directory: well inside the 30 s torchrun leaves a rank between its SIGTERM and SIGKILL.
+_PEERS_OUT_SECONDS = 10.0
+
+
+@contextlib.contextmanager
+def _peers_out_first(run_dir: pathlib.Path, token: str, prog: str) -> Iterator[None]:
+    """Under torchrun, hold rank 0 back on its way out until every peer is out too, so
+    that its claim settles ``run_dir`` only once no rank writes there any more, as
+    ``paft train``'s launcher does once its workers are gone: a peer still training when
+    rank 0 failed wrote by path (its checkpoint file, a first record) into the old run
+    that the claim had just moved back for ``--overwrite``, or made a removed run's
+    folders again. Each peer says it is out in the process group's store as it leaves,
+    under ``token``, this run's (torchrun's own store outlives a restart's ranks); rank
+    0 waits for them at most :data:`_PEERS_OUT_SECONDS` (a peer killed, or stuck in a
+    collective with rank 0 gone, never says so), then warns and goes on. Signals are
+    held meanwhile: torchrun stops every rank when one fails, and its SIGTERM would cut
+    the wait for the others short."""
+    store = dist.distributed_c10d._get_default_store()  # kept here, it outlives the group
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    keys = [f"paft/out/{token}/{r}" for r in range(world_size)]
+    try:
+        yield
+    finally:
+        if rank:
+            with contextlib.suppress(dist.DistError):  # rank 0, which may host the store, gave up on it
+                store.set(keys[rank], "")
+        else:
+            missing, deadline = list(range(1, world_size)), time.monotonic() + _PEERS_OUT_SECONDS
+            with SignalHold():
+                while missing and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    missing = [r for r in missing if not store.check([keys[r]])]
+            if missing:
+                print(f"{prog}: warning: rank(s) {', '.join(map(str, missing))} not out after "
+                      f"{_PEERS_OUT_SECONDS:g} s (stopped, or stuck in a collective); {run_dir} is put in order "
+                      "without them", file=sys.stderr)
+
+
 def torchrun_main(argv: Sequence[str] | None = None) -> int:
     """``python -m paft.train`` under torchrun: every rank parses the same options.
 
@@ -647,9 +687,9 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
 def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
     """:func:`torchrun_main` once the process group is up."""
     # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
-    name = [resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))]
+    name = [resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload)), uuid.uuid4().hex]
     dist.broadcast_object_list(name, src=0)
-    cfg.run_dir = name[0]
+    cfg.run_dir, token = name
     with contextlib.ExitStack() as claim:
         # Rank 0 claims the directory as paft train does (the lock, --overwrite's set-aside,
         # the clean-up of a run that stopped before its first checkpoint); every rank
@@ -667,7 +707,9 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
                 print(f"{prog}: error: {error[0]}", file=sys.stderr)
             _take_group_down(every_rank_done=True)  # every rank refuses, on the broadcast
             return EXIT_USAGE
-        # Entered after the claim, so rank 0 tidies (when last out) before it settles.
+        # Entered after the claim, so that on the way out each rank tidies (when last out),
+        # then rank 0 waits for its peers to be out, then settles.
+        claim.enter_context(_peers_out_first(pathlib.Path(cfg.run_dir), token, prog))
         claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir)))
         # Rank 0 leaves (and lets the claim's lock go) only once every rank holds its shared
         # lock: a peer slow to take it was not yet inside for a new claim to see.

@@ -4,6 +4,7 @@ and while it is settled (moved back, or deleted)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from paft import launch as launcher
 from paft.config import TrainConfig
 from paft.launch import SignalHold, last_rank_out_tidies
 from paft.protect import PersistentFaultError
-from paft.records import RunRecorder, read_jsonl
+from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
 from paft.rundir import RunDirError, in_use
 from paft.testing import run_workers
 
@@ -369,6 +370,80 @@ def test_the_last_rank_out_leaves_a_directory_put_in_its_place_alone(tmp_path: p
         run.mkdir()
         (run / "faults.jsonl").write_text(unsorted)
     assert (run / "faults.jsonl").read_text() == unsorted
+
+
+def _writing_after_rank_0_failed(rank: int, world_size: int, run_dir: str, wait: float, bound: float,
+                                 signalled: bool = False) -> str:
+    """Torchrun's entry once the process group is up, twice, training replaced: a run the
+    guard stops (beside ``run_dir``: every rank is out of it), then an --overwrite of the
+    old run in ``run_dir``, where rank 0 fails at once (and, ``signalled``, gets
+    torchrun's SIGTERM half a second later, as when a rank failed); rank 1, still
+    training, writes its checkpoint file by path, as
+    :meth:`~paft.train.Trainer.save_checkpoint` does, once the old run is back in its
+    place (after at most ``wait`` seconds), then fails too (its next collective would).
+    Rank 0 waits at most ``bound`` seconds for its peers. Returns what rank 0 said."""
+    run = pathlib.Path(run_dir)
+
+    def train(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
+        pid = [os.getpid()]
+        dist.broadcast_object_list(pid, src=0)  # both training
+        if rank == 0:
+            raise RuntimeError("rank 0 failed")
+        if signalled:
+            time.sleep(0.5)  # rank 0 waiting for its peers
+            os.kill(pid[0], signal.SIGTERM)
+        deadline = time.monotonic() + wait
+        while not (run / "old").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        atomic_write_bytes(run / "checkpoints" / "step0000002" / "rank1.pt", b"new")
+        raise RuntimeError("rank 1 failed")
+
+    # This worker's own module: it ends with the test.
+    launcher._train_in_group = lambda cfg, run_dir: {"status": "persistent_fault", "message": "stopped"}
+    launcher._main(TrainConfig(run_dir=str(run.with_name("before")), world_size=2, steps=4), "torchrun", rank == 0)
+    launcher._train_in_group, launcher._PEERS_OUT_SECONDS = train, bound
+    launcher.unwind_on_termination()  # as torchrun_main
+    said = io.StringIO()
+    with contextlib.suppress(RuntimeError), contextlib.redirect_stderr(said):
+        launcher._main(TrainConfig(run_dir=run_dir, world_size=2, steps=4, overwrite=True), "torchrun", rank == 0)
+    return said.getvalue()
+
+
+def _old_run_with_checkpoint(tmp_path: pathlib.Path) -> pathlib.Path:
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step0000002").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(TrainConfig(run_dir=str(run), world_size=2, steps=2).to_dict()))
+    (run / "checkpoints" / "latest").write_text("step0000002")
+    for r in (0, 1):
+        (run / "checkpoints" / "step0000002" / f"rank{r}.pt").write_text("old")
+    (run / "old").touch()
+    return run
+
+
+@pytest.mark.parametrize("signalled", [False, True])
+def test_under_torchrun_rank_0_settles_the_run_dir_once_its_peers_are_out(tmp_path: pathlib.Path,
+                                                                          signalled: bool) -> None:
+    """Rank 0 moved the old run --overwrite replaced back (or removed the new run) as soon
+    as it failed, while a peer still trained: that peer's checkpoint file, written by
+    path, replaced the old run's own (or brought a removed run back, half-written).
+    Rank 0 now settles the directory only once every rank is out, also when torchrun's
+    SIGTERM comes meanwhile."""
+    run = _old_run_with_checkpoint(tmp_path)
+    said = run_workers(_writing_after_rank_0_failed, 2, str(run), 2.0, 30.0, signalled, timeout=120)
+    assert (run / "checkpoints" / "step0000002" / "rank1.pt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["before", "r"]
+    assert said[0] == f"torchrun: the run stopped before a step; {run} was removed\n" \
+                      f"torchrun: the output it was to replace is back in {run}\n"
+
+
+def test_under_torchrun_rank_0_waits_for_a_stuck_peer_only_so_long(tmp_path: pathlib.Path) -> None:
+    """A peer that never gets out (killed, or stuck in a collective) holds rank 0 back only
+    a bounded time, well inside the 30 s torchrun gives a rank between its SIGTERM and
+    its SIGKILL; rank 0 says which rank it settled without."""
+    run = _old_run_with_checkpoint(tmp_path)
+    said = run_workers(_writing_after_rank_0_failed, 2, str(run), 60.0, 0.5, timeout=120)
+    assert said[0].startswith("torchrun: warning: rank(s) 1 not out after 0.5 s")
+    assert said[0].endswith(f"torchrun: the output it was to replace is back in {run}\n")
 
 
 def _finishing_apart(rank: int, world_size: int, tmp: str, how: str) -> tuple[str, str]:

@@ -204,10 +204,11 @@ def in_use(run_dir: pathlib.Path) -> bool:
 def ranks_inside(run_dir: pathlib.Path) -> bool:
     """Whether a rank of a torchrun run is still inside ``run_dir`` (a probe). Each
     rank holds a shared flock on the directory itself until it is out
-    (:func:`paft.launch.last_rank_out_tidies`), and its peers may still be tidying or
-    writing when rank 0, the holder of :data:`LOCK_FILE`, has gone. (A probe that lands
-    between the last rank's letting go and its try for the exclusive lock makes that
-    rank leave its run untidied: a window of microseconds.)"""
+    (:func:`paft.launch.last_rank_out_tidies`): rank 0, the holder of :data:`LOCK_FILE`,
+    waits for its peers to be out only so long, and one may still be tidying or writing
+    when it has gone. (A probe that lands between the last rank's letting go and its
+    try for the exclusive lock makes that rank leave its run untidied: a window of
+    microseconds.)"""
     try:
         handle = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:  # missing, or not a directory
