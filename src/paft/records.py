@@ -5,7 +5,8 @@ Layout (the contract other tools read; see docs/ARCHITECTURE.md):
 
 - ``config.json``: the resolved :class:`~paft.config.TrainConfig`;
 - ``metrics/rank{r}.jsonl``: per rank, per step: step, local loss, global loss,
-  grad norm, lr, step time;
+  grad norm, lr, step time, and whether the step was timed (the first
+  :data:`UNTIMED_STEPS` of each leg of a run are not);
 - ``consistency.jsonl`` (rank 0): the per-step worker metrics;
 - ``faults.jsonl``: every injected fault (each rank appends its own lines; put in
   (step, attempt, rank) order once the ranks stop: :func:`sort_faults`);
@@ -51,7 +52,12 @@ __all__ = [
     "output_dir_problem",
     "path_name_problem",
     "from_jsonable_float",
+    "UNTIMED_STEPS",
 ]
+
+UNTIMED_STEPS = 3
+"""The first steps of each leg of a run (the start, each resume) that the throughput
+leaves out: they pay one-off costs (DDP's bucket rebuild, lazy optimizer state)."""
 
 
 # What jsonable writes for a non-finite float (``str(value)``), with the spellings read back.

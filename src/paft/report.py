@@ -29,7 +29,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import atomic_write_bytes, is_file, max_or_nan, output_dir_problem
+from paft.records import UNTIMED_STEPS, atomic_write_bytes, is_file, max_or_nan, output_dir_problem
 from paft.replicas import outside_majority
 from paft.resync import averages_at
 from paft.rundata import ReportError, RunData, load_run
@@ -562,10 +562,16 @@ def _speed(run: RunData) -> str:
     s = run.summary or {}
     if "steps_per_s" in s:
         return f"speed: {s['steps_per_s']:.2f} steps/s ({_num(s.get('wall_s')):.2f} s in training steps)"
+    # As the trainer times it (Trainer.step_rate): over the timed steps, which leave out
+    # the first few of every leg (much slower), else over every step; the records say
+    # which (those written before they did: the first leg's rule).
     rank, records = next(iter(run.metrics.items()))
-    times = [_num(r.get("step_time")) for r in records]
-    total = sum(t for t in times if math.isfinite(t))
-    return f"speed: {len(times) / total:.2f} steps/s (rank {rank} step times)" if total > 0 else "speed: ?"
+    times = [(_num(r.get("step_time")), r.get("timed", r["step"] >= UNTIMED_STEPS)) for r in records]
+    wall = sum(t for t, _ in times if math.isfinite(t))
+    timed = [t for t, on in times if on is True and math.isfinite(t)]
+    steps, seconds = (len(timed), sum(timed)) if timed else (len(times), wall)
+    return (f"speed: {steps / seconds:.2f} steps/s ({wall:.2f} s in training steps; rank {rank}'s step times)"
+            if seconds > 0 else "speed: ?")
 
 
 def _replicas(run: RunData) -> list[str]:

@@ -640,6 +640,21 @@ def test_a_sync_before_the_first_state_fingerprint_ends_its_split(clean_run: pat
     assert list(zip(steps, values)) == [(5, 2), (6, 1), (8, 1), (12, 1)]
 
 
+def test_a_run_without_its_summary_reports_the_summarys_speed(fault_run: pathlib.Path,
+                                                               tmp_path: pathlib.Path) -> None:
+    """summary.json's steps_per_s leaves out the first steps of every leg (DDP set-up,
+    lazy optimizer state: much slower); a run without the summary (crashed, killed)
+    averaged every recorded step time, and said another speed for the same steps."""
+    line = next(x for x in summary_text(load_run(fault_run)).splitlines() if x.startswith("speed: "))
+    run = copy_run(fault_run, tmp_path / "killed")
+    (run / "summary.json").unlink()
+    assert f"\n{line.removesuffix(')')}; rank 0's step times)\n" in summary_text(load_run(run))
+    # Records written before they said which steps were timed: the first leg's rule.
+    for rank in (0, 1):
+        rewrite_jsonl(run / "metrics" / f"rank{rank}.jsonl", lambda r: {k: v for k, v in r.items() if k != "timed"})
+    assert f"\n{line.removesuffix(')')}; rank 0's step times)\n" in summary_text(load_run(run))
+
+
 def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     run = copy_run(clean_run, tmp_path / "interrupted")
     (run / "summary.json").unlink()
@@ -657,7 +672,7 @@ def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Pat
             f.write(json.dumps({"step": 3, "event": "guard", "attempt": attempt, "action": "repair",
                                 "detector": detector, "cause": "state", "ranks": ranks, "values": {}}) + "\n")
     text = summary_text(load_run(run))
-    assert "speed: 4.00 steps/s (rank 0 step times)\n" in text
+    assert "speed: 4.00 steps/s (3.00 s in training steps; rank 0's step times)\n" in text
     assert "max loss_cv: 0.5 at step 3\n" in text  # the first step holding it
     assert "min grad_cos_min: 0.2 at step 4\n" in text
     assert "val acc: 0.6000 (step 0) -> 0.6000 (step 12)\n" in text

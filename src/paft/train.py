@@ -36,6 +36,7 @@ from paft.config import TrainConfig
 from paft.divergence import measure_divergence
 from paft.protect import Protector, StepReport, protect
 from paft.records import (
+    UNTIMED_STEPS,
     RunRecorder,
     atomic_write_bytes,
     atomic_write_json,
@@ -71,7 +72,6 @@ BYTES_PER_PARAMETER = 20
 """fp32 weights, gradients, DDP buckets and two optimizer moments (the memory check)."""
 BYTES_PER_PROCESS = 256 * 2**20
 """A CPU worker's resident memory before its model (torch alone: ~220 MiB)."""
-_UNTIMED_STEPS = 3
 
 
 class DeviceError(ValueError):
@@ -207,13 +207,15 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.train_seconds += elapsed
         # The first steps pay one-off costs (DDP's bucket rebuild, lazy optimizer state):
-        # leave them out of the throughput so short benchmark runs compare fairly.
-        if self.step - self._start_step > _UNTIMED_STEPS:
+        # leave them out of the throughput so short benchmark runs compare fairly. The
+        # record says which were timed: a run without its summary is timed from them.
+        timed = self.step - self._start_step > UNTIMED_STEPS
+        if timed:
             self._timed.add(elapsed, time.process_time() - cpu_start)
         self.recorder.metrics({
             "step": report.step, "local_loss": report.local_loss, "loss": report.loss,
             "grad_norm": report.grad_norm, "lr": lr,
-            "step_time": elapsed, "applied": report.applied, "attempts": report.attempts,
+            "step_time": elapsed, "timed": timed, "applied": report.applied, "attempts": report.attempts,
         })
         return report
 
@@ -395,7 +397,7 @@ class Trainer:
             "final_val_loss": last["val_loss"],
             "final_val_loss_max": max_or_nan(last["val_loss_per_rank"]),
             "steps_per_s": self.step_rate(),
-            # None when no step was timed (the first few are not: see _UNTIMED_STEPS).
+            # None when no step was timed (the first few are not: see UNTIMED_STEPS).
             "cpu_ms_per_step": (None if math.isnan(summed_over_ranks[1])
                                 else 1e3 * float(summed_over_ranks[1]) / self.world_size),
             "wall_s": self.train_seconds,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import shutil
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.launch import run_worker
 from paft.records import from_jsonable, read_jsonl
+from paft.report import summary_text
+from paft.rundata import load_run
 from paft.rundir import RunDirError, check_run_dir, prepare_run_dir, stale_checkpoints
 from paft.testing import run_workers
 from paft.train import Trainer, _lr_lambda
@@ -83,10 +86,30 @@ def test_summary_timings_leave_out_the_first_steps_of_every_leg(tmp_path: pathli
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["cpu_ms_per_step"] is None
     assert short["wall_s"] == pytest.approx(sum(times()), rel=1e-12)
     assert short["steps_per_s"] == pytest.approx(3 / short["wall_s"], rel=1e-12)
+    assert speed_without_summary(tmp_path / "r") == speed_line(short)
     longer = run(tiny_config(tmp_path / "r", steps=7, eval_every=3, checkpoint_every=3, resume=True))[0]["summary"]
     assert len(times()) == 7 and longer["wall_s"] == pytest.approx(sum(times()), rel=1e-12)
     assert longer["steps_per_s"] == pytest.approx(1 / times()[6], rel=1e-12)
     assert longer["cpu_ms_per_step"] > 0
+    # The records say which steps were timed, so that a run whose summary is missing (a
+    # crash) is reported at the summary's speed: here the resumed leg's 4th step alone.
+    assert [m["timed"] for m in read_jsonl(tmp_path / "r" / "metrics" / "rank0.jsonl")] == [False] * 6 + [True]
+    assert speed_without_summary(tmp_path / "r") == speed_line(longer)
+
+
+def speed_line(summary: dict[str, Any]) -> str:
+    """What ``paft report`` says from the records, with the speed ``summary`` holds."""
+    return (f"speed: {summary['steps_per_s']:.2f} steps/s ({summary['wall_s']:.2f} s in training steps; "
+            "rank 0's step times)")
+
+
+def speed_without_summary(run_dir: pathlib.Path) -> str:
+    """The speed line of ``paft report`` on a copy of ``run_dir`` without its summary.json."""
+    copy = run_dir.with_name(run_dir.name + "-killed")
+    shutil.rmtree(copy, ignore_errors=True)  # the copy of an earlier leg
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    (copy / "summary.json").unlink()
+    return next(x for x in summary_text(load_run(copy)).splitlines() if x.startswith("speed: "))
 
 
 def test_an_averager_run_records_no_event_counts_its_bytes_and_logs_tensorboard_at_steps_done(
