@@ -284,25 +284,36 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     until the next fingerprint says otherwise. Without the syncs the line held a
     repaired split until the next check."""
     steps, values = _series(run.consistency, "replicas/state_distinct")
-    if not steps:
-        return steps, values
     # An applied update from split aggregated gradients splits the state from the next step
     # on (a skipped one has no grad record); a sync or repair after it joins it again.
     split = [(s + 1, v) for s, v in zip(*_series(run.consistency, "replicas/grad_distinct")) if v > 1]
     found = [(int(e["step"]), float(len(e["groups"]))) for e in _split_syncs(run)]  # the split a sync saw
-    # Every sync's end, also before the first state fingerprint (--fingerprint-every 0):
-    # the split it found is drawn, and so must be the end it put to it.
-    synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0) for e in _syncs(run)]
+    # Every sync's end, also without a state fingerprint (--fingerprint-every 0): the
+    # split it found is drawn, and so must be the end it put to it. An overlapped sync
+    # that landed within a step (seen_from two steps after its own) came before that
+    # step's update, whose split gradients split the state again: the split has the last word.
+    synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0, int(e["step"])) for e in _syncs(run)]
+    landed_before = [(f, v) for f, v, step in synced if f >= step + 2]
+    landed_after = [(f, v) for f, v, step in synced if f < step + 2]
     end = [(run.last_step + 1, float(run.summary["replicas_distinct"]))] if run.summary and isinstance(
         run.summary.get("replicas_distinct"), int) else []
     # At one step the later kind has the last word (a fingerprint the last).
-    last = dict([*split, *found, *synced, *zip(steps, values), *end])
+    last = dict([*landed_before, *split, *found, *landed_after, *zip(steps, values), *end])
     return sorted(last), [last[s] for s in sorted(last)]
+
+
+def _fingerprinted(run: RunData) -> bool:
+    """Whether the run fingerprinted the training state (not with --fingerprint-every 0,
+    but for the guard's own checks)."""
+    return any("replicas/state_distinct" in r for r in run.consistency)
 
 
 def _replica_panel(ax: Axes, run: RunData) -> None:
     # Drawn wide then thin and dashed: where both are 1 neither hides the other.
-    for key, style, label in (("replicas/state_distinct", {"color": "0.55", "lw": 3.0}, "training state"),
+    # Without fingerprints the state's line is what the syncs and the aggregated
+    # gradients' checksums say of it, and its label says so.
+    state = "training state" if _fingerprinted(run) else "training state (not fingerprinted: syncs, checksums)"
+    for key, style, label in (("replicas/state_distinct", {"color": "0.55", "lw": 3.0}, state),
                               ("replicas/grad_distinct", {"color": "black", "lw": 1.2, "ls": "--"},
                                "aggregated gradients")):
         steps, values = _state_distinct(run) if key == "replicas/state_distinct" else _series(run.consistency, key)
@@ -493,7 +504,8 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     """The plain-text summary of a run (what ``paft report`` prints); ``files``: what the
     report writes, listed on its last line."""
     lines = [f"paft report: {run.path}", *_notes(run), *_header(run), *_losses(run), _speed(run),
-             *_replicas(run), *_faults(run), _first_split_line(run), *_differing_tensors(run), _counters(run),
+             *_replicas(run), *_unfingerprinted(run), *_faults(run), _first_split_line(run),
+             *_differing_tensors(run), _counters(run),
              *_metric_extremes(run),
              _alerts(run)]
     if files:
@@ -590,6 +602,35 @@ def _replicas(run: RunData) -> list[str]:
     bad = (f"; the last evaluation (step {last['step']}) found NaN/Inf in a replica's parameters"
            if math.isinf(_num(last.get("replica_rel_diff"))) else "")
     return [_last_state_check(run) + bad] if run.consistency else []
+
+
+def _unfingerprinted(run: RunData, shown: int = 5) -> list[str]:
+    """With --fingerprint-every 0 no state fingerprint says whether the replicas' state
+    split: what the syncs and repairs found of it (they compare it whole), where any ran."""
+    if (run.config.get("monitor") or {}).get("fingerprint_every") != 0 or not run.consistency:
+        return []
+    checked = [r["step"] for r in run.consistency if "replicas/state_distinct" in r]
+    only = f", but at the guard's state checks (step{_plural(checked)} {_steps(checked, shown)})" if checked else ""
+    apart = _split_syncs(run)
+    same = [int(e["step"]) for e in _syncs(run) if all(e is not a for a in apart)]
+    found = []
+    if same:
+        found.append(f"identical at step{_plural(same)} {_steps(same, shown)}")
+    if apart:
+        found.append("apart at " + _steps([f"step {e['step']} (groups {e['groups']})" for e in apart], shown))
+    said = (f"the syncs found it {' and '.join(found)}" if found else
+            "no sync compared it: a split shows only through the aggregated-gradient checksums")
+    return [f"training state: not fingerprinted while training (--fingerprint-every 0){only}; {said}"]
+
+
+def _plural(items: Sequence[Any]) -> str:
+    return "s" if len(items) > 1 else ""
+
+
+def _steps(items: Sequence[Any], shown: int) -> str:
+    """``4, 8, 12`` / ``4, 8 and 3 more``."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(str(s) for s in items[:shown]) + more
 
 
 def _faults(run: RunData) -> list[str]:

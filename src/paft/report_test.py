@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import paft.report as report_module
-from paft.config import TrainConfig
+from paft.config import MonitorConfig, ProtectConfig, TrainConfig
 from paft.report import (
     _eval_divergence,
     _figure,
@@ -47,10 +47,10 @@ def train(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, Any
     return Trainer(cfg, pathlib.Path(cfg.run_dir)).train()
 
 
-def make_run(run_dir: pathlib.Path, inject: list[str]) -> pathlib.Path:
+def make_run(run_dir: pathlib.Path, inject: list[str], **options: Any) -> pathlib.Path:
     cfg = TrainConfig(
         workload="gpt", world_size=2, steps=12, batch_size=8, eval_every=6, eval_batches=2, log_every=100,
-        checkpoint_every=0, run_dir=str(run_dir), model=dict(TINY_LM), inject=inject,
+        checkpoint_every=0, run_dir=str(run_dir), model=dict(TINY_LM), inject=inject, **options,
     )
     prepare_run_dir(cfg)
     run_workers(train, cfg.world_size, cfg.to_dict())
@@ -638,6 +638,41 @@ def test_a_sync_before_the_first_state_fingerprint_ends_its_split(clean_run: pat
                             "groups": [[0], [1]], "note": ""}) + "\n")
     steps, values = _state_distinct(load_run(run))
     assert list(zip(steps, values)) == [(5, 2), (6, 1), (8, 1), (12, 1)]
+
+
+def test_a_run_without_state_fingerprints_says_what_its_syncs_found(tmp_path: pathlib.Path) -> None:
+    """--fingerprint-every 0: no fingerprint of the training state, and the report drew
+    no state line and said nothing of it. The syncs compare the state whole, and an
+    update from split aggregated gradients splits it: here the fault at step 5 splits
+    the gradients, the overlapped sync of step 4 (found identical) landed in step 5
+    before that update, and the sync of step 8 found the split and ended it."""
+    run_dir = make_run(tmp_path / "fp0", ["bitflip:steps=5,bits=exponent,ranks=1"],
+                       monitor=MonitorConfig(fingerprint_every=0), protect=ProtectConfig(mode="sync", sync_period=4))
+    run = load_run(run_dir)
+    assert not any("replicas/state_distinct" in r for r in run.consistency)
+    assert [(e["step"], e["seen_from"]) for e in run.events_of("sync")] == [(4, 6), (8, 9)]
+    steps, values = _state_distinct(run)
+    assert list(zip(steps, values)) == [(6, 2), (8, 2), (9, 1), (12, 1)]
+    _, (ax,) = _figure(1, 1, "fp0")
+    _replica_panel(ax, run)
+    assert "distinct training state (not fingerprinted: syncs, checksums)" in ax.get_legend_handles_labels()[1]
+    assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0); the syncs found it "
+            "identical at step 4 and apart at step 8 (groups [[0], [1]])\n") in summary_text(run)
+    # Without the syncs (and the summary's end state) only the gradients' split is known.
+    copy = copy_run(run_dir, tmp_path / "no-syncs")
+    (copy / "summary.json").unlink()
+    rewrite_jsonl(copy / "events.jsonl", lambda r: {**r, "event": "was-sync"} if r["event"] == "sync" else r)
+    assert _state_distinct(load_run(copy)) == ([6], [2.0])
+    assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0); no sync compared it: a "
+            "split shows only through the aggregated-gradient checksums\n") in summary_text(load_run(copy))
+    # The guard fingerprints the state after its state mismatch, --fingerprint-every 0 or not.
+    rewrite_jsonl(copy / "consistency.jsonl", lambda r: {**r, **({"replicas/state_distinct": 1} if r["step"] in (
+        9, 10) else {})})
+    assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0), but at the guard's state "
+            "checks (steps 9, 10); no sync compared it") in summary_text(load_run(copy))
+    _, (ax,) = _figure(1, 1, "fp0 with the guard's checks")
+    _replica_panel(ax, load_run(copy))
+    assert "distinct training state" in ax.get_legend_handles_labels()[1]
 
 
 def test_a_run_without_its_summary_reports_the_summarys_speed(fault_run: pathlib.Path,
