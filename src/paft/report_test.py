@@ -658,6 +658,13 @@ def test_a_run_without_state_fingerprints_says_what_its_syncs_found(tmp_path: pa
     assert "distinct training state (not fingerprinted: syncs, checksums)" in ax.get_legend_handles_labels()[1]
     assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0); the syncs found it "
             "identical at step 4 and apart at step 8 (groups [[0], [1]])\n") in summary_text(run)
+    # A blocking sync after step 5's update (seen from 6) found the split and ended it:
+    # it came after that update, and has the last word over its split gradients.
+    blocking = copy_run(run_dir, tmp_path / "blocking")
+    (blocking / "summary.json").unlink()
+    sync = {**run.events_of("sync")[1], "step": 5, "seen_from": 6, "overlapped": False}
+    (blocking / "events.jsonl").write_text(json.dumps(sync) + "\n")
+    assert _state_distinct(load_run(blocking)) == ([5, 6], [2.0, 1.0])
     # Without the syncs (and the summary's end state) only the gradients' split is known.
     copy = copy_run(run_dir, tmp_path / "no-syncs")
     (copy / "summary.json").unlink()
@@ -673,6 +680,9 @@ def test_a_run_without_state_fingerprints_says_what_its_syncs_found(tmp_path: pa
     _, (ax,) = _figure(1, 1, "fp0 with the guard's checks")
     _replica_panel(ax, load_run(copy))
     assert "distinct training state" in ax.get_legend_handles_labels()[1]
+    # --no-monitor records no checksums either: nothing to say of the state.
+    (copy / "consistency.jsonl").unlink()
+    assert "training state:" not in summary_text(load_run(copy))
 
 
 def test_a_run_without_its_summary_reports_the_summarys_speed(fault_run: pathlib.Path,
