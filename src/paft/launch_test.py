@@ -625,6 +625,22 @@ def test_the_launchers_shutdown_chatter_is_dropped(name: str, msg: str, args: tu
     assert bool(logging.getLogger(name).filter(record)) == kept
 
 
+def _threads_as_launched(rank: int, world_size: int) -> tuple[str | None, int]:
+    launcher.start_launched_worker(TrainConfig(world_size=world_size, batch_size=12))
+    import torch
+
+    return os.environ.get("LOCAL_WORLD_SIZE"), torch.get_num_threads()
+
+
+def test_test_workers_take_the_share_of_the_cores_paft_train_gives_them() -> None:
+    """The suite's multi-rank workers run paft train's worker path with the thread share
+    the elastic launcher gives (cores // local ranks): with every core each, under load
+    the first AdamW step wrote half of one tensor differently on one rank about once in
+    30 runs (docs/ARCHITECTURE.md, "Determinism")."""
+    share = max(1, (os.cpu_count() or 1) // 3)
+    assert run_workers(_threads_as_launched, 3) == [("3", share)] * 3
+
+
 @pytest.mark.parametrize("cpus, workers, threads", [(8, 1, 8), (8, 3, 2), (8, 16, 1), (None, 2, 1)])
 def test_each_worker_gets_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch, cpus: int | None, workers: int,
                                                  threads: int) -> None:

@@ -52,6 +52,13 @@ def _entry(
     results: Any,
 ) -> None:
     torch.set_num_threads(1)
+    # What torch's elastic launcher tells a worker, which paft.launch sizes each worker's
+    # threads by (cores // local world size): unset, a worker that runs paft train's own
+    # worker path took every core, and so parallel chunks whose results could differ
+    # between ranks. Measured: under load, 2 threads per rank made the first AdamW step
+    # write the second half of one tensor differently on one rank in 7 of 170 pairs of
+    # runs (docs/ARCHITECTURE.md, "Determinism").
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     try:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size

@@ -256,8 +256,9 @@ def test_identical_runs_write_identical_faults_jsonl(tmp_path: pathlib.Path, cas
     for cfg in cfgs:
         prepare_run_dir(cfg)
         status = run_workers(launched_worker, 3, cfg.to_dict())[0]["status"]
-        # Rarely, under heavy load, a rerun found rank 0's state apart from the others'
-        # (not reproduced in 170 runs alone): the record names what differed, if it recurs.
+        # Under heavy load a rank's first update once came out apart from its peers' (with
+        # 2 threads per rank: docs/ARCHITECTURE.md, "Determinism"): the record names what
+        # differed, if anything like it recurs.
         events = pathlib.Path(cfg.run_dir, "events.jsonl")
         assert status == ("persistent_fault" if case == "guard-stop" else "ok"), (
             events.read_text() if events.exists() else "no events.jsonl")
