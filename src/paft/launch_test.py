@@ -299,6 +299,8 @@ def _failing_in_turn(rank: int, world_size: int, run_dir: str) -> list[tuple[int
         raise RuntimeError("a failing rank")
 
     launcher._train_in_group = train  # this worker's own module: it ends with the test
+    # Rank 1 stays in until rank 0 is out, so rank 0 waits for it in vain: not 10 s.
+    launcher._PEERS_OUT_SECONDS = 0.5
     with contextlib.suppress(RuntimeError):
         launcher._main(TrainConfig(run_dir=run_dir, world_size=2, steps=1), "torchrun", rank == 0)
     if rank == 0:
@@ -329,6 +331,8 @@ def _claiming_while_a_peer_lingers(rank: int, world_size: int, run_dir: str) -> 
         return {"status": "persistent_fault", "message": "stopped"}
 
     launcher._train_in_group = train  # this worker's own module: it ends with the test
+    # Rank 1 lingers until rank 0 has tried its claim, so rank 0 waits for it in vain: not 10 s.
+    launcher._PEERS_OUT_SECONDS = 0.5
     launcher._main(TrainConfig(run_dir=run_dir, world_size=2, steps=1), "torchrun", rank == 0)
     outcome = ""
     if rank == 0:
