@@ -610,14 +610,14 @@ def _unfingerprinted(run: RunData, shown: int = 5) -> list[str]:
     if (run.config.get("monitor") or {}).get("fingerprint_every") != 0 or not run.consistency:
         return []
     checked = [r["step"] for r in run.consistency if "replicas/state_distinct" in r]
-    only = f", but at the guard's state checks (step{_plural(checked)} {_steps(checked, shown)})" if checked else ""
+    only = f", but at the guard's state checks (step{_plural(checked)} {_listed(checked, shown)})" if checked else ""
     apart = _split_syncs(run)
-    same = [int(e["step"]) for e in _syncs(run) if all(e is not a for a in apart)]
+    same = [int(e["step"]) for e in _syncs(run) if e not in apart]
     found = []
     if same:
-        found.append(f"identical at step{_plural(same)} {_steps(same, shown)}")
+        found.append(f"identical at step{_plural(same)} {_listed(same, shown)}")
     if apart:
-        found.append("apart at " + _steps([f"step {e['step']} (groups {e['groups']})" for e in apart], shown))
+        found.append("apart at " + _listed([f"step {e['step']} (groups {e['groups']})" for e in apart], shown))
     said = (f"the syncs found it {' and '.join(found)}" if found else
             "no sync compared it: a split shows only through the aggregated-gradient checksums")
     return [f"training state: not fingerprinted while training (--fingerprint-every 0){only}; {said}"]
@@ -627,10 +627,12 @@ def _plural(items: Sequence[Any]) -> str:
     return "s" if len(items) > 1 else ""
 
 
-def _steps(items: Sequence[Any], shown: int) -> str:
-    """``4, 8, 12`` / ``4, 8 and 3 more``."""
-    more = f" and {len(items) - shown} more" if len(items) > shown else ""
-    return ", ".join(str(s) for s in items[:shown]) + more
+def _listed(items: Sequence[Any], shown: int, total: int | None = None) -> str:
+    """``4, 8, 12`` / ``4, 8 and 3 more``: the first ``shown`` of ``items``, and how many
+    of ``total`` (default: all of ``items``) they leave out."""
+    listed = items[:shown]
+    more = (len(items) if total is None else total) - len(listed)
+    return ", ".join(str(s) for s in listed) + (f" and {more} more" if more > 0 else "")
 
 
 def _faults(run: RunData) -> list[str]:
@@ -673,10 +675,8 @@ def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
         for name, groups in list(named.items())[:shown]:
             odd = outside_majority(groups, run.world_size)
             parts.append(f"{name} on {_ranks(odd)}" if odd else f"{name} (no strict majority: {groups})")
-        more = int(e.get("differing_tensors", len(named))) - len(parts)
-        extra = f" and {more} more" if more > 0 else ""
-        at = f"as the {e['event']} at step {e['step']} found them"
-        found.append((int(e["step"]), 0, f"{at}: {', '.join(parts)}{extra}"))
+        listed = _listed(parts, shown, total=int(e.get("differing_tensors", len(named))))
+        found.append((int(e["step"]), 0, f"as the {e['event']} at step {e['step']} found them: {listed}"))
         break
     for a in run.events_of("alert"):
         moved = (a.get("divergence") or {}).get("tensors") if a.get("detector") == "state_split" else None

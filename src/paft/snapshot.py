@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.norms import norm_of
-from paft.state import state_tensors
+from paft.state import nested_tensors, state_tensors
 
 __all__ = ["ForwardSnapshot", "StateSnapshot"]
 
@@ -63,17 +63,6 @@ def _copy_structure(value: Any) -> Any:
     return value
 
 
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in ``value``: itself, or those nested in its lists, tuples and dicts."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    return []
-
-
 class StateSnapshot:
     """Parameters and optimizer state before ``optimizer.step()``, for a post-step rollback.
 
@@ -117,7 +106,7 @@ class StateSnapshot:
         # scheduler may hold a tensor ``lr``).
         self._groups = [{k: _copy_structure(v) for k, v in group.items() if k != "params"}
                         for group in optimizer.param_groups]
-        self._group_tensors = [t for group in self._groups for t in _tensors_in(group)]
+        self._group_tensors = [t for group in self._groups for _, t in nested_tensors("", group)]
         self._group_values = [t.detach().clone() for t in self._group_tensors]
         for group in optimizer.param_groups:
             for p in group["params"]:

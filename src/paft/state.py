@@ -21,6 +21,7 @@ from paft.fingerprint import fingerprint
 __all__ = [
     "state_tensors",
     "state_fingerprint",
+    "nested_tensors",
 ]
 
 
@@ -86,12 +87,12 @@ def state_tensors(
                 state = optimizer.state.get(p)  # .get: never grows the defaultdict
                 if state:
                     for key in sorted(state, key=str):
-                        out.extend(_nested_tensors(f"optim/{index}/{key}", state[key]))
+                        out.extend(nested_tensors(f"optim/{index}/{key}", state[key]))
                 index += 1
     return out
 
 
-def _nested_tensors(name: str, value: object) -> Iterator[tuple[str, torch.Tensor]]:
+def nested_tensors(name: str, value: object) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for ``value`` itself or every tensor nested in its lists,
     tuples and dicts (dict keys in sorted order, so the names and their order are
     the same on every rank)."""
@@ -99,10 +100,10 @@ def _nested_tensors(name: str, value: object) -> Iterator[tuple[str, torch.Tenso
         yield name, value
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            yield from _nested_tensors(f"{name}/{i}", item)
+            yield from nested_tensors(f"{name}/{i}", item)
     elif isinstance(value, dict):
         for key in sorted(value, key=str):
-            yield from _nested_tensors(f"{name}/{key}", value[key])
+            yield from nested_tensors(f"{name}/{key}", value[key])
 
 
 def state_fingerprint(
