@@ -2,9 +2,10 @@
 
 ``paft train`` validates everything first (options, config file, run directory), so
 bad input never starts a worker or leaves a directory behind; then it creates the
-run directory and hands :func:`run_worker` to
-``torch.distributed.launcher.api.elastic_launch`` (the machinery behind torchrun:
-c10d rendezvous on a free local port, one process per rank, failures propagated).
+run directory and starts :func:`run_worker` on each rank through
+:func:`paft.workers.local_workers` (torch's elastic launcher, the machinery behind
+torchrun: c10d rendezvous on a free local port, one process per rank, failures
+propagated).
 Under torchrun (``python -m paft.train``) each rank runs :func:`torchrun_main`
 instead, and rank 0 claims the run directory as the launcher would (and settles it
 once its peers are out). Either way a worker trains with :class:`paft.train.Trainer`.
@@ -14,9 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import pathlib
 import shlex
@@ -26,15 +24,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from multiprocessing import resource_tracker
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paft.config import TrainConfig
 from paft.protect import PersistentFaultError
@@ -53,6 +48,7 @@ from paft.rundir import (
 )
 from paft.startup import interrupted_line, unwind_on_interrupt
 from paft.train import EXIT_PERSISTENT_FAULT, EXIT_USAGE, DeviceError, Trainer, check_devices, format_summary, uses_cuda
+from paft.workers import WorkerFailed, local_workers
 
 __all__ = [
     "SignalHold",
@@ -63,7 +59,6 @@ __all__ = [
     "interrupted",
     "last_rank_out_tidies",
     "launch",
-    "local_workers",
     "run_worker",
     "start_launched_worker",
     "torchrun_main",
@@ -379,89 +374,14 @@ def settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str
               f"failed: {err.strerror or err})", file=sys.stderr)
 
 
-# The launcher's word on stopping the workers (on Ctrl-C, a signal, a failed rank), by
-# logger and message template: paft says what happened and what to do in its own line.
-_SHUTDOWN_CHATTER = {
-    "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
-    "torch.distributed.elastic.multiprocessing.api": "Closing process %s via signal %s",
-}
-
-
-def _drop_shutdown_chatter(record: logging.LogRecord) -> bool:
-    return _SHUTDOWN_CHATTER.get(record.name) != record.msg
-
-
-def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft") -> Callable[..., dict[int, Any]]:
-    """``entry`` as torchrun would start it on ``world_size`` local workers: call the
-    result with ``entry``'s arguments; it returns rank -> ``entry``'s return value, or
-    raises ``ChildFailedError`` when a worker fails (no restarts). ``entry`` must be a
-    module-level function (the workers are spawned) that sets up its process group."""
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    for logger_name in _SHUTDOWN_CHATTER:
-        logger = logging.getLogger(logger_name)
-        if _drop_shutdown_chatter not in logger.filters:
-            logger.addFilter(_drop_shutdown_chatter)
-    _start_resource_tracker()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port, taken at bind time: no race between runs
-        max_restarts=0,
-        start_method=_worker_start_method(),
-    )
-    return elastic_launch(config, entry)
-
-
-def _worker_start_method() -> str:
-    """Fork the workers from a server that has imported what they need once (see
-    :mod:`paft.workerserver`), or spawn them where there is no fork server (Windows).
-    The server starts here, deaf to Ctrl-C (an ignored signal stays ignored across
-    exec, and Python leaves it so), and ends with the launcher; ``paft bench`` forks
-    every run's workers from the same one."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    multiprocessing.set_forkserver_preload(["paft.workerserver"])
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    # Wait for its imports here, through a process that needs nothing of the launcher.
-    # The first worker's start waited for them inside the elastic launcher, and a Ctrl-C
-    # meanwhile left that worker out of the launcher's shutdown: forked once the imports
-    # were done, it found the launcher's semaphores gone and printed a traceback.
-    ready = multiprocessing.get_context("forkserver").Process(target=os.getpid)
-    ready.start()
-    ready.join()
-    return "forkserver"
-
-
-def _start_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker (the helper process that spawning the
-    workers needs) deaf to SIGHUP and SIGQUIT, as Python makes it deaf to SIGINT and
-    SIGTERM. It shares the launcher's process group: a closed terminal, or ``kill -QUIT``
-    of the group, killed it with the workers, and the launcher, on its way out, started
-    a new one, which printed a KeyError traceback for each semaphore it never knew.
-    Blocked while it starts, the signals stay blocked in it (its own set-up unblocks
-    only SIGINT and SIGTERM, which it ignores); it still ends with the launcher."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP, signal.SIGQUIT))
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
 def _run_workers(cfg: TrainConfig) -> int:
     try:
         results = local_workers(run_worker, cfg.world_size)(cfg.to_dict(), cfg.run_dir)
-    except ChildFailedError as err:
+    except WorkerFailed as err:
         kept = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
             kept = f"; {cfg.run_dir} keeps its checkpoints (--resume continues from the last)"
-        print(f"paft train: a worker failed (its traceback is above){kept}\n{err}", file=sys.stderr)
+        print(err.describe("paft train") + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
         hint = ""

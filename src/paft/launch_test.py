@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 import os
 import pathlib
 import shutil
@@ -533,51 +532,6 @@ def test_a_failed_run_leaves_no_checkpoint_temporaries(tmp_path: pathlib.Path,
         "step0000006", "step0000006/rank0.pt"]
 
 
-def test_sigquit_or_sighup_to_the_process_group_leaves_the_resource_tracker_alive() -> None:
-    """``kill -QUIT`` of ``paft train``'s whole group (or SIGHUP, a closed terminal) also
-    killed multiprocessing's resource tracker, which the launcher's spawned workers
-    need; on its way out the launcher started a new one, which printed a KeyError
-    traceback for every semaphore the first one knew. Here one process stands for the
-    launcher: it starts the workers' machinery (not the workers), takes a semaphore,
-    has its group signalled, and lets the semaphore go."""
-    code = """if True:
-        import multiprocessing, os, signal, time
-        from paft.launch import local_workers
-        for sig in (signal.SIGHUP, signal.SIGQUIT):  # the launcher's handlers unwind
-            signal.signal(sig, lambda signum, frame: None)
-        local_workers(print, 1)  # only set up: the workers start when it is called
-        lock = multiprocessing.get_context("spawn").Lock()
-        for sig in (signal.SIGHUP, signal.SIGQUIT):
-            os.killpg(0, sig)
-        time.sleep(0.5)
-        del lock
-        """
-    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(paft.__file__).parents[1])}  # this paft, not an installed one
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                          start_new_session=True)
-    assert done.returncode == 0 and done.stderr == "", done.stderr
-
-
-def test_the_workers_fork_from_a_server_deaf_to_ctrl_c_that_gives_them_the_default() -> None:
-    """The launcher forks its workers from a server that imports torch once for all of
-    them. A Ctrl-C during those imports printed their traceback (the launcher handles
-    it); and a worker must still end on the Ctrl-C the launcher forwards before it has
-    set up its own handler, where an inherited ignore left the launcher waiting 30 s."""
-    code = """if True:
-        import multiprocessing, multiprocessing.forkserver, os, signal
-        from paft.launch import local_workers
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see ctrl_c_raises)
-        local_workers(print, 1)  # starts the server
-        os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGINT)  # while it imports
-        with multiprocessing.get_context("forkserver").Pool(1) as pool:
-            print(pool.apply(signal.getsignal, (signal.SIGINT,)) is signal.SIG_DFL)
-        """
-    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(paft.__file__).parents[1])}  # this paft, not an installed one
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                          start_new_session=True)
-    assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", ""), done.stderr
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_torchrun_rank_waiting_for_its_peers_ends_on_a_signal(tmp_path: pathlib.Path, sig: int) -> None:
     """Rank 0 of two, alone, waits in the rendezvous (in C++, where no Python handler
@@ -604,29 +558,6 @@ def test_a_torchrun_rank_waiting_for_its_peers_ends_on_a_signal(tmp_path: pathli
     finally:
         rank.kill()
     assert (rank.returncode, err, list(tmp_path.iterdir())) == (-sig, "", [])
-
-
-def _noop(rank: int) -> None:
-    pass
-
-
-def test_the_run_id_is_named_by_the_caller() -> None:
-    # The chatter filter's loop once reused the parameter's name: run ids were "torch.distributed....".
-    launch = launcher.local_workers(_noop, 1, "paft-bench")
-    assert launch._config.run_id.startswith("paft-bench-")  # torch's launcher keeps it there alone
-
-
-@pytest.mark.parametrize(("name", "msg", "args", "kept"), [
-    ("torch.distributed.elastic.multiprocessing.api", "Closing process %s via signal %s", (12, "SIGINT"), False),
-    ("torch.distributed.elastic.agent.server.api", "Received %s death signal, shutting down workers", (2,), False),
-    # The launcher's other words stay: a worker that would not stop, say.
-    ("torch.distributed.elastic.multiprocessing.api",
-     "Unable to shutdown process %s via %s, forcefully exiting via %s", (12, "SIGINT", "SIGKILL"), True),
-])
-def test_the_launchers_shutdown_chatter_is_dropped(name: str, msg: str, args: tuple, kept: bool) -> None:
-    launcher.local_workers(_noop, 1)  # sets the launcher's logging up; starts nothing
-    record = logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
-    assert bool(logging.getLogger(name).filter(record)) == kept
 
 
 def _threads_as_launched(rank: int, world_size: int) -> tuple[str | None, int]:

@@ -1,5 +1,5 @@
 """What the fork server that ``paft train`` and ``paft bench`` start their workers from
-loads before it forks the first one (see :func:`paft.launch.local_workers`; the test
+loads before it forks the first one (see :func:`paft.workers.local_workers`; the test
 suite's multi-rank workers too, :func:`paft.testing.run_workers`); nothing imports this
 module but such a server.
 

@@ -279,10 +279,10 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
     except OSError as err:
         parser.error(f"--out: cannot create {out}: {err.strerror or err}")
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from paft.launch import EXIT_WORKER_FAILED, interrupted
     from paft.records import console
+    from paft.workers import WorkerFailed
 
     try:
         if args.benchmark == "overhead":
@@ -310,9 +310,9 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
             from paft.bench import detection
 
             detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size, device=args.device)
-    except ChildFailedError as err:
+    except WorkerFailed as err:
         kept = "" if args.overwrite else f"; {out} keeps what was written"
-        print(f"paft bench: a worker failed (its traceback is above){kept}\n{err}", file=sys.stderr)
+        print(err.describe("paft bench") + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
         return interrupted(err, "" if args.overwrite else f"; {out} keeps the runs finished so far", "paft bench")

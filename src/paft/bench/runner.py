@@ -158,7 +158,7 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
     ``entry`` must be a module-level function (workers are spawned); it sets up and
     tears down its process group itself (see :func:`_bench_worker`).
     """
-    from paft.launch import local_workers
+    from paft.workers import local_workers
 
     return local_workers(entry, world_size, "paft-bench")(*args)
 

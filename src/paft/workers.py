@@ -1,0 +1,183 @@
+"""Start N local worker processes through torch's elastic launcher, as torchrun would,
+and say plainly what went wrong when one fails.
+
+``paft train`` and ``paft bench`` both launch their workers here. On top of
+``torch.distributed.launcher.api.elastic_launch`` this adds:
+
+- workers forked from a server that imported torch once (:mod:`paft.workerserver`);
+- nothing left behind: the launcher's per-run log directory (``torchelastic_*``) lives
+  in a temporary directory removed when the launch ends, and a worker's exception is
+  recorded there only, not also in torch.multiprocessing's ``pytorch-errorfile-*``
+  pickle, which nothing ever removes from the system's temporary directory;
+- one account of a failure: the failed rank's traceback once and a one-line cause
+  (:class:`WorkerFailed`), instead of the launcher's log of it plus its summary of it.
+
+Example (a script: the workers import ``work`` from it)::
+
+    import torch.distributed as dist
+    from paft.workers import local_workers
+
+    def work(x):
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        return rank * x
+
+    if __name__ == "__main__":
+        print(local_workers(work, 2)(10))  # {0: 0, 1: 10}
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import tempfile
+import uuid
+from collections.abc import Callable
+from multiprocessing import resource_tracker
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+__all__ = ["WorkerFailed", "local_workers"]
+
+
+class WorkerFailed(RuntimeError):
+    """A launched worker failed: ``rank``, ``cause`` (one line: the exception, the
+    signal or the exit code) and ``traceback`` (the worker's, where it raised)."""
+
+    def __init__(self, rank: int, cause: str, traceback: str | None) -> None:
+        super().__init__(f"rank {rank} {cause}")
+        self.rank = rank
+        self.cause = cause
+        self.traceback = traceback
+
+    @classmethod
+    def from_launcher(cls, err: ChildFailedError) -> WorkerFailed:
+        """The first failure the launcher saw (read while its error file still exists)."""
+        rank, failure = err.get_first_failure()
+        data = failure.error_file_data.get("message")
+        if isinstance(data, dict):  # what the worker recorded (see _run_entry)
+            return cls(rank, f"failed: {data['message']}", data["extraInfo"]["py_callstack"])
+        if failure.exitcode < 0:
+            return cls(rank, f"was killed by {failure.signal_name()}", None)
+        return cls(rank, f"exited with code {failure.exitcode} and left no traceback", None)
+
+    def describe(self, prog: str) -> str:
+        """For the console: the worker's traceback, then ``prog: rank N <cause>``."""
+        head = self.traceback.rstrip("\n") + "\n" if self.traceback else ""
+        return f"{head}{prog}: {self}"
+
+
+# The launcher's words on a failure or a stop, by logger and message template: paft says
+# what happened, and what to do, in its own lines (the failure's traceback was logged
+# in full here, then printed again in the failure's summary).
+_LAUNCHER_CHATTER = {
+    "torch.distributed.elastic.agent.server.api": {"Received %s death signal, shutting down workers"},
+    "torch.distributed.elastic.multiprocessing.api": {
+        "Closing process %s via signal %s",
+        "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
+    },
+    "torch.multiprocessing.spawn": {"Terminating process %s via signal SIGTERM"},  # a failed rank's peers
+}
+
+
+def _drop_launcher_chatter(record: logging.LogRecord) -> bool:
+    return record.msg not in _LAUNCHER_CHATTER.get(record.name, ())
+
+
+def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft") -> Callable[..., dict[int, Any]]:
+    """``entry`` as torchrun would start it on ``world_size`` local workers: call the
+    result with ``entry``'s arguments; it returns rank -> ``entry``'s return value, or
+    raises :class:`WorkerFailed` when a worker fails (no restarts). ``entry`` must be a
+    module-level function (the workers are forked from a server, or spawned) that sets
+    up its process group. The fork server starts here."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    for logger_name in _LAUNCHER_CHATTER:
+        logger = logging.getLogger(logger_name)
+        if _drop_launcher_chatter not in logger.filters:
+            logger.addFilter(_drop_launcher_chatter)
+    _start_resource_tracker()
+    start_method = _worker_start_method()
+    run_id = f"{name}-{uuid.uuid4().hex[:8]}"
+
+    def launch(*args: Any) -> dict[int, Any]:
+        with tempfile.TemporaryDirectory(prefix=f"{name}-launch-") as logs:
+            config = _launch_config(world_size, run_id, start_method, logs)
+            try:
+                return elastic_launch(config, _run_entry)(entry, *args)
+            except ChildFailedError as err:
+                raise WorkerFailed.from_launcher(err) from None
+
+    return launch
+
+
+def _launch_config(world_size: int, run_id: str, start_method: str, log_dir: str) -> LaunchConfig:
+    """One node, ``world_size`` workers, no restarts, the launcher's files in ``log_dir``."""
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, taken at bind time: no race between runs
+        max_restarts=0,
+        start_method=start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+
+
+def _run_entry(entry: Callable[..., Any], *args: Any) -> Any:
+    """In a worker: ``entry(*args)``; an exception is recorded in the launcher's error
+    file and the worker exits 1. Left to propagate, torch.multiprocessing would also
+    pickle its traceback into a file of its own in the system's temporary directory,
+    which nothing removes (one per failed worker)."""
+    try:
+        return entry(*args)
+    except Exception as err:
+        get_error_handler().record_exception(err)
+        raise SystemExit(1) from None
+
+
+def _worker_start_method() -> str:
+    """Fork the workers from a server that has imported what they need once (see
+    :mod:`paft.workerserver`), or spawn them where there is no fork server (Windows).
+    The server starts here, deaf to Ctrl-C (an ignored signal stays ignored across
+    exec, and Python leaves it so), and ends with the launcher; ``paft bench`` forks
+    every run's workers from the same one."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["paft.workerserver"])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # Wait for its imports here, through a process that needs nothing of the launcher.
+    # The first worker's start waited for them inside the elastic launcher, and a Ctrl-C
+    # meanwhile left that worker out of the launcher's shutdown: forked once the imports
+    # were done, it found the launcher's semaphores gone and printed a traceback.
+    ready = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+    ready.start()
+    ready.join()
+    return "forkserver"
+
+
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the helper process that spawning the
+    workers needs) deaf to SIGHUP and SIGQUIT, as Python makes it deaf to SIGINT and
+    SIGTERM. It shares the launcher's process group: a closed terminal, or ``kill -QUIT``
+    of the group, killed it with the workers, and the launcher, on its way out, started
+    a new one, which printed a KeyError traceback for each semaphore it never knew.
+    Blocked while it starts, the signals stay blocked in it (its own set-up unblocks
+    only SIGINT and SIGTERM, which it ignores); it still ends with the launcher."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP, signal.SIGQUIT))
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

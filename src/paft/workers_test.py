@@ -1,0 +1,134 @@
+"""The local launcher: what a failed worker leaves (its traceback once, nothing on disk)
+and how it is told; the fork server and resource tracker it starts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import paft
+from paft import workers
+
+_SRC = str(pathlib.Path(paft.__file__).parents[1])  # this paft, not an installed one
+
+
+def _in_a_launcher(code: str, tmp: pathlib.Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh Python standing for ``paft train``'s launcher, in its own
+    session (a test may signal its group), with TMPDIR at ``tmp`` if given."""
+    env = {**os.environ, "PYTHONPATH": _SRC}
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env,
+                          start_new_session=True)
+
+
+def _raise_on_rank_1(x: int) -> int:
+    if os.environ["RANK"] == "1":
+        raise ValueError(f"bad value {x}")
+    return x
+
+
+def _die_on_rank_1(how: str) -> None:
+    if os.environ["RANK"] == "1":
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+
+
+def _run_id(x: int) -> tuple[int, str]:
+    return x * int(os.environ["RANK"]), os.environ["TORCHELASTIC_RUN_ID"]
+
+
+def test_a_failed_worker_is_told_once_and_leaves_nothing_behind(tmp_path: pathlib.Path) -> None:
+    """torch's launcher logged the failure's traceback, then printed it again in its
+    summary, which pointed into a ``torchelastic_*`` log directory; that directory stayed
+    in the temporary directory after every launch, and torch.multiprocessing's
+    ``pytorch-errorfile-*.pickle`` after every worker that raised."""
+    code = """if True:
+        import json
+        from paft import workers, workers_test as t
+        out = {"ok": workers.local_workers(t._run_id, 2, "paft-bench")(5)}
+        for name, fn, arg in [("raised", t._raise_on_rank_1, 7), ("killed", t._die_on_rank_1, "kill"),
+                              ("exited", t._die_on_rank_1, "exit")]:
+            try:
+                workers.local_workers(fn, 2)(arg)
+            except workers.WorkerFailed as err:
+                out[name] = [err.rank, err.cause, err.traceback, err.describe("paft train")]
+        print(json.dumps(out))
+        """
+    done = _in_a_launcher(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # the launcher's own account of the failures is gone
+    out = json.loads(done.stdout)
+    assert {rank: value for rank, (value, _) in out["ok"].items()} == {"0": 0, "1": 5}
+    assert all(run_id.startswith("paft-bench-") for _, run_id in out["ok"].values())  # named by the caller
+    rank, cause, trace, told = out["raised"]
+    assert (rank, cause) == (1, "failed: ValueError: bad value 7")
+    assert "in _raise_on_rank_1" in trace and trace.endswith("ValueError: bad value 7\n")
+    assert told == trace + "paft train: rank 1 failed: ValueError: bad value 7"
+    assert out["killed"] == [1, "was killed by SIGKILL", None, "paft train: rank 1 was killed by SIGKILL"]
+    assert out["exited"][:3] == [1, "exited with code 3 and left no traceback", None]
+    # (torch's compile cache, one per user and kept on purpose, is made by its import)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")] == []
+
+
+@pytest.mark.parametrize(("name", "msg", "args", "kept"), [
+    ("torch.distributed.elastic.multiprocessing.api", "Closing process %s via signal %s", (12, "SIGINT"), False),
+    ("torch.distributed.elastic.agent.server.api", "Received %s death signal, shutting down workers", (2,), False),
+    ("torch.distributed.elastic.multiprocessing.api",
+     "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)", (1, 0, 12, "f", "spawn"), False),
+    ("torch.multiprocessing.spawn", "Terminating process %s via signal SIGTERM", (12,), False),
+    # The launcher's other words stay: a worker that would not stop, say.
+    ("torch.distributed.elastic.multiprocessing.api",
+     "Unable to shutdown process %s via %s, forcefully exiting via %s", (12, "SIGINT", "SIGKILL"), True),
+])
+def test_the_launchers_own_account_of_a_stop_is_dropped(name: str, msg: str, args: tuple, kept: bool) -> None:
+    workers.local_workers(print, 1)  # sets the launcher's logging up; starts nothing
+    record = logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
+    assert bool(logging.getLogger(name).filter(record)) == kept
+def test_sigquit_or_sighup_to_the_process_group_leaves_the_resource_tracker_alive() -> None:
+    """``kill -QUIT`` of ``paft train``'s whole group (or SIGHUP, a closed terminal) also
+    killed multiprocessing's resource tracker, which the launcher's spawned workers
+    need; on its way out the launcher started a new one, which printed a KeyError
+    traceback for every semaphore the first one knew. Here one process stands for the
+    launcher: it starts the workers' machinery (not the workers), takes a semaphore,
+    has its group signalled, and lets the semaphore go."""
+    code = """if True:
+        import multiprocessing, os, signal, time
+        from paft.workers import local_workers
+        for sig in (signal.SIGHUP, signal.SIGQUIT):  # the launcher's handlers unwind
+            signal.signal(sig, lambda signum, frame: None)
+        local_workers(print, 1)  # only set up: the workers start when it is called
+        lock = multiprocessing.get_context("spawn").Lock()
+        for sig in (signal.SIGHUP, signal.SIGQUIT):
+            os.killpg(0, sig)
+        time.sleep(0.5)
+        del lock
+        """
+    done = _in_a_launcher(code)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_the_workers_fork_from_a_server_deaf_to_ctrl_c_that_gives_them_the_default() -> None:
+    """The launcher forks its workers from a server that imports torch once for all of
+    them. A Ctrl-C during those imports printed their traceback (the launcher handles
+    it); and a worker must still end on the Ctrl-C the launcher forwards before it has
+    set up its own handler, where an inherited ignore left the launcher waiting 30 s."""
+    code = """if True:
+        import multiprocessing, multiprocessing.forkserver, os, signal
+        from paft.workers import local_workers
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job's is ignored)
+        local_workers(print, 1)  # starts the server
+        os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGINT)  # while it imports
+        with multiprocessing.get_context("forkserver").Pool(1) as pool:
+            print(pool.apply(signal.getsignal, (signal.SIGINT,)) is signal.SIG_DFL)
+        """
+    done = _in_a_launcher(code)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", ""), done.stderr
