@@ -762,6 +762,10 @@ def test_two_ranks_reference_median_mean_and_checkpoint():
     for r in res:
         report, weight = r["half"]
         assert weight == [[2.0**-24, 40512.0]] and report.mode == "mean"  # 40496 in float16
+        # float16 is summed in float32 (where 80992 does not overflow: no second sum): the
+        # all-reduce hands over 2 float32, 8 bytes, not the 4 of the float16 weight; plus
+        # the control (24), the one tensor's flags (24) and the divergence (8)
+        assert report.bytes_sent == 24 + 24 + 8 + 8
         assert 0 < report.divergence < 0.02  # 496 / 40496 on either rank
 
 
