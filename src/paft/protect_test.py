@@ -860,6 +860,10 @@ def test_a_split_the_guard_repairs_shortens_dyns_period(tmp_path: Path, sync_mod
     })
     events = read_jsonl(tmp_path / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "dyn_trigger"] == [4, 8, 12]
+    # Each split is repaired once, and the scheduler heard of it (no second sync at once):
+    # a robust PAFT-Sync repairs with its own sync, mean mode with the guard's repairer.
+    fixes = [(e["step"], e["event"]) for e in events if e["event"] in ("sync", "repair") and e["step"] in (4, 8, 12)]
+    assert fixes == [(s, "sync" if sync_mode == "robust" else "repair") for s in (4, 8, 12)], fixes
     periods = [e["period"] for e in events if "period" in e]
     assert periods[0] == 8 and min(periods) == 2 and periods == sorted(periods, reverse=True), periods
     assert len({o["fingerprint"] for o in out}) == 1
