@@ -93,7 +93,8 @@ def protected_run(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str,
         if step == opts.get("close_after"):
             protector.close()
     protector.close()
-    return {"steps": steps, "fingerprint": state_fingerprint(model, optimizer, buffers=False)}
+    return {"steps": steps, "fingerprint": state_fingerprint(model, optimizer, buffers=False),
+            "counters": protector.resync.counters}
 
 
 def column(out: list[dict[str, Any]], key: str) -> list[Any]:
@@ -137,6 +138,27 @@ def test_seen_from_of_scheduled_overlapped_closed_and_repairing_syncs(tmp_path: 
     assert steps_where(out, "in_flight") == ([3, 6] if overlap else [])
     assert not any(column(out, "stale"))  # no sync changed what a step's fingerprints saw
     assert all(column(out, "agree")) and out[0]["fingerprint"] == out[1]["fingerprint"]
+    # The run's counters add up the syncs recorded (events.jsonl is rank 0's, whose bytes
+    # differ from rank 1's: who sends what depends on the rank)
+    sent = [e["bytes_sent"] for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "sync"]
+    assert out[0]["counters"] == {"syncs": 3, "sync_bytes": sum(sent)} and sent[2] > sent[0] > 0
+
+
+def dyn_period(rank: int, world_size: int, config: ProtectConfig) -> int:
+    """PAFT-Dyn's period as Resync sets it up from ``config``."""
+    model = DistributedDataParallel(nn.Linear(2, 1))
+    resync = Resync(model, torch.optim.SGD(model.parameters(), lr=0.1), config, guard=False,
+                    recorder=RunRecorder(None, rank), replicas_agree=lambda: None, fingerprints_now=lambda: [])
+    assert resync.scheduler is not None
+    return resync.scheduler.period
+
+
+def test_dyns_first_period_is_the_sync_period_within_its_bounds() -> None:
+    """``--sync-period`` is PAFT-Dyn's first H, held to [h_min, h_max]: a period the
+    fixed schedule accepts is no error for Dyn (its own config refuses an H outside)."""
+    got = [run_workers(dyn_period, 1, ProtectConfig(mode="dyn", sync_period=period, h_min=4, h_max=16))[0]
+           for period in (1, 8, 50)]
+    assert got == [4, 8, 16]
 
 
 def test_a_dyn_trigger_while_a_sync_is_in_flight_lands_it_then_syncs_blocking(tmp_path: Path) -> None:
