@@ -317,6 +317,19 @@ def _w_three(rank: int, ws: int) -> dict:
             "synced": synced,
             "stepped": stepped,
         }
+        # Declared: state_changed=True corrects a change no version counter saw (made
+        # through .data); False promises none: a plain copy, no tensor corrected
+        _restore(model, opt, pre)
+        sync.start()
+        for p in model.parameters():
+            p.data.add_(0.25)  # every rank alike
+        moved = _snap(model, opt)
+        rep = sync.finish(state_changed=True)
+        out[f"declared_{mode}"] = {"report": rep, "state": _snap(model, opt),
+                                   "expected": _corrected(synced, moved, pre)}
+        _restore(model, opt, pre)
+        sync.start()
+        out[f"promised_{mode}"] = {"report": sync.finish(state_changed=False), "state": _snap(model, opt)}
     return out
 
 
@@ -407,6 +420,13 @@ def test_three_ranks_repair_noop_nan_and_overlap():
             _assert_same(r["state"], r["expected"])  # synced + progress, exactly that
             changed = [n for (n, a), (_, b) in zip(r["state"], r["synced"]) if not torch.equal(a, b)]
             assert "param/0.weight" in changed and "buffer/1.running_mean" in changed
+        corrected = len([n for n, _ in res[0][f"overlap_step_{mode}"]["synced"] if not n.startswith("buffer/")])
+        for r in res:
+            declared, promised = r[f"declared_{mode}"], r[f"promised_{mode}"]
+            assert declared["report"].delta_tensors == corrected  # all, changed or not
+            _assert_same(declared["state"], declared["expected"])
+            assert promised["report"].delta_tensors == 0
+            _assert_same(promised["state"], r[f"overlap_{mode}"]["synced"])
         # replicas close (not bitwise: each rank's own progress was kept)
         def params(state):
             return torch.cat([t.reshape(-1) for n, t in state if n.startswith("param/")])
