@@ -68,6 +68,11 @@ from paft.workloads import GPT, Llama, ResNet
          "--model: num_classes must be >= 10"),
         (["--workload", "resnet", "--model", "in_channels=3"], "--model: in_channels must be 1"),
         (["--model", "n_embd=1048576", "--model", "n_head=1"], "--model: the gpt model would need about"),
+        # Sizes of hundreds of digits overflowed a float (in the GiB figure; llama's SwiGLU
+        # width divided as floats): an OverflowError traceback, exit 1.
+        (["--model", "n_layer=" + "9" * 400], "--model: the gpt model would need about"),
+        (["--workload", "llama", "--model", "n_embd=" + "8" * 400], "--model: the llama model would need about"),
+        (["--workload", "resnet", "--model", "width=" + "9" * 400], "--model: the resnet model would need about"),
         (["--world-size", "1000", "--batch-size", "1000"], "--world-size 1000: 1000 worker processes on this"),
         (["--sketch-dim", "99999999"], "--sketch-dim: must be in [8, 65536]"),
         (["--guard", "--guard-window", "99999999999"], "--guard-window: must be in [5, 1000000]"),

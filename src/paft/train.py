@@ -449,6 +449,13 @@ def uses_cuda(cfg: TrainConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
+def _gib(nbytes: int) -> str:
+    """``nbytes`` in GiB, rounded, in integer arithmetic: a ``--model`` size of hundreds
+    of digits overflows a float (a traceback instead of the refusal)."""
+    gib = (nbytes + 2**29) // 2**30
+    return f"{gib:,}" if gib < 10**15 else f"10^{len(str(gib)) - 1}"  # its order of magnitude
+
+
 def check_devices(cfg: TrainConfig, local_workers: int | None = None) -> None:
     """Refuse a device set-up that would fail inside the workers. Writes nothing.
     ``local_workers``: the worker processes on this machine (default: the world size,
@@ -485,7 +492,7 @@ def check_devices(cfg: TrainConfig, local_workers: int | None = None) -> None:
         need = (need + BYTES_PER_PROCESS) * local
     if need > have:
         raise DeviceError(
-            f"--model: the {cfg.workload} model would need about {need / 2**30:,.0f} GiB for weights, gradients "
+            f"--model: the {cfg.workload} model would need about {_gib(need)} GiB for weights, gradients "
             f"and optimizer state ({BYTES_PER_PARAMETER} bytes per parameter per worker) and {where} "
             f"{have / 2**30:,.0f} GiB; make it smaller"
         )

@@ -73,8 +73,8 @@ class LlamaConfig:
     def ffn_hidden(self) -> int:
         """SwiGLU hidden width: 2/3 of the usual 4x (same parameter count), truncated, then
         rounded up to a multiple of ``multiple_of``."""
-        hidden = int(2 * 4 * self.n_embd / 3)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+        hidden = 2 * 4 * self.n_embd // 3  # integers: a --model n_embd of hundreds of digits overflows a float
+        return self.multiple_of * -(-hidden // self.multiple_of)
 
     @property
     def parameter_count(self) -> int:
