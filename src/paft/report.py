@@ -1,4 +1,5 @@
-"""Plots and a text summary of one run directory (``paft report``).
+"""Plots and a text summary of one run directory (``paft report``); the summary's
+words are :mod:`paft.report_text`'s.
 
 Reads the run directory through :func:`paft.rundata.load_run`. A missing file means
 nothing to show for that layer: a fault-free, unprotected run still gets its loss, dispersion and cosine plots;
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import UNTIMED_STEPS, atomic_write_bytes, is_file, max_or_nan, output_dir_problem
-from paft.replicas import outside_majority
-from paft.resync import averages_at
+from paft.records import atomic_write_bytes, is_file, output_dir_problem
+from paft.report_text import first_split, number, ranks_phrase, series, split_syncs, summary_text, sync_events
 from paft.rundata import ReportError, RunData, load_run
 
-__all__ = ["Report", "build_report", "summary_text"]
+__all__ = ["Report", "build_report"]
 
 _PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png")
 REPORT_MARKER = ".paft-report"  # marks a folder paft report wrote, which it may write into again
@@ -66,15 +66,6 @@ class Report:
 
 def _rank_color(rank: int) -> str:
     return f"C{rank % 10}"
-
-
-def _num(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-
-
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    rows = [(int(r["step"]), _num(r[key])) for r in records if key in r]
-    return [s for s, _ in rows], [v for _, v in rows]
 
 
 def _lone(values: Sequence[float], kw: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +143,7 @@ def _mark_events(ax: Axes, run: RunData) -> None:
 
     for step, rank in sorted({(int(f["step"]), int(f["rank"])) for f in run.faults if "step" in f and "rank" in f}):
         ax.axvline(step, color=_rank_color(rank), ls="--", lw=1.0, alpha=0.8, label=label(f"fault on rank {rank}"))
-    for sync in _syncs(run):
+    for sync in sync_events(run):
         noop = sync.get("mode") == "noop"
         ax.plot([sync["step"]], [0.03], ls="", marker="^", ms=7, color=_SYNC_COLOR,
                 mfc="none" if noop else _SYNC_COLOR, transform=ax.get_xaxis_transform(), clip_on=False,
@@ -164,11 +155,6 @@ def _mark_events(ax: Axes, run: RunData) -> None:
         marker, color, height = _GUARD_MARKERS.get(action, ("P", "dimgray", 0.93))
         ax.plot([guard["step"]], [height], ls="", marker=marker, ms=8, color=color,
                 transform=ax.get_xaxis_transform(), clip_on=False, label=label(f"guard: {action}"))
-
-
-def _syncs(run: RunData) -> list[dict[str, Any]]:
-    """PAFT-Sync's syncs and the guard's repairs (a robust sync of its own), in file order."""
-    return [e for e in run.events if e.get("event") in ("sync", "repair")]
 
 
 def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
@@ -209,7 +195,7 @@ def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
     for records in run.metrics.values():
         for r in records:
             if "local_loss" in r:
-                by_step[int(r["step"])].append(_num(r["local_loss"]))
+                by_step[int(r["step"])].append(number(r["local_loss"]))
     steps = [s for s in sorted(by_step) if len(by_step[s]) == len(run.metrics)]
     return steps, [math.fsum(by_step[s]) / len(run.metrics) for s in steps]
 
@@ -227,20 +213,20 @@ def _plot_loss(run: RunData) -> bytes:
     fig, (ax,) = _figure(1, 1, f"Loss: {run.name}")
     everything: list[float] = []
     for rank, records in run.metrics.items():
-        steps, values = _series(records, "local_loss")
+        steps, values = series(records, "local_loss")
         _plot(ax, steps, values, color=_rank_color(rank), lw=0.7, alpha=0.7, label=f"rank {rank} local loss")
         everything += values
     steps, values = _global_loss(run)
     _plot(ax, steps, values, color="black", lw=1.8, label="global loss (mean of ranks)")
     everything += values
-    steps, values = _series(run.evals, "val_loss")
+    steps, values = series(run.evals, "val_loss")
     if steps:
         _plot(ax, steps, values, color="black", ls="", marker="o", ms=7, mfc="white", label="validation loss (mean)")
         everything += values
         per_rank = [r["val_loss_per_rank"] for r in run.evals if isinstance(r.get("val_loss_per_rank"), list)]
-        if any(_visible_spread([_num(v) for v in row]) for row in per_rank):
+        if any(_visible_spread([number(v) for v in row]) for row in per_rank):
             for rank in range(max(len(row) for row in per_rank)):
-                rows = [(r["step"], _num(r["val_loss_per_rank"][rank])) for r in run.evals
+                rows = [(r["step"], number(r["val_loss_per_rank"][rank])) for r in run.evals
                         if len(r.get("val_loss_per_rank", [])) > rank]
                 _plot(ax, [s for s, _ in rows], [v for _, v in rows], color=_rank_color(rank), ls="",
                       marker="D", ms=4, label=f"rank {rank} validation loss")
@@ -253,7 +239,7 @@ def _plot_loss(run: RunData) -> bytes:
 def _plot_dispersion(run: RunData) -> bytes:
     fig, axes = _figure(2, 2, f"Worker dispersion: {run.name}")
     for ax, (key, title, ylabel) in zip(axes, _DISPERSION):
-        steps, values = _series(run.consistency, key)
+        steps, values = series(run.consistency, key)
         _plot(ax, steps, values, color="black", lw=1.2, label=key)
         _scale(ax, values)
         _finish(ax, run, title, ylabel)
@@ -264,13 +250,13 @@ def _plot_cosine(run: RunData) -> bytes:
     fig, (pairs, to_mean) = _figure(2, 1, f"Gradient cosine similarity between workers: {run.name}")
     # Drawn wide then thin: with two ranks there is one pair, and min == mean.
     for key, color, width in (("consistency/grad_cos_mean", "0.6", 3.0), ("consistency/grad_cos_min", "black", 1.2)):
-        steps, values = _series(run.consistency, key)
+        steps, values = series(run.consistency, key)
         _plot(pairs, steps, values, color=color, lw=width, label=key.split("/")[1])
     _finish(pairs, run, "pairwise cosine of local gradients", "cosine")
     rows = [(r["step"], r["consistency/cos_to_mean"]) for r in run.consistency
             if isinstance(r.get("consistency/cos_to_mean"), list)]
     for rank in range(max((len(v) for _, v in rows), default=0)):
-        kept = [(s, _num(v[rank])) for s, v in rows if len(v) > rank]
+        kept = [(s, number(v[rank])) for s, v in rows if len(v) > rank]
         _plot(to_mean, [s for s, _ in kept], [v for _, v in kept], color=_rank_color(rank), lw=0.9,
               label=f"rank {rank}")
     _finish(to_mean, run, "cosine of each rank's local gradient to the mean gradient", "cosine")
@@ -283,16 +269,16 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     event's ``seen_from``; a sync recorded without it ran after its step's fingerprints)
     until the next fingerprint says otherwise. Without the syncs the line held a
     repaired split until the next check."""
-    steps, values = _series(run.consistency, "replicas/state_distinct")
+    steps, values = series(run.consistency, "replicas/state_distinct")
     # An applied update from split aggregated gradients splits the state from the next step
     # on (a skipped one has no grad record); a sync or repair after it joins it again.
-    split = [(s + 1, v) for s, v in zip(*_series(run.consistency, "replicas/grad_distinct")) if v > 1]
-    found = [(int(e["step"]), float(len(e["groups"]))) for e in _split_syncs(run)]  # the split a sync saw
+    split = [(s + 1, v) for s, v in zip(*series(run.consistency, "replicas/grad_distinct")) if v > 1]
+    found = [(int(e["step"]), float(len(e["groups"]))) for e in split_syncs(run)]  # the split a sync saw
     # Every sync's end, also without a state fingerprint (--fingerprint-every 0): the
     # split it found is drawn, and so must be the end it put to it. An overlapped sync
     # that landed within a step (seen_from two steps after its own) came before that
     # step's update, whose split gradients split the state again: the split has the last word.
-    synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0, int(e["step"])) for e in _syncs(run)]
+    synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0, int(e["step"])) for e in sync_events(run)]
     landed_before = [(f, v) for f, v, step in synced if f >= step + 2]
     landed_after = [(f, v) for f, v, step in synced if f < step + 2]
     end = [(run.last_step + 1, float(run.summary["replicas_distinct"]))] if run.summary and isinstance(
@@ -316,14 +302,14 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
     for key, style, label in (("replicas/state_distinct", {"color": "0.55", "lw": 3.0}, state),
                               ("replicas/grad_distinct", {"color": "black", "lw": 1.2, "ls": "--"},
                                "aggregated gradients")):
-        steps, values = _state_distinct(run) if key == "replicas/state_distinct" else _series(run.consistency, key)
+        steps, values = _state_distinct(run) if key == "replicas/state_distinct" else series(run.consistency, key)
         if steps:
             ax.step(steps, values, where="post", **_lone(values, style), label=f"distinct {label}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max(2, run.world_size) + 0.5)
-    split = _first_split(run)
+    split = first_split(run)
     if split is not None:
-        who = _ranks(split[1]) if split[1] else "no majority"  # not "rank ?"
+        who = ranks_phrase(split[1]) if split[1] else "no majority"  # not "rank ?"
         caught = {"guard": " (caught by the guard)", "sync": " (found by a sync)"}.get(split[3], "")
         late = split[0] > 0.6 * max(run.last_step, 1)  # written leftwards, clear of the legend
         ax.annotate(f"first split: step {split[0]}, {who}{caught}", xy=(split[0], 1),
@@ -334,7 +320,7 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
 
 def _eval_divergence(run: RunData) -> tuple[list[int], list[float]]:
     """Measured at every evaluation (max over ranks); empty when it never left 0."""
-    steps, values = _series(run.evals, "replica_rel_diff")
+    steps, values = series(run.evals, "replica_rel_diff")
     return (steps, values) if any(v != 0 for v in values) else ([], [])
 
 
@@ -347,7 +333,7 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
         # Hollow and larger: a sync's point at an evaluation's step shows inside it.
         _plot(ax, steps, values, color="black", ls="", marker="o", ms=8, mfc="none", label="at evaluations")
     # Syncs that found identical replicas (divergence 0) show only as the hollow triangles.
-    syncs = [(int(e["step"]), _num(e.get("divergence"))) for e in _syncs(run)]
+    syncs = [(int(e["step"]), number(e.get("divergence"))) for e in sync_events(run)]
     pos = [(s, v) for s, v in syncs if math.isfinite(v) and v > 0]
     if pos:
         ax.plot([s for s, _ in pos], [v for _, v in pos], ls="", marker="o", ms=5, color=_SYNC_COLOR,
@@ -389,7 +375,7 @@ def _periods(run: RunData) -> list[tuple[int, float]]:
     does). Sorted by step only: within a
     step the file's order holds (a trigger's period, then the sync's answer to it,
     which is the period in force from that step on)."""
-    return sorted(((int(e["step"]), _num(e["period"])) for e in run.events
+    return sorted(((int(e["step"]), number(e["period"])) for e in run.events
                    if e.get("event") in ("sync", "repair", "dyn_trigger") and "period" in e),
                   key=lambda p: p[0])
 
@@ -397,7 +383,7 @@ def _periods(run: RunData) -> list[tuple[int, float]]:
 def _plot_divergence(run: RunData) -> bytes | None:
     periods = _periods(run)
     panels = [name for name, on in (("replicas", any("replicas/grad_distinct" in r for r in run.consistency)),
-                                    ("divergence", bool(_syncs(run) or _eval_divergence(run)[0])),
+                                    ("divergence", bool(sync_events(run) or _eval_divergence(run)[0])),
                                     ("period", bool(periods))) if on]
     if not panels:
         return None
@@ -410,339 +396,6 @@ def _plot_divergence(run: RunData) -> bytes | None:
         else:
             _period_panel(ax, run, periods)
     return _png(fig)
-
-
-# -- the text summary --------------------------------------------------------------------
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    """``rank 1`` / ``ranks 1, 3``."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks) if ranks else '?'}"
-
-
-# What differed, as the split line names it: the per-step checksum of the aggregated
-# gradient, or the fingerprint of the parameters, buffers and optimizer state.
-_MISMATCH = {"grad_mismatch": "aggregated-gradient checksums", "state_mismatch": "training-state fingerprints"}
-
-
-def _split_in(rec: dict[str, Any]) -> tuple[list[int], list[str]] | None:
-    """(ranks outside the largest group, what differed) if the record shows a split."""
-    ranks: set[int] = set()
-    what: list[str] = []
-    for kind, name in (("grad", _MISMATCH["grad_mismatch"]), ("state", _MISMATCH["state_mismatch"])):
-        if _num(rec.get(f"replicas/{kind}_distinct", 1)) > 1:
-            what.append(name)
-            ranks.update(int(r) for r in rec.get(f"replicas/{kind}_minority_ranks", []))
-    return (sorted(ranks), what) if what else None
-
-
-def _first_split(run: RunData) -> tuple[int, list[int], list[str], str] | None:
-    """(step, ranks outside the largest group, what differed, who found it) of the first
-    split: a split record (found ``""``: by the step's own checks), a mismatch the guard
-    undid (by a recompute or a repair) before the step's record (``"guard"``), or a
-    split a sync found and ended before any fingerprint saw it (``"sync"``)."""
-    found = [(int(r["step"]), *split, "") for r in run.consistency if (split := _split_in(r))][:1]
-    caught = [g for g in run.events_of("guard") if g.get("detector") in _MISMATCH]
-    if caught:
-        step = int(caught[0]["step"])
-        same_step = [g for g in caught if int(g["step"]) == step]
-        what = sorted({_MISMATCH[g["detector"]] for g in same_step})
-        found.append((step, sorted({int(r) for g in same_step for r in g.get("ranks") or []}), what, "guard"))
-    found += [(int(e["step"]), outside_majority(e["groups"], run.world_size), [_MISMATCH["state_mismatch"]], "sync")
-              for e in _split_syncs(run)[:1]]
-    return min(found, key=lambda f: f[0]) if found else None  # at one step the first kind listed
-
-
-def _split_syncs(run: RunData) -> list[dict[str, Any]]:
-    """The syncs and repairs whose fingerprints found the parameters or optimizer state
-    split (not only the buffers, which differ under DDP's BatchNorm as a rule)."""
-    return [e for e in _syncs(run) if len(e.get("groups") or []) > 1
-            and not str(e.get("note", "")).startswith("buffers only")]
-
-
-def _last_state_check(run: RunData) -> str:
-    """What the last record with state fingerprints says (else the last gradient check):
-    the state's split shows only at a fingerprint step, and outlives the steps between."""
-    checked = [r for r in run.consistency if "replicas/state_distinct" in r]
-    if checked:
-        rec = checked[-1]
-        ranks = rec.get("replicas/state_minority_ranks") or []
-        differ = f"; minority: {_ranks(ranks)}" if ranks else ""
-        n = rec["replicas/state_distinct"]
-        # An aggregated gradient that differed after the check split the replicas since:
-        # the check's own step's too, whose update follows the fingerprints of the state
-        # it starts from.
-        later = [r["step"] for r in run.consistency
-                 if r["step"] >= rec["step"] and _num(r.get("replicas/grad_distinct", 1)) > 1]
-        since = f"; aggregated gradients differed after it, first at step {later[0]}" if later else ""
-        return f"replicas distinct at the last state check (step {rec['step']}): {n}{differ}{since}"
-    rec = run.consistency[-1]
-    return (f"distinct aggregated gradients at the last recorded step ({rec['step']}): "
-            f"{rec.get('replicas/grad_distinct', '?')} (no state fingerprint recorded)")
-
-
-def _extreme(run: RunData, key: str, pick_max: bool) -> str:
-    steps, values = _series(run.consistency, key)
-    if not steps:
-        return "not recorded"
-    bad = [(s, v) for s, v in zip(steps, values) if not math.isfinite(v)]
-    if bad:
-        return f"{bad[0][1]} at step {bad[0][0]} (non-finite at {len(bad)} step{'s' if len(bad) > 1 else ''})"
-    # The first step holding the extreme, for a max as for a min.
-    value, step = max(zip(values, steps), key=lambda p: (p[0], -p[1])) if pick_max else min(zip(values, steps))
-    return f"{value:.4g} at step {step}"
-
-
-def _counts(records: list[dict[str, Any]], key: str, prefix: str = "") -> str:
-    counts = Counter(r.get(key, "?") for r in records)
-    # Ranks in their order (rank 2 before rank 10), other values by their text.
-    order = sorted(counts, key=lambda k: (not isinstance(k, int), k if isinstance(k, int) else 0, str(k)))
-    return ", ".join(f"{prefix}{k} ({counts[k]})" for k in order)
-
-
-def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
-    """The plain-text summary of a run (what ``paft report`` prints); ``files``: what the
-    report writes, listed on its last line."""
-    lines = [f"paft report: {run.path}", *_notes(run), *_header(run), *_losses(run), _speed(run),
-             *_replicas(run), *_unfingerprinted(run), *_faults(run), _first_split_line(run),
-             *_differing_tensors(run), _counters(run),
-             *_metric_extremes(run),
-             _alerts(run)]
-    if files:
-        folder = Path(files[0]).parent
-        lines.append(f"report in {folder}: {', '.join(Path(f).name for f in files)}")
-    return "\n".join(lines) + "\n"
-
-
-def _notes(run: RunData) -> list[str]:
-    """Why the run ended early, or why its summary is missing or behind its records."""
-    cfg, last = run.config, run.last_step + 1
-    lines = []
-    # paft train records a guard stop twice: the guard's verdict, and the trainer's "stop"
-    # event with its reason; a library user's run has the verdict only. One note either way.
-    stops = run.events_of("stop") or [g for g in run.events_of("guard") if g.get("action") == "stop"]
-    for stop in stops:
-        reason = stop.get("reason") or f"a persistent fault on {_ranks(stop.get('ranks') or [])}"
-        reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
-        lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
-    if run.stale_summary is not None:
-        went = "go on to" if last > run.stale_summary else "stop at"  # stop: resumed from an earlier checkpoint
-        lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
-                     f"{last} (a resume still running or interrupted): reported from the jsonl files "
-                     f"({last} of {cfg.get('steps', '?')} steps recorded)")
-    elif not stops and run.summary is None:
-        lines.append(f"note: no summary.json: the run is still running, crashed or was interrupted; reported "
-                     f"from the jsonl files ({last} of {cfg.get('steps', '?')} steps recorded)")
-    missing = [r for r in range(run.world_size) if r not in run.metrics]
-    if missing:
-        files = ", ".join(f"metrics/rank{r}.jsonl" for r in missing)
-        lines.append(f"note: no complete record in {files} (missing or empty): the loss plot lacks "
-                     f"{_ranks(missing)}, and its global loss is the mean over the ranks recorded")
-    return lines
-
-
-def _header(run: RunData) -> list[str]:
-    s, cfg = run.summary or {}, run.config
-    protect = s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))
-    guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
-    return [
-        f"workload: {s.get('workload', cfg.get('workload', '?'))}   world size: {run.world_size}   "
-        f"steps: {s.get('steps', run.last_step + 1)} of {cfg.get('steps', '?')}",
-        f"protection: {protect}   guard: {'on' if guard else 'off'}   "
-        f"injected: {'; '.join(cfg.get('inject') or []) or 'none'}",
-    ]
-
-
-def _losses(run: RunData) -> list[str]:
-    """First and last evaluation (the worst rank's loss where it differs visibly)."""
-    s = run.summary or {}
-    first, final = (run.evals[0], run.evals[-1]) if run.evals else ({}, {})
-    lines = []
-    for key, name in (("val_loss", "val loss"), ("val_acc", "val acc")):
-        a, b = s.get(f"initial_{key}", first.get(key)), s.get(f"final_{key}", final.get(key))
-        if a is not None and b is not None:
-            per_rank = [_num(v) for v in final.get(f"{key}_per_rank", [])]
-            worst = max_or_nan(per_rank) if per_rank else _num(b)
-            shown = f"{worst:.4f}" != f"{_num(b):.4f}"  # a difference the line can show
-            spread = f", worst rank {worst:.4f}" if key == "val_loss" and shown else ""
-            lines.append(f"{name}: {_num(a):.4f} (step {first.get('step', 0)}) -> {_num(b):.4f} "
-                         f"(step {final.get('step', run.last_step + 1)}{spread})")
-    return lines
-
-
-def _speed(run: RunData) -> str:
-    s = run.summary or {}
-    if "steps_per_s" in s:
-        return f"speed: {s['steps_per_s']:.2f} steps/s ({_num(s.get('wall_s')):.2f} s in training steps)"
-    # As the trainer times it (Trainer.step_rate): over the timed steps, which leave out
-    # the first few of every leg (much slower), else over every step; the records say
-    # which (those written before they did: the first leg's rule).
-    rank, records = next(iter(run.metrics.items()))
-    times = [(_num(r.get("step_time")), r.get("timed", r["step"] >= UNTIMED_STEPS)) for r in records]
-    wall = sum(t for t, _ in times if math.isfinite(t))
-    timed = [t for t, on in times if on is True and math.isfinite(t)]
-    steps, seconds = (len(timed), sum(timed)) if timed else (len(times), wall)
-    return (f"speed: {steps / seconds:.2f} steps/s ({wall:.2f} s in training steps; rank {rank}'s step times)"
-            if seconds > 0 else "speed: ?")
-
-
-def _replicas(run: RunData) -> list[str]:
-    """How many distinct replicas the run ended with, and whether they are finite: the
-    divergence measured at an evaluation is inf exactly when a replica's parameters hold
-    NaN/Inf (see DivergenceReport), which bitwise identical replicas can share."""
-    s = run.summary or {}
-    if "replicas_distinct" in s:
-        diff = _num(s.get("max_replica_rel_diff"))
-        # One group, yet infinitely apart: every replica holds the same NaN/Inf.
-        bad = ": identical but non-finite, every replica holds NaN/Inf in its parameters" if (
-            s["replicas_distinct"] == 1 and math.isinf(diff)) else ""
-        return [f"replicas distinct at the end: {s['replicas_distinct']} (groups {s.get('replica_groups', '?')}, "
-                f"max relative difference {diff:.3g}){bad}"]
-    last = run.evals[-1] if run.evals else {}
-    bad = (f"; the last evaluation (step {last['step']}) found NaN/Inf in a replica's parameters"
-           if math.isinf(_num(last.get("replica_rel_diff"))) else "")
-    return [_last_state_check(run) + bad] if run.consistency else []
-
-
-def _unfingerprinted(run: RunData, shown: int = 5) -> list[str]:
-    """With --fingerprint-every 0 no state fingerprint says whether the replicas' state
-    split: what the syncs and repairs found of it (they compare it whole), where any ran."""
-    if (run.config.get("monitor") or {}).get("fingerprint_every") != 0 or not run.consistency:
-        return []
-    checked = [r["step"] for r in run.consistency if "replicas/state_distinct" in r]
-    only = f", but at the guard's state checks (step{_plural(checked)} {_listed(checked, shown)})" if checked else ""
-    apart = _split_syncs(run)
-    same = [int(e["step"]) for e in _syncs(run) if e not in apart]
-    found = []
-    if same:
-        found.append(f"identical at step{_plural(same)} {_listed(same, shown)}")
-    if apart:
-        found.append("apart at " + _listed([f"step {e['step']} (groups {e['groups']})" for e in apart], shown))
-    said = (f"the syncs found it {' and '.join(found)}" if found else
-            "no sync compared it: a split shows only through the aggregated-gradient checksums")
-    return [f"training state: not fingerprinted while training (--fingerprint-every 0){only}; {said}"]
-
-
-def _plural(items: Sequence[Any]) -> str:
-    return "s" if len(items) > 1 else ""
-
-
-def _listed(items: Sequence[Any], shown: int, total: int | None = None) -> str:
-    """``4, 8, 12`` / ``4, 8 and 3 more``: the first ``shown`` of ``items``, and how many
-    of ``total`` (default: all of ``items``) they leave out."""
-    listed = items[:shown]
-    more = (len(items) if total is None else total) - len(listed)
-    return ", ".join(str(s) for s in listed) + (f" and {more} more" if more > 0 else "")
-
-
-def _faults(run: RunData) -> list[str]:
-    lines = [f"faults injected: {int((run.summary or {}).get('faults_injected', len(run.faults)))}"]
-    if run.faults:
-        lines.append(f"  by site: {_counts(run.faults, 'site')}")
-        lines.append(f"  by kind: {_counts(run.faults, 'kind')}")
-        lines.append(f"  by rank: {_counts(run.faults, 'rank', 'rank ')}")
-        f0 = min(run.faults, key=lambda f: f.get("step", 0))
-        lines.append(f"  first: step {f0.get('step')}, rank {f0.get('rank')}, {f0.get('site')}/{f0.get('kind')}")
-    return lines
-
-
-def _first_split_line(run: RunData) -> str:
-    split = _first_split(run)
-    if split is not None:
-        step, ranks, what, by = split
-        # No ranks named: the guard found no strict majority to tell the odd ones out.
-        tie = "; no strict majority" if not ranks or 2 * len(ranks) >= run.world_size else ""
-        undone = {"guard": "; the guard caught it before the update",
-                  "sync": "; found and repaired by the sync at this step, no fingerprint saw it before"}.get(by, "")
-        where = f" on {_ranks(ranks)}" if ranks else ""
-        return f"first replica split: step {step}{where} ({' and '.join(what)} differ{tie}{undone})"
-    if any("replicas/grad_distinct" in r for r in run.consistency):
-        return "first replica split: none (replicas identical at every recorded step)"
-    return "first replica split: not recorded (no fingerprints in consistency.jsonl)"
-
-
-def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
-    """The tensors the replicas first differed in, where a record names them: the first
-    sync or repair that found the parameters or optimizer state split (the syncs
-    exchange per-tensor digests), or, earlier, the monitor's first state-split alert
-    (the tensors farthest apart, measured after that step's update)."""
-    found: list[tuple[int, int, str]] = []  # (step, the sync's exact names first, the line)
-    for e in _split_syncs(run):
-        named: dict[str, list[list[int]]] = e.get("differing") or {}
-        if not named:
-            continue
-        parts = []
-        for name, groups in list(named.items())[:shown]:
-            odd = outside_majority(groups, run.world_size)
-            parts.append(f"{name} on {_ranks(odd)}" if odd else f"{name} (no strict majority: {groups})")
-        listed = _listed(parts, shown, total=int(e.get("differing_tensors", len(named))))
-        found.append((int(e["step"]), 0, f"as the {e['event']} at step {e['step']} found them: {listed}"))
-        break
-    for a in run.events_of("alert"):
-        moved = (a.get("divergence") or {}).get("tensors") if a.get("detector") == "state_split" else None
-        if moved:
-            parts = [f"{name} on {_ranks([int(rank)])} (relative distance {_num(rel):.3g} to the mean)"
-                     for name, rel, rank in moved[:shown]]
-            found.append((int(a["step"]), 1, f"farthest apart at the state-split alert of step {a['step']}: "
-                                             f"{', '.join(parts)}"))
-            break
-    return [f"  tensors that differed, {min(found)[2]}"] if found else []
-
-
-def _counters(run: RunData) -> str:
-    """Syncs and the guard's counts: the summary's, else the guard's own counts, which
-    each of its events carries; a run recorded before they did is counted from the
-    events (an incident's first attempt that made the guard act is one detection; a
-    repair is followed by a recompute)."""
-    s = run.summary or {}
-    guards = run.events_of("guard")
-    totals = next((g["totals"] for g in reversed(guards) if isinstance(g.get("totals"), dict)), None) or {
-        "detections": len({g.get("step") for g in guards if g.get("action") != "proceed" and not g.get("attempt")}),
-        "recomputes": sum(1 for g in guards if g.get("action") in ("recompute", "repair")),
-        "skipped_batches": sum(1 for g in guards if g.get("action") == "skip"),
-    }
-    counts = {
-        "syncs": s.get("syncs", _recorded_syncs(run)),
-        "detections": s.get("detections", totals.get("detections", 0)),
-        "recomputes": s.get("recomputes", totals.get("recomputes", 0)),
-        "skipped batches": s.get("skipped_batches", totals.get("skipped_batches", 0)),
-    }
-    return "   ".join(f"{k}: {v}" for k, v in counts.items())
-
-
-def _recorded_syncs(run: RunData) -> int:
-    """The syncs and repairs of a run without a summary. events.jsonl holds each of
-    PAFT-Sync's and the guard's, but none of PyTorch's averager: its averages are
-    counted from the recorded steps (a step one rank recorded had its averaging
-    all-reduce done), at the steps :func:`paft.resync.averages_at` says it averages."""
-    protect = run.config.get("protect") or {}
-    period = protect.get("sync_period")
-    averaged = 0
-    if protect.get("mode") == "averager" and isinstance(period, int) and not isinstance(period, bool) and period > 0:
-        averaged = sum(1 for step in range(run.last_step + 1) if averages_at(step, period))
-    return len(_syncs(run)) + averaged
-
-
-def _metric_extremes(run: RunData) -> list[str]:
-    """The largest loss CV and smallest cosine, or why they are missing (one reason for both)."""
-    if (run.config.get("monitor") or {}).get("interval") == 0:
-        why = "worker metrics off: --monitor-interval 0"
-    elif run.consistency:
-        why = "a cosine needs 2 ranks" if run.world_size < 2 else "cosine monitoring off"
-    elif (run.path / "consistency.jsonl").is_file():
-        why = "consistency.jsonl holds no complete record"
-    else:
-        why = "no consistency.jsonl: monitoring off"
-    loss_cv = _extreme(run, "consistency/loss_cv", True)
-    cos_min = _extreme(run, "consistency/grad_cos_min", False)
-    return [f"max loss_cv: {loss_cv}{f' ({why})' if loss_cv == 'not recorded' else ''}",
-            f"min grad_cos_min: {cos_min}{f' ({why})' if cos_min == 'not recorded' else ''}"]
-
-
-def _alerts(run: RunData) -> str:
-    alerts = run.events_of("alert")
-    detail = f" ({_counts(alerts, 'detector')})" if alerts else ""
-    return f"alerts: {(run.summary or {}).get('alerts', len(alerts))}{detail}"
 
 
 def _plots(run: RunData) -> dict[str, bytes]:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import paft.report as report_module
+import paft.report_text as report_text
 from paft.config import MonitorConfig, ProtectConfig, TrainConfig
 from paft.report import (
     _eval_divergence,
@@ -30,8 +31,8 @@ from paft.report import (
     _replica_panel,
     _state_distinct,
     build_report,
-    summary_text,
 )
+from paft.report_text import series, summary_text
 from paft.rundata import ReportError, load_run
 from paft.rundir import prepare_run_dir
 from paft.testing import run_workers
@@ -485,7 +486,7 @@ def test_no_line_bridges_a_step_that_was_not_measured(fault_run: pathlib.Path, t
 
 def test_a_line_breaks_at_each_unmeasured_step_and_marks_what_it_cannot_draw() -> None:
     # A bool is no number: a gap, as any other non-number in a record.
-    steps, values = report_module._series([{"step": 0, "v": 1.0}, {"step": 1, "v": True}, {"step": 2},
+    steps, values = series([{"step": 0, "v": 1.0}, {"step": 1, "v": True}, {"step": 2},
                                             {"step": 3, "v": 2}], "v")
     assert steps == [0, 1, 3] and values[0] == 1.0 and math.isnan(values[1]) and values[2] == 2.0
     _, (ax,) = _figure(1, 1, "lines")
@@ -818,11 +819,11 @@ def test_a_three_rank_split_names_its_minority(clean_run: pathlib.Path, tmp_path
     run.events = [{**sync, "step": 4, "differing_tensors": 0, "differing": {}},
                   {**sync, "step": 8, "differing_tensors": 40,
                    "differing": {"param/wte.weight": [[0, 1], [2]], "optim/0/exp_avg": [[0], [1], [2]]}}]
-    assert report_module._differing_tensors(run) == [
+    assert report_text._differing_tensors(run) == [
         "  tensors that differed, as the sync at step 8 found them: param/wte.weight on rank 2, "
         "optim/0/exp_avg (no strict majority: [[0], [1], [2]]) and 38 more"]
     run.events[1]["differing_tensors"] = 2  # every one listed: no "and 0 more"
-    assert report_module._differing_tensors(run)[0].endswith("(no strict majority: [[0], [1], [2]])")
+    assert report_text._differing_tensors(run)[0].endswith("(no strict majority: [[0], [1], [2]])")
 
 
 def test_a_closed_console_ends_the_report_quietly(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:

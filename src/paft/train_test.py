@@ -14,7 +14,7 @@ import torch
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.launch import run_worker
 from paft.records import from_jsonable, read_jsonl
-from paft.report import summary_text
+from paft.report_text import summary_text
 from paft.rundata import load_run
 from paft.rundir import RunDirError, check_run_dir, prepare_run_dir, stale_checkpoints
 from paft.testing import run_workers

@@ -1,0 +1,370 @@
+"""What a run's records say, in words: the text summary ``paft report`` prints and
+puts in ``report.md`` (:func:`summary_text`), and the reading of the records that the
+plots (:mod:`paft.report`) share with it: where the replicas first split, and who
+found it (:func:`first_split`), the syncs that found them split, a record's values as
+a series."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from paft.records import UNTIMED_STEPS, max_or_nan
+from paft.replicas import outside_majority
+from paft.resync import averages_at
+from paft.rundata import RunData
+
+__all__ = ["first_split", "number", "ranks_phrase", "series", "split_syncs", "summary_text", "sync_events"]
+
+
+# -- reading the records -----------------------------------------------------------------
+
+
+def number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    rows = [(int(r["step"]), number(r[key])) for r in records if key in r]
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
+def sync_events(run: RunData) -> list[dict[str, Any]]:
+    """PAFT-Sync's syncs and the guard's repairs (a robust sync of its own), in file order."""
+    return [e for e in run.events if e.get("event") in ("sync", "repair")]
+
+
+# -- the text summary --------------------------------------------------------------------
+
+
+def ranks_phrase(ranks: Sequence[int]) -> str:
+    """``rank 1`` / ``ranks 1, 3``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks) if ranks else '?'}"
+
+
+# What differed, as the split line names it: the per-step checksum of the aggregated
+# gradient, or the fingerprint of the parameters, buffers and optimizer state.
+_MISMATCH = {"grad_mismatch": "aggregated-gradient checksums", "state_mismatch": "training-state fingerprints"}
+
+
+def _split_in(rec: dict[str, Any]) -> tuple[list[int], list[str]] | None:
+    """(ranks outside the largest group, what differed) if the record shows a split."""
+    ranks: set[int] = set()
+    what: list[str] = []
+    for kind, name in (("grad", _MISMATCH["grad_mismatch"]), ("state", _MISMATCH["state_mismatch"])):
+        if number(rec.get(f"replicas/{kind}_distinct", 1)) > 1:
+            what.append(name)
+            ranks.update(int(r) for r in rec.get(f"replicas/{kind}_minority_ranks", []))
+    return (sorted(ranks), what) if what else None
+
+
+def first_split(run: RunData) -> tuple[int, list[int], list[str], str] | None:
+    """(step, ranks outside the largest group, what differed, who found it) of the first
+    split: a split record (found ``""``: by the step's own checks), a mismatch the guard
+    undid (by a recompute or a repair) before the step's record (``"guard"``), or a
+    split a sync found and ended before any fingerprint saw it (``"sync"``)."""
+    found = [(int(r["step"]), *split, "") for r in run.consistency if (split := _split_in(r))][:1]
+    caught = [g for g in run.events_of("guard") if g.get("detector") in _MISMATCH]
+    if caught:
+        step = int(caught[0]["step"])
+        same_step = [g for g in caught if int(g["step"]) == step]
+        what = sorted({_MISMATCH[g["detector"]] for g in same_step})
+        found.append((step, sorted({int(r) for g in same_step for r in g.get("ranks") or []}), what, "guard"))
+    found += [(int(e["step"]), outside_majority(e["groups"], run.world_size), [_MISMATCH["state_mismatch"]], "sync")
+              for e in split_syncs(run)[:1]]
+    return min(found, key=lambda f: f[0]) if found else None  # at one step the first kind listed
+
+
+def split_syncs(run: RunData) -> list[dict[str, Any]]:
+    """The syncs and repairs whose fingerprints found the parameters or optimizer state
+    split (not only the buffers, which differ under DDP's BatchNorm as a rule)."""
+    return [e for e in sync_events(run) if len(e.get("groups") or []) > 1
+            and not str(e.get("note", "")).startswith("buffers only")]
+
+
+def _last_state_check(run: RunData) -> str:
+    """What the last record with state fingerprints says (else the last gradient check):
+    the state's split shows only at a fingerprint step, and outlives the steps between."""
+    checked = [r for r in run.consistency if "replicas/state_distinct" in r]
+    if checked:
+        rec = checked[-1]
+        ranks = rec.get("replicas/state_minority_ranks") or []
+        differ = f"; minority: {ranks_phrase(ranks)}" if ranks else ""
+        n = rec["replicas/state_distinct"]
+        # An aggregated gradient that differed after the check split the replicas since:
+        # the check's own step's too, whose update follows the fingerprints of the state
+        # it starts from.
+        later = [r["step"] for r in run.consistency
+                 if r["step"] >= rec["step"] and number(r.get("replicas/grad_distinct", 1)) > 1]
+        since = f"; aggregated gradients differed after it, first at step {later[0]}" if later else ""
+        return f"replicas distinct at the last state check (step {rec['step']}): {n}{differ}{since}"
+    rec = run.consistency[-1]
+    return (f"distinct aggregated gradients at the last recorded step ({rec['step']}): "
+            f"{rec.get('replicas/grad_distinct', '?')} (no state fingerprint recorded)")
+
+
+def _extreme(run: RunData, key: str, pick_max: bool) -> str:
+    steps, values = series(run.consistency, key)
+    if not steps:
+        return "not recorded"
+    bad = [(s, v) for s, v in zip(steps, values) if not math.isfinite(v)]
+    if bad:
+        return f"{bad[0][1]} at step {bad[0][0]} (non-finite at {len(bad)} step{'s' if len(bad) > 1 else ''})"
+    # The first step holding the extreme, for a max as for a min.
+    value, step = max(zip(values, steps), key=lambda p: (p[0], -p[1])) if pick_max else min(zip(values, steps))
+    return f"{value:.4g} at step {step}"
+
+
+def _counts(records: list[dict[str, Any]], key: str, prefix: str = "") -> str:
+    counts = Counter(r.get(key, "?") for r in records)
+    # Ranks in their order (rank 2 before rank 10), other values by their text.
+    order = sorted(counts, key=lambda k: (not isinstance(k, int), k if isinstance(k, int) else 0, str(k)))
+    return ", ".join(f"{prefix}{k} ({counts[k]})" for k in order)
+
+
+def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
+    """The plain-text summary of a run (what ``paft report`` prints); ``files``: what the
+    report writes, listed on its last line."""
+    lines = [f"paft report: {run.path}", *_notes(run), *_header(run), *_losses(run), _speed(run),
+             *_replicas(run), *_unfingerprinted(run), *_faults(run), _first_split_line(run),
+             *_differing_tensors(run), _counters(run),
+             *_metric_extremes(run),
+             _alerts(run)]
+    if files:
+        folder = Path(files[0]).parent
+        lines.append(f"report in {folder}: {', '.join(Path(f).name for f in files)}")
+    return "\n".join(lines) + "\n"
+
+
+def _notes(run: RunData) -> list[str]:
+    """Why the run ended early, or why its summary is missing or behind its records."""
+    cfg, last = run.config, run.last_step + 1
+    lines = []
+    # paft train records a guard stop twice: the guard's verdict, and the trainer's "stop"
+    # event with its reason; a library user's run has the verdict only. One note either way.
+    stops = run.events_of("stop") or [g for g in run.events_of("guard") if g.get("action") == "stop"]
+    for stop in stops:
+        reason = stop.get("reason") or f"a persistent fault on {ranks_phrase(stop.get('ranks') or [])}"
+        reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
+        lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
+    if run.stale_summary is not None:
+        went = "go on to" if last > run.stale_summary else "stop at"  # stop: resumed from an earlier checkpoint
+        lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
+                     f"{last} (a resume still running or interrupted): reported from the jsonl files "
+                     f"({last} of {cfg.get('steps', '?')} steps recorded)")
+    elif not stops and run.summary is None:
+        lines.append(f"note: no summary.json: the run is still running, crashed or was interrupted; reported "
+                     f"from the jsonl files ({last} of {cfg.get('steps', '?')} steps recorded)")
+    missing = [r for r in range(run.world_size) if r not in run.metrics]
+    if missing:
+        files = ", ".join(f"metrics/rank{r}.jsonl" for r in missing)
+        lines.append(f"note: no complete record in {files} (missing or empty): the loss plot lacks "
+                     f"{ranks_phrase(missing)}, and its global loss is the mean over the ranks recorded")
+    return lines
+
+
+def _header(run: RunData) -> list[str]:
+    s, cfg = run.summary or {}, run.config
+    protect = s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))
+    guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
+    return [
+        f"workload: {s.get('workload', cfg.get('workload', '?'))}   world size: {run.world_size}   "
+        f"steps: {s.get('steps', run.last_step + 1)} of {cfg.get('steps', '?')}",
+        f"protection: {protect}   guard: {'on' if guard else 'off'}   "
+        f"injected: {'; '.join(cfg.get('inject') or []) or 'none'}",
+    ]
+
+
+def _losses(run: RunData) -> list[str]:
+    """First and last evaluation (the worst rank's loss where it differs visibly)."""
+    s = run.summary or {}
+    first, final = (run.evals[0], run.evals[-1]) if run.evals else ({}, {})
+    lines = []
+    for key, name in (("val_loss", "val loss"), ("val_acc", "val acc")):
+        a, b = s.get(f"initial_{key}", first.get(key)), s.get(f"final_{key}", final.get(key))
+        if a is not None and b is not None:
+            per_rank = [number(v) for v in final.get(f"{key}_per_rank", [])]
+            worst = max_or_nan(per_rank) if per_rank else number(b)
+            shown = f"{worst:.4f}" != f"{number(b):.4f}"  # a difference the line can show
+            spread = f", worst rank {worst:.4f}" if key == "val_loss" and shown else ""
+            lines.append(f"{name}: {number(a):.4f} (step {first.get('step', 0)}) -> {number(b):.4f} "
+                         f"(step {final.get('step', run.last_step + 1)}{spread})")
+    return lines
+
+
+def _speed(run: RunData) -> str:
+    s = run.summary or {}
+    if "steps_per_s" in s:
+        return f"speed: {s['steps_per_s']:.2f} steps/s ({number(s.get('wall_s')):.2f} s in training steps)"
+    # As the trainer times it (Trainer.step_rate): over the timed steps, which leave out
+    # the first few of every leg (much slower), else over every step; the records say
+    # which (those written before they did: the first leg's rule).
+    rank, records = next(iter(run.metrics.items()))
+    times = [(number(r.get("step_time")), r.get("timed", r["step"] >= UNTIMED_STEPS)) for r in records]
+    wall = sum(t for t, _ in times if math.isfinite(t))
+    timed = [t for t, on in times if on is True and math.isfinite(t)]
+    steps, seconds = (len(timed), sum(timed)) if timed else (len(times), wall)
+    return (f"speed: {steps / seconds:.2f} steps/s ({wall:.2f} s in training steps; rank {rank}'s step times)"
+            if seconds > 0 else "speed: ?")
+
+
+def _replicas(run: RunData) -> list[str]:
+    """How many distinct replicas the run ended with, and whether they are finite: the
+    divergence measured at an evaluation is inf exactly when a replica's parameters hold
+    NaN/Inf (see DivergenceReport), which bitwise identical replicas can share."""
+    s = run.summary or {}
+    if "replicas_distinct" in s:
+        diff = number(s.get("max_replica_rel_diff"))
+        # One group, yet infinitely apart: every replica holds the same NaN/Inf.
+        bad = ": identical but non-finite, every replica holds NaN/Inf in its parameters" if (
+            s["replicas_distinct"] == 1 and math.isinf(diff)) else ""
+        return [f"replicas distinct at the end: {s['replicas_distinct']} (groups {s.get('replica_groups', '?')}, "
+                f"max relative difference {diff:.3g}){bad}"]
+    last = run.evals[-1] if run.evals else {}
+    bad = (f"; the last evaluation (step {last['step']}) found NaN/Inf in a replica's parameters"
+           if math.isinf(number(last.get("replica_rel_diff"))) else "")
+    return [_last_state_check(run) + bad] if run.consistency else []
+
+
+def _unfingerprinted(run: RunData, shown: int = 5) -> list[str]:
+    """With --fingerprint-every 0 no state fingerprint says whether the replicas' state
+    split: what the syncs and repairs found of it (they compare it whole), where any ran."""
+    if (run.config.get("monitor") or {}).get("fingerprint_every") != 0 or not run.consistency:
+        return []
+    checked = [r["step"] for r in run.consistency if "replicas/state_distinct" in r]
+    only = f", but at the guard's state checks (step{_plural(checked)} {_listed(checked, shown)})" if checked else ""
+    apart = split_syncs(run)
+    same = [int(e["step"]) for e in sync_events(run) if e not in apart]
+    found = []
+    if same:
+        found.append(f"identical at step{_plural(same)} {_listed(same, shown)}")
+    if apart:
+        found.append("apart at " + _listed([f"step {e['step']} (groups {e['groups']})" for e in apart], shown))
+    said = (f"the syncs found it {' and '.join(found)}" if found else
+            "no sync compared it: a split shows only through the aggregated-gradient checksums")
+    return [f"training state: not fingerprinted while training (--fingerprint-every 0){only}; {said}"]
+
+
+def _plural(items: Sequence[Any]) -> str:
+    return "s" if len(items) > 1 else ""
+
+
+def _listed(items: Sequence[Any], shown: int, total: int | None = None) -> str:
+    """``4, 8, 12`` / ``4, 8 and 3 more``: the first ``shown`` of ``items``, and how many
+    of ``total`` (default: all of ``items``) they leave out."""
+    listed = items[:shown]
+    more = (len(items) if total is None else total) - len(listed)
+    return ", ".join(str(s) for s in listed) + (f" and {more} more" if more > 0 else "")
+
+
+def _faults(run: RunData) -> list[str]:
+    lines = [f"faults injected: {int((run.summary or {}).get('faults_injected', len(run.faults)))}"]
+    if run.faults:
+        lines.append(f"  by site: {_counts(run.faults, 'site')}")
+        lines.append(f"  by kind: {_counts(run.faults, 'kind')}")
+        lines.append(f"  by rank: {_counts(run.faults, 'rank', 'rank ')}")
+        f0 = min(run.faults, key=lambda f: f.get("step", 0))
+        lines.append(f"  first: step {f0.get('step')}, rank {f0.get('rank')}, {f0.get('site')}/{f0.get('kind')}")
+    return lines
+
+
+def _first_split_line(run: RunData) -> str:
+    split = first_split(run)
+    if split is not None:
+        step, ranks, what, by = split
+        # No ranks named: the guard found no strict majority to tell the odd ones out.
+        tie = "; no strict majority" if not ranks or 2 * len(ranks) >= run.world_size else ""
+        undone = {"guard": "; the guard caught it before the update",
+                  "sync": "; found and repaired by the sync at this step, no fingerprint saw it before"}.get(by, "")
+        where = f" on {ranks_phrase(ranks)}" if ranks else ""
+        return f"first replica split: step {step}{where} ({' and '.join(what)} differ{tie}{undone})"
+    if any("replicas/grad_distinct" in r for r in run.consistency):
+        return "first replica split: none (replicas identical at every recorded step)"
+    return "first replica split: not recorded (no fingerprints in consistency.jsonl)"
+
+
+def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
+    """The tensors the replicas first differed in, where a record names them: the first
+    sync or repair that found the parameters or optimizer state split (the syncs
+    exchange per-tensor digests), or, earlier, the monitor's first state-split alert
+    (the tensors farthest apart, measured after that step's update)."""
+    found: list[tuple[int, int, str]] = []  # (step, the sync's exact names first, the line)
+    for e in split_syncs(run):
+        named: dict[str, list[list[int]]] = e.get("differing") or {}
+        if not named:
+            continue
+        parts = []
+        for name, groups in list(named.items())[:shown]:
+            odd = outside_majority(groups, run.world_size)
+            parts.append(f"{name} on {ranks_phrase(odd)}" if odd else f"{name} (no strict majority: {groups})")
+        listed = _listed(parts, shown, total=int(e.get("differing_tensors", len(named))))
+        found.append((int(e["step"]), 0, f"as the {e['event']} at step {e['step']} found them: {listed}"))
+        break
+    for a in run.events_of("alert"):
+        moved = (a.get("divergence") or {}).get("tensors") if a.get("detector") == "state_split" else None
+        if moved:
+            parts = [f"{name} on {ranks_phrase([int(rank)])} (relative distance {number(rel):.3g} to the mean)"
+                     for name, rel, rank in moved[:shown]]
+            found.append((int(a["step"]), 1, f"farthest apart at the state-split alert of step {a['step']}: "
+                                             f"{', '.join(parts)}"))
+            break
+    return [f"  tensors that differed, {min(found)[2]}"] if found else []
+
+
+def _counters(run: RunData) -> str:
+    """Syncs and the guard's counts: the summary's, else the guard's own counts, which
+    each of its events carries; a run recorded before they did is counted from the
+    events (an incident's first attempt that made the guard act is one detection; a
+    repair is followed by a recompute)."""
+    s = run.summary or {}
+    guards = run.events_of("guard")
+    totals = next((g["totals"] for g in reversed(guards) if isinstance(g.get("totals"), dict)), None) or {
+        "detections": len({g.get("step") for g in guards if g.get("action") != "proceed" and not g.get("attempt")}),
+        "recomputes": sum(1 for g in guards if g.get("action") in ("recompute", "repair")),
+        "skipped_batches": sum(1 for g in guards if g.get("action") == "skip"),
+    }
+    counts = {
+        "syncs": s.get("syncs", _recorded_syncs(run)),
+        "detections": s.get("detections", totals.get("detections", 0)),
+        "recomputes": s.get("recomputes", totals.get("recomputes", 0)),
+        "skipped batches": s.get("skipped_batches", totals.get("skipped_batches", 0)),
+    }
+    return "   ".join(f"{k}: {v}" for k, v in counts.items())
+
+
+def _recorded_syncs(run: RunData) -> int:
+    """The syncs and repairs of a run without a summary. events.jsonl holds each of
+    PAFT-Sync's and the guard's, but none of PyTorch's averager: its averages are
+    counted from the recorded steps (a step one rank recorded had its averaging
+    all-reduce done), at the steps :func:`paft.resync.averages_at` says it averages."""
+    protect = run.config.get("protect") or {}
+    period = protect.get("sync_period")
+    averaged = 0
+    if protect.get("mode") == "averager" and isinstance(period, int) and not isinstance(period, bool) and period > 0:
+        averaged = sum(1 for step in range(run.last_step + 1) if averages_at(step, period))
+    return len(sync_events(run)) + averaged
+
+
+def _metric_extremes(run: RunData) -> list[str]:
+    """The largest loss CV and smallest cosine, or why they are missing (one reason for both)."""
+    if (run.config.get("monitor") or {}).get("interval") == 0:
+        why = "worker metrics off: --monitor-interval 0"
+    elif run.consistency:
+        why = "a cosine needs 2 ranks" if run.world_size < 2 else "cosine monitoring off"
+    elif (run.path / "consistency.jsonl").is_file():
+        why = "consistency.jsonl holds no complete record"
+    else:
+        why = "no consistency.jsonl: monitoring off"
+    loss_cv = _extreme(run, "consistency/loss_cv", True)
+    cos_min = _extreme(run, "consistency/grad_cos_min", False)
+    return [f"max loss_cv: {loss_cv}{f' ({why})' if loss_cv == 'not recorded' else ''}",
+            f"min grad_cos_min: {cos_min}{f' ({why})' if cos_min == 'not recorded' else ''}"]
+
+
+def _alerts(run: RunData) -> str:
+    alerts = run.events_of("alert")
+    detail = f" ({_counts(alerts, 'detector')})" if alerts else ""
+    return f"alerts: {(run.summary or {}).get('alerts', len(alerts))}{detail}"
