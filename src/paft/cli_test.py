@@ -453,6 +453,7 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
     assert json.loads((tmp_path / "r" / "config.json").read_text())["world_size"] == 2
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["world_size"] == 2
     assert "final_val_loss" in ok.stdout  # --quiet silences progress, not the summary, as paft train
+    assert "python -m paft.train: gpt" not in ok.stdout  # nor the plan
     bare = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     partial = ({}, {"WORLD_SIZE": "4"}, {"RANK": "0", "WORLD_SIZE": "1"},
                {"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"})
@@ -564,6 +565,26 @@ def test_a_run_that_fails_before_a_step_leaves_nothing_and_overwrite_restores_th
     assert "the output it was to replace is back in old" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
     assert (tmp_path / "old" / "summary.json").read_text() == "old run"
+
+
+def test_paft_train_says_what_it_will_do_before_its_workers_start(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The workers take seconds to come up; before, nothing was said until step 0's evaluation.
+    monkeypatch.chdir(tmp_path)
+    run = ["--steps", "2", "--world-size", "2", "--batch-size", "4", "--eval-batches", "1", "--model", "n_layer=1",
+           "--model", "n_embd=16", "--model", "n_head=2", "--model", "block_size=16", "--run-dir", "r"]
+    assert main(["train", *run, "--protect", "sync", "--sync-period", "1", "--no-overlap", "--guard",
+                 "--on-persistent", "stop", "--inject", "nan:site=params,steps=9", "--monitor-interval", "0",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.splitlines()[:4] == [
+        "paft train: gpt (4,608 parameters), 2 workers (cpu, gloo), 2 steps of global batch 4, adamw lr 0.003, seed 0",
+        "  monitor: no metrics, aggregated-gradient checksum every step, state fingerprint every 10 steps",
+        "  protect: PAFT-Sync every step (robust, blocking); guard: on, stops on a persistent fault; "
+        "inject: nan:site=params,steps=9",
+        "  run dir: r"]
+    assert main(["train", *run, "--resume", "--steps", "3", "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith("summary (r/summary.json)")  # --quiet: the result only
 
 
 def test_a_run_that_fails_after_some_steps_keeps_its_records(

@@ -47,7 +47,16 @@ from paft.rundir import (
     write_config,
 )
 from paft.startup import interrupted_line, unwind_on_interrupt
-from paft.train import EXIT_PERSISTENT_FAULT, EXIT_USAGE, DeviceError, Trainer, check_devices, format_summary, uses_cuda
+from paft.train import (
+    EXIT_PERSISTENT_FAULT,
+    EXIT_USAGE,
+    DeviceError,
+    Trainer,
+    check_devices,
+    format_plan,
+    format_summary,
+    uses_cuda,
+)
 from paft.workers import WorkerFailed, local_workers
 
 __all__ = [
@@ -375,6 +384,8 @@ def settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str
 
 
 def _run_workers(cfg: TrainConfig) -> int:
+    if not cfg.quiet:
+        console(format_plan(cfg))
     try:
         results = local_workers(run_worker, cfg.world_size)(cfg.to_dict(), cfg.run_dir)
     except WorkerFailed as err:
@@ -634,6 +645,8 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         # Rank 0 leaves (and lets the claim's lock go) only once every rank holds its shared
         # lock: a peer slow to take it was not yet inside for a new claim to see.
         dist.barrier()
+        if rank0 and not cfg.quiet:
+            console(format_plan(cfg, prog))
         result = _train_in_group(cfg, cfg.run_dir)
         code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
         outcome["code"] = code

@@ -57,6 +57,7 @@ from paft.workloads import ShardedSampler, Workload, build_workload, parameter_c
 
 __all__ = [
     "Trainer",
+    "format_plan",
     "format_summary",
     "DeviceError",
     "check_devices",
@@ -425,6 +426,45 @@ class Trainer:
             atomic_write_json(self.run_dir / "summary.json", summary)
         self.recorder.close()
         return summary
+
+
+def format_plan(cfg: TrainConfig, prog: str = "paft train") -> str:
+    """What the run is about to do, printed before its workers start (they take seconds
+    to come up): the run, its monitor, its defenses and faults, where it writes."""
+    n = parameter_count(cfg.workload, cfg.model)
+    size = f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f} M"
+    device = "cuda, nccl" if uses_cuda(cfg) else "cpu, gloo"
+    m, p = cfg.monitor, cfg.protect
+    if not m.enabled:
+        monitor = "off (plain DDP)"
+    else:
+        metrics = f"metrics {_every(m.interval)} (cosine {m.cosine})" if m.interval else "no metrics"
+        state = f"state fingerprint {_every(m.fingerprint_every)}" if m.fingerprint_every else "no state fingerprint"
+        monitor = f"{metrics}, aggregated-gradient checksum every step, {state}"
+    how = f"{p.sync_mode}{', overlapped' if p.overlap else ', blocking'}"
+    protection = {
+        "none": "none",
+        "sync": f"PAFT-Sync {_every(p.sync_period)} ({how})",
+        "dyn": f"PAFT-Dyn, H {p.sync_period} in [{p.h_min}, {p.h_max}] ({how})",
+        "averager": f"PeriodicModelAverager {_every(p.sync_period)}",
+    }[p.mode]
+    guard = "off" if not cfg.guard.enabled else "on" + (
+        ", stops on a persistent fault" if cfg.guard.on_persistent == "stop" else "")
+    return "\n".join([
+        f"{prog}: {cfg.workload} ({size} parameters), {_many(cfg.world_size, 'worker')} ({device}), "
+        f"{_many(cfg.steps, 'step')} of global batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr:g}, seed {cfg.seed}",
+        f"  monitor: {monitor}",
+        f"  protect: {protection}; guard: {guard}; inject: {' '.join(cfg.inject) if cfg.inject else 'none'}",
+        f"  run dir: {cfg.run_dir}{' (resumed)' if cfg.resume else ''}",
+    ])
+
+
+def _every(n: int) -> str:
+    return "every step" if n == 1 else f"every {n} steps"
+
+
+def _many(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def format_summary(summary: dict[str, Any], run_dir: str) -> str:
