@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from paft.workloads.data import (
+    MNIST_MEAN,
+    MNIST_STD,
     ArrayDataset,
     CharVocab,
     Dataset,
     ShardedSampler,
     TokenDataset,
+    _load_mnist_from,
     load_mnist,
     load_shakespeare,
     mnist_datasets,
@@ -50,6 +53,12 @@ def test_shakespeare_round_trip_decode() -> None:
     assert torch.equal(vocab.encode(text[-500:]), tokens[-500:])
     with pytest.raises(ValueError, match="not in the vocabulary"):
         vocab.encode("caf\u00e9")
+    # '#' lies below the vocabulary's largest codepoint ('z') but is not in it: its table
+    # slot is -1, which must be refused too (a mutant that checked only the range let
+    # it through as token -1).
+    assert "#" not in vocab.chars and ord("#") < ord(vocab.chars[-1])
+    with pytest.raises(ValueError, match="'#' is not in the vocabulary"):
+        vocab.encode("a#b")
 
 
 def test_token_windows_shift_by_one_and_do_not_overlap() -> None:
@@ -73,6 +82,18 @@ def test_cached_loaders_return_the_same_objects() -> None:
 def test_char_vocab_rejects_unsorted() -> None:
     with pytest.raises(ValueError):
         CharVocab("ba")
+    # Sorted but repeated: two ids would name one character (decode(0) != decode(1)).
+    with pytest.raises(ValueError, match="unique"):
+        CharVocab("aab")
+
+
+def test_shakespeare_block_size_bound_is_the_validation_split() -> None:
+    tokens, _ = load_shakespeare()
+    val_chars = tokens.numel() - int(0.9 * tokens.numel())
+    _, val, _ = shakespeare_datasets(block_size=val_chars - 1)
+    assert len(val) == 1  # the largest block_size still leaves one validation window
+    with pytest.raises(ValueError, match=f"must be below {val_chars}, the characters of the validation split"):
+        shakespeare_datasets(block_size=val_chars)
 
 
 # ----------------------------------------------------------------------- MNIST
@@ -111,6 +132,7 @@ def test_read_idx_valid_plain_and_gzip(tmp_path: Path) -> None:
     [
         (_idx_bytes(0x801, (10,), bytes(10)), "bad IDX magic"),  # labels file as images
         (_idx_bytes(0x803, (2, 28, 28), bytes(100)), "size mismatch"),  # truncated payload
+        (_idx_bytes(0x803, (1, 28, 28), bytes(785)), "size mismatch"),  # a trailing byte
         (struct.pack(">I", 0x803) + b"\x00\x00", "truncated IDX header"),
         (b"\x00", "too short"),
     ],
@@ -121,6 +143,32 @@ def test_read_idx_rejects_corrupt_files(tmp_path: Path, content: bytes, message:
     with pytest.raises(ValueError, match=message) as err:
         read_idx(path, 0x803)
     assert "bad-images.gz" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "images, labels, message",
+    [
+        ((2, 28, 28), bytes([3, 10]), "label 10 outside 0..9"),
+        ((2, 28, 28), bytes([3, 4, 5]), "3 labels for 2 images"),
+        ((2, 28, 27), bytes([3, 4]), "expected 28x28 images"),
+    ],
+)
+def test_load_mnist_refuses_files_that_disagree(
+    tmp_path: Path, images: tuple[int, int, int], labels: bytes, message: str
+) -> None:
+    (tmp_path / "i").write_bytes(_idx_bytes(0x803, images, bytes(images[0] * images[1] * images[2])))
+    (tmp_path / "l").write_bytes(_idx_bytes(0x801, (len(labels),), labels))
+    with pytest.raises(ValueError, match=message):
+        _load_mnist_from(tmp_path / "i", tmp_path / "l")
+
+
+def test_load_mnist_scales_then_normalizes_each_pixel(tmp_path: Path) -> None:
+    (tmp_path / "i").write_bytes(_idx_bytes(0x803, (1, 28, 28), bytes([0, 255, 128] + [0] * 781)))
+    (tmp_path / "l").write_bytes(_idx_bytes(0x801, (1,), bytes([7])))
+    x, y = _load_mnist_from(tmp_path / "i", tmp_path / "l")
+    expected = (torch.tensor([0.0, 255.0, 128.0]) / 255 - MNIST_MEAN) / MNIST_STD  # float32, as there
+    assert x.shape == (1, 1, 28, 28) and torch.equal(x[0, 0, 0, :3], expected)
+    assert y.dtype == torch.int64 and y.tolist() == [7]
 
 
 def test_read_idx_rejects_corrupt_gzip(tmp_path: Path) -> None:
@@ -220,6 +268,33 @@ def test_sampler_desync_gives_uncoordinated_orders() -> None:
     assert torch.cat(desynced).unique().numel() < n  # shards now overlap
     # Rank 0's desynced order coincides with the synced one (same seed); others do not.
     assert torch.equal(desynced[0], synced[0]) and not torch.equal(desynced[1], synced[1])
+
+
+def test_sampler_desync_lasts_past_the_first_epoch() -> None:
+    # Epochs after the first hash (rank's seed, epoch): mutants that hashed the shared
+    # seed there, or desynced epoch 0 only, put every rank back on one permutation.
+    n, ws, bs = 64, 2, 8
+    samplers = [ShardedSampler(n, r, ws, bs, seed=5, desync=True) for r in range(ws)]
+    first = [_epoch(s) for s in samplers]
+    second = [_epoch(s) for s in samplers]
+    for r in range(ws):
+        own = int.from_bytes(hashlib.blake2b(f"{5 + 1000003 * r}/1".encode(), digest_size=4).digest(), "little")
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(own))
+        assert torch.equal(second[r], perm[r::ws]) and not torch.equal(second[r], first[r])
+    assert torch.cat(second).unique().numel() < n  # still overlapping shards
+
+
+def test_sampler_batches_are_copies_a_rewind_sees_unchanged() -> None:
+    # A caller that edits its batch in place, then loads a saved state of the same epoch
+    # (a recompute), must get the original indices back: the batch is not a view of the
+    # cached epoch order (a mutant that returned the view survived before).
+    s = ShardedSampler(40, 1, 2, 4, seed=9)
+    state = s.state_dict()
+    batch = s.next_batch()
+    original = batch.clone()
+    batch.fill_(0)
+    s.load_state_dict(state)
+    assert torch.equal(s.next_batch(), original)
 
 
 @pytest.mark.parametrize(
