@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import shutil
 from typing import Any
@@ -18,8 +19,8 @@ from paft.report_text import summary_text
 from paft.rundata import load_run
 from paft.rundir import RunDirError, check_run_dir, prepare_run_dir, stale_checkpoints
 from paft.testing import run_workers
-from paft.train import Trainer, _lr_lambda
-from paft.workloads import build_workload
+from paft.train import BYTES_PER_PARAMETER, BYTES_PER_PROCESS, DeviceError, Trainer, _lr_lambda, check_devices
+from paft.workloads import build_workload, parameter_count
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
@@ -49,6 +50,32 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     if not cfg.resume:
         prepare_run_dir(cfg)
     return run_workers(train_and_return_state, cfg.world_size, cfg.to_dict())
+
+
+def test_the_memory_check_counts_each_worker_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each CPU worker here needs BYTES_PER_PARAMETER per parameter plus BYTES_PER_PROCESS
+    # for torch; the machine's memory is what os.sysconf reports, set here to the byte.
+    # Mutants that counted one worker's model, or the world size where fewer workers run
+    # on this machine (the launcher's local_workers), survived the CLI's far-off cases.
+    real = os.sysconf
+    per_worker = BYTES_PER_PARAMETER * parameter_count("resnet") + BYTES_PER_PROCESS
+
+    def machine(total: int) -> None:
+        sizes = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": total}
+        monkeypatch.setattr(os, "sysconf", lambda name: sizes[name] if name in sizes else real(name))
+
+    cfg = TrainConfig(workload="resnet", world_size=3, batch_size=3, device="cpu")
+    machine(3 * per_worker)
+    check_devices(cfg)  # exactly enough
+    machine(3 * per_worker - 1)
+    with pytest.raises(DeviceError, match="--model: the resnet model would need about"):
+        check_devices(cfg)
+    check_devices(cfg, local_workers=2)  # the third worker runs elsewhere
+    machine(per_worker)
+    check_devices(cfg, local_workers=1)
+    machine(3 * BYTES_PER_PROCESS - 1)
+    with pytest.raises(DeviceError, match="--world-size 3: 3 worker processes on this machine"):
+        check_devices(cfg)
 
 
 def test_fault_free_ddp_keeps_replicas_bitwise_identical(tmp_path: pathlib.Path) -> None:
