@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from paft.workloads import (
     build_workload,
     parameter_count,
 )
+from paft.workloads.llama import Attention, rope_tables
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +77,17 @@ def test_build_is_deterministic_for_a_seed(name: str) -> None:
     assert _state_equal(a, b)
     assert not _state_equal(a, c)
     assert torch.equal(torch.get_rng_state(), rng_before)  # build leaves global RNG alone
+
+
+@pytest.mark.parametrize("seed", [3, 5])
+def test_build_initializes_from_the_seed_itself(seed: int) -> None:
+    # Exactly the model a CPU generator seeded with ``seed`` builds: a mutant that folded
+    # seeds together (seed % 2) kept 3 and 4 apart and survived the test above.
+    wl = build_workload("gpt", seed=seed, model_args={"n_layer": 1})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        ref = GPT(wl.config)
+    assert _state_equal(wl.model.state_dict(), ref.state_dict())
 
 
 def test_build_leaves_the_cuda_generators_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,6 +142,72 @@ def test_gpt_ties_and_llama_does_not() -> None:
     assert gpt.lm_head.weight is gpt.tok_emb.weight
     llama = Llama(LlamaConfig())
     assert llama.lm_head.weight is not llama.tok_emb.weight
+
+
+@pytest.mark.parametrize("cls, cfg, residual", [
+    (GPT, GPTConfig(), ("attn.proj", "mlp.proj")),
+    (Llama, LlamaConfig(), ("attn.wo", "mlp.w2")),
+])
+def test_init_scales_residual_projections_by_depth(cls: type, cfg: Any, residual: tuple[str, ...]) -> None:
+    # N(0, 0.02) everywhere, 0.02 / sqrt(2 n_layer) on each block's residual output
+    # projections, biases zero (mutants that dropped the depth scaling or left torch's
+    # uniform biases survived before). 16k+ draws per matrix: the std's own error is ~0.6%.
+    torch.manual_seed(0)
+    model = cls(cfg)
+    resid_std = 0.02 / (2 * cfg.n_layer) ** 0.5
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    model.requires_grad_(False)
+    assert len(linears) > 4 * cfg.n_layer
+    for name, m in linears:
+        want = resid_std if name.endswith(residual) else 0.02
+        assert abs(float(m.weight.std()) / want - 1) < 0.05, (name, float(m.weight.std()), want)
+        assert abs(float(m.weight.mean())) < want / 10, name
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            assert not m.bias.any(), name
+
+
+@pytest.mark.parametrize("cls, cfg", [
+    (GPT, GPTConfig(n_layer=2, dropout=0.5)),
+    (Llama, LlamaConfig(n_layer=2, dropout=0.5)),
+])
+def test_dropout_trains_and_stays_off_in_eval(cls: type, cfg: Any) -> None:
+    # In eval() the model is the dropout-free one with the same weights, bit for bit
+    # (mutants that kept attention dropout on in eval survived before); in train() it drops.
+    torch.manual_seed(0)
+    model = cls(cfg)
+    plain = cls(dataclasses.replace(cfg, dropout=0.0))
+    plain.load_state_dict(model.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        reference = plain.eval()(idx)
+        assert torch.equal(model.eval()(idx), reference)
+        assert not torch.equal(model.train()(idx), reference)
+
+
+def test_rope_tables_are_the_rotary_angles() -> None:
+    # Row t, column i: the angle t * theta^(-2i/d), the same for dimension i + d/2 (its
+    # rotation partner in apply_rope's rotate-half form).
+    cos, sin = rope_tables(8, 5, 100.0)
+    t = torch.arange(5, dtype=torch.float64).unsqueeze(1)
+    inv_freq = 100.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    angles = (t * inv_freq).repeat(1, 2)
+    assert cos.shape == sin.shape == (5, 8)
+    assert torch.allclose(cos.double(), angles.cos(), atol=1e-6)
+    assert torch.allclose(sin.double(), angles.sin(), atol=1e-6)
+
+
+def test_rope_attention_sees_relative_positions_only() -> None:
+    # Queries and keys both rotated: the attention output is the same wherever the
+    # sequence sits (positions 0.. or 40..), up to rounding. A mutant that rotated the
+    # queries alone, or paired dimension i with a different angle than i + d/2, survived.
+    cfg = LlamaConfig(n_layer=1, n_head=2, n_embd=16, block_size=48)
+    torch.manual_seed(0)
+    attn = Attention(cfg).eval()
+    cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
+    x = torch.randn(2, 8, cfg.n_embd)
+    with torch.no_grad():
+        at_start, later = attn(x, cos[:8], sin[:8]), attn(x, cos[40:], sin[40:])
+    assert torch.allclose(at_start, later, atol=1e-5), (at_start - later).abs().max()
 
 
 def test_llama_has_no_biases_and_non_persistent_rope() -> None:
@@ -228,6 +307,9 @@ def test_evaluate_metrics_mode_and_determinism() -> None:
     wl = build_workload("resnet", model_args={"width": 4})
     full = wl.evaluate(wl.model, batch_size=512, max_batches=None)  # 4 batches, last partial
     assert 0.0 <= full["val_acc"] <= 1.0
+    # The whole split, its partial last batch included (a mutant that dropped it survived).
+    sums = wl.batch_sums(wl.model, batch_size=512, max_batches=None)
+    assert sums.shape == (4, 3) and sums[:, 2].tolist() == [512, 512, 512, 464]
     with pytest.raises(ValueError, match="max_batches must be >= 1"):  # it divided by zero
         wl.evaluate(wl.model, batch_size=512, max_batches=0)
 
@@ -250,6 +332,8 @@ def test_shares_of_the_evaluation_add_up_to_it_bit_for_bit(name: str) -> None:
             logits = wl.model(inputs)
             losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                           reduction="sum").item())
+            # The correct predictions are the argmax's (a mutant counting argmin survived).
+            assert whole[b, 1] == int((logits.argmax(-1) == targets).sum())
     total = 0.0
     for loss in losses:
         total += loss
