@@ -44,7 +44,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -104,7 +104,7 @@ def _err(name: str, msg: str, value: Any = dataclasses.MISSING) -> FaultSpecErro
     return FaultSpecError(f"field '{name}' {msg}{got}", name)
 
 
-def is_int(v: Any) -> bool:
+def is_int(v: object) -> TypeGuard[int]:
     """An ``int`` that is not a ``bool``: specs and schedules never take ``True`` for 1."""
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -116,7 +116,7 @@ def _normalize_steps(value: Any) -> Steps:
     """
     if isinstance(value, (str, bytes)) or not (is_int(value) or isinstance(value, Iterable)):
         raise _err("steps", "must be an int, a range or a sequence of steps and (lo, hi) pairs", value)
-    items = [value] if is_int(value) or isinstance(value, range) else list(value)
+    items = [value] if isinstance(value, range) or not isinstance(value, Iterable) else list(value)  # an int: one step
     ranges: list[tuple[int, int]] = []
     for item in items:
         if isinstance(item, range):
@@ -367,7 +367,7 @@ class FaultSpec:
     def check_ranks(self, world_size: int, name: str = "world_size") -> None:
         """Raise :class:`FaultSpecError` (field ``ranks``) if a listed rank is not below
         ``world_size`` (``name``: how the caller's users know it, e.g. ``--world-size``)."""
-        if self.ranks != "random" and max(self.ranks) >= world_size:
+        if isinstance(self.ranks, tuple) and max(self.ranks) >= world_size:  # not "random"
             raise FaultSpecError(f"field 'ranks' names rank {max(self.ranks)} but {name} is {world_size}", "ranks")
 
     def check_dtype(self, dtype: torch.dtype) -> None:
@@ -505,9 +505,9 @@ def bit_range(dtype: torch.dtype, bits: int | str) -> tuple[int, int]:
     if dtype not in FLOAT_LAYOUT:
         raise ValueError(f"bitflip does not support dtype {dtype}")
     _, width, sign, exponent, mantissa = FLOAT_LAYOUT[dtype]
-    if is_int(bits):
-        if not 0 <= bits < width:
-            raise ValueError(f"bit {bits} out of range for {dtype} ({width} bits)")
-        return bits, bits
-    return {"sign": (sign, sign), "exponent": exponent, "mantissa": mantissa,
-            "any": (0, width - 1)}[bits]
+    if isinstance(bits, str):
+        return {"sign": (sign, sign), "exponent": exponent, "mantissa": mantissa,
+                "any": (0, width - 1)}[bits]
+    if not is_int(bits) or not 0 <= bits < width:
+        raise ValueError(f"bit {bits} out of range for {dtype} ({width} bits)")
+    return bits, bits
