@@ -125,13 +125,14 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        blocks = [Block(cfg) for _ in range(cfg.n_layer)]  # typed: the init below reaches into them
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # weight tying
         self.apply(self._init_weights)
         resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        for block in self.blocks:
+        for block in blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=resid_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=resid_std)
 

@@ -163,12 +163,17 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """``forward(idx: (B, T) int64) -> logits (B, T, vocab_size)``."""
 
+    # Buffers, registered in __init__ (an attribute nn.Module resolves, typed for the checker).
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        blocks = [Block(cfg) for _ in range(cfg.n_layer)]  # typed: the init below reaches into them
+        self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied
         cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
@@ -179,7 +184,7 @@ class Llama(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
         resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        for block in self.blocks:
+        for block in blocks:
             nn.init.normal_(block.attn.wo.weight, mean=0.0, std=resid_std)
             nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=resid_std)
 
