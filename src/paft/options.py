@@ -166,7 +166,8 @@ def _default(opt: Option) -> Any:
         if f.name == opt.name:
             if f.default is not dataclasses.MISSING:
                 return f.default
-            return f.default_factory()  # type: ignore[misc]
+            assert f.default_factory is not dataclasses.MISSING, f"{opt.name}: every config field has a default"
+            return f.default_factory()
     raise KeyError(opt.name)
 
 

@@ -175,7 +175,9 @@ def _make_config(workload: str, cls: type, defaults: dict[str, Any], model_args:
         # The type of the field's default is the type asked for (the fields are int,
         # float or bool); an integer is fine where a float is, and so is a YAML 1.1
         # float read as a string ("1e-5"); numpy numbers count as numbers.
-        kind = type(fields[key].default)
+        default = fields[key].default
+        assert isinstance(default, (bool, int, float)), f"{cls.__name__}.{key}: a model field has a number default"
+        kind = type(default)
         want = {bool: "true or false", int: "an integer", float: "a finite number"}.get(kind, kind.__name__)
         if kind is float and isinstance(value, str):
             try:
