@@ -547,11 +547,12 @@ class Guard:
         self._new_incident(st)  # or what this step's recompute found: one incident
         minority = outside_majority(groups, self.world_size)
         prev = st.pending
-        repeated = prev is not None and prev.source == "check" and prev.detector == "state_mismatch"
-        again = sorted(set(prev.ranks) & set(minority)) if repeated else []
+        # The split this step's recompute was to clear, if the pending detection is one.
+        split = prev if prev is not None and prev.source == "check" and prev.detector == "state_mismatch" else None
+        again = sorted(set(split.ranks) & set(minority)) if split is not None else []
         # Split again right after its repair: stuck memory, also where no majority names
         # the replica either time (2 ranks, an even split), as a grad_mismatch that comes back.
-        persistent = bool(again) or (repeated and not minority and not prev.ranks)
+        persistent = bool(again) or (split is not None and not minority and not split.ranks)
         self._decide(st, "persistent" if persistent else "state")
         st.pending = _Incident("check", "state_mismatch", minority, view.header_bits())
         if persistent and self.config.on_persistent == "stop":

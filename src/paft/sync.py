@@ -381,8 +381,9 @@ class ReplicaSync:
         source = -1
         if isinstance(model, nn.parallel.DistributedDataParallel) and model.broadcast_buffers:
             try:
-                source = dist.get_group_rank(self.group or dist.group.WORLD,
-                                             dist.get_global_rank(model.process_group, 0))
+                source = dist.get_global_rank(model.process_group, 0)
+                if self.group is not None:  # else the world's: its rank is the global one
+                    source = dist.get_group_rank(self.group, source)
             except (ValueError, RuntimeError):  # DDP's source is outside this group
                 source = -1
         named = set(gather_rows(torch.tensor([source], dtype=torch.int64, device=self._device), self.group)

@@ -384,6 +384,7 @@ class Transfer:
                         copy_dst.append(target)
                         copy_src.append(new)
                         continue
+                    assert snap is not None  # changed is False without a snapshot (above)
                     delta_tensors += 1
                     old = snap[s.offset : s.offset + s.numel].view(s.shape)
                     if live.dtype == torch.bool:  # flags: the live value where it changed
