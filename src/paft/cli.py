@@ -95,12 +95,18 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of ``parser``'s subcommand ``name`` (argparse keeps it only in the
+    subcommands' action, which it does not expose)."""
+    return next(a.choices[name] for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    subparser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    subparser = _subcommand(parser, args.command)
     if args.command == "bench":
-        subparser = subparser._subparsers._group_actions[0].choices[args.benchmark]  # type: ignore[union-attr]
+        subparser = _subcommand(subparser, args.benchmark)
     if extra:  # said by the subcommand, whose --help lists what it takes (parse_args would say "paft")
         words = list(sys.argv[1:] if argv is None else argv)
         given_to_paft = words[: words.index(args.command)] if args.command in words else []

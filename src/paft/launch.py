@@ -453,7 +453,7 @@ def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
     try:
         trainer = Trainer(cfg, pathlib.Path(run_dir))
         try:
-            result = {"status": "ok", "summary": trainer.train()}
+            result: dict[str, Any] = {"status": "ok", "summary": trainer.train()}
         except PersistentFaultError as err:
             if dist.get_rank() == 0:
                 trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
