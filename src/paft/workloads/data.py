@@ -30,6 +30,7 @@ import gzip
 import hashlib
 import os
 import struct
+import sys
 from collections.abc import Iterator
 from importlib import resources
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -38,9 +39,14 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:  # importlib.abc.Traversable is deprecated; resources.abc is 3.11+
-    from importlib.resources.abc import Traversable
+    from typing import TypeAlias
 
-    PathLike = str | os.PathLike[str] | Traversable
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
+
+    PathLike: TypeAlias = str | os.PathLike[str] | Traversable
 
 __all__ = [
     "Dataset",
