@@ -1,6 +1,6 @@
 # Two commands set up everything on a fresh machine and are safe to repeat:
 #   make train   -> venv + CPU torch + paft, then `paft train` on its default (gpt, 4 workers)
-#   make test    -> the same set-up, then the lint check and the test suite
+#   make test    -> the same set-up, then the lint checks (ruff, mypy) and the test suite
 # TORCH_SPEC picks the torch build. The default pin takes the CPU wheel where pip finds it
 # locally (as on this project's machines); from plain PyPI on Linux it is the CUDA build. On a GPU machine:
 #   make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126' test
@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml $(SPEC)
 train: setup
 	$(BIN)/paft train $(ARGS)
 
+# ruff, then mypy (its settings, files included, are pyproject.toml's [tool.mypy]).
 lint: setup
-	$(BIN)/ruff check src
+	$(BIN)/ruff check src && $(BIN)/mypy
 
 # The slowest tests are listed at the end: the suite is kept under ~15 minutes on 2 cores.
 test: lint
