@@ -63,7 +63,10 @@ class WorkerFailed(RuntimeError):
         rank, failure = err.get_first_failure()
         data = failure.error_file_data.get("message")
         if isinstance(data, dict):  # what the worker recorded (see _run_entry)
-            return cls(rank, f"failed: {data['message']}", data["extraInfo"]["py_callstack"])
+            cause = f"failed: {data['message']}"
+            if any(sign in cause for sign in _PEER_LOST):
+                cause += f" ({_PEER_LOST_HINT})"
+            return cls(rank, cause, data["extraInfo"]["py_callstack"])
         if failure.exitcode < 0:
             return cls(rank, f"was killed by {failure.signal_name()}", None)
         return cls(rank, f"exited with code {failure.exitcode} and left no traceback", None)
@@ -72,6 +75,13 @@ class WorkerFailed(RuntimeError):
         """For the console: the worker's traceback, then ``prog: rank N <cause>``."""
         head = self.traceback.rstrip("\n") + "\n" if self.traceback else ""
         return f"{head}{prog}: {self}"
+
+
+# How gloo and NCCL say that a peer went away mid-collective. A rank killed outright
+# (the OOM killer, SIGKILL) leaves no traceback, and torch's launcher names the lowest
+# rank it finds dead: often a rank that was waiting on the killed one.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
+_PEER_LOST_HINT = "its connection to a peer broke: another rank may have died first, killed without a traceback"
 
 
 # The launcher's words on a failure or a stop, by logger and message template: paft says

@@ -42,6 +42,17 @@ def _die_on_rank_1(how: str) -> None:
         os._exit(3)
 
 
+def _kill_rank_1_in_a_collective() -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(4))  # rank 0 waits on rank 1, which is gone
+
+
 def _run_id(x: int) -> tuple[int, str]:
     return x * int(os.environ["RANK"]), os.environ["TORCHELASTIC_RUN_ID"]
 
@@ -56,9 +67,9 @@ def test_a_failed_worker_is_told_once_and_leaves_nothing_behind(tmp_path: pathli
         from paft import workers, workers_test as t
         out = {"ok": workers.local_workers(t._run_id, 2, "paft-bench")(5)}
         for name, fn, arg in [("raised", t._raise_on_rank_1, 7), ("killed", t._die_on_rank_1, "kill"),
-                              ("exited", t._die_on_rank_1, "exit")]:
+                              ("exited", t._die_on_rank_1, "exit"), ("lost", t._kill_rank_1_in_a_collective, None)]:
             try:
-                workers.local_workers(fn, 2)(arg)
+                workers.local_workers(fn, 2)(*([] if arg is None else [arg]))
             except workers.WorkerFailed as err:
                 out[name] = [err.rank, err.cause, err.traceback, err.describe("paft train")]
         print(json.dumps(out))
@@ -75,6 +86,11 @@ def test_a_failed_worker_is_told_once_and_leaves_nothing_behind(tmp_path: pathli
     assert told == trace + "paft train: rank 1 failed: ValueError: bad value 7"
     assert out["killed"] == [1, "was killed by SIGKILL", None, "paft train: rank 1 was killed by SIGKILL"]
     assert out["exited"][:3] == [1, "exited with code 3 and left no traceback", None]
+    # Rank 1 killed in a collective: torch's launcher names the lowest rank it finds dead,
+    # here (almost always) rank 0, whose broken connection then says what may lie behind it.
+    rank, cause, *_ = out["lost"]
+    assert (rank, cause) == (1, "was killed by SIGKILL") or (
+        rank == 0 and "Connection reset by peer" in cause and cause.endswith(f"({workers._PEER_LOST_HINT})")), cause
     # (torch's compile cache, one per user and kept on purpose, is made by its import)
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")] == []
 
