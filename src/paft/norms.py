@@ -56,8 +56,8 @@ def squared_norm(flat: Tensor) -> Tensor:
     if sq.dtype == torch.float64:
         return sq
     if flat.device.type == "cpu":
-        return _float64_norm([flat]) ** 2 if math.isinf(sq) else sq
-    return torch.where(torch.isinf(sq), _float64_norm([flat]) ** 2, sq)
+        return _float64_norm(flat) ** 2 if math.isinf(sq) else sq
+    return torch.where(torch.isinf(sq), _float64_norm(flat) ** 2, sq)
 
 
 def sq_norm(x: Tensor) -> float:
@@ -66,28 +66,34 @@ def sq_norm(x: Tensor) -> float:
     return float(torch.linalg.vector_norm(x, dtype=torch.float64).square())
 
 
-def _float64_norm(tensors: Sequence[Tensor]) -> Tensor:
-    """The 2-norm of all of ``tensors`` in float64, on the first one's device (a module may span several)."""
+def _float64_norm(flat: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(flat, dtype=torch.float64)
+
+
+def _scaled_norm(tensors: Sequence[Tensor]) -> Tensor:
+    """The 2-norm of all of ``tensors`` in float64, each divided by its largest magnitude
+    first (and the norms again by theirs), so that no square passes float64's range:
+    entries of float64 above ~1.3e154 too. inf or NaN only where an entry is. Three
+    passes a tensor: only where a norm has already come out inf."""
     device = tensors[0].device
-    return torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64).to(device) for t in tensors]))
+    return _scaled(torch.stack([_scaled(t.to(torch.float64)).to(device) for t in tensors]))
 
 
-def _narrow(tensors: Sequence[Tensor]) -> bool:
-    """Whether any of ``tensors`` is narrower than float64 (then an inf norm may come
-    from overflowed squares; the stacked per-dtype norms take the widest dtype, so the
-    norm's own dtype cannot tell)."""
-    return any(t.dtype != torch.float64 for t in tensors)
+def _scaled(x: Tensor) -> Tensor:
+    peak = torch.linalg.vector_norm(x, ord=math.inf)
+    if not 0 < float(peak) < math.inf:  # zeros, or an inf/NaN entry: torch's norm says it as is
+        return torch.linalg.vector_norm(x)
+    return peak * torch.linalg.vector_norm(x / peak)
 
 
 def total_norm(tensors: Sequence[Tensor]) -> Tensor:
     """``torch.nn.utils.get_total_norm`` of ``tensors`` (what clipping uses), summed
-    again in float64 where float32's squares overflowed on finite entries (a host read
+    again in float64, scaled, where the squares overflowed on finite entries (a host read
     of the norm: the callers read it anyway), then back in the norm's dtype: inf/NaN
     only when an entry is, or the norm itself is past the dtype's range."""
     norm = torch.nn.utils.get_total_norm(list(tensors))
-    if math.isinf(norm) and _narrow(tensors):
-        norm = _float64_norm(tensors).to(norm.dtype)
+    if math.isinf(norm):
+        norm = _scaled_norm(tensors).to(norm.dtype)
     return norm
 
 
@@ -98,8 +104,8 @@ def judged_norm(norm: Tensor, tensors: Sequence[Tensor]) -> float:
     and the metrics judge, so finite values never read as non-finite. (Float64 values
     of norm above ~1.3e154 still do: their squares pass float64's range.)"""
     value = float(norm)
-    if math.isinf(value) and _narrow(tensors):
-        value = float(_float64_norm(tensors))
+    if math.isinf(value):
+        value = float(_scaled_norm(tensors))
     return value
 
 

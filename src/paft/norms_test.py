@@ -64,3 +64,21 @@ def test_judged_norm_reads_a_norm_past_its_dtype_as_the_float64_one() -> None:
     small = [torch.full((3,), 0.1)]
     assert judged_norm(total_norm(small), small) == float(total_norm(small)) == norm_of(small)  # float32's rounding
     assert norm_of([]) == 0.0
+
+
+
+@pytest.mark.parametrize("value", [1e160, 1e200, 1e300])
+def test_float64_values_past_the_range_of_their_squares_are_judged_finite(value: float) -> None:
+    # A flipped float64 exponent bit makes entries this large; their squares overflow
+    # float64, and the norm read as inf called a finite gradient or update non-finite.
+    x = [torch.full((2,), value, dtype=torch.float64), torch.tensor([0.5 * value], dtype=torch.float64)]
+    assert math.isinf(torch.nn.utils.get_total_norm(x))  # torch's own
+    assert norm_of(x) == pytest.approx(1.5 * value, rel=1e-15)  # sqrt(1 + 1 + 0.25)
+    assert float(total_norm(x)) == pytest.approx(1.5 * value, rel=1e-15)  # what clipping scales by
+    assert math.isinf(norm_of([*x, torch.tensor([math.inf], dtype=torch.float64)]))
+    assert math.isnan(norm_of([*x, torch.tensor([math.nan], dtype=torch.float64)]))
+
+
+def test_a_float64_norm_past_float64s_range_is_inf() -> None:
+    x = [torch.full((4,), 1e308, dtype=torch.float64)]  # norm 2e308
+    assert math.isinf(norm_of(x)) and math.isinf(total_norm(x))
