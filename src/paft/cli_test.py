@@ -596,7 +596,14 @@ def test_a_run_that_fails_after_some_steps_keeps_its_records(
     assert "its records stay in r (paft report r); --resume cannot continue it" in capsys.readouterr().err
     assert [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics" / "rank0.jsonl")] == [0, 1]
     assert [f["step"] for f in read_jsonl(tmp_path / "r" / "faults.jsonl")] == [2, 2]
+    # Why it stopped stays with the run, not only on the console.
+    failed = [e for e in read_jsonl(tmp_path / "r" / "events.jsonl") if e["event"] == "failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 2 and failed[0]["rank"] in (0, 1)
+    assert failed[0]["cause"].startswith("failed: RuntimeError: ReplicaSync(mode='mean'): no replica is finite")
+    assert failed[0]["traceback"].startswith("Traceback (most recent call last)")
     assert main(["report", "r"]) == 0 and (tmp_path / "r" / "report" / "loss.png").is_file()
+    assert (f"note: the run failed at step 2: rank {failed[0]['rank']} {failed[0]['cause']} (its traceback is in "
+            "events.jsonl)\n") in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["train", *_failing(2), "--run-dir", "r"])
     assert "r holds a run that stopped before its first checkpoint; pass --overwrite" in capsys.readouterr().err

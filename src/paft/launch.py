@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from paft.config import TrainConfig
 from paft.protect import PersistentFaultError
-from paft.records import atomic_write_bytes, console, sort_faults
+from paft.records import RunRecorder, atomic_write_bytes, console, read_jsonl, sort_faults
 from paft.rundir import (
     LOCK_FILE,
     RunDirError,
@@ -389,6 +389,7 @@ def _run_workers(cfg: TrainConfig) -> int:
     try:
         results = local_workers(run_worker, cfg.world_size)(cfg.to_dict(), cfg.run_dir)
     except WorkerFailed as err:
+        record_failure(pathlib.Path(cfg.run_dir), err)
         kept = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
             kept = f"; {cfg.run_dir} keeps its checkpoints (--resume continues from the last)"
@@ -405,6 +406,26 @@ def _run_workers(cfg: TrainConfig) -> int:
         return EXIT_PERSISTENT_FAULT
     console(format_summary(first["summary"], cfg.run_dir))
     return 0
+
+
+def record_failure(run_dir: pathlib.Path, err: WorkerFailed) -> None:
+    """Put the failure in the run's ``events.jsonl`` (``"event": "failed"``: the step it
+    interrupted, the rank, the cause, the traceback), so that the run directory, kept
+    for ``paft report`` or ``--resume``, says why it stopped; the console's account is
+    gone once the terminal is. The workers are out: nothing else writes there now."""
+    try:
+        steps = [r["step"] for r in read_jsonl(run_dir / "metrics" / "rank0.jsonl")]
+    except (OSError, ValueError, KeyError, TypeError):
+        steps = []
+    step = max(steps) + 1 if steps and all(isinstance(s, int) for s in steps) else 0
+    try:
+        recorder = RunRecorder(run_dir, 0, quiet=True)
+        recorder.event({"step": step, "event": "failed", "rank": err.rank, "cause": err.cause,
+                        "traceback": err.traceback})
+        recorder.close()
+    except OSError as oserr:  # the console still says it all
+        print(f"paft train: warning: cannot record the failure in {run_dir}/events.jsonl: "
+              f"{oserr.strerror or oserr}", file=sys.stderr)
 
 
 # -- inside a worker ------------------------------------------------------------------

@@ -150,6 +150,9 @@ def _notes(run: RunData) -> list[str]:
         reason = stop.get("reason") or f"a persistent fault on {ranks_phrase(stop.get('ranks') or [])}"
         reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
         lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
+    for failed in run.events_of("failed"):  # written by paft train's launcher
+        lines.append(f"note: the run failed at step {failed.get('step')}: rank {failed.get('rank')} "
+                     f"{failed.get('cause')} (its traceback is in events.jsonl)")
     if run.stale_summary is not None:
         went = "go on to" if last > run.stale_summary else "stop at"  # stop: resumed from an earlier checkpoint
         lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "

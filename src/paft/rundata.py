@@ -93,7 +93,7 @@ def _ranks_list(value: Any) -> bool:
 # non-number is a gap in a plot), with what they must be. A name matches a key's last
 # "/" part ("cos_to_mean": "consistency/cos_to_mean"); one starting with "_" matches a
 # key's end ("_minority_ranks": "replicas/grad_minority_ranks").
-_TEXT = frozenset({"event", "action", "reason", "cause", "detector", "mode", "site", "kind"})
+_TEXT = frozenset({"event", "action", "reason", "cause", "detector", "mode", "site", "kind", "traceback"})
 """Fields that hold words, kept as written: the fault kinds "nan" and "inf" are not numbers."""
 _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("ranks", _ranks_list, "a list of ranks"),
