@@ -215,6 +215,11 @@ class ProtectConfig:
         check_bounds(self.h_min, self.h_max, self.target, names=(_named(self, "h_min"), _named(self, "h_max"),
                                                                  _named(self, "target")))
 
+    @property
+    def first_h(self) -> int:
+        """PAFT-Dyn's first period: ``sync_period`` clamped into [h_min, h_max]."""
+        return min(max(self.sync_period, self.h_min), self.h_max)
+
 
 @dataclass
 class GuardConfig:

@@ -79,7 +79,7 @@ class Resync:
             if config.mode == "dyn":
                 self.scheduler = DynScheduler(
                     DynConfig(
-                        h_init=min(max(config.sync_period, config.h_min), config.h_max),
+                        h_init=config.first_h,
                         h_min=config.h_min,
                         h_max=config.h_max,
                         target=config.target,

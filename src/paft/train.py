@@ -445,7 +445,7 @@ def format_plan(cfg: TrainConfig, prog: str = "paft train") -> str:
     protection = {
         "none": "none",
         "sync": f"PAFT-Sync {_every(p.sync_period)} ({how})",
-        "dyn": f"PAFT-Dyn, H {p.sync_period} in [{p.h_min}, {p.h_max}] ({how})",
+        "dyn": f"PAFT-Dyn, H {p.first_h} in [{p.h_min}, {p.h_max}] ({how})",
         "averager": f"PeriodicModelAverager {_every(p.sync_period)}",
     }[p.mode]
     guard = "off" if not cfg.guard.enabled else "on" + (

@@ -19,7 +19,15 @@ from paft.report_text import summary_text
 from paft.rundata import load_run
 from paft.rundir import RunDirError, check_run_dir, prepare_run_dir, stale_checkpoints
 from paft.testing import run_workers
-from paft.train import BYTES_PER_PARAMETER, BYTES_PER_PROCESS, DeviceError, Trainer, _lr_lambda, check_devices
+from paft.train import (
+    BYTES_PER_PARAMETER,
+    BYTES_PER_PROCESS,
+    DeviceError,
+    Trainer,
+    _lr_lambda,
+    check_devices,
+    format_plan,
+)
 from paft.workloads import build_workload, parameter_count
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
@@ -450,3 +458,11 @@ def test_a_checkpoint_damaged_inside_a_tensor_is_refused_by_every_reader(tmp_pat
         load_checkpoint_file(path)
     with pytest.raises(ValueError, match=r"rank1\.pt is missing"):  # not "truncated": it is not there
         load_checkpoint_file(tmp_path / "rank1.pt")
+
+
+@pytest.mark.parametrize(("period", "first"), [(1, 5), (50, 50), (1000, 400)])
+def test_the_plan_gives_paft_dyns_first_period_as_the_run_takes_it(period: int, first: int) -> None:
+    # --sync-period is PAFT-Dyn's first H held to [--h-min, --h-max]: the plan said
+    # "H 1 in [5, 400]" for a run whose first period was 5.
+    cfg = TrainConfig(world_size=1, protect=ProtectConfig(mode="dyn", sync_period=period, h_min=5, h_max=400))
+    assert f"  protect: PAFT-Dyn, H {first} in [5, 400] (robust, overlapped); " in format_plan(cfg)
