@@ -80,6 +80,8 @@ def _scaled_norm(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def _scaled(x: Tensor) -> Tensor:
+    if x.numel() == 0:  # its 2-norm is 0; its largest magnitude (the inf norm) torch refuses
+        return torch.linalg.vector_norm(x)
     peak = torch.linalg.vector_norm(x, ord=math.inf)
     if not 0 < float(peak) < math.inf:  # zeros, or an inf/NaN entry: torch's norm says it as is
         return torch.linalg.vector_norm(x)
