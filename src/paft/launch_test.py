@@ -29,6 +29,7 @@ from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
 from paft.rundir import RunDirError, in_use
 from paft.testing import run_workers
+from paft.workers import WorkerFailed
 
 
 @pytest.fixture(autouse=True)
@@ -617,3 +618,29 @@ def test_under_torchrun_every_rank_exits_3_on_a_guard_stop_and_2_on_a_refused_cl
     """torchrun says which rank failed first, and with what code: each rank's must be
     paft train's (3: the guard stopped the run; 2: a usage error, the run directory)."""
     assert run_workers(_main_exit_codes, 2, str(tmp_path / "r"), timeout=120) == [[3, 2], [3, 2]]
+
+
+def test_a_failure_is_recorded_at_the_step_it_interrupted_whatever_the_metrics_hold(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = WorkerFailed(1, "failed: ValueError: x", "Traceback (most recent call last):\nValueError: x\n")
+    recorder = RunRecorder(tmp_path / "r", 0)
+    for step in range(3):
+        recorder.metrics({"step": step})
+    recorder.close()
+    launcher.record_failure(tmp_path / "r", err)
+    assert read_jsonl(tmp_path / "r" / "events.jsonl") == [
+        {"step": 3, "event": "failed", "rank": 1, "cause": err.cause, "traceback": err.traceback}]
+    # No step recorded, or records the failure cannot read: it is still recorded.
+    damaged = tmp_path / "damaged" / "metrics"
+    damaged.mkdir(parents=True)
+    (damaged / "rank0.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    for run in (tmp_path / "fresh", damaged.parent):
+        launcher.record_failure(run, err)
+        events = read_jsonl(run / "events.jsonl")
+        assert [(e["event"], e["rank"], e["cause"]) for e in events] == [("failed", 1, err.cause)]
+    assert read_jsonl(tmp_path / "fresh" / "events.jsonl")[0]["step"] == 0  # none trained: it failed at the first
+    # A run directory it cannot write to: the console still has it all.
+    (tmp_path / "file").write_text("")
+    launcher.record_failure(tmp_path / "file", err)
+    assert capsys.readouterr().err.startswith(f"paft train: warning: cannot record the failure in {tmp_path}/file/")

@@ -84,10 +84,10 @@ def test_a_float64_norm_past_float64s_range_is_inf() -> None:
     assert math.isinf(norm_of(x)) and math.isinf(total_norm(x))
 
 
-def test_an_empty_tensor_beside_overflowed_squares_counts_nothing() -> None:
+def test_an_empty_or_zero_tensor_beside_overflowed_squares_counts_nothing() -> None:
     # A parameter of no elements (its gradient too): torch's inf norm, the scaling's
     # peak, has no value for it and raised a RuntimeError out of total_norm.
-    x = [torch.empty(0), HUGE, torch.empty(0, 3, dtype=torch.float64)]
+    x = [torch.empty(0), HUGE, torch.empty(0, 3, dtype=torch.float64), torch.zeros(2)]  # zeros: no 0/0 either
     twice = 2 * float(HUGE[0])  # float32's 1e20, four of them
     assert torch.equal(total_norm(x), torch.tensor(twice, dtype=torch.float64))
     assert judged_norm(torch.tensor(math.inf), x) == norm_of(x) == twice

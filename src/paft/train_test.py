@@ -466,3 +466,27 @@ def test_the_plan_gives_paft_dyns_first_period_as_the_run_takes_it(period: int, 
     # "H 1 in [5, 400]" for a run whose first period was 5.
     cfg = TrainConfig(world_size=1, protect=ProtectConfig(mode="dyn", sync_period=period, h_min=5, h_max=400))
     assert f"  protect: PAFT-Dyn, H {first} in [5, 400] (robust, overlapped); " in format_plan(cfg)
+
+
+def test_the_plan_says_each_mode_as_configured() -> None:
+    one = TrainConfig(world_size=1, steps=1, batch_size=1, lr=1e-4, seed=7, run_dir="r", resume=True,
+                      monitor=MonitorConfig(enabled=False), protect=ProtectConfig(mode="averager", sync_period=1))
+    assert format_plan(one, "python -m paft.train").splitlines() == [
+        "python -m paft.train: gpt (809,856 parameters), 1 worker (cpu, gloo), 1 step of global batch 1, adamw lr "
+        "0.0001, seed 7",
+        "  monitor: off (plain DDP)",
+        "  protect: PeriodicModelAverager every step; guard: off; inject: none",
+        "  run dir: r (resumed)"]
+    big = TrainConfig(workload="llama", model={"n_embd": 256}, device="cpu", monitor=MonitorConfig(interval=3,
+                      cosine="exact", fingerprint_every=0), protect=ProtectConfig(mode="sync", sync_period=7,
+                      sync_mode="mean", overlap=False), guard=GuardConfig(enabled=True),
+                      inject=["nan:steps=3", "zero:steps=5"])
+    n = parameter_count("llama", {"n_embd": 256})
+    assert n >= 10**6
+    assert format_plan(big).splitlines()[:3] == [
+        f"paft train: llama ({n / 1e6:.1f} M parameters), 4 workers (cpu, gloo), 200 steps of global batch 64, "
+        "adamw lr 0.003, seed 0",
+        "  monitor: metrics every 3 steps (cosine exact), aggregated-gradient checksum every step, "
+        "no state fingerprint",
+        "  protect: PAFT-Sync every 7 steps (mean, blocking); guard: on; inject: nan:steps=3 zero:steps=5"]
+    assert "  protect: none; " in format_plan(TrainConfig())

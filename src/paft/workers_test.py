@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 import paft
 from paft import workers
@@ -148,3 +149,32 @@ def test_the_workers_fork_from_a_server_deaf_to_ctrl_c_that_gives_them_the_defau
         """
     done = _in_a_launcher(code)
     assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", ""), done.stderr
+
+
+def _failure(tmp: pathlib.Path, exitcode: int, message: str | None) -> ChildFailedError:
+    """The launcher's account of rank 3 failing: its error file as _run_entry's
+    record_exception writes it (``message`` None: no error file)."""
+    error_file = tmp / "error.json"
+    if message is not None:
+        error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": f"Traceback (most recent call last):\n{message}\n", "timestamp": "1"}}}))
+    failure = ProcessFailure(local_rank=3, pid=1, exitcode=exitcode, error_file=str(error_file))
+    return ChildFailedError("work", {3: failure})
+
+
+@pytest.mark.parametrize("lost", ["Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                                  "remote process exited"])
+def test_a_broken_connection_says_another_rank_may_have_died_first(tmp_path: pathlib.Path, lost: str) -> None:
+    err = workers.WorkerFailed.from_launcher(_failure(tmp_path, 1, f"RuntimeError: [gloo] read: {lost}"))
+    assert (err.rank, err.cause) == (3, f"failed: RuntimeError: [gloo] read: {lost} ({workers._PEER_LOST_HINT})")
+    assert err.traceback == f"Traceback (most recent call last):\nRuntimeError: [gloo] read: {lost}\n"
+    plain = workers.WorkerFailed.from_launcher(_failure(tmp_path, 1, "ValueError: connection"))
+    assert (plain.cause, str(plain)) == ("failed: ValueError: connection", "rank 3 failed: ValueError: connection")
+
+
+def test_a_worker_that_left_no_error_file_is_told_by_its_exit() -> None:
+    missing = pathlib.Path("/nonexistent-paft-dir")
+    assert str(workers.WorkerFailed.from_launcher(_failure(missing, -9, None))) == "rank 3 was killed by SIGKILL"
+    exited = workers.WorkerFailed.from_launcher(_failure(missing, 2, None))
+    assert (str(exited), exited.traceback) == ("rank 3 exited with code 2 and left no traceback", None)
+    assert exited.describe("paft bench") == "paft bench: rank 3 exited with code 2 and left no traceback"
