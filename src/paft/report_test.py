@@ -933,3 +933,21 @@ def test_identical_non_finite_replicas_are_not_a_healthy_end(clean_run: pathlib.
     text = build_report(split).text
     assert "replicas distinct at the end: 2 (" in text and "non-finite, every replica" not in text
     assert "non-finite, every replica" not in build_report(clean_run, tmp_path / "clean").text
+
+
+def test_a_failed_run_says_where_and_why_it_failed(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    run = copy_run(fault_run, tmp_path / "failed")
+    (run / "summary.json").unlink()  # a failed run writes none
+    with open(run / "events.jsonl", "a") as f:  # as paft train's launcher records a rank killed outright
+        f.write(json.dumps({"step": 13, "event": "failed", "rank": 1, "cause": "was killed by SIGKILL",
+                            "traceback": None}) + "\n")
+    text = summary_text(load_run(run))
+    assert text.count("note: the run failed") == 1
+    assert "note: the run failed at step 13: rank 1 was killed by SIGKILL\n" in text  # it left no traceback
+    assert "note: no summary.json: the run is still running, crashed or was interrupted" in text
+    # A rank that raised: its traceback is recorded, and the note says where.
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 13, "event": "failed", "rank": 0, "cause": "failed: ValueError: x",
+                            "traceback": "Traceback (most recent call last):\nValueError: x\n"}) + "\n")
+    assert ("note: the run failed at step 13: rank 0 failed: ValueError: x (its traceback is in events.jsonl)\n"
+            in summary_text(load_run(run)))

@@ -151,8 +151,9 @@ def _notes(run: RunData) -> list[str]:
         reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
         lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
     for failed in run.events_of("failed"):  # written by paft train's launcher
+        where = " (its traceback is in events.jsonl)" if failed.get("traceback") else ""  # none from a killed rank
         lines.append(f"note: the run failed at step {failed.get('step')}: rank {failed.get('rank')} "
-                     f"{failed.get('cause')} (its traceback is in events.jsonl)")
+                     f"{failed.get('cause')}{where}")
     if run.stale_summary is not None:
         went = "go on to" if last > run.stale_summary else "stop at"  # stop: resumed from an earlier checkpoint
         lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
