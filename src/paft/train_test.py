@@ -477,7 +477,7 @@ def test_the_plan_says_each_mode_as_configured() -> None:
         "  monitor: off (plain DDP)",
         "  protect: PeriodicModelAverager every step; guard: off; inject: none",
         "  run dir: r (resumed)"]
-    big = TrainConfig(workload="llama", model={"n_embd": 256}, device="cpu", monitor=MonitorConfig(interval=3,
+    big = TrainConfig(workload="llama", model={"n_embd": 256}, device="cpu", monitor=MonitorConfig(interval=2,
                       cosine="exact", fingerprint_every=0), protect=ProtectConfig(mode="sync", sync_period=7,
                       sync_mode="mean", overlap=False), guard=GuardConfig(enabled=True),
                       inject=["nan:steps=3", "zero:steps=5"])
@@ -486,7 +486,7 @@ def test_the_plan_says_each_mode_as_configured() -> None:
     assert format_plan(big).splitlines()[:3] == [
         f"paft train: llama ({n / 1e6:.1f} M parameters), 4 workers (cpu, gloo), 200 steps of global batch 64, "
         "adamw lr 0.003, seed 0",
-        "  monitor: metrics every 3 steps (cosine exact), aggregated-gradient checksum every step, "
+        "  monitor: metrics every 2 steps (cosine exact), aggregated-gradient checksum every step, "
         "no state fingerprint",
         "  protect: PAFT-Sync every 7 steps (mean, blocking); guard: on; inject: nan:steps=3 zero:steps=5"]
     assert "  protect: none; " in format_plan(TrainConfig())

@@ -178,3 +178,6 @@ def test_a_worker_that_left_no_error_file_is_told_by_its_exit() -> None:
     exited = workers.WorkerFailed.from_launcher(_failure(missing, 2, None))
     assert (str(exited), exited.traceback) == ("rank 3 exited with code 2 and left no traceback", None)
     assert exited.describe("paft bench") == "paft bench: rank 3 exited with code 2 and left no traceback"
+    # A traceback is followed by one line break, whatever it ends with.
+    for trace in ("Traceback\nValueError: x", "Traceback\nValueError: x\n\n"):
+        assert workers.WorkerFailed(0, "failed", trace).describe("p") == "Traceback\nValueError: x\np: rank 0 failed"
