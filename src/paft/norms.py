@@ -102,9 +102,9 @@ def total_norm(tensors: Sequence[Tensor]) -> Tensor:
 def judged_norm(norm: Tensor, tensors: Sequence[Tensor]) -> float:
     """``norm`` (:func:`total_norm`'s, which clipping keeps, as torch's does) as a float,
     or where it is inf past its dtype's range on finite entries (float16 gradients of
-    norm above 65504) the float64 norm: what the guard, the loss scaler's agreed skips
-    and the metrics judge, so finite values never read as non-finite. (Float64 values
-    of norm above ~1.3e154 still do: their squares pass float64's range.)"""
+    norm above 65504; float64 ones above ~1.3e154, whose squares pass float64's range)
+    the scaled float64 norm: what the guard, the loss scaler's agreed skips and the
+    metrics judge, so finite values never read as non-finite."""
     value = float(norm)
     if math.isinf(value):
         value = float(_scaled_norm(tensors))
