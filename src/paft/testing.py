@@ -23,6 +23,7 @@ function and the launch must sit under the ``__main__`` guard)::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -70,6 +71,14 @@ def _entry(
         results.put((rank, True, buf.getvalue()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+    else:
+        # Every rank done before any closes its connections, as paft train's workers
+        # take their group down (launch._take_group_down): a rank that finished first and
+        # tore down its group while a peer still worked aborted that peer in gloo
+        # ('terminate called after throwing an instance of std::system_error', once in a
+        # clean-clone run). A peer that failed breaks the barrier: its error is the report.
+        with contextlib.suppress(RuntimeError):
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
