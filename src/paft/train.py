@@ -257,7 +257,9 @@ class Trainer:
             return
         rate = self.step_rate()
         eta = (self.cfg.steps - self.step) / rate if rate > 0 else math.inf
-        c = self.protector.counters
+        c = dict(self.protector.counters)
+        if self.cfg.inject:  # each rank counts the faults it injected; the line gives the run's
+            c["faults_injected"] = self._faults_over_ranks()
         extra = "".join(
             f" | {k} {c[k]}" for k in ("faults_injected", "syncs", "recomputes") if c[k]
         )
@@ -266,6 +268,12 @@ class Trainer:
             f"{rate:.2f} steps/s | ETA {_hms(eta)}{extra}"
         )
         self.recorder.scalars(self.step, {"train/loss": report.loss, "train/grad_norm": report.grad_norm})
+
+    def _faults_over_ranks(self) -> int:
+        """Faults injected on every rank so far (a collective: call it on every rank)."""
+        total = torch.tensor([self.protector.counters["faults_injected"]], dtype=torch.int64)
+        dist.all_reduce(total)
+        return int(total)
 
     def step_rate(self) -> float:
         """Steps per second of training steps (step time only: no evaluation, no checkpoints)."""

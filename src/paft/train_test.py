@@ -308,6 +308,26 @@ def test_identical_runs_write_identical_faults_jsonl(tmp_path: pathlib.Path, cas
     assert keys == sorted(keys) and {(s, r) for s, _, r in keys} >= {(s, r) for s in range(4) for r in range(3)}
 
 
+def train_and_return_console(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> list[str]:
+    cfg = TrainConfig.from_dict(cfg_dict)
+    trainer = Trainer(cfg, pathlib.Path(cfg.run_dir))
+    lines: list[str] = []
+    trainer.recorder.say = lines.append  # type: ignore[method-assign]
+    trainer.train()
+    return lines
+
+
+def test_the_progress_line_counts_the_faults_of_every_rank(tmp_path: pathlib.Path) -> None:
+    # Faults on rank 1 alone: the line (rank 0's) said rank 0's own count, 0 or 1 of the
+    # summary's 5, so a run that had injected faults looked as if it had not.
+    cfg = tiny_config(tmp_path / "r", steps=8, log_every=4, inject=["bitflip:steps=1-5,ranks=1,bits=0"])
+    prepare_run_dir(cfg)
+    progress = [line for line in run_workers(train_and_return_console, 2, cfg.to_dict())[0]
+                if line.startswith("step ")]
+    assert [line.split(" | ")[-1] for line in progress] == ["faults_injected 3", "faults_injected 5"]
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["faults_injected"] == 5
+
+
 def _close(a: Any, b: Any) -> bool:
     """``a == b``, floats (nested in lists and dicts too) within 1e-6 relative."""
     if isinstance(a, float) and isinstance(b, float):
