@@ -701,6 +701,29 @@ def test_a_run_without_its_summary_reports_the_summarys_speed(fault_run: pathlib
     assert f"\n{line.removesuffix(')')}; rank 0's step times)\n" in summary_text(load_run(run))
 
 
+def test_the_summary_says_what_the_faults_made_of_the_values_they_hit(
+        clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # A run whose five exponent flips the guard let pass (#6's command, seed 0): the
+    # summary shows they left small values, where a harmful flip leaves inf or 1e+38.
+    run = copy_run(clean_run, tmp_path / "faults")
+
+    def flip(step: int, bits: list[int], before: list[Any], after: list[Any]) -> dict[str, Any]:
+        return {"step": step, "rank": 1, "site": "local-grad", "kind": "bitflip", "bits": bits,
+                "before": before, "after": after}
+
+    faults = [flip(1, [27], [7.0e-05], [1.1e-09]), flip(4, [30, 26], [-0.002, 0.5], ["-inf", -3.0]),
+              flip(6, [30], ["nan"], ["nan"]), flip(9, [26], [0.0002], [0.05])]
+    (run / "faults.jsonl").write_text("".join(json.dumps(f) + "\n" for f in faults))
+    text = summary_text(load_run(run))
+    assert "  by bit: 26 (2), 27 (1), 30 (2)\n" in text
+    # A NaN that stayed NaN was not made by the fault; the largest is by magnitude.
+    assert ("  values hit: 5 recorded, 1 made NaN/Inf; largest finite value after: -3 (was 0.5; step 4, rank 1)\n"
+            in text)
+    (run / "faults.jsonl").write_text(json.dumps({"step": 2, "rank": 0, "site": "params", "kind": "zero"}) + "\n")
+    text = summary_text(load_run(run))  # a record without values or bits: no such lines
+    assert "by bit" not in text and "values hit" not in text
+
+
 def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     run = copy_run(clean_run, tmp_path / "interrupted")
     (run / "summary.json").unlink()

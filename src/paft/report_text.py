@@ -270,9 +270,34 @@ def _faults(run: RunData) -> list[str]:
         lines.append(f"  by site: {_counts(run.faults, 'site')}")
         lines.append(f"  by kind: {_counts(run.faults, 'kind')}")
         lines.append(f"  by rank: {_counts(run.faults, 'rank', 'rank ')}")
+        bits = [b for f in run.faults for b in (f.get("bits") or []) if isinstance(b, int)]
+        if bits:
+            lines.append(f"  by bit: {_counts([{'bit': b} for b in bits], 'bit')}")
         f0 = min(run.faults, key=lambda f: f.get("step", 0))
         lines.append(f"  first: step {f0.get('step')}, rank {f0.get('rank')}, {f0.get('site')}/{f0.get('kind')}")
+        lines.extend(_values_hit(run.faults))
     return lines
+
+
+def _values_hit(faults: list[dict[str, Any]]) -> list[str]:
+    """What the faults made of the values they hit (``before`` / ``after``, the first
+    RECORD_VALUES of each): how many turned NaN/Inf and the largest finite value one
+    left, so that faults a guard let pass can be seen to have stayed small."""
+    hits = [(f, b, a) for f in faults for b, a in zip(f.get("before") or [], f.get("after") or [])
+            if _is_number(b) and _is_number(a)]
+    if not hits:
+        return []
+    nonfinite = sum(1 for _, b, a in hits if math.isfinite(b) and not math.isfinite(a))
+    line = f"  values hit: {len(hits)} recorded, {nonfinite} made NaN/Inf"
+    finite = [(f, b, a) for f, b, a in hits if math.isfinite(a)]
+    if finite:
+        f, b, a = max(finite, key=lambda hit: abs(hit[2]))
+        line += f"; largest finite value after: {a:.4g} (was {b:.4g}; step {f.get('step')}, rank {f.get('rank')})"
+    return [line]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _first_split_line(run: RunData) -> str:
