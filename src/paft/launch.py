@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pathlib
 import shlex
@@ -33,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from paft.config import TrainConfig
 from paft.protect import PersistentFaultError
-from paft.records import RunRecorder, atomic_write_bytes, console, read_jsonl, sort_faults
+from paft.records import atomic_write_bytes, console, jsonable, read_jsonl, sort_faults
 from paft.rundir import (
     LOCK_FILE,
     RunDirError,
@@ -408,23 +409,28 @@ def _run_workers(cfg: TrainConfig) -> int:
     return 0
 
 
-def record_failure(run_dir: pathlib.Path, err: WorkerFailed) -> None:
+def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft train") -> None:
     """Put the failure in the run's ``events.jsonl`` (``"event": "failed"``: the step it
     interrupted, the rank, the cause, the traceback), so that the run directory, kept
     for ``paft report`` or ``--resume``, says why it stopped; the console's account is
-    gone once the terminal is. The workers are out: nothing else writes there now."""
+    gone once the terminal is. One write to the file opened for appending: under
+    torchrun a peer may append its own lines meanwhile."""
     try:
         steps = [r["step"] for r in read_jsonl(run_dir / "metrics" / "rank0.jsonl")]
     except (OSError, ValueError, KeyError, TypeError):
         steps = []
     step = max(steps) + 1 if steps and all(isinstance(s, int) for s in steps) else 0
+    record = {"step": step, "event": "failed", "rank": err.rank, "cause": err.cause, "traceback": err.traceback}
+    line = (json.dumps(jsonable(record), sort_keys=True) + "\n").encode()
     try:
-        recorder = RunRecorder(run_dir, 0, quiet=True)
-        recorder.event({"step": step, "event": "failed", "rank": err.rank, "cause": err.cause,
-                        "traceback": err.traceback})
-        recorder.close()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
     except OSError as oserr:  # the console still says it all
-        print(f"paft train: warning: cannot record the failure in {run_dir}/events.jsonl: "
+        print(f"{prog}: warning: cannot record the failure in {run_dir}/events.jsonl: "
               f"{oserr.strerror or oserr}", file=sys.stderr)
 
 
@@ -668,7 +674,14 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         dist.barrier()
         if rank0 and not cfg.quiet:
             console(format_plan(cfg, prog))
-        result = _train_in_group(cfg, cfg.run_dir)
+        try:
+            result = _train_in_group(cfg, cfg.run_dir)
+        except Exception as err:
+            # No launcher of paft's outlives torchrun's ranks to record why the run
+            # stopped, as paft train's does: each rank that raises records its own (a rank
+            # that lost a peer says so), the first failure first.
+            record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(dist.get_rank(), err), prog)
+            raise
         code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
         outcome["code"] = code
     if code == EXIT_PERSISTENT_FAULT:

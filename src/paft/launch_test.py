@@ -315,6 +315,13 @@ def test_under_torchrun_the_last_rank_out_puts_the_faults_in_order(tmp_path: pat
     seen = run_workers(_failing_in_turn, 2, str(tmp_path / "r"), timeout=120)
     assert seen[1] == [(1, 0), (0, 0)]
     assert _steps_and_ranks(tmp_path / "r") == [(0, 0), (0, 1), (1, 0)]
+    # Each rank that raised recorded its failure, as paft train's launcher records the
+    # first: under torchrun nothing did, and paft report could not say why the run stopped.
+    failed = read_jsonl(tmp_path / "r" / "events.jsonl")
+    assert [(e["event"], e["step"], e["rank"], e["cause"]) for e in failed] == [
+        ("failed", 1, rank, "failed: RuntimeError: a failing rank") for rank in (0, 1)]
+    assert all(e["traceback"].endswith("RuntimeError: a failing rank\n") and "in train" in e["traceback"]
+               for e in failed)
 
 
 def _claiming_while_a_peer_lingers(rank: int, world_size: int, run_dir: str) -> str:

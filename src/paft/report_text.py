@@ -150,7 +150,7 @@ def _notes(run: RunData) -> list[str]:
         reason = stop.get("reason") or f"a persistent fault on {ranks_phrase(stop.get('ranks') or [])}"
         reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
         lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
-    for failed in run.events_of("failed"):  # written by paft train's launcher
+    for failed in run.events_of("failed"):  # paft train's launcher's; under torchrun each failed rank's
         where = " (its traceback is in events.jsonl)" if failed.get("traceback") else ""  # none from a killed rank
         lines.append(f"note: the run failed at step {failed.get('step')}: rank {failed.get('rank')} "
                      f"{failed.get('cause')}{where}")

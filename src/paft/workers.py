@@ -35,6 +35,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import tempfile
+import traceback
 import uuid
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -63,13 +64,17 @@ class WorkerFailed(RuntimeError):
         rank, failure = err.get_first_failure()
         data = failure.error_file_data.get("message")
         if isinstance(data, dict):  # what the worker recorded (see _run_entry)
-            cause = f"failed: {data['message']}"
-            if any(sign in cause for sign in _PEER_LOST):
-                cause += f" ({_PEER_LOST_HINT})"
-            return cls(rank, cause, data["extraInfo"]["py_callstack"])
+            return cls(rank, _failed(data["message"]), data["extraInfo"]["py_callstack"])
         if failure.exitcode < 0:
             return cls(rank, f"was killed by {failure.signal_name()}", None)
         return cls(rank, f"exited with code {failure.exitcode} and left no traceback", None)
+
+    @classmethod
+    def from_exception(cls, rank: int, err: Exception) -> WorkerFailed:
+        """A rank's own exception, told as :meth:`from_launcher` tells it (where no
+        launcher of paft's outlives the ranks: torchrun); call it where ``err`` is handled,
+        for its traceback."""
+        return cls(rank, _failed(f"{type(err).__name__}: {err}"), traceback.format_exc())
 
     def describe(self, prog: str) -> str:
         """For the console: the worker's traceback, then ``prog: rank N <cause>``."""
@@ -82,6 +87,12 @@ class WorkerFailed(RuntimeError):
 # rank it finds dead: often a rank that was waiting on the killed one.
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
 _PEER_LOST_HINT = "its connection to a peer broke: another rank may have died first, killed without a traceback"
+
+
+def _failed(message: str) -> str:
+    """A failed worker's cause from its exception's ``Type: message``."""
+    hint = f" ({_PEER_LOST_HINT})" if any(sign in message for sign in _PEER_LOST) else ""
+    return f"failed: {message}{hint}"
 
 
 # The launcher's words on a failure or a stop, by logger and message template: paft says

@@ -170,6 +170,14 @@ def test_a_broken_connection_says_another_rank_may_have_died_first(tmp_path: pat
     assert err.traceback == f"Traceback (most recent call last):\nRuntimeError: [gloo] read: {lost}\n"
     plain = workers.WorkerFailed.from_launcher(_failure(tmp_path, 1, "ValueError: connection"))
     assert (plain.cause, str(plain)) == ("failed: ValueError: connection", "rank 3 failed: ValueError: connection")
+    # A rank's own exception (torchrun's ranks record theirs) is told the same way.
+    try:
+        raise RuntimeError(f"[gloo] read: {lost}")
+    except RuntimeError as raised:
+        own = workers.WorkerFailed.from_exception(3, raised)
+    assert own.cause == err.cause and own.traceback is not None
+    assert own.traceback.startswith("Traceback (most recent call last):\n")
+    assert own.traceback.endswith(f"RuntimeError: [gloo] read: {lost}\n")
 
 
 def test_a_worker_that_left_no_error_file_is_told_by_its_exit() -> None:
