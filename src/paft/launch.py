@@ -422,8 +422,7 @@ def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft t
     step = max(steps) + 1 if steps and all(isinstance(s, int) for s in steps) else 0
     record = {"step": step, "event": "failed", "rank": err.rank, "cause": err.cause, "traceback": err.traceback}
     line = (json.dumps(jsonable(record), sort_keys=True) + "\n").encode()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # into the directory as it is: a torchrun peer late out must not make a removed run's again
         fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)

@@ -641,13 +641,19 @@ def test_a_failure_is_recorded_at_the_step_it_interrupted_whatever_the_metrics_h
     # No step recorded, or records the failure cannot read: it is still recorded.
     damaged = tmp_path / "damaged" / "metrics"
     damaged.mkdir(parents=True)
+    (tmp_path / "fresh").mkdir()
     (damaged / "rank0.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
     for run in (tmp_path / "fresh", damaged.parent):
         launcher.record_failure(run, err)
         events = read_jsonl(run / "events.jsonl")
         assert [(e["event"], e["rank"], e["cause"]) for e in events] == [("failed", 1, err.cause)]
     assert read_jsonl(tmp_path / "fresh" / "events.jsonl")[0]["step"] == 0  # none trained: it failed at the first
-    # A run directory it cannot write to: the console still has it all.
+    # A run directory it cannot write to, or one gone (removed by rank 0's claim under
+    # torchrun, and not made again): the console still has it all.
     (tmp_path / "file").write_text("")
     launcher.record_failure(tmp_path / "file", err)
     assert capsys.readouterr().err.startswith(f"paft train: warning: cannot record the failure in {tmp_path}/file/")
+    launcher.record_failure(tmp_path / "gone", err, "python -m paft.train")
+    assert capsys.readouterr().err == (f"python -m paft.train: warning: cannot record the failure in {tmp_path}/gone/"
+                                       "events.jsonl: No such file or directory\n")
+    assert not (tmp_path / "gone").exists()
