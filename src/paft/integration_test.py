@@ -1,0 +1,297 @@
+"""Integration sweep of :func:`paft.protect` under the optimizer set-ups users train with.
+
+paft handles optimizer state generically (every tensor of ``optimizer.state`` is
+fingerprinted, synced and snapshotted, every entry of each param group restored on a
+rollback), so nothing in it names SGD or Adam. This module checks that claim end to
+end on real DDP (gloo, CPU), one set-up at a time: SGD with Nesterov momentum, weight
+decay or ``maximize``; Adam's ``amsgrad`` (its extra ``max_exp_avg_sq``), its
+for-loop, ``foreach`` and ``fused`` kernels; RMSprop, Adagrad, Adamax, NAdam, RAdam;
+param groups with their own learning rate and weight decay. For each:
+
+(b) a fault-free monitored run is plain DDP's bit for bit (parameters and optimizer
+    state);
+(c) an aggregation fault under PAFT-Dyn leaves the replicas bitwise identical;
+(d) the guard recomputes a transient local-gradient fault back to the fault-free run.
+
+Then the user's learning-rate scheduler across a guard's rollback and a skipped
+batch, and a checkpoint round trip of an AMSGrad run under PAFT-Dyn. The runs of a
+family of set-ups share one set of worker processes (a fresh DDP model each), which
+keeps the sweep to a few seconds per family.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.config import GuardConfig, MonitorConfig, ProtectConfig
+from paft.protect import Protector, protect
+from paft.protect_test import batch, toy_model
+from paft.testing import run_workers
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    """GPT-style groups: weight decay on the matrices only, the biases at their own rate."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for n, p in named if p.dim() <= 1], "weight_decay": 0.0, "lr": 3e-3}]
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd-nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, dampening=0,
+                                              weight_decay=1e-4),
+    "sgd-maximize": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, maximize=True),
+    "adam-amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, amsgrad=True),
+    "adam-for-loop": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, foreach=False),
+    "adam-foreach": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True),
+    "adamw-fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+    "rmsprop-centered": lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.9, centered=True),
+    "adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=0.05),
+    "adamax": lambda m: torch.optim.Adamax(m.parameters(), lr=1e-2),
+    "nadam": lambda m: torch.optim.NAdam(m.parameters(), lr=1e-2),
+    "radam": lambda m: torch.optim.RAdam(m.parameters(), lr=1e-2),
+    "adamw-groups": lambda m: torch.optim.AdamW(_groups(m), lr=1e-2),
+}
+
+# What each set-up keeps per parameter: the sweep compares all of it.
+STATE_KEYS = {
+    "sgd-nesterov": {"momentum_buffer"}, "sgd-maximize": {"momentum_buffer"},
+    "adam-amsgrad": {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"},
+    **dict.fromkeys(["adam-for-loop", "adam-foreach", "adamw-fused", "radam", "adamw-groups"],
+                    {"exp_avg", "exp_avg_sq", "step"}),
+    "rmsprop-centered": {"grad_avg", "momentum_buffer", "square_avg", "step"},
+    "adagrad": {"step", "sum"}, "adamax": {"exp_avg", "exp_inf", "step"},
+    "nadam": {"exp_avg", "exp_avg_sq", "mu_product", "step"},
+}
+STEPS = 8
+GUARD = {"enabled": True, "warmup": 2}
+
+
+def _closure(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             sign: float) -> Callable[[], torch.Tensor]:
+    """``sign`` -1: the loss is a reward to maximize (``SGD(maximize=True)``)."""
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = sign * nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    return closure
+
+
+def _state(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and every tensor of the optimizer state, named, copied; read from
+    torch's own ``state_dict()``s, not through paft's listing of the state, so a
+    tensor that listing missed would show here."""
+    out = [(f"param/{n}", p.detach().clone()) for n, p in model.module.named_parameters()]
+    for index, entry in sorted(optimizer.state_dict()["state"].items()):
+        for key, value in sorted(entry.items()):
+            # Every entry of these set-ups' state is a tensor, so each is compared.
+            assert isinstance(value, torch.Tensor), (key, value)
+            out.append((f"optim/{index}/{key}", value.clone()))
+    return out
+
+
+def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _run(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """``STEPS`` steps of the toy model under optimizer set-up ``name``: plain DDP
+    (``plain``) or protected (``monitor`` / ``protect`` / ``guard`` / ``inject``)."""
+    model = DistributedDataParallel(toy_model())
+    optimizer = OPTIMIZERS[name](model)
+    sign = -1.0 if name == "sgd-maximize" else 1.0
+    protector = None if opts.get("plain") else protect(
+        model, optimizer, monitor=MonitorConfig(), protect=ProtectConfig(**opts.get("protect", {})),
+        guard=GuardConfig(**opts.get("guard", {})), inject=opts.get("inject", []), seed=3)
+    reports = []
+    for step in range(STEPS):
+        closure = _closure(model, optimizer, *batch(rank, step), sign)
+        if protector is None:
+            closure()
+            optimizer.step()
+        else:
+            r = protector.step(closure)
+            reports.append((r.applied, r.attempts, r.synced))
+    if protector is not None:
+        protector.close()
+    return {"state": _state(model, optimizer), "hyper": _hyper(optimizer), "reports": reports,
+            "counters": dict(protector.counters) if protector is not None else {}}
+
+
+def _w_setup(rank: int, world_size: int, name: str) -> dict[str, dict[str, Any]]:
+    """Set-up ``name``: plain DDP, monitored, PAFT-Dyn under an aggregation fault, and
+    guarded without and with a transient local-gradient fault."""
+    guarded = {"guard": GUARD}
+    return {
+        "plain": _run(rank, name, {"plain": True}),
+        "monitored": _run(rank, name, {}),
+        "dyn": _run(rank, name, {"protect": {"mode": "dyn"}, "inject": ["bitflip:steps=3,bits=30,ranks=1"]}),
+        "guarded": _run(rank, name, guarded),
+        "guarded fault": _run(rank, name, {**guarded,
+                                           "inject": ["bitflip:site=local-grad,steps=4,bits=30,ranks=1"]}),
+    }
+
+
+def _w_setups(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """:func:`_w_setup` of each set-up in ``names``, in one set of workers."""
+    return {name: _w_setup(rank, world_size, name) for name in names}
+
+
+def _equal(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> bool:
+    """The same tensors under the same names, bit for bit (NaN included)."""
+    return [n for n, _ in a] == [n for n, _ in b] and all(
+        x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8) if x.is_floating_point() else x,
+                                           y.view(-1).view(torch.uint8) if y.is_floating_point() else y)
+        for (_, x), (_, y) in zip(a, b))
+
+
+SETUPS = {"sgd": ["sgd-nesterov", "sgd-maximize"],
+          "adam": ["adam-amsgrad", "adam-for-loop", "adam-foreach", "adamw-fused"],
+          "others": ["rmsprop-centered", "adagrad", "adamax", "nadam", "radam"],
+          "param groups": ["adamw-groups"]}
+
+
+@pytest.mark.parametrize("family", list(SETUPS))
+def test_optimizer_setups_are_plain_ddp_and_protected(family: str) -> None:
+    runs = run_workers(_w_setups, 3, SETUPS[family])
+    for name in SETUPS[family]:
+        _check_setup(name, [r[name] for r in runs])
+
+
+def _check_setup(name: str, out: list[dict[str, dict[str, Any]]]) -> None:
+    for o in out:
+        plain = o["plain"]["state"]
+        # (b) fault-free and monitored: plain DDP's parameters and optimizer state, bit for bit.
+        assert _equal(o["monitored"]["state"], plain)
+        assert o["monitored"]["hyper"] == o["plain"]["hyper"]
+        # (d) the guard recomputes the flipped local gradient: the fault-free run's state.
+        assert _equal(o["guarded"]["state"], plain)
+        assert _equal(o["guarded fault"]["state"], plain)
+        assert o["guarded fault"]["reports"][4][:2] == (True, 2)
+        assert o["guarded fault"]["counters"]["transient"] == 1
+        # (c) the flipped aggregate split rank 1 at step 3; PAFT-Dyn repaired it at once.
+        assert o["dyn"]["reports"][3][2] is True
+        assert all(torch.isfinite(t).all() for n, t in o["dyn"]["state"] if t.is_floating_point())
+    for o in out[1:]:
+        assert _equal(o["dyn"]["state"], out[0]["dyn"]["state"])
+        assert _equal(o["plain"]["state"], out[0]["plain"]["state"])
+    keys = {n.split("/")[2] for n, _ in out[0]["plain"]["state"] if n.startswith("optim/")}
+    assert keys == STATE_KEYS[name]
+
+
+# -- the user's learning-rate scheduler --------------------------------------------------
+
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "warmup": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(1.0, (t + 1) / 4)),
+    # Cycles Adam's betas too (cycle_momentum), which live in the param groups beside the lr.
+    "one-cycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=STEPS + 2),
+}
+# The event that keeps one step's update out, and that step. ``rollback``: the flip's
+# recompute arms the pre-step snapshot, and the tiny update-ratio cap rejects the
+# clean update after optimizer.step(): rolled back, reproduced, skipped as data.
+EVENTS: dict[str, tuple[dict[str, Any], int]] = {
+    "rollback": ({"guard": {**GUARD, "update_ratio": 1e-6},
+                  "inject": ["bitflip:site=local-grad,steps=5,bits=30,ranks=1"]}, 5),
+    "nan-batch": ({"guard": GUARD, "nan_at": 6}, 6),
+}
+
+
+def _scheduled(rank: int, schedule: str, opts: dict[str, Any], skip: int | None = None) -> dict[str, Any]:
+    """Adam under ``schedule``, stepped by the user after every step; plain DDP that
+    leaves out step ``skip``'s update where ``opts`` has no guard."""
+    model = DistributedDataParallel(toy_model())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = SCHEDULERS[schedule](optimizer)
+    protector = protect(model, optimizer, guard=GuardConfig(**opts["guard"]), inject=opts.get("inject", []),
+                        seed=3) if "guard" in opts else None
+    hyper, applied = [], []
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        if opts.get("nan_at") == step and rank == 1:
+            x[0, 0] = float("nan")
+        closure = _closure(model, optimizer, x, y, 1.0)
+        if protector is None:
+            closure()
+            if step != skip:
+                optimizer.step()
+        else:
+            applied.append(protector.step(closure).applied)
+        scheduler.step()  # after every batch, applied or not, as docs/LIBRARY.md says
+        hyper.append(_hyper(optimizer))
+    return {"state": _state(model, optimizer), "hyper": hyper, "applied": applied,
+            "rollbacks": protector.counters["rollbacks"] if protector is not None else 0}
+
+
+def _w_scheduled(rank: int, world_size: int, schedule: str, event: str) -> dict[str, Any]:
+    opts, skipped = EVENTS[event]
+    return {"protected": _scheduled(rank, schedule, opts), "plain": _scheduled(rank, schedule, {}, skipped)}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULERS))
+@pytest.mark.parametrize("event", list(EVENTS))
+def test_a_users_scheduler_stays_in_step_across_skipped_and_rolled_back_updates(schedule: str,
+                                                                              event: str) -> None:
+    # The scheduler steps after every protector.step(); a step whose update the guard
+    # kept out (applied=False on every rank) is plain DDP leaving out that update: the
+    # same parameters, optimizer state and param groups (lr, betas) on every rank.
+    out = run_workers(_w_scheduled, 2, schedule, event)
+    skipped = EVENTS[event][1]
+    for o in out:
+        assert o["protected"]["applied"] == [step != skipped for step in range(STEPS)]
+        assert _equal(o["protected"]["state"], o["plain"]["state"])
+        assert o["protected"]["hyper"] == o["plain"]["hyper"]
+        assert o["protected"]["rollbacks"] == (2 if event == "rollback" else 0)
+    assert out[0]["protected"]["hyper"] == out[1]["protected"]["hyper"]
+    assert _equal(out[0]["protected"]["state"], out[1]["protected"]["state"])
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+
+def _w_resumed(rank: int, world_size: int) -> dict[str, Any]:
+    """AMSGrad under PAFT-Dyn with aggregation faults before and after a checkpoint at
+    step 4: the uninterrupted run, and the run resumed from the checkpoint as
+    docs/LIBRARY.md says (close(), save the three state dicts, load, prime())."""
+    inject = ["bitflip:steps=2,bits=30,ranks=1", "bitflip:steps=6,bits=30,ranks=2"]
+
+    def run(steps: range, saved: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+        model = DistributedDataParallel(toy_model())
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True)
+        protector: Protector = protect(model, optimizer, protect=ProtectConfig(mode="dyn"), inject=inject, seed=3)
+        synced = []
+        for step in steps:
+            closure = _closure(model, optimizer, *batch(rank, step), 1.0)
+            if saved is not None and step == steps[0]:
+                model.module.load_state_dict(saved[0])
+                optimizer.load_state_dict(saved[1])
+                protector.load_state_dict(saved[2])
+                protector.prime(closure)
+            synced.append(protector.step(closure).synced)
+        protector.close()
+        saved = copy.deepcopy((model.module.state_dict(), optimizer.state_dict(), protector.state_dict()))
+        return saved, _state(model, optimizer), synced, dict(protector.counters)
+
+    full = run(range(8))
+    first = run(range(4))
+    resumed = run(range(4, 8), first[0])
+    return {"full": full[1:], "resumed": resumed[1:], "first": first[1:],
+            "protector": (full[0][2]["step"], resumed[0][2]["step"])}
+
+
+def test_an_amsgrad_dyn_run_resumed_from_a_checkpoint_is_the_uninterrupted_run() -> None:
+    # Three ranks: the bucket order decides the all-reduce's sums, which prime() sets.
+    out = run_workers(_w_resumed, 3)
+    for o in out:
+        assert _equal(o["resumed"][0], o["full"][0])
+        assert any(n.endswith("/max_exp_avg_sq") for n, _ in o["full"][0])
+        assert o["first"][1] + o["resumed"][1] == o["full"][1]
+        assert o["full"][1][2] and o["full"][1][6]  # both faults split a replica, repaired at once
+        assert o["protector"] == (8, 8) and o["resumed"][2] == o["full"][2]  # the counters carried over
+    assert all(_equal(o["full"][0], out[0]["full"][0]) for o in out)
