@@ -234,3 +234,19 @@ def test_many_small_buckets_give_the_metrics_of_one() -> None:
         assert m["consistency/grad_cos_min"] == pytest.approx(min(pairs), abs=4 / 256**0.5)
         assert m["consistency/cos_to_mean"] == pytest.approx(list(to_mean), abs=4 / 256**0.5)
 
+
+def add_a_foreign_group(rank: int, world_size: int) -> str:
+    model, optimizer = _build("unfreeze", {})
+    protector = protect(model, optimizer)
+    protector.step(_closure("unfreeze", model, optimizer, rank, 0))
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    with pytest.raises(ValueError, match="add_param_group") as err:
+        protector.step(_closure("unfreeze", model, optimizer, rank, 1))
+    return str(err.value)
+
+
+def test_a_group_added_after_protect_must_hold_the_models_parameters() -> None:
+    # The unfreeze setup above adds the model's own: its state is fingerprinted and
+    # synced from then on. A parameter of no model is neither: refused at the next step.
+    (message, _) = run_workers(add_a_foreign_group, 2)
+    assert "1 parameter(s) that are not the model's" in message

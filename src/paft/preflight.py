@@ -30,7 +30,7 @@ from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
 
-__all__ = ["mark_protected", "preflight", "wants_comm_hook"]
+__all__ = ["check_added_groups", "mark_protected", "preflight", "wants_comm_hook"]
 
 
 def preflight(
@@ -142,8 +142,7 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
         raise TypeError("protect(): inject= must be a list of fault specs, e.g. ['bitflip:steps=5,ranks=1']")
     if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or not 0 <= grad_clip < math.inf:
         raise ValueError(f"protect(): grad_clip must be a finite number >= 0 (0: no clipping), got {grad_clip!r}")
-    own = {id(p) for p in model.parameters()}
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    foreign = _foreign_params(model, optimizer.param_groups)
     if foreign:
         raise ValueError(f"protect(): the optimizer holds {foreign} parameter(s) that are not the model's; "
                          "build it from ddp_model.parameters() (or a subset of them)")
@@ -154,6 +153,26 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
             0 <= protect.broadcast_src < world_size):
         raise ValueError(f"protect(): ProtectConfig.broadcast_src must be a rank in [0, {world_size}), "
                          f"got {protect.broadcast_src}")
+
+
+def _foreign_params(model: DistributedDataParallel, groups: Sequence[dict[str, Any]]) -> int:
+    """How many of ``groups``' parameters are not ``model``'s: paft fingerprints and syncs
+    the model's parameters, so an optimizer stepping others would let them part unseen."""
+    own = {id(p) for p in model.parameters()}
+    return sum(1 for g in groups for p in g["params"] if id(p) not in own)
+
+
+def check_added_groups(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, known: int) -> None:
+    """The param groups added by ``optimizer.add_param_group()`` since the first ``known``
+    (progressive unfreezing) must hold the model's parameters only, as the optimizer's
+    first groups must: checked by :meth:`paft.protect.Protector.step` when the number of
+    groups grows. Their optimizer state joins the fingerprints and syncs by itself
+    (:func:`paft.state.state_tensors` lists every group's)."""
+    foreign = _foreign_params(model, optimizer.param_groups[known:])
+    if foreign:
+        raise ValueError(f"optimizer.add_param_group() after protect(): the new group(s) hold {foreign} "
+                         "parameter(s) that are not the model's, which paft can neither fingerprint nor sync; "
+                         "add only parameters of ddp_model.parameters()")
 
 
 def _check_sparse(model: DistributedDataParallel) -> None:

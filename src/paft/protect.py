@@ -56,7 +56,7 @@ from paft.faultspec import FaultSpec
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.monitor import Monitor
 from paft.norms import judged_norm, total_norm
-from paft.preflight import mark_protected, preflight, wants_comm_hook
+from paft.preflight import check_added_groups, mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot
@@ -253,6 +253,9 @@ class Protector:
         # parameters and buffers are fixed once DDP wraps the model (DDP itself keeps
         # the buffer list it broadcasts from construction on), so collect them once.
         self._params = list(model.parameters())
+        # Param groups the optimizer had when last checked: one added since (progressive
+        # unfreezing) is checked at the next step (check_added_groups).
+        self._groups_known = len(optimizer.param_groups)
         self._buffers = list(model.module.buffers())
         self.monitor_cfg = monitor
         self.protect_cfg = protect
@@ -305,6 +308,9 @@ class Protector:
         The closure builds the step's whole gradient from zero (gradient accumulation
         inside it): the guard recomputes a step by calling it again."""
         t = self.step_idx
+        if len(self.optimizer.param_groups) != self._groups_known:
+            check_added_groups(self.model, self.optimizer, self._groups_known)
+            self._groups_known = len(self.optimizer.param_groups)
         rest_faults = self._inject_at_rest(t)
         if not self.monitor_cfg.enabled:
             return self._unmonitored_step(t, closure)
