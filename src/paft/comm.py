@@ -267,6 +267,16 @@ class CommHookState:
         dim = self.sketcher.dim if self.direction_enabled and self.sketcher is not None else 0
         self.current = BucketCapture(sketch_dim=dim)
 
+    def retire(self) -> None:
+        """Its protector is gone; DDP keeps the hook for good (it has no way to take one
+        back): from now on the hook is the plain mean all-reduce, or the user's own hook,
+        with nothing injected or captured. Without this, every later backward pass
+        injected the faults of the protector's last step again, and captured for no one."""
+        self.injector = None
+        self.local_enabled = self.direction_enabled = self.checksum_enabled = self.inject_enabled = False
+        self.priming = False
+        self.current = BucketCapture()
+
     # -- the chain: paft_comm_hook's steps, one bucket at a time ----------------------
 
     def inject(self, site: str, index: int, tensor: torch.Tensor) -> None:

@@ -8,11 +8,16 @@ PAFT-Sync / PAFT-Dyn to bitwise identical replicas, the majority's bits; (d) a
 transient local-gradient fault recomputed by the guard to the fault-free run's bits.
 protect_test.py trains one contiguous float32 MLP; these are the setups it does not
 reach.
+
+Then a protector's lifetime: protect() again on a model whose protector lives, or was
+dropped (refused, as docs/LIBRARY.md says), the resume on a new DDP model that the
+refusal names, and plain DDP after a protector is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any
 
 import pytest
@@ -22,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, ProtectConfig
 from paft.protect import protect
-from paft.protect_test import batch, toy_model
+from paft.protect_test import batch, toy_closure, toy_model
 from paft.state import state_fingerprint
 from paft.testing import run_workers
 
@@ -139,3 +144,81 @@ def test_an_evaluation_forward_while_an_overlapped_sync_is_in_flight_changes_not
         assert equal(e, u) and e["with buffers"] == u["with buffers"]
     assert evaluated[0]["with buffers"] == evaluated[1]["with buffers"] == evaluated[2]["with buffers"]
 
+
+def _w_lifecycle(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Steps 0-3 protected (an aggregation fault on rank 1 at step 3, which Dyn repairs),
+    then, by ``then``: ``steps`` on with that protector; ``reprotect``: close(), drop it and
+    protect a new DDP model of the same module from its state_dict(), primed, as
+    protect()'s refusal says; ``plain``: drop it, unclosed, and step on without paft."""
+    model = DistributedDataParallel(toy_model())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    protect_cfg = ProtectConfig(**opts.get("protect", OVERLAPPED_DYN))
+    inject = [f"bitflip:steps={opts.get('fault_at', 3)},bits=30,ranks=1"]
+    protector = protect(model, optimizer, protect=protect_cfg, inject=inject, seed=3)
+    out: dict[str, Any] = {}
+    for step in range(8):
+        if step == 4 and opts["then"] != "steps":
+            out["in flight"] = protector.resync.in_flight
+            if opts["then"] == "reprotect":  # as a checkpoint does; a dropped one is left as it is
+                protector.close()
+            out["again, live"] = _protect_again(model, optimizer)
+            saved = protector.state_dict() if opts["then"] == "reprotect" else {}
+            del protector
+            gc.collect()
+            out["again, dropped"] = _protect_again(model, optimizer)
+            protector = None
+            if opts["then"] == "reprotect":
+                model = DistributedDataParallel(model.module)
+                protector = protect(model, optimizer, protect=protect_cfg, inject=inject, seed=3)
+                protector.load_state_dict(saved)
+                protector.prime(toy_closure(model, optimizer, rank, step))
+        closure = toy_closure(model, optimizer, rank, step)
+        if protector is None:
+            closure()
+            optimizer.step()
+        else:
+            protector.step(closure)
+    if protector is not None:
+        protector.close()
+    return {**out, "fingerprint": state_fingerprint(model, optimizer, buffers=False)}
+
+
+def _protect_again(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> str:
+    """What a second protect() of ``model`` raised ("" if nothing)."""
+    try:
+        protect(model, optimizer)
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+def _w_plain(rank: int, world_size: int) -> int:
+    model = DistributedDataParallel(toy_model())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(8):
+        toy_closure(model, optimizer, rank, step)()
+        optimizer.step()
+    return state_fingerprint(model, optimizer, buffers=False)
+
+
+def test_a_closed_protector_is_resumed_on_a_new_ddp_model_and_a_dropped_one_leaves_plain_ddp() -> None:
+    # 3 ranks: the repair at step 3 takes the majority's bits, so every run below is
+    # plain DDP's trajectory bit for bit
+    plain = run_workers(_w_plain, 3)
+    uninterrupted = run_workers(_w_lifecycle, 3, {"then": "steps"})
+    resumed = run_workers(_w_lifecycle, 3, {"then": "reprotect"})
+    dropped = run_workers(_w_lifecycle, 3, {"then": "plain"})
+    # dropped with PAFT-Sync's overlapped sync of step 3 in flight (the fault at step 2)
+    unlanded = run_workers(_w_lifecycle, 3, {"then": "plain", "fault_at": 2, "protect": {"mode": "sync",
+                                                                                          "sync_period": 1}})
+    assert [o["fingerprint"] for o in uninterrupted] == plain
+    assert [o["fingerprint"] for o in resumed] == plain
+    # the dropped protector's hook stays with DDP (it keeps it for good): it is the plain
+    # mean all-reduce now, and no longer strikes with the protector's fault of its last step
+    assert [o["fingerprint"] for o in dropped] == plain
+    assert [o["fingerprint"] for o in unlanded] == plain and all(o["in flight"] for o in unlanded)
+    for out in resumed + dropped:  # documented in docs/LIBRARY.md, "What is refused"
+        assert out["again, live"].startswith("protect(): this DDP model is already protected by a live Protector")
+        assert out["again, dropped"].startswith("protect(): this DDP model already has a comm hook (from "
+                                                "register_comm_hook, or an earlier protector's: DDP keeps it)")
+        assert out["again, dropped"].endswith("or wrap the module in a new DDP model")

@@ -29,6 +29,7 @@ Usage: :func:`protect`, whose docstring has a complete example.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -276,6 +277,10 @@ class Protector:
             inner_hook=comm_hook,
             inner_state=comm_state,
         )
+        # A dropped protector (or one whose construction fails below) leaves plain DDP
+        # behind: DDP keeps the hook for good. The finalizer holds the hook state, not
+        # self, so it keeps no protector alive.
+        weakref.finalize(self, self.hook.retire)
         self._hooked = wants_comm_hook(monitor, specs, comm_hook)
         if self._hooked:
             try:
