@@ -11,17 +11,21 @@ reach.
 
 Then a protector's lifetime: protect() again on a model whose protector lives, or was
 dropped (refused, as docs/LIBRARY.md says), the resume on a new DDP model that the
-refusal names, and plain DDP after a protector is dropped.
+refusal names, and plain DDP after a protector is dropped; and a closure that raises
+on one rank (a user's bug), as plain DDP: the others wait for the group's timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
+import time
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -222,3 +226,41 @@ def test_a_closed_protector_is_resumed_on_a_new_ddp_model_and_a_dropped_one_leav
         assert out["again, dropped"].startswith("protect(): this DDP model already has a comm hook (from "
                                                 "register_comm_hook, or an earlier protector's: DDP keeps it)")
         assert out["again, dropped"].endswith("or wrap the module in a new DDP model")
+
+
+def _w_raising_closure(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1's closure raises at step 2 (a user's bug), with PAFT-Sync's overlapped sync
+    of step 1 in flight; DDP's group times out after 5 s."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
+    dist.barrier()  # so that no collective before the bug waits for a rank still starting
+    model = DistributedDataParallel(toy_model(), process_group=group)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    protector = protect(model, optimizer, protect=ProtectConfig(mode="sync", sync_period=1),
+                        guard=GuardConfig(enabled=True))
+    for step in range(2):
+        protector.step(toy_closure(model, optimizer, rank, step))
+
+    def bug() -> torch.Tensor:
+        raise KeyError("the user's bug")
+
+    start = time.monotonic()
+    try:
+        protector.step(bug if rank == 1 else toy_closure(model, optimizer, rank, 2))
+        raised = ""
+    except Exception as err:  # whatever it is, it is the observation
+        raised = f"{type(err).__name__}: {err}"
+    out = {"raised": raised, "waited": time.monotonic() - start, "in flight": protector.resync.in_flight}
+    if rank == 1:  # the raising rank alone: the sync in flight was started by every rank
+        protector.close()
+        out["step after close"] = protector.state_dict()["step"]
+    return out
+
+
+def test_a_closure_that_raises_on_one_rank_raises_there_and_the_others_wait_for_the_groups_timeout() -> None:
+    # as with plain DDP: the others' all-reduce of that step never completes
+    out = run_workers(_w_raising_closure, 2)
+    assert out[1]["raised"] == "KeyError: \"the user's bug\"" and out[1]["waited"] < 1
+    assert out[0]["raised"].startswith("RuntimeError:") and "Timed out" in out[0]["raised"]
+    assert out[0]["waited"] >= 5
+    # the raising rank's protector is where it was before the step: the sync lands, the step is still 2
+    assert out[1]["in flight"] and out[1]["step after close"] == 2
