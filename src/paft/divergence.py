@@ -50,9 +50,11 @@ class DivergenceReport:
     """The same over every floating tensor measured: parameters, floating buffers and,
     when an optimizer was given, its floating state."""
     state_per_rank: list[float]
-    per_tensor: list[tuple[str, float, int]] | None = None
-    """With ``per_tensor=True``: ``(name, max over ranks, worst rank)`` for every
-    floating tensor, worst first."""
+    per_tensor: list[tuple[str, float, list[int]]] | None = None
+    """With ``per_tensor=True``: ``(name, max over ranks, the ranks at that max)`` for
+    every floating tensor, worst first. Ranks within a relative 1e-9 of the max tie (two
+    replicas are always equally far from their mean; every rank is when all are
+    non-finite): naming the first of them named rank 0 for a fault on rank 1."""
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(asdict(self))
@@ -216,8 +218,8 @@ def measure_divergence(
         breakdown = []
         for j, (name, _) in enumerate(entries):
             rels = [rel_distance(gathered[r][2 + j], msq[j]) for r in range(ws)]
-            worst = max(range(ws), key=lambda r: rels[r])
-            breakdown.append((name, rels[worst], worst))
+            far = max(rels)
+            breakdown.append((name, far, [r for r, rel in enumerate(rels) if rel >= far * (1 - 1e-9)]))
         breakdown.sort(key=lambda x: -x[1])
     per_rank = [rel_distance(gathered[r][0], param_msq) for r in range(ws)]
     state_per_rank = [rel_distance(gathered[r][1], sum(msq)) for r in range(ws)]

@@ -146,7 +146,7 @@ def test_distances_by_hand() -> None:
         assert plain.per_rank == [sqrt(1 / 34), sqrt(1 / 34), sqrt(4 / 34)] and plain.max == sqrt(4 / 34)
         assert plain.state_per_rank == [sqrt(2 / 38), sqrt(2 / 38), sqrt(8 / 38)]
         assert plain.state_max == sqrt(8 / 38) and plain.finite == [True] * 3
-        assert plain.per_tensor == [("buffer/mask", 1.0, 2), ("param/weight", sqrt(4 / 34), 2)]
+        assert plain.per_tensor == [("buffer/mask", 1.0, [2]), ("param/weight", sqrt(4 / 34), [2])]
         assert r["no_buffers"].state_per_rank == plain.per_rank
         assert r["one_per_bucket"] == plain
         optim = r["optim"]  # the state adds the momentum's 1, 1, 4 over 4
@@ -158,6 +158,28 @@ def test_distances_by_hand() -> None:
         nan_buffer = r["nan_buffer"]  # buffer mean (-inf, 1) of ranks 0 and 1, norm 1
         assert nan_buffer.per_rank == plain.per_rank and nan_buffer.finite == [True, True, False]
         assert nan_buffer.state_per_rank == [sqrt(1 / 35), sqrt(1 / 35), inf]
+
+
+def _w_two_ranks(rank: int, ws: int) -> list:
+    # float64 weights (0.1, 1) and (0.3, 1), mean (0.2, 1): 0.2 - 0.1 and 0.3 - 0.2 differ
+    # in their last bit. Then a NaN on every rank alike.
+    model = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.3 if rank else 0.1, 1.0]], dtype=torch.float64))
+    apart = measure_divergence(model, per_tensor=True)
+    with torch.no_grad():
+        model.weight[0, 1] = nan
+    return [apart, measure_divergence(model, per_tensor=True)]
+
+
+def test_every_rank_tied_farthest_is_named() -> None:
+    """Two replicas are equally far from their mean, and so is every replica when all
+    are NaN: per_tensor named rank 0 alone, and the state-split alert and paft report
+    said "on rank 0" for a fault on rank 1."""
+    for apart, every_nan in run_workers(_w_two_ranks, 2):
+        ((name, rel, ranks),) = apart.per_tensor
+        assert (name, ranks) == ("param/weight", [0, 1]) and rel == pytest.approx(0.1 / math.sqrt(1.04), rel=1e-12)
+        assert every_nan.per_tensor == [("param/weight", inf, [0, 1])]
 
 
 def _w_extremes(rank: int, ws: int) -> list:
@@ -190,7 +212,7 @@ def test_distances_of_float64_extremes() -> None:
     for r in run_workers(_w_extremes, 3):
         for report in r[:4]:
             assert report.per_rank == [sqrt(1 / 34), sqrt(1 / 34), sqrt(4 / 34)] and report.finite == [True] * 3
-            assert report.per_tensor == [("param/weight", sqrt(4 / 34), 2), ("buffer/mask", 0.0, 0)]
+            assert report.per_tensor == [("param/weight", sqrt(4 / 34), [2]), ("buffer/mask", 0.0, [0, 1, 2])]
         assert r[4].per_rank == [sqrt(1 / 34), sqrt(1 / 34), inf] and r[4].finite == [True, True, False]
 
 

@@ -41,12 +41,12 @@ def events(run_dir: Path) -> list[dict]:
 def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repair(tmp_path: Path) -> None:
     calls = []
 
-    moved = [(f"param/w{i}", 0.7 - 0.1 * i, 2) for i in range(7)]
+    moved = [(f"param/w{i}", 0.7 - 0.1 * i, [2]) for i in range(7)]
 
     def divergence() -> DivergenceReport:
         calls.append(1)
         return DivergenceReport(per_rank=[0.0, 0.0, 0.5], max=0.5, finite=[True] * 3, state_per_rank=[0.0, 0.0, 0.7],
-                                state_max=0.7, per_tensor=[*moved[:2], ("param/b", 0.0, 0), *moved[2:]])
+                                state_max=0.7, per_tensor=[*moved[:2], ("param/b", 0.0, [0, 1, 2]), *moved[2:]])
 
     monitor = Monitor(MonitorConfig(), RunRecorder(tmp_path, rank=0, quiet=True), divergence)
     split = view([1, 1, 9])
@@ -164,8 +164,8 @@ def _structure_differs() -> DivergenceReport:
     # The distance the update rounded away: no farthest rank.
     (_report([], [0.0] * 3), "; equal in value after this step's update", []),
     # The farthest over the whole state (not the parameters alone), and the tensor that moved most.
-    (_report([("param/w", 0.7, 2)], [0.0, 0.0, 0.7]),
-     "; farthest from the mean: rank(s) [2], 0.7, most in param/w (0.7)", [["param/w", 0.7, 2]]),
+    (_report([("param/w", 0.7, [2])], [0.0, 0.0, 0.7]),
+     "; farthest from the mean: rank(s) [2], 0.7, most in param/w (0.7)", [["param/w", 0.7, [2]]]),
     (_report(None, [0.0, 0.0, 0.7]), "; farthest from the mean: rank(s) [2], 0.7", []),
     (_structure_differs, "; the states differ in structure", None),
 ], ids=["no divergence", "rounded away", "one tensor", "no per-tensor", "structure"])

@@ -758,8 +758,9 @@ def test_the_tensors_that_differed_come_from_the_first_record_that_names_them(cl
     # A monitor-only run names them in its state-split alert (the tensors farthest apart);
     # a sync or repair by their digests, which wins at the same step (exact, before the update).
     run = copy_run(clean_run, tmp_path / "named")
+    # Each tensor's farthest ranks (a record before the ties were kept names one rank: an int).
     alert = {"step": 6, "event": "alert", "detector": "state_split", "value": 2, "ranks": [1],
-             "divergence": {"tensors": [["param/wte.weight", 2.0, 1], ["optim/0/exp_avg", 0.5, 1]]}}
+             "divergence": {"tensors": [["param/wte.weight", 2.0, [1]], ["optim/0/exp_avg", 0.5, 1]]}}
     with open(run / "events.jsonl", "a") as f:
         f.write(json.dumps(alert) + "\n")
 

@@ -335,8 +335,9 @@ def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
     for a in run.events_of("alert"):
         moved = (a.get("divergence") or {}).get("tensors") if a.get("detector") == "state_split" else None
         if moved:
-            parts = [f"{name} on {ranks_phrase([int(rank)])} (relative distance {number(rel):.3g} to the mean)"
-                     for name, rel, rank in moved[:shown]]
+            # The ranks tied farthest (records before that named one: an int).
+            parts = [f"{name} on {ranks_phrase(ranks if isinstance(ranks, list) else [ranks])} "
+                     f"(relative distance {number(rel):.3g} to the mean)" for name, rel, ranks in moved[:shown]]
             found.append((int(a["step"]), 1, f"farthest apart at the state-split alert of step {a['step']}: "
                                              f"{', '.join(parts)}"))
             break
