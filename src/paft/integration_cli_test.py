@@ -15,7 +15,9 @@ Real runs through :func:`paft.cli.main` (2 gloo workers on tiny models, a few st
   guard, faults after the resume point: the same run as an uninterrupted one (gpt, and
   resnet's BatchNorm buffers);
 - ``--tensorboard`` across a failed leg and its resume: every scalar once, the
-  uninterrupted run's values.
+  uninterrupted run's values;
+- PAFT-Dyn on 3 ranks: exact for a fault its checks see before a forward pass, not for
+  a parameter corrupted at rest, which the guard makes exact.
 """
 
 from __future__ import annotations
@@ -289,3 +291,33 @@ def test_tensorboard_across_a_failed_leg_and_its_resume(
     assert len(list((tmp_path / "legs" / "tb").iterdir())) == 2  # one event file per leg
     assert whole["train/loss"][0][0] == 1 and [s for s, _ in whole["eval/val_loss"]] == [0, 2, 4, 6, 8]
     assert legs == whole
+
+
+def test_paft_dyn_is_exact_for_faults_it_sees_before_a_forward_pass_and_the_guard_for_the_rest(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """README, PAFT-Dyn: with a strict majority (3 ranks) a repair puts the run back on the
+    fault-free trajectory where the split shows before the faulty values reach a forward
+    pass. A parameter corrupted at rest has already fed its step's all-reduce: the
+    replicas end identical but off that trajectory, unless the guard, which recomputes
+    after its repair, caught it (a flip to ~1e36, without the guard, leaves every replica
+    NaN alike)."""
+    monkeypatch.chdir(tmp_path)
+    runs = {
+        "clean": [],
+        "optimizer-state": ["--inject", "bitflip:site=optimizer-state,steps=3,bits=30,ranks=0"],
+        "params": ["--inject", "bitflip:site=params,steps=3,bits=10,ranks=2"],
+        # The default --fingerprint-every 10: the detection's recompute fingerprints the state.
+        "guard": ["--guard", "--fingerprint-every", "10", "--inject", "bitflip:site=params,steps=3,bits=30,ranks=2"],
+    }
+    s = {}
+    for name, extra in runs.items():
+        argv = ["train", "--workload", "gpt", *TINY["gpt"], "--world-size", "3", "--batch-size", "12",
+                "--eval-batches", "1", "--quiet", "--steps", "6", "--protect", "dyn", "--fingerprint-every", "1",
+                *extra, "--run-dir", name]
+        s[name], _ = _train(argv, capsys)
+        assert s[name]["replicas_distinct"] == 1
+    fault_free = s["clean"]["state_fingerprint"]
+    assert s["optimizer-state"]["state_fingerprint"] == fault_free and s["optimizer-state"]["syncs"] == 1
+    assert s["params"]["state_fingerprint"] != fault_free and s["params"]["syncs"] == 1
+    assert s["guard"]["state_fingerprint"] == fault_free and s["guard"]["detections"] == 1
