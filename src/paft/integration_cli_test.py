@@ -73,7 +73,8 @@ def _check_records(run_dir: pathlib.Path, summary: dict[str, Any], console: str)
     syncs = [e for e in events if e["event"] in ("sync", "repair")]
     averaged = 0
     if summary["protect"] == "averager":  # PyTorch's averager records no event
-        averaged = sum(averages_at(step, 3) for step in range(summary["steps"]))
+        period = json.loads((run_dir / "config.json").read_text())["protect"]["sync_period"]
+        averaged = sum(averages_at(step, period) for step in range(summary["steps"]))
     assert len(syncs) + averaged == summary["syncs"]
     if summary["protect"] != "averager":
         assert sum(e["bytes_sent"] for e in syncs) == summary["sync_bytes"]
