@@ -26,8 +26,10 @@ import json
 import math
 import os
 import pathlib
+import re
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -246,6 +248,19 @@ def quiet_stdout() -> None:
     os.close(devnull)
 
 
+def _after_every_event_file(tb: pathlib.Path) -> None:
+    """Wait, two seconds at most, until a new TensorBoard event file would sort after
+    every one in ``tb``. TensorBoard reads them in name order, and a name starts with
+    the writer's start in whole seconds, then host and pid: a resumed leg started in the
+    second the interrupted one did could sort first, and its purge_step then came before
+    the steps it was to hide (TensorBoard showed them twice). A clock further behind
+    than that (another host's) is not waited for."""
+    starts = [int(m.group(1)) for f in tb.glob("*tfevents.*") if (m := re.search(r"tfevents\.(\d+)\.", f.name))]
+    wait = max(starts, default=0) + 1 - time.time()
+    if 0 < wait <= 2:
+        time.sleep(wait)
+
+
 class RunRecorder:
     """Appends this rank's records to the run directory (``None`` run_dir: records dropped).
 
@@ -279,6 +294,8 @@ class RunRecorder:
             from torch.utils.tensorboard import SummaryWriter
 
             assert self.run_dir is not None  # _tensorboard says so
+            if self._purge_step is not None:
+                _after_every_event_file(self.run_dir / "tb")
             self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self._purge_step)
         for key, value in values:
             self._tb.add_scalar(key, value, step)

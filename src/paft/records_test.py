@@ -106,6 +106,27 @@ def test_a_resume_hides_the_interrupted_legs_tensorboard_scalars(tmp_path: pathl
     assert _scalars(tmp_path / "tb", "consistency/loss_cv") == expect
 
 
+def test_a_resumed_legs_event_file_sorts_after_the_interrupted_legs(tmp_path: pathlib.Path) -> None:
+    # TensorBoard reads event files in name order: start second, host, pid. An interrupted
+    # leg started in this very second by a process whose host and pid sort after ours:
+    # the resumed leg's file sorted first, and TensorBoard showed steps 5-9 twice.
+    first = RunRecorder(tmp_path, 0, tensorboard=True, quiet=True)
+    for done in range(1, 10):
+        first.scalars(done, {"train/loss": float(done)})
+    first.close()
+    (written,) = (tmp_path / "tb").iterdir()
+    start = written.name.split(".")[3]
+    written.rename(written.with_name(f"events.out.tfevents.{start}.zzzz.99999.0"))
+    resumed = RunRecorder(tmp_path, 0, tensorboard=True, quiet=True)
+    resumed.resumed_at(4)
+    for done in range(5, 8):
+        resumed.scalars(done, {"train/loss": 100.0 + done})
+    resumed.close()
+    names = sorted(f.name for f in (tmp_path / "tb").iterdir())
+    assert names[0].startswith(f"events.out.tfevents.{start}.zzzz.") and len(names) == 2
+    assert _scalars(tmp_path / "tb", "train/loss") == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 105), (6, 106), (7, 107)]
+
+
 def test_a_console_that_went_away_stops_no_work(tmp_path: pathlib.Path) -> None:
     # `paft train | head -1`: the run had finished, and its summary line made it exit 1.
     (tmp_path / "work.py").write_text(
