@@ -21,6 +21,7 @@ import pytest
 import paft.report as report_module
 import paft.report_text as report_text
 from paft.config import MonitorConfig, ProtectConfig, TrainConfig
+from paft.records import read_jsonl
 from paft.report import (
     _eval_divergence,
     _figure,
@@ -120,6 +121,20 @@ def test_clean_run_report_to_other_dir(clean_run: pathlib.Path, tmp_path: pathli
     assert "faults injected: 0" in report.text
     assert "first replica split: none" in report.text
     assert "replicas distinct at the end: 1" in report.text
+
+
+def test_a_run_resumed_without_the_monitor_says_its_records_are_an_earlier_legs(
+        clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # config.json is the last leg's: --resume --no-monitor kept the plots and extremes of
+    # the first leg's records with no word that the later steps were not monitored.
+    run = copy_run(clean_run, tmp_path / "resumed")
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "monitor": {**config["monitor"], "enabled": False}}))
+    end = max(r["step"] for r in read_jsonl(run / "consistency.jsonl"))
+    note = (f"note: monitoring is off (--no-monitor, as the last leg ran); consistency.jsonl holds an earlier "
+            f"leg's records, up to step {end}\n")
+    assert note in summary_text(load_run(run))
+    assert "note: monitoring is off" not in summary_text(load_run(clean_run))
 
 
 def test_crashed_run_without_cosine(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:

@@ -162,6 +162,12 @@ def _notes(run: RunData) -> list[str]:
     elif not stops and run.summary is None:
         lines.append(f"note: no summary.json: the run is still running, crashed or was interrupted; reported "
                      f"from the jsonl files ({last} of {cfg.get('steps', '?')} steps recorded)")
+    if (cfg.get("monitor") or {}).get("enabled") is False and run.consistency:
+        # config.json is the last leg's: a resume with --no-monitor left the plots and
+        # extremes of the earlier legs' records, which say nothing of the steps after them.
+        end = max(int(r["step"]) for r in run.consistency)
+        lines.append(f"note: monitoring is off (--no-monitor, as the last leg ran); consistency.jsonl holds "
+                     f"an earlier leg's records, up to step {end}")
     missing = [r for r in range(run.world_size) if r not in run.metrics]
     if missing:
         files = ", ".join(f"metrics/rank{r}.jsonl" for r in missing)
