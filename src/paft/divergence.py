@@ -27,6 +27,7 @@ from paft.state import state_tensors
 __all__ = [
     "DivergenceReport",
     "measure_divergence",
+    "farthest",
     "all_finite",
     "nonfinite_patterns",
     "sound_replicas",
@@ -58,6 +59,15 @@ class DivergenceReport:
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(asdict(self))
+
+
+def farthest(distances: list[float]) -> list[int]:
+    """The ranks at the largest of ``distances``, all those within a relative 1e-9 of
+    it: two replicas are equally far from their mean, but their distances computed in
+    float64 may differ in the last bit, and naming the first of them named rank 0 for a
+    fault on rank 1."""
+    far = max(distances)
+    return [r for r, d in enumerate(distances) if d >= far * (1 - 1e-9)]
 
 
 def rel_distance(sq: float, ref_sq: float) -> float:
@@ -218,8 +228,7 @@ def measure_divergence(
         breakdown = []
         for j, (name, _) in enumerate(entries):
             rels = [rel_distance(gathered[r][2 + j], msq[j]) for r in range(ws)]
-            far = max(rels)
-            breakdown.append((name, far, [r for r, rel in enumerate(rels) if rel >= far * (1 - 1e-9)]))
+            breakdown.append((name, max(rels), farthest(rels)))
         breakdown.sort(key=lambda x: -x[1])
     per_rank = [rel_distance(gathered[r][0], param_msq) for r in range(ws)]
     state_per_rank = [rel_distance(gathered[r][1], sum(msq)) for r in range(ws)]

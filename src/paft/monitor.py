@@ -48,7 +48,7 @@ import torch
 
 from paft.config import MonitorConfig
 from paft.consistency import ControlView, replica_metrics, worker_metrics
-from paft.divergence import DivergenceReport
+from paft.divergence import DivergenceReport, farthest
 from paft.records import RunRecorder, jsonable
 
 __all__ = ["Monitor", "SPLIT_TENSORS"]
@@ -195,9 +195,8 @@ class Monitor:
         worst = [(name, rel, rank) for name, rel, rank in d.per_tensor or [] if rel > 0][:SPLIT_TENSORS]
         record = {"params_per_rank": d.per_rank, "state_per_rank": d.state_per_rank, "tensors": worst}
         top = max(d.state_per_rank)
-        far = [r for r, x in enumerate(d.state_per_rank) if x == top]
-        if top > 0:
-            words = f"; farthest from the mean: rank(s) {far}, {top:.3g}"
+        if top > 0:  # every rank tied there (two replicas are equally far from their mean)
+            words = f"; farthest from the mean: rank(s) {farthest(d.state_per_rank)}, {top:.3g}"
         else:  # the fingerprints were taken before this step's update, the distance after it
             words = "; equal in value after this step's update"
         if worst:

@@ -167,8 +167,11 @@ def _structure_differs() -> DivergenceReport:
     (_report([("param/w", 0.7, [2])], [0.0, 0.0, 0.7]),
      "; farthest from the mean: rank(s) [2], 0.7, most in param/w (0.7)", [["param/w", 0.7, [2]]]),
     (_report(None, [0.0, 0.0, 0.7]), "; farthest from the mean: rank(s) [2], 0.7", []),
+    # Distances equal but for their last bit (two replicas are equally far from their mean,
+    # computed 0.09805806756909202 and 0.098058067569092 at two ranks): both are named.
+    (_report(None, [0.0, 0.7, math.nextafter(0.7, 0.0)]), "; farthest from the mean: rank(s) [1, 2], 0.7", []),
     (_structure_differs, "; the states differ in structure", None),
-], ids=["no divergence", "rounded away", "one tensor", "no per-tensor", "structure"])
+], ids=["no divergence", "rounded away", "one tensor", "no per-tensor", "tied", "structure"])
 def test_a_state_splits_line_says_how_far_apart_the_replicas_are(
         tmp_path: Path, divergence: Callable[[], DivergenceReport] | None, words: str, record: list | None) -> None:
     said: list[str] = []
