@@ -737,6 +737,10 @@ def test_the_summary_says_what_the_faults_made_of_the_values_they_hit(
     (run / "faults.jsonl").write_text(json.dumps({"step": 2, "rank": 0, "site": "params", "kind": "zero"}) + "\n")
     text = summary_text(load_run(run))  # a record without values or bits: no such lines
     assert "by bit" not in text and "values hit" not in text
+    # Values that are not numbers (a damaged or hand-edited record) are left out, not a crash.
+    (run / "faults.jsonl").write_text(json.dumps(flip(3, [30], [None, "x", 1.0], [2.0, 3.0, 4.0])) + "\n")
+    assert "  values hit: 1 recorded, 0 made NaN/Inf; largest finite value after: 4 (was 1; step 3, rank 1)\n" in (
+        summary_text(load_run(run)))
 
 
 def test_an_interrupted_run_is_summed_up_from_its_records(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
