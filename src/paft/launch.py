@@ -673,13 +673,14 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         dist.barrier()
         if rank0 and not cfg.quiet:
             console(format_plan(cfg, prog))
+        rank = dist.get_rank()  # asked now: _train_in_group takes the group down, failed or not
         try:
             result = _train_in_group(cfg, cfg.run_dir)
         except Exception as err:
             # No launcher of paft's outlives torchrun's ranks to record why the run
             # stopped, as paft train's does: each rank that raises records its own (a rank
             # that lost a peer says so), the first failure first.
-            record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(dist.get_rank(), err), prog)
+            record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog)
             raise
         code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
         outcome["code"] = code

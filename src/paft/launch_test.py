@@ -324,6 +324,31 @@ def test_under_torchrun_the_last_rank_out_puts_the_faults_in_order(tmp_path: pat
                for e in failed)
 
 
+def test_under_torchrun_a_rank_records_its_failure_after_its_group_is_down(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real _train_in_group takes the process group down before the failure reaches
+    # _main (the test above replaces it whole): the record must not ask the group for the
+    # rank then. It did, and raised ValueError ("Default process group has not been
+    # initialized") in place of the rank's error, recording nothing. One rank, in process.
+    def failing_trainer(cfg: TrainConfig, run_dir: pathlib.Path) -> None:
+        RunRecorder(run_dir, 0).metrics({"step": 0})  # a step trained: rank 0's claim keeps the run
+        raise RuntimeError("a failing rank")
+
+    monkeypatch.setattr(launcher, "Trainer", failing_trainer)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="a failing rank"):
+            launcher._main(TrainConfig(run_dir=str(tmp_path / "r"), world_size=1, steps=1, quiet=True), "torchrun",
+                           True)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    (failed,) = read_jsonl(tmp_path / "r" / "events.jsonl")
+    assert (failed["event"], failed["step"], failed["rank"], failed["cause"]) == (
+        "failed", 1, 0, "failed: RuntimeError: a failing rank")
+
+
 def _claiming_while_a_peer_lingers(rank: int, world_size: int, run_dir: str) -> str:
     """Torchrun's entry once the process group is up, training replaced by a guard's
     stop (the run is kept): rank 0 leaves, then tries to claim the directory for an
