@@ -257,9 +257,10 @@ def _w_raising_closure(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_a_closure_that_raises_on_one_rank_raises_there_and_the_others_wait_for_the_groups_timeout() -> None:
-    # as with plain DDP: the others' all-reduce of that step never completes
+    # as with plain DDP: the others' all-reduce of that step never completes (the raising
+    # rank's bound says it did not wait for the 5 s timeout, with room for a loaded machine)
     out = run_workers(_w_raising_closure, 2)
-    assert out[1]["raised"] == "KeyError: \"the user's bug\"" and out[1]["waited"] < 1
+    assert out[1]["raised"] == "KeyError: \"the user's bug\"" and out[1]["waited"] < 2.5
     assert out[0]["raised"].startswith("RuntimeError:") and "Timed out" in out[0]["raised"]
     assert out[0]["waited"] >= 5
     # the raising rank's protector is where it was before the step: the sync lands, the step is still 2

@@ -72,9 +72,8 @@ class WorkerFailed(RuntimeError):
     @classmethod
     def from_exception(cls, rank: int, err: Exception) -> WorkerFailed:
         """A rank's own exception, told as :meth:`from_launcher` tells it (where no
-        launcher of paft's outlives the ranks: torchrun); call it where ``err`` is handled,
-        for its traceback."""
-        return cls(rank, _failed(f"{type(err).__name__}: {err}"), traceback.format_exc())
+        launcher of paft's outlives the ranks: torchrun), with its traceback."""
+        return cls(rank, _failed(f"{type(err).__name__}: {err}"), "".join(traceback.format_exception(err)))
 
     def describe(self, prog: str) -> str:
         """For the console: the worker's traceback, then ``prog: rank N <cause>``."""
