@@ -340,6 +340,14 @@ def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
         # One callback per bucket unwraps the result and runs the aggregated-side chain.
         value = fut.value()
         result = value[0] if isinstance(value, (list, tuple)) else value
+        if result.dtype != buffer.dtype:
+            # A hook that changes the bucket's dtype (torch's fp16/bf16_compress_wrapper
+            # returns its half-precision buffer): DDP casts the result into the gradients
+            # anyway, so cast it here, exactly, into the bucket. The aggregation faults and
+            # the checksum then see the gradient the optimizer gets, in the dtype the fault
+            # specs were checked against (bits=30 on a float16 result raised in the
+            # backward pass of the faulty rank alone, and the others hung).
+            result = buffer.copy_(result)
         state.inject("aggregation", index, result)
         if checksum:
             state.capture_aggregated(index, result)
