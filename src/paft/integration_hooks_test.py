@@ -16,8 +16,10 @@ its vanilla all-reduce phase, steps 0-2, and its compressed one) and
 (c) an aggregation fault under PAFT-Dyn is seen by the checksum of the hook's result
     and repaired: the replicas end bitwise identical;
 (d) the guard with a transient local-gradient fault: for a stateless hook the
-    recompute is the fault-free run bit for bit; through PowerSGD's error feedback
-    it is not (docs/LIBRARY.md, "Comm hooks of your own"), and what holds is pinned.
+    recompute is the fault-free run bit for bit; through PowerSGD it is not
+    (docs/LIBRARY.md, "Comm hooks of your own"), and what holds is pinned: with its
+    default warm start the guard skips every step after the fault, without it
+    training goes on.
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook reads the real
@@ -56,9 +58,9 @@ def _bf16_wrap_on_gloo(state: Any, bucket: dist.GradBucket) -> torch.futures.Fut
     return default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)(state, bucket)
 
 
-def _powersgd() -> powerSGD_hook.PowerSGDState:
+def _powersgd(warm_start: bool = True) -> powerSGD_hook.PowerSGDState:
     return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                       start_powerSGD_iter=START_POWERSGD)
+                                       start_powerSGD_iter=START_POWERSGD, warm_start=warm_start)
 
 
 # Each run's (state, hook), fresh: PowerSGD's state advances with every step.
@@ -70,6 +72,7 @@ HOOKS: dict[str, Callable[[], tuple[Any, Callable[..., Any]]]] = {
     "bf16-wrapper": lambda: (None, _bf16_wrap_on_gloo),
     "powersgd": lambda: (_powersgd(), powerSGD_hook.powerSGD_hook),
     "batched-powersgd": lambda: (_powersgd(), powerSGD_hook.batched_powerSGD_hook),
+    "powersgd-cold": lambda: (_powersgd(warm_start=False), powerSGD_hook.powerSGD_hook),
 }
 STATEFUL = {"powersgd", "batched-powersgd"}
 GUARD = {"enabled": True, "warmup": 2}
@@ -137,13 +140,22 @@ def _w_hooks(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str
     } for name in names}
 
 
+def _w_powersgd(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """:func:`_w_hooks`, and PowerSGD without warm start: plain, guarded under the fault."""
+    guarded = {"guard": GUARD, "inject": ["bitflip:site=local-grad,steps=4,bits=30,ranks=1"]}
+    return {**_w_hooks(rank, world_size, names),
+            "powersgd-cold": {"plain": _run(rank, "powersgd-cold", {"plain": True}),
+                              "guarded fault": _run(rank, "powersgd-cold", guarded)}}
+
+
 FAMILIES = {"stateless": ["allreduce", "fp16", "bf16", "fp16-wrapper", "bf16-wrapper"],
             "powersgd": ["powersgd", "batched-powersgd"]}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_torchs_comm_hooks_are_plain_ddp_and_protected(family: str) -> None:
-    runs = run_workers(_w_hooks, 3, FAMILIES[family], timeout=90)  # a rank that raises leaves the others waiting
+    worker = _w_powersgd if family == "powersgd" else _w_hooks
+    runs = run_workers(worker, 3, FAMILIES[family], timeout=90)  # a rank that raises leaves the others waiting
     for name in FAMILIES[family]:
         out = [r[name] for r in runs]
         if "error" in out[0]["plain"]:
@@ -155,6 +167,16 @@ def test_torchs_comm_hooks_are_plain_ddp_and_protected(family: str) -> None:
                     assert run == {"error": ("AssertionError", START_POWERSGD)}, name
             continue
         _check_hook(name, out)
+    if family == "powersgd":
+        # Without warm start nothing of the flipped attempt is shared: the recompute's
+        # aggregate is finite and training goes on, the replicas identical (the error
+        # feedback and the iteration count still differ from the fault-free run's).
+        cold = [r["powersgd-cold"] for r in runs]
+        assert [r["applied"] for r in cold[0]["guarded fault"]["reports"]] == [True] * STEPS
+        assert cold[0]["guarded fault"]["reports"][4]["attempts"] == 2
+        assert not _equal(cold[0]["guarded fault"]["state"], cold[0]["plain"]["state"])
+        for o in cold[1:]:
+            assert _equal(o["guarded fault"]["state"], cold[0]["guarded fault"]["state"])
 
 
 def _check_hook(name: str, out: list[dict[str, dict[str, Any]]]) -> None:
@@ -172,10 +194,10 @@ def _check_hook(name: str, out: list[dict[str, dict[str, Any]]]) -> None:
         guarded = o["guarded fault"]
         assert guarded["reports"][4]["attempts"] > 1, name
         if name in STATEFUL:
-            # The flipped attempt ran through PowerSGD: its error feedback kept the flipped
-            # residual on rank 1 (and the warm-started Q the all-reduced one), and paft
-            # cannot roll the hook's state back. Every later compressed aggregate is
-            # non-finite: the guard skips each step from 4 on (docs/LIBRARY.md).
+            # The flipped attempt ran through PowerSGD, whose warm start keeps that
+            # attempt's all-reduced Q (the same on every rank) as the next start, and
+            # paft cannot roll the hook's state back. Every later compressed aggregate
+            # is non-finite: the guard skips each step from 4 on (docs/LIBRARY.md).
             assert [r["applied"] for r in guarded["reports"]] == [True] * 4 + [False] * 6, name
             assert not _equal(guarded["state"], plain)
             assert all(t.isfinite().all() for _, t in guarded["state"] if t.is_floating_point())

@@ -240,7 +240,8 @@ def test_aggregation_fault_splits_only_the_faulty_rank_and_is_reported_that_step
 def test_a_users_comm_hook_is_wrapped_not_replaced(hook: str) -> None:
     """paft around PyTorch's own hooks (fp16 compression; the all-reduce that divides by
     the world size): fault-free, bit for bit the hook alone; an aggregation fault lands
-    in the hook's result and is reported that step. (bf16 compression needs NCCL.)"""
+    in the hook's result and is reported that step. (integration_hooks_test.py sweeps
+    the rest of torch's hooks.)"""
     alone = run_workers(train_toy, 3, {"plain": True, "comm_hook": hook})
     wrapped = run_workers(train_toy, 3, {"comm_hook": hook})
     for a, w in zip(alone, wrapped):
