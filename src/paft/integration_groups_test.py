@@ -135,7 +135,13 @@ def _w_replica_groups(rank: int, world_size: int, opts: dict[str, Any]) -> dict[
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     recorder = None
     protector = None
+    refused = ""
     if not opts.get("plain"):
+        if name == "B":  # the global rank, where the rank in DDP's group belongs: B's rank 0 would be silent
+            try:
+                protect(model, optimizer, recorder=RunRecorder(None, rank, quiet=True))
+            except ValueError as err:
+                refused = str(err)
         recorder = RunRecorder(Path(opts["run_dir"]) / name, dist.get_rank(group), quiet=True)
         protector = protect(model, optimizer, protect=ProtectConfig(**opts.get("protect", {})),
                             guard=GuardConfig(**opts.get("guard", {})), monitor=MonitorConfig(fingerprint_every=1),
@@ -152,7 +158,7 @@ def _w_replica_groups(rank: int, world_size: int, opts: dict[str, Any]) -> dict[
     if protector is not None and recorder is not None:
         protector.close()
         recorder.close()
-    return {**_snapshot(model, optimizer), "group": name, "reports": reports,
+    return {**_snapshot(model, optimizer), "group": name, "reports": reports, "refused": refused,
             "counters": protector.counters if protector is not None else {}}
 
 
@@ -167,6 +173,8 @@ def test_replica_groups_keep_their_faults_checks_and_records_to_themselves(
     hit = run_workers(_w_replica_groups, 4, {**defense, "inject": [fault], "run_dir": str(tmp_path / "hit")})
     for p, c in zip(plain, clean):
         assert _identical(p, c)  # (b) in each group
+    for r in (2, 3):  # refused on both ranks of B (in B's own collective), the fix named
+        assert "dist.get_rank(ddp.process_group)" in clean[r]["refused"], clean[r]["refused"]
     assert not same(clean[0], clean[2])  # two groups, two models: each group its own data
     assert _identical(hit[0], hit[1])  # group A repaired: its replicas agree
     if "guard" in defense:  # the recompute gave group A the fault-free step

@@ -46,6 +46,7 @@ def preflight(
     scaler: torch.amp.GradScaler | None,
     comm_hook: Any,
     comm_state: Any = None,
+    recorder: Any = None,
 ) -> tuple[list[FaultSpec], OptimizerStep]:
     """Check :func:`paft.protect`'s arguments; a collective over the model's process
     group. Returns the parsed fault specs and the optimizer step (with the loss scaler).
@@ -56,6 +57,7 @@ def preflight(
     try:
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         _check_comm_hook(comm_hook, comm_state)
+        _check_recorder(model, recorder)
         specs = [s if isinstance(s, FaultSpec) else FaultSpec.parse(s, option="protect(): inject") for s in inject]
         _check_specs(specs, list(model.parameters()))
         # DDP takes one comm hook, and keeps it for good: a rank whose model has one
@@ -153,6 +155,17 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
             0 <= protect.broadcast_src < world_size):
         raise ValueError(f"protect(): ProtectConfig.broadcast_src must be a rank in [0, {world_size}), "
                          f"got {protect.broadcast_src}")
+
+
+def _check_recorder(model: DistributedDataParallel, recorder: Any) -> None:
+    """The recorder's rank 0 writes the run folder and speaks: made with the global rank
+    where DDP runs over a sub-group (a hybrid layout's replica group without global
+    rank 0), the group wrote no consistency.jsonl or events.jsonl and said nothing."""
+    me = dist.get_rank(model.process_group)
+    if recorder is not None and getattr(recorder, "rank", me) != me:
+        raise ValueError(f"protect(): the recorder's rank is {recorder.rank}, but this is rank {me} of DDP's "
+                         "process group; a recorder takes the rank in that group (its rank 0 writes the run "
+                         "folder): RunRecorder(run_dir, dist.get_rank(ddp.process_group))")
 
 
 def _foreign_params(model: DistributedDataParallel, groups: Sequence[dict[str, Any]]) -> int:

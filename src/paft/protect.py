@@ -141,7 +141,8 @@ def protect(
         grad_clip: clip the aggregated gradient to this norm (0: no clipping); paft
             clips with the norm it computes anyway.
         recorder: where ``consistency.jsonl``, ``events.jsonl`` and ``faults.jsonl``
-            go (:class:`paft.records.RunRecorder`); default: the console only.
+            go (:class:`paft.records.RunRecorder`, made with this rank's rank in DDP's
+            process group: another is refused); default: the console only.
         comm_hook / comm_state: a comm hook of your own (e.g. a compression hook),
             which paft wraps instead of the default all-reduce.
         scaler: the loss scaler of float16 mixed precision; the closure calls
@@ -247,7 +248,7 @@ class Protector:
     ) -> None:
         specs, self._stepper = preflight(model, optimizer, monitor=monitor, protect=protect, guard=guard,
                                          inject=inject, seed=seed, grad_clip=grad_clip, scaler=scaler,
-                                         comm_hook=comm_hook, comm_state=comm_state)
+                                         comm_hook=comm_hook, comm_state=comm_state, recorder=recorder)
         self.model = model
         self.optimizer = optimizer
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
