@@ -503,6 +503,15 @@ def _take_group_down(every_rank_done: bool) -> None:
     dist.destroy_process_group()
 
 
+def _identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """Which directory is at ``path`` (device, inode); None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 @contextlib.contextmanager
 def last_rank_out_tidies(run_dir: pathlib.Path) -> Iterator[None]:
     """Under torchrun no launcher outlives the ranks to tidy ``run_dir`` once they are
@@ -674,13 +683,18 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         if rank0 and not cfg.quiet:
             console(format_plan(cfg, prog))
         rank = dist.get_rank()  # asked now: _train_in_group takes the group down, failed or not
+        ours = _identity(cfg.run_dir)
         try:
             result = _train_in_group(cfg, cfg.run_dir)
+        except SignalException:  # an Exception of torch's: a stop, told as one (interrupted)
+            raise
         except Exception as err:
             # No launcher of paft's outlives torchrun's ranks to record why the run
             # stopped, as paft train's does: each rank that raises records its own (a rank
-            # that lost a peer says so), the first failure first.
-            record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog)
+            # that lost a peer says so), the first failure first. Only into this run: a
+            # peer out late finds the old run rank 0's claim put back at the path.
+            if ours is not None and _identity(cfg.run_dir) == ours:
+                record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog)
             raise
         code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
         outcome["code"] = code
