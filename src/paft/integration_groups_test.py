@@ -25,7 +25,7 @@ from paft.protect import protect
 from paft.protect_test import same, toy_closure, toy_model
 from paft.records import RunRecorder, read_jsonl
 from paft.state import state_fingerprint
-from paft.testing import run_workers
+from paft.testing import run_workers, take_step
 
 AGG_FAULT = "bitflip:steps={step},bits=30,ranks=1"
 
@@ -149,11 +149,8 @@ def _w_replica_groups(rank: int, world_size: int, opts: dict[str, Any]) -> dict[
     reports = []
     for step in range(8):
         closure = toy_closure(model, optimizer, rank, step)
-        if protector is None:
-            closure()
-            optimizer.step()
-        else:
-            r = protector.step(closure)
+        r = take_step(protector, optimizer, closure)
+        if r is not None:
             reports.append((r.applied, r.attempts, r.synced))
     if protector is not None and recorder is not None:
         protector.close()
@@ -220,11 +217,8 @@ def _w_own_world_group(rank: int, world_size: int, opts: dict[str, Any]) -> dict
     reports = []
     for step in range(8):
         closure = toy_closure(model, optimizer, rank, step)
-        if protector is None:
-            closure()
-            optimizer.step()
-        else:
-            r = protector.step(closure)
+        r = take_step(protector, optimizer, closure)
+        if r is not None:
             reports.append((r.attempts, r.synced))
     if protector is not None:
         protector.close()

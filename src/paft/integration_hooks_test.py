@@ -40,7 +40,7 @@ from paft.consistency import pairwise_cosine
 from paft.integration_optim_test import _equal, _state
 from paft.protect import protect
 from paft.protect_test import batch, toy_model
-from paft.testing import run_workers
+from paft.testing import run_workers, take_step
 
 STEPS = 10
 START_POWERSGD = 3  # steps 0-2 all-reduce plainly, 3 on compress (the faults hit steps 3 and 4)
@@ -112,11 +112,8 @@ def _run(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
                 loss.backward()
                 return loss
 
-            if protector is None:
-                closure()
-                optimizer.step()
-            else:
-                r = protector.step(closure)
+            r = take_step(protector, optimizer, closure)
+            if r is not None:
                 reports.append({"applied": r.applied, "attempts": r.attempts, "synced": r.synced,
                                 **{k: r.metrics.get(k) for k in METRICS}})
     except Exception as e:  # noqa: BLE001 - compared between plain DDP and paft (batched PowerSGD)

@@ -33,7 +33,7 @@ from paft.config import GuardConfig, ProtectConfig
 from paft.protect import protect
 from paft.protect_test import batch, toy_closure, toy_model
 from paft.state import state_fingerprint
-from paft.testing import run_workers
+from paft.testing import run_workers, take_step
 
 
 def conv_model() -> nn.Module:
@@ -73,11 +73,9 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
             loss.backward()
             return loss
 
-        if protector is None:
-            closure()
-            optimizer.step()
-        else:
-            synced.append(protector.step(closure).synced)
+        r = take_step(protector, optimizer, closure)
+        if r is not None:
+            synced.append(r.synced)
         if opts.get("eval_between"):  # an evaluation pass, as a validation loop makes one
             evals_in_flight += protector is not None and protector.resync.in_flight
             model.eval()

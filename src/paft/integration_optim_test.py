@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.protect import Protector, protect
 from paft.protect_test import batch, toy_model
-from paft.testing import run_workers
+from paft.testing import run_workers, take_step
 
 
 def _groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -113,11 +113,8 @@ def _run(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
     reports = []
     for step in range(STEPS):
         closure = _closure(model, optimizer, *batch(rank, step), sign)
-        if protector is None:
-            closure()
-            optimizer.step()
-        else:
-            r = protector.step(closure)
+        r = take_step(protector, optimizer, closure)
+        if r is not None:
             reports.append((r.applied, r.attempts, r.synced))
     if protector is not None:
         protector.close()

@@ -31,13 +31,28 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_workers", "WorkerError", "NestedStateSGD"]
+if TYPE_CHECKING:
+    from paft.protect import Protector, StepReport
+
+__all__ = ["run_workers", "take_step", "WorkerError", "NestedStateSGD"]
+
+
+def take_step(protector: Protector | None, optimizer: torch.optim.Optimizer,
+              closure: Callable[[], torch.Tensor]) -> StepReport | None:
+    """One training step: plain DDP's (``protector`` None: the closure, then
+    ``optimizer.step()``, and None) or the protector's (its report), so that a test runs
+    one loop both ways."""
+    if protector is None:
+        closure()
+        optimizer.step()
+        return None
+    return protector.step(closure)
 
 
 class WorkerError(RuntimeError):
