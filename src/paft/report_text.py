@@ -24,7 +24,12 @@ __all__ = ["first_split", "number", "ranks_phrase", "series", "split_syncs", "su
 
 
 def number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    return float(value) if _is_number(value) else math.nan
+
+
+def _is_number(value: Any) -> bool:
+    """A record's number (a bool is not one); NaN and the infinities are."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -300,10 +305,6 @@ def _values_hit(faults: list[dict[str, Any]]) -> list[str]:
         f, b, a = max(finite, key=lambda hit: abs(hit[2]))
         line += f"; largest finite value after: {a:.4g} (was {b:.4g}; step {f.get('step')}, rank {f.get('rank')})"
     return [line]
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _first_split_line(run: RunData) -> str:
