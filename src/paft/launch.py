@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import pathlib
 import shlex
@@ -34,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from paft.config import TrainConfig
 from paft.protect import PersistentFaultError
-from paft.records import atomic_write_bytes, console, jsonable, read_jsonl, sort_faults
+from paft.records import atomic_write_bytes, console, jsonl_line, read_jsonl, sort_faults
 from paft.rundir import (
     LOCK_FILE,
     RunDirError,
@@ -421,7 +420,7 @@ def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft t
         steps = []
     step = max(steps) + 1 if steps and all(isinstance(s, int) for s in steps) else 0
     record = {"step": step, "event": "failed", "rank": err.rank, "cause": err.cause, "traceback": err.traceback}
-    line = (json.dumps(jsonable(record), sort_keys=True) + "\n").encode()
+    line = jsonl_line(record).encode()
     try:  # into the directory as it is: a torchrun peer late out must not make a removed run's again
         fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

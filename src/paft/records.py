@@ -48,6 +48,7 @@ __all__ = [
     "truncate_jsonl",
     "sort_faults",
     "jsonable",
+    "jsonl_line",
     "from_jsonable",
     "max_or_nan",
     "Marker",
@@ -240,6 +241,12 @@ def console(text: str) -> bool:
         return False
 
 
+def jsonl_line(record: dict[str, Any]) -> str:
+    """``record`` as one line of a run's jsonl files: keys sorted, non-finite floats as
+    :func:`jsonable` writes them."""
+    return json.dumps(jsonable(record), sort_keys=True) + "\n"
+
+
 def quiet_stdout() -> None:
     """Point stdout at /dev/null, so that Python's flush at exit into a closed pipe
     cannot fail."""
@@ -307,7 +314,7 @@ class RunRecorder:
         if f is None:
             f = self._files[name] = open(self.run_dir / name, "a", buffering=1)
         for record in records:
-            f.write(json.dumps(jsonable(record), sort_keys=True) + "\n")
+            f.write(jsonl_line(record))
         f.flush()
 
     def say(self, message: str) -> None:
