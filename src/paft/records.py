@@ -384,4 +384,4 @@ def sort_faults(run_dir: str | os.PathLike[str]) -> None:
 
 def _rewrite_jsonl(path: pathlib.Path, records: list[dict[str, Any]]) -> None:
     # Each line as RunRecorder wrote it: JSON numbers read back exactly.
-    atomic_write_bytes(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
+    atomic_write_bytes(path, "".join(jsonl_line(r) for r in records).encode())
