@@ -6,8 +6,9 @@ injects into and checksums what that hook returns. This module runs every built-
 of ``torch.distributed.algorithms.ddp_comm_hooks`` that way on real DDP (gloo, CPU,
 3 ranks): ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, the
 fp16/bf16 compress wrappers around ``allreduce_hook``, ``powerSGD_hook`` (rank 1, both
-its vanilla all-reduce phase, steps 0-2, and its compressed one) and
-``batched_powerSGD_hook``. For each:
+its vanilla all-reduce phase, steps 0-2, and its compressed one, with and without warm
+start), ``batched_powerSGD_hook``, and a hook of a user's own whose state has
+``state_dict()`` / ``load_state_dict()`` (error feedback of a bfloat16 rounding). For each:
 
 (a) protect() accepts it;
 (b) a fault-free monitored run is plain DDP with the same hook registered, bit for bit
@@ -15,11 +16,10 @@ its vanilla all-reduce phase, steps 0-2, and its compressed one) and
     those of the uncompressed local gradients (computed apart, on a copy of the model);
 (c) an aggregation fault under PAFT-Dyn is seen by the checksum of the hook's result
     and repaired: the replicas end bitwise identical;
-(d) the guard with a transient local-gradient fault: for a stateless hook the
-    recompute is the fault-free run bit for bit; through PowerSGD it is not
-    (docs/LIBRARY.md, "Comm hooks of your own"), and what holds is pinned: with its
-    default warm start the guard skips every step after the fault, without it
-    training goes on.
+(d) the guard with a transient local-gradient fault: the recompute is the fault-free
+    run bit for bit, through a stateful hook too (PowerSGD, the user's): the guard
+    restarts the hook from the state it had before the step's first attempt
+    (:mod:`paft.hook_state`), and takes that state only when it can recompute.
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook reads the real
@@ -63,6 +63,33 @@ def _powersgd(warm_start: bool = True) -> powerSGD_hook.PowerSGDState:
                                        start_powerSGD_iter=START_POWERSGD, warm_start=warm_start)
 
 
+class _Feedback:
+    """A user's hook state: per bucket, the residual of rounding the gradient to bfloat16,
+    added to the next step's (error feedback, updated in place). ``state_dict()`` hands out
+    the live tensors, so paft must copy them; ``taken`` counts its calls."""
+
+    def __init__(self) -> None:
+        self.error: dict[int, torch.Tensor] = {}
+        self.taken = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.taken += 1
+        return {"error": self.error}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.error = state["error"]
+
+
+def _feedback_hook(state: _Feedback, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    error = state.error.setdefault(bucket.index(), torch.zeros_like(buffer))
+    buffer.add_(error)
+    rounded = buffer.to(torch.bfloat16).to(buffer.dtype)
+    error.copy_(buffer - rounded)
+    buffer.copy_(rounded).div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
 # Each run's (state, hook), fresh: PowerSGD's state advances with every step.
 HOOKS: dict[str, Callable[[], tuple[Any, Callable[..., Any]]]] = {
     "allreduce": lambda: (None, default_hooks.allreduce_hook),
@@ -73,8 +100,8 @@ HOOKS: dict[str, Callable[[], tuple[Any, Callable[..., Any]]]] = {
     "powersgd": lambda: (_powersgd(), powerSGD_hook.powerSGD_hook),
     "batched-powersgd": lambda: (_powersgd(), powerSGD_hook.batched_powerSGD_hook),
     "powersgd-cold": lambda: (_powersgd(warm_start=False), powerSGD_hook.powerSGD_hook),
+    "feedback": lambda: (_Feedback(), _feedback_hook),
 }
-STATEFUL = {"powersgd", "batched-powersgd"}
 GUARD = {"enabled": True, "warmup": 2}
 METRICS = ("replicas/grad_distinct", "replicas/grad_minority_ranks", "local_grad_norms", "consistency/grad_cos_min")
 
@@ -121,7 +148,8 @@ def _run(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
     if protector is not None:
         protector.close()
     return {"state": _state(model, optimizer), "reports": reports, "local_grads": local_grads,
-            "counters": dict(protector.counters) if protector is not None else {}}
+            "counters": dict(protector.counters) if protector is not None else {},
+            "taken": state.taken if isinstance(state, _Feedback) else None}
 
 
 def _w_hooks(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -137,7 +165,7 @@ def _w_hooks(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str
     } for name in names}
 
 
-def _w_powersgd(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+def _w_stateful(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
     """:func:`_w_hooks`, and PowerSGD without warm start: plain, guarded under the fault."""
     guarded = {"guard": GUARD, "inject": ["bitflip:site=local-grad,steps=4,bits=30,ranks=1"]}
     return {**_w_hooks(rank, world_size, names),
@@ -146,12 +174,12 @@ def _w_powersgd(rank: int, world_size: int, names: list[str]) -> dict[str, dict[
 
 
 FAMILIES = {"stateless": ["allreduce", "fp16", "bf16", "fp16-wrapper", "bf16-wrapper"],
-            "powersgd": ["powersgd", "batched-powersgd"]}
+            "stateful": ["powersgd", "batched-powersgd", "feedback"]}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_torchs_comm_hooks_are_plain_ddp_and_protected(family: str) -> None:
-    worker = _w_powersgd if family == "powersgd" else _w_hooks
+    worker = _w_stateful if family == "stateful" else _w_hooks
     runs = run_workers(worker, 3, FAMILIES[family], timeout=90)  # a rank that raises leaves the others waiting
     for name in FAMILIES[family]:
         out = [r[name] for r in runs]
@@ -164,16 +192,17 @@ def test_torchs_comm_hooks_are_plain_ddp_and_protected(family: str) -> None:
                     assert run == {"error": ("AssertionError", START_POWERSGD)}, name
             continue
         _check_hook(name, out)
-    if family == "powersgd":
-        # Without warm start nothing of the flipped attempt is shared: the recompute's
-        # aggregate is finite and training goes on, the replicas identical (the error
-        # feedback and the iteration count still differ from the fault-free run's).
-        cold = [r["powersgd-cold"] for r in runs]
-        assert [r["applied"] for r in cold[0]["guarded fault"]["reports"]] == [True] * STEPS
-        assert cold[0]["guarded fault"]["reports"][4]["attempts"] == 2
-        assert not _equal(cold[0]["guarded fault"]["state"], cold[0]["plain"]["state"])
-        for o in cold[1:]:
-            assert _equal(o["guarded fault"]["state"], cold[0]["guarded fault"]["state"])
+    if family == "stateful":
+        # Without warm start too (its Q drawn afresh from its numpy RNG, which the recompute
+        # restarts where the step found it): the fault-free run, bit for bit.
+        for o in (r["powersgd-cold"] for r in runs):
+            guarded = o["guarded fault"]
+            assert [r["attempts"] for r in guarded["reports"]] == [1] * 4 + [2] + [1] * 5
+            assert guarded["counters"]["transient"] == 1
+            assert _equal(guarded["state"], o["plain"]["state"])
+        # The user's state is taken once per guarded step, and never without the guard.
+        for run, taken in (("guarded fault", STEPS), ("monitored", 0), ("dyn", 0)):
+            assert [r["feedback"][run]["taken"] for r in runs] == [taken] * 3, run
 
 
 def _check_hook(name: str, out: list[dict[str, dict[str, Any]]]) -> None:
@@ -188,19 +217,12 @@ def _check_hook(name: str, out: list[dict[str, dict[str, Any]]]) -> None:
         assert r3["synced"] and r3["replicas/grad_distinct"] == 2 and r3["replicas/grad_minority_ranks"] == [1], name
         assert _equal(o["dyn"]["state"], plain), name
         # (d) the guard caught the flip at step 4 and recomputed.
+        # Through PowerSGD (warm start: the flipped attempt's all-reduced Q, non-finite on
+        # every rank, was the next start) the recompute restarts from the pre-step state.
         guarded = o["guarded fault"]
-        assert guarded["reports"][4]["attempts"] > 1, name
-        if name in STATEFUL:
-            # The flipped attempt ran through PowerSGD, whose warm start keeps that
-            # attempt's all-reduced Q (the same on every rank) as the next start, and
-            # paft cannot roll the hook's state back. Every later compressed aggregate
-            # is non-finite: the guard skips each step from 4 on (docs/LIBRARY.md).
-            assert [r["applied"] for r in guarded["reports"]] == [True] * 4 + [False] * 6, name
-            assert not _equal(guarded["state"], plain)
-            assert all(t.isfinite().all() for _, t in guarded["state"] if t.is_floating_point())
-        else:
-            assert guarded["counters"]["transient"] == 1, name
-            assert _equal(guarded["state"], plain), name
+        assert [r["attempts"] for r in guarded["reports"]] == [1] * 4 + [2] + [1] * 5, name
+        assert guarded["counters"]["transient"] == 1, name
+        assert _equal(guarded["state"], plain), name
     for o in out[1:]:
         for run in ("plain", "dyn", "guarded fault"):
             assert _equal(o[run]["state"], out[0][run]["state"]), (name, run)

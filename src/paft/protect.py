@@ -55,6 +55,7 @@ from paft.divergence import measure_divergence
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec
 from paft.guard import COUNTERS, Guard, GuardVerdict
+from paft.hook_state import hook_snapshot
 from paft.monitor import Monitor
 from paft.norms import judged_norm, total_norm
 from paft.preflight import check_added_groups, mark_protected, preflight, wants_comm_hook
@@ -291,6 +292,10 @@ class Protector:
         mark_protected(model, self)
         self.sketch_dim = monitor.sketch_dim if monitor.cosine == "sketch" else 0
         self.guard = Guard(guard, self.world_size) if guard.enabled else None
+        # A recompute restarts the user's hook from the state the step found it in (PowerSGD's
+        # error feedback and warm start kept a faulty attempt's values): only the guard
+        # recomputes, and only a state paft knows how to take is copied, every step.
+        self._hook_state = hook_snapshot(comm_state) if self.guard is not None and comm_hook is not None else None
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = StateSnapshot()
@@ -383,7 +388,7 @@ class Protector:
         """The guard's state machine: attempts until one is applied or the batch is
         skipped (the guard's rerun caps bound them), or the run stops."""
         t = plan.step
-        rerun_from = ForwardSnapshot(self._buffers)
+        rerun_from = ForwardSnapshot(self._buffers, self._hook_state)
         guard = self.guard
         assert guard is not None
         attempt, synced = 0, False
@@ -400,8 +405,9 @@ class Protector:
                 return _StepOutcome(view, attempt + 1, applied=self._scaled_step(True), overflow=True, synced=synced)
             verdict = self._judge(t, attempt, guard.check(t, attempt, view))
             if verdict.action != "proceed":
-                # The attempt leaves no trace (its RNG draws, its BatchNorm statistics), on
-                # every rank before a repair: a skipped NaN batch poisoned the running stats.
+                # The attempt leaves no trace (its RNG draws, its BatchNorm statistics, a
+                # comm hook's state paft can take), on every rank before a repair: a skipped
+                # NaN batch poisoned the running stats, and PowerSGD's warm start its Q.
                 rerun_from.restore()
             if verdict.action == "stop":
                 raise self._stop(t, verdict)

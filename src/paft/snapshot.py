@@ -1,7 +1,8 @@
 """Snapshots that let the guard undo part of a step, bit for bit.
 
 * :class:`ForwardSnapshot` -- what a recomputation of the step starts from: the RNG
-  states and the buffers the forward pass mutates (BatchNorm statistics);
+  states and the buffers the forward pass mutates (BatchNorm statistics), and the
+  state of a user's comm hook (:mod:`paft.hook_state`);
 * :class:`StateSnapshot` -- parameters and optimizer state before
   ``optimizer.step()``, for the rollback after a harmful update, and the
   update-to-weight ratio that decides it.
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from paft.hook_state import HookStateSnapshot
 from paft.norms import norm_of
 from paft.state import nested_tensors, state_tensors
 
@@ -23,17 +25,21 @@ __all__ = ["ForwardSnapshot", "StateSnapshot"]
 
 
 class ForwardSnapshot:
-    """What a recomputation of the step must start from: RNG states and buffers.
+    """What a recomputation of the step must start from: RNG states and buffers, and the
+    state of a user's comm hook where paft can take it (``hook``, see :mod:`paft.hook_state`).
 
     Parameters and optimizer state are untouched until ``optimizer.step()``; only
     what the forward itself mutates (BatchNorm statistics) and the RNG that dropout
-    draws from are copied, both small.
+    draws from are copied, both small, and what the backward's comm hook mutates.
     """
 
-    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(self, buffers: Sequence[torch.Tensor], hook: HookStateSnapshot | None = None) -> None:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         self.buffers = [(b, b.detach().clone()) for b in buffers]
+        self.hook = hook
+        if hook is not None:
+            hook.take()
 
     def keep_buffers(self) -> None:
         """Take the buffers as they are now as the ones to restore: a repair synced
@@ -50,6 +56,8 @@ class ForwardSnapshot:
         with torch.no_grad():
             for live, saved in self.buffers:
                 live.copy_(saved)
+        if self.hook is not None:
+            self.hook.restore()
 
 
 def _copy_structure(value: Any) -> Any:

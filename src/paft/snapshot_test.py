@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from paft.hook_state import hook_snapshot
 from paft.norms import norm_of
 from paft.protect_test import batch, toy_model
 from paft.snapshot import ForwardSnapshot, StateSnapshot
@@ -61,6 +62,29 @@ def test_forward_snapshot_rewinds_the_rng_and_buffers_and_keeps_a_repairs_buffer
     bn(torch.randn(5, 3))
     snap.restore()
     assert all(torch.equal(b, new) for b, new in zip(buffers, repaired))
+
+
+def test_forward_snapshot_takes_a_comm_hooks_state_and_puts_it_back() -> None:
+    """The guard's every undo of an attempt (recompute, skip, stop, rollback) restores
+    the forward snapshot: the user's comm hook restarts from the state the step found."""
+
+    class Feedback:
+        def __init__(self) -> None:
+            self.error = torch.zeros(3)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"error": self.error}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.error = state["error"]
+
+    state = Feedback()
+    hook = hook_snapshot(state)
+    state.error += 2.0  # the state the step finds
+    snap = ForwardSnapshot([], hook)
+    state.error.fill_(1e30)  # the attempt's hook, in place
+    snap.restore()
+    assert state.error.tolist() == [2.0] * 3
 
 
 def test_forward_snapshot_rewinds_every_cuda_generator(monkeypatch: pytest.MonkeyPatch) -> None:
