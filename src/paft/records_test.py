@@ -172,7 +172,8 @@ def test_sort_faults_orders_by_step_attempt_rank_and_keeps_each_ranks_order(tmp_
     # A bare NaN token (valid to Python's json, not to JSON) is rewritten as paft writes it.
     (tmp_path / "012" / "faults.jsonl").write_text('{"step": 2, "after": [NaN]}\n{"step": 1, "after": [1.5]}\n')
     sort_faults(tmp_path / "012")
-    assert (tmp_path / "012" / "faults.jsonl").read_text() == '{"after": [1.5], "step": 1}\n{"after": ["nan"], "step": 2}\n'
+    rewritten = (tmp_path / "012" / "faults.jsonl").read_text()
+    assert rewritten == '{"after": [1.5], "step": 1}\n{"after": ["nan"], "step": 2}\n'
 
 
 LIMIT = os.pathconf(".", "PC_NAME_MAX")
