@@ -953,6 +953,28 @@ def test_a_resume_into_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monke
     assert after == before
 
 
+def test_a_resume_into_a_run_in_progress_before_its_first_checkpoint_says_in_use(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before its first checkpoint a run in progress has no checkpoints/latest: a --resume
+    of it said "no checkpoint to resume ... pass --overwrite", advice that is refused as
+    "in use" in turn. It is refused as in use, as a plain start or --overwrite is."""
+    from paft.launch import hold_dir_lock
+
+    monkeypatch.chdir(tmp_path)
+    run = pathlib.Path("r")
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
+    with hold_dir_lock(run):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--run-dir", "r", "--resume", "--steps", "1"])
+        assert exc.value.code == 2
+        assert "--run-dir: r is in use by another paft train (a run in progress)" in capsys.readouterr().err
+    # Once it is out, the same --resume is told what there is to resume: nothing.
+    with pytest.raises(SystemExit):
+        main(["train", "--run-dir", "r", "--resume", "--steps", "1"])
+    assert "--resume: no checkpoint to resume in r" in capsys.readouterr().err
+
+
 def test_a_bench_folder_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """Two benchmarks into one --out mixed their runs' records (steps 0..4 twice in one

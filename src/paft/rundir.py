@@ -109,9 +109,7 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         _check_resume(cfg, path)
         return
     if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
-        if in_use(path):  # before its first checkpoint a run in progress looks stopped
-            raise RunDirError(f"--run-dir: {path} is in use by another paft train (a run in progress); "
-                              "wait for it to end or pick another --run-dir")
+        _refuse_in_use(path)
         if not _is_run_config(path / "config.json"):  # --resume and --overwrite would be refused too
             raise RunDirError(f"--run-dir: {path} holds no config.json of paft's, so it is not a paft run; "
                               "pick another --run-dir")
@@ -233,8 +231,18 @@ def records_size(run_dir: pathlib.Path) -> int:
         return 0
 
 
+def _refuse_in_use(path: pathlib.Path) -> None:
+    """Refuse ``path`` while a run holds it: before its first checkpoint a run in progress
+    looks like one that stopped, and the advice for that (``--overwrite``) would be refused
+    as in use in turn."""
+    if in_use(path):
+        raise RunDirError(f"--run-dir: {path} is in use by another paft train (a run in progress); "
+                          "wait for it to end or pick another --run-dir")
+
+
 def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     if not has_checkpoint(path):
+        _refuse_in_use(path)
         if not path.exists():
             raise RunDirError(f"--resume: {path} does not exist; leave out --resume to start a run there")
         if not path.is_dir():
