@@ -20,7 +20,7 @@ __all__ = ["main", "run", "build_parser"]
 
 _TRAIN_EXAMPLES = """\
 examples:
-  paft train                                    # gpt, 4 workers, about 70 s on 2 cores
+  paft train                                    # gpt, 4 workers, 40-70 s on 2 cores
   paft train --workload resnet --world-size 2 --steps 100
   paft train --inject bitflip:rate=0.05,bits=exponent,ranks=1 --protect dyn
   paft train --inject bitflip:site=local-grad,rate=0.02,bits=exponent --guard

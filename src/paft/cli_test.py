@@ -390,9 +390,10 @@ def test_paft_train_end_to_end_with_config_file(
         # A hand-edited config.json: the checkpoint holds the options it was trained with
         # (an edited seed went on silently, an edited optimizer failed in a worker).
         (tmp_path / "r" / "config.json", json.dumps({**config, "seed": 5}).encode(),
-         "--resume: cannot change --seed (0 in its checkpoint step0000040, 5 asked)"),
+         "--resume: cannot change --seed (0 in its checkpoint step0000040, 5 asked: r/config.json was edited since)"),
         (tmp_path / "r" / "config.json", json.dumps({**config, "optimizer": "sgd"}).encode(),
-         "--resume: cannot change --optimizer ('adamw' in its checkpoint step0000040, 'sgd' asked)"),
+         "--resume: cannot change --optimizer ('adamw' in its checkpoint step0000040, 'sgd' asked: "
+         "r/config.json was edited since)"),
     ]
     for path, data, needle in damage:
         path.write_bytes(data)

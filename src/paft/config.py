@@ -376,7 +376,8 @@ class TrainConfig:
     inject: list[str] = field(default_factory=list)
     """Fault specs, e.g. ``bitflip:rate=0.01,bits=exponent,ranks=1`` (``--inject``, repeatable)."""
     quiet: bool = False
-    """No console progress from the workers (``--quiet``); the run directory is written as usual."""
+    """No start-up header and no console progress from the workers (``--quiet``); warnings,
+    errors and the final summary still print, and the run directory is written as usual."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to ``<run-dir>/tb`` (``--tensorboard``); needs the
     optional tensorboard package (``pip install 'paft[tensorboard]'``)."""

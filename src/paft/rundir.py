@@ -285,7 +285,8 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
             trained = TrainConfig.from_dict(held).to_dict()
         except (ValueError, TypeError, AttributeError) as err:
             raise RunDirError(f"--resume: {root / name / 'rank0.pt'} holds unreadable options: {err}") from None
-        _check_fixed(trained, cfg.to_dict(), f"its checkpoint {name}")
+        # config.json passed the check above, so it no longer says what the run trained with.
+        _check_fixed(trained, cfg.to_dict(), f"its checkpoint {name}", why=f": {path / 'config.json'} was edited since")
     done = int(name.removeprefix("step"))
     # A run stopped after its final checkpoint but before summary.json only lacks the
     # summary: resuming it at the same --steps writes it (Trainer.train trains nothing).
@@ -296,8 +297,9 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
         )
 
 
-def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str) -> None:
-    """Refuse a resume that changes an option of :data:`_FIXED_ON_RESUME` (config dicts)."""
+def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str, why: str = "") -> None:
+    """Refuse a resume that changes an option of :data:`_FIXED_ON_RESUME` (config dicts);
+    ``why`` tells where a change that passed the command line's check came from."""
     # Compare what takes effect: model fields at their defaults, no sync mode without a sync.
     for d in (saved, asked):
         d["model"] = dataclasses.asdict(model_config(d["workload"], d["model"]))
@@ -311,7 +313,8 @@ def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str) -> No
             if isinstance(was, dict):  # name only the fields that differ
                 keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
                 was, now = ({k: d.get(k) for k in keys} for d in (was, now))
-            raise RunDirError(f"--resume: cannot change {flag} ({was!r} in {where}, {now!r} asked); start a new run")
+            raise RunDirError(
+                f"--resume: cannot change {flag} ({was!r} in {where}, {now!r} asked{why}); start a new run")
 
 
 def _summary_steps(path: pathlib.Path) -> int | None:
