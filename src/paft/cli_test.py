@@ -333,6 +333,16 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
     assert "exit codes: 0 done, 1 a worker failed, 2 bad input" in out
 
 
+def test_python_dash_m_paft_is_the_paft_command(tmp_path: pathlib.Path) -> None:
+    """``python -m paft``, where the console script is not on PATH: the same command, its
+    name in the usage and its exit code for bad input."""
+    proc = subprocess.run([sys.executable, "-m", "paft", "train", "--steps", "0"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "paft train: error: --steps: must be >= 1, got 0" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_paft_train_end_to_end_with_config_file(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
