@@ -1,6 +1,6 @@
-"""protect() under the set-ups users wrap their model in: torch.compile, activation
-checkpointing with dropout inside, clipping inside the closure, and an EMA of the
-weights gated by ``report.applied``.
+"""protect() under the set-ups users wrap their model in: torch.compile, either way round
+DDP, activation checkpointing with dropout inside, clipping inside the closure, and an
+EMA of the weights gated by ``report.applied``.
 
 One pair of gloo workers runs every case (compiles are slow: dynamo's caches are shared
 across cases, and the ranks spawn once); the tests below judge its results. What paft
@@ -11,8 +11,9 @@ promises of any DDP model, as in integration_ddp_test.py:
 (d) the guard's recompute of a transient local-gradient fault ends there too, and the
     fault's record names the step, rank and bucket it struck.
 
-A compiled module inside DDP runs under dynamo's DDPOptimizer, which splits the graph at
-DDP's bucket boundaries; the comm hook must still see every bucket.
+A compiled module inside DDP, and ``torch.compile(DDP(model))``, run under dynamo's
+DDPOptimizer, which splits the graph at DDP's bucket boundaries; the comm hook must
+still see every bucket.
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ def _build(setup: str, compiler: CompileCounterWithBackend) -> tuple[nn.Module, 
     if setup == "ddp_of_compiled":
         ddp = DistributedDataParallel(torch.compile(Wide(), backend=compiler), bucket_cap_mb=1)
         called: nn.Module = ddp
+    elif setup == "compiled_ddp":
+        ddp = DistributedDataParallel(Wide(), bucket_cap_mb=1)
+        called = torch.compile(ddp, backend=compiler)
+    elif setup == "compiled_ddp_inductor":
+        ddp = DistributedDataParallel(Small())
+        called = torch.compile(ddp, backend=compiler)
     elif setup == "ddp_of_compiled_inductor":
         ddp = DistributedDataParallel(torch.compile(Small(), backend=compiler))
         called = ddp
@@ -191,10 +198,10 @@ MONITORED: dict[str, Any] = {}
 DYN = {"inject": [AGG_FAULT], "protect": {"mode": "dyn"}}
 GUARDED = {"inject": [LOCAL_FAULT], "guard": {"enabled": True, "warmup": 2}}
 CASES: list[tuple[str, str, dict[str, Any]]] = [
-    *[(setup, name, opts) for setup in ("ddp_of_compiled",)
+    *[(setup, name, opts) for setup in ("ddp_of_compiled", "compiled_ddp")
       for name, opts in (("plain", {"plain": True}), ("monitored", MONITORED), ("dyn", DYN), ("guarded", GUARDED))],
-    ("ddp_of_compiled_inductor", "plain", {"plain": True}),
-    ("ddp_of_compiled_inductor", "guarded", GUARDED),
+    *[(setup, name, opts) for setup in ("ddp_of_compiled_inductor", "compiled_ddp_inductor")
+      for name, opts in (("plain", {"plain": True}), ("guarded", GUARDED))],
     ("checkpoint", "plain", {"plain": True}),
     ("checkpoint", "guarded", GUARDED),
     ("checkpoint_compiled", "plain", {"plain": True}),
@@ -227,8 +234,9 @@ def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
         torch.equal(x, y) for (_, x), (_, y) in zip(a["state"], b["state"]))
 
 
-@pytest.mark.parametrize("setup", ["ddp_of_compiled"])
-def test_a_compiled_model_is_protected(runs: list[dict[str, dict[str, Any]]], setup: str) -> None:
+@pytest.mark.parametrize("setup", ["ddp_of_compiled", "compiled_ddp"])
+def test_a_compiled_model_is_protected_either_way_round_ddp(runs: list[dict[str, dict[str, Any]]],
+                                                            setup: str) -> None:
     for rank in range(2):
         plain, monitored = runs[rank][f"{setup}/plain"], runs[rank][f"{setup}/monitored"]
         dyn, guarded = runs[rank][f"{setup}/dyn"], runs[rank][f"{setup}/guarded"]
@@ -252,9 +260,11 @@ def test_a_compiled_model_is_protected(runs: list[dict[str, dict[str, Any]]], se
     assert 0 <= agg["target"] < 3 and 0 <= local["target"] < 3
 
 
-def test_the_inductor_backend_recomputes_to_the_fault_free_run(runs: list[dict[str, dict[str, Any]]]) -> None:
+@pytest.mark.parametrize("setup", ["ddp_of_compiled_inductor", "compiled_ddp_inductor"])
+def test_the_inductor_backend_recomputes_to_the_fault_free_run(runs: list[dict[str, dict[str, Any]]],
+                                                               setup: str) -> None:
     for rank in range(2):
-        plain, guarded = runs[rank]["ddp_of_compiled_inductor/plain"], runs[rank]["ddp_of_compiled_inductor/guarded"]
+        plain, guarded = runs[rank][f"{setup}/plain"], runs[rank][f"{setup}/guarded"]
         assert plain["graphs"] == guarded["graphs"] == 1
         assert [r["attempts"] for r in guarded["reports"]] == [1] * 4 + [2] + [1] * (STEPS - 5)
         assert same_state(plain, guarded)
@@ -305,3 +315,11 @@ def test_an_ema_gated_by_applied_skips_what_the_guard_skipped(runs: list[dict[st
         assert [r["applied"] for r in guarded["reports"]] == [s != NAN_STEP for s in range(STEPS)]
         assert same_state(plain, guarded)
         assert all(torch.equal(a, b) for a, b in zip(plain["ema"], guarded["ema"]))
+
+
+def test_a_compiled_model_without_ddp_is_refused_with_the_fix_named() -> None:
+    # Refused before any collective: no process group needed.
+    model = torch.compile(toy_model(), backend="eager")
+    with pytest.raises(TypeError, match=r"got torch.compile of a Sequential; wrap the model in "
+                                        r"DistributedDataParallel\(model\)"):
+        protect(model, torch.optim.SGD(model.parameters(), lr=0.1))

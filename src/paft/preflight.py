@@ -30,7 +30,7 @@ from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
 
-__all__ = ["check_added_groups", "mark_protected", "preflight", "wants_comm_hook"]
+__all__ = ["check_added_groups", "ddp_of", "mark_protected", "preflight", "wants_comm_hook"]
 
 
 def preflight(
@@ -52,7 +52,11 @@ def preflight(
     group. Returns the parsed fault specs and the optimizer step (with the loss scaler).
     Raises ``TypeError`` / ``ValueError`` / ``RuntimeError`` on every rank."""
     if not isinstance(model, DistributedDataParallel):  # no process group to tell the others through
-        raise TypeError(f"protect() needs a DistributedDataParallel model, got {type(model).__name__}")
+        inner = _compiled_module(model)
+        got = type(model).__name__ if inner is None else f"torch.compile of a {type(inner).__name__}"
+        raise TypeError(f"protect() needs a DistributedDataParallel model, got {got}; wrap the model in "
+                        "DistributedDataParallel(model), compiled or not: DistributedDataParallel(torch.compile("
+                        "model)) and torch.compile(DistributedDataParallel(model)) are both taken")
     refusal: Exception | None = None
     try:
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
@@ -89,6 +93,25 @@ def preflight(
             raise ValueError("protect(): with scaler=, the optimizer must hold every parameter that "
                              "requires a gradient (freeze the others with requires_grad_(False))")
     return specs, stepper
+
+
+def ddp_of(model: Any) -> Any:
+    """The DDP model ``torch.compile(ddp)`` wraps, else ``model`` itself. The compiled
+    wrapper runs the same DDP module (dynamo's DDPOptimizer splits its graph at the
+    bucket boundaries, and DDP's reducer still calls the comm hook for every bucket), so
+    paft protects that module while the closure calls the wrapper."""
+    inner = _compiled_module(model)
+    return inner if isinstance(inner, DistributedDataParallel) else model
+
+
+def _compiled_module(model: Any) -> Any:
+    """The module a ``torch.compile`` wrapper compiles, or None for anything else. Looked
+    up, not imported (as ZeroRedundancyOptimizer below): importing torch._dynamo costs
+    seconds, and a model can only be compiled if the user's program imported it."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or not isinstance(model, eval_frame.OptimizedModule):
+        return None
+    return model._orig_mod
 
 
 def wants_comm_hook(monitor: MonitorConfig, specs: Sequence[FaultSpec], comm_hook: Any) -> bool:

@@ -58,7 +58,7 @@ from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.hook_state import hook_snapshot
 from paft.monitor import Monitor
 from paft.norms import judged_norm, total_norm
-from paft.preflight import check_added_groups, mark_protected, preflight, wants_comm_hook
+from paft.preflight import check_added_groups, ddp_of, mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot
@@ -107,7 +107,7 @@ class StepReport:
 
 
 def protect(
-    model: DistributedDataParallel,
+    model: DistributedDataParallel | torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
     monitor: MonitorConfig | None = None,
@@ -131,7 +131,8 @@ def protect(
     collective, so the others would wait for it).
 
     Args:
-        model: the DDP-wrapped model; paft registers its comm hook on it.
+        model: the DDP-wrapped model, or ``torch.compile`` of it (the DDP model may
+            wrap a compiled module too); paft registers its comm hook on it.
         optimizer: the optimizer over ``model``'s parameters, in the same order on
             every rank.
         monitor: the worker metrics, fingerprints and alerts (default: on).
@@ -183,7 +184,7 @@ def protect(
         dist.destroy_process_group()
     """
     return Protector(
-        model,
+        ddp_of(model),  # torch.compile(ddp): the DDP model the closure's compiled wrapper runs
         optimizer,
         monitor=monitor or MonitorConfig(),
         protect=protect or ProtectConfig(),
