@@ -515,11 +515,17 @@ def check_devices(cfg: TrainConfig, local_workers: int | None = None) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise DeviceError("--device cuda: no CUDA device is visible; use --device cpu")
     count = torch.cuda.device_count()
-    if uses_cuda(cfg) and cfg.world_size > count:
-        raise DeviceError(
-            f"--world-size {cfg.world_size}: NCCL needs one GPU per worker and {count} "
-            f"{'is' if count == 1 else 'are'} visible; use --world-size {count} or --device cpu (gloo)"
-        )
+    local = cfg.world_size if local_workers is None else local_workers
+    # This machine's workers each take one of its GPUs (torchrun's LOCAL_RANK): under
+    # torchrun over several machines the world size is all of theirs, and two nodes of 8
+    # GPUs each were refused for a world size of 16.
+    if uses_cuda(cfg) and local > count:
+        visible = f"NCCL needs one GPU per worker and {count} {'is' if count == 1 else 'are'} visible"
+        if local_workers is None:
+            raise DeviceError(f"--world-size {cfg.world_size}: {visible}; use --world-size {count} "
+                              "or --device cpu (gloo)")
+        raise DeviceError(f"{local} worker processes on this machine: {visible}; start at most {count} here "
+                          f"(torchrun --nproc-per-node {count}) or use --device cpu (gloo)")
     # Weights, gradients, DDP's buckets and two optimizer moments: 20 bytes per fp32
     # parameter per worker, before activations. Only sizes far beyond the machine are
     # refused here; the rest is the allocator's to judge.
@@ -529,7 +535,6 @@ def check_devices(cfg: TrainConfig, local_workers: int | None = None) -> None:
     else:
         # Every worker on this machine also holds torch itself (a typo such as
         # --world-size 1000 would otherwise start 1000 processes).
-        local = cfg.world_size if local_workers is None else local_workers
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
         if BYTES_PER_PROCESS * local > have:
             raise DeviceError(

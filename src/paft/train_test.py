@@ -7,6 +7,7 @@ import math
 import os
 import pathlib
 import shutil
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -84,6 +85,24 @@ def test_the_memory_check_counts_each_worker_on_this_machine(monkeypatch: pytest
     machine(3 * BYTES_PER_PROCESS - 1)
     with pytest.raises(DeviceError, match="--world-size 3: 3 worker processes on this machine"):
         check_devices(cfg)
+
+
+def test_the_gpu_check_counts_the_workers_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two torchrun nodes of 8 GPUs each: world size 16, 8 workers per machine, each on
+    # its LOCAL_RANK's GPU. The check compared the world size with this machine's GPUs
+    # and refused every multi-node GPU run (a mutant that kept the world size survived).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=80 * 2**30))
+    cfg = TrainConfig(workload="resnet", world_size=16, batch_size=16, device="cuda")
+    check_devices(cfg, local_workers=8)
+    with pytest.raises(DeviceError) as err:
+        check_devices(cfg, local_workers=9)
+    assert str(err.value) == ("9 worker processes on this machine: NCCL needs one GPU per worker and 8 are visible; "
+                              "start at most 8 here (torchrun --nproc-per-node 8) or use --device cpu (gloo)")
+    with pytest.raises(DeviceError, match="^--world-size 16: NCCL needs one GPU per worker and 8 are visible; "
+                                          "use --world-size 8 or"):
+        check_devices(cfg)  # paft train starts every worker here
 
 
 def test_fault_free_ddp_keeps_replicas_bitwise_identical(tmp_path: pathlib.Path) -> None:
