@@ -911,6 +911,21 @@ def test_sigterm_unwinds_like_ctrl_c_with_its_own_exit_code(capsys: pytest.Captu
         assert f"interrupted ({sig.name})" in capsys.readouterr().err
 
 
+def test_an_interrupted_run_with_a_checkpoint_says_how_to_continue(tmp_path: pathlib.Path) -> None:
+    """paft train's line and rank 0's under torchrun (which had none) name the command."""
+    from paft.launch import resume_hint
+
+    run = tmp_path / "my run"
+    assert resume_hint(str(run), "paft train") == ""  # nothing to continue from
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step0000010")
+    assert resume_hint(str(run), "paft train") == (
+        f"; to continue from the last checkpoint: paft train --run-dir '{run}' --resume")
+    assert resume_hint(str(run), "torchrun ... -m paft.train") == (
+        f"; to continue from the last checkpoint: torchrun ... -m paft.train --run-dir '{run}' --resume")
+    assert resume_hint(None, "paft train") == ""
+
+
 def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Two paft train processes in one run directory interleaved their records: a

@@ -72,6 +72,7 @@ __all__ = [
     "start_launched_worker",
     "torchrun_main",
     "on_sigterm",
+    "resume_hint",
     "set_aside",
     "settle",
     "unwind_on_termination",
@@ -342,6 +343,14 @@ class SignalHold:
             os.kill(os.getpid(), sig)
 
 
+def resume_hint(run_dir: str | None, command: str) -> str:
+    """What an interrupted run's line adds where ``run_dir`` keeps a checkpoint: how to
+    continue from it (``command``: how the run was started)."""
+    if run_dir and has_checkpoint(pathlib.Path(run_dir)):
+        return f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(run_dir)} --resume"
+    return ""
+
+
 def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", say: bool = True) -> int:
     """Say (unless ``say`` is false) that the run was interrupted, and by what; the exit
     code the shell uses for that signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)."""
@@ -396,10 +405,7 @@ def _run_workers(cfg: TrainConfig) -> int:
         print(err.describe("paft train") + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        hint = ""
-        if has_checkpoint(pathlib.Path(cfg.run_dir)):
-            hint = f"; to continue from the last checkpoint: paft train --run-dir {shlex.quote(cfg.run_dir)} --resume"
-        return interrupted(err, hint)
+        return interrupted(err, resume_hint(cfg.run_dir, "paft train"))
     first = results[0]
     if first["status"] == "persistent_fault":
         print(f"paft train: {first['message']}", file=sys.stderr)
@@ -646,7 +652,8 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(cfg, prog, rank0)
     except (KeyboardInterrupt, SignalException) as err:
-        return interrupted(err, prog=prog, say=rank0)
+        hint = resume_hint(cfg.run_dir, "torchrun ... -m paft.train") if rank0 else ""
+        return interrupted(err, hint, prog=prog, say=rank0)
 
 
 def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
