@@ -35,7 +35,7 @@ from paft.protect import protect
 from paft.protect_test import batch, toy_model
 from paft.records import RunRecorder
 from paft.state import state_tensors
-from paft.testing import run_workers
+from paft.testing import run_workers, take_step
 
 AGG_FAULT = "bitflip:steps=3,bits=30,ranks=1"
 LOCAL_FAULT = "bitflip:site=local-grad,steps=4,bits=30,ranks=1"
@@ -162,26 +162,20 @@ def train(rank: int, setup: str, opts: dict[str, Any]) -> dict[str, Any]:
     recorder = KeptFaults(rank)
     protector = None
     if not opts.get("plain"):
-        protector = protect(called if opts.get("pass_called", True) else ddp, optimizer,
+        protector = protect(called, optimizer,
                             monitor=MonitorConfig(), protect=ProtectConfig(**opts.get("protect", {})),
                             guard=GuardConfig(**opts.get("guard", {})), inject=opts.get("inject", []), seed=3,
                             grad_clip=opts.get("grad_clip", 0.0), recorder=recorder)
     ema = [p.detach().clone() for p in ddp.parameters()]
     reports = []
     for step in range(STEPS):
-        closure = _closure(setup, called, ddp, optimizer, rank, step)
-        applied = True
-        if protector is None:
-            if step in opts.get("skip", ()):
-                continue
-            closure()
-            optimizer.step()
-        else:
-            r = protector.step(closure)
-            applied = r.applied
+        if protector is None and step in opts.get("skip", ()):
+            continue
+        r = take_step(protector, optimizer, _closure(setup, called, ddp, optimizer, rank, step))
+        if r is not None:
             reports.append({"attempts": r.attempts, "applied": r.applied, "grad_norm": r.grad_norm,
                             "metrics": r.metrics, "buckets": protector.hook.buckets_seen})
-        if applied:  # the EMA of the weights, as users keep one: only applied updates count
+        if r is None or r.applied:  # the EMA of the weights, as users keep one: only applied updates count
             with torch.no_grad():
                 for e, p in zip(ema, ddp.parameters()):
                     e.lerp_(p, 1 - EMA_DECAY)
