@@ -12,6 +12,7 @@ from paft.startup import exit_on_interrupt
 exit_on_interrupt()
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig  # noqa: E402
+from paft.optimizers import OptimizerChain  # noqa: E402
 from paft.protect import PersistentFaultError, Protector, StepReport, protect  # noqa: E402
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "MonitorConfig",
     "ProtectConfig",
     "GuardConfig",
+    "OptimizerChain",
     "__version__",
 ]
 __version__ = "0.1.0"

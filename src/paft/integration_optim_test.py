@@ -6,7 +6,8 @@ rollback), so nothing in it names SGD or Adam. This module checks that claim end
 end on real DDP (gloo, CPU), one set-up at a time: SGD with Nesterov momentum, weight
 decay or ``maximize``; Adam's ``amsgrad`` (its extra ``max_exp_avg_sq``), its
 for-loop, ``foreach`` and ``fused`` kernels; RMSprop, Adagrad, Adamax, NAdam, RAdam;
-param groups with their own learning rate and weight decay. For each:
+param groups with their own learning rate and weight decay; Muon for the hidden
+matrices chained with AdamW for the rest (:class:`paft.OptimizerChain`). For each:
 
 (b) a fault-free monitored run is plain DDP's bit for bit (parameters and optimizer
     state);
@@ -31,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
+from paft.optimizers import OptimizerChain, chained
 from paft.protect import Protector, protect
 from paft.protect_test import batch, toy_model
 from paft.testing import run_workers, take_step
@@ -41,6 +43,14 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
     named = list(model.named_parameters())
     return [{"params": [p for n, p in named if p.dim() > 1], "weight_decay": 0.1},
             {"params": [p for n, p in named if p.dim() <= 1], "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def _muon_adamw(model: nn.Module) -> OptimizerChain:
+    """Muon for the hidden matrices (2-D, more than one output), AdamW for the rest."""
+    hidden = [p for p in model.parameters() if p.dim() == 2 and p.shape[0] > 1]
+    rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+    return OptimizerChain([torch.optim.Muon(hidden, lr=2e-2, adjust_lr_fn="match_rms_adamw"),
+                           torch.optim.AdamW(rest, lr=1e-2)])
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
@@ -57,6 +67,7 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "nadam": lambda m: torch.optim.NAdam(m.parameters(), lr=1e-2),
     "radam": lambda m: torch.optim.RAdam(m.parameters(), lr=1e-2),
     "adamw-groups": lambda m: torch.optim.AdamW(_groups(m), lr=1e-2),
+    "muon-adamw": _muon_adamw,
 }
 
 # What each set-up keeps per parameter: the sweep compares all of it.
@@ -68,6 +79,7 @@ STATE_KEYS = {
     "rmsprop-centered": {"grad_avg", "momentum_buffer", "square_avg", "step"},
     "adagrad": {"step", "sum"}, "adamax": {"exp_avg", "exp_inf", "step"},
     "nadam": {"exp_avg", "exp_avg_sq", "mu_product", "step"},
+    "muon-adamw": {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"},
 }
 STEPS = 8
 GUARD = {"enabled": True, "warmup": 2}
@@ -89,11 +101,12 @@ def _state(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> 
     torch's own ``state_dict()``s, not through paft's listing of the state, so a
     tensor that listing missed would show here."""
     out = [(f"param/{n}", p.detach().clone()) for n, p in model.module.named_parameters()]
-    for index, entry in sorted(optimizer.state_dict()["state"].items()):
-        for key, value in sorted(entry.items()):
-            # Every entry of these set-ups' state is a tensor, so each is compared.
-            assert isinstance(value, torch.Tensor), (key, value)
-            out.append((f"optim/{index}/{key}", value.clone()))
+    for which, one in enumerate(chained(optimizer)):
+        for index, entry in sorted(one.state_dict()["state"].items()):
+            for key, value in sorted(entry.items()):
+                # Every entry of these set-ups' state is a tensor, so each is compared.
+                assert isinstance(value, torch.Tensor), (key, value)
+                out.append((f"optim/{which}.{index}/{key}", value.clone()))
     return out
 
 
@@ -107,8 +120,10 @@ def _run(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
     model = DistributedDataParallel(toy_model())
     optimizer = OPTIMIZERS[name](model)
     sign = -1.0 if name == "sgd-maximize" else 1.0
+    # A chain's optimizers go in as the list protect() takes, which chains them itself.
+    given = chained(optimizer) if isinstance(optimizer, OptimizerChain) else optimizer
     protector = None if opts.get("plain") else protect(
-        model, optimizer, monitor=MonitorConfig(), protect=ProtectConfig(**opts.get("protect", {})),
+        model, given, monitor=MonitorConfig(), protect=ProtectConfig(**opts.get("protect", {})),
         guard=GuardConfig(**opts.get("guard", {})), inject=opts.get("inject", []), seed=3)
     reports = []
     for step in range(STEPS):
@@ -129,7 +144,9 @@ def _w_setup(rank: int, world_size: int, name: str) -> dict[str, dict[str, Any]]
     return {
         "plain": _run(rank, name, {"plain": True}),
         "monitored": _run(rank, name, {}),
-        "dyn": _run(rank, name, {"protect": {"mode": "dyn"}, "inject": ["bitflip:steps=3,bits=30,ranks=1"]}),
+        # The scaled aggregate splits every parameter's state on rank 2, not one element's.
+        "dyn": _run(rank, name, {"protect": {"mode": "dyn"}, "inject": ["bitflip:steps=3,bits=30,ranks=1",
+                                                                        "scale:steps=5,fraction=1,factor=1.5,ranks=2"]}),
         "guarded": _run(rank, name, guarded),
         "guarded fault": _run(rank, name, {**guarded,
                                            "inject": ["bitflip:site=local-grad,steps=4,bits=30,ranks=1"]}),
@@ -152,7 +169,7 @@ def _equal(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]])
 SETUPS = {"sgd": ["sgd-nesterov", "sgd-maximize"],
           "adam": ["adam-amsgrad", "adam-for-loop", "adam-foreach", "adamw-fused"],
           "others": ["rmsprop-centered", "adagrad", "adamax", "nadam", "radam"],
-          "param groups": ["adamw-groups"]}
+          "param groups": ["adamw-groups"], "chain": ["muon-adamw"]}
 
 
 @pytest.mark.parametrize("family", list(SETUPS))
@@ -173,8 +190,9 @@ def _check_setup(name: str, out: list[dict[str, dict[str, Any]]]) -> None:
         assert _equal(o["guarded fault"]["state"], plain)
         assert o["guarded fault"]["reports"][4][:2] == (True, 2)
         assert o["guarded fault"]["counters"]["transient"] == 1
-        # (c) the flipped aggregate split rank 1 at step 3; PAFT-Dyn repaired it at once.
-        assert o["dyn"]["reports"][3][2] is True
+        # (c) the flipped aggregate split rank 1 at step 3, the scaled one rank 2 at step 5;
+        # PAFT-Dyn repaired each at once.
+        assert o["dyn"]["reports"][3][2] is True and o["dyn"]["reports"][5][2] is True
         assert all(torch.isfinite(t).all() for n, t in o["dyn"]["state"] if t.is_floating_point())
     for o in out[1:]:
         assert _equal(o["dyn"]["state"], out[0]["dyn"]["state"])

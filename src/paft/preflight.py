@@ -29,6 +29,7 @@ from paft.comm import paft_comm_hook, registered_comm_hooks
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
+from paft.optimizers import chained
 
 __all__ = ["check_added_groups", "ddp_of", "mark_protected", "preflight", "wants_comm_hook"]
 
@@ -147,17 +148,19 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
         raise RuntimeError("protect(): this DDP model is already protected by a live Protector; keep using "
                            "that one (its state_dict() carries over), or wrap the module in a new DDP model")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"protect() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if _is_zero_redundancy(optimizer):
-        # Its state lives sharded in optimizer.optim.state: paft could neither fingerprint
-        # nor sync it, and a rolled-back step would keep the state it advanced.
-        raise TypeError("protect(): ZeroRedundancyOptimizer is not supported (each rank holds only its shard of "
-                        "the optimizer state, which replicas cannot be compared or repaired from); "
-                        "pass the optimizer it wraps")
-    closure = inspect.signature(optimizer.step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise TypeError(f"protect(): {type(optimizer).__name__}.step() needs a closure (it re-evaluates the loss); "
-                        "paft runs the closure once per step and calls optimizer.step() without one")
+        raise TypeError("protect() needs a torch.optim.Optimizer, or a list of them over disjoint parameters, "
+                        f"got {type(optimizer).__name__}")
+    for one in chained(optimizer):
+        if _is_zero_redundancy(one):
+            # Its state lives sharded in optimizer.optim.state: paft could neither fingerprint
+            # nor sync it, and a rolled-back step would keep the state it advanced.
+            raise TypeError("protect(): ZeroRedundancyOptimizer is not supported (each rank holds only its shard "
+                            "of the optimizer state, which replicas cannot be compared or repaired from); "
+                            "pass the optimizer it wraps")
+        closure = inspect.signature(one.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise TypeError(f"protect(): {type(one).__name__}.step() needs a closure (it re-evaluates the loss); "
+                            "paft runs the closure once per step and calls optimizer.step() without one")
     for name, cfg, cls in (("monitor", monitor, MonitorConfig), ("protect", protect, ProtectConfig),
                            ("guard", guard, GuardConfig)):
         if not isinstance(cfg, cls):
@@ -265,7 +268,7 @@ def _model_and_optimizer(model: DistributedDataParallel, optimizer: torch.optim.
     differently would mix layers' state."""
     index = {id(p): i for i, p in enumerate(model.parameters())}
     return {
-        "the optimizer's type": type(optimizer).__qualname__,
+        "the optimizer's type": [type(one).__qualname__ for one in chained(optimizer)],
         "the optimizer's hyperparameters": [  # plain values: an object's repr may hold its address
             {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, tuple, type(None)))}
             for g in optimizer.param_groups],

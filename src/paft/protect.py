@@ -32,7 +32,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,7 @@ from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.hook_state import hook_snapshot
 from paft.monitor import Monitor
 from paft.norms import judged_norm, total_norm
+from paft.optimizers import OptimizerChain
 from paft.preflight import check_added_groups, ddp_of, mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
@@ -108,7 +109,7 @@ class StepReport:
 
 def protect(
     model: DistributedDataParallel | torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
     monitor: MonitorConfig | None = None,
     protect: ProtectConfig | None = None,
@@ -134,7 +135,9 @@ def protect(
         model: the DDP-wrapped model, or ``torch.compile`` of it (the DDP model may
             wrap a compiled module too); paft registers its comm hook on it.
         optimizer: the optimizer over ``model``'s parameters, in the same order on
-            every rank.
+            every rank; or a list of optimizers over disjoint parameters (Muon for the
+            hidden matrices, AdamW for the rest), which paft steps and protects as one
+            (:class:`paft.OptimizerChain`, the protector's ``optimizer``).
         monitor: the worker metrics, fingerprints and alerts (default: on).
         protect: PAFT-Sync / PAFT-Dyn / model averaging (default: none).
         guard: harmful-update detection and recomputation (default: off).
@@ -185,7 +188,8 @@ def protect(
     """
     return Protector(
         ddp_of(model),  # torch.compile(ddp): the DDP model the closure's compiled wrapper runs
-        optimizer,
+        # Anything but a list or tuple goes on as it is: the preflight names what it is.
+        OptimizerChain(optimizer) if isinstance(optimizer, (list, tuple)) else cast(torch.optim.Optimizer, optimizer),
         monitor=monitor or MonitorConfig(),
         protect=protect or ProtectConfig(),
         guard=guard or GuardConfig(),

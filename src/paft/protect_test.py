@@ -1041,6 +1041,13 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "zero_grad without backward": zeroed_only,
         "foreign optimizer": lambda m, o: protect(m, torch.optim.SGD(toy_model().parameters(), lr=0.1)),
         "lbfgs": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters())),
+        "lbfgs in a list": lambda m, o: protect(m, [torch.optim.SGD(list(m.parameters())[:2], lr=0.1),
+                                                    torch.optim.LBFGS(list(m.parameters())[2:])]),
+        "one parameter in two optimizers": lambda m, o: protect(m, [torch.optim.SGD(m.parameters(), lr=0.1),
+                                                                    torch.optim.Adam(list(m.parameters())[:1])]),
+        "a list's order per rank": lambda m, o: protect(m, [
+            (torch.optim.Adam, torch.optim.SGD)[rank](list(m.parameters())[:2], lr=1e-2),
+            (torch.optim.SGD, torch.optim.Adam)[rank](list(m.parameters())[2:], lr=1e-2)]),
         "zero": lambda m, o: protect(m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam)),
         "grad_clip nan": lambda m, o: protect(m, o, grad_clip=float("nan")),
         "grad_clip inf": lambda m, o: protect(m, o, grad_clip=math.inf),
@@ -1174,6 +1181,11 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "zero_grad without backward": "RuntimeError: the closure ran no backward(): DDP all-reduced no gradient",
         "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
         "lbfgs": "TypeError: protect(): LBFGS.step() needs a closure",
+        "lbfgs in a list": "TypeError: protect(): LBFGS.step() needs a closure",
+        "one parameter in two optimizers": "ValueError: OptimizerChain: a parameter of shape (64, 16) is held by "
+                                           "optimizer 0 (SGD) and optimizer 1 (Adam)",
+        "a list's order per rank": "ValueError: protect(): ranks disagree on the optimizer's type, the optimizer's "
+                                   "hyperparameters;",
         "zero": "TypeError: protect(): ZeroRedundancyOptimizer is not supported",
         "grad_clip nan": "ValueError: protect(): grad_clip must be a finite number >= 0",
         "grad_clip inf": "ValueError: protect(): grad_clip must be a finite number >= 0 (0: no clipping), got inf",
