@@ -46,7 +46,7 @@ __all__ = [
     "TrainConfig",
 ]
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "muon")
 PROTECT_MODES = ("none", "sync", "dyn", "averager")
 SYNC_MODES = ("robust", "mean", "broadcast")
 COSINE_MODES = ("sketch", "exact", "off")
@@ -318,7 +318,9 @@ class TrainConfig:
     batch_size: int = 64
     """Global batch size, split evenly across workers (``--batch-size``)."""
     optimizer: str = "adamw"
-    """``sgd``, ``momentum`` (SGD, momentum 0.9), ``adam`` or ``adamw`` (``--optimizer``)."""
+    """``sgd``, ``momentum`` (SGD, momentum 0.9), ``adam``, ``adamw``, or ``muon`` (gpt
+    and llama): Muon for the hidden weight matrices and AdamW for the rest, both at
+    ``--lr`` (``--optimizer``)."""
     lr: float = 3e-3
     """Peak learning rate (``--lr``)."""
     weight_decay: float = 0.0
@@ -389,7 +391,7 @@ class TrainConfig:
         _check_types(self)
         # Local imports: the fault modules are leaves, and importing config stays cheap.
         from paft.faultspec import parse_specs
-        from paft.workloads import WORKLOADS, model_config, train_items
+        from paft.workloads import MUON_WORKLOADS, WORKLOADS, model_config, train_items
 
         _require_choice(self, "workload", WORKLOADS)
         _require(isinstance(self.model, dict), self, "model",
@@ -420,6 +422,9 @@ class TrainConfig:
             f"{self.batch_size} is more than the {self.workload} training set holds ({items} {unit})",
         )
         _require_choice(self, "optimizer", OPTIMIZERS)
+        _require(self.optimizer != "muon" or self.workload in MUON_WORKLOADS, self, "optimizer",
+                 f"muon trains hidden weight matrices, which the {self.workload} workload has none of (its "
+                 f"layers are 4-D convolutions); use it with {' or '.join(MUON_WORKLOADS)}, or pick adamw")
         _require(self.lr > 0 and math.isfinite(self.lr), self, "lr", f"must be > 0, got {self.lr}")
         _require(0 <= self.weight_decay < math.inf, self, "weight_decay",
                  f"must be a finite number >= 0, got {self.weight_decay}")

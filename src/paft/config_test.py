@@ -45,6 +45,9 @@ SECTIONS = {None: TrainConfig, "monitor": MonitorConfig, "protect": ProtectConfi
                                           "(e.g. {'n_layer': 2}), got None"),
         (lambda: TrainConfig(world_size=2, batch_size=3),
          "TrainConfig.batch_size (--batch-size): 3 cannot be split evenly across --world-size 2"),
+        (lambda: TrainConfig(workload="resnet", optimizer="muon"),
+         "TrainConfig.optimizer (--optimizer): muon trains hidden weight matrices, which the resnet workload has "
+         "none of (its layers are 4-D convolutions); use it with gpt or llama, or pick adamw"),
         (lambda: TrainConfig(guard=GuardConfig(enabled=True), monitor=MonitorConfig(enabled=False)),
          "GuardConfig.enabled (--guard): needs the per-step monitor; drop --no-monitor"),
     ],

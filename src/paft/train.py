@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.collectives import gather_rows
 from paft.config import TrainConfig
 from paft.divergence import measure_divergence
+from paft.optimizers import OptimizerChain
 from paft.protect import Protector, StepReport, protect
 from paft.records import (
     UNTIMED_STEPS,
@@ -53,7 +54,7 @@ from paft.rundir import (
     stale_checkpoints,
 )
 from paft.state import state_fingerprint
-from paft.workloads import ShardedSampler, Workload, build_workload, parameter_count
+from paft.workloads import ShardedSampler, Workload, build_workload, hidden_matrices, parameter_count
 
 __all__ = [
     "Trainer",
@@ -79,7 +80,16 @@ class DeviceError(ValueError):
     """The devices asked for are not there (no GPU, or fewer GPUs than workers)."""
 
 
-def _build_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
+def _build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = model.parameters()
+    if cfg.optimizer == "muon":
+        # match_rms_adamw scales Muon's update to AdamW's size, so one --lr serves both.
+        hidden = hidden_matrices(model)
+        rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+        return OptimizerChain([
+            torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay),
+        ])
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "momentum":
@@ -130,7 +140,7 @@ class Trainer:
         model = self.workload.model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)
-        self.optimizer = _build_optimizer(cfg, self.model.parameters())
+        self.optimizer = _build_optimizer(cfg, self.model.module)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
         # The data order is --desync-shuffle's alone, so that the two perturbations of the
         # study stay apart: --desync-seed seeds only the torch RNG (dropout) per rank.
@@ -458,9 +468,10 @@ def format_plan(cfg: TrainConfig, prog: str = "paft train") -> str:
     }[p.mode]
     guard = "off" if not cfg.guard.enabled else "on" + (
         ", stops on a persistent fault" if cfg.guard.on_persistent == "stop" else "")
+    optimizer = "muon + adamw" if cfg.optimizer == "muon" else cfg.optimizer
     return "\n".join([
         f"{prog}: {cfg.workload} ({size} parameters), {_many(cfg.world_size, 'worker')} ({device}), "
-        f"{_many(cfg.steps, 'step')} of global batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr:g}, seed {cfg.seed}",
+        f"{_many(cfg.steps, 'step')} of global batch {cfg.batch_size}, {optimizer} lr {cfg.lr:g}, seed {cfg.seed}",
         f"  monitor: {monitor}",
         f"  protect: {protection}; guard: {guard}; inject: {' '.join(cfg.inject) if cfg.inject else 'none'}",
         f"  run dir: {cfg.run_dir}{' (resumed)' if cfg.resume else ''}",

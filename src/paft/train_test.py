@@ -50,7 +50,6 @@ def train_and_return_state(rank: int, world_size: int, cfg_dict: dict[str, Any])
     return {
         "summary": summary,
         "params": [p.detach().clone() for p in trainer.model.module.parameters()],
-        "optim": trainer.optimizer.state_dict()["state"],
         "protector": {k: v for k, v in trainer.protector.state_dict().items() if k != "sync"},
     }
 
@@ -218,6 +217,12 @@ RESUME_CASES = {
         "optimizer": "adamw", "monitor": MonitorConfig(fingerprint_every=2),
         "guard": GuardConfig(enabled=True, warmup=2), "inject": ["bitflip:site=params,steps=6,bits=sign,ranks=1"],
     },
+    # Muon and AdamW chained: both optimizers' state goes into the checkpoint and comes
+    # back, and PAFT-Dyn repairs both
+    "muon-dyn-faults": {
+        "optimizer": "muon", "protect": ProtectConfig(mode="dyn", sync_period=4, h_min=2),
+        "inject": ["scale:rate=0.3,fraction=1,factor=1.5,ranks=1"],
+    },
     # PAFT-Sync overlapped, a sync in flight at the step-6 checkpoint: it lands first,
     # in both runs, so the checkpoint holds no half-done collective
     "sync-in-flight": {"protect": ProtectConfig(mode="sync", sync_period=5)},
@@ -267,7 +272,8 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
     sent = sum(e.get("bytes_sent", 0) for e in read_jsonl(tmp_path / "b" / "events.jsonl")) if (
         tmp_path / "b" / "events.jsonl").exists() else 0
     assert resumed[0]["summary"]["sync_bytes"] == straight[0]["summary"]["sync_bytes"] == sent
-    assert (sent > 0) == (case in ("dyn-guard-faults", "guard-two-ranks", "sync-in-flight"))  # they synced
+    synced = ("dyn-guard-faults", "guard-two-ranks", "muon-dyn-faults", "sync-in-flight")
+    assert (sent > 0) == (case in synced)
     def faults(run: str) -> list[dict[str, Any]]:
         return read_jsonl(tmp_path / run / "faults.jsonl") if opts.get("inject") else []
 

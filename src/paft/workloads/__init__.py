@@ -49,6 +49,8 @@ from paft.workloads.resnet import ResNet, ResNetConfig
 
 __all__ = [
     "WORKLOADS",
+    "MUON_WORKLOADS",
+    "hidden_matrices",
     "Workload",
     "build_workload",
     "model_config",
@@ -234,6 +236,20 @@ def parameter_count(name: str, model_args: dict[str, Any] | None = None) -> int:
     ``parameter_count``) without building it: an absurd ``--model`` size is refused
     before any worker starts, in the time its options take to check."""
     return model_config(name, model_args).parameter_count
+
+
+MUON_WORKLOADS: tuple[str, ...] = ("gpt", "llama")
+"""The workloads with hidden weight matrices for ``--optimizer muon``: ResNet's layers
+are 4-D convolutions (``torch.optim.Muon`` takes 2-D parameters) and one output head."""
+
+
+def hidden_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of ``model``'s hidden ``nn.Linear`` layers, which Muon trains: every
+    Linear's but the last one's (the output head) and any tied to an embedding.
+    Embeddings, the head, norms and biases are left to AdamW, as Muon's authors do."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [m.weight for m in linears[:-1] if id(m.weight) not in embedded]
 
 
 def build_workload(

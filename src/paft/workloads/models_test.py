@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from paft.testing import run_workers
 from paft.workloads import (
     GPT,
+    MUON_WORKLOADS,
     WORKLOADS,
     GPTConfig,
     Llama,
@@ -24,6 +25,7 @@ from paft.workloads import (
     ShardedSampler,
     Workload,
     build_workload,
+    hidden_matrices,
     parameter_count,
 )
 from paft.workloads.llama import Attention, rope_tables
@@ -142,6 +144,20 @@ def test_gpt_ties_and_llama_does_not() -> None:
     assert gpt.lm_head.weight is gpt.tok_emb.weight
     llama = Llama(LlamaConfig())
     assert llama.lm_head.weight is not llama.tok_emb.weight
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_muon_trains_the_hidden_matrices_alone(name: str) -> None:
+    # Every block's attention and MLP matrices; no embedding, head, norm or bias. ResNet
+    # has none (its one Linear is the head), so --optimizer muon is refused for it.
+    model = build_workload(name).model
+    hidden = {id(p) for p in hidden_matrices(model)}
+    names = sorted(n for n, p in model.named_parameters() if id(p) in hidden)
+    blocks = model.blocks if hasattr(model, "blocks") else []
+    matrices = sorted(f"blocks.{i}.{n}" for i, b in enumerate(blocks) for n, p in b.named_parameters()
+                      if p.dim() == 2)
+    assert names == matrices and bool(names) == (name in MUON_WORKLOADS)
+    assert all(p.dim() == 2 for p in hidden_matrices(model))
 
 
 @pytest.mark.parametrize("cls, cfg, residual", [
