@@ -537,7 +537,8 @@ class Protector:
         # Without paft's hook: a backward pass creates each gradient or writes into it,
         # which bumps its version (so does a zero_grad(set_to_none=False): only the
         # hook, which sees every bucket DDP all-reduces, tells that apart).
-        before = [(p.grad, p.grad._version if p.grad is not None else 0) for p in self._params]
+        before = [] if self._hooked else [(p.grad, p.grad._version if p.grad is not None else 0)
+                                          for p in self._params]
         loss = closure()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -612,7 +613,7 @@ class Protector:
         return start_control(vec.pack(self.sketch_dim if metric_step else 0), self.group)
 
     def _judge(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
-        """Record a guard verdict that says something; stop the run if it must."""
+        """Record and announce a guard verdict that says something; return it."""
         if verdict.detector is not None or verdict.action != "proceed":
             # With the run's counts so far: a run that ends without summary.json is still counted right.
             self.recorder.event({"step": step, "event": "guard", "attempt": attempt, **verdict.to_json(),

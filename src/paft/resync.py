@@ -101,10 +101,9 @@ class Resync:
         # A repair landed in this step after its state fingerprints and changed the state:
         # the alerts do not judge those fingerprints (they would re-alert a repaired split).
         # Set by repair(); cleared by new_attempt(), which fingerprints afresh. A sync left
-        # in flight never sets it: start(repair_now=True) repairs a split at once, so one
-        # still in flight found the parameters and optimizer state agreeing, and landing it
-        # moves at most the buffers, which the state fingerprints leave out (a BatchNorm
-        # model's every sync moves them): a split those fingerprints show is real.
+        # in flight never sets it: start(repair_now=True) repairs a split at once and syncs
+        # the buffers blocking, so one still in flight found the parameters and optimizer
+        # state agreeing, and landing it moves nothing: a split the fingerprints show is real.
         self._stale_fingerprints = False
 
     @property

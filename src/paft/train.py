@@ -81,11 +81,12 @@ class DeviceError(ValueError):
 
 
 def _build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = model.parameters()
+    params = list(model.parameters())
     if cfg.optimizer == "muon":
         # match_rms_adamw scales Muon's update to AdamW's size, so one --lr serves both.
         hidden = hidden_matrices(model)
-        rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+        hidden_ids = {id(h) for h in hidden}
+        rest = [p for p in params if id(p) not in hidden_ids]
         return OptimizerChain([
             torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay),
