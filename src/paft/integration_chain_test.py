@@ -8,8 +8,9 @@ state must leave the optimizer that owns it) under a scheduler on each chained
 optimizer or on the chain; a loss scaler; fused AdamW in the chain under PAFT-Sync and
 PAFT-Dyn, and under ReplicaSync's overlapped correction, which learns of a fused step
 from the chain's step hook alone; the averager; a persistent fault under the guard
-beside PAFT-Dyn; a checkpoint of the chain resumed with prime(). The cases of
-a test share one set of worker processes.
+beside PAFT-Dyn; a param group added to a chained optimizer after protect(), which
+lands among the chain's groups; a checkpoint of the chain resumed with prime(). The
+cases of a test share one set of worker processes.
 """
 
 from __future__ import annotations
@@ -253,6 +254,52 @@ def test_a_chain_with_fused_adamw_under_sync_dyn_averager_and_a_persistent_fault
     for name in FAMILY:
         for o in out[1:]:
             assert _equal(o[name]["state"], out[0][name]["state"]), name
+
+
+# -- a param group added to a chained optimizer after protect() -----------------------------
+
+
+def _w_added_group(rank: int, world_size: int, plain: bool) -> dict[str, Any]:
+    """Muon without its first hidden matrix, which joins it at step 3 as a group of its own
+    (inserted before AdamW's groups in the chain); rank 2's whole aggregate scaled at step
+    5, which PAFT-Dyn repairs (the new group's state included)."""
+    model = DistributedDataParallel(toy_model())
+    chain = _chain(model, hidden_from=1)
+    protector = None if plain else protect(model, chain.optimizers, protect=ProtectConfig(mode="dyn"),
+                                           inject=["scale:steps=5,fraction=1,factor=1.5,ranks=2"], seed=3)
+    synced = []
+    for step in range(STEPS):
+        if step == 3:
+            chain.optimizers[0].add_param_group({"params": [model.module[0].weight], "lr": 1e-2})
+        closure = _closure(model, chain, *batch(rank, step), 1.0)
+        if protector is None:
+            closure()
+            chain.step()
+        else:
+            synced.append(protector.step(closure).synced)
+    out: dict[str, Any] = {"state": _state(model, chain), "synced": synced}
+    if protector is not None:
+        # A parameter that is not the model's, added to the chain's first optimizer (its
+        # group lands in the middle of the chain's groups): refused at the next step.
+        chain.optimizers[0].add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))]})
+        try:
+            protector.step(_closure(model, chain, *batch(rank, STEPS), 1.0))
+            out["foreign"] = "accepted"
+        except ValueError as err:
+            out["foreign"] = str(err)
+    return out
+
+
+def test_a_group_added_to_a_chained_optimizer_is_checked_and_synced() -> None:
+    plain = run_workers(_w_added_group, 3, True)
+    out = run_workers(_w_added_group, 3, False)
+    for o in out:
+        assert o["synced"][5] is True
+        assert "the new group(s) hold 1 parameter(s) that are not the model's" in o["foreign"], o["foreign"]
+        assert any(n.startswith("optim/0.") and n.endswith("/momentum_buffer") for n, _ in o["state"])
+    for o in out[1:]:
+        assert _equal(o["state"], out[0]["state"])
+    assert len(plain[0]["state"]) == len(out[0]["state"])
 
 
 # -- a checkpoint of the chain, resumed with prime() ----------------------------------------

@@ -201,13 +201,16 @@ def _foreign_params(model: DistributedDataParallel, groups: Sequence[dict[str, A
     return sum(1 for g in groups for p in g["params"] if id(p) not in own)
 
 
-def check_added_groups(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, known: int) -> None:
-    """The param groups added by ``optimizer.add_param_group()`` since the first ``known``
-    (progressive unfreezing) must hold the model's parameters only, as the optimizer's
-    first groups must: checked by :meth:`paft.protect.Protector.step` when the number of
-    groups grows. Their optimizer state joins the fingerprints and syncs by itself
+def check_added_groups(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+    """The param groups added by ``optimizer.add_param_group()`` (progressive unfreezing)
+    must hold the model's parameters only, as the optimizer's first groups must: checked
+    by :meth:`paft.protect.Protector.step` when the number of groups grows. Every group
+    is checked, not the last ones: a group added to one optimizer of an
+    :class:`~paft.optimizers.OptimizerChain` lands among the chain's groups, before the
+    next optimizer's (the first groups passed the preflight, so what is foreign is new).
+    Their optimizer state joins the fingerprints and syncs by itself
     (:func:`paft.state.state_tensors` lists every group's)."""
-    foreign = _foreign_params(model, optimizer.param_groups[known:])
+    foreign = _foreign_params(model, optimizer.param_groups)
     if foreign:
         raise ValueError(f"optimizer.add_param_group() after protect(): the new group(s) hold {foreign} "
                          "parameter(s) that are not the model's, which paft can neither fingerprint nor sync; "

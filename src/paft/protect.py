@@ -325,7 +325,7 @@ class Protector:
         inside it): the guard recomputes a step by calling it again."""
         t = self.step_idx
         if len(self.optimizer.param_groups) != self._groups_known:
-            check_added_groups(self.model, self.optimizer, self._groups_known)
+            check_added_groups(self.model, self.optimizer)
             self._groups_known = len(self.optimizer.param_groups)
         rest_faults = self._inject_at_rest(t)
         if not self.monitor_cfg.enabled:
