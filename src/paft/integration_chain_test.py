@@ -281,12 +281,15 @@ def _w_added_group(rank: int, world_size: int, plain: bool) -> dict[str, Any]:
     if protector is not None:
         # A parameter that is not the model's, added to the chain's first optimizer (its
         # group lands in the middle of the chain's groups): refused at the next step.
-        chain.optimizers[0].add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))]})
-        try:
-            protector.step(_closure(model, chain, *batch(rank, STEPS), 1.0))
-            out["foreign"] = "accepted"
-        except ValueError as err:
-            out["foreign"] = str(err)
+        # Then a parameter AdamW holds already, added to Muon: it would be stepped twice.
+        for name, param in (("foreign", nn.Parameter(torch.zeros(4, 4))), ("twice", model.module[4].weight)):
+            chain.optimizers[0].add_param_group({"params": [param]})
+            try:
+                protector.step(_closure(model, chain, *batch(rank, STEPS), 1.0))
+                out[name] = "accepted"
+            except ValueError as err:
+                out[name] = str(err)
+            chain.optimizers[0].param_groups.pop()
     return out
 
 
@@ -296,6 +299,8 @@ def test_a_group_added_to_a_chained_optimizer_is_checked_and_synced() -> None:
     for o in out:
         assert o["synced"][5] is True
         assert "the new group(s) hold 1 parameter(s) that are not the model's" in o["foreign"], o["foreign"]
+        assert o["twice"] == ("optimizer.add_param_group() after protect(): a parameter of shape (1, 64) is held by "
+                              "optimizer 0 (Muon) and optimizer 1 (AdamW); each parameter needs exactly one optimizer")
         assert any(n.startswith("optim/0.") and n.endswith("/momentum_buffer") for n, _ in o["state"])
     for o in out[1:]:
         assert _equal(o["state"], out[0]["state"])

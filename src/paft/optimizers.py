@@ -31,7 +31,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerChain", "chained"]
+__all__ = ["OptimizerChain", "chained", "check_disjoint"]
+
+
+def check_disjoint(optimizers: Sequence[torch.optim.Optimizer], context: str) -> None:
+    """Raise ``ValueError`` (``context`` first) if a parameter is in two of ``optimizers``:
+    each would step it. torch refuses a parameter twice within one optimizer only."""
+    owner: dict[int, int] = {}
+    for i, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                first = owner.setdefault(id(p), i)
+                if first != i:
+                    raise ValueError(f"{context}: a parameter of shape {tuple(p.shape)} is held by optimizer {first} "
+                                     f"({type(optimizers[first]).__name__}) and optimizer {i} "
+                                     f"({type(optimizer).__name__}); each parameter needs exactly one optimizer")
 
 
 def chained(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -107,17 +121,10 @@ class OptimizerChain(torch.optim.Optimizer):
                 kind = "a chain" if isinstance(optimizer, OptimizerChain) else type(optimizer).__name__
                 raise TypeError(f"OptimizerChain: optimizer {i} must be a torch.optim.Optimizer that is not "
                                 f"itself a chain, got {kind}")
-        owner: dict[int, int] = {}
         for i, optimizer in enumerate(optimizers):
             if any(optimizer is other for other in optimizers[:i]):
                 raise ValueError(f"OptimizerChain: optimizer {i} ({type(optimizer).__name__}) is listed twice")
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if owner.setdefault(id(p), i) != i:
-                        raise ValueError(f"OptimizerChain: a parameter of shape {tuple(p.shape)} is held by "
-                                         f"optimizer {owner[id(p)]} ({type(optimizers[owner[id(p)]]).__name__}) "
-                                         f"and optimizer {i} ({type(optimizer).__name__}); each parameter "
-                                         "needs exactly one optimizer")
+        check_disjoint(optimizers, "OptimizerChain")
         self.optimizers = optimizers
         self._building = True
         # torch's own set-up: step hooks and profiling. The group and state it makes
@@ -181,6 +188,21 @@ class OptimizerChain(torch.optim.Optimizer):
                              f"optimizers (a chain's state_dict()), got {got}")
         for optimizer, state in zip(self.optimizers, saved):
             optimizer.load_state_dict(state)
+
+    def __reduce__(self) -> tuple[type, tuple[list[torch.optim.Optimizer]]]:
+        # copy.deepcopy and pickle: a chain of the copied optimizers (torch's
+        # __getstate__ would carry the views' contents, which the setters refuse).
+        return OptimizerChain, (self.optimizers,)
+
+    def _no_state_dict_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("OptimizerChain: register state-dict hooks on the chained optimizers, whose "
+                        "state_dict() and load_state_dict() the chain's call")
+
+    # The chain's state_dict() is its optimizers': a hook on the chain would never run.
+    register_state_dict_pre_hook = _no_state_dict_hooks
+    register_state_dict_post_hook = _no_state_dict_hooks
+    register_load_state_dict_pre_hook = _no_state_dict_hooks
+    register_load_state_dict_post_hook = _no_state_dict_hooks
 
     def __repr__(self) -> str:
         return f"OptimizerChain({', '.join(type(o).__name__ for o in self.optimizers)})"

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -188,6 +189,27 @@ def test_a_chain_is_refused_what_it_cannot_step_as_one(optimizers: list[str], er
             "sgd over all": torch.optim.SGD(model.parameters(), lr=0.1)}
     with pytest.raises(error, match=match):
         OptimizerChain([made[name] for name in optimizers])
+
+
+def test_a_copied_or_pickled_chain_chains_the_copies() -> None:
+    model = _model()
+    chain = OptimizerChain(_split(model))
+    _train(model, chain, range(2))
+    for copied in (copy.deepcopy(chain), pickle.loads(pickle.dumps(chain))):
+        assert isinstance(copied, OptimizerChain) and repr(copied) == "OptimizerChain(Muon, AdamW)"
+        assert all(a is not b for a, b in zip(copied.optimizers, chain.optimizers))
+        assert all(a is b for a, b in zip(copied.param_groups, [g for o in copied.optimizers for g in o.param_groups]))
+        assert len(copied.state) == 8 and all(
+            torch.equal(x["exp_avg"], y["exp_avg"]) for x, y in zip(copied.optimizers[1].state.values(),
+                                                                    chain.optimizers[1].state.values()))
+
+
+@pytest.mark.parametrize("hook", ["register_state_dict_pre_hook", "register_state_dict_post_hook",
+                                  "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook"])
+def test_a_state_dict_hook_on_the_chain_is_refused_where_it_would_never_run(hook: str) -> None:
+    chain = OptimizerChain(_split(_model()))
+    with pytest.raises(TypeError, match=r"register state-dict hooks on the chained optimizers"):
+        getattr(chain, hook)(lambda *_: None)
 
 
 def test_the_repr_names_the_chained_optimizers() -> None:

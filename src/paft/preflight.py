@@ -29,7 +29,7 @@ from paft.comm import paft_comm_hook, registered_comm_hooks
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
-from paft.optimizers import chained
+from paft.optimizers import chained, check_disjoint
 
 __all__ = ["check_added_groups", "ddp_of", "mark_protected", "preflight", "wants_comm_hook"]
 
@@ -208,13 +208,15 @@ def check_added_groups(model: DistributedDataParallel, optimizer: torch.optim.Op
     is checked, not the last ones: a group added to one optimizer of an
     :class:`~paft.optimizers.OptimizerChain` lands among the chain's groups, before the
     next optimizer's (the first groups passed the preflight, so what is foreign is new).
-    Their optimizer state joins the fingerprints and syncs by itself
-    (:func:`paft.state.state_tensors` lists every group's)."""
+    A chain's optimizers must still hold disjoint parameters (one added to a second
+    optimizer would be stepped twice). Their optimizer state joins the fingerprints and
+    syncs by itself (:func:`paft.state.state_tensors` lists every group's)."""
     foreign = _foreign_params(model, optimizer.param_groups)
     if foreign:
         raise ValueError(f"optimizer.add_param_group() after protect(): the new group(s) hold {foreign} "
                          "parameter(s) that are not the model's, which paft can neither fingerprint nor sync; "
                          "add only parameters of ddp_model.parameters()")
+    check_disjoint(chained(optimizer), "optimizer.add_param_group() after protect()")
 
 
 def _check_sparse(model: DistributedDataParallel) -> None:
