@@ -101,7 +101,7 @@ def test_fault_run_report(fault_run: pathlib.Path) -> None:
     assert "faults injected: 1\n" in text
     assert "by site: aggregation (1)" in text and "by kind: bitflip (1)" in text and "by rank: rank 1 (1)" in text
     assert "replicas distinct at the end: 2" in text
-    assert "workload: gpt   world size: 2   steps: 12 of 12" in text
+    assert "workload: gpt   world size: 2   steps: 12 of 12   optimizer: adamw" in text
     assert "protection: none   guard: off   injected: bitflip:steps=5,bits=exponent,ranks=1\n" in text
     assert "syncs: 0   detections: 0   recomputes: 0   skipped batches: 0" in text
     assert "val loss: " in text and "max loss_cv: " in text

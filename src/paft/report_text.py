@@ -187,7 +187,8 @@ def _header(run: RunData) -> list[str]:
     guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
     return [
         f"workload: {s.get('workload', cfg.get('workload', '?'))}   world size: {run.world_size}   "
-        f"steps: {s.get('steps', run.last_step + 1)} of {cfg.get('steps', '?')}",
+        f"steps: {s.get('steps', run.last_step + 1)} of {cfg.get('steps', '?')}   "
+        f"optimizer: {cfg.get('optimizer', '?')}",
         f"protection: {protect}   guard: {'on' if guard else 'off'}   "
         f"injected: {'; '.join(cfg.get('inject') or []) or 'none'}",
     ]
