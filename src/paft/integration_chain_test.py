@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, ProtectConfig
-from paft.integration_optim_test import _closure, _equal, _state
+from paft.integration_optim_test import _closure, _equal, _state, scheduled_run
 from paft.optimizers import OptimizerChain
 from paft.protect import Protector, protect
 from paft.protect_test import batch, toy_model
@@ -62,36 +62,20 @@ def _scaled_closure(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch
 ROLLBACK_AT = {"first": 0, "later": 5}
 
 
-def _scheduled(rank: int, on: str, at: int | None, skip: int | None) -> dict[str, Any]:
-    """The chain under a warm-up schedule on ``each`` of its optimizers or on the
-    ``chain``, stepped after every batch; guarded with the rollback at step ``at``, or
-    plain DDP that leaves out step ``skip``'s update."""
-    model = DistributedDataParallel(toy_model())
-    chain = _chain(model)
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(1.0, (t + 1) / 4))
-                  for o in (chain.optimizers if on == "each" else [chain])]
-    protector = None if at is None else protect(
-        model, chain.optimizers, guard=GuardConfig(enabled=True, warmup=0 if at == 0 else 2, update_ratio=1e-6),
-        inject=[f"bitflip:site=local-grad,steps={at},bits=30,ranks=1"], seed=3)
-    applied, lrs = [], []
-    for step in range(STEPS):
-        closure = _closure(model, chain, *batch(rank, step), 1.0)
-        if protector is None:
-            closure()
-            if step != skip:
-                chain.step()
-        else:
-            applied.append(protector.step(closure).applied)
-        for scheduler in schedulers:
-            scheduler.step()
-        lrs.append([g["lr"] for g in chain.param_groups])
-    return {"state": _state(model, chain), "lrs": lrs, "applied": applied,
-            "rollbacks": protector.counters["rollbacks"] if protector is not None else 0}
+def _chain_under(on: str) -> Callable[[nn.Module], tuple[OptimizerChain, list[Any]]]:
+    """The chain under a warm-up schedule on ``each`` of its optimizers or on the ``chain``."""
+    def make(model: nn.Module) -> tuple[OptimizerChain, list[Any]]:
+        chain = _chain(model)
+        return chain, [torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(1.0, (t + 1) / 4))
+                       for o in (chain.optimizers if on == "each" else [chain])]
+    return make
 
 
 def _w_rollback(rank: int, world_size: int, at: int) -> dict[str, dict[str, Any]]:
-    return {on: {"protected": _scheduled(rank, on, at, None), "plain": _scheduled(rank, on, None, at)}
-            for on in ("each", "chain")}
+    opts = {"guard": {"enabled": True, "warmup": 0 if at == 0 else 2, "update_ratio": 1e-6},
+            "inject": [f"bitflip:site=local-grad,steps={at},bits=30,ranks=1"]}
+    return {on: {"protected": scheduled_run(rank, _chain_under(on), opts),
+                 "plain": scheduled_run(rank, _chain_under(on), {}, at)} for on in ("each", "chain")}
 
 
 @pytest.mark.parametrize("when", list(ROLLBACK_AT))
@@ -106,7 +90,7 @@ def test_a_rolled_back_chain_step_is_plain_ddp_leaving_it_out(when: str) -> None
             assert o["protected"]["applied"] == [step != at for step in range(STEPS)]
             assert o["protected"]["rollbacks"] == 2
             assert _equal(o["protected"]["state"], o["plain"]["state"])
-            assert o["protected"]["lrs"] == o["plain"]["lrs"]
+            assert o["protected"]["hyper"] == o["plain"]["hyper"]
         assert _equal(out[0][on]["protected"]["state"], out[1][on]["protected"]["state"])
 
 

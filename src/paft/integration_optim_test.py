@@ -218,13 +218,15 @@ EVENTS: dict[str, tuple[dict[str, Any], int]] = {
 }
 
 
-def _scheduled(rank: int, schedule: str, opts: dict[str, Any], skip: int | None = None) -> dict[str, Any]:
-    """Adam under ``schedule``, stepped by the user after every step; plain DDP that
-    leaves out step ``skip``'s update where ``opts`` has no guard."""
+def scheduled_run(rank: int, make: Callable[[nn.Module], tuple[torch.optim.Optimizer, list[Any]]],
+                  opts: dict[str, Any], skip: int | None = None) -> dict[str, Any]:
+    """``STEPS`` steps of the toy model under ``make``'s optimizer (a chain goes to
+    protect() as its list) and schedulers, stepped by the user after every step: guarded
+    where ``opts`` has a guard, else plain DDP that leaves out step ``skip``'s update."""
     model = DistributedDataParallel(toy_model())
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    scheduler = SCHEDULERS[schedule](optimizer)
-    protector = protect(model, optimizer, guard=GuardConfig(**opts["guard"]), inject=opts.get("inject", []),
+    optimizer, schedulers = make(model)
+    given = chained(optimizer) if isinstance(optimizer, OptimizerChain) else optimizer
+    protector = protect(model, given, guard=GuardConfig(**opts["guard"]), inject=opts.get("inject", []),
                         seed=3) if "guard" in opts else None
     hyper, applied = [], []
     for step in range(STEPS):
@@ -238,15 +240,24 @@ def _scheduled(rank: int, schedule: str, opts: dict[str, Any], skip: int | None 
                 optimizer.step()
         else:
             applied.append(protector.step(closure).applied)
-        scheduler.step()  # after every batch, applied or not, as docs/LIBRARY.md says
+        for scheduler in schedulers:
+            scheduler.step()  # after every batch, applied or not, as docs/LIBRARY.md says
         hyper.append(_hyper(optimizer))
     return {"state": _state(model, optimizer), "hyper": hyper, "applied": applied,
             "rollbacks": protector.counters["rollbacks"] if protector is not None else 0}
 
 
+def _adam_under(schedule: str) -> Callable[[nn.Module], tuple[torch.optim.Optimizer, list[Any]]]:
+    def make(model: nn.Module) -> tuple[torch.optim.Optimizer, list[Any]]:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return optimizer, [SCHEDULERS[schedule](optimizer)]
+    return make
+
+
 def _w_scheduled(rank: int, world_size: int, schedule: str, event: str) -> dict[str, Any]:
     opts, skipped = EVENTS[event]
-    return {"protected": _scheduled(rank, schedule, opts), "plain": _scheduled(rank, schedule, {}, skipped)}
+    make = _adam_under(schedule)
+    return {"protected": scheduled_run(rank, make, opts), "plain": scheduled_run(rank, make, {}, skipped)}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULERS))
