@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from paft import snapshot
 from paft.hook_state import hook_snapshot
 from paft.norms import norm_of
 from paft.protect_test import batch, toy_model
@@ -96,7 +97,7 @@ def test_forward_snapshot_rewinds_every_cuda_generator(monkeypatch: pytest.Monke
     def set_all(states: list[torch.Tensor]) -> None:
         generators[:] = [s.clone() for s in states]
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [g.clone() for g in generators])
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
     before = [g.clone() for g in generators]
@@ -107,6 +108,23 @@ def test_forward_snapshot_rewinds_every_cuda_generator(monkeypatch: pytest.Monke
     assert len(generators) == 2 and all(torch.equal(g, b) for g, b in zip(generators, before))
 
 
+def test_forward_snapshot_leaves_cuda_alone_where_the_process_never_started_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU run on a GPU machine: reading the CUDA generators would start CUDA (a context
+    # on every GPU) in each worker, for generators nothing drew from.
+    def started() -> list[torch.Tensor]:
+        raise AssertionError("CUDA started")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", started)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", started)
+    snap = ForwardSnapshot([])
+    snap.restore()
+    assert snap.cuda_rng is None
+
+
+@pytest.mark.parametrize("batch_bytes", [64 << 20, 1])  # every parameter's difference a batch of its own
 @pytest.mark.parametrize(
     ("old", "new", "ratio"),
     [
@@ -119,8 +137,10 @@ def test_forward_snapshot_rewinds_every_cuda_generator(monkeypatch: pytest.Monke
         ([0.0, 0.0, 0.0], [math.inf, 0.0, 0.0], math.inf),  # not finite: inf, even with no scale
     ],
 )
-def test_update_ratio_by_hand(old: list[float], new: list[float], ratio: float) -> None:
+def test_update_ratio_by_hand(old: list[float], new: list[float], ratio: float, batch_bytes: int,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
     """||w_new - w_old|| / ||w_old|| over the parameters alone (not the momentum)."""
+    monkeypatch.setattr(snapshot, "DIFF_BATCH_BYTES", batch_bytes)
     model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1, bias=False))
     params = list(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
@@ -134,6 +154,24 @@ def test_update_ratio_by_hand(old: list[float], new: list[float], ratio: float) 
         for p, v in zip(params, new):
             p.fill_(v)
     assert snap.update_ratio() == ratio
+
+
+def test_frozen_parameters_are_neither_copied_nor_in_the_update_ratio() -> None:
+    # Fine-tuning: a frozen backbone beside a trained head. The backbone never moves in
+    # optimizer.step(); in the denominator it read the head's ratio of 1.0 as far less.
+    torch.manual_seed(0)
+    backbone, head = nn.Linear(100, 100), nn.Linear(100, 1, bias=False)
+    backbone.requires_grad_(False)
+    model = nn.Sequential(backbone, head)
+    opt = torch.optim.SGD(head.parameters(), lr=1.0)
+    snap = StateSnapshot().capture(model, opt)
+    with torch.no_grad():
+        old = head.weight.clone()
+        head.weight.mul_(2.0)  # an update as large as the weights: ratio 1
+    assert snap.update_ratio() == 1.0
+    assert [t.shape for t in snap._saved] == [head.weight.shape]  # one copy: the head's
+    snap.restore(opt)
+    assert torch.equal(head.weight, old)
 
 
 def test_a_reused_snapshot_follows_a_new_state_layout() -> None:
