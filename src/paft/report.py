@@ -197,7 +197,16 @@ def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
             if "local_loss" in r:
                 by_step[int(r["step"])].append(number(r["local_loss"]))
     steps = [s for s in sorted(by_step) if len(by_step[s]) == len(run.metrics)]
-    return steps, [math.fsum(by_step[s]) / len(run.metrics) for s in steps]
+    return steps, [_mean(by_step[s]) for s in steps]
+
+
+def _mean(values: list[float]) -> float:
+    """The exact mean; of finite values whose sum passes float64's range (float64 losses
+    of 1e308, an exponent flip) too, where fsum raises OverflowError."""
+    try:
+        return math.fsum(values) / len(values)
+    except OverflowError:
+        return math.fsum(v / len(values) for v in values)
 
 
 def _visible_spread(values: list[float]) -> bool:
@@ -439,7 +448,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     try:
         plots = _plots(run)
         text = summary_text(run, [out / "report.md", *(out / name for name in plots)])
-    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as err:
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError) as err:
         raise ReportError(f"{run.path}: a record holds a value of an unexpected kind "
                           f"({type(err).__name__}: {err}); nothing was written") from None
     try:

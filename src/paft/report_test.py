@@ -249,6 +249,19 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     assert "max loss_cv: nan at step 8 (non-finite at 2 steps)\n" in text  # the first of them
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # matplotlib's log axis at 1e308
+def test_finite_losses_whose_sum_passes_float64_are_averaged(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # float64 losses of 1e308 on both ranks (an exponent flip): fsum of them raised
+    # OverflowError, and paft report ended in a traceback.
+    run = copy_run(fault_run, tmp_path / "huge")
+    for rank in (0, 1):
+        rewrite_jsonl(run / "metrics" / f"rank{rank}.jsonl",
+                      lambda r: {**r, "local_loss": 1e308} if r["step"] == 8 else r)
+    steps, losses = report_module._global_loss(load_run(run))
+    assert losses[steps.index(8)] == 1e308
+    assert_pngs(build_report(run).files, PLOTS)
+
+
 def test_a_sync_ends_a_state_split_and_evaluations_show_the_divergence(
         fault_run: pathlib.Path, clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     run_dir = copy_run(fault_run, tmp_path / "synced")
