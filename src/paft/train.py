@@ -315,7 +315,7 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "protector": self.protector.state_dict(),
             "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
             "train_seconds": self.train_seconds,
             "timed": [self._timed.steps, self._timed.seconds, self._timed.cpu_seconds],
             # What a resume must not change is checked against this, not config.json alone,
