@@ -448,11 +448,12 @@ class FaultInjector:
         )
         # (site, target) -> [(step, value)], at most one entry with step < current.
         self._memory: dict[tuple[str, int | str], list[tuple[int, Tensor]]] = {}
-        # The last (site, step, attempt) asked and its events, as ONE value: the comm hook
-        # asks for local-grad events on the autograd thread and for aggregation events on
-        # gloo's callback thread, and a key and a list written apart could pair one
-        # site's key with the other's events between the two writes.
-        self._cache: tuple[tuple[str, int, int], list[FaultEvent]] | None = None
+        # Per site, the last (step, attempt) asked and its events, as ONE value: the comm
+        # hook asks for local-grad events on the autograd thread and for aggregation events
+        # on gloo's callback thread, and a key and a list written apart could pair one
+        # attempt's key with another's events between the two writes. One entry per site,
+        # so that the two sites' alternating calls do not evict each other's.
+        self._cache: dict[str, tuple[tuple[int, int], list[FaultEvent]]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -465,12 +466,11 @@ class FaultInjector:
 
     def _events(self, site: str, step: int, attempt: int) -> list[FaultEvent]:
         # Called once per bucket: compute a step's events once.
-        key = (site, step, attempt)
-        cache = self._cache
-        if cache is not None and cache[0] == key:
-            return cache[1]
+        cached = self._cache.get(site)
+        if cached is not None and cached[0] == (step, attempt):
+            return cached[1]
         events = self.schedule.events(step, self.rank, site, attempt)
-        self._cache = (key, events)
+        self._cache[site] = ((step, attempt), events)
         return events
 
     def _remember(self, site: str, target: int | str, step: int, tensor: Tensor) -> Tensor | None:

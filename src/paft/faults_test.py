@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -780,6 +781,29 @@ def test_firing_event_changes_only_the_chosen_bucket():
         assert rec.num_elements == 3 and len(flipped_bits(ref[changed[0]], bs[changed[0]])) == 3
         chosen_seen.add(changed[0])
     assert len(chosen_seen) > 1  # the bucket choice varies across steps
+
+
+def test_a_steps_events_are_drawn_once_per_site_when_the_sites_alternate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The comm hook asks for local-grad events before a bucket's all-reduce and for
+    # aggregation events after it, bucket by bucket: with one cached entry the two sites
+    # evicted each other's and every call drew the events again (0.6 s a step with long
+    # bursts).
+    sched = FaultSchedule(["scale:site=local-grad,rate=0.5,burst=50", "scale:site=aggregation,rate=0.5,burst=50"],
+                          seed=1, world_size=2)
+    inj = FaultInjector(sched, rank=0)
+    drawn: list[tuple[int, str]] = []
+    events = sched.events
+
+    def counted(step: int, rank: int, site: str, attempt: int = 0) -> list[Any]:
+        drawn.append((step, site))
+        return events(step, rank, site, attempt)
+
+    monkeypatch.setattr(sched, "events", counted)
+    for step in range(2):
+        for i, b in enumerate(buckets(n=3, seed=step)):
+            inj.inject_bucket("local-grad", step, i, 3, b)
+            inj.inject_bucket("aggregation", step, i, 3, b)
+    assert drawn == [(0, "local-grad"), (0, "aggregation"), (1, "local-grad"), (1, "aggregation")]
 
 
 def test_persistent_recompute_fires_again_elsewhere():
