@@ -262,8 +262,8 @@ class FaultSchedule:
         self.specs: tuple[FaultSpec, ...] = tuple(
             FaultSpec.parse(s, option=option) if isinstance(s, str) else s for s in specs
         )
-        self.seed = seed
-        self.world_size = world_size
+        self.seed = int(seed)  # a numpy integer's arithmetic would wrap in the hashing
+        self.world_size = int(world_size)
         for i, s in enumerate(self.specs):
             try:
                 s.check_ranks(world_size)

@@ -5,11 +5,13 @@ Everything here is pure (no process group): the whole file runs in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -781,6 +783,27 @@ def test_firing_event_changes_only_the_chosen_bucket():
         assert rec.num_elements == 3 and len(flipped_bits(ref[changed[0]], bs[changed[0]])) == 3
         chosen_seen.add(changed[0])
     assert len(chosen_seen) > 1  # the bucket choice varies across steps
+
+
+def test_numpy_numbers_make_the_spec_and_schedule_that_python_numbers_make() -> None:
+    # Specs built in a sweep script take numpy's numbers: np.int64(3) was refused as
+    # "must be an integer >= 1, got 3". They are kept as Python numbers, whose
+    # arithmetic in the schedule's hashing never wraps.
+    plain = FaultSpec("scale", steps=[(10, 12), 20], ranks=(1, 0), count=3, factor=2.0, burst=2, start=5, stop=30,
+                      rate=0.5)
+    numpy = FaultSpec("scale", steps=[tuple(np.arange(10, 13)[[0, -1]]), np.int64(20)],
+                      ranks=(np.int64(1), np.int32(0)), count=np.int64(3), factor=np.float32(2.0),
+                      burst=np.int16(2), start=np.int64(5), stop=np.uint8(30), rate=np.float32(0.5))
+    assert numpy == plain and numpy.to_text() == plain.to_text()
+    assert all(type(v) in (int, float, str, bool, tuple, type(None)) for v in dataclasses.astuple(numpy))
+    assert type(numpy.steps[0][0]) is int and type(numpy.ranks[0]) is int
+    flips = FaultSpec("bitflip", rate=1.0, bits=np.int64(30), fraction=np.float64(0.5))
+    assert flips.bits == 30 and type(flips.bits) is int
+    ours, theirs = FaultSchedule([plain], seed=np.int64(7), world_size=np.int64(2)), FaultSchedule([plain], 7, 2)
+    assert [ours.events(t, r, "aggregation") for t in range(31) for r in (0, 1)] == [
+        theirs.events(t, r, "aggregation") for t in range(31) for r in (0, 1)]
+    with pytest.raises(FaultSpecError, match="field 'count' must be an integer >= 1, got True"):
+        FaultSpec("bitflip", rate=1.0, count=np.bool_(True))
 
 
 def test_a_steps_events_are_drawn_once_per_site_when_the_sites_alternate(monkeypatch: pytest.MonkeyPatch) -> None:

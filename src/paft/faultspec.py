@@ -48,6 +48,8 @@ from typing import Any, TypeGuard
 
 import torch
 
+from paft.values import fits
+
 __all__ = [
     "KINDS",
     "SITES",
@@ -105,8 +107,15 @@ def _err(name: str, msg: str, value: Any = dataclasses.MISSING) -> FaultSpecErro
 
 
 def is_int(v: object) -> TypeGuard[int]:
-    """An ``int`` that is not a ``bool``: specs and schedules never take ``True`` for 1."""
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer (numpy's too) that is not a ``bool``: specs and schedules never take
+    ``True`` for 1. Specs keep it as a Python ``int`` (``int(v)``), whose arithmetic
+    never wraps."""
+    return fits(int, v)
+
+
+def _is_real(v: object) -> bool:
+    """A real number (numpy's too) that is not a ``bool``; kept as a Python ``float``."""
+    return fits(float, v)
 
 
 def _normalize_steps(value: Any) -> Steps:
@@ -124,14 +133,14 @@ def _normalize_steps(value: Any) -> Steps:
                 raise _err("steps", "ranges must have step 1", str(item))
             lo, hi = item.start, item.stop - 1
         elif is_int(item):
-            lo = hi = item
+            lo = hi = int(item)
         elif isinstance(item, (tuple, list)) and len(item) == 2:
             lo, hi = item
         else:
             raise _err("steps", "must be steps >= 0 or ranges lo-hi with lo <= hi", item)
         if not (is_int(lo) and is_int(hi)) or lo < 0 or hi < lo:
             raise _err("steps", "must be steps >= 0 or ranges lo-hi with lo <= hi", item)
-        ranges.append((lo, hi))
+        ranges.append((int(lo), int(hi)))
     if not ranges:
         raise _err("steps", "must list at least one step")
     ranges.sort()
@@ -211,7 +220,7 @@ class FaultSpec:
         if self.site not in SITES:
             raise _err("site", f"must be one of {', '.join(SITES)}", self.site)
         if self.rate is not None:
-            if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)):
+            if not _is_real(self.rate):
                 raise _err("rate", "must be a number in [0, 1]", self.rate)
             set_("rate", float(self.rate))
             if not 0.0 <= self.rate <= 1.0:
@@ -230,13 +239,15 @@ class FaultSpec:
                 raise _err("ranks", "must be 'random' or ranks >= 0", "+".join(map(str, ranks)))
             if len(set(ranks)) != len(ranks):
                 raise _err("ranks", "lists a rank twice", "+".join(map(str, ranks)))
-            set_("ranks", tuple(sorted(ranks)))
+            set_("ranks", tuple(sorted(int(r) for r in ranks)))
         if self.count is not None and self.fraction is not None:
             raise _err("fraction", "cannot be combined with 'count'")
-        if self.count is not None and (not is_int(self.count) or self.count < 1):
-            raise _err("count", "must be an integer >= 1", self.count)
+        if self.count is not None:
+            if not is_int(self.count) or self.count < 1:
+                raise _err("count", "must be an integer >= 1", self.count)
+            set_("count", int(self.count))
         if self.fraction is not None:
-            if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+            if not _is_real(self.fraction):
                 raise _err("fraction", "must be a number in (0, 1]", self.fraction)
             set_("fraction", float(self.fraction))
             if not 0.0 < self.fraction <= 1.0:
@@ -248,12 +259,13 @@ class FaultSpec:
             if not 0 <= self.bits < 64:
                 raise _err("bits", "must be a bit index in [0, 63] or one of "
                            f"{', '.join(BIT_CLASSES)}", self.bits)
+            set_("bits", int(self.bits))
         elif self.bits not in BIT_CLASSES:
             raise _err("bits", f"must be a bit index or one of {', '.join(BIT_CLASSES)}",
                        self.bits)
         for name in ("factor", "sigma"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not _is_real(v) or not math.isfinite(v):
                 raise _err(name, "must be a finite number", v)
             set_(name, float(v))
         # A fault that leaves every value as it was would still be recorded and counted.
@@ -263,9 +275,7 @@ class FaultSpec:
             raise _err("factor", "must not be 1 (it leaves the values unchanged)", self.factor)
         if self.value is not None:
             v = self.value
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                math.isfinite(v) and v > 0
-            ):
+            if not _is_real(v) or not (math.isfinite(v) and v > 0):
                 raise _err("value", "must be a finite number > 0", v)
             set_("value", float(v))
         # Kind-specific knobs on the wrong kind are almost always a typo: say so.
@@ -275,12 +285,16 @@ class FaultSpec:
                 raise _err(name, f"applies only to kind '{owner}', not '{self.kind}'")
         if not is_int(self.burst) or self.burst < 1:
             raise _err("burst", "must be an integer >= 1", self.burst)
+        set_("burst", int(self.burst))
         if not isinstance(self.persistent, bool):
             raise _err("persistent", "must be true or false", self.persistent)
         if not is_int(self.start) or self.start < 0:
             raise _err("start", "must be an integer >= 0", self.start)
-        if self.stop is not None and (not is_int(self.stop) or self.stop <= self.start):
-            raise _err("stop", f"must be an integer > start ({self.start})", self.stop)
+        set_("start", int(self.start))
+        if self.stop is not None:
+            if not is_int(self.stop) or self.stop <= self.start:
+                raise _err("stop", f"must be an integer > start ({self.start})", self.stop)
+            set_("stop", int(self.stop))
 
     # ------------------------------------------------------------------ text form
 
