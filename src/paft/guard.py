@@ -231,6 +231,12 @@ class Guard:
 
     # -- pre-step -------------------------------------------------------------------
 
+    @property
+    def _armed(self) -> bool:
+        """The spike and outlier rules judge against the history: ``warmup`` clean steps
+        are in it (before, only a gross jump fires)."""
+        return self._accepted >= self.config.warmup
+
     def check(self, step: int, attempt: int, view: ControlView) -> GuardVerdict:
         """Verdict on attempt ``attempt`` of ``step`` before ``optimizer.step()``."""
         if view.world_size != self.world_size:
@@ -317,11 +323,11 @@ class Guard:
             return False  # no post-step detector: nothing would roll back
         if self._ratios_seen < cfg.warmup or (self._st is not None and self._st.step == step and self._st.incident):
             return True  # the ratio's own spike rule is still off, or this step needed a recompute
-        if self._accepted >= cfg.warmup:  # a near miss of the loss or the aggregated gradient norm
+        if self._armed:  # a near miss of the loss or the aggregated gradient norm
             half = cfg.spike_threshold / 2
             if view.global_loss > self._loss.limit(half, REL_FLOOR_LOSS, True, tail=1.0):
                 return True
-            if float(view.agg_norms.max()) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0):
+            if _grad_norm(view) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0):
                 return True
         states = view.state_fingerprints()
         return states is not None and len(group_replicas(states)) > 1  # a replica corrupted at rest
@@ -401,7 +407,7 @@ class Guard:
         st = self._st
         if not (st is not None and st.step == step and st.tainted):
             self._loss.push(view.global_loss)
-            self._grad.push(float(view.agg_norms.max()))
+            self._grad.push(_grad_norm(view))
             for x in view.losses.tolist():
                 self._rank_loss.push(x)
             for x in view.local_norms.tolist():
@@ -469,7 +475,7 @@ class Guard:
         if len(groups) > 1:
             return "grad_mismatch", self._mismatch_suspects(groups, agg), {
                 "distinct": float(len(groups)), "grad_norm_min": min(agg), "grad_norm_max": max(agg)}
-        armed = self._accepted >= cfg.warmup
+        armed = self._armed
         if ws > 1:  # with one rank, a rank outlier is just a spike
             ranks, values = self._rank_outliers(losses, local, cfg.outlier_threshold, armed)
             if ranks:
@@ -515,13 +521,12 @@ class Guard:
         Some but not all is a fault's pattern even where no rank was named (two faulty
         ranks of four pull the ranks' median along, so the cross-rank test names none)."""
         moved, _ = self._rank_outliers(view.losses.tolist(), view.local_norms.tolist(), self.config.spike_threshold,
-                                       self._accepted >= self.config.warmup, peers=False)
+                                       self._armed, peers=False)
         return len(moved) in (0, self.world_size)
 
     def _local_suspects(self, losses: list[float], local: list[float]) -> list[int]:
         """Attribution of a global anomaly: ranks whose local values spike (spike_threshold)."""
-        ranks, _ = self._rank_outliers(losses, local, self.config.spike_threshold,
-                                       self._accepted >= self.config.warmup)
+        ranks, _ = self._rank_outliers(losses, local, self.config.spike_threshold, self._armed)
         return ranks if len(ranks) < self.world_size else []
 
     def _mismatch_suspects(self, groups: list[list[int]], agg: list[float]) -> list[int]:
@@ -584,7 +589,7 @@ class Guard:
 
     @staticmethod
     def _summary(view: ControlView) -> dict[str, float]:
-        return {"loss": view.global_loss, "grad_norm": float(view.agg_norms.max())}
+        return {"loss": view.global_loss, "grad_norm": _grad_norm(view)}
 
     # -- checkpoints ----------------------------------------------------------------
 
@@ -640,3 +645,8 @@ class Guard:
         return {"loss": self._loss, "grad": self._grad, "ratio": self._ratio,
                 "rank_loss": self._rank_loss, "rank_norm": self._rank_norm}
 
+
+def _grad_norm(view: ControlView) -> float:
+    """The step's aggregated gradient norm, judged: the largest rank's (ranks that
+    received different aggregates hold different norms)."""
+    return float(view.agg_norms.max())

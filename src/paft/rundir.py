@@ -287,7 +287,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
             raise RunDirError(f"--resume: {root / name / 'rank0.pt'} holds unreadable options: {err}") from None
         # config.json passed the check above, so it no longer says what the run trained with.
         _check_fixed(trained, cfg.to_dict(), f"its checkpoint {name}", why=f": {path / 'config.json'} was edited since")
-    done = int(name.removeprefix("step"))
+    done = _step_of(name)
     # A run stopped after its final checkpoint but before summary.json only lacks the
     # summary: resuming it at the same --steps writes it (Trainer.train trains nothing).
     if done > cfg.steps or (done == cfg.steps and _summary_steps(path) == done):
