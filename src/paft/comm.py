@@ -79,7 +79,10 @@ class CountSketch:
     def __init__(self, dim: int, seed: int = 0x5EED) -> None:
         self.dim = dim
         self.seed = seed
-        self._signs: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
+        # One sign vector per bucket index, replaced when the bucket's layout changes: DDP
+        # rebuilds its buckets after the first backward pass (one bucket of the whole model
+        # becomes several), and kept, the first step's signs held a second gradient's size.
+        self._signs: dict[int, tuple[tuple[int, torch.device, torch.dtype], torch.Tensor]] = {}
         self._strides: dict[tuple[int, int], int] = {}
 
     def stride(self, index: int, numel: int, shapes: Callable[[], list[torch.Size]] | None = None) -> int:
@@ -96,13 +99,14 @@ class CountSketch:
         return p
 
     def signs(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        key = (index, like.numel(), like.device, like.dtype)
-        signs = self._signs.get(key)
-        if signs is None:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-            bits = torch.randint(0, 2, (like.numel(),), generator=gen, dtype=torch.int8)
-            signs = (bits * 2 - 1).to(device=like.device, dtype=like.dtype)
-            self._signs[key] = signs
+        layout = (like.numel(), like.device, like.dtype)
+        cached = self._signs.get(index)
+        if cached is not None and cached[0] == layout:
+            return cached[1]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        bits = torch.randint(0, 2, (like.numel(),), generator=gen, dtype=torch.int8)
+        signs = (bits * 2 - 1).to(device=like.device, dtype=like.dtype)
+        self._signs[index] = (layout, signs)
         return signs
 
     def add_(self, out: torch.Tensor, index: int, flat: torch.Tensor,

@@ -231,6 +231,18 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(pairwise_cosine(torch.stack([a.double(), b.double()]))[0][0, 1])
 
 
+def test_a_rebuilt_bucket_layout_replaces_its_signs() -> None:
+    # DDP's first backward pass all-reduces one bucket of the whole model, then rebuilds
+    # smaller ones: the first layout's signs were kept beside the new ones (twice the
+    # gradient's size). A layout seen again draws the same signs.
+    sketcher = CountSketch(8)
+    first = sketcher.signs(0, torch.zeros(1000)).clone()
+    sketcher.signs(0, torch.zeros(400))
+    sketcher.signs(1, torch.zeros(600))
+    assert sum(signs.numel() for _, signs in sketcher._signs.values()) == 1000
+    assert torch.equal(sketcher.signs(0, torch.zeros(1000)), first)
+
+
 @pytest.mark.parametrize("target", [0.0, 0.5, 0.9, 0.99])
 def test_sketch_cosine_error_is_within_the_documented_bound(target: float) -> None:
     """Documented: standard error of the sketched cosine ~ (1 - cos^2) / sqrt(k)."""
