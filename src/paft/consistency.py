@@ -131,11 +131,14 @@ class ControlView:
 
     @property
     def flags(self) -> list[int]:
-        return [int(f) for f in self.matrix[:, COL_FLAGS].tolist()]
+        """Each rank's FLAG_* bits; a value the control collective corrupted into a
+        non-integer reads as every non-finite flag (the rank's row cannot be trusted)."""
+        corrupt = FLAG_LOSS_NONFINITE | FLAG_LOCAL_NONFINITE | FLAG_AGG_NONFINITE
+        return [_count(f, corrupt) for f in self.matrix[:, COL_FLAGS].tolist()]
 
     @property
     def faults(self) -> list[int]:
-        return [int(f) for f in self.matrix[:, COL_FAULTS].tolist()]
+        return [_count(f, 0) for f in self.matrix[:, COL_FAULTS].tolist()]
 
     @property
     def sketches(self) -> np.ndarray:
@@ -150,9 +153,19 @@ class ControlView:
         return checksum_keys(self.header_bits())
 
     def state_fingerprints(self) -> list[int] | None:
+        """Each rank's state fingerprint, where every rank checked its state this step. A
+        half the control collective corrupted into a non-integer gives a key no int64
+        fingerprint equals (its halves' bits above 2**128): that rank's state stands
+        apart, as corrupted, instead of raising."""
         if not all(f & FLAG_STATE_CHECKED for f in self.flags):
             return None
-        return [join_int64(hi, lo) for hi, lo in self.matrix[:, [COL_STATE_HI, COL_STATE_LO]].tolist()]
+        out = []
+        for (hi, lo), bits in zip(self.matrix[:, [COL_STATE_HI, COL_STATE_LO]].tolist(), self.header_bits()):
+            try:
+                out.append(join_int64(hi, lo))
+            except ValueError:
+                out.append((1 << 128) | ((bits[COL_STATE_HI] & _M64) << 64) | (bits[COL_STATE_LO] & _M64))
+        return out
 
     def ranks_with(self, flag: int) -> list[int]:
         return [r for r, f in enumerate(self.flags) if f & flag]
@@ -165,12 +178,20 @@ class ControlView:
             return float(self.losses.mean())
 
 
+_M64 = (1 << 64) - 1
+
+
+def _count(value: float, corrupt: int) -> int:
+    """A float64 column that carries a small integer, or ``corrupt`` where it does not."""
+    return int(value) if math.isfinite(value) and value == int(value) else corrupt
+
+
 def checksum_keys(bits: list[list[int]]) -> list[int]:
     """Each rank's aggregated-gradient checksum, from the control rows' float64 bit
     patterns (:meth:`ControlView.header_bits`), as one 128-bit integer: compared by
     their bits, the halves need no :func:`join_int64`, which raises on a half that was
     corrupted into a non-integer."""
-    return [(row[COL_AGG_HI] << 64) + (row[COL_AGG_LO] & ((1 << 64) - 1)) for row in bits]
+    return [(row[COL_AGG_HI] << 64) + (row[COL_AGG_LO] & _M64) for row in bits]
 
 
 class PendingControl:

@@ -16,6 +16,10 @@ from paft.comm import BucketCapture, CountSketch
 from paft.consistency import (
     COL_AGG_HI,
     COL_AGG_LO,
+    COL_FAULTS,
+    COL_FLAGS,
+    COL_STATE_HI,
+    COL_STATE_LO,
     FLAG_AGG_NONFINITE,
     FLAG_LOCAL_NONFINITE,
     FLAG_LOSS_NONFINITE,
@@ -78,6 +82,24 @@ def test_state_fingerprints_only_when_every_rank_took_one() -> None:
     assert view_of([1.0, 1.0], [1.0, 1.0]).state_fingerprints() is None
     mixed = [ControlVector(1.0, 1.0, 1.0, 0, fp, 0, 0, None).pack(0) for fp in (5, None)]
     assert ControlView(torch.stack(mixed)).state_fingerprints() is None
+
+
+@pytest.mark.parametrize("column, value", [(COL_STATE_LO, 0.5), (COL_STATE_HI, math.nan), (COL_FLAGS, math.nan),
+                                           (COL_FAULTS, math.inf)])
+def test_a_control_row_the_collective_corrupted_is_read_not_raised_on(column: int, value: float) -> None:
+    # SDC in the control collective itself: a state fingerprint's half that is no longer
+    # an integer raised ValueError in join_int64 on every rank, a NaN flag in int().
+    view = view_of([1.0] * 3, [1.0] * 3, state_fps=[5, 5, 5])
+    view.matrix[2, column] = value
+    metrics = worker_metrics(view)
+    if column in (COL_STATE_HI, COL_STATE_LO):  # that rank's state stands apart, as corrupted
+        assert metrics["replicas/state_distinct"] == 2 and metrics["replicas/state_minority_ranks"] == [2]
+        assert view.state_fingerprints()[:2] == [5, 5]
+    elif column == COL_FLAGS:  # every non-finite flag: the rank's row is not to be trusted
+        assert view.ranks_with(FLAG_AGG_NONFINITE) == [2] and view.ranks_with(FLAG_LOSS_NONFINITE) == [2]
+        assert view.state_fingerprints() is None  # no rank-2 claim of a state check
+    else:
+        assert view.faults == [0, 0, 0]
 
 
 def test_checksum_keys_compare_both_halves_bitwise() -> None:
