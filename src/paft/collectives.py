@@ -31,13 +31,14 @@ def start_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None)
     ranks on 2 CPU cores, a collective alone took 0.9 against 1.6 ms of CPU per rank,
     and paired training steps 0.4-0.6 points of step time less (the README's overhead
     section). ``collectives_test`` checks the rows bit for bit. Other backends keep
-    their own all-gather.
+    their own all-gather, and so do a mixed group's CUDA collectives
+    (``cpu:gloo,cuda:nccl``, as ``paft train`` makes on GPUs: NCCL moves them).
     """
     world_size = dist.get_world_size(group)
     device = collective_device(group, row)
     row = row.reshape(-1).to(device)
     out = torch.empty(world_size, row.numel(), dtype=row.dtype, device=device)
-    if "gloo" in str(dist.get_backend(group)).lower():
+    if device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower():
         work = dist.all_to_all_single(out, row.repeat(world_size, 1), group=group, async_op=True)
     else:
         work = _all_gather_single(out, row, group=group, async_op=True)

@@ -6,8 +6,11 @@ import math
 import struct
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 
+from paft import collectives
 from paft.collectives import all_gather_flat, collective_device, gather_rows, max_over_ranks, start_gather_rows
 from paft.testing import run_workers
 
@@ -48,3 +51,18 @@ def test_rows_arrive_bit_for_bit_in_rank_order_and_maxima_agree() -> None:
         assert got["max_nan"] == math.inf  # a NaN on the last rank, not rank 0: still seen
         assert got["flat"] == [10.0 * r + i for r in range(world_size) for i in range(3)]
         assert got["device"] == "cpu"
+
+
+def test_a_mixed_groups_cuda_rows_take_nccls_all_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    # paft train's GPU group is "cpu:gloo,cuda:nccl": its CUDA rows go through NCCL,
+    # whose all-gather needs no row repeated per rank (gloo's all-to-all did, there).
+    # No GPU here: the device and the two collectives stand in, the choice is real.
+    called: list[str] = []
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: called.append("all_to_all"))
+    monkeypatch.setattr(collectives, "_all_gather_single", lambda *a, **k: called.append("all_gather"))
+    for device in (torch.device("meta"), torch.device("cpu")):
+        monkeypatch.setattr(collectives, "collective_device", lambda group=None, like=None, d=device: d)
+        start_gather_rows(torch.zeros(3, dtype=torch.float64))
+    assert called == ["all_gather", "all_to_all"]

@@ -49,7 +49,8 @@ def widened(flat: Tensor) -> Tensor:
 def squared_norm(flat: Tensor) -> Tensor:
     """``||flat||^2`` (0-dim, on ``flat``'s device) via one BLAS dot, redone in float64
     where it came out inf on finite entries: non-finite exactly when ``flat`` holds
-    inf/NaN. On a GPU both are computed (a host read per call would drain the launch
+    inf/NaN (for float64 values, whose dot is returned as it is, also past ~1.3e154 in
+    magnitude). On a GPU both are computed (a host read per call would drain the launch
     queue); on the CPU the float64 pass runs only when needed."""
     flat = widened(flat)
     sq = torch.dot(flat, flat)
