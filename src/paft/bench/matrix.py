@@ -215,7 +215,7 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
                     h_ax.step([e["step"] for e in syncs], [e["period"] for e in syncs], where="post", label=name)
             loss_ax.set(title=f"{workload}: {setting}", xlabel="step", ylabel="train loss, mean over ranks (smoothed)")
             loss_ax.set_yscale("log")
-            div_ax.set(xlabel="step", ylabel="replica divergence", yscale="symlog")
+            div_ax.set(xlabel="step", ylabel="replica divergence")
             div_ax.set_yscale("symlog", linthresh=1e-8)
             h_ax.set(xlabel="step", ylabel="sync period H")
             for ax in (loss_ax, div_ax, h_ax):

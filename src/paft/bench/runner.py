@@ -155,7 +155,8 @@ def _bench_worker(configs: list[dict[str, Any]], names: list[str]) -> list[dict[
 def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
     """``entry(*args)`` in one elastic launch of ``world_size`` local workers; rank -> return value.
 
-    ``entry`` must be a module-level function (workers are spawned); it sets up and
+    ``entry`` must be a module-level function (the workers are forked from a server, or
+    spawned: see :func:`paft.workers.local_workers`); it sets up and
     tears down its process group itself (see :func:`_bench_worker`).
     """
     from paft.workers import local_workers
