@@ -120,7 +120,7 @@ from paft.replicas import group_replicas
 from paft.state import state_tensors
 from paft.sync_plan import SyncPlan, as_ddp_would, plan_sync
 from paft.sync_reference import SyncReference
-from paft.sync_transfer import Entry, PartDone, PartInFlight, Transfer, pack_group
+from paft.sync_transfer import Entry, PartDone, PartInFlight, Transfer, keep_as_reference, pack_group
 
 __all__ = [
     "ReplicaSync",
@@ -344,12 +344,7 @@ class ReplicaSync:
         if self._reference is None:
             return
         entries = [e for e in self._entries() if not e[0].startswith("buffer/")]
-        named = [(n, t) for n, t, _ in entries]
-        if self._reference.holds_all(named):  # the usual case: the same tensors as last time, copied in place
-            self._reference.copy_in(named)
-        else:  # state the reference has not seen yet (optimizer state created since)
-            layout = self._layout_for(entries)
-            self._reference.keep(layout, [pack_group(g, entries, self._device) for g in layout.groups])
+        keep_as_reference(self._reference, self._layout_for(entries), entries, self._device)
         self._reference.agreed_on(agreed)
 
     def state_dict(self) -> dict[str, Any]:

@@ -886,10 +886,15 @@ def _w_two_edges(rank: int, ws: int) -> dict:
     model = _model("mlp")
     opt = _optim("sgd", model.parameters())
     sync = ReplicaSync(model, opt)
+    _train(model, opt, "mlp", steps=1, seed=0)  # optimizer state the reference has not seen: packed anew
+    sync.sync()
+    where = {n: t.data_ptr() for n, t in sync._reference.tensors.items()}
     sync.start()
     _train(model, opt, "mlp", steps=1, seed=rank)  # rank-dependent progress in the window
     done = sync.finish()
     out["noop_mode"] = (done.mode, done.overlapped)  # nothing moved behind the step: not "overlapped"
+    # the same tensors as the reference holds: copied into them, not a fresh copy of the state
+    out["noop_in_place"] = {n: t.data_ptr() for n, t in sync._reference.tensors.items()} == where
     rep = sync.sync()
     out["after_noop"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
 
@@ -936,6 +941,7 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
     assert res[1]["finite_copy"]["report"].mode == "finite-copy"
     assert res[1]["finite_copy"]["report"].note == "non-finite ranks [1] excluded"
     assert [r["noop_mode"] for r in res] == [("noop", False), ("noop", False)]
+    assert all(r["noop_in_place"] for r in res)
     _assert_replicas_identical([r["after_noop"] for r in res])
     assert res[0]["after_noop"]["report"].mode == "median-with-reference"
     assert res[0]["flag_bytes"] == [1, 1] and res[1]["flag_bytes"] == [1, 1]  # never 2

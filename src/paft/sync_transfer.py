@@ -67,6 +67,7 @@ __all__ = [
     "PartDone",
     "PartInFlight",
     "Transfer",
+    "keep_as_reference",
     "pack_group",
 ]
 
@@ -79,6 +80,18 @@ def pack_group(g: Group, entries: list[Entry], device: torch.device) -> Tensor:
     """``g``'s members of ``entries`` packed into a new flat on ``device``."""
     flat = torch.empty(g.numel, dtype=g.dtype, device=device)
     return pack(flat, [entries[i][1] for i in g.members])
+
+
+def keep_as_reference(reference: SyncReference, layout: Layout, entries: list[Entry], device: torch.device) -> None:
+    """Take ``entries`` as they are now as their reference: copied into the reference's
+    own tensors where it holds them all (the usual case: a fresh copy of the state at
+    every sync in agreement cost an allocation and its page faults), else packed anew
+    (state it has not seen yet: optimizer state created since)."""
+    named = [(n, t) for n, t, _ in entries]
+    if reference.holds_all(named):
+        reference.copy_in(named)
+    else:
+        reference.keep(layout, [pack_group(g, entries, device) for g in layout.groups])
 
 
 @dataclass
@@ -95,7 +108,6 @@ class PartInFlight:
     bufs: list[Tensor | None]  # per dtype group: reduced / broadcast buffer
     gathered: list[list[Tensor]]  # per dtype group, per bucket: [ws, len]
     works: list[Any]
-    agreed_at_launch: list[Tensor | None] | None  # no-op, world size 2: the next reference
     bytes_sent: int
     collectives: int
 
@@ -208,9 +220,8 @@ class Transfer:
         originals = [o for _, _, o in entries]
         # The next world-size-2 reference after a no-op is the state agreed NOW: by
         # finish() an overlapped step may have moved the two replicas apart.
-        agreed_at_launch: list[Tensor | None] | None = None
         if d.mode == "noop" and reference is not None:
-            agreed_at_launch = [pack_group(g, entries, self.device) for g in layout.groups]
+            keep_as_reference(reference, layout, entries, self.device)
         return PartInFlight(
             decision=d,
             layout=layout,
@@ -222,7 +233,6 @@ class Transfer:
             bufs=bufs,
             gathered=gathered,
             works=works,
-            agreed_at_launch=agreed_at_launch,
             bytes_sent=bytes_sent,
             collectives=collectives,
         )
@@ -328,10 +338,10 @@ class Transfer:
             delta_tensors = self._apply(p, synced, state_changed, live_entries, opt_steps)
 
         # 3. The reference for the next world-size-2 median: the state just agreed
-        # (merged by name: each part replaces its own tensors' reference).
-        if reference is not None:
-            agreed = p.agreed_at_launch if p.agreed_at_launch is not None else synced
-            reference.keep(layout, agreed)
+        # (merged by name: each part replaces its own tensors' reference; a no-op's was
+        # taken at launch).
+        if reference is not None and d.mode != "noop":
+            reference.keep(layout, synced)
         return PartDone(d, divergence, bytes_sent, collectives, delta_tensors)
 
     def _apply(
