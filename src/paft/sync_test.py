@@ -1346,3 +1346,59 @@ def test_ddp_buffer_source_is_used_only_where_every_rank_of_the_sync_names_it():
         assert rep.mode == "majority-copy" and rep.groups == [[0, 1], [2]] and rep.source_ranks == [0]
     sent = [r["trio"]["report"].bytes_sent - 24 - 24 * len(res[1]["trio_clean"]) - 8 for r in res[1:]]
     assert sent == [state_bytes, 0, 0]  # the source alone sends, to the one rank it repairs
+
+
+# ----------------------------------------------------------------------------
+# A median's gathers: a bucket ahead of the merge, not every replica's state at once
+# ----------------------------------------------------------------------------
+
+
+def _w_gathers_in_flight(rank: int, ws: int) -> dict[str, Any]:
+    """Replicas that all differ (no majority: the median), 16 buckets of 4 KB: the most
+    all-gathers launched and not yet waited for, blocking and overlapped, and the
+    synced state either way."""
+    import torch.distributed as dist
+
+    in_flight, most = [0], [0]
+    real = dist.all_gather
+
+    class Counted:  # the gather's work, counted out when it is waited for
+        def __init__(self, work: Any) -> None:
+            self.work = work
+
+        def wait(self, *a: Any) -> Any:
+            in_flight[0] -= 1
+            return self.work.wait(*a)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        return Counted(real(*args, **kwargs))
+
+    dist.all_gather = counted
+    try:
+        out: dict[str, Any] = {}
+        for how in ("blocking", "overlapped"):
+            torch.manual_seed(0)
+            model = nn.Linear(128, 128, bias=False)  # 64 KB
+            with torch.no_grad():
+                model.weight.add_(rank * 1e-3)
+            sync = ReplicaSync(model, None, mode="robust", bucket_mb=4 / 1024)  # no majority: the median
+            most[0] = 0
+            report = sync.sync() if how == "blocking" else (sync.start(), sync.finish())[1]
+            out[how] = (most[0], report.collectives, model.weight.detach().clone())
+        return out
+    finally:
+        dist.all_gather = real
+
+
+def test_a_blocking_median_gathers_a_bucket_ahead_of_the_merge() -> None:
+    # All buckets gathered at once held every replica's whole state (7x a 100 MB state at
+    # three ranks); blocking, the gathers run a bucket ahead of the merge. The result is
+    # the same bits either way.
+    out = run_workers(_w_gathers_in_flight, 3)
+    for o in out:
+        assert o["blocking"][0] == 2 and o["overlapped"][0] == 16
+        assert o["blocking"][1] == o["overlapped"][1]
+        assert torch.equal(o["blocking"][2], o["overlapped"][2])
+        assert torch.equal(o["blocking"][2], out[0]["blocking"][2])

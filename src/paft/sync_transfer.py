@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +106,7 @@ class PartInFlight:
     overlapped: bool
     snaps: list[Tensor | None]  # per dtype group: this rank's packed state
     bufs: list[Tensor | None]  # per dtype group: reduced / broadcast buffer
-    gathered: list[list[Tensor]]  # per dtype group, per bucket: [ws, len]
+    gathered: list[list[Tensor] | None]  # per dtype group, per bucket: [ws, len]; None: gathered in finish
     works: list[Any]
     bytes_sent: int
     collectives: int
@@ -148,17 +148,17 @@ class Transfer:
         caller's next step may change the state before :meth:`finish`; ``opt_steps``:
         the optimizer steps so far; ``reference``: where one is kept, a no-op keeps the
         state agreed now for it."""
-        ws, rank, group = self.world_size, self.rank, self.group
+        rank, group = self.rank, self.group
         bytes_sent = collectives = 0
         snaps: list[Tensor | None] = []
         bufs: list[Tensor | None] = []
-        gathered: list[list[Tensor]] = []
+        gathered: list[list[Tensor] | None] = []
         works: list[Any] = []
         src_global = dist.get_global_rank(group, d.src) if group is not None and d.src >= 0 else d.src
         for g in layout.groups:
             snap: Tensor | None = None
             buf: Tensor | None = None
-            outs: list[Tensor] = []
+            outs: list[Tensor] | None = []
             copy_mode = d.mode in COPY_MODES or (d.mode == "mean" and not g.floating)
             if d.mode == "noop" or g.numel == 0:
                 pass
@@ -208,10 +208,10 @@ class Transfer:
                 collectives += len(g.buckets)
             else:  # median, median-with-reference
                 snap = pack_group(g, entries, self.device)
-                for a, b in g.buckets:
-                    out = torch.empty(ws, b - a, dtype=g.dtype, device=self.device)
-                    works.append(dist.all_gather(list(out.unbind(0)), snap[a:b], group=group, async_op=True))
-                    outs.append(out)
+                # Every replica's state at once is world-size times the state: only an
+                # overlapped part gathers it all behind the next step; a blocking one
+                # gathers in finish(), a bucket ahead of the merge.
+                outs = [self._gather(snap, a, b, works) for a, b in g.buckets] if overlapped else None
                 bytes_sent += snap.numel() * snap.element_size()
                 collectives += len(g.buckets)
             snaps.append(snap)
@@ -236,6 +236,32 @@ class Transfer:
             bytes_sent=bytes_sent,
             collectives=collectives,
         )
+
+    def _gather(self, snap: Tensor, a: int, b: int, works: list[Any]) -> Tensor:
+        """Every rank's ``snap[a:b]`` as the rows of a ``[world_size, b - a]`` tensor,
+        once the all-gather appended to ``works`` completes."""
+        out = torch.empty(self.world_size, b - a, dtype=snap.dtype, device=snap.device)
+        works.append(dist.all_gather(list(out.unbind(0)), snap[a:b], group=self.group, async_op=True))
+        return out
+
+    def _rows(self, p: PartInFlight, gi: int) -> Iterator[Tensor]:
+        """Group ``gi``'s gathered rows, bucket by bucket: those launched with the part,
+        else gathered now, the next bucket in flight while the caller merges this one
+        (world size times two buckets held, not world size times the state)."""
+        ready = p.gathered[gi]
+        if ready is not None:
+            yield from ready
+            return
+        snap, buckets = p.snaps[gi], p.layout.groups[gi].buckets
+        assert snap is not None
+        works: list[Any] = []
+        ahead = self._gather(snap, *buckets[0], works)
+        for k in range(len(buckets)):
+            rows, work = ahead, works[k]
+            if k + 1 < len(buckets):
+                ahead = self._gather(snap, *buckets[k + 1], works)
+            work.wait()
+            yield rows
 
     def finish(
         self,
@@ -278,7 +304,7 @@ class Transfer:
                     assert reference is not None  # planned only where a reference is kept
                     ref = reference.flat(g, d.reference_ok)
                 nan_free = all(d.finite)  # then the NaN pass of the medians is skipped
-                for (a, b), rows in zip(g.buckets, p.gathered[gi]):
+                for (a, b), rows in zip(g.buckets, self._rows(p, gi)):
                     if ref is not None:
                         median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
                         if len(good) == 1 and g.floating:
