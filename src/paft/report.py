@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from matplotlib.ticker import MaxNLocator
 
 from paft.records import atomic_write_bytes, is_file, output_dir_problem
 from paft.report_text import first_split, number, ranks_phrase, series, split_syncs, summary_text, sync_events
-from paft.rundata import ReportError, RunData, load_run
+from paft.rundata import ReportError, RunData, load_run, mean_local_loss
 
 __all__ = ["Report", "build_report"]
 
@@ -188,25 +187,8 @@ def _save(data: bytes, path: Path) -> Path:
 
 
 def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
-    """Per step, the mean of the ranks' local losses, from every rank's metrics: they
-    have every step, where consistency.jsonl may have only every --monitor-interval-th
-    (and has nothing without the monitor)."""
-    by_step: dict[int, list[float]] = defaultdict(list)
-    for records in run.metrics.values():
-        for r in records:
-            if "local_loss" in r:
-                by_step[int(r["step"])].append(number(r["local_loss"]))
-    steps = [s for s in sorted(by_step) if len(by_step[s]) == len(run.metrics)]
-    return steps, [_mean(by_step[s]) for s in steps]
-
-
-def _mean(values: list[float]) -> float:
-    """The exact mean; of finite values whose sum passes float64's range (float64 losses
-    of 1e308, an exponent flip) too, where fsum raises OverflowError."""
-    try:
-        return math.fsum(values) / len(values)
-    except OverflowError:
-        return math.fsum(v / len(values) for v in values)
+    """Per step, the mean of the ranks' local losses, from every rank's metrics."""
+    return mean_local_loss(run.metrics)
 
 
 def _visible_spread(values: list[float]) -> bool:

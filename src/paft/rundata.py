@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any
 
 from paft.records import from_jsonable, read_jsonl, read_utf8
 
-__all__ = ["ReportError", "RunData", "load_run"]
+__all__ = ["ReportError", "RunData", "load_run", "read_metrics", "mean_local_loss"]
 
 
 class ReportError(ValueError):
@@ -179,6 +181,42 @@ def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:
                 raise ReportError(f"{path}: {key} must be a number, got {value!r}")
 
 
+def read_metrics(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> its ``metrics/rank{r}.jsonl`` records, checked, one per step (the last
+    one a resumed run wrote), ranks in order; the ranks without a record left out."""
+    metrics: dict[int, list[dict[str, Any]]] = {}
+    for file in sorted((Path(run_dir) / "metrics").glob("rank*.jsonl")):
+        suffix = file.stem[len("rank"):]
+        if suffix.isdigit():
+            records = _by_step(_read_jsonl(file))
+            if records:
+                metrics[int(suffix)] = records
+    return dict(sorted(metrics.items()))
+
+
+def mean_local_loss(metrics: dict[int, list[dict[str, Any]]]) -> tuple[list[int], list[float]]:
+    """(steps, the mean of the ranks' own losses) at each step every rank recorded: the
+    global loss whatever the run's defenses (a record's ``loss`` is that mean only where
+    the monitor gathered the ranks' losses; unmonitored, it is the rank's own), and with
+    every step, where ``consistency.jsonl`` may have every ``--monitor-interval``-th."""
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for records in metrics.values():
+        for r in records:
+            if "local_loss" in r:
+                by_step[int(r["step"])].append(float(r["local_loss"]))
+    steps = [s for s in sorted(by_step) if len(by_step[s]) == len(metrics)]
+    return steps, [_mean(by_step[s]) for s in steps]
+
+
+def _mean(values: list[float]) -> float:
+    """The exact mean; of finite values whose sum passes float64's range (float64 losses
+    of 1e308, an exponent flip) too, where fsum raises OverflowError."""
+    try:
+        return math.fsum(values) / len(values)
+    except OverflowError:
+        return math.fsum(v / len(values) for v in values)
+
+
 def load_run(run_dir: str | Path) -> RunData:
     """Read a run directory; :class:`ReportError` naming it if it is not one."""
     path = Path(run_dir).expanduser()
@@ -193,13 +231,7 @@ def load_run(run_dir: str | Path) -> RunData:
     if config is None:
         raise ReportError(f"{path}: not a paft run directory (no config.json)")
     _check_config(path / "config.json", config)
-    metrics: dict[int, list[dict[str, Any]]] = {}
-    for file in sorted((path / "metrics").glob("rank*.jsonl")):
-        suffix = file.stem[len("rank"):]
-        if suffix.isdigit():
-            records = _by_step(_read_jsonl(file))
-            if records:
-                metrics[int(suffix)] = records
+    metrics = read_metrics(path)
     if not metrics:
         raise ReportError(
             f"{path}: no per-step metrics (metrics/rank*.jsonl is missing or empty); "
@@ -211,7 +243,7 @@ def load_run(run_dir: str | Path) -> RunData:
         path=path,
         config=config,
         summary=summary,
-        metrics=dict(sorted(metrics.items())),
+        metrics=metrics,
         consistency=_by_step(_read_jsonl(path / "consistency.jsonl")),
         evals=_by_step(_read_jsonl(path / "evals.jsonl")),
         events=_read_jsonl(path / "events.jsonl"),

@@ -24,7 +24,6 @@ from paft.bench.runner import (
     alternate,
     make_config,
     markdown_table,
-    mean_local_loss,
     throughput_ratios,
     trailing_mean,
 )
@@ -32,6 +31,7 @@ from paft.cli import main
 from paft.config import TrainConfig
 from paft.consistency import HEADER
 from paft.records import read_jsonl
+from paft.rundata import mean_local_loss, read_metrics
 
 # The results committed under docs/results, which the README quotes.
 RESULTS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "results"
@@ -63,7 +63,7 @@ def test_loss_curves_are_the_mean_of_every_ranks_own_loss(tmp_path: pathlib.Path
     for rank, losses in enumerate([[4.0, 3.0], [2.0, 1.0], [3.0, 8.0]]):
         lines = [json.dumps({"step": s, "loss": 99.0, "local_loss": v}) for s, v in enumerate(losses)]
         (tmp_path / "metrics" / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
-    assert mean_local_loss(str(tmp_path)) == ([0, 1], [3.0, 4.0])
+    assert mean_local_loss(read_metrics(tmp_path)) == ([0, 1], [3.0, 4.0])
 
 
 @pytest.mark.parametrize("every", [1, 2])

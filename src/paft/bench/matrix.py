@@ -39,7 +39,6 @@ from paft.bench.runner import (
     alternate,
     make_config,
     markdown_table,
-    mean_local_loss,
     run_all,
     throughput_ratios,
     trailing_mean,
@@ -47,6 +46,7 @@ from paft.bench.runner import (
 )
 from paft.config import TrainConfig
 from paft.records import console, read_jsonl
+from paft.rundata import mean_local_loss, read_metrics
 
 __all__ = ["SCENARIOS", "fault_settings", "plan", "run", "summarize", "BENCH_MODELS"]
 
@@ -204,7 +204,7 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
             loss_ax, div_ax, h_ax = axes[0][col], axes[1][col], axes[2][col]
             for r in [ref] + [r for r in group if r.labels["setting"] == setting]:
                 name = r.labels["scenario"]
-                steps, loss = mean_local_loss(r.config["run_dir"])
+                steps, loss = mean_local_loss(read_metrics(r.config["run_dir"]))
                 loss_ax.plot(steps, trailing_mean(loss, 5), label=name, lw=1)
                 evals = read_jsonl(pathlib.Path(r.config["run_dir"]) / "evals.jsonl")
                 div_ax.plot([e["step"] for e in evals], [_finite_or_nan(e["replica_rel_diff"]) for e in evals],

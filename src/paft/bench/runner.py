@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from paft.config import TrainConfig
-from paft.records import atomic_write_bytes, atomic_write_json, console, read_jsonl
+from paft.records import atomic_write_bytes, atomic_write_json, console
 
 if TYPE_CHECKING:
     from paft.train import Trainer
@@ -48,7 +48,6 @@ __all__ = [
     "make_config",
     "write_outputs",
     "markdown_table",
-    "mean_local_loss",
 ]
 
 
@@ -198,18 +197,6 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def mean_local_loss(run_dir: str) -> tuple[list[int], list[float]]:
-    """(steps, the mean over ranks of each rank's own loss) of a run: the same quantity
-    whatever the run's defenses. (A record's ``loss`` is that mean only where the
-    monitor gathered the ranks' losses; unmonitored, it is the rank's own.)"""
-    by_step: dict[int, list[float]] = {}
-    for path in sorted((pathlib.Path(run_dir) / "metrics").glob("rank*.jsonl")):
-        for r in read_jsonl(path):
-            by_step.setdefault(r["step"], []).append(float(r["local_loss"]))
-    steps = sorted(by_step)
-    return steps, [statistics.fmean(by_step[s]) for s in steps]
 
 
 def trailing_mean(values: list[float], k: int) -> list[float]:
