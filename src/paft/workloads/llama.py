@@ -11,10 +11,10 @@ What differs from GPT-2: RMSNorm instead of LayerNorm; rotary position embedding
 (``w2(silu(w1 x) * w3 x)``) whose hidden width is ``int(8/3 * n_embd)`` rounded up to a
 multiple of ``multiple_of``; no biases anywhere; an untied output head.
 
-RoPE's cos/sin tables are precomputed once as *non-persistent* buffers: they are
-derived from the config, so they stay out of ``state_dict()`` and checkpoints; they
-do appear in ``named_buffers()``, so the state fingerprints and PAFT-Sync cover them
-(identical on every rank: a corrupted table is seen and repaired).
+RoPE's cos/sin tables are computed in each forward, on the input's device (a few
+microseconds): no state. As buffers they were broadcast by DDP before every forward
+(``broadcast_buffers``), so a table corrupted on rank 0 became every rank's unseen
+(the state fingerprints leave buffers out: under DDP they may legitimately differ).
 """
 
 from __future__ import annotations
@@ -99,10 +99,12 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape ``(length, head_dim)`` for the rotate-half RoPE form."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+def rope_tables(head_dim: int, length: int, theta: float,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape ``(length, head_dim)`` for the rotate-half RoPE form; position
+    p's row is the same whatever ``length`` (elementwise from p)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # pair dim i with dim i + head_dim/2
     return angles.cos(), angles.sin()
 
@@ -163,10 +165,6 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """``forward(idx: (B, T) int64) -> logits (B, T, vocab_size)``."""
 
-    # Buffers, registered in __init__ (an attribute nn.Module resolves, typed for the checker).
-    rope_cos: torch.Tensor
-    rope_sin: torch.Tensor
-
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -176,9 +174,6 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied
-        cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
         # Same scheme as GPT-2: N(0, 0.02), residual output projections scaled by depth.
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -192,7 +187,7 @@ class Llama(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = rope_tables(self.cfg.n_embd // self.cfg.n_head, T, self.cfg.rope_theta, idx.device)
         x = self.drop(self.tok_emb(idx))
         for block in self.blocks:
             x = block(x, cos, sin)
