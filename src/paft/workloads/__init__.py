@@ -74,7 +74,9 @@ WORKLOADS: tuple[str, ...] = ("gpt", "llama", "resnet")
 
 def _without_ddp(model: nn.Module) -> nn.Module:
     # Evaluate on the inner module: a DDP forward may run collectives (buffer
-    # broadcast), which would hang if only some ranks evaluate.
+    # broadcast), which would hang if only some ranks evaluate. torch.compile(ddp) is
+    # unwrapped first: its forward is DDP's.
+    model = getattr(model, "_orig_mod", model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.module
     return model
@@ -107,8 +109,8 @@ class Workload:
 
         Deterministic given the weights: fixed batches, ``eval()`` mode (BatchNorm uses
         running stats, dropout off); the previous training mode is restored. A
-        DDP-wrapped model is unwrapped, so this runs no collectives and may be called
-        on a single rank. ``max_batches=None`` covers the whole val split.
+        DDP-wrapped model (compiled or not) is unwrapped, so this runs no collectives and
+        may be called on a single rank. ``max_batches=None`` covers the whole val split.
         """
         return self.summarize(self.batch_sums(model, batch_size, max_batches))
 
@@ -121,7 +123,8 @@ class Workload:
         batches ``b`` with ``b % n == i`` and leaves the other rows zero, so ``n`` ranks
         holding the same weights can split the work and add their tables up (``x + 0``
         is exact): :meth:`summarize` then gives what one rank evaluating them all would,
-        to the bit, since each batch's numbers depend only on the weights."""
+        to the bit, since each batch's numbers depend only on the weights and buffers
+        (BatchNorm's running statistics, which DDP lets differ between ranks)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_batches is not None and max_batches < 1:

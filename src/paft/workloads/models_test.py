@@ -366,7 +366,7 @@ def test_shares_of_the_evaluation_add_up_to_it_bit_for_bit(name: str) -> None:
         wl.batch_sums(wl.model, share=(3, 3))
 
 
-def _ddp_worker(rank: int, world_size: int, name: str, model_args: dict[str, Any]) -> Any:
+def _ddp_worker(rank: int, world_size: int, name: str, model_args: dict[str, Any], compiled: bool = False) -> Any:
     torch.manual_seed(100 + rank)  # ranks' global RNGs differ; the build must not care
     wl: Workload = build_workload(name, seed=1, model_args=model_args)
     model = nn.parallel.DistributedDataParallel(wl.model)
@@ -376,8 +376,10 @@ def _ddp_worker(rank: int, world_size: int, name: str, model_args: dict[str, Any
         opt.zero_grad()
         wl.loss(model, *wl.train.get(idx)).backward()
         opt.step()
-    # Only rank 0 evaluates: must not issue collectives through the DDP wrapper.
-    metrics = wl.evaluate(model, batch_size=8, max_batches=1) if rank == 0 else None
+    # Only rank 0 evaluates: must not issue collectives through the DDP wrapper, nor
+    # through torch.compile(ddp), whose forward is DDP's (its buffer broadcast hung).
+    evaluated = torch.compile(model, backend="eager") if compiled else model
+    metrics = wl.evaluate(evaluated, batch_size=8, max_batches=1) if rank == 0 else None
     dist.barrier()
     # Return numpy (pickled by value): a torch tensor would travel through shared memory
     # whose owner, this worker, may exit before the parent unpickles it.
@@ -385,8 +387,9 @@ def _ddp_worker(rank: int, world_size: int, name: str, model_args: dict[str, Any
     return flat.numpy().copy(), metrics
 
 
-def test_loss_and_evaluate_under_ddp() -> None:
-    results = run_workers(_ddp_worker, 2, "resnet", {"width": 4}, timeout=120)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_loss_and_evaluate_under_ddp(compiled: bool) -> None:
+    results = run_workers(_ddp_worker, 2, "resnet", {"width": 4}, compiled, timeout=120)
     (params0, metrics0), (params1, metrics1) = results
     assert torch.equal(torch.from_numpy(params0), torch.from_numpy(params1))
     assert metrics0 is not None and "val_acc" in metrics0 and metrics1 is None
