@@ -174,6 +174,6 @@ def cross_rank_limit(values: list[float], threshold: float, armed: bool) -> floa
     med = median(xs)
     if not armed:
         return _gross_above(med)
-    mad = median(sorted(abs(x - med) for x in xs))
+    mad = median_distance(xs, med)
     scale = max(MAD_TO_STD * mad, REL_FLOOR_RANK * abs(med))
     return med + threshold * scale if scale else GROSS_FACTOR

@@ -31,6 +31,7 @@ import hashlib
 import os
 import struct
 import sys
+import zlib
 from collections.abc import Iterator
 from importlib import resources
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -222,7 +223,7 @@ def read_idx(src: PathLike, expected_magic: int) -> torch.Tensor:
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, zlib.error) as e:  # a damaged body: zlib's error, not OSError
             raise ValueError(f"{name}: corrupt gzip stream ({e})") from e
     if len(raw) < 4:
         raise ValueError(f"{name}: too short for an IDX header ({len(raw)} bytes)")
@@ -255,6 +256,8 @@ def _load_mnist_from(images_src: PathLike, labels_src: PathLike) -> tuple[torch.
         raise ValueError(
             f"{labels_src}: {labels.shape[0]} labels for {images.shape[0]} images in {images_src}"
         )
+    if labels.numel() == 0:
+        raise ValueError(f"{labels_src}: no labels (an empty IDX file)")
     if int(labels.max()) > 9:
         raise ValueError(f"{labels_src}: label {int(labels.max())} outside 0..9")
     x = (images.to(torch.float32).div_(255.0).sub_(MNIST_MEAN).div_(MNIST_STD)).unsqueeze(1)
@@ -354,7 +357,8 @@ class ShardedSampler:
             self._order_epoch = self.epoch
         start = self.position * self.batch_size
         self.position += 1
-        # A copy, so a caller that edits its batch in place cannot alter later epochs' reads.
+        # A copy, so a caller that edits its batch in place cannot alter what a rewind of
+        # this epoch (load_state_dict, then a recompute) reads again.
         return self._order[start : start + self.batch_size].clone()
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -151,6 +151,7 @@ def test_read_idx_rejects_corrupt_files(tmp_path: Path, content: bytes, message:
         ((2, 28, 28), bytes([3, 10]), "label 10 outside 0..9"),
         ((2, 28, 28), bytes([3, 4, 5]), "3 labels for 2 images"),
         ((2, 28, 27), bytes([3, 4]), "expected 28x28 images"),
+        ((0, 28, 28), b"", "no labels"),  # labels.max() of none raised RuntimeError
     ],
 )
 def test_load_mnist_refuses_files_that_disagree(
@@ -171,9 +172,14 @@ def test_load_mnist_scales_then_normalizes_each_pixel(tmp_path: Path) -> None:
     assert y.dtype == torch.int64 and y.tolist() == [7]
 
 
-def test_read_idx_rejects_corrupt_gzip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["truncated", "body"])
+def test_read_idx_rejects_corrupt_gzip(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "broken.gz"
-    path.write_bytes(gzip.compress(_idx_bytes(0x803, (1, 28, 28), bytes(784)))[:-20])
+    packed = gzip.compress(_idx_bytes(0x803, (1, 28, 28), bytes(range(256)) * 3 + bytes(16)))
+    # A damaged body raised zlib.error, not the ValueError naming the file.
+    flipped = packed[:12] + bytes(b ^ 0xFF for b in packed[12:40]) + packed[40:]
+    packed = packed[:-20] if damage == "truncated" else flipped
+    path.write_bytes(packed)
     with pytest.raises(ValueError, match="broken.gz"):
         read_idx(path, 0x803)
 
