@@ -99,6 +99,9 @@ class CountSketch:
         return p
 
     def signs(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index``'s ±1 signs, in ``like``'s dtype and on its device: a 16-bit
+        gradient's signs stay 16-bit (±1 is exact there, and the product with the widened
+        gradient is the same float32), not twice the gradient's size."""
         layout = (like.numel(), like.device, like.dtype)
         cached = self._signs.get(index)
         if cached is not None and cached[0] == layout:
@@ -118,8 +121,7 @@ class CountSketch:
         (same magnitudes), so the caller needs no separate norm pass; non-finite if
         ``flat`` holds inf or NaN.
         """
-        flat = widened(flat)
-        signed = flat * self.signs(index, flat)
+        signed = widened(flat) * self.signs(index, flat)
         n, p = signed.numel(), self.stride(index, flat.numel(), shapes)
         full = n - n % p
         if full:

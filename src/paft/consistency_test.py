@@ -265,6 +265,21 @@ def test_a_rebuilt_bucket_layout_replaces_its_signs() -> None:
     assert torch.equal(sketcher.signs(0, torch.zeros(1000)), first)
 
 
+def test_a_16_bit_buckets_signs_are_16_bit_and_sketch_as_float32_ones_did() -> None:
+    # Stored in the widened dtype, a bfloat16 gradient's signs took twice its size.
+    flat = torch.randn(5000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    sketcher = CountSketch(64)
+    out = torch.zeros(64, dtype=torch.float64)
+    sq = sketcher.add_(out, 0, flat)
+    ((_, _, dtype), signs) = sketcher._signs[0]
+    assert dtype == signs.dtype == torch.bfloat16
+    signs32 = signs.float()
+    by_hand = torch.zeros(64, dtype=torch.float64)
+    reference = CountSketch(64)
+    reference._signs[0] = ((flat.numel(), flat.device, torch.float32), signs32)
+    assert torch.equal(reference.add_(by_hand, 0, flat.float()), sq) and torch.equal(by_hand, out)
+
+
 @pytest.mark.parametrize("target", [0.0, 0.5, 0.9, 0.99])
 def test_sketch_cosine_error_is_within_the_documented_bound(target: float) -> None:
     """Documented: standard error of the sketched cosine ~ (1 - cos^2) / sqrt(k)."""
