@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["start_gather_rows", "gather_rows", "max_over_ranks", "all_gather_flat", "collective_device"]
+__all__ = ["start_gather_rows", "start_gather_into", "gather_rows", "max_over_ranks", "all_gather_flat",
+           "collective_device"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -41,8 +42,16 @@ def start_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None)
     if device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower():
         work = dist.all_to_all_single(out, row.repeat(world_size, 1), group=group, async_op=True)
     else:
-        work = _all_gather_single(out, row, group=group, async_op=True)
+        work = start_gather_into(out, row, group)
     return out, work
+
+
+def start_gather_into(out: torch.Tensor, row: torch.Tensor, group: dist.ProcessGroup | None = None) -> Any:
+    """Launch the all-gather of every rank's ``row`` into the rows of the contiguous
+    ``[world_size, n]`` tensor ``out`` (both on the group's collective device); its work.
+    Into one tensor: the list form made NCCL gather into a temporary of its own and copy
+    each row out, twice the memory."""
+    return _all_gather_single(out.view(-1), row, group=group, async_op=True)  # gloo takes the flat form only
 
 
 def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -63,6 +63,7 @@ def preflight(
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         _check_comm_hook(comm_hook, comm_state)
         _check_recorder(model, recorder)
+        _check_cuda_device(str(dist.get_backend(model.process_group)), model)
         specs = [s if isinstance(s, FaultSpec) else FaultSpec.parse(s, option="protect(): inject") for s in inject]
         _check_specs(specs, list(model.parameters()))
         # DDP takes one comm hook, and keeps it for good: a rank whose model has one
@@ -192,6 +193,24 @@ def _check_recorder(model: DistributedDataParallel, recorder: Any) -> None:
         raise ValueError(f"protect(): the recorder's rank is {recorder.rank}, but this is rank {me} of DDP's "
                          "process group; a recorder takes the rank in that group (its rank 0 writes the run "
                          "folder): RunRecorder(run_dir, dist.get_rank(ddp.process_group))")
+
+
+def _check_cuda_device(backend: str, model: Any, current: Any = None) -> None:
+    """Under NCCL paft's own collectives run on the current CUDA device, as NCCL wants
+    (one GPU per rank): a model on another GPU (``model.to(local_rank)`` without
+    ``torch.cuda.set_device``) would put every rank's collectives on cuda:0, and NCCL
+    refuses two ranks on one GPU deep inside the first one. ``current``: the current
+    device's index (``torch.cuda.current_device``, asked only for a CUDA model)."""
+    if "nccl" not in backend.lower():
+        return
+    device = next((p.device for p in model.parameters() if p.is_cuda), None)
+    if device is None:
+        return
+    index = (current or torch.cuda.current_device)()
+    if device.index != index:
+        raise ValueError(f"protect(): the model is on {device}, but this process's current CUDA device is "
+                         f"cuda:{index}, where NCCL runs paft's collectives; call "
+                         f"torch.cuda.set_device({device.index}) before init_process_group (one GPU per rank)")
 
 
 def _foreign_params(model: DistributedDataParallel, groups: Sequence[dict[str, Any]]) -> int:

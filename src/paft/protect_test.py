@@ -1430,3 +1430,23 @@ def test_importing_paft_leaves_torch_distributed_optim_unloaded() -> None:
             "print('torch.distributed.optim' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_cuda_model_off_the_current_device_is_refused_under_nccl() -> None:
+    # model.to(local_rank) without torch.cuda.set_device: paft's NCCL collectives would
+    # all run on cuda:0, and NCCL refuses two ranks on one GPU deep in the first one.
+    # No GPU here: a stand-in model whose parameters say where they are.
+    from types import SimpleNamespace
+
+    from paft.preflight import _check_cuda_device
+
+    def on(*devices: str) -> Any:
+        params = [SimpleNamespace(is_cuda=d.startswith("cuda"), device=torch.device(d)) for d in devices]
+        return SimpleNamespace(parameters=lambda: iter(params))
+
+    with pytest.raises(ValueError, match=r"the model is on cuda:1, but this process's current CUDA device is "
+                                         r"cuda:0, .* call torch.cuda.set_device\(1\) before init_process_group"):
+        _check_cuda_device("cpu:gloo,cuda:nccl", on("cuda:1"), current=lambda: 0)
+    _check_cuda_device("nccl", on("cuda:1"), current=lambda: 1)  # set_device(1) was called
+    _check_cuda_device("gloo", on("cuda:1"), current=lambda: 0)  # gloo's collectives take CPU tensors
+    _check_cuda_device("nccl", on("cpu"), current=lambda: 0)

@@ -1357,10 +1357,10 @@ def _w_gathers_in_flight(rank: int, ws: int) -> dict[str, Any]:
     """Replicas that all differ (no majority: the median), 16 buckets of 4 KB: the most
     all-gathers launched and not yet waited for, blocking and overlapped, and the
     synced state either way."""
-    import torch.distributed as dist
+    from paft import collectives
 
     in_flight, most = [0], [0]
-    real = dist.all_gather
+    real = collectives._all_gather_single
 
     class Counted:  # the gather's work, counted out when it is waited for
         def __init__(self, work: Any) -> None:
@@ -1375,7 +1375,7 @@ def _w_gathers_in_flight(rank: int, ws: int) -> dict[str, Any]:
         most[0] = max(most[0], in_flight[0])
         return Counted(real(*args, **kwargs))
 
-    dist.all_gather = counted
+    collectives._all_gather_single = counted
     try:
         out: dict[str, Any] = {}
         for how in ("blocking", "overlapped"):
@@ -1389,7 +1389,7 @@ def _w_gathers_in_flight(rank: int, ws: int) -> dict[str, Any]:
             out[how] = (most[0], report.collectives, model.weight.detach().clone())
         return out
     finally:
-        dist.all_gather = real
+        collectives._all_gather_single = real
 
 
 def test_a_blocking_median_gathers_a_bucket_ahead_of_the_merge() -> None:

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from paft.collectives import max_over_ranks
+from paft.collectives import max_over_ranks, start_gather_into
 from paft.divergence import rel_distance
 from paft.flat import Group, Layout, copy_all_, pack, ranges_in, storage_of, transport_view
 from paft.norms import sq_norm, wide_dtype
@@ -241,7 +241,7 @@ class Transfer:
         """Every rank's ``snap[a:b]`` as the rows of a ``[world_size, b - a]`` tensor,
         once the all-gather appended to ``works`` completes."""
         out = torch.empty(self.world_size, b - a, dtype=snap.dtype, device=snap.device)
-        works.append(dist.all_gather(list(out.unbind(0)), snap[a:b], group=self.group, async_op=True))
+        works.append(start_gather_into(out, snap[a:b], self.group))
         return out
 
     def _rows(self, p: PartInFlight, gi: int) -> Iterator[Tensor]:

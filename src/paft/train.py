@@ -205,6 +205,10 @@ class Trainer:
 
         return closure
 
+    def _wait_for_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def prime(self) -> None:
         """Settle DDP's bucket layout on a batch that is not consumed (see Protector.prime)."""
         self.protector.prime(self.closure(torch.arange(self.cfg.per_rank_batch_size)))
@@ -212,10 +216,14 @@ class Trainer:
     def train_step(self) -> StepReport:
         closure = self.closure(self.sampler.next_batch())
         lr = self.optimizer.param_groups[0]["lr"]  # what this step trains with
+        # On a GPU the clock waits for the device at both ends: a step's kernels still
+        # queued when it returned were paid by the next one, outside its clock.
+        self._wait_for_device()
         start, cpu_start = time.perf_counter(), time.process_time()
         report = self.protector.step(closure)
         self.scheduler.step()
         self.step += 1
+        self._wait_for_device()
         elapsed = time.perf_counter() - start
         self.train_seconds += elapsed
         # The first steps pay one-off costs (DDP's bucket rebuild, lazy optimizer state):
