@@ -115,15 +115,20 @@ def pack(flat: Tensor, tensors: list[Tensor]) -> Tensor:
 
 
 def copy_all_(dst: list[Tensor], src: list[Tensor]) -> None:
-    """``d.copy_(s)`` for each pair: one batched ``_foreach_copy_`` for the pairs on one
-    device, a copy each for the rest (Adam's step counters on the CPU beside CUDA
-    parameters)."""
-    same = [(d, s) for d, s in zip(dst, src) if d.device == s.device]
-    if same:
-        torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
+    """``d.copy_(s)`` for each pair: one batched ``_foreach_copy_`` per device and dtypes
+    (CUDA's batched kernel takes a list on one device in one dtype; one pair off it sent
+    the whole list down a copy each), a copy each for the pairs across devices (Adam's
+    step counters on the CPU beside CUDA parameters)."""
+    batches: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
     for d, s in zip(dst, src):
-        if d.device != s.device:
+        if d.device == s.device:
+            ds, ss = batches.setdefault((d.device, d.dtype, s.dtype), ([], []))
+            ds.append(d)
+            ss.append(s)
+        else:
             d.copy_(s)
+    for ds, ss in batches.values():
+        torch._foreach_copy_(ds, ss)
 
 
 def ranges_in(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:

@@ -3,6 +3,7 @@ Pure logic, one process (sync_test.py carries layouts through real collectives).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from paft.flat import build_layout, copy_all_, pack, ranges_in, storage_of, structure_key, transport_view
@@ -104,3 +105,22 @@ def test_pack_and_storage_of() -> None:
     assert storage_of(base[2:]) == storage_of(base) == (base.device, base.untyped_storage().data_ptr())
     assert storage_of(torch.zeros(0)) is None
     assert storage_of(torch.zeros(2, 2).to_sparse()) is None
+
+
+def test_copy_all_batches_per_device_and_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA's batched copy takes one device and one dtype per list: a list mixing them
+    # (an int64 buffer among float32 tensors) went down a copy per tensor.
+    dst = [torch.zeros(3), torch.zeros(2, dtype=torch.int64), torch.zeros(4), torch.zeros(1, dtype=torch.float64)]
+    src = [torch.ones(3), torch.full((2,), 7), torch.full((4,), 2.0), torch.full((1,), 0.5, dtype=torch.float64)]
+    batches: list[int] = []
+    real = torch._foreach_copy_
+
+    def counted(ds: list[torch.Tensor], ss: list[torch.Tensor]) -> None:
+        assert len({(d.device, d.dtype) for d in ds}) == 1
+        batches.append(len(ds))
+        real(ds, ss)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    copy_all_(dst, src)
+    assert sorted(batches) == [1, 1, 2]
+    assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dst, src))

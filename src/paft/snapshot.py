@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from paft.flat import copy_all_
 from paft.hook_state import HookStateSnapshot
 from paft.norms import norm_of
 from paft.state import nested_tensors, state_tensors
@@ -133,7 +134,7 @@ class StateSnapshot:
         if layout != [(t.shape, t.dtype, t.device) for t in self._saved]:
             self._saved = [torch.empty_like(t) for t in live]
         with torch.no_grad():
-            torch._foreach_copy_(self._saved, live)
+            copy_all_(self._saved, live)
         self._live = live
         self._num_params = sum(1 for n, _ in named if n.startswith("param/"))
         self._extras = {}
@@ -168,7 +169,7 @@ class StateSnapshot:
 
     def restore(self, optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
-            torch._foreach_copy_(self._live, self._saved)
+            copy_all_(self._live, self._saved)
         for p, extras in self._extras.items():
             if extras is None:
                 optimizer.state.pop(p, None)  # the step created this state: undo it
