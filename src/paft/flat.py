@@ -101,11 +101,25 @@ def build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucket
 
 
 def pack(flat: Tensor, tensors: list[Tensor]) -> Tensor:
-    """Copy ``tensors`` back to back into ``flat``: one ``cat``, the tensors on another
-    device (Adam's CPU step counters beside CUDA state) moved over first, each a few
-    bytes, instead of a copy per tensor for the whole group."""
-    if tensors:
-        torch.cat([t.reshape(-1).to(flat.device) for t in tensors], out=flat)
+    """Copy ``tensors`` back to back into ``flat``: one ``cat`` per run of tensors on
+    ``flat``'s device, and a copy straight into its place for each tensor on another
+    (Adam's CPU step counters beside CUDA state; every tensor of a CUDA model synced
+    through gloo's CPU buffers), so nothing is copied twice."""
+    o = start = 0
+    run: list[Tensor] = []
+    for t in tensors:
+        n = t.numel()
+        if t.device == flat.device:
+            run.append(t.reshape(-1))
+        else:
+            if run:
+                torch.cat(run, out=flat[start:o])
+                run = []
+            flat[o : o + n].copy_(t.reshape(-1))
+            start = o + n
+        o += n
+    if run:
+        torch.cat(run, out=flat[start:o])
     return flat
 
 

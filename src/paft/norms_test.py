@@ -101,9 +101,10 @@ def test_an_infinite_entry_is_inf_without_the_scaled_pass(entry: float, monkeypa
     def scaled(tensors: object) -> torch.Tensor:
         raise AssertionError("the scaled pass ran")
 
-    tensors = [torch.ones(3), torch.tensor([1.0, entry]), torch.zeros(0)]
+    tensors = [torch.ones(3), torch.tensor([1.0, entry]), torch.zeros(0), torch.ones(2, dtype=torch.complex64)]
     monkeypatch.setattr(norms, "_scaled_norm", scaled)
     norm = total_norm(tensors)
     assert math.isinf(norm) and judged_norm(norm, tensors) == math.inf and norm_of(tensors) == math.inf
     with pytest.raises(AssertionError, match="the scaled pass ran"):  # finite entries that overflow still take it
         norm_of([torch.full((2,), 3e38)])
+    assert norm_of([torch.tensor([1 + 1j, complex(entry, 0)], dtype=torch.complex64)]) == math.inf  # aminmax: real only

@@ -29,7 +29,7 @@ from paft.comm import paft_comm_hook, registered_comm_hooks
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
-from paft.optimizers import chained, check_disjoint
+from paft.optimizers import OptimizerChain, chained, check_disjoint
 
 __all__ = ["check_added_groups", "ddp_of", "mark_protected", "preflight", "wants_comm_hook"]
 
@@ -50,8 +50,9 @@ def preflight(
     recorder: Any = None,
 ) -> tuple[list[FaultSpec], OptimizerStep]:
     """Check :func:`paft.protect`'s arguments; a collective over the model's process
-    group. Returns the parsed fault specs and the optimizer step (with the loss scaler).
-    Raises ``TypeError`` / ``ValueError`` / ``RuntimeError`` on every rank."""
+    group. Returns the parsed fault specs and the optimizer step (with the loss scaler;
+    its ``optimizer`` is a list's :class:`~paft.optimizers.OptimizerChain`). Raises
+    ``TypeError`` / ``ValueError`` / ``RuntimeError`` on every rank."""
     if not isinstance(model, DistributedDataParallel):  # no process group to tell the others through
         inner = _compiled_module(model)
         got = type(model).__name__ if inner is None else f"torch.compile of a {type(inner).__name__}"
@@ -60,6 +61,10 @@ def preflight(
                         "model)) and torch.compile(DistributedDataParallel(model)) are both taken")
     refusal: Exception | None = None
     try:
+        # A list is chained here, inside the agreement: a list refused on one rank only
+        # must raise on every rank, not leave the others waiting in the gather below.
+        if isinstance(optimizer, (list, tuple)):
+            optimizer = OptimizerChain(optimizer)
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         _check_comm_hook(comm_hook, comm_state)
         _check_recorder(model, recorder)

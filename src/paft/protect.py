@@ -32,7 +32,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,6 @@ from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.hook_state import hook_snapshot
 from paft.monitor import Monitor
 from paft.norms import judged_norm, total_norm
-from paft.optimizers import OptimizerChain
 from paft.preflight import check_added_groups, ddp_of, mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
@@ -188,8 +187,7 @@ def protect(
     """
     return Protector(
         ddp_of(model),  # torch.compile(ddp): the DDP model the closure's compiled wrapper runs
-        # Anything but a list or tuple goes on as it is: the preflight names what it is.
-        OptimizerChain(optimizer) if isinstance(optimizer, (list, tuple)) else cast(torch.optim.Optimizer, optimizer),
+        optimizer,  # a list is chained by the preflight, on every rank alike
         monitor=monitor or MonitorConfig(),
         protect=protect or ProtectConfig(),
         guard=guard or GuardConfig(),
@@ -239,7 +237,7 @@ class Protector:
     def __init__(
         self,
         model: DistributedDataParallel,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         *,
         monitor: MonitorConfig,
         protect: ProtectConfig,
@@ -256,14 +254,14 @@ class Protector:
                                          inject=inject, seed=seed, grad_clip=grad_clip, scaler=scaler,
                                          comm_hook=comm_hook, comm_state=comm_state, recorder=recorder)
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = self._stepper.optimizer  # a list's OptimizerChain
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
         # parameters and buffers are fixed once DDP wraps the model (DDP itself keeps
         # the buffer list it broadcasts from construction on), so collect them once.
         self._params = list(model.parameters())
         # Param groups the optimizer had when last checked: one added since (progressive
         # unfreezing) is checked at the next step (check_added_groups).
-        self._groups_known = len(optimizer.param_groups)
+        self._groups_known = len(self.optimizer.param_groups)
         self._buffers = list(model.module.buffers())
         self.monitor_cfg = monitor
         self.protect_cfg = protect
@@ -304,12 +302,13 @@ class Protector:
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = StateSnapshot()
-        group = self.group  # not self in the lambdas: a cycle would keep a dropped protector alive
+        # Not self in the lambdas: a cycle would keep a dropped protector alive.
+        group, opt = self.group, self.optimizer
         self.monitor = Monitor(monitor, self.recorder, divergence=lambda: measure_divergence(
-            model, optimizer, per_tensor=True, group=group, buffers=False))
-        self.resync = Resync(model, optimizer, protect, guard=self.guard is not None, recorder=self.recorder,
+            model, opt, per_tensor=True, group=group, buffers=False))
+        self.resync = Resync(model, opt, protect, guard=self.guard is not None, recorder=self.recorder,
                              replicas_agree=self.monitor.replicas_agree,
-                             fingerprints_now=lambda: _state_fingerprints_now(model, optimizer, group))
+                             fingerprints_now=lambda: _state_fingerprints_now(model, opt, group))
         self._faults_injected = 0
         # A stop on a state mismatch left the replicas split: the next step checks the
         # state, whatever --fingerprint-every says, and so repairs them (the stop is

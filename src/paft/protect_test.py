@@ -1131,6 +1131,9 @@ def refused_on_one_rank(rank: int, world_size: int) -> dict[str, str]:
                                                       monitor=MonitorConfig(enabled=not one)),
         "foreign optimizer": lambda m, o: protect(m, torch.optim.Adam(toy_model().parameters()) if one else o),
         "closure optimizer": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters()) if one else o),
+        # a list chained outside the agreement raised on rank 1 alone; the others hung
+        "overlapping list": lambda m, o: protect(m, [torch.optim.SGD(list(m.parameters())[:2], lr=0.1),
+                                                     torch.optim.Adam(list(m.parameters())[0 if one else 2:])]),
         "own hook": lambda m, o: protect(m if not one else
                                          m.register_comm_hook(None, default_hooks.allreduce_hook) or m, o),
         # and afterwards the ranks still work together: a collective that would hang otherwise
@@ -1155,6 +1158,7 @@ def test_arguments_refused_on_one_rank_raise_on_every_rank() -> None:
         "guard without monitor": "ValueError: protect(): the guard needs the per-step monitor",
         "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
         "closure optimizer": "TypeError: protect(): LBFGS.step() needs a closure",
+        "overlapping list": "ValueError: OptimizerChain: a parameter of shape (64, 16) is held by optimizer 0",
         "own hook": "RuntimeError: protect(): this DDP model already has a comm hook",
     }
     for name, needle in own.items():
