@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, ProtectConfig
-from paft.integration_optim_test import _closure, _equal, _state, scheduled_run
+from paft.integration_optim_test import _closure, _equal, _state, muon_adamw, scheduled_run
 from paft.optimizers import OptimizerChain
 from paft.protect import Protector, protect
 from paft.protect_test import batch, toy_model
@@ -33,15 +33,6 @@ from paft.sync import ReplicaSync
 from paft.testing import run_workers
 
 STEPS = 8
-
-
-def _chain(model: nn.Module, fused: bool = False, hidden_from: int = 0) -> OptimizerChain:
-    """Muon for the hidden matrices, AdamW for the rest; ``hidden_from``: leave out the
-    first that many hidden matrices (a group added later)."""
-    hidden = [p for p in model.parameters() if p.dim() == 2 and p.shape[0] > 1]
-    rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
-    return OptimizerChain([torch.optim.Muon(hidden[hidden_from:], lr=2e-2, adjust_lr_fn="match_rms_adamw"),
-                           torch.optim.AdamW(rest, lr=1e-2, fused=fused)])
 
 
 def _scaled_closure(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -65,7 +56,7 @@ ROLLBACK_AT = {"first": 0, "later": 5}
 def _chain_under(on: str) -> Callable[[nn.Module], tuple[OptimizerChain, list[Any]]]:
     """The chain under a warm-up schedule on ``each`` of its optimizers or on the ``chain``."""
     def make(model: nn.Module) -> tuple[OptimizerChain, list[Any]]:
-        chain = _chain(model)
+        chain = muon_adamw(model)
         return chain, [torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(1.0, (t + 1) / 4))
                        for o in (chain.optimizers if on == "each" else [chain])]
     return make
@@ -104,7 +95,7 @@ SCALES = {"exact": {"init_scale": 2.0**10, "growth_interval": 2},
 
 def _scaled(rank: int, scale: str | None, guarded: bool, plain: bool) -> dict[str, Any]:
     model = DistributedDataParallel(toy_model())
-    chain = _chain(model)
+    chain = muon_adamw(model)
     scaler = torch.amp.GradScaler("cpu", **SCALES[scale]) if scale is not None else None
     protector = None if plain else protect(model, chain.optimizers, scaler=scaler,
                                            guard=GuardConfig(enabled=guarded, warmup=2))
@@ -173,7 +164,7 @@ FAMILY: dict[str, dict[str, Any]] = {
 
 def _family(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     model = DistributedDataParallel(toy_model())
-    chain = _chain(model, fused=opts.get("fused", False))
+    chain = muon_adamw(model, fused=opts.get("fused", False))
     protector = None if opts.get("plain") else protect(
         model, chain.optimizers, protect=ProtectConfig(**opts.get("protect", {})),
         guard=GuardConfig(**opts.get("guard", {})), inject=opts.get("inject", []), seed=3)
@@ -199,7 +190,7 @@ def _synced_by_hand(rank: int) -> dict[str, Any]:
     version counter, so only the chain's step hook tells finish() to correct its tensors
     by the step (else it writes the synced state from start() over them: the step lost)."""
     model = DistributedDataParallel(toy_model())
-    chain = _chain(model, fused=True)
+    chain = muon_adamw(model, fused=True)
     sync = ReplicaSync(model, chain)
     bias = model.module[4].bias  # AdamW's, fused
     kept = []
@@ -248,7 +239,7 @@ def _w_added_group(rank: int, world_size: int, plain: bool) -> dict[str, Any]:
     (inserted before AdamW's groups in the chain); rank 2's whole aggregate scaled at step
     5, which PAFT-Dyn repairs (the new group's state included)."""
     model = DistributedDataParallel(toy_model())
-    chain = _chain(model, hidden_from=1)
+    chain = muon_adamw(model, hidden_from=1)
     protector = None if plain else protect(model, chain.optimizers, protect=ProtectConfig(mode="dyn"),
                                            inject=["scale:steps=5,fraction=1,factor=1.5,ranks=2"], seed=3)
     synced = []
@@ -302,7 +293,7 @@ def _w_resumed(rank: int, world_size: int) -> dict[str, Any]:
 
     def run(steps: range, saved: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
         model = DistributedDataParallel(toy_model())
-        chain = _chain(model)
+        chain = muon_adamw(model)
         protector: Protector = protect(model, chain.optimizers, protect=ProtectConfig(mode="dyn"), inject=inject,
                                        seed=3)
         synced = []

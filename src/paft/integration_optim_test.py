@@ -45,12 +45,13 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
             {"params": [p for n, p in named if p.dim() <= 1], "weight_decay": 0.0, "lr": 3e-3}]
 
 
-def _muon_adamw(model: nn.Module) -> OptimizerChain:
-    """Muon for the hidden matrices (2-D, more than one output), AdamW for the rest."""
+def muon_adamw(model: nn.Module, fused: bool = False, hidden_from: int = 0) -> OptimizerChain:
+    """Muon for the hidden matrices (2-D, more than one output), AdamW for the rest;
+    ``hidden_from``: leave out the first that many hidden matrices (a group added later)."""
     hidden = [p for p in model.parameters() if p.dim() == 2 and p.shape[0] > 1]
     rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
-    return OptimizerChain([torch.optim.Muon(hidden, lr=2e-2, adjust_lr_fn="match_rms_adamw"),
-                           torch.optim.AdamW(rest, lr=1e-2)])
+    return OptimizerChain([torch.optim.Muon(hidden[hidden_from:], lr=2e-2, adjust_lr_fn="match_rms_adamw"),
+                           torch.optim.AdamW(rest, lr=1e-2, fused=fused)])
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
@@ -67,7 +68,7 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "nadam": lambda m: torch.optim.NAdam(m.parameters(), lr=1e-2),
     "radam": lambda m: torch.optim.RAdam(m.parameters(), lr=1e-2),
     "adamw-groups": lambda m: torch.optim.AdamW(_groups(m), lr=1e-2),
-    "muon-adamw": _muon_adamw,
+    "muon-adamw": muon_adamw,
 }
 
 # What each set-up keeps per parameter: the sweep compares all of it.

@@ -60,12 +60,16 @@ class _ChainedState(MutableMapping[torch.Tensor, Any]):
     def __init__(self, chain: OptimizerChain) -> None:
         self._chain = chain
         self._owners: dict[int, torch.optim.Optimizer] = {}
+        self._layout: tuple[tuple[int, int], ...] = ()
 
     def _owner(self, param: torch.Tensor) -> torch.optim.Optimizer:
-        owner = self._owners.get(id(param))
-        if owner is None:  # a group added to a chained optimizer since: look again
+        # Rebuilt when a chained optimizer's groups change (a group added, or parameters
+        # moved between them): a few ids per lookup, not a walk over every parameter.
+        layout = tuple((id(g), len(g["params"])) for o in self._chain.optimizers for g in o.param_groups)
+        if layout != self._layout:
             self._owners = {id(p): o for o in self._chain.optimizers for g in o.param_groups for p in g["params"]}
-            owner = self._owners.get(id(param))
+            self._layout = layout
+        owner = self._owners.get(id(param))
         if owner is None:
             raise KeyError(f"a parameter of shape {tuple(param.shape)} that no chained optimizer holds")
         return owner
@@ -86,6 +90,23 @@ class _ChainedState(MutableMapping[torch.Tensor, Any]):
             if param in optimizer.state:
                 return optimizer.state[param]
         return default
+
+    def pop(self, param: torch.Tensor, *default: Any) -> Any:
+        """As a dict's: the entry removed from its owner, else ``default`` (Mapping's
+        would create an empty entry through the owner's defaultdict and return that)."""
+        for optimizer in self._chain.optimizers:
+            if param in optimizer.state:
+                return optimizer.state.pop(param)
+        if default:
+            return default[0]
+        raise KeyError(param)
+
+    def setdefault(self, param: torch.Tensor, default: Any = None) -> Any:
+        """As a dict's: the entry, or ``default`` stored in the owner and returned."""
+        owner = self._owner(param)
+        if param not in owner.state:
+            owner.state[param] = default
+        return owner.state[param]
 
     def __contains__(self, param: object) -> bool:
         return any(param in optimizer.state for optimizer in self._chain.optimizers)

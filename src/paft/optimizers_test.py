@@ -82,6 +82,24 @@ def test_param_groups_and_state_are_the_chained_optimizers_own() -> None:
     assert muon.state[w] is entry
 
 
+def test_pop_and_setdefault_are_a_dicts() -> None:
+    model = _model()
+    muon, adamw = _split(model)
+    chain = OptimizerChain([muon, adamw])
+    b, w = model[2].bias, model[0].weight
+    assert chain.state.pop(b, None) is None and b not in adamw.state  # no empty entry made and returned
+    with pytest.raises(KeyError):
+        chain.state.pop(b)
+    entry = {"x": torch.ones(1)}
+    assert chain.state.setdefault(b, entry) is entry and adamw.state[b] is entry
+    assert chain.state.setdefault(b, {"y": 1}) is entry  # kept
+    # A parameter moved between the chained optimizers: its entry goes to its new owner.
+    muon.param_groups[0]["params"].remove(w)
+    adamw.param_groups[0]["params"].append(w)
+    chain.state[w] = {"z": 2}
+    assert adamw.state[w] == {"z": 2} and w not in muon.state
+
+
 def test_reading_a_missing_entry_creates_it_in_its_owner_and_get_never_does() -> None:
     model = _model()
     muon, adamw = _split(model)

@@ -68,7 +68,7 @@ def preflight(
         _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
         _check_comm_hook(comm_hook, comm_state)
         _check_recorder(model, recorder)
-        _check_cuda_device(str(dist.get_backend(model.process_group)), model)
+        _check_cuda_device(str(dist.get_backend(model.process_group)), model, dist.get_world_size(model.process_group))
         specs = [s if isinstance(s, FaultSpec) else FaultSpec.parse(s, option="protect(): inject") for s in inject]
         _check_specs(specs, list(model.parameters()))
         # DDP takes one comm hook, and keeps it for good: a rank whose model has one
@@ -200,13 +200,13 @@ def _check_recorder(model: DistributedDataParallel, recorder: Any) -> None:
                          "folder): RunRecorder(run_dir, dist.get_rank(ddp.process_group))")
 
 
-def _check_cuda_device(backend: str, model: Any, current: Any = None) -> None:
+def _check_cuda_device(backend: str, model: Any, world_size: int, current: Any = None) -> None:
     """Under NCCL paft's own collectives run on the current CUDA device, as NCCL wants
     (one GPU per rank): a model on another GPU (``model.to(local_rank)`` without
     ``torch.cuda.set_device``) would put every rank's collectives on cuda:0, and NCCL
     refuses two ranks on one GPU deep inside the first one. ``current``: the current
     device's index (``torch.cuda.current_device``, asked only for a CUDA model)."""
-    if "nccl" not in backend.lower():
+    if "nccl" not in backend.lower() or world_size == 1:  # one rank: no GPU to share
         return
     device = next((p.device for p in model.parameters() if p.is_cuda), None)
     if device is None:

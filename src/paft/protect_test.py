@@ -1450,7 +1450,8 @@ def test_a_cuda_model_off_the_current_device_is_refused_under_nccl() -> None:
 
     with pytest.raises(ValueError, match=r"the model is on cuda:1, but this process's current CUDA device is "
                                          r"cuda:0, .* call torch.cuda.set_device\(1\) before init_process_group"):
-        _check_cuda_device("cpu:gloo,cuda:nccl", on("cuda:1"), current=lambda: 0)
-    _check_cuda_device("nccl", on("cuda:1"), current=lambda: 1)  # set_device(1) was called
-    _check_cuda_device("gloo", on("cuda:1"), current=lambda: 0)  # gloo's collectives take CPU tensors
-    _check_cuda_device("nccl", on("cpu"), current=lambda: 0)
+        _check_cuda_device("cpu:gloo,cuda:nccl", on("cuda:1"), 2, current=lambda: 0)
+    _check_cuda_device("nccl", on("cuda:1"), 2, current=lambda: 1)  # set_device(1) was called
+    _check_cuda_device("nccl", on("cuda:1"), 1, current=lambda: 0)  # one rank: no GPU shared
+    _check_cuda_device("gloo", on("cuda:1"), 2, current=lambda: 0)  # gloo's collectives take CPU tensors
+    _check_cuda_device("nccl", on("cpu"), 2, current=lambda: 0)

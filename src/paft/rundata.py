@@ -202,8 +202,10 @@ def mean_local_loss(metrics: dict[int, list[dict[str, Any]]]) -> tuple[list[int]
     by_step: dict[int, list[float]] = defaultdict(list)
     for records in metrics.values():
         for r in records:
-            if "local_loss" in r:
-                by_step[int(r["step"])].append(float(r["local_loss"]))
+            if "local_loss" in r:  # a value that is no number (null) is drawn as a gap: NaN
+                v = r["local_loss"]
+                by_step[int(r["step"])].append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               else math.nan)
     steps = [s for s in sorted(by_step) if len(by_step[s]) == len(metrics)]
     return steps, [_mean(by_step[s]) for s in steps]
 

@@ -4,7 +4,9 @@ A sync moves its two parts apart, the parameters with the optimizer state and th
 buffers (see :mod:`paft.sync`), each as its :class:`~paft.sync_plan.SyncPlan` says.
 :meth:`Transfer.launch` packs this rank's part and launches its collectives;
 :meth:`Transfer.finish` waits for them, merges what they brought, measures how far
-apart the replicas were and applies the result to the live tensors.
+apart the replicas were and applies the result to the live tensors. A blocking
+median's all-gathers run in :meth:`~Transfer.finish` instead, a bucket ahead of the
+merge: every replica's whole state at once was world-size times the state.
 
 Wire format: tensors are grouped by dtype (complex as real pairs, bool as uint8) into
 one flat buffer per dtype, cut into buckets of at most ``bucket_mb``; ONE collective

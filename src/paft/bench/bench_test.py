@@ -64,6 +64,11 @@ def test_loss_curves_are_the_mean_of_every_ranks_own_loss(tmp_path: pathlib.Path
         lines = [json.dumps({"step": s, "loss": 99.0, "local_loss": v}) for s, v in enumerate(losses)]
         (tmp_path / "metrics" / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
     assert mean_local_loss(read_metrics(tmp_path)) == ([0, 1], [3.0, 4.0])
+    # A value that is no number is a gap in the curve (NaN), not an error that loses the plot.
+    (tmp_path / "metrics" / "rank1.jsonl").write_text('{"step": 0, "loss": 1.0, "local_loss": null}\n'
+                                                      '{"step": 1, "loss": 1.0, "local_loss": 1.0}\n')
+    steps, losses = mean_local_loss(read_metrics(tmp_path))
+    assert steps == [0, 1] and math.isnan(losses[0]) and losses[1] == 4.0
 
 
 @pytest.mark.parametrize("every", [1, 2])

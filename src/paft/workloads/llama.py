@@ -11,8 +11,8 @@ What differs from GPT-2: RMSNorm instead of LayerNorm; rotary position embedding
 (``w2(silu(w1 x) * w3 x)``) whose hidden width is ``int(8/3 * n_embd)`` rounded up to a
 multiple of ``multiple_of``; no biases anywhere; an untied output head.
 
-RoPE's cos/sin tables are computed in each forward, on the input's device (a few
-microseconds): no state. As buffers they were broadcast by DDP before every forward
+RoPE's cos/sin tables are computed once on the CPU and kept per device in a plain
+attribute, not as buffers: as buffers DDP broadcast them before every forward
 (``broadcast_buffers``), so a table corrupted on rank 0 became every rank's unseen
 (the state fingerprints leave buffers out: under DDP they may legitimately differ).
 """
@@ -99,12 +99,10 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_tables(head_dim: int, length: int, theta: float,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape ``(length, head_dim)`` for the rotate-half RoPE form; position
-    p's row is the same whatever ``length`` (elementwise from p)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
+def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape ``(length, head_dim)`` for the rotate-half RoPE form."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # pair dim i with dim i + head_dim/2
     return angles.cos(), angles.sin()
 
@@ -174,6 +172,10 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied
+        # device -> (cos, sin) for block_size positions: derived from the config, so no
+        # state (not in state_dict(), not a buffer DDP broadcasts); computed on the CPU and
+        # copied, the same bits on every device.
+        self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         # Same scheme as GPT-2: N(0, 0.02), residual output projections scaled by depth.
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -183,11 +185,20 @@ class Llama(nn.Module):
             nn.init.normal_(block.attn.wo.weight, mean=0.0, std=resid_std)
             nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=resid_std)
 
+    def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._rope.get(device)
+        if tables is None:
+            cfg = self.cfg
+            cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
+            tables = self._rope[device] = (cos.to(device), sin.to(device))
+        return tables
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        cos, sin = rope_tables(self.cfg.n_embd // self.cfg.n_head, T, self.cfg.rope_theta, idx.device)
+        cos, sin = self._rope_tables(idx.device)
+        cos, sin = cos[:T], sin[:T]
         x = self.drop(self.tok_emb(idx))
         for block in self.blocks:
             x = block(x, cos, sin)
