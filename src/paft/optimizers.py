@@ -142,7 +142,6 @@ class OptimizerChain(torch.optim.Optimizer):
                 kind = "a chain" if isinstance(optimizer, OptimizerChain) else type(optimizer).__name__
                 raise TypeError(f"OptimizerChain: optimizer {i} must be a torch.optim.Optimizer that is not "
                                 f"itself a chain, got {kind}")
-        for i, optimizer in enumerate(optimizers):
             if any(optimizer is other for other in optimizers[:i]):
                 raise ValueError(f"OptimizerChain: optimizer {i} ({type(optimizer).__name__}) is listed twice")
         check_disjoint(optimizers, "OptimizerChain")

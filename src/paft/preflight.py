@@ -16,7 +16,7 @@ import inspect
 import math
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -200,7 +200,7 @@ def _check_recorder(model: DistributedDataParallel, recorder: Any) -> None:
                          "folder): RunRecorder(run_dir, dist.get_rank(ddp.process_group))")
 
 
-def _check_cuda_device(backend: str, model: Any, world_size: int, current: Any = None) -> None:
+def _check_cuda_device(backend: str, model: Any, world_size: int, current: Callable[[], int] | None = None) -> None:
     """Under NCCL paft's own collectives run on the current CUDA device, as NCCL wants
     (one GPU per rank): a model on another GPU (``model.to(local_rank)`` without
     ``torch.cuda.set_device``) would put every rank's collectives on cuda:0, and NCCL

@@ -30,8 +30,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from paft.records import atomic_write_bytes, is_file, output_dir_problem
-from paft.report_text import first_split, number, ranks_phrase, series, split_syncs, summary_text, sync_events
-from paft.rundata import ReportError, RunData, load_run, mean_local_loss
+from paft.report_text import first_split, ranks_phrase, series, split_syncs, summary_text, sync_events
+from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
 
 __all__ = ["Report", "build_report"]
 

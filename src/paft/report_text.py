@@ -15,21 +15,12 @@ from typing import Any
 from paft.records import UNTIMED_STEPS, max_or_nan
 from paft.replicas import outside_majority
 from paft.resync import averages_at
-from paft.rundata import RunData
+from paft.rundata import RunData, is_number, number
 
-__all__ = ["first_split", "number", "ranks_phrase", "series", "split_syncs", "summary_text", "sync_events"]
+__all__ = ["first_split", "ranks_phrase", "series", "split_syncs", "summary_text", "sync_events"]
 
 
 # -- reading the records -----------------------------------------------------------------
-
-
-def number(value: Any) -> float:
-    return float(value) if _is_number(value) else math.nan
-
-
-def _is_number(value: Any) -> bool:
-    """A record's number (a bool is not one); NaN and the infinities are."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -296,7 +287,7 @@ def _values_hit(faults: list[dict[str, Any]]) -> list[str]:
     RECORD_VALUES of each): how many turned NaN/Inf and the largest finite value one
     left, so that faults a guard let pass can be seen to have stayed small."""
     hits = [(f, b, a) for f in faults for b, a in zip(f.get("before") or [], f.get("after") or [])
-            if _is_number(b) and _is_number(a)]
+            if is_number(b) and is_number(a)]
     if not hits:
         return []
     nonfinite = sum(1 for _, b, a in hits if math.isfinite(b) and not math.isfinite(a))

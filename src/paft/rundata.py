@@ -21,7 +21,7 @@ from typing import Any
 
 from paft.records import from_jsonable, read_jsonl, read_utf8
 
-__all__ = ["ReportError", "RunData", "load_run", "read_metrics", "mean_local_loss"]
+__all__ = ["ReportError", "RunData", "load_run", "read_metrics", "mean_local_loss", "is_number", "number"]
 
 
 class ReportError(ValueError):
@@ -177,8 +177,18 @@ def _check_config(path: Path, config: dict[str, Any]) -> None:
 def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:
     for key, value in (summary or {}).items():
         if key in _SUMMARY_NUMBERS or key.startswith(("initial_", "final_")):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_number(value):
                 raise ReportError(f"{path}: {key} must be a number, got {value!r}")
+
+
+def is_number(value: Any) -> bool:
+    """A record's number (a bool is not one); NaN and the infinities are."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def number(value: Any) -> float:
+    """A record's value as a float; NaN for one that is no number."""
+    return float(value) if is_number(value) else math.nan
 
 
 def read_metrics(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
@@ -203,9 +213,7 @@ def mean_local_loss(metrics: dict[int, list[dict[str, Any]]]) -> tuple[list[int]
     for records in metrics.values():
         for r in records:
             if "local_loss" in r:  # a value that is no number (null) is drawn as a gap: NaN
-                v = r["local_loss"]
-                by_step[int(r["step"])].append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
-                                               else math.nan)
+                by_step[int(r["step"])].append(number(r["local_loss"]))
     steps = [s for s in sorted(by_step) if len(by_step[s]) == len(metrics)]
     return steps, [_mean(by_step[s]) for s in steps]
 
