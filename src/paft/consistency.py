@@ -54,6 +54,7 @@ __all__ = [
     "COL_STATE_HI",
     "COL_STATE_LO",
     "checksum_keys",
+    "read_flags",
     "COL_FLAGS",
     "COL_FAULTS",
     "ControlVector",
@@ -131,10 +132,8 @@ class ControlView:
 
     @property
     def flags(self) -> list[int]:
-        """Each rank's FLAG_* bits; a value the control collective corrupted into a
-        non-integer reads as every non-finite flag (the rank's row cannot be trusted)."""
-        corrupt = FLAG_LOSS_NONFINITE | FLAG_LOCAL_NONFINITE | FLAG_AGG_NONFINITE
-        return [_count(f, corrupt) for f in self.matrix[:, COL_FLAGS].tolist()]
+        """Each rank's FLAG_* bits (see :func:`read_flags`)."""
+        return [read_flags(f) for f in self.matrix[:, COL_FLAGS].tolist()]
 
     @property
     def faults(self) -> list[int]:
@@ -184,6 +183,12 @@ _M64 = (1 << 64) - 1
 def _count(value: float, corrupt: int) -> int:
     """A float64 column that carries a small integer, or ``corrupt`` where it does not."""
     return int(value) if math.isfinite(value) and value == int(value) else corrupt
+
+
+def read_flags(cell: float) -> int:
+    """A flags cell's FLAG_* bits; a value the control collective corrupted into a
+    non-integer reads as every non-finite flag (the rank's row cannot be trusted)."""
+    return _count(cell, FLAG_LOSS_NONFINITE | FLAG_LOCAL_NONFINITE | FLAG_AGG_NONFINITE)
 
 
 def checksum_keys(bits: list[list[int]]) -> list[int]:

@@ -52,6 +52,7 @@ from paft.consistency import (
     FLAG_AGG_NONFINITE,
     FLAG_STATE_CHECKED,
     checksum_keys,
+    read_flags,
 )
 from paft.replicas import group_replicas
 
@@ -81,7 +82,7 @@ def _cleared(row: list[int], cols: tuple[int, ...], flag: int) -> list[int]:
     row = list(row)
     for col in cols:
         row[col] = 0
-    row[COL_FLAGS] = f64_bits(float(int(bits_f64(row[COL_FLAGS])) & ~flag))
+    row[COL_FLAGS] = f64_bits(float(read_flags(bits_f64(row[COL_FLAGS])) & ~flag))
     return row
 
 
@@ -96,7 +97,7 @@ def _without_aggregate(row: list[int]) -> list[int]:
 
 
 def _state_checked(bits: list[list[int]]) -> bool:
-    return all(int(bits_f64(row[COL_FLAGS])) & FLAG_STATE_CHECKED for row in bits)
+    return all(read_flags(bits_f64(row[COL_FLAGS])) & FLAG_STATE_CHECKED for row in bits)
 
 
 def _same(x: float, y: float) -> bool:

@@ -79,6 +79,16 @@ def test_state_columns_take_no_part_when_only_the_rerun_checked_the_state() -> N
     assert not reproduced(both, [row(2.0, state=6, flags=checked), row(3.0, state=6, flags=checked)])
 
 
+def test_a_flags_cell_corrupted_into_a_non_integer_reads_as_every_non_finite_flag() -> None:
+    # The control collective itself hit: the view reads such a cell as "every non-finite
+    # flag" (ControlView.flags), and the rerun comparison must read it alike, not raise.
+    bad = row(2.0)
+    bad[COL_FLAGS] = f64_bits(NAN)
+    assert reproduced([bad, row(1.0)], [bad, row(1.0)])
+    assert not reproduced([row(2.0), row(1.0)], [bad, row(1.0)])
+    assert not reproduced([bad, row(1.0)], [row(2.0, flags=7), row(1.0)])  # bits differ
+
+
 def test_the_attempts_rows_are_left_as_they_were() -> None:
     # The guard keeps a rerun's rows as the next rerun's first attempt.
     checked = FLAG_STATE_CHECKED
