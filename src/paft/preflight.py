@@ -12,6 +12,7 @@ others waiting in a later collective (or silently mixing state).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import sys
@@ -87,6 +88,7 @@ def preflight(
             "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
             "grad_clip": grad_clip, "seed": seed, "inject": [s.to_text() for s in specs],
             **_model_and_optimizer(model, optimizer), "the loss scaler": stepper.state(),
+            "the comm hook": _hook_identity(comm_hook, comm_state),
         }
     except (TypeError, ValueError, RuntimeError) as err:
         refusal, agreed = err, None
@@ -274,6 +276,19 @@ def _check_comm_hook(comm_hook: Any, comm_state: Any) -> None:
         pass
 
 
+def _hook_identity(comm_hook: Any, comm_state: Any) -> list[Any]:
+    """What names a comm hook alike on every rank: its function's module and qualified
+    name (a ``functools.partial``'s function, and its keyword names) and its state's type.
+    Never a repr, which holds an address. Ranks with different hooks would send buckets
+    of different sizes, or different collectives, in their first backward pass."""
+    func, keywords = comm_hook, []
+    if isinstance(comm_hook, functools.partial):
+        func, keywords = comm_hook.func, sorted(comm_hook.keywords)
+    name = None if func is None else getattr(func, "__qualname__", type(func).__qualname__)
+    module = getattr(func, "__module__", None)
+    return [module, name, keywords, None if comm_state is None else type(comm_state).__qualname__]
+
+
 def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter]) -> None:
     """Fault specs the model's dtypes cannot take. Checked before the hook is registered:
     inside a step, a bit beyond the width would fail in one rank's hook callback and
@@ -308,7 +323,7 @@ def _model_and_optimizer(model: DistributedDataParallel, optimizer: torch.optim.
 
 _AGREED = ("the monitor config", "the protect config", "the guard config", "grad_clip", "seed", "inject",
            "the optimizer's type", "the optimizer's hyperparameters", "the optimizer's parameter order",
-           "the model's parameter shapes", "the loss scaler")
+           "the model's parameter shapes", "the loss scaler", "the comm hook")
 """What every rank must pass to protect() alike."""
 
 

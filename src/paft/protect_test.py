@@ -1037,6 +1037,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "broadcast rank": lambda m, o: protect(m, o, protect=ProtectConfig(
             mode="sync", sync_mode="broadcast", broadcast_src=2)),
         "broadcast rank corrected": corrected,
+        "broadcast rank, robust mode": lambda m, o: protect(m, o, protect=ProtectConfig(mode="sync", broadcast_src=3)),
         "lr per rank": lambda m, o: protect(m, torch.optim.SGD(m.parameters(), lr=0.1 * (1 + rank))),
         "zero_grad without backward": zeroed_only,
         "foreign optimizer": lambda m, o: protect(m, torch.optim.SGD(toy_model().parameters(), lr=0.1)),
@@ -1087,6 +1088,10 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
             nn.Embedding(10, 4, sparse=True).requires_grad_(False), nn.Linear(4, 1)))),
         "hook not a function": lambda m, o: protect(m, o, comm_hook="allreduce"),
         "hook of one argument": lambda m, o: protect(m, o, comm_hook=lambda bucket: None),
+        # fp16 on one rank, none on the other: buckets of different sizes in the first backward.
+        "hook on one rank": lambda m, o: protect(m, o, comm_hook=default_hooks.fp16_compress_hook if rank else None),
+        "hook per rank": lambda m, o: protect(m, o, comm_hook=[default_hooks.allreduce_hook,
+                                                               default_hooks.fp16_compress_hook][rank]),
         "state without a hook": lambda m, o: protect(m, o, comm_state=object()),
         "own hook registered": lambda m, o: (m.register_comm_hook(None, default_hooks.allreduce_hook),
                                              protect(m, o)),
@@ -1181,6 +1186,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
                                  "must be <= 65504 for float16",
         "broadcast rank": "ValueError: protect(): ProtectConfig.broadcast_src must be a rank in [0, 2), got 2",
         "broadcast rank corrected": "",
+        "broadcast rank, robust mode": "",  # only broadcast reads it
         "lr per rank": "ValueError: protect(): ranks disagree on the optimizer's hyperparameters",
         "zero_grad without backward": "RuntimeError: the closure ran no backward(): DDP all-reduced no gradient",
         "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
@@ -1229,6 +1235,8 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "sparse but frozen": "",  # no gradient, in no bucket: it trained before the check, it trains now
         "hook not a function": "TypeError: protect(): comm_hook= must be a function (state, bucket) -> future, got str",
         "hook of one argument": "TypeError: protect(): comm_hook= must take two arguments, (state, bucket)",
+        "hook on one rank": "ValueError: protect(): ranks disagree on the comm hook;",
+        "hook per rank": "ValueError: protect(): ranks disagree on the comm hook;",
         "state without a hook": "ValueError: protect(): comm_state= is the state of comm_hook=, which is not given",
         "own hook registered": "RuntimeError: protect(): this DDP model already has a comm hook (from "
                                "register_comm_hook, or an earlier protector's: DDP keeps it); pass yours to "

@@ -75,7 +75,9 @@ class Resync:
         if config.mode == "averager":
             self.averager = PeriodicModelAverager(period=config.sync_period, warmup_steps=0, process_group=group)
         elif config.mode != "none":
-            self.sync = ReplicaSync(model, optimizer, mode=config.sync_mode, src=config.broadcast_src, group=group)
+            # broadcast_src is only checked (and only means anything) in broadcast mode.
+            src = config.broadcast_src if config.sync_mode == "broadcast" else 0
+            self.sync = ReplicaSync(model, optimizer, mode=config.sync_mode, src=src, group=group)
             if config.mode == "dyn":
                 self.scheduler = DynScheduler(
                     DynConfig(
