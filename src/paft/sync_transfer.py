@@ -292,7 +292,9 @@ class Transfer:
         synced: list[Tensor | None] = []
         local_sq = ref_sq = 0.0
         me = self.rank
-        measure = d.mode != "noop" and not d.holds_result(me) and d.finite[me]
+        # A replica holding NaN/Inf is infinitely far from the others, which every rank
+        # knows from the plan: only a sync of finite replicas measures the distance.
+        measure = d.mode != "noop" and not d.holds_result(me) and all(d.finite)
         good = [r for r in range(self.world_size) if d.finite[r]]
         for gi, g in enumerate(layout.groups):
             snap, buf = p.snaps[gi], p.bufs[gi]
@@ -319,7 +321,7 @@ class Transfer:
                         continue
                     for lo, hi in ranges_in(g.param_ranges, a, b):
                         part = rows[:, lo:hi].to(wide_dtype(g.dtype))
-                        c = (part if len(good) == self.world_size else part[good]).mean(0)
+                        c = part.mean(0)
                         ref_sq += sq_norm(c)
                         local_sq += sq_norm(part[me] - c)
                 synced.append(out_flat)
@@ -347,16 +349,17 @@ class Transfer:
             synced.append(buf.to(g.dtype))  # a float32 mean of 16-bit state, rounded once
 
         # The max over ranks: one 8-byte all-reduce, so that every rank reports the
-        # very same number (PAFT-Dyn takes its decisions from it on every rank). A part
-        # without parameters (the buffers) is not measured: its finite flags, which every
-        # rank holds, say all there is.
+        # very same number (PAFT-Dyn takes its decisions from it on every rank). A
+        # non-finite replica, or a part without parameters (the buffers), needs none:
+        # the finite flags, which every rank holds, say all there is.
         if d.mode == "noop":
             divergence = 0.0
+        elif not all(d.finite):
+            divergence = math.inf
         elif not any(g.param_ranges for g in layout.groups):
-            divergence = 0.0 if all(d.finite) else math.inf
+            divergence = 0.0
         else:
-            mine = rel_distance(local_sq, ref_sq) if measure else 0.0
-            divergence = max_over_ranks(mine if d.finite[me] else math.inf, self.group)
+            divergence = max_over_ranks(rel_distance(local_sq, ref_sq) if measure else 0.0, self.group)
             bytes_sent, collectives = bytes_sent + 8, collectives + 1
 
         # 2. Apply: copy where the tensor is untouched since the snapshot, else the
