@@ -15,7 +15,6 @@ cases of a test share one set of worker processes.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +24,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, ProtectConfig
-from paft.integration_optim_test import _closure, _equal, _state, muon_adamw, scheduled_run
+from paft.integration_optim_test import (
+    RESUMED_DYN,
+    RESUMED_FAULT_STEPS,
+    _closure,
+    _equal,
+    _state,
+    assert_resumed_is_full,
+    muon_adamw,
+    scheduled_run,
+)
 from paft.optimizers import OptimizerChain
-from paft.protect import Protector, protect
-from paft.protect_test import batch, toy_model
+from paft.protect import protect
+from paft.protect_test import batch, toy_closure, toy_model
 from paft.sync import ReplicaSync
-from paft.testing import run_workers
+from paft.testing import ResumedRuns, resumed_runs, run_workers
 
 STEPS = 8
 
@@ -285,41 +293,15 @@ def test_a_group_added_to_a_chained_optimizer_is_checked_and_synced() -> None:
 # -- a checkpoint of the chain, resumed with prime() ----------------------------------------
 
 
-def _w_resumed(rank: int, world_size: int) -> dict[str, Any]:
-    """The chain under PAFT-Dyn with aggregation faults before and after a checkpoint at
-    step 4: the uninterrupted run, and the run resumed from the checkpoint (the chain's
-    own state_dict())."""
-    inject = ["bitflip:steps=2,bits=30,ranks=1", "scale:steps=6,fraction=1,factor=1.5,ranks=2"]
-
-    def run(steps: range, saved: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
-        model = DistributedDataParallel(toy_model())
-        chain = muon_adamw(model)
-        protector: Protector = protect(model, chain.optimizers, protect=ProtectConfig(mode="dyn"), inject=inject,
-                                       seed=3)
-        synced = []
-        for step in steps:
-            closure = _closure(model, chain, *batch(rank, step), 1.0)
-            if saved is not None and step == steps[0]:
-                model.module.load_state_dict(saved[0])
-                protector.optimizer.load_state_dict(saved[1])
-                protector.load_state_dict(saved[2])
-                protector.prime(closure)
-            synced.append(protector.step(closure).synced)
-        protector.close()
-        saved = copy.deepcopy((model.module.state_dict(), protector.optimizer.state_dict(), protector.state_dict()))
-        return saved, _state(model, chain), synced, dict(protector.counters)
-
-    full = run(range(8))
-    first = run(range(4))
-    resumed = run(range(4, 8), first[0])
-    return {"full": full[1:], "resumed": resumed[1:], "first": first[1:]}
+def _w_resumed(rank: int, world_size: int) -> ResumedRuns:
+    """The chain under PAFT-Dyn (integration_optim_test's :data:`RESUMED_DYN`),
+    checkpointed at step 4: the uninterrupted run, and the run resumed from the
+    checkpoint (the chain's own state_dict())."""
+    inject = [f"bitflip:steps={RESUMED_FAULT_STEPS[0]},bits=30,ranks=1",
+              f"scale:steps={RESUMED_FAULT_STEPS[1]},fraction=1,factor=1.5,ranks=2"]
+    return resumed_runs(rank, toy_model, lambda m: muon_adamw(m).optimizers, toy_closure, _state,
+                        config=RESUMED_DYN, inject=inject, steps=STEPS, checkpoint=4)
 
 
 def test_a_chain_resumed_from_a_checkpoint_is_the_uninterrupted_run() -> None:
-    out = run_workers(_w_resumed, 3)
-    for o in out:
-        assert _equal(o["resumed"][0], o["full"][0])
-        assert o["first"][1] + o["resumed"][1] == o["full"][1]
-        assert o["full"][1][2] and o["full"][1][6]
-        assert o["resumed"][2] == o["full"][2]
-    assert all(_equal(o["full"][0], out[0]["full"][0]) for o in out)
+    assert_resumed_is_full(run_workers(_w_resumed, 3))

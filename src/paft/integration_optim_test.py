@@ -22,7 +22,6 @@ keeps the sweep to a few seconds per family.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.optimizers import OptimizerChain, chained
-from paft.protect import Protector, protect
-from paft.protect_test import batch, toy_model
-from paft.testing import run_workers, take_step
+from paft.protect import protect
+from paft.protect_test import batch, toy_closure, toy_model
+from paft.testing import ResumedRuns, resumed_runs, run_workers, take_step
 
 
 def _groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -282,43 +281,41 @@ def test_a_users_scheduler_stays_in_step_across_skipped_and_rolled_back_updates(
 # -- checkpoints --------------------------------------------------------------------------
 
 
-def _w_resumed(rank: int, world_size: int) -> dict[str, Any]:
-    """AMSGrad under PAFT-Dyn with aggregation faults before and after a checkpoint at
-    step 4: the uninterrupted run, and the run resumed from the checkpoint as
-    docs/LIBRARY.md says (close(), save the three state dicts, load, prime())."""
-    inject = ["bitflip:steps=2,bits=30,ranks=1", "bitflip:steps=6,bits=30,ranks=2"]
+# PAFT-Dyn starting at H = 5, down to 1: the fault at step 2 shrinks H to 1, so scheduled
+# syncs fall at step 3, before the checkpoint, and at 4 (the second calm one in a row: H
+# doubles) and 7 after it. A resume that lost the schedule would sync at 5, not at 4.
+# Blocking, so that each sync is reported at its own step: an overlapped one in flight at
+# the checkpoint lands in close(), at no step of either leg.
+RESUMED_DYN = ProtectConfig(mode="dyn", sync_period=5, h_min=1, overlap=False)
+# Aggregation faults before and after the checkpoint, each splitting a replica.
+RESUMED_FAULT_STEPS = (2, 6)
 
-    def run(steps: range, saved: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
-        model = DistributedDataParallel(toy_model())
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True)
-        protector: Protector = protect(model, optimizer, protect=ProtectConfig(mode="dyn"), inject=inject, seed=3)
-        synced = []
-        for step in steps:
-            closure = _closure(model, optimizer, *batch(rank, step), 1.0)
-            if saved is not None and step == steps[0]:
-                model.module.load_state_dict(saved[0])
-                optimizer.load_state_dict(saved[1])
-                protector.load_state_dict(saved[2])
-                protector.prime(closure)
-            synced.append(protector.step(closure).synced)
-        protector.close()
-        saved = copy.deepcopy((model.module.state_dict(), optimizer.state_dict(), protector.state_dict()))
-        return saved, _state(model, optimizer), synced, dict(protector.counters)
 
-    full = run(range(8))
-    first = run(range(4))
-    resumed = run(range(4, 8), first[0])
-    return {"full": full[1:], "resumed": resumed[1:], "first": first[1:],
-            "protector": (full[0][2]["step"], resumed[0][2]["step"])}
+def assert_resumed_is_full(out: list[ResumedRuns]) -> None:
+    """Each rank's resumed run ends where its uninterrupted run does: parameters and
+    optimizer state bit for bit, the syncs, the counters and PAFT-Dyn's schedule."""
+    for o in out:
+        assert _equal(o.resumed.observed, o.full.observed)
+        assert o.first.synced + o.resumed.synced == o.full.synced
+        assert all(o.full.synced[s] for s in RESUMED_FAULT_STEPS)  # each split repaired at once
+        saved, full, resumed = o.first.checkpoint[2], o.full.checkpoint[2], o.resumed.checkpoint[2]  # protector's
+        assert saved["scheduler"]["period"] != RESUMED_DYN.first_h  # the checkpoint is mid-schedule
+        assert (full["step"], resumed["step"]) == (STEPS, STEPS)
+        assert resumed["scheduler"] == full["scheduler"] and o.resumed.counters == o.full.counters
+    assert all(_equal(o.full.observed, out[0].full.observed) for o in out)
+
+
+def _w_resumed(rank: int, world_size: int) -> ResumedRuns:
+    """AMSGrad under PAFT-Dyn (:data:`RESUMED_DYN`), checkpointed at step 4: the
+    uninterrupted run, and the run resumed from the checkpoint as docs/LIBRARY.md says."""
+    inject = [f"bitflip:steps={RESUMED_FAULT_STEPS[0]},bits=30,ranks=1",
+              f"bitflip:steps={RESUMED_FAULT_STEPS[1]},bits=30,ranks=2"]
+    return resumed_runs(rank, toy_model, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, amsgrad=True),
+                        toy_closure, _state, config=RESUMED_DYN, inject=inject, steps=STEPS, checkpoint=4)
 
 
 def test_an_amsgrad_dyn_run_resumed_from_a_checkpoint_is_the_uninterrupted_run() -> None:
     # Three ranks: the bucket order decides the all-reduce's sums, which prime() sets.
     out = run_workers(_w_resumed, 3)
-    for o in out:
-        assert _equal(o["resumed"][0], o["full"][0])
-        assert any(n.endswith("/max_exp_avg_sq") for n, _ in o["full"][0])
-        assert o["first"][1] + o["resumed"][1] == o["full"][1]
-        assert o["full"][1][2] and o["full"][1][6]  # both faults split a replica, repaired at once
-        assert o["protector"] == (8, 8) and o["resumed"][2] == o["full"][2]  # the counters carried over
-    assert all(_equal(o["full"][0], out[0]["full"][0]) for o in out)
+    assert_resumed_is_full(out)
+    assert all(any(n.endswith("/max_exp_avg_sq") for n, _ in o.full.observed) for o in out)

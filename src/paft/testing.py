@@ -24,23 +24,30 @@ function and the launch must sit under the ``__main__`` guard)::
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.protect import protect
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from paft.config import ProtectConfig
     from paft.protect import Protector, StepReport
 
-__all__ = ["run_workers", "take_step", "WorkerError", "NestedStateSGD"]
+__all__ = ["run_workers", "take_step", "resumed_runs", "Leg", "ResumedRuns", "WorkerError", "NestedStateSGD"]
 
 
 def take_step(protector: Protector | None, optimizer: torch.optim.Optimizer,
@@ -53,6 +60,73 @@ def take_step(protector: Protector | None, optimizer: torch.optim.Optimizer,
         optimizer.step()
         return None
     return protector.step(closure)
+
+
+class Leg(NamedTuple):
+    """One run of :func:`resumed_runs`, at its end (after ``close()``)."""
+
+    observed: Any
+    """What ``observe(model, protector.optimizer)`` returned."""
+    synced: list[bool]
+    """Each step's :attr:`StepReport.synced`, in order."""
+    counters: dict[str, int]
+    """:attr:`Protector.counters`."""
+    checkpoint: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]
+    """Deep copies of the three state dicts docs/LIBRARY.md saves: ``model.module``'s,
+    the protector's optimizer's (a list's :class:`paft.OptimizerChain`) and the protector's."""
+
+
+class ResumedRuns(NamedTuple):
+    """The uninterrupted run, and the same run stopped at a checkpoint and resumed from it."""
+
+    full: Leg
+    first: Leg
+    """The steps before the checkpoint."""
+    resumed: Leg
+    """The steps from the checkpoint on, in fresh objects that loaded ``first.checkpoint``."""
+
+
+def resumed_runs(
+    rank: int,
+    model: Callable[[], nn.Module],
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | Sequence[torch.optim.Optimizer]],
+    closure: Callable[[nn.Module, torch.optim.Optimizer, int, int], Callable[[], torch.Tensor]],
+    observe: Callable[[DistributedDataParallel, torch.optim.Optimizer], Any],
+    *,
+    config: ProtectConfig,
+    inject: Sequence[str],
+    steps: int,
+    checkpoint: int,
+    seed: int = 3,
+) -> ResumedRuns:
+    """Inside a worker: ``steps`` steps of ``protect(DDP(model()), make_optimizer(...),
+    protect=config, inject=inject, seed=seed)`` in one go, then the same steps in two
+    legs split at step ``checkpoint``, each leg in fresh objects; the second resumes as
+    docs/LIBRARY.md says (``close()``, save the model's, the optimizer's and the
+    protector's state dicts; load them, ``prime()``, step on). ``closure(model,
+    optimizer, rank, step)`` makes a step's closure; ``make_optimizer`` may return a
+    list, which the protector chains. A resume that restores everything makes
+    ``resumed`` end where ``full`` does."""
+
+    def run(span: range, saved: tuple[dict[str, Any], ...] | None) -> Leg:
+        ddp = DistributedDataParallel(model())
+        protector = protect(ddp, make_optimizer(ddp), protect=config, inject=inject, seed=seed)
+        synced = []
+        for step in span:
+            step_closure = closure(ddp, protector.optimizer, rank, step)
+            if saved is not None and step == span[0]:
+                ddp.module.load_state_dict(saved[0])
+                protector.optimizer.load_state_dict(saved[1])
+                protector.load_state_dict(saved[2])
+                protector.prime(step_closure)
+            synced.append(protector.step(step_closure).synced)
+        protector.close()
+        return Leg(observe(ddp, protector.optimizer), synced, dict(protector.counters),
+                   copy.deepcopy((ddp.module.state_dict(), protector.optimizer.state_dict(), protector.state_dict())))
+
+    full = run(range(steps), None)
+    first = run(range(checkpoint), None)
+    return ResumedRuns(full, first, run(range(checkpoint, steps), first.checkpoint))
 
 
 class WorkerError(RuntimeError):
