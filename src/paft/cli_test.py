@@ -31,6 +31,7 @@ from paft.workloads import GPT, Llama, ResNet
         (["--optimizer", "lion"], "--optimizer"),
         (["--batch-size", "10", "--world-size", "4"], "--batch-size"),
         (["--lr", "0"], "--lr"),
+        (["--lr", "1e39"], "--lr: must be > 0 and <= 3.40282e+38 (float32), got 1e+39"),
         (["--config", "missing.toml"], "missing.toml"),
         (["--inject", "bitflip:rate=2"], "rate"),
         (["--inject", "bitflip:rate=0.1,ranks=7"], "ranks"),

@@ -425,7 +425,10 @@ class TrainConfig:
         _require(self.optimizer != "muon" or self.workload in MUON_WORKLOADS, self, "optimizer",
                  f"muon trains hidden weight matrices, which the {self.workload} workload has none of (its "
                  f"layers are 4-D convolutions); use it with {' or '.join(MUON_WORKLOADS)}, or pick adamw")
-        _require(self.lr > 0 and math.isfinite(self.lr), self, "lr", f"must be > 0, got {self.lr}")
+        # The optimizers take lr as a scalar of the float32 parameters' type: beyond float32
+        # it fails in every worker's first step.
+        top = torch.finfo(torch.float32).max
+        _require(0 < self.lr <= top, self, "lr", f"must be > 0 and <= {top:.6g} (float32), got {self.lr}")
         _require(0 <= self.weight_decay < math.inf, self, "weight_decay",
                  f"must be a finite number >= 0, got {self.weight_decay}")
         _require(self.warmup_steps >= 0, self, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")

@@ -106,7 +106,7 @@ EDGES: list[tuple[type, str, list[object], list[object]]] = [
     (TrainConfig, "steps", [1], [0]),
     (TrainConfig, "seed", [0, 2**32 - 1], [-1, 2**32]),
     (TrainConfig, "optimizer", list(OPTIMIZERS), ["lion"]),
-    (TrainConfig, "lr", [1e-9], [0.0, math.inf, math.nan]),
+    (TrainConfig, "lr", [1e-9, 3.4e38], [0.0, 1e39, math.inf, math.nan]),  # float32's limit: the optimizers' scalar
     (TrainConfig, "weight_decay", [0.0], [-0.1, math.inf, math.nan]),
     (TrainConfig, "warmup_steps", [0], [-1]),
     (TrainConfig, "min_lr_ratio", [0.0, 1.0], [-0.1, 1.1]),
