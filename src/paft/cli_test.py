@@ -807,6 +807,9 @@ def test_a_resume_starts_from_the_runs_config_json(tmp_path: pathlib.Path, monke
         (first.to_dict(), ["--world-size", "4"],
          "error: --resume: cannot change --world-size (2 in r, 4 asked); start a new run"),
         ({"guard": 3}, [], f"error: --resume: {pathlib.Path('r', 'config.json')}: 'guard' must be a mapping, got 3"),
+        ({**first.to_dict(), "bogus": 1, "guard": {"windw": 5}}, [],
+         f"error: --resume: {pathlib.Path('r', 'config.json')}: unknown option(s) 'bogus', 'guard.windw' (from "
+         "another paft version, or edited by hand)"),
     ]:
         pathlib.Path("r/config.json").write_text(json.dumps(saved))
         with pytest.raises(SystemExit) as exc:
@@ -823,6 +826,8 @@ def test_a_config_with_infinite_values_comes_back_from_config_json() -> None:
 
     cfg = TrainConfig(monitor=MonitorConfig(alert_loss_cv=math.inf), guard=GuardConfig(update_ratio=math.inf))
     assert TrainConfig.from_dict(json.loads(json.dumps(jsonable(cfg.to_dict())))) == cfg
+    with pytest.raises(ValueError, match=r"^unknown option\(s\) 'monitor.every' \(from another paft version"):
+        TrainConfig.from_dict({**cfg.to_dict(), "monitor": {"every": 1}})
 
 
 def test_model_fields_take_numbers_of_any_kind() -> None:
@@ -858,14 +863,16 @@ def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
     pathlib.Path("guard.toml").write_text("guard = true\n")
     pathlib.Path("ws3.toml").write_text("world-size = 3\n")
     pathlib.Path("over.toml").write_text("overwrite = true\n")
-    for argv, needle in ((["--config", "neg.toml"], "error: --config: neg.toml: lr: must be > 0, got -1.0"),
+    for argv, needle in ((["--config", "neg.toml"], "error: --config: neg.toml: lr: must be > 0 and <= 3.40282e+38 "
+                                                   "(float32), got -1.0"),
                          (["--config", "hmax.toml"], "error: --config: hmax.toml: h-max: must be >= --h-min = 5, "
                                                      "got 3\n"),
                          (["--h-min", "500"],
                           "--h-max: must be >= --h-min = 500, got 400 (--h-max is at its default)"),
                          (["--config", "hmax.toml", "--h-min", "40"], "error: --h-max: must be >= --h-min"),
                          # typed: the option
-                         (["--config", "neg.toml", "--lr", "-2"], "error: --lr: must be > 0, got -2"),
+                         (["--config", "neg.toml", "--lr", "-2"],
+                          "error: --lr: must be > 0 and <= 3.40282e+38 (float32), got -2"),
                          # --no-monitor, typed, is the option "monitor": not the file's doing
                          (["--config", "guard.toml", "--no-monitor"],
                           "error: --guard: needs the per-step monitor; drop --no-monitor"),

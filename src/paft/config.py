@@ -474,12 +474,32 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def check_keys(cls, data: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the keys of a :meth:`to_dict`-shaped mapping (a
+        run's ``config.json``) that no field holds, a section's dotted (``guard.windw``)."""
+        unknown = [str(k) for k in data if k not in _field_names(cls)]
+        for key, section in _SECTIONS.items():
+            if isinstance(data.get(key), dict):
+                unknown += [f"{key}.{k}" for k in data[key] if k not in _field_names(section)]
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(map(repr, unknown))} (from another paft version, "
+                             "or edited by hand)")
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Rebuild from :meth:`to_dict` output, also as read back from ``config.json``
         (where ``records.jsonable`` wrote non-finite floats as "inf" / "nan")."""
+        cls.check_keys(data)
         data = _floats_back(cls, dict(data))
-        sections = {"monitor": MonitorConfig, "protect": ProtectConfig, "guard": GuardConfig}
-        for key, section in sections.items():
+        for key, section in _SECTIONS.items():
             if key in data:
                 data[key] = section(**_floats_back(section, dict(data[key])))
         return cls(**data)
+
+
+_SECTIONS: dict[str, type] = {"monitor": MonitorConfig, "protect": ProtectConfig, "guard": GuardConfig}
+"""TrainConfig's nested config fields, by name."""
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}

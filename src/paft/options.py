@@ -338,6 +338,10 @@ def _saved_values(run_dir: str) -> dict[str, Any]:
         raise ConfigFileError(f"--resume: cannot read {path}: {err}") from None
     if not isinstance(saved, dict):
         raise ConfigFileError(f"--resume: {path} must hold a mapping (a paft run's config), got {type(saved).__name__}")
+    try:
+        TrainConfig.check_keys(saved)  # the options below are read by name: others would go unseen
+    except ValueError as err:
+        raise ConfigFileError(f"--resume: {path}: {err}") from None
     values: dict[str, Any] = {}
     for opt in OPTIONS:
         section = saved if opt.section is None else saved.get(opt.section, {})
