@@ -721,6 +721,7 @@ def test_malformed_spec_names_the_field(text, field, fragment):
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"steps": [True]}, "steps"), ({"steps": [(1, 2, 3)]}, "steps"), ({"steps": "5"}, "steps"),
+    ({"steps": b"5"}, "steps"),  # bytes iterate as ints: b"5" would have been step 53
     ({"steps": 5.0}, "steps"), ({"steps": 5, "ranks": 5.0}, "ranks"), ({"steps": 5, "ranks": b"1"}, "ranks"),
     ({"steps": range(0, 10, 2)}, "steps"), ({"steps": -1}, "steps"), ({"steps": [(5, 3)]}, "steps"),
     ({"steps": []}, "steps"), ({"rate": True}, "rate"), ({"steps": 1, "ranks": ()}, "ranks"),
