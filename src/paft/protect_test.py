@@ -524,6 +524,22 @@ def test_guard_repairs_nan_optimizer_state_instead_of_skipping_as_data() -> None
     assert c["state"] >= 1 and c["data"] == 0 and c["skipped_batches"] == 0
 
 
+def test_an_update_ratio_rejected_on_one_rank_is_rolled_back_on_every_rank(tmp_path: Path) -> None:
+    # NaN in rank 1's Adam state at rest, on a step whose state is not fingerprinted:
+    # only rank 1's update is non-finite. The rollback is decided on the max of the
+    # ranks' ratios, so rank 0 (whose own ratio is fine) rolls back and recomputes too;
+    # the rerun fingerprints the state and repairs rank 1. Judged on each rank's own
+    # ratio, rank 0 stepped on while rank 1 recomputed, and their collectives parted.
+    out = run_workers(train_toy, 2, {"guard": {"enabled": True}, "steps": 7, "run_dir": str(tmp_path),
+                                     "inject": ["nan:site=optimizer-state,steps=5,ranks=1"]}, timeout=120)
+    assert same(out[0], out[1]) and all(torch.isfinite(p).all() for p in out[1]["params"])
+    guard = [(e["step"], e["attempt"], e["detector"], e["action"])
+             for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "guard"]
+    assert guard[0] == (5, 0, "update_ratio", "recompute")
+    assert [r["attempts"] for r in out[0]["reports"]] == [r["attempts"] for r in out[1]["reports"]]
+    assert out[0]["reports"][5]["applied"] and out[0]["reports"][5]["attempts"] >= 2
+
+
 @pytest.mark.parametrize("protect_mode", ["none", "sync"])
 def test_two_rank_repair_takes_the_median_with_the_last_agreed_state(tmp_path: Path, protect_mode: str) -> None:
     # Two ranks have no majority: a sign flip at rest on rank 1 is repaired to the
