@@ -100,6 +100,20 @@ def test_the_guard_recomputes_a_scaled_step_and_tells_a_fault_from_an_overflow()
         assert _same_params(a, b)
 
 
+def test_an_update_rolled_back_by_the_guard_rolls_the_scaler_back_too() -> None:
+    # NaN in rank 1's Adam state at rest at step 7 (a clean step, in the update ratio's
+    # warm-up: armed): the update is rolled back and recomputed (after a repair). The
+    # rolled-back step() had counted a clean step towards the scale's growth; the
+    # rollback takes it back with the weights, so the scale grows when the fault-free
+    # run's does, not a step early.
+    clean = run_workers(_train, 2, "guard", [])
+    hit = run_workers(_train, 2, "guard", ["nan:site=optimizer-state,steps=7,ranks=1"])
+    assert hit[0]["counters"]["rollbacks"] == 1 and clean[0]["applied"][7]
+    assert hit[0]["scales"] == hit[1]["scales"] == clean[0]["scales"] and hit[0]["applied"] == clean[0]["applied"]
+    for a, b in zip(clean, hit):
+        assert _same_params(a, b)
+
+
 def test_a_non_finite_loss_under_the_guard_is_a_bad_batch_that_keeps_the_scale() -> None:
     # A NaN in rank 1's batch: every rank's aggregated gradient is NaN, as in an overflow,
     # but a smaller scale would not fix a forward pass gone non-finite. The guard
