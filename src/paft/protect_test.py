@@ -575,6 +575,47 @@ def test_a_skipped_batch_leaves_no_trace_in_batchnorm_statistics() -> None:
         assert o["counters"]["data"] == 1 and all(torch.isfinite(b).all() for b in o["buffers"])
 
 
+def nan_adam_state_on_every_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """BatchNorm and dropout, the guard on; before step 2 every rank's Adam state is NaN
+    alike, so the state fingerprints agree and no pre-step check sees it: only the
+    update ratio, after each attempt's ``optimizer.step()``, which rolls it back."""
+    model = DistributedDataParallel(toy_model(batchnorm=True))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    protector = protect(model, optimizer, guard=GuardConfig(**GUARD))
+    out: dict[str, Any] = {}
+    for step in range(3):
+        x, y = batch(rank, step)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(nn.functional.dropout(model(x), 0.1), y)  # draws from the RNG
+            loss.backward()
+            return loss
+
+        if step == 2:
+            with torch.no_grad():
+                for state in optimizer.state.values():
+                    state["exp_avg"].fill_(math.nan)
+            before = ([b.clone() for b in model.module.buffers()], torch.get_rng_state())
+        report = protector.step(closure)
+    out["step 2"] = (report.applied, report.attempts)
+    out["no trace"] = (all(torch.equal(a, b) for a, b in zip(before[0], model.module.buffers()))
+                       and torch.equal(before[1], torch.get_rng_state()))
+    out["counters"] = {k: protector.counters[k] for k in ("rollbacks", "skipped_batches", "state")}
+    return out
+
+
+def test_an_update_the_guard_rolls_back_twice_leaves_no_trace_in_buffers_or_rng() -> None:
+    # Each attempt's NaN update is rolled back; the recompute reproduces it (data: the
+    # batch is skipped). Each rollback restores the RNG and BatchNorm's statistics as
+    # the step found them, as a skip before the update does; without that, the skipped
+    # batch's two forward passes stayed in the running stats and the RNG.
+    out = run_workers(nan_adam_state_on_every_rank, 2)
+    for o in out:
+        assert o["step 2"] == (False, 2) and o["no trace"]
+        assert o["counters"] == {"rollbacks": 2, "skipped_batches": 1, "state": 0}
+
+
 def bn_repair_then_rerun(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     """3 ranks, conv + BatchNorm, the guard on, state checked every 2nd step. Step 7:
     rank 0's conv weights x1000 at rest, unchecked; BatchNorm hides them from the loss,
