@@ -127,6 +127,17 @@ def test_a_non_finite_loss_under_the_guard_is_a_bad_batch_that_keeps_the_scale()
     assert (c["data"], c["recomputes"], c["skipped_batches"]) == (1, 1, 1)
 
 
+def test_a_non_finite_loss_without_the_guard_is_skipped_and_alerted_not_taken_for_an_overflow(tmp_path: Path) -> None:
+    # The monitor alone: the scaler's skip of rank 1's NaN batch is no overflow (a NaN
+    # loss), so the monitor's alerts stay on and name rank 1; taken for an overflow, the
+    # skip was as silent as a routine one.
+    out = run_workers(_train, 2, "monitor", [], str(tmp_path), 10)
+    assert out[0]["applied"][10] is out[1]["applied"][10] is False
+    alerts = [(e["step"], e["detector"], e["ranks"]) for e in read_jsonl(tmp_path / "events.jsonl")
+              if e["event"] == "alert"]
+    assert alerts == [(10, "nonfinite_local", [1])]  # the overflows before it alert nothing
+
+
 def _random_value_in_the_scaled_gradient(rank: int, world_size: int, run_dir: str) -> list[float]:
     ddp = DistributedDataParallel(nn.Linear(4, 1, bias=False))
     with torch.no_grad():
