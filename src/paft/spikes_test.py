@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import doctest
+import json
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,6 +62,18 @@ def test_window_keeps_the_last_finite_values_and_their_statistics(size: int, ops
             assert w.stats() == (med, median(sorted(abs(x - med) for x in expect)), max(expect))
         else:
             assert w.limit(10, REL_FLOOR_LOSS, armed=True) == math.inf
+
+
+def test_pushed_values_are_kept_as_python_floats() -> None:
+    """A 0-d tensor (a loss not yet read out) or an int enters as a Python float: the
+    guard's state_dict saves ``list(w.values)`` as JSON, and the limits are floats, not
+    tensors computed in float32."""
+    loss = torch.tensor(0.1, dtype=torch.float32)
+    w = SpikeWindow(10, [loss, 3, 2.0])
+    assert [type(v) for v in w.values] == [float] * 3 and list(w.values) == [float(loss), 3.0, 2.0]
+    assert json.loads(json.dumps(list(w.values))) == list(w.values)
+    limit = w.limit(10, REL_FLOOR_LOSS, armed=True)
+    assert type(limit) is float and limit == SpikeWindow(10, [float(loss), 3.0, 2.0]).limit(10, REL_FLOOR_LOSS, True)
 
 
 def test_limit_is_median_plus_floored_mads_or_the_tail() -> None:
