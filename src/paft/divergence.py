@@ -217,7 +217,7 @@ def measure_divergence(
                 local[a:b] = 0.0
         mean.masked_fill_(apart, 0.0)
         sums = torch.stack([x[a:b].square().sum() for x in (local, mean) for a, b in spans]).tolist()
-        sq += [v if votes[me][j] and voters[j] else math.inf for j, v in zip(bucket, sums[: len(bucket)])]
+        sq += [v if votes[me][j] else math.inf for j, v in zip(bucket, sums[: len(bucket)])]
         msq += sums[len(bucket) :]
     summary = [sum(x for x, p in zip(sq, is_param) if p), sum(sq)]
     row = torch.tensor(summary + sq if per_tensor else summary, dtype=torch.float64, device=device)

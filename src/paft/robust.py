@@ -85,7 +85,7 @@ def _median_of_rows(rows: Tensor, work: Tensor, out: Tensor | None) -> Tensor:
         return work[0].clone() if out is None else out.copy_(work[0])
     lo, hi = _middle(work, owned=work is not rows)
     if hi is None:
-        return lo if out is None or lo is out else out.copy_(lo)
+        return lo if out is None else out.copy_(lo)  # _middle never hands back out itself
     return _smaller(lo, hi, out)
 
 
