@@ -415,6 +415,9 @@ def test_sketch_stride_is_the_least_prime_from_dim_that_divides_no_trailing_size
 
     assert sketcher.stride(3, 22, shapes) == sketcher.stride(3, 22, shapes) == 13 and len(asked) == 1
     assert sketcher.stride(3, 10, lambda: [torch.Size([10])]) == 11  # re-bucketed: another layout
+    # A parameter with a zero-size dimension (nn.Linear(0, 3): weight [3, 0]) has a trailing
+    # product of 0, which every p divides: skipped, not stepped past forever.
+    assert sketcher.stride(4, 11, lambda: [torch.Size([3, 0]), torch.Size([11])]) == 11
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
