@@ -264,6 +264,20 @@ def test_a_lazily_negated_tensor_is_read_as_its_value() -> None:
     assert lazy.is_neg() and fingerprint([lazy]) == fingerprint([torch.tensor(-2.0)])
 
 
+def test_the_layout_checked_every_step_stays_cached_among_many_others() -> None:
+    """Plans and keys are evicted least recently used first: the state's layout, checked
+    between layouts never seen before (gradient buckets, other states), is never rebuilt. Evicted
+    first in, first out, it was rebuilt once per ``_MAX_PLANS`` new layouts."""
+    state = [torch.randn(3000), torch.zeros(7)]
+    fingerprint(state)
+    plan_key, keys_key = (torch.device("cpu"), (12000, 28)), tuple((t.dtype, t.shape) for t in state)
+    plan, keys = F._PLANS[plan_key], F._KEYS[keys_key]
+    for n in range(F._MAX_PLANS + 10):
+        fingerprint([torch.zeros(1000 + n)])  # a layout not seen before
+        fingerprint(state)
+    assert F._PLANS.get(plan_key) is plan and F._KEYS.get(keys_key) is keys
+
+
 def test_order_dtype_and_shape_are_part_of_the_fingerprint() -> None:
     a, b = torch.randn(8), torch.randn(8)
     assert fingerprint([a, b]) != fingerprint([b, a])
