@@ -466,7 +466,7 @@ def digest(tensor: torch.Tensor) -> int:
         >>> digest(a) != digest(b)
         True
     """
-    return _to_signed(int(digest_tensor(tensor)) & _M64)
+    return int(digest_tensor(tensor))  # an int64 tensor's value: signed already
 
 
 def digest_tensor(tensor: torch.Tensor) -> torch.Tensor:
