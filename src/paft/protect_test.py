@@ -62,13 +62,15 @@ class SaidRecorder(RunRecorder):
             self.said.append(message)
 
 
-def toy_closure(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> Callable[[], torch.Tensor]:
-    """The closure of ``step`` on ``rank``'s toy batch: zero the gradients, forward, backward."""
+def toy_closure(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int,
+                dropout: float = 0.0) -> Callable[[], torch.Tensor]:
+    """The closure of ``step`` on ``rank``'s toy batch: zero the gradients, forward, backward;
+    ``dropout`` on the output draws from the RNG, which a recompute must restore."""
     x, y = batch(rank, step)
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss(nn.functional.dropout(model(x), dropout), y)
         loss.backward()
         return loss
 
@@ -584,14 +586,7 @@ def nan_adam_state_on_every_rank(rank: int, world_size: int) -> dict[str, Any]:
     protector = protect(model, optimizer, guard=GuardConfig(**GUARD))
     out: dict[str, Any] = {}
     for step in range(3):
-        x, y = batch(rank, step)
-
-        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(nn.functional.dropout(model(x), 0.1), y)  # draws from the RNG
-            loss.backward()
-            return loss
-
+        closure = toy_closure(model, optimizer, rank, step, dropout=0.1)
         if step == 2:
             with torch.no_grad():
                 for state in optimizer.state.values():
@@ -692,14 +687,7 @@ def stop_then_step_on(rank: int, world_size: int, mode: str) -> dict[str, Any]:
                         inject=["bitflip:steps=6,ranks=2,bits=30,count=4,persistent=true"], seed=3)
     out: dict[str, Any] = {}
     for step in range(8):
-        x, y = batch(rank, step)
-
-        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(nn.functional.dropout(model(x), 0.1), y)  # draws from the RNG
-            loss.backward()
-            return loss
-
+        closure = toy_closure(model, optimizer, rank, step, dropout=0.1)
         if step == 6:
             out["in flight"] = [protector.resync.in_flight]
             before = ([b.clone() for b in model.module.buffers()], torch.get_rng_state(),
