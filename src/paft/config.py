@@ -43,6 +43,7 @@ __all__ = [
     "MonitorConfig",
     "ProtectConfig",
     "GuardConfig",
+    "SECTIONS",
     "TrainConfig",
 ]
 
@@ -478,7 +479,7 @@ class TrainConfig:
         """Raise ``ValueError`` naming the keys of a :meth:`to_dict`-shaped mapping (a
         run's ``config.json``) that no field holds, a section's dotted (``guard.windw``)."""
         unknown = [str(k) for k in data if k not in _field_names(cls)]
-        for key, section in _SECTIONS.items():
+        for key, section in SECTIONS.items():
             if isinstance(data.get(key), dict):
                 unknown += [f"{key}.{k}" for k in data[key] if k not in _field_names(section)]
         if unknown:
@@ -491,14 +492,14 @@ class TrainConfig:
         (where ``records.jsonable`` wrote non-finite floats as "inf" / "nan")."""
         cls.check_keys(data)
         data = _floats_back(cls, dict(data))
-        for key, section in _SECTIONS.items():
+        for key, section in SECTIONS.items():
             if key in data:
                 data[key] = section(**_floats_back(section, dict(data[key])))
         return cls(**data)
 
 
-_SECTIONS: dict[str, type] = {"monitor": MonitorConfig, "protect": ProtectConfig, "guard": GuardConfig}
-"""TrainConfig's nested config fields, by name."""
+SECTIONS: dict[str, type] = {"monitor": MonitorConfig, "protect": ProtectConfig, "guard": GuardConfig}
+"""TrainConfig's nested config fields, by name, and their configs' types."""
 
 
 def _field_names(cls: type) -> set[str]:

@@ -30,10 +30,8 @@ from paft.config import (
     ON_PERSISTENT,
     OPTIMIZERS,
     PROTECT_MODES,
+    SECTIONS,
     SYNC_MODES,
-    GuardConfig,
-    MonitorConfig,
-    ProtectConfig,
     TrainConfig,
     as_options,
     error_option,
@@ -73,12 +71,8 @@ class Option:
         return long_option(_SECTIONS[self.section], self.name)
 
 
-_SECTIONS: dict[str | None, type] = {
-    None: TrainConfig,
-    "monitor": MonitorConfig,
-    "protect": ProtectConfig,
-    "guard": GuardConfig,
-}
+_SECTIONS: dict[str | None, type] = {None: TrainConfig}  # an option's section: None is the top level
+_SECTIONS.update(SECTIONS.items())
 
 OPTIONS: tuple[Option, ...] = (
     Option(None, "workload", str, WORKLOADS),
