@@ -186,11 +186,6 @@ def _save(data: bytes, path: Path) -> Path:
 # -- the four plots ----------------------------------------------------------------------
 
 
-def _global_loss(run: RunData) -> tuple[list[int], list[float]]:
-    """Per step, the mean of the ranks' local losses, from every rank's metrics."""
-    return mean_local_loss(run.metrics)
-
-
 def _visible_spread(values: list[float]) -> bool:
     """Whether the ranks' values differ by more than a plot can hide (1e-3 relative;
     replicas apart by rounding, 1e-7, drew four markers inside the mean's)."""
@@ -207,7 +202,7 @@ def _plot_loss(run: RunData) -> bytes:
         steps, values = series(records, "local_loss")
         _plot(ax, steps, values, color=_rank_color(rank), lw=0.7, alpha=0.7, label=f"rank {rank} local loss")
         everything += values
-    steps, values = _global_loss(run)
+    steps, values = mean_local_loss(run.metrics)  # every step, where consistency.jsonl may skip some
     _plot(ax, steps, values, color="black", lw=1.8, label="global loss (mean of ranks)")
     everything += values
     steps, values = series(run.evals, "val_loss")

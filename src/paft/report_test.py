@@ -25,7 +25,6 @@ from paft.records import read_jsonl
 from paft.report import (
     _eval_divergence,
     _figure,
-    _global_loss,
     _period_panel,
     _periods,
     _plot,
@@ -34,7 +33,7 @@ from paft.report import (
     build_report,
 )
 from paft.report_text import series, summary_text
-from paft.rundata import ReportError, load_run
+from paft.rundata import ReportError, load_run, mean_local_loss
 from paft.rundir import prepare_run_dir
 from paft.testing import run_workers
 from paft.train import Trainer
@@ -262,7 +261,7 @@ def test_finite_losses_whose_sum_passes_float64_are_averaged(fault_run: pathlib.
     for rank in (0, 1):
         rewrite_jsonl(run / "metrics" / f"rank{rank}.jsonl",
                       lambda r: {**r, "local_loss": 1e308} if r["step"] == 8 else r)
-    steps, losses = report_module._global_loss(load_run(run))
+    steps, losses = mean_local_loss(load_run(run).metrics)
     assert losses[steps.index(8)] == 1e308
     assert_pngs(build_report(run).files, PLOTS)
 
@@ -469,13 +468,13 @@ def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_ru
     path = run_dir / "consistency.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
     path.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] % 5 == 0))  # --monitor-interval 5
-    steps, values = _global_loss(load_run(run_dir))
+    steps, values = mean_local_loss(load_run(run_dir).metrics)
     assert steps == [r["step"] for r in records] == list(range(12))
     assert values == pytest.approx([r["loss"] for r in records], rel=1e-12)
     # A rank that stopped recording a step early (killed): no mean of the others' alone.
     path = run_dir / "metrics" / "rank1.jsonl"
     path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
-    steps, values = _global_loss(load_run(run_dir))
+    steps, values = mean_local_loss(load_run(run_dir).metrics)
     assert steps == list(range(11)) and values == pytest.approx([r["loss"] for r in records[:11]], rel=1e-12)
 
 
