@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from paft.launch import interrupted, launch
+    from paft.launch import launch
     from paft.rundir import RunDirError
+    from paft.signals import interrupted
     from paft.train import DeviceError
 
     try:
@@ -125,8 +126,8 @@ def run() -> None:
     """The ``paft`` console script: :func:`main`, then exit with its code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from paft.launch import TERMINATING_SIGNALS, ignore_further_signals, interrupted, unwind_on_termination
     from paft.records import quiet_stdout
+    from paft.signals import TERMINATING_SIGNALS, ignore_further_signals, interrupted, unwind_on_termination
 
     unwind_on_termination()
     try:

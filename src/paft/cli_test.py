@@ -887,38 +887,6 @@ def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
         assert not pathlib.Path("r").exists()
 
 
-def test_sigterm_unwinds_like_ctrl_c_with_its_own_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from paft.launch import interrupted, on_sigterm, unwind_on_termination
-
-    before = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        with pytest.raises(SignalException) as exc:  # an exception: launch()'s clean-up runs
-            signal.raise_signal(signal.SIGTERM)
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    assert interrupted(exc.value, "; hint") == 143
-    assert "paft train: interrupted (SIGTERM); hint" in capsys.readouterr().err
-    assert interrupted(KeyboardInterrupt()) == 130
-    assert "interrupted (Ctrl-C)" in capsys.readouterr().err
-    # SIGHUP (a closed terminal) and SIGQUIT killed the process before its clean-up
-    for sig in (signal.SIGHUP, signal.SIGQUIT):
-        saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-        try:
-            for s in saved:  # as a background job gets them: ignored, not by a handler an earlier test left
-                signal.signal(s, signal.SIG_IGN)
-            unwind_on_termination()
-            with pytest.raises(SignalException) as exc:
-                signal.raise_signal(sig)
-        finally:
-            for s, handler in saved.items():
-                signal.signal(s, handler)
-        assert interrupted(exc.value) == 128 + sig
-        assert f"interrupted ({sig.name})" in capsys.readouterr().err
-
-
 def test_an_interrupted_run_with_a_checkpoint_says_how_to_continue(tmp_path: pathlib.Path) -> None:
     """paft train's line and rank 0's under torchrun (which had none) name the command."""
     from paft.launch import resume_hint

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,83 +23,15 @@ import torch.distributed as dist
 import paft
 from paft import launch as launcher
 from paft.config import TrainConfig
-from paft.launch import SignalHold, last_rank_out_tidies
+from paft.launch import last_rank_out_tidies
 from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
 from paft.rundir import RunDirError, in_use
+from paft.signals import unwind_on_termination
 from paft.testing import run_workers
 from paft.workers import WorkerFailed
 
-
-@pytest.fixture(autouse=True)
-def ctrl_c_raises() -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt, as in a terminal: a shell starts a background
-    job (as CI may run the suite) with SIGINT ignored, and Python then leaves it so."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
-def test_a_held_signal_is_acted_on_at_release() -> None:
-    hold = SignalHold()
-    os.kill(os.getpid(), signal.SIGINT)
-    assert hold.came == [signal.SIGINT]  # noted, nothing raised
-    with pytest.raises(KeyboardInterrupt):
-        hold.release()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-
-def test_a_hold_in_clean_up_drops_a_second_signal() -> None:
-    with pytest.raises(ValueError):
-        try:
-            raise ValueError("the first interruption")
-        finally:
-            with SignalHold() as hold:
-                os.kill(os.getpid(), signal.SIGINT)
-            assert hold.came == [signal.SIGINT]  # dropped: the ValueError goes on unwinding
-
-
-def test_a_hold_whose_block_raised_drops_its_signal() -> None:
-    with pytest.raises(OSError), SignalHold():
-        os.kill(os.getpid(), signal.SIGINT)
-        raise OSError("the block's own error wins")
-
-
-def test_a_held_signal_is_the_first_that_came(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two signals held: the first is acted on (its exit code is the one said), and one
-    whose handler was the default is sent again, so that it still ends the process."""
-    before = {sig: signal.signal(sig, launcher.on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        hold = SignalHold()
-        signal.raise_signal(signal.SIGTERM)
-        signal.raise_signal(signal.SIGHUP)
-        assert hold.came == [signal.SIGTERM, signal.SIGHUP]
-        with pytest.raises(launcher.SignalException) as exc:
-            hold.release()
-        assert exc.value.sigval == signal.SIGTERM
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        sent: list[tuple[int, int]] = []
-        monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))  # not to end the test
-        hold = SignalHold()
-        signal.raise_signal(signal.SIGTERM)
-        hold.release()
-        assert sent == [(os.getpid(), signal.SIGTERM)]
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-
-
-def test_after_an_interrupt_further_signals_are_ignored() -> None:
-    """One signal ends the command; a second (a key held, a group signalled twice) would
-    only interrupt torch's exit handlers, with tracebacks: all four are ignored from then."""
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-    saved = {sig: signal.getsignal(sig) for sig in signals}
-    try:
-        launcher.ignore_further_signals()
-        assert {sig: signal.getsignal(sig) for sig in signals} == dict.fromkeys(signals, signal.SIG_IGN)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+pytestmark = pytest.mark.usefixtures("sigint")
 
 
 def _old_run(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
@@ -455,7 +386,7 @@ def _writing_after_rank_0_failed(rank: int, world_size: int, run_dir: str, wait:
     launcher._train_in_group = lambda cfg, run_dir: {"status": "persistent_fault", "message": "stopped"}
     launcher._main(TrainConfig(run_dir=str(run.with_name("before")), world_size=2, steps=4), "torchrun", rank == 0)
     launcher._train_in_group, launcher._PEERS_OUT_SECONDS = train, bound
-    launcher.unwind_on_termination()  # as torchrun_main
+    unwind_on_termination()  # as torchrun_main
     said = io.StringIO()
     with contextlib.suppress(RuntimeError), contextlib.redirect_stderr(said):
         launcher._main(TrainConfig(run_dir=run_dir, world_size=2, steps=4, overwrite=True), "torchrun", rank == 0)

@@ -12,7 +12,7 @@ numpy being unavailable (the command carried on) or aborted the process
 Nothing needs undoing that early, so :func:`exit_on_interrupt`, called by
 ``paft/__init__.py`` before anything else, has a Ctrl-C end the command there and then
 (exit 130, the line the commands say for it), until
-:func:`paft.launch.unwind_on_termination` has it unwind to the command's handlers again.
+:func:`paft.signals.unwind_on_termination` has it unwind to the command's handlers again.
 Only the interpreter's own start-up, its first tens of milliseconds, comes before paft's
 first line. A program that only imports paft is left alone. stdlib only: torch is what
 is being waited for.

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -31,15 +30,6 @@ def test_command_name(monkeypatch: pytest.MonkeyPatch, argv: list[str], orig_arg
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(sys, "orig_argv", orig_argv)
     assert command_name() == name
-
-
-@pytest.fixture
-def sigint() -> Iterator[None]:
-    """SIGINT as Python sets it up, restored after: a shell starts a background job (as CI
-    may run the suite) with it ignored, which children inherit (a handler they do not)."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
 
 
 def _as_command(monkeypatch: pytest.MonkeyPatch, argv: list[str], orig_argv: list[str]) -> None:

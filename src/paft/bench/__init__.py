@@ -234,8 +234,9 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     and come back if it does not."""
     import shutil
 
-    from paft.launch import EXIT_WORKER_FAILED, SignalHold, hold_dir_lock, set_aside, settle
+    from paft.launch import EXIT_WORKER_FAILED, hold_dir_lock, set_aside, settle
     from paft.rundir import RunDirError
+    from paft.signals import SignalHold
 
     _validate(args, parser)
     out = _out_dir(args, parser)
@@ -280,8 +281,9 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
         parser.error(f"--out: cannot create {out}: {err.strerror or err}")
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from paft.launch import EXIT_WORKER_FAILED, interrupted
+    from paft.launch import EXIT_WORKER_FAILED
     from paft.records import console
+    from paft.signals import interrupted
     from paft.workers import WorkerFailed
 
     try:

@@ -1,0 +1,18 @@
+"""Fixtures the test modules share."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def sigint() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt, as Python sets it up in a terminal; restored after.
+    A shell starts a background job (as CI may run the suite) with SIGINT ignored, which
+    children inherit (a handler they do not), and Python then leaves it so."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
