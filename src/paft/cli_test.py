@@ -152,6 +152,7 @@ def test_oversized_model_is_refused_without_building_it(
         ("ints.toml", "inject = [1]", "--config: ints.toml: inject: expected a string or a list of strings"),
         ("model.toml", "model = 3", "--config: model.toml: model: expected a table/mapping of model fields"),
         ("yes.toml", 'guard = "yes"', "--config: yes.toml: guard: expected true or false, got 'yes'"),
+        ("int.toml", "guard = 1", "--config: int.toml: guard: expected true or false, got 1"),
         ("bool.toml", "lr = true", "--config: bool.toml: lr: expected float, got True"),  # not taken for 1.0
         ("off.yaml", "cosine: off\n", "off.yaml: cosine: expected str, got False; quote it"),
         ("twice.yaml", "steps: 3\nsteps: 4\n", "key 'steps' is given twice"),
@@ -800,12 +801,17 @@ def test_a_resume_starts_from_the_runs_config_json(tmp_path: pathlib.Path, monke
     first = TrainConfig(world_size=2, batch_size=8, steps=10, optimizer="sgd", run_dir="r", overwrite=True)
     pathlib.Path("r/config.json").write_text(json.dumps(first.to_dict()))
     pathlib.Path("resume.toml").write_text("resume = true\n")
-    for argv in (["--resume"], ["--config", "resume.toml"]):
-        cfg = parse_train_config(["--run-dir", "r", "--steps", "20", *argv])
+    pathlib.Path("r.toml").write_text('run-dir = "r"\nresume = true\n')
+    pathlib.Path("ws3.toml").write_text("world-size = 3\n")
+    for argv in (["--run-dir", "r", "--resume"], ["--run-dir", "r", "--config", "resume.toml"], ["--config", "r.toml"]):
+        cfg = parse_train_config(["--steps", "20", *argv])
         assert (cfg.optimizer, cfg.world_size, cfg.steps, cfg.resume, cfg.overwrite) == ("sgd", 2, 20, True, False)
     for saved, argv, needle in [
         (first.to_dict(), ["--world-size", "4"],
          "error: --resume: cannot change --world-size (2 in r, 4 asked); start a new run"),
+        # Said so before the config's checks, which would blame the batch it cannot split.
+        (first.to_dict(), ["--config", "ws3.toml"],
+         "error: --resume: cannot change --world-size (2 in r, 3 asked); start a new run"),
         ({"guard": 3}, [], f"error: --resume: {pathlib.Path('r', 'config.json')}: 'guard' must be a mapping, got 3"),
         ({**first.to_dict(), "bogus": 1, "guard": {"windw": 5}}, [],
          f"error: --resume: {pathlib.Path('r', 'config.json')}: unknown option(s) 'bogus', 'guard.windw' (from "

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from paft.config import (
     COSINE_MODES,
@@ -79,6 +80,8 @@ def test_each_field_is_named_with_the_option_paft_train_takes() -> None:
     assert checked == len(OPTIONS) - 2
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 # Each check's edge: the last value it takes and the first it refuses, on each side it has.
 EDGES: list[tuple[type, str, list[object], list[object]]] = [
     (MonitorConfig, "interval", [0], [-1]),
@@ -106,7 +109,7 @@ EDGES: list[tuple[type, str, list[object], list[object]]] = [
     (TrainConfig, "steps", [1], [0]),
     (TrainConfig, "seed", [0, 2**32 - 1], [-1, 2**32]),
     (TrainConfig, "optimizer", list(OPTIMIZERS), ["lion"]),
-    (TrainConfig, "lr", [1e-9, 3.4e38], [0.0, 1e39, math.inf, math.nan]),  # float32's limit: the optimizers' scalar
+    (TrainConfig, "lr", [1e-9, FLOAT32_MAX], [0.0, 1e39, math.inf, math.nan]),  # the optimizers' float32 scalar
     (TrainConfig, "weight_decay", [0.0], [-0.1, math.inf, math.nan]),
     (TrainConfig, "warmup_steps", [0], [-1]),
     (TrainConfig, "min_lr_ratio", [0.0, 1.0], [-0.1, 1.1]),
@@ -183,3 +186,20 @@ def test_the_defaults_the_readme_names() -> None:
         assert (guard.max_reruns_per_step, guard.max_reruns_per_run, guard.shift_after) == (2, 100, 5)
         assert guard.on_persistent == "repair"
         assert (protect.sync_mode, protect.overlap) == ("robust", True)
+
+
+@pytest.mark.parametrize(("sync_period", "first"), [(1, 5), (5, 5), (50, 50), (400, 400), (1000, 400)])
+def test_dyn_starts_at_the_sync_period_clamped_into_its_bounds(sync_period: int, first: int) -> None:
+    assert ProtectConfig(sync_period=sync_period, h_min=5, h_max=400).first_h == first
+
+
+def test_numbers_of_other_kinds_are_kept_as_pythons_own() -> None:
+    """numpy's numbers pass the type checks, and are stored as Python's: config.json is
+    JSON, which knows no numpy type."""
+    import json
+
+    import numpy as np
+
+    cfg = TrainConfig(steps=np.int64(5), lr=np.float32(0.5), monitor=MonitorConfig(interval=np.int32(2)))
+    assert [type(v) for v in (cfg.steps, cfg.lr, cfg.monitor.interval)] == [int, float, int]
+    assert json.loads(json.dumps(cfg.to_dict()))["steps"] == 5
