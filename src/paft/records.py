@@ -122,9 +122,11 @@ def output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwri
 
 
 def path_name_problem(path: pathlib.Path, option: str) -> str | None:
-    """Why the file system cannot hold ``path``'s name (a component or the whole path
-    too long), or None. Checked up front: creating it would fail halfway, after its
-    parents were made."""
+    """Why the file system cannot hold ``path``'s name (a NUL character, which a config
+    file's string can hold; a component or the whole path too long), or None. Checked up
+    front: creating it would fail halfway, after its parents were made."""
+    if "\0" in str(path):  # the OS calls raise ValueError, not OSError, for it
+        return f"{option}: {str(path)!r} holds a NUL character, which no file name can"
     limit = 255
     with contextlib.suppress(OSError, ValueError):
         limit = os.pathconf(".", "PC_NAME_MAX")

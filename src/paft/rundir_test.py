@@ -258,3 +258,11 @@ def test_a_run_dir_the_file_system_refuses_is_a_run_dir_error(tmp_path: pathlib.
     monkeypatch.setattr(pathlib.Path, "is_dir", denied)
     with pytest.raises(RunDirError, match=re.escape(f"--run-dir: cannot use {tmp_path / 'r'}: Permission denied")):
         check_run_dir(_config(tmp_path / "r"))
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_dir_with_a_nul_character_is_refused(tmp_path: pathlib.Path, resume: bool) -> None:
+    # A config file's string can hold one: mkdir (or, resuming, the lock probe) raised
+    # ValueError after the checks had passed it, a traceback instead of exit code 2.
+    with pytest.raises(RunDirError, match=r"^--run-dir: '.*/r\\x00' holds a NUL character, which no file name can$"):
+        check_run_dir(_config(tmp_path / "r\0", resume=resume))
