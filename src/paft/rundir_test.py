@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -64,6 +65,18 @@ def test_a_resume_that_changes_nothing_fixed_is_accepted(tmp_path: pathlib.Path,
     cfg = _config(tmp_path / "r")
     _fake_run(cfg)
     check_run_dir(_resume(cfg, **changes))
+
+
+def test_a_run_with_tensorboard_resumes_without_it_where_it_is_not_installed(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Refused: "cannot read config.json: ... needs the tensorboard package", though the
+    # resume itself asked --no-tensorboard (config.json and the checkpoint say --tensorboard).
+    cfg = _config(tmp_path / "r", tensorboard=True)
+    _fake_run(cfg)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    check_run_dir(_resume(cfg, tensorboard=False, steps=20))
 
 
 @pytest.mark.parametrize("held", ["config.json", "checkpoint"])
