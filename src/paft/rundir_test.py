@@ -83,6 +83,7 @@ def test_a_run_with_tensorboard_resumes_without_it_where_it_is_not_installed(
 @pytest.mark.parametrize("before,changes,said", [
     ({}, {"seed": 1}, "--seed (0 in"),
     ({}, {"desync_shuffle": True}, "--desync-shuffle (False in"),
+    ({}, {"desync_seed": True}, "--desync-seed (False in"),
     ({}, {"guard": GuardConfig(enabled=True)}, "--guard (False in"),
     ({}, {"model": {"n_embd": 64}}, "--model ({'n_embd': 128} in"),  # only the fields that differ
     ({"protect": ProtectConfig(mode="dyn")}, {"protect": ProtectConfig(mode="dyn", sync_mode="mean")},
@@ -101,6 +102,31 @@ def test_a_resume_that_changes_a_fixed_option_is_refused(tmp_path: pathlib.Path,
         where = "its checkpoint step0000012"
     with pytest.raises(RunDirError, match=re.escape(f"--resume: cannot change {said} {where}, ")):
         check_run_dir(_resume(cfg, **changes))
+
+
+@pytest.mark.parametrize("saved,error", [
+    ({"steps": 0}, "TrainConfig.steps (--steps): must be >= 1, got 0"),  # the resume's own --steps 20 passed
+    ({"monitor": 3}, "'int' object is not iterable"),
+    ([1], "'list' object has no attribute 'get'"),
+])
+def test_a_resume_names_a_config_json_that_no_longer_reads_as_options(tmp_path: pathlib.Path, saved: Any,
+                                                                       error: str) -> None:
+    # A RunDirError (exit code 2), not the ValueError, TypeError or AttributeError that
+    # rebuilding the options raised: `paft train` catches only RunDirError here.
+    cfg = _config(tmp_path / "r")
+    path = _fake_run(cfg)
+    (path / "config.json").write_text(json.dumps({**cfg.to_dict(), **saved} if isinstance(saved, dict) else saved))
+    with pytest.raises(RunDirError, match=re.escape(f"--resume: cannot read {path / 'config.json'}: {error}")):
+        check_run_dir(_resume(cfg, steps=20))
+
+
+def test_a_resume_names_a_checkpoint_whose_options_do_not_read(tmp_path: pathlib.Path) -> None:
+    cfg = _config(tmp_path / "r")
+    rank0 = _fake_run(cfg, steps=(12,)) / "checkpoints" / "step0000012" / "rank0.pt"
+    torch.save({**dict.fromkeys(_CHECKPOINT_KEYS), "config": {**cfg.to_dict(), "monitor": 3}}, rank0)
+    with pytest.raises(RunDirError, match=re.escape(f"--resume: {rank0} holds unreadable options: 'int' object is not "
+                                                    "iterable")):
+        check_run_dir(_resume(cfg, steps=20))
 
 
 @pytest.mark.parametrize("steps,summary,refused", [
