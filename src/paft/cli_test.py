@@ -275,6 +275,19 @@ def test_overwrite_deletes_only_paft_output(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling", "mine"]
 
 
+def test_paft_report_of_no_run_exits_2_and_writes_nothing(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text('{"lr": 3}')
+    for argv, needle in [(["report", "mine"], "paft report: error: mine: no per-step metrics"),
+                         (["report", "nothere"], "paft report: error: nothere: does not exist (expected a paft run")]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json", "mine"]
+
+
 def test_missing_gpus_exit_2_before_anything_is_written(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -893,6 +906,47 @@ def test_values_read_from_a_file_are_blamed_on_that_file(tmp_path: pathlib.Path,
         assert not pathlib.Path("r").exists()
 
 
+def test_paft_train_exits_with_the_runs_code_or_the_signals(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import paft.launch
+
+    for outcome, code in ((3, 3), (KeyboardInterrupt(), 130), (SignalException("", signal.SIGTERM), 143)):
+        def launch(cfg: TrainConfig, outcome: int | BaseException = outcome) -> int:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+
+        monkeypatch.setattr(paft.launch, "launch", launch)
+        assert main(["train", "--steps", "3"]) == code  # 3: the guard stopped the run (--on-persistent stop)
+    assert capsys.readouterr().err == "\npaft train: interrupted (Ctrl-C)\n\npaft train: interrupted (SIGTERM)\n"
+
+
+def test_the_paft_command_exits_1_when_its_console_goes_and_holds_signals_after_an_interruption(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import paft.cli
+    import paft.records
+    import paft.signals
+
+    did: list[str] = []
+    monkeypatch.setattr(paft.signals, "unwind_on_termination", lambda: None)  # the test process's handlers stay
+    monkeypatch.setattr(paft.signals, "ignore_further_signals", lambda: did.append("ignore signals"))
+    monkeypatch.setattr(paft.records, "quiet_stdout", lambda: did.append("quiet"))
+    for outcome, code, done in ((BrokenPipeError(), 1, ["quiet"]), (130, 130, ["ignore signals"]),
+                                (143, 143, ["ignore signals"]), (1, 1, [])):
+        def command(outcome: int | BaseException = outcome) -> int:
+            if isinstance(outcome, BaseException):
+                raise outcome  # `paft ... | head`: the reader has gone
+            return outcome
+
+        monkeypatch.setattr(paft.cli, "main", command)
+        with pytest.raises(SystemExit) as exc:
+            paft.cli.run()
+        assert (exc.value.code, did) == (code, done)
+        did.clear()
+
+
 def test_an_interrupted_run_with_a_checkpoint_says_how_to_continue(tmp_path: pathlib.Path) -> None:
     """paft train's line and rank 0's under torchrun (which had none) name the command."""
     from paft.launch import resume_hint
@@ -1091,7 +1145,9 @@ def test_an_unknown_argument_is_said_by_the_command_it_was_given_to(capsys: pyte
     for argv, said in ((["--bogus", "report", "x"], "paft: error: unrecognized arguments: --bogus\n(options: paft "
                                                     "--help)"),
                        (["report", "x", "--bogus"], "paft report: error: unrecognized arguments: --bogus\n(options: "
-                                                    "paft report --help)")):
+                                                    "paft report --help)"),
+                       (["bench", "overhead", "--bogus"], "paft bench overhead: error: unrecognized arguments: "
+                                                          "--bogus\n(options: paft bench overhead --help)")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2 and said in capsys.readouterr().err
