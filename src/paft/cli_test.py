@@ -342,6 +342,7 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
                                                                     re.MULTILINE | re.DOTALL)}
     assert entries["--guard"].endswith("[default: off]") and entries["--monitor"].endswith("[default: on]")
     assert entries["--run-dir"].endswith("[default: auto]")
+    assert entries["--steps"] == "STEPS Optimizer steps to train. [default: 200]"  # the field's docstring
     assert "``" not in out
     # The epilog: the --inject grammar from the faultspec docstring, and the exit codes.
     assert "fault specs (--inject, repeatable):\n\n    KIND:key=value,key=value," in out
@@ -553,6 +554,7 @@ def test_under_torchrun_a_world_size_mismatch_says_where_the_size_came_from(
         with pytest.raises(SystemExit):
             parse_train_config(argv, launched=3)
         assert needle in capsys.readouterr().err
+    assert parse_train_config(["--batch-size", "6"], launched=3).world_size == 3  # none asked: torchrun's
 
 
 def _failing(step: int, steps: int = 4) -> list[str]:
@@ -745,6 +747,10 @@ def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatc
     (["--broadcast-src", "1"],
      ["--broadcast-src has no effect without --sync-mode broadcast and --protect sync or dyn"]),
     (["--protect", "sync", "--sync-mode", "broadcast", "--broadcast-src", "1"], []),
+    (["--sync-mode", "broadcast", "--broadcast-src", "1"],
+     ["--sync-mode has no effect without --protect sync or dyn",
+      "--broadcast-src has no effect without --sync-mode broadcast and --protect sync or dyn"]),
+    (["--no-monitor", "--fingerprint-every", "5"], ["--fingerprint-every has no effect with --no-monitor"]),
     (["--workload", "resnet", "--world-size", "2", "--dropout", "0.1"],
      ["--dropout has no effect on the resnet workload"]),
     (["--protect", "sync", "--h-min", "3"], ["--h-min has no effect without --protect dyn"]),
@@ -826,6 +832,7 @@ def test_a_resume_starts_from_the_runs_config_json(tmp_path: pathlib.Path, monke
         (first.to_dict(), ["--config", "ws3.toml"],
          "error: --resume: cannot change --world-size (2 in r, 3 asked); start a new run"),
         ({"guard": 3}, [], f"error: --resume: {pathlib.Path('r', 'config.json')}: 'guard' must be a mapping, got 3"),
+        ({"guard": None}, [], "'guard' must be a mapping, got None"),
         ({**first.to_dict(), "bogus": 1, "guard": {"windw": 5}}, [],
          f"error: --resume: {pathlib.Path('r', 'config.json')}: unknown option(s) 'bogus', 'guard.windw' (from "
          "another paft version, or edited by hand)"),

@@ -166,6 +166,11 @@ def test_checks_across_fields_refuse(options: dict[str, object], message: str) -
     assert str(err.value) == message
 
 
+def test_each_rank_takes_an_even_share_of_the_batch() -> None:
+    assert TrainConfig(workload="resnet", world_size=2, steps=20).per_rank_batch_size == 32  # the module's example
+    assert TrainConfig(world_size=4, batch_size=8).per_rank_batch_size == 2
+
+
 def test_checks_across_fields_take_what_they_do_not_concern() -> None:
     TrainConfig(workload="resnet", world_size=1, batch_size=8000)  # the whole training set in one batch
     TrainConfig(world_size=2, batch_size=2, protect=ProtectConfig(broadcast_src=5))  # no broadcast: no source

@@ -232,6 +232,8 @@ def test_a_resume_refuses_a_damaged_log(tmp_path: pathlib.Path, log: str) -> Non
     ({"r/config.json": "{}"}, "holds no paft run"),
     ({"r/config.json": "run", "r/checkpoints/step0000006/rank0.pt": ""}, "checkpoints/latest is missing"),
     ({"r/config.json": "run", "r/checkpoints/latest": "best"}, "names 'best', not a checkpoint folder"),
+    ({"r/config.json": "run", "r/checkpoints/latest": "b" * 1000}, f"names {'b' * 40!r}, not a checkpoint folder"),
+    ({"r/config.json": "run", "r/checkpoints/latest": "step\u00e9"}, "latest: 'ascii' codec can't decode byte"),
 ])
 def test_a_resume_with_nothing_to_resume_says_why(tmp_path: pathlib.Path, make: dict[str, str], said: str) -> None:
     cfg = _config(tmp_path / "r")
