@@ -131,8 +131,6 @@ def reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | No
         prev, cur = _without_state(prev), _without_state(cur)
     if prev == cur:
         return True
-    if len(prev) != len(cur):
-        return False
     a = torch.tensor(prev, dtype=torch.int64).view(torch.float64).tolist()
     b = torch.tensor(cur, dtype=torch.int64).view(torch.float64).tolist()
     for ra, rb, pa, pb in zip(a, b, prev, cur):

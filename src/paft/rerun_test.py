@@ -62,6 +62,15 @@ def test_a_nan_must_reproduce_bitwise_where_the_other_ranks_are_deterministic() 
     assert reproduced(hit, first, rows=[0])
 
 
+def test_every_suspect_must_reproduce_not_only_the_first_in_kind() -> None:
+    # Rank 2's own values moved (non-deterministic kernels): rank 0's NaN coming back in
+    # kind is data, but rank 1, the other suspect, moved past the tolerance.
+    first = [row(NAN), row(3.0), row(4.0)]
+    moved = [row(NAN), row(3.0 * (1 + 1e-2)), row(4.0 * (1 + 1e-6))]
+    assert not reproduced(first, moved, rows=[0, 1])
+    assert reproduced(first, [row(NAN), row(3.0 * (1 + 1e-6)), row(4.0 * (1 + 1e-6))], rows=[0, 1])
+
+
 def test_only_the_suspects_rows_count_when_both_attempts_name_them() -> None:
     """A transient fault on another rank's first attempt does not make bad data persistent."""
     first = [row(NAN), row(3.0, fp=9), row(3.0)]
