@@ -82,10 +82,12 @@ def test_state_fingerprints_only_when_every_rank_took_one() -> None:
     assert view_of([1.0, 1.0], [1.0, 1.0]).state_fingerprints() is None
     mixed = [ControlVector(1.0, 1.0, 1.0, 0, fp, 0, 0, None).pack(0) for fp in (5, None)]
     assert ControlView(torch.stack(mixed)).state_fingerprints() is None
+    # 0 is a fingerprint like any other: the state was checked
+    assert view_of([1.0, 1.0], [1.0, 1.0], state_fps=[0, 0]).state_fingerprints() == [0, 0]
 
 
 @pytest.mark.parametrize("column, value", [(COL_STATE_LO, 0.5), (COL_STATE_HI, math.nan), (COL_FLAGS, math.nan),
-                                           (COL_FAULTS, math.inf)])
+                                           (COL_FLAGS, 8.5), (COL_FAULTS, math.inf), (COL_FAULTS, 1.5)])
 def test_a_control_row_the_collective_corrupted_is_read_not_raised_on(column: int, value: float) -> None:
     # SDC in the control collective itself: a state fingerprint's half that is no longer
     # an integer raised ValueError in join_int64 on every rank, a NaN flag in int().
@@ -100,6 +102,15 @@ def test_a_control_row_the_collective_corrupted_is_read_not_raised_on(column: in
         assert view.state_fingerprints() is None  # no rank-2 claim of a state check
     else:
         assert view.faults == [0, 0, 0]
+
+
+def test_corrupted_state_halves_stand_apart_from_every_fingerprint_and_from_each_other() -> None:
+    view = view_of([1.0] * 4, [1.0] * 4, state_fps=[5] * 4)
+    view.matrix[2, COL_STATE_LO], view.matrix[3, COL_STATE_LO] = 0.5, 0.25
+    keys = view.state_fingerprints()
+    assert keys[:2] == [5, 5] and keys[2] != keys[3]
+    assert not any(-(2**63) <= k < 2**63 for k in keys[2:])  # no int64 fingerprint equals them
+    assert worker_metrics(view)["replicas/state_distinct"] == 3
 
 
 def test_checksum_keys_compare_both_halves_bitwise() -> None:
@@ -222,6 +233,8 @@ def test_two_ranks_and_replica_groups() -> None:
     m = worker_metrics(view_of([1.0] * 3, [1.0] * 3, agg_fps=[5, 9, 5], state_fps=[1, 1, 2]))
     assert m["replicas/grad_minority_ranks"] == [1] and m["replicas/grad_groups"] == [[0, 2], [1]]
     assert m["replicas/state_minority_ranks"] == [2] and m["replicas/state_groups"] == [[0, 1], [2]]
+    m = worker_metrics(view_of([1.0] * 4, [1.0] * 4, agg_fps=[5, 5, 9, 9]))
+    assert m["replicas/grad_minority_ranks"] == []  # an even split: no side is the majority
 
 
 def test_cosines_of_float64_extremes() -> None:
