@@ -145,6 +145,7 @@ def _w_all_optimizers(rank: int, ws: int) -> dict:
                     "mode": rep.mode,
                     "divergence": rep.divergence,
                     "collectives": rep.collectives,
+                    "differing": (rep.differing_tensors, rep.differing),
                 }
     # DDP-wrapped: DDP makes the parameters equal, the optimizer states still differ.
     model = _model("bn")
@@ -182,6 +183,14 @@ def test_all_optimizers_and_modes_give_bitwise_identical_replicas():
             assert "buffer/1.running_mean" in names and "buffer/1.num_batches_tracked" in names
         if opt_kind in ("adam", "adamw"):
             assert any(n.endswith("/step") for n in names) and any(n.endswith("exp_avg_sq") for n in names)
+        if (opt_kind, model_kind) == ("adam", "bn"):
+            # every parameter, moment and running statistic differs (20, not the equal
+            # steps and batch counts); the report names the first 16, each rank apart
+            count, named = per_rank[0]["differing"]
+            listed = sorted((n for n, _ in per_rank[0]["state"] if not n.endswith(("/step", "num_batches_tracked"))),
+                            key=lambda n: n.startswith("buffer/"))  # the buffers' part comes last
+            assert count == 20 and len(named) == 16 and list(named) == listed[:16]
+            assert all(groups == [[0], [1], [2]] for groups in named.values())
         if opt_kind == "sgd-momentum":
             assert any(n.endswith("momentum_buffer") for n in names)
         # one collective per dtype bucket of each part (the buffers, the rest), not per
@@ -662,8 +671,9 @@ def test_four_ranks_split_broadcast_buckets_and_divergence():
 
 def _w_two(rank: int, ws: int) -> dict:
     out: dict = {}
-    with pytest.raises(ValueError, match="src"):
-        ReplicaSync(_model("mlp"), None, src=ws)
+    for src in (ws, -1, True):  # a bool is no rank
+        with pytest.raises(ValueError, match="src"):
+            ReplicaSync(_model("mlp"), None, src=src)
     model = _model("bn")
     opt = _optim("adam", model.parameters())
     _train(model, opt, "bn", steps=2, seed=0)
@@ -1267,6 +1277,9 @@ def _w_ddp_buffers(rank: int, ws: int) -> dict:
         out[f"{case}_rank1"] = gather_buffers(ddp, 1)
         report = sync.sync()
         out[case] = {"report": report, "state": _snap(ddp, opt), "fp": _fp(ddp, opt)}
+    # without broadcast_buffers DDP leaves each rank its own buffers: no source to follow
+    out["source_without_broadcast"] = ReplicaSync(DistributedDataParallel(_model("bn"), broadcast_buffers=False),
+                                                  None)._buffer_src
     return out
 
 
@@ -1281,6 +1294,7 @@ def gather_buffers(ddp: nn.Module, src: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("ws", [2, 3])
 def test_under_ddp_a_sync_gives_every_rank_the_buffers_ddp_would(ws: int):
     res = run_workers(_w_ddp_buffers, ws)
+    assert [r["source_without_broadcast"] for r in res] == [None] * ws
     _assert_replicas_identical([r["clean"] for r in res])
     report = res[0]["clean"]["report"]
     assert report.note == "buffers only; DDP's buffer source, rank 0", report
