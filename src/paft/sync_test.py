@@ -1023,9 +1023,10 @@ def _unit_step(m: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
-def _aliased(rank: int, ws: int, case: str) -> dict[tuple[str, bool], torch.Tensor]:
+def _aliased(rank: int, ws: int, case: str) -> dict[tuple[str, bool], Any]:
     """Rank 2's weight off by +64 (dyadic values: every path is exact); a sync, blocking
-    or overlapped with an optimizer step; the weight after it, per (mode, overlapped)."""
+    or overlapped with an optimizer step; the parameters after it, per (mode, overlapped),
+    and the tensors a blocking sync found differing, per (mode, "differing")."""
     out = {}
     for mode in ("robust", "mean"):
         for overlap in (False, True):
@@ -1043,6 +1044,12 @@ def _aliased(rank: int, ws: int, case: str) -> dict[tuple[str, bool], torch.Tens
             elif case == "a-parameter-over-a-view":  # the same memory, another shape: not left out
                 m.flat = nn.Parameter(m.a.weight.detach().view(-1))
                 opt = torch.optim.SGD(m.parameters(), lr=0.25)
+            elif case == "two-parameters-apart-in-one-storage":  # alike but for their offset: not left out
+                base = torch.zeros(16)
+                base[8:] = m.a.weight.detach().view(-1)
+                m.lo = nn.Parameter(base[:8].view(2, 4))  # the module's own: listed before m.a's
+                m.a.weight = nn.Parameter(base[8:].view(2, 4))
+                opt = torch.optim.SGD(m.parameters(), lr=0.25)
             else:
                 opt = _MasterSGD(m.parameters(), lr=0.25)
 
@@ -1057,18 +1064,23 @@ def _aliased(rank: int, ws: int, case: str) -> dict[tuple[str, bool], torch.Tens
                 _unit_step(m, opt)
                 sync.finish()
             else:
-                sync.sync()
+                out[mode, "differing"] = list(sync.sync().differing)
                 _unit_step(m, opt)
-            out[mode, overlap] = m.a.weight.detach().clone()
+            out[mode, overlap] = torch.cat([p.detach().flatten() for p in m.parameters()])
     return out
 
 
-@pytest.mark.parametrize("case", ["two-parameters-one-storage", "a-parameter-over-a-view", "state-is-the-parameter"])
+@pytest.mark.parametrize("case", ["two-parameters-one-storage", "a-parameter-over-a-view", "state-is-the-parameter",
+                                  "two-parameters-apart-in-one-storage"])
 def test_overlapped_correction_of_aliased_tensors_equals_blocking(case: str) -> None:
     # Corrected once per alias, the progress of the step was added twice: robust mode
     # left rank 2 at -61.5 instead of 2.5, and mean mode split the replicas.
     out = run_workers(_aliased, 3, case)
+    # each memory once: an exact alias (another Parameter over it, optimizer state that
+    # is the parameter) is neither listed nor sent again
+    differing = {"a-parameter-over-a-view": ["param/flat", "param/a.weight"]}.get(case, ["param/a.weight"])
     for mode in ("robust", "mean"):
+        assert out[0][mode, "differing"] == differing
         for r in range(3):
             assert torch.equal(out[r][mode, True], out[0][mode, False]), (mode, r)
 
