@@ -451,18 +451,6 @@ def test_paft_train_end_to_end_with_config_file(
     assert (tmp_path / "r" / "config.json").read_bytes() == before[tmp_path / "r" / "config.json"]
 
 
-def test_read_jsonl_drops_a_partial_last_line_and_names_any_other_damage(tmp_path: pathlib.Path) -> None:
-    log = tmp_path / "log.jsonl"
-    log.write_text('{"step": 0}\n\n{"step": 1}\n{"step": 2, "lo')  # a writer killed mid-record
-    assert read_jsonl(log) == [{"step": 0}, {"step": 1}]
-    log.write_text('{"step": 0}\n\n[1]\n{"step": 2}\n')
-    with pytest.raises(ValueError, match="log.jsonl: line 3 is not a JSON object"):
-        read_jsonl(log)
-    log.write_text('{"step": 0}\n{"step": 1, "lo\n')  # a whole line (its newline written): damage, not a cut
-    with pytest.raises(ValueError, match="log.jsonl: line 2 is not JSON"):
-        read_jsonl(log)
-
-
 def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> None:
     """``python -m paft.train`` takes the world size from torchrun, and refuses a
     --world-size that differs from the processes torchrun started (exit 2 on every rank)."""

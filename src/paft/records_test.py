@@ -247,9 +247,30 @@ def test_atomic_writes_make_shared_files_and_leave_no_temporary(tmp_path: pathli
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "new"]
 
 
-def test_read_jsonl_drops_only_a_partial_last_line(tmp_path: pathlib.Path) -> None:
+def test_an_atomic_write_is_on_disk_before_it_replaces_the_old_file(tmp_path: pathlib.Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A crash after the rename must not leave a checkpoint's "latest" or summary.json
+    # empty: the data is synced while the old file still stands (a mutant without the
+    # fsync survived).
+    path = tmp_path / "latest"
+    path.write_bytes(b"step0000006")
+    synced: list[tuple[int, bytes]] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append((os.fstat(fd).st_size, path.read_bytes())))
+    atomic_write_bytes(path, b"step0000012")
+    assert synced == [(11, b"step0000006")] and path.read_bytes() == b"step0000012"
+
+
+def test_read_jsonl_drops_a_partial_last_line_and_names_any_other_damage(tmp_path: pathlib.Path) -> None:
     assert read_jsonl(tmp_path / "missing.jsonl") == []
     log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0}\n\n{"step": 1}\n{"step": 2, "lo')  # a writer killed mid-record
+    assert read_jsonl(log) == [{"step": 0}, {"step": 1}]
+    log.write_text('{"step": 0}\n\n[1]\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="log.jsonl: line 3 is not a JSON object"):
+        read_jsonl(log)
+    log.write_text('{"step": 0}\n{"step": 1, "lo\n')  # a whole line (its newline written): damage, not a cut
+    with pytest.raises(ValueError, match="log.jsonl: line 2 is not JSON"):
+        read_jsonl(log)
     log.write_text('{"step": 0}\nnot json\n{"step": 2, "lo')  # damage before a cut last line
     with pytest.raises(ValueError, match="log.jsonl: line 2 is not JSON"):
         read_jsonl(log)
