@@ -71,7 +71,9 @@ def test_param_groups_and_state_are_the_chained_optimizers_own() -> None:
     assert set(map(id, chain.state)) == {id(p) for p in model.parameters()}
     w, b = model[0].weight, model[0].bias
     assert chain.state[w] is muon.state[w] and chain.state[b] is adamw.state[b]
-    assert w in chain.state and torch.zeros(1) not in chain.state
+    assert w in chain.state and b in chain.state and torch.zeros(1) not in chain.state
+    # Iterated in chain order, as param_groups are.
+    assert [id(p) for p in chain.state] == [id(p) for p in [*muon.state, *adamw.state]]
     # A state tensor set through the chain lands in the owner, and so does a removal.
     chain.state[b]["exp_avg"] = torch.full_like(b, 3.0)
     assert torch.equal(adamw.state[b]["exp_avg"], torch.full_like(b, 3.0))
@@ -93,6 +95,9 @@ def test_pop_and_setdefault_are_a_dicts() -> None:
     entry = {"x": torch.ones(1)}
     assert chain.state.setdefault(b, entry) is entry and adamw.state[b] is entry
     assert chain.state.setdefault(b, {"y": 1}) is entry  # kept
+    assert chain.state.pop(b) is entry and b not in adamw.state  # from its owner, the second optimizer
+    with pytest.raises(KeyError):
+        del chain.state[b]  # nothing left to delete
     # A parameter moved between the chained optimizers: its entry goes to its new owner.
     muon.param_groups[0]["params"].remove(w)
     adamw.param_groups[0]["params"].append(w)
@@ -123,6 +128,14 @@ def test_a_group_added_to_a_chained_optimizer_is_seen_at_once() -> None:
     assert chain.param_groups[-1]["lr"] == 1e-4 and len(chain.param_groups) == 3
     _train(model, chain, range(1))
     assert chain.state[frozen.weight] is adamw.state[frozen.weight]
+    # A group swapped for another of the same size (the frozen layer frozen again, a new
+    # one trained): the chain follows the new parameters, not the old group's.
+    old = adamw.param_groups.pop()  # held: its id is not reused for the new group
+    extra = [torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    adamw.add_param_group({"params": extra})
+    assert chain.state[extra[0]] is adamw.state[extra[0]] and len(old["params"]) == len(extra)
+    with pytest.raises(KeyError, match="no chained optimizer holds"):
+        chain.state[frozen.weight]
     with pytest.raises(TypeError, match=r"add the group to one of the chained optimizers"):
         chain.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
     with pytest.raises(AttributeError, match=r"OptimizerChain.state is a view"):
@@ -159,6 +172,25 @@ def test_a_checkpoint_round_trip_continues_the_same_trajectory() -> None:
         again.load_state_dict({"optimizers": saved[1]["optimizers"][:1]})
     with pytest.raises(ValueError, match=r"expected the state of 2 optimizers .*got no"):
         again.load_state_dict(saved[1]["optimizers"][0])
+
+
+def test_a_closure_steps_and_zero_grad_keeps_the_gradients_as_asked() -> None:
+    alone, model = _model(), _model()
+    expected = _train(alone, OptimizerChain(_split(alone)), range(1))
+    chain = OptimizerChain(_split(model))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
+
+    def closure() -> torch.Tensor:  # run inside step(), whose own torch.no_grad it lifts
+        chain.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    loss = chain.step(closure)
+    assert isinstance(loss, torch.Tensor) and _equal([p.detach() for p in model.parameters()], expected)
+    chain.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 def test_a_scheduler_and_a_step_hook_on_the_chain_reach_every_optimizer() -> None:
