@@ -276,6 +276,19 @@ def test_a_skip_backs_the_scale_off_exactly_as_the_scaler_does(init: float, back
     assert scales[0] == scales[1] != init
 
 
+def test_a_step_after_an_overflow_is_the_scalers_skip() -> None:
+    # step() is the scaler's: over gradients unscale() found non-finite it leaves the
+    # parameters as they were and backs the scale off (a mutant that stepped the
+    # optimizer itself survived: the protector calls skip() on an overflow it sees).
+    p = nn.Parameter(torch.ones(1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, backoff_factor=0.5)
+    stepper = OptimizerStep(torch.optim.SGD([p], lr=0.1), scaler)
+    (scaler.scale(p.sum()) * math.inf).backward()
+    assert stepper.unscale() == 8.0
+    stepper.step()
+    assert p.tolist() == [1.0] and scaler.get_scale() == 4.0
+
+
 def _one_step(rank: int, world_size: int, scaled: bool, grad_clip: float) -> dict[str, Any]:
     model = _mlp()
     ddp = DistributedDataParallel(model)
@@ -361,3 +374,5 @@ def test_a_scaler_that_is_not_one_is_refused() -> None:
         OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), {"init_scale": 1.0})  # type: ignore[arg-type]
     disabled = OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False))
     assert disabled.scaler is None and disabled.unscale() == 1.0 and disabled.state() is None
+    with pytest.raises(RuntimeError, match=r"skip\(\): no loss scaler \(without one, skipping is the guard's\)"):
+        disabled.skip()
