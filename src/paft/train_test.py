@@ -76,11 +76,17 @@ def test_the_memory_check_counts_each_worker_on_this_machine(monkeypatch: pytest
     machine(3 * per_worker)
     check_devices(cfg)  # exactly enough
     machine(3 * per_worker - 1)
-    with pytest.raises(DeviceError, match="--model: the resnet model would need about"):
+    with pytest.raises(DeviceError) as err:
         check_devices(cfg)
+    # 0.75 GiB, rounded (a mutant that truncated said "about 0 GiB").
+    assert str(err.value) == ("--model: the resnet model would need about 1 GiB for weights, gradients and optimizer "
+                              "state (20 bytes per parameter per worker) and this machine has 1 GiB; make it smaller")
     check_devices(cfg, local_workers=2)  # the third worker runs elsewhere
     machine(per_worker)
     check_devices(cfg, local_workers=1)
+    machine(3 * BYTES_PER_PROCESS)  # torch's share fits, the models do not
+    with pytest.raises(DeviceError, match="--model: the resnet model would need about"):
+        check_devices(cfg)
     machine(3 * BYTES_PER_PROCESS - 1)
     with pytest.raises(DeviceError, match="--world-size 3: 3 worker processes on this machine"):
         check_devices(cfg)
