@@ -653,6 +653,14 @@ def test_the_first_split_is_the_earliest_whoever_found_it(fault_run: pathlib.Pat
                        "groups": [[0], [1]], "note": ""}):
             f.write(json.dumps(event) + "\n")
     assert "first replica split: step 5 (aggregated-gradient checksums differ" in summary_text(load_run(early))
+    # Found by the guard before the records' split at step 5: the guard's step (a mutant
+    # that took the records' split whenever there was one survived).
+    guarded = copy_run(fault_run, tmp_path / "guarded")
+    with open(guarded / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "event": "guard", "attempt": 0, "action": "recompute",
+                            "detector": "grad_mismatch", "cause": "transient", "ranks": [1], "values": {}}) + "\n")
+    assert ("first replica split: step 2 on rank 1 (aggregated-gradient checksums differ; no strict majority; "
+            "the guard caught it before the update)") in summary_text(load_run(guarded))
     with open(late / "events.jsonl", "a") as f:
         f.write(json.dumps({"step": 10, "event": "sync", "period": 5, "divergence": 0.2, "mode": "median",
                             "groups": [[0], [1]], "note": ""}) + "\n")
@@ -764,9 +772,11 @@ def test_the_summary_says_what_the_faults_made_of_the_values_they_hit(
 
     faults = [flip(1, [27], [7.0e-05], [1.1e-09]), flip(4, [30, 26], [-0.002, 0.5], ["-inf", -3.0]),
               flip(6, [30], ["nan"], ["nan"]), flip(9, [26], [0.0002], [0.05])]
-    (run / "faults.jsonl").write_text("".join(json.dumps(f) + "\n" for f in faults))
+    # Out of step order, as a crashed run leaves them (the ranks' lines are sorted at the end).
+    (run / "faults.jsonl").write_text("".join(json.dumps(f) + "\n" for f in faults[2:] + faults[:2]))
     text = summary_text(load_run(run))
     assert "  by bit: 26 (2), 27 (1), 30 (2)\n" in text
+    assert "  first: step 1, rank 1, local-grad/bitflip\n" in text
     # A NaN that stayed NaN was not made by the fault; the largest is by magnitude.
     assert ("  values hit: 5 recorded, 1 made NaN/Inf; largest finite value after: -3 (was 0.5; step 4, rank 1)\n"
             in text)
@@ -978,15 +988,16 @@ def test_an_averager_run_without_a_summary_counts_its_syncs(clean_run: pathlib.P
     assert "syncs: 4   detections: 0" in build_report(run).text
 
 
-@pytest.mark.parametrize("empty", [False, True], ids=["missing", "empty"])
-def test_a_rank_without_metrics_is_named(fault_run: pathlib.Path, tmp_path: pathlib.Path, empty: bool) -> None:
+@pytest.mark.parametrize(("empty", "rank"), [(False, 1), (True, 0)], ids=["missing", "empty"])
+def test_a_rank_without_metrics_is_named(fault_run: pathlib.Path, tmp_path: pathlib.Path, empty: bool,
+                                         rank: int) -> None:
     run = copy_run(fault_run, tmp_path / "one-rank-missing")
-    (run / "metrics" / "rank1.jsonl").unlink()
+    (run / "metrics" / f"rank{rank}.jsonl").unlink()
     if empty:
-        (run / "metrics" / "rank1.jsonl").write_text('{"step": 0, "local_lo')  # killed mid-line
+        (run / "metrics" / f"rank{rank}.jsonl").write_text('{"step": 0, "local_lo')  # killed mid-line
     text = build_report(run).text
-    assert ("note: no complete record in metrics/rank1.jsonl (missing or empty): the loss plot lacks rank 1, "
-            "and its global loss is the mean over the ranks recorded\n") in text
+    assert (f"note: no complete record in metrics/rank{rank}.jsonl (missing or empty): the loss plot lacks "
+            f"rank {rank}, and its global loss is the mean over the ranks recorded\n") in text
     assert "world size: 2" in text
     assert "note:" not in build_report(fault_run, tmp_path / "whole").text
 
