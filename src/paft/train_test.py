@@ -274,6 +274,11 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
     losses = lambda d: [m["loss"] for m in read_jsonl(tmp_path / d / "metrics" / "rank0.jsonl")]  # noqa: E731
     assert losses("a") == losses("b") and len(losses("b")) == opts.get("steps", 12)
     assert straight[0]["summary"]["final_val_loss"] == resumed[0]["summary"]["final_val_loss"]
+    # summary.json's worst replica and largest divergence are the evaluations' (the faulty
+    # cases' replicas differ: mutants that took the mean loss, or the last divergence, survived).
+    evals = [from_jsonable(e) for e in read_jsonl(tmp_path / "b" / "evals.jsonl")]
+    assert resumed[0]["summary"]["final_val_loss_max"] == max(evals[-1]["val_loss_per_rank"])
+    assert resumed[0]["summary"]["max_replica_rel_diff_run"] == max(e["replica_rel_diff"] for e in evals)
     # sync_bytes: what the recorded syncs and repairs sent, over both legs of the resumed run.
     sent = sum(e.get("bytes_sent", 0) for e in read_jsonl(tmp_path / "b" / "events.jsonl")) if (
         tmp_path / "b" / "events.jsonl").exists() else 0
