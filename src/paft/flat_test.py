@@ -109,18 +109,53 @@ def test_pack_and_storage_of() -> None:
 
 def test_copy_all_batches_per_device_and_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
     # CUDA's batched copy takes one device and one dtype per list: a list mixing them
-    # (an int64 buffer among float32 tensors) went down a copy per tensor.
-    dst = [torch.zeros(3), torch.zeros(2, dtype=torch.int64), torch.zeros(4), torch.zeros(1, dtype=torch.float64)]
-    src = [torch.ones(3), torch.full((2,), 7), torch.full((4,), 2.0), torch.full((1,), 0.5, dtype=torch.float64)]
+    # (an int64 buffer among float32 tensors) went down a copy per tensor. A source's
+    # dtype counts too: a float64 source into a float32 destination is a batch of its own.
+    dst = [torch.zeros(3), torch.zeros(2, dtype=torch.int64), torch.zeros(4), torch.zeros(1, dtype=torch.float64),
+           torch.zeros(2)]
+    src = [torch.ones(3), torch.full((2,), 7), torch.full((4,), 2.0), torch.full((1,), 0.5, dtype=torch.float64),
+           torch.full((2,), 0.25, dtype=torch.float64)]
     batches: list[int] = []
     real = torch._foreach_copy_
 
     def counted(ds: list[torch.Tensor], ss: list[torch.Tensor]) -> None:
-        assert len({(d.device, d.dtype) for d in ds}) == 1
+        assert len({(d.device, d.dtype) for d in ds}) == len({s.dtype for s in ss}) == 1
         batches.append(len(ds))
         real(ds, ss)
 
     monkeypatch.setattr(torch, "_foreach_copy_", counted)
     copy_all_(dst, src)
-    assert sorted(batches) == [1, 1, 2]
+    assert sorted(batches) == [1, 1, 1, 2]
     assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dst, src))
+
+
+def test_tensors_off_the_flats_device_are_copied_in_their_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adam's CPU step counters beside CUDA state: ``pack`` joins each run of tensors on
+    the flat's device with one ``cat`` into its own slice, and copies a tensor from
+    another device straight into its place; ``copy_all_`` copies a pair across devices
+    by itself. No GPU here: the meta device is the flat's, the CPU the other."""
+    cats: list[tuple[int, int]] = []
+    crossed: list[tuple[str, str]] = []
+    real_cat, real_copy = torch.cat, torch.Tensor.copy_
+
+    def cat(tensors: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
+        cats.append((out.storage_offset(), out.numel()))
+        return real_cat(tensors, out=out)
+
+    def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if self.device != src.device:
+            crossed.append((self.device.type, src.device.type))
+        return real_copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch, "cat", cat)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+    pack(torch.empty(3), [torch.ones(1), torch.ones(2)])
+    assert cats == [(0, 3)]  # one device: one cat, no copy per tensor
+    cats.clear()
+    meta = torch.device("meta")
+    pack(torch.empty(6, device=meta), [torch.ones(2, device=meta), torch.ones(1), torch.ones(3, device=meta)])
+    assert (cats, crossed) == ([(0, 2), (3, 3)], [("meta", "cpu")])
+    crossed.clear()
+    dst = [torch.zeros(2, device=meta), torch.zeros(1)]
+    copy_all_(dst, [torch.ones(2), torch.ones(1)])
+    assert crossed == [("meta", "cpu")] and dst[1].item() == 1.0
