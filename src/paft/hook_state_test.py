@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
@@ -104,5 +107,51 @@ def test_stateless_and_unknown_states_get_no_snapshot() -> None:
         def state_dict(self) -> dict[str, Any]:
             return {}
 
-    for state in (None, object(), OnlySaves(), {"state_dict": 1}):
+    # attributes of those names that are not methods: not the protocol either
+    data = SimpleNamespace(state_dict={}, load_state_dict={})
+    for state in (None, object(), OnlySaves(), {"state_dict": 1}, data):
         assert hook_snapshot(state) is None
+
+
+class _ChangingState:
+    """A user's hook state whose structure changes between steps: tensors that change
+    shape or dtype (a bucket rebuilt), a list that grows, a set written in place, a
+    ``defaultdict`` (a dict subclass that is not built from pairs)."""
+
+    def __init__(self) -> None:
+        self.error, self.scale = torch.arange(6.0), torch.ones(2)
+        self.history: list[torch.Tensor] = [torch.zeros(2)]
+        self.seen: set[int] = {1}
+        self.counts: defaultdict[str, int] = defaultdict(int, {"a": 1})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"error": self.error, "scale": self.scale, "history": self.history, "seen": self.seen,
+                "counts": self.counts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.error, self.scale, self.history = state["error"], state["scale"], state["history"]
+        self.seen, self.counts = state["seen"], state["counts"]
+
+
+def test_a_state_that_changes_structure_is_taken_as_it_is_now() -> None:
+    state = _ChangingState()
+    snap = hook_snapshot(state)
+    assert snap is not None
+    with pytest.raises(RuntimeError, match=r"restore\(\) before take\(\)"):
+        snap.restore()
+    snap.take()
+    kept = snap._saved["history"][0]
+    state.error, state.scale = torch.arange(3.0), torch.full((2,), 0.5, dtype=torch.float64)
+    snap.take()  # the next step's start: new shapes and dtypes
+    assert snap._saved["history"][0] is kept  # a tensor in a list is written into its buffer too
+    state.history.append(torch.ones(2))
+    snap.take()  # one more entry
+    state.error.mul_(1e30)
+    state.history[1].mul_(1e30)
+    state.seen.add(2)
+    state.counts["b"] += 1
+    snap.restore()
+    assert state.error.tolist() == [0.0, 1.0, 2.0]
+    assert state.scale.dtype == torch.float64 and state.scale.tolist() == [0.5, 0.5]
+    assert [t.tolist() for t in state.history] == [[0.0, 0.0], [1.0, 1.0]]
+    assert state.seen == {1} and state.counts == {"a": 1}
