@@ -145,6 +145,46 @@ def test_overwrite_deletes_the_old_run_once_the_new_one_checkpointed_or_ended(
     assert capsys.readouterr().err == ""
 
 
+def test_a_run_stopped_before_a_step_removes_what_it_made_and_only_that(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The folders a new run created go again, a parent only while empty (a file put
+    there meanwhile stays, with its folder); in an empty folder the user gave, what the
+    run wrote goes (folders too) and the folder stays."""
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("outer").mkdir()
+    pathlib.Path("given").mkdir()
+
+    def workers(cfg: TrainConfig) -> int:
+        (pathlib.Path(cfg.run_dir) / "checkpoints").mkdir()  # a first checkpoint begun, never done
+        if cfg.run_dir.startswith("outer/new/"):
+            pathlib.Path("outer/new/theirs").write_text("")
+        return launcher.EXIT_WORKER_FAILED
+
+    monkeypatch.setattr(launcher, "_run_workers", workers)
+    assert launcher.launch(TrainConfig(run_dir="outer/made/deeper/r", steps=2)) == 1
+    assert launcher.launch(TrainConfig(run_dir="outer/new/deeper/r", steps=2)) == 1
+    assert launcher.launch(TrainConfig(run_dir="given", steps=2)) == 1
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "given", "outer", "outer/new", "outer/new/theirs"]
+    assert capsys.readouterr().err == (
+        "paft train: the run stopped before a step; outer/made/deeper/r was removed\n"
+        "paft train: the run stopped before a step; outer/new/deeper/r was removed\n"
+        "paft train: the run stopped before a step; what it wrote in given was removed\n")
+
+
+def test_each_old_run_set_aside_gets_a_name_of_its_own(tmp_path: pathlib.Path) -> None:
+    """An old run kept aside (it could not go back) keeps its name: the next --overwrite
+    sets the run now in its place aside beside it."""
+    run = tmp_path / "r"
+    asides = []
+    for _ in range(2):
+        run.mkdir()
+        aside = launcher.set_aside(run)
+        assert aside is not None and aside.name.startswith("r.replaced-")
+        asides.append(aside)
+    assert asides[0] != asides[1] and all(a.is_dir() for a in asides)
+
+
 def test_an_old_run_that_cannot_go_back_stays_aside_and_is_named(tmp_path: pathlib.Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """The run --overwrite set aside goes back in place when the new one is not kept;
