@@ -7,6 +7,7 @@ injection is keyed by (rank, step) through the fault specs.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import math
 import subprocess
@@ -1070,8 +1071,26 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         trained = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         protect(model, trained, scaler=torch.amp.GradScaler("cpu"))
 
+    def keyword_hook(state: Any, bucket: Any, a: int = 0, b: int = 0) -> Any:  # refused before it is called
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def frozen_on_one_rank(m: DistributedDataParallel, o: torch.optim.Optimizer) -> None:
+        m.module[0].requires_grad_(rank == 0)  # after wrapping: DDP's own check of the model came before
+        protect(m, o)
+
     cases: dict[str, Any] = {
         "bits beyond the dtype": lambda m, o: protect(m, o, inject=["bitflip:steps=1,bits=40"]),
+        "foreign parameters in a later group": lambda m, o: protect(m, torch.optim.SGD(
+            [{"params": m.parameters()}, {"params": toy_model().parameters()}], lr=0.1)),
+        "a tuple of optimizers": lambda m, o: protect(m, (torch.optim.SGD(list(m.parameters())[:2], lr=0.1),
+                                                          torch.optim.Adam(list(m.parameters())[2:]))),
+        "sparse EmbeddingBag": lambda m, o: protect(*wrapped(nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True)))),
+        "betas per rank": lambda m, o: protect(m, torch.optim.Adam(m.parameters(), betas=(0.9, 0.99 + rank / 200))),
+        "hook keywords per rank": lambda m, o: protect(
+            m, o, comm_hook=functools.partial(keyword_hook, **({"b": 1} if rank else {"a": 1}))),
+        "hook state type per rank": lambda m, o: protect(m, o, comm_hook=default_hooks.allreduce_hook,
+                                                         comm_state=[None, dist.group.WORLD][rank]),
+        "a layer frozen on one rank": frozen_on_one_rank,
         "local-grad bits beyond one dtype": lambda m, o: protect(
             *mixed(), inject=["bitflip:site=local-grad,steps=1,bits=40"]),
         # At rest a fault picks the tensors it can corrupt (the float64 ones here); a
@@ -1224,6 +1243,14 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
     assert out[0] == out[1]  # every rank raises the same, so none is left waiting in a collective
     expect = {
         "bits beyond the dtype": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': ",
+        "foreign parameters in a later group": "ValueError: protect(): the optimizer holds 6 parameter(s) that are "
+                                               "not the model's",
+        "a tuple of optimizers": "",  # chained as a list is
+        "sparse EmbeddingBag": "ValueError: protect(): module '0' makes sparse gradients",
+        "betas per rank": "ValueError: protect(): ranks disagree on the optimizer's hyperparameters;",
+        "hook keywords per rank": "ValueError: protect(): ranks disagree on the comm hook;",
+        "hook state type per rank": "ValueError: protect(): ranks disagree on the comm hook;",
+        "a layer frozen on one rank": "ValueError: protect(): ranks disagree on the model's parameter shapes;",
         "bits beyond one dtype, at rest": "",
         "local-grad bits beyond one dtype": "ValueError: protect(): inject 'bitflip:site=local-grad,steps=1,bits=40': "
                                             "field 'bits' must be < 32 for float32",
@@ -1510,3 +1537,11 @@ def test_a_cuda_model_off_the_current_device_is_refused_under_nccl() -> None:
     _check_cuda_device("nccl", on("cuda:1"), 1, current=lambda: 0)  # one rank: no GPU shared
     _check_cuda_device("gloo", on("cuda:1"), 2, current=lambda: 0)  # gloo's collectives take CPU tensors
     _check_cuda_device("nccl", on("cpu"), 2, current=lambda: 0)
+
+
+def test_a_model_not_wrapped_in_ddp_is_refused_with_the_fix_named() -> None:
+    # Checked first, in one process: without DDP there is no process group to agree over.
+    module = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"^protect\(\) needs a DistributedDataParallel model, got Linear; wrap "
+                                        r"the model in DistributedDataParallel\(model\)"):
+        protect(module, torch.optim.SGD(module.parameters(), lr=0.1))
