@@ -62,6 +62,19 @@ def test_a_model_cast_alike_on_both_ranks_keeps_its_new_dtype_as_reference() -> 
     assert [(f.dtype, f.tolist()) for f in _flat(ref, cast)] == [(torch.float64, [3.0, 4.0])]
 
 
+def test_the_flat_holds_zeros_where_the_shape_differs_or_the_tags_disagree() -> None:
+    ref = _reference({"param/w": torch.arange(6.0).reshape(2, 3), "param/v": torch.tensor([1.0])})
+    same = {"param/w": torch.zeros(2, 3), "param/v": torch.zeros(1)}
+    assert [f.tolist() for f in _flat(ref, same)] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 1.0]]
+    # The same numel in another shape is another tensor: no reference for it.
+    transposed = {"param/w": torch.zeros(3, 2), "param/v": torch.zeros(1)}
+    assert [f.tolist() for f in _flat(ref, transposed)] == [[0.0] * 6 + [1.0]]
+    assert [ref.flat(g, False).tolist() for g in _layout(same).groups] == [[0.0] * 7]  # tags disagree
+    # A weight resized alike on both ranks (a vocabulary grown): kept anew, not copied into.
+    _keep(ref, {"param/w": torch.ones(4), "param/v": torch.tensor([2.0])})
+    assert ref.tensors["param/w"].tolist() == [1.0] * 4 and ref.tensors["param/v"].tolist() == [2.0]
+
+
 def test_a_checkpoint_is_a_copy_and_a_loaded_reference_is_tagged_by_its_bytes() -> None:
     ref = _reference({"param/w": torch.tensor([1.0, 2.0])})
     saved = ref.state_dict()
