@@ -59,6 +59,11 @@ def test_shakespeare_round_trip_decode() -> None:
     assert "#" not in vocab.chars and ord("#") < ord(vocab.chars[-1])
     with pytest.raises(ValueError, match="'#' is not in the vocabulary"):
         vocab.encode("a#b")
+    # '{' is the codepoint right after the largest one ('z'): past the table's end, not
+    # clamped onto its last slot (a mutant that refused only codepoints beyond it read 'z').
+    assert ord("{") == ord(vocab.chars[-1]) + 1
+    with pytest.raises(ValueError, match="'{' is not in the vocabulary"):
+        vocab.encode("a{")
 
 
 def test_token_windows_shift_by_one_and_do_not_overlap() -> None:
@@ -133,8 +138,10 @@ def test_read_idx_valid_plain_and_gzip(tmp_path: Path) -> None:
         (_idx_bytes(0x801, (10,), bytes(10)), "bad IDX magic"),  # labels file as images
         (_idx_bytes(0x803, (2, 28, 28), bytes(100)), "size mismatch"),  # truncated payload
         (_idx_bytes(0x803, (1, 28, 28), bytes(785)), "size mismatch"),  # a trailing byte
+        (_idx_bytes(0x804, (1, 1, 1, 1), bytes(1)), "bad IDX magic"),  # above the expected too
         (struct.pack(">I", 0x803) + b"\x00\x00", "truncated IDX header"),
         (b"\x00", "too short"),
+        (b"\x00\x00\x08", "too short"),  # 3 bytes: struct's error, not the file's name, before
     ],
 )
 def test_read_idx_rejects_corrupt_files(tmp_path: Path, content: bytes, message: str) -> None:
@@ -189,6 +196,11 @@ def test_array_dataset_checks_lengths() -> None:
         ArrayDataset(torch.zeros(3, 2), torch.zeros(4))
     with pytest.raises(ValueError, match="block_size"):
         TokenDataset(torch.arange(10), 0)
+    with pytest.raises(ValueError, match="needs at least 5 tokens, got 4"):  # not one window: empty
+        TokenDataset(torch.arange(4), 4)
+    assert len(TokenDataset(torch.arange(5), 4)) == 1
+    with pytest.raises(ValueError, match=r"1-D, got shape \(2, 5\)"):
+        TokenDataset(torch.zeros(2, 5, dtype=torch.long), 4)
 
 
 # --------------------------------------------------------------------- sampler
@@ -259,6 +271,10 @@ def test_sampler_state_dict_resume() -> None:
     assert torch.equal(boundary.next_batch(), fresh.next_batch())
     with pytest.raises(ValueError, match="position"):
         resumed.load_state_dict({"epoch": 0, "position": 6})
+    with pytest.raises(ValueError, match="position must be in"):  # a negative slice start
+        resumed.load_state_dict({"epoch": 0, "position": -1})
+    with pytest.raises(ValueError, match="epoch must be >= 0"):
+        resumed.load_state_dict({"epoch": -1, "position": 0})
 
 
 def test_sampler_desync_gives_uncoordinated_orders() -> None:
@@ -307,6 +323,7 @@ def test_sampler_batches_are_copies_a_rewind_sees_unchanged() -> None:
     "kwargs, field",
     [
         (dict(num_items=10, rank=2, world_size=2, batch_size=1), "rank"),
+        (dict(num_items=10, rank=-1, world_size=2, batch_size=1), "rank"),
         (dict(num_items=10, rank=0, world_size=0, batch_size=1), "world_size"),
         (dict(num_items=10, rank=0, world_size=2, batch_size=0), "batch_size"),
         (dict(num_items=10, rank=0, world_size=4, batch_size=3), "num_items"),
