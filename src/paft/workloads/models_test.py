@@ -386,3 +386,151 @@ def test_loss_and_evaluate_under_ddp(compiled: bool) -> None:
     (params0, metrics0), (params1, metrics1) = results
     assert torch.equal(torch.from_numpy(params0), torch.from_numpy(params1))
     assert metrics0 is not None and "val_acc" in metrics0 and metrics1 is None
+
+
+# ------------------------------------------------- the architecture, written out
+
+
+def _randomized(model: nn.Module) -> nn.Module:
+    # Every parameter and buffer drawn at random (norm weights not 1, biases not 0, BatchNorm
+    # statistics not 0 and 1), so a dropped or misplaced term changes the output.
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point():
+                t.copy_(torch.rand_like(t) + 0.5 if t.dim() == 1 else torch.randn_like(t) * 0.5)
+    return model.eval()
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention with an explicit lower-triangular mask, ``(B, H, T, d)``."""
+    T = q.shape[-2]
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def _heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    B, T, C = x.shape
+    return x.view(B, T, n_head, C // n_head).transpose(1, 2)
+
+
+def _merge(y: torch.Tensor) -> torch.Tensor:
+    B, H, T, d = y.shape
+    return y.transpose(1, 2).reshape(B, T, H * d)
+
+
+def test_gpt_forward_is_the_documented_pre_norm_decoder() -> None:
+    # Learned token + position embeddings, x + attn(ln_1(x)), x + mlp(ln_2(x)) with a GELU
+    # MLP, a final LayerNorm and the tied head: mutants that moved the norms after the
+    # residual add, dropped ln_f or the position table, swapped q and k, or used ReLU survived.
+    cfg = GPTConfig(vocab_size=7, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    model = _randomized(GPT(cfg))
+    idx = torch.tensor([[1, 4, 0, 6, 2], [3, 3, 5, 1, 0]])
+    p = dict(model.named_parameters())
+    x = p["tok_emb.weight"][idx] + p["pos_emb.weight"][:5]
+    for b in range(cfg.n_layer):
+        def w(name: str, _b: int = b) -> tuple[torch.Tensor, torch.Tensor]:
+            return p[f"blocks.{_b}.{name}.weight"], p[f"blocks.{_b}.{name}.bias"]
+        h = F.layer_norm(x, (8,), *w("ln_1"))
+        q, k, v = (_heads(t, 2) for t in F.linear(h, *w("attn.qkv")).split(8, dim=-1))
+        x = x + F.linear(_merge(_causal_attention(q, k, v)), *w("attn.proj"))
+        h = F.layer_norm(x, (8,), *w("ln_2"))
+        x = x + F.linear(F.gelu(F.linear(h, *w("mlp.fc"))), *w("mlp.proj"))
+    expected = F.layer_norm(x, (8,), p["ln_f.weight"], p["ln_f.bias"]) @ p["tok_emb.weight"].T
+    with torch.no_grad():
+        assert torch.allclose(model(idx), expected.detach(), atol=1e-5)
+
+
+def test_llama_forward_is_the_documented_pre_norm_decoder() -> None:
+    # RMSNorm (x / sqrt(mean(x^2) + eps) * weight) before attention and the SwiGLU MLP,
+    # rotary embeddings on q and k (pair i with i + d/2, rotated by +t * theta^(-2i/d)),
+    # a final RMSNorm and an untied head.
+    cfg = LlamaConfig(vocab_size=7, block_size=6, n_layer=2, n_head=2, n_embd=8, multiple_of=4, rope_theta=50.0)
+    model = _randomized(Llama(cfg))
+    idx = torch.tensor([[1, 4, 0, 6, 2], [3, 3, 5, 1, 0]])
+    p = dict(model.named_parameters())
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * weight
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # (B, H, T, 4): pairs (0, 2) and (1, 3)
+        angle = torch.arange(5.0).unsqueeze(1) * 50.0 ** (-torch.arange(0, 4, 2) / 4)  # (T, 2)
+        z = torch.complex(x[..., :2], x[..., 2:]) * torch.polar(torch.ones_like(angle), angle)
+        return torch.cat((z.real, z.imag), dim=-1)
+
+    x = p["tok_emb.weight"][idx]
+    for b in range(cfg.n_layer):
+        def w(name: str, _b: int = b) -> torch.Tensor:
+            return p[f"blocks.{_b}.{name}.weight"]
+        h = rms(x, w("attn_norm"))
+        q, k, v = (_heads(F.linear(h, w(f"attn.{n}")), 2) for n in ("wq", "wk", "wv"))
+        x = x + F.linear(_merge(_causal_attention(rotate(q), rotate(k), v)), w("attn.wo"))
+        h = rms(x, w("mlp_norm"))
+        x = x + F.linear(F.silu(F.linear(h, w("mlp.w1"))) * F.linear(h, w("mlp.w3")), w("mlp.w2"))
+    expected = F.linear(rms(x, p["norm.weight"]), p["lm_head.weight"])
+    with torch.no_grad():
+        assert torch.allclose(model(idx), expected.detach(), atol=1e-4)
+
+
+def test_resnet_forward_is_the_documented_network() -> None:
+    # relu(bn(stem)), blocks relu(bn2(conv2(relu(bn1(conv1 x)))) + shortcut x) with the
+    # stride-2 first block of stages 2 and 3 (28 -> 14 -> 7), global average pooling and
+    # the classifier: mutants that never downsampled, strided both convs, put the ReLU
+    # before the add or max-pooled survived.
+    model = _randomized(ResNet(ResNetConfig(depth=14, width=2)))
+    x = torch.randn(2, 1, 28, 28)
+
+    def bn(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        assert isinstance(m, nn.BatchNorm2d)
+        return F.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias, eps=m.eps)
+
+    y = F.relu(bn(F.conv2d(x, model.stem.weight, padding=1), model.bn))
+    sizes = []
+    for stage in model.stages:
+        for j, block in enumerate(stage):
+            stride = 2 if j == 0 and len(sizes) > 0 else 1
+            out = F.relu(bn(F.conv2d(y, block.conv1.weight, stride=stride, padding=1), block.bn1))
+            out = bn(F.conv2d(out, block.conv2.weight, padding=1), block.bn2)
+            if isinstance(block.shortcut, nn.Sequential):
+                conv, norm = block.shortcut
+                y = bn(F.conv2d(y, conv.weight, stride=stride), norm) + out
+            else:
+                y = y + out
+            y = F.relu(y)
+        sizes.append(y.shape[-1])
+    assert sizes == [28, 14, 7]
+    expected = F.linear(y.mean((2, 3)), model.fc.weight, model.fc.bias)
+    with torch.no_grad():
+        assert torch.allclose(model(x), expected.detach(), atol=1e-4)
+
+
+@pytest.mark.parametrize("cls, cfg, residual", [
+    (GPT, GPTConfig(n_layer=1, dropout=0.5), ("attn.proj", "mlp.proj")),
+    (Llama, LlamaConfig(n_layer=1, dropout=0.5), ("attn.wo", "mlp.w2")),
+])
+def test_dropout_also_drops_the_embeddings(cls: type, cfg: Any, residual: tuple[str, ...]) -> None:
+    # With the residual branches' output projections (and biases) zeroed, only the
+    # embedding dropout is left between train() and eval(): a mutant without it survived
+    # the dropout test above, where the attention and residual dropouts still differ.
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if name.endswith(residual):
+                for p in m.parameters():
+                    p.zero_()
+        idx = torch.randint(0, cfg.vocab_size, (2, 16))
+        assert not torch.equal(model.train()(idx), model.eval()(idx))
+
+
+def test_resnet_convs_are_kaiming_normal_over_fan_out() -> None:
+    # std sqrt(2 / (out_channels * k * k)); the convs that change the channel count tell it
+    # from fan_in (a fan_in mutant survived).
+    model = ResNet(ResNetConfig(width=32))
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.weight.numel() >= 4096]
+    assert any(m.in_channels != m.out_channels for m in convs)
+    for m in convs:
+        want = (2 / (m.out_channels * m.kernel_size[0] * m.kernel_size[1])) ** 0.5
+        std = float(m.weight.detach().std())
+        assert abs(std / want - 1) < 0.05, (m, std, want)
