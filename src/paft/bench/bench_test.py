@@ -114,6 +114,8 @@ def test_trailing_mean_skips_non_finite_values_and_looks_back_k_points() -> None
     out = trailing_mean([nan, 1.0, nan, 3.0, 5.0, 8.0], 3)
     assert math.isnan(out[0])  # nothing finite yet
     assert out[1:] == [1.0, 1.0, 2.0, 4.0, 16.0 / 3]
+    # An infinite loss (a blown-up replica) is skipped like NaN, not averaged into inf.
+    assert trailing_mean([1.0, math.inf, 3.0, -math.inf], 2) == [1.0, 1.0, 3.0, 3.0]
 
 
 def test_markdown_table_formats_floats_to_four_digits_and_nan_as_na() -> None:
@@ -167,6 +169,8 @@ def test_overhead_measure_compares_summed_paired_steps(tmp_path: pathlib.Path,
     assert monitor["wall_median_extra_ms"] == 1000.0  # median of [1, 2, 0, 0, 2] s
     assert monitor["cpu"] == pytest.approx(7 / 3, rel=1e-15)
     assert monitor["cpu_blocks"] == pytest.approx([7 / 3] * 5, rel=1e-15)
+    # Naming plain among the variants changes nothing: it is the reference, not a variant.
+    assert overhead.measure(tmp_path, base, ["plain", "monitor"], steps=5, world_size=2, warmup=3) == costs
 
 
 @pytest.mark.parametrize("names", [["plain"], ["plain", "monitor"], ["plain", "monitor", "guard", "dyn"]])
