@@ -18,12 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paft.bench import desync, detection, matrix, overhead, scaling
+from paft.bench import desync, detection, matrix, overhead, runner, scaling
 from paft.bench.runner import (
     Run,
     alternate,
     make_config,
     markdown_table,
+    run_all,
     throughput_ratios,
     trailing_mean,
 )
@@ -121,6 +122,16 @@ def test_trailing_mean_skips_non_finite_values_and_looks_back_k_points() -> None
 def test_markdown_table_formats_floats_to_four_digits_and_nan_as_na() -> None:
     assert markdown_table(["a", "b"], [[1, 2.345678], ["x", math.nan]]) == (
         "| a | b |\n|---|---|\n| 1 | 2.346 |\n| x | n/a |")
+
+
+def test_run_all_gives_each_run_rank_0s_summary(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Step rates and wall times are each rank's own: the summary is rank 0's, as its
+    # state fingerprint is (a mutant that read another rank's survived).
+    monkeypatch.setattr(runner, "launch", lambda entry, world_size, configs, names: {
+        r: [{"rank": r, "run": name} for name in names] for r in range(world_size)})
+    runs = [Run("a", {}), Run("b", {})]
+    run_all(runs, world_size=3)
+    assert [r.summary for r in runs] == [{"rank": 0, "run": "a"}, {"rank": 0, "run": "b"}]
 
 
 def test_make_config_merges_sections_but_replaces_the_model(tmp_path: pathlib.Path) -> None:
