@@ -26,6 +26,7 @@ from paft.workloads import (
     Workload,
     build_workload,
     hidden_matrices,
+    model_config,
     parameter_count,
 )
 from paft.workloads.llama import Attention, rope_tables
@@ -99,6 +100,14 @@ def test_build_leaves_the_cuda_generators_alone(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
     build_workload("gpt", seed=5, model_args={"n_layer": 1})
     assert seeded == []
+
+
+def test_muon_leaves_tied_matrices_to_adamw_wherever_they_are() -> None:
+    # A Linear tied to an embedding is not hidden even when it is not the last one (in
+    # the shipped models the tied head is last, so a mutant without this check survived).
+    emb, tied, hidden, head = nn.Embedding(5, 4), nn.Linear(4, 5), nn.Linear(4, 4), nn.Linear(4, 3)
+    tied.weight = emb.weight
+    assert hidden_matrices(nn.Sequential(emb, tied, hidden, head)) == [hidden.weight]
 
 
 @pytest.mark.parametrize("cls, cfg", [(GPT, GPTConfig()), (Llama, LlamaConfig())])
@@ -272,6 +281,13 @@ def test_build_workload_errors() -> None:
         build_workload("llama", model_args={"vocab_size": 10})
     with pytest.raises(ValueError, match="depth"):
         build_workload("resnet", model_args={"depth": 9})
+    # The bounds are the data's, exactly: 65 characters, 10 digit classes.
+    assert model_config("gpt", {"vocab_size": 65}).vocab_size == 65
+    with pytest.raises(ValueError, match="vocab_size 64 is smaller than the data's 65"):
+        model_config("gpt", {"vocab_size": 64})
+    assert model_config("resnet", {"num_classes": 10}).num_classes == 10
+    with pytest.raises(ValueError, match="num_classes must be >= 10"):
+        model_config("resnet", {"num_classes": 9})
 
 
 def test_model_args_override_config_and_block_size() -> None:
@@ -329,6 +345,10 @@ def test_evaluate_metrics_mode_and_determinism() -> None:
     assert sums.shape == (4, 3) and sums[:, 2].tolist() == [512, 512, 512, 464]
     with pytest.raises(ValueError, match="max_batches must be >= 1"):  # it divided by zero
         wl.evaluate(wl.model, batch_size=512, max_batches=0)
+    # More batches asked than the split has: the split's 4, not indices past its end.
+    assert torch.equal(wl.batch_sums(wl.model, batch_size=512, max_batches=10), sums)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        wl.evaluate(wl.model, batch_size=0)
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
@@ -355,8 +375,9 @@ def test_shares_of_the_evaluation_add_up_to_it_bit_for_bit(name: str) -> None:
     for loss in losses:
         total += loss
     assert wl.summarize(whole)["val_loss"] == total / (5 * whole[0, 2].item())
-    with pytest.raises(ValueError, match=r"share must be \(i, n\)"):
-        wl.batch_sums(wl.model, share=(3, 3))
+    for bad in ((3, 3), (-1, 3)):  # a negative index wrote into the last rows
+        with pytest.raises(ValueError, match=r"share must be \(i, n\)"):
+            wl.batch_sums(wl.model, share=bad)
 
 
 def _ddp_worker(rank: int, world_size: int, name: str, model_args: dict[str, Any], compiled: bool = False) -> Any:
