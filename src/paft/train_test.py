@@ -546,3 +546,32 @@ def test_the_plan_says_each_mode_as_configured() -> None:
         "no state fingerprint",
         "  protect: PAFT-Sync every 7 steps (mean, blocking); guard: on; inject: nan:steps=3 zero:steps=5"]
     assert "  protect: none; " in format_plan(TrainConfig())
+
+
+def train_at_a_set_rate_and_return_console(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> list[str]:
+    """The console lines of ``train_and_return_console``, at 1 step in 1000 s (the ETA)."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    trainer = Trainer(cfg, pathlib.Path(cfg.run_dir))
+    lines: list[str] = []
+    trainer.recorder.say = lines.append  # type: ignore[method-assign]
+    trainer.step_rate = lambda: 1e-3  # type: ignore[method-assign]
+    trainer.train()
+    return lines
+
+
+def test_the_progress_line_says_the_global_loss_the_time_left_and_the_last_sync(tmp_path: pathlib.Path) -> None:
+    # README (progress line): the loss averaged over the ranks (not rank 0's own), the
+    # steps left at the current rate, and the counters as the summary has them: the sync
+    # due at the last step lands before its line (it was counted only after it).
+    cfg = tiny_config(tmp_path / "r", steps=5, log_every=4, protect=ProtectConfig(mode="sync", sync_period=2))
+    prepare_run_dir(cfg)
+    progress = [line for line in run_workers(train_at_a_set_rate_and_return_console, 2, cfg.to_dict())[0]
+                if line.startswith("step ")]
+    metrics = read_jsonl(tmp_path / "r" / "metrics" / "rank0.jsonl")
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["syncs"] == 2
+    assert progress == [
+        f"step     4/5 | loss {metrics[3]['loss']:.4f} | 0.00 steps/s | ETA 0:16:40 | syncs 1",
+        f"step     5/5 | loss {metrics[4]['loss']:.4f} | 0.00 steps/s | ETA 0:00:00 | syncs 2",
+    ]
+    assert [f"{m['loss']:.4f}" for m in metrics] != [f"{m['local_loss']:.4f}" for m in metrics]
