@@ -575,3 +575,26 @@ def test_the_progress_line_says_the_global_loss_the_time_left_and_the_last_sync(
         f"step     5/5 | loss {metrics[4]['loss']:.4f} | 0.00 steps/s | ETA 0:00:00 | syncs 2",
     ]
     assert [f"{m['loss']:.4f}" for m in metrics] != [f"{m['local_loss']:.4f}" for m in metrics]
+
+
+def test_the_summary_takes_the_mean_loss_the_largest_divergence_and_the_guards_counts(tmp_path: pathlib.Path) -> None:
+    # README (summary.json): final_val_loss is the mean over the replicas; a split left
+    # by a fault on rank 1's update (no defense) keeps them apart to the end.
+    split = run(tiny_config(tmp_path / "split", steps=4, eval_every=2, checkpoint_every=0,
+                            inject=["scale:site=params,steps=1,fraction=1,factor=1.5,ranks=1"]))[0]["summary"]
+    last = read_jsonl(tmp_path / "split" / "evals.jsonl")[-1]
+    assert len(set(last["val_loss_per_rank"])) == 2 and split["replicas_distinct"] == 2
+    assert split["final_val_loss"] == sum(last["val_loss_per_rank"]) / 2
+    # The same split, repaired by the sync at step 3: max_replica_rel_diff_run is the
+    # largest divergence of the run (step 2's), not the last (0); then a persistent fault
+    # the guard recomputes twice and skips: one detection, two recomputes, one batch skipped.
+    opts: dict[str, Any] = dict(
+        world_size=3, batch_size=12, steps=6, eval_every=2, checkpoint_every=0,
+        protect=ProtectConfig(mode="sync", sync_period=3), guard=GuardConfig(enabled=True, warmup=3),
+        inject=["scale:site=params,steps=1,fraction=1,factor=1.5,ranks=1", "bitflip:steps=5,ranks=2,bits=30,count=4,persistent=true"])
+    out = run(tiny_config(tmp_path / "guard", **opts))
+    summary = out[0]["summary"]
+    evals = read_jsonl(tmp_path / "guard" / "evals.jsonl")
+    assert [e["replica_rel_diff"] > 0 for e in evals] == [False, True, False, False]
+    assert summary["max_replica_rel_diff_run"] == evals[1]["replica_rel_diff"]
+    assert (summary["detections"], summary["recomputes"], summary["skipped_batches"]) == (1, 2, 1)
