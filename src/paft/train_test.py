@@ -591,7 +591,8 @@ def test_the_summary_takes_the_mean_loss_the_largest_divergence_and_the_guards_c
     opts: dict[str, Any] = dict(
         world_size=3, batch_size=12, steps=6, eval_every=2, checkpoint_every=0,
         protect=ProtectConfig(mode="sync", sync_period=3), guard=GuardConfig(enabled=True, warmup=3),
-        inject=["scale:site=params,steps=1,fraction=1,factor=1.5,ranks=1", "bitflip:steps=5,ranks=2,bits=30,count=4,persistent=true"])
+        inject=["scale:site=params,steps=1,fraction=1,factor=1.5,ranks=1",
+                "bitflip:steps=5,ranks=2,bits=30,count=4,persistent=true"])
     out = run(tiny_config(tmp_path / "guard", **opts))
     summary = out[0]["summary"]
     evals = read_jsonl(tmp_path / "guard" / "evals.jsonl")
