@@ -312,19 +312,16 @@ def test_missing_gpus_exit_2_before_anything_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.usefixtures("no_tensorboard")
 def test_tensorboard_without_its_package_exits_2_before_anything_is_written(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exc:
         main(["train", "--tensorboard", "--run-dir", "r"])
     assert exc.value.code == 2
-    assert "--tensorboard: needs the tensorboard package" in capsys.readouterr().err
+    assert ("paft train: error: --tensorboard: needs the tensorboard package, which is not installed: "
+            "pip install 'paft[tensorboard]'\n") in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

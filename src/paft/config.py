@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import re
 from dataclasses import dataclass, field
@@ -383,7 +382,9 @@ class TrainConfig:
     errors and the final summary still print, and the run directory is written as usual."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to ``<run-dir>/tb`` (``--tensorboard``); needs the
-    optional tensorboard package (``pip install 'paft[tensorboard]'``)."""
+    optional tensorboard package (``pip install 'paft[tensorboard]'``). The machine that
+    trains checks for it (:func:`paft.train.check_machine`), not the config: a saved run's
+    config reads on a machine without it."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     protect: ProtectConfig = field(default_factory=ProtectConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -407,8 +408,6 @@ class TrainConfig:
         # Every seed paft derives (per rank, per purpose) must stay a valid torch seed.
         _require(0 <= self.seed < 2**32, self, "seed", f"must be in [0, 2**32), got {self.seed}")
         _require(self.batch_size >= 1, self, "batch_size", f"must be >= 1, got {self.batch_size}")
-        _require(not self.tensorboard or importlib.util.find_spec("tensorboard") is not None, self, "tensorboard",
-                 "needs the tensorboard package, which is not installed: pip install 'paft[tensorboard]'")
         _require(
             self.batch_size % self.world_size == 0,
             self, "batch_size",

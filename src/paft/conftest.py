@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 from collections.abc import Iterator
 
@@ -16,3 +17,12 @@ def sigint() -> Iterator[None]:
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
+def no_tensorboard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The optional tensorboard package reads as not installed (``find_spec``, what
+    :func:`paft.records.require_tensorboard` asks)."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))

@@ -51,7 +51,7 @@ from paft.train import (
     EXIT_USAGE,
     DeviceError,
     Trainer,
-    check_devices,
+    check_machine,
     format_plan,
     format_summary,
     uses_cuda,
@@ -79,7 +79,8 @@ def launch(cfg: TrainConfig) -> int:
     """Run ``cfg`` on ``cfg.world_size`` local workers; returns the exit code.
 
     Raises :class:`paft.rundir.RunDirError` or :class:`paft.train.DeviceError` (before
-    anything is written) when the run directory or the devices cannot be used.
+    anything is written) when the run directory or this machine (its devices, the
+    tensorboard package for ``--tensorboard``) cannot be used.
 
     A new run that fails or is interrupted before it trained a step leaves nothing
     behind; one that trained steps keeps its records (what ``paft report`` reads: they
@@ -91,7 +92,7 @@ def launch(cfg: TrainConfig) -> int:
     options of the checkpoint a later plain ``--resume`` goes on from.
     """
     cfg.run_dir = resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))
-    check_devices(cfg)
+    check_machine(cfg)
     check_run_dir(cfg)
     with claim_run_dir(cfg) as outcome:
         code = _run_workers(cfg)
@@ -542,7 +543,7 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
         if not local.isdigit() or int(local) < 1:
             raise DeviceError(f"LOCAL_WORLD_SIZE={local!r}: run it under torchrun, which sets it")
         workers_here = int(local)
-        check_devices(cfg, local_workers=workers_here)
+        check_machine(cfg, local_workers=workers_here)
     except DeviceError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -624,6 +624,21 @@ def test_a_bad_local_world_size_under_torchrun_exits_2(tmp_path: pathlib.Path, m
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.usefixtures("no_tensorboard")
+def test_tensorboard_without_its_package_under_torchrun_exits_2(tmp_path: pathlib.Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Each rank checks its machine for the package before any rendezvous."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                        "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launcher, "_init_process_group", lambda cfg: pytest.fail("no rendezvous"))
+    assert launcher.torchrun_main(["--run-dir", str(tmp_path / "r"), "--tensorboard"]) == 2
+    assert capsys.readouterr().err == ("python -m paft.train: error: --tensorboard: needs the tensorboard package, "
+                                       "which is not installed: pip install 'paft[tensorboard]'\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def _main_exit_codes(rank: int, world_size: int, run_dir: str) -> list[int]:
     """Torchrun's entry once the process group is up, training replaced by a guard's
     stop, twice: the new run (exit 3), then a second new run into its directory, which

@@ -22,6 +22,7 @@ from several processes never interleave, and flushed so a crashed run keeps them
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -38,6 +39,7 @@ os.umask(_UMASK)
 
 __all__ = [
     "RunRecorder",
+    "require_tensorboard",
     "console",
     "quiet_stdout",
     "atomic_write_bytes",
@@ -270,11 +272,23 @@ def _after_every_event_file(tb: pathlib.Path) -> None:
         time.sleep(wait)
 
 
+def require_tensorboard() -> None:
+    """Raise :class:`ModuleNotFoundError`, naming ``--tensorboard`` and the pip command,
+    where the optional tensorboard package is not installed. A check on the machine, not
+    on the options: a saved config with ``--tensorboard`` still reads everywhere."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ModuleNotFoundError(
+            "--tensorboard: needs the tensorboard package, which is not installed: pip install 'paft[tensorboard]'",
+            name="tensorboard",
+        )
+
+
 class RunRecorder:
     """Appends this rank's records to the run directory (``None`` run_dir: records dropped).
 
     Rank 0 writes the shared files (consistency, events, summary); every rank writes
-    its own metrics and the faults it injected.
+    its own metrics and the faults it injected. ``tensorboard`` without the package is
+    refused here (:func:`require_tensorboard`), not at rank 0's first scalar.
     """
 
     def __init__(
@@ -284,6 +298,10 @@ class RunRecorder:
         self.rank = rank
         self.quiet = quiet
         self._files: dict[str, Any] = {}
+        if tensorboard and self.run_dir is not None:
+            # Every rank refuses alike (only rank 0 writes tb/): none is left waiting in a
+            # collective for a rank 0 that stopped.
+            require_tensorboard()
         self._tensorboard = tensorboard and rank == 0 and self.run_dir is not None
         self._tb: Any = None  # the SummaryWriter, opened by the first scalar
         self._purge_step: int | None = None

@@ -86,6 +86,19 @@ def _scalars(tb: pathlib.Path, key: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(key)]
 
 
+@pytest.mark.usefixtures("no_tensorboard")
+def test_a_recorder_with_tensorboard_refuses_at_once_without_its_package(tmp_path: pathlib.Path) -> None:
+    # A library user's recorder (or a trainer started without paft train's checks) was
+    # refused by a bare ImportError at rank 0's first scalar, while the other ranks went on.
+    for rank in (0, 1):
+        with pytest.raises(ModuleNotFoundError, match=r"^--tensorboard: needs the tensorboard package, which is "
+                                                      r"not installed: pip install 'paft\[tensorboard\]'$"):
+            RunRecorder(tmp_path / "r", rank, tensorboard=True)
+    assert not (tmp_path / "r").exists()  # refused before it wrote anything
+    RunRecorder(None, 0, tensorboard=True)  # nothing is recorded, so nothing needs the package
+    RunRecorder(tmp_path / "r", 0)
+
+
 def test_a_resume_hides_the_interrupted_legs_tensorboard_scalars(tmp_path: pathlib.Path) -> None:
     # As the trainer logs: training scalars at the steps done, the consistency record
     # of 0-based step t (which the resume's truncation drops from t = 4 on) at t + 1.

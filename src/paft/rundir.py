@@ -299,11 +299,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
 
 def _saved_options(data: Any) -> dict[str, Any]:
     """The options a run saved (``config.json``, a checkpoint's), rebuilt and checked
-    as a config dict. ``--tensorboard`` is read as off: whether this machine has the
-    package concerns only the resume's own ``--tensorboard``, which a resume may change
-    (a run started with it resumes with ``--no-tensorboard`` where it is not installed)."""
-    if isinstance(data, dict):
-        data = {**data, "tensorboard": False}
+    as a config dict."""
     return TrainConfig.from_dict(data).to_dict()
 
 

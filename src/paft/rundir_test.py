@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -67,15 +66,12 @@ def test_a_resume_that_changes_nothing_fixed_is_accepted(tmp_path: pathlib.Path,
     check_run_dir(_resume(cfg, **changes))
 
 
-def test_a_run_with_tensorboard_resumes_without_it_where_it_is_not_installed(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("no_tensorboard")
+def test_a_run_with_tensorboard_resumes_without_it_where_it_is_not_installed(tmp_path: pathlib.Path) -> None:
     # Refused: "cannot read config.json: ... needs the tensorboard package", though the
     # resume itself asked --no-tensorboard (config.json and the checkpoint say --tensorboard).
     cfg = _config(tmp_path / "r", tensorboard=True)
     _fake_run(cfg)
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
     check_run_dir(_resume(cfg, tensorboard=False, steps=20))
 
 

@@ -44,6 +44,7 @@ from paft.records import (
     from_jsonable,
     max_or_nan,
     read_jsonl,
+    require_tensorboard,
     sort_faults,
     truncate_jsonl,
 )
@@ -61,7 +62,7 @@ __all__ = [
     "format_plan",
     "format_summary",
     "DeviceError",
-    "check_devices",
+    "check_machine",
     "uses_cuda",
     "EXIT_USAGE",
     "EXIT_PERSISTENT_FAULT",
@@ -77,7 +78,8 @@ BYTES_PER_PROCESS = 256 * 2**20
 
 
 class DeviceError(ValueError):
-    """The devices asked for are not there (no GPU, or fewer GPUs than workers)."""
+    """This machine cannot run what was asked: the devices are not there (no GPU, fewer
+    GPUs than workers, too little memory), or ``--tensorboard``'s package is missing."""
 
 
 def _build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -524,14 +526,20 @@ def _gib(nbytes: int) -> str:
     return f"{gib:,}" if gib < 10**15 else f"10^{len(str(gib)) - 1}"  # its order of magnitude
 
 
-def check_devices(cfg: TrainConfig, local_workers: int | None = None) -> None:
-    """Refuse a device set-up that would fail inside the workers. Writes nothing.
-    ``local_workers``: the worker processes on this machine (default: the world size,
-    as ``paft train`` starts them all here).
+def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
+    """Refuse, with :class:`DeviceError`, what this machine lacks for ``cfg`` and would
+    fail inside the workers: devices, memory, ``--tensorboard``'s package. Writes
+    nothing. ``local_workers``: the worker processes on this machine (default: the world
+    size, as ``paft train`` starts them all here).
 
     NCCL runs one rank per GPU: two ranks on one device are refused by NCCL itself
     ("duplicate GPU"), so the check is made here, before any worker starts.
     """
+    if cfg.tensorboard:
+        try:
+            require_tensorboard()
+        except ModuleNotFoundError as err:
+            raise DeviceError(str(err)) from None
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise DeviceError("--device cuda: no CUDA device is visible; use --device cpu")
     count = torch.cuda.device_count()

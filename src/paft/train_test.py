@@ -26,7 +26,7 @@ from paft.train import (
     DeviceError,
     Trainer,
     _lr_lambda,
-    check_devices,
+    check_machine,
     format_plan,
 )
 from paft.workloads import build_workload, parameter_count
@@ -74,22 +74,33 @@ def test_the_memory_check_counts_each_worker_on_this_machine(monkeypatch: pytest
 
     cfg = TrainConfig(workload="resnet", world_size=3, batch_size=3, device="cpu")
     machine(3 * per_worker)
-    check_devices(cfg)  # exactly enough
+    check_machine(cfg)  # exactly enough
     machine(3 * per_worker - 1)
     with pytest.raises(DeviceError) as err:
-        check_devices(cfg)
+        check_machine(cfg)
     # 0.75 GiB, rounded (a mutant that truncated said "about 0 GiB").
     assert str(err.value) == ("--model: the resnet model would need about 1 GiB for weights, gradients and optimizer "
                               "state (20 bytes per parameter per worker) and this machine has 1 GiB; make it smaller")
-    check_devices(cfg, local_workers=2)  # the third worker runs elsewhere
+    check_machine(cfg, local_workers=2)  # the third worker runs elsewhere
     machine(per_worker)
-    check_devices(cfg, local_workers=1)
+    check_machine(cfg, local_workers=1)
     machine(3 * BYTES_PER_PROCESS)  # torch's share fits, the models do not
     with pytest.raises(DeviceError, match="--model: the resnet model would need about"):
-        check_devices(cfg)
+        check_machine(cfg)
     machine(3 * BYTES_PER_PROCESS - 1)
     with pytest.raises(DeviceError, match="--world-size 3: 3 worker processes on this machine"):
-        check_devices(cfg)
+        check_machine(cfg)
+
+
+@pytest.mark.usefixtures("no_tensorboard")
+def test_the_machine_check_refuses_tensorboard_without_its_package() -> None:
+    # paft train and each torchrun worker make it before any worker starts, as the
+    # config no longer does.
+    check_machine(TrainConfig(device="cpu"))
+    with pytest.raises(DeviceError) as err:
+        check_machine(TrainConfig(device="cpu", tensorboard=True))
+    assert str(err.value) == ("--tensorboard: needs the tensorboard package, which is not installed: "
+                              "pip install 'paft[tensorboard]'")
 
 
 def test_the_gpu_check_counts_the_workers_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,14 +111,14 @@ def test_the_gpu_check_counts_the_workers_on_this_machine(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=80 * 2**30))
     cfg = TrainConfig(workload="resnet", world_size=16, batch_size=16, device="cuda")
-    check_devices(cfg, local_workers=8)
+    check_machine(cfg, local_workers=8)
     with pytest.raises(DeviceError) as err:
-        check_devices(cfg, local_workers=9)
+        check_machine(cfg, local_workers=9)
     assert str(err.value) == ("9 worker processes on this machine: NCCL needs one GPU per worker and 8 are visible; "
                               "start at most 8 here (torchrun --nproc-per-node 8) or use --device cpu (gloo)")
     with pytest.raises(DeviceError, match="^--world-size 16: NCCL needs one GPU per worker and 8 are visible; "
                                           "use --world-size 8 or"):
-        check_devices(cfg)  # paft train starts every worker here
+        check_machine(cfg)  # paft train starts every worker here
 
 
 def test_fault_free_ddp_keeps_replicas_bitwise_identical(tmp_path: pathlib.Path) -> None:

@@ -205,13 +205,13 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         if uneven:
             parser.error(f"--world-sizes: {uneven[0]} does not split the default global batch of {batch} evenly; "
                          f"use divisors of {batch}")
-    _check_devices(args, parser)
+    _check_machine(args, parser)
 
 
-def _check_devices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _check_machine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """The devices (and, for overhead, the model and batch) checked as paft train checks them."""
     from paft.config import TrainConfig
-    from paft.train import DeviceError, check_devices
+    from paft.train import DeviceError, check_machine
 
     if args.benchmark == "scaling":
         world_size = max(int(x) for x in args.world_sizes.split(","))
@@ -223,7 +223,7 @@ def _check_devices(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                               device=args.device, model=dict(args.model or []))
         else:
             cfg = TrainConfig(world_size=world_size, batch_size=world_size, device=args.device)
-        check_devices(cfg)
+        check_machine(cfg)
     except (ValueError, DeviceError) as err:
         parser.error(str(err))
 
