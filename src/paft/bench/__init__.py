@@ -209,7 +209,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
 
 def _check_machine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """The devices (and, for overhead, the model and batch) checked as paft train checks them."""
+    """The machine (and, for overhead, the model and batch) checked as paft train checks them."""
     from paft.config import TrainConfig
     from paft.train import DeviceError, check_machine
 
