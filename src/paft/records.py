@@ -5,11 +5,12 @@ Layout (the contract other tools read; see docs/ARCHITECTURE.md):
 
 - ``config.json``: the resolved :class:`~paft.config.TrainConfig`;
 - ``metrics/rank{r}.jsonl``: per rank, per step: step, local loss, global loss,
-  grad norm, lr, step time, and whether the step was timed (the first
-  :data:`UNTIMED_STEPS` of each leg of a run are not);
+  grad norm, lr, attempts, whether the update was applied, step time, and whether the
+  step was timed (the first :data:`UNTIMED_STEPS` of each leg of a run are not);
 - ``consistency.jsonl`` (rank 0): the per-step worker metrics;
 - ``faults.jsonl``: every injected fault (each rank appends its own lines; put in
   (step, attempt, rank) order once the ranks stop: :func:`sort_faults`);
+- ``evals.jsonl`` (rank 0): the evaluations;
 - ``events.jsonl`` (rank 0): detections, recomputes, syncs, skips, alerts;
 - ``checkpoints/step{NNNNNNN}/rank{r}.pt`` (the last two kept) and ``checkpoints/latest``
   (the name of the newest complete one);
