@@ -6,6 +6,7 @@ import functools
 import gc
 import json
 import math
+import time
 from typing import Any
 
 import pytest
@@ -107,7 +108,7 @@ def _assert_replicas_identical(results, key: str = "state", fp: str = "fp") -> N
 def test_report_to_json_is_json_ready():
     rep = SyncReport("median", [[0], [1]], [0, 1], 24, 0.01, math.inf, collectives=2)
     d = rep.to_json()
-    assert d["divergence"] == "inf" and d["mode"] == "median"
+    assert d["divergence"] == "inf" and d["mode"] == "median" and d["seconds"] == 0.01
     assert not {"step", "event", "period"} & d.keys()  # the events log owns those keys
     json.dumps(d, allow_nan=False)
 
@@ -339,7 +340,27 @@ def _w_three(rank: int, ws: int) -> dict:
         _restore(model, opt, pre)
         sync.start()
         out[f"promised_{mode}"] = {"report": sync.finish(state_changed=False), "state": _snap(model, opt)}
+
+    # -- timing: each part's merge made _MERGE_S slower, a transfer still in flight
+    # when it is waited for; start() merges the buffers, finish() the rest
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    _train(model, opt, "mlp", steps=1, seed=40 + rank)  # replicas differ: the state is in flight
+    sync = ReplicaSync(model, opt)
+    merge = sync._finish_part
+
+    def slow_merge(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(_MERGE_S)
+        return merge(*args, **kwargs)
+
+    sync._finish_part = slow_merge  # type: ignore[method-assign]
+    assert sync.start() is None
+    time.sleep(_WINDOW_S)  # the caller's next step
+    out["timed"] = sync.finish()
     return out
+
+
+_MERGE_S, _WINDOW_S = 0.05, 0.1
 
 
 def test_three_ranks_repair_noop_nan_and_overlap():
@@ -446,6 +467,13 @@ def test_three_ranks_repair_noop_nan_and_overlap():
         for r in (1, 2):
             left, before = (after[0] - after[r]).norm(), (unsynced[0] - unsynced[r]).norm()
             assert 0 < left <= 0.5 * before
+
+    # seconds: the caller's critical path, start() and finish() with their waits, not the
+    # window between them; wall_seconds: from start() to the end of finish(), window included
+    for r in res:
+        rep = r["timed"]
+        assert rep.overlapped and math.isfinite(rep.wall_seconds)
+        assert rep.seconds >= 2 * _MERGE_S and rep.wall_seconds - rep.seconds >= _WINDOW_S
 
 
 # ----------------------------------------------------------------------------
