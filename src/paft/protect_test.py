@@ -1091,6 +1091,10 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "hook state type per rank": lambda m, o: protect(m, o, comm_hook=default_hooks.allreduce_hook,
                                                          comm_state=[None, dist.group.WORLD][rank]),
         "a layer frozen on one rank": frozen_on_one_rank,
+        # DDP compares the ranks' parameter shapes, not their dtypes: it wraps this, its
+        # broadcast writing rank 0's float32 bytes into rank 1's float64 parameters.
+        "a layer float64 on one rank": lambda m, o: protect(*wrapped(nn.Sequential(
+            nn.Linear(2, 1).to([torch.float32, torch.float64][rank])))),
         "local-grad bits beyond one dtype": lambda m, o: protect(
             *mixed(), inject=["bitflip:site=local-grad,steps=1,bits=40"]),
         # At rest a fault picks the tensors it can corrupt (the float64 ones here); a
@@ -1251,6 +1255,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "hook keywords per rank": "ValueError: protect(): ranks disagree on the comm hook;",
         "hook state type per rank": "ValueError: protect(): ranks disagree on the comm hook;",
         "a layer frozen on one rank": "ValueError: protect(): ranks disagree on the model's parameter shapes;",
+        "a layer float64 on one rank": "ValueError: protect(): ranks disagree on the model's parameter shapes;",
         "bits beyond one dtype, at rest": "",
         "local-grad bits beyond one dtype": "ValueError: protect(): inject 'bitflip:site=local-grad,steps=1,bits=40': "
                                             "field 'bits' must be < 32 for float32",
