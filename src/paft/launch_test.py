@@ -185,6 +185,23 @@ def test_each_old_run_set_aside_gets_a_name_of_its_own(tmp_path: pathlib.Path) -
     assert asides[0] != asides[1] and all(a.is_dir() for a in asides)
 
 
+def test_a_rewritten_latest_checkpoint_is_told_from_the_one_it_replaced(tmp_path: pathlib.Path) -> None:
+    """A resume that stops before its next checkpoint puts config.json back: whether one
+    was written meanwhile is read from checkpoints/latest's file identity. Each write
+    replaces it whole, with the same name and maybe the same bytes; the file system may
+    give it back an inode it freed (its number alone would say "the same file"), or a
+    coarse clock the same time (its time alone would)."""
+    latest = tmp_path / "checkpoints" / "latest"
+    assert launcher._latest(tmp_path) == ()
+    atomic_write_bytes(latest, b"step 3")
+    first, st = launcher._latest(tmp_path), latest.stat()
+    os.utime(latest, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # its inode, written later
+    assert launcher._latest(tmp_path) != first
+    atomic_write_bytes(latest, b"step 3")  # another inode, at the same time
+    os.utime(latest, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert latest.stat().st_ino != st.st_ino and launcher._latest(tmp_path) != first
+
+
 def test_an_old_run_that_cannot_go_back_stays_aside_and_is_named(tmp_path: pathlib.Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """The run --overwrite set aside goes back in place when the new one is not kept;
