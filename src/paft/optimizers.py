@@ -53,26 +53,35 @@ def chained(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     return list(optimizer.optimizers) if isinstance(optimizer, OptimizerChain) else [optimizer]
 
 
+def _holds(place: tuple[torch.optim.Optimizer, dict[str, Any], int], param: torch.Tensor) -> bool:
+    """Whether ``param`` is still at ``place``: that index of that group, which that
+    optimizer still has."""
+    optimizer, group, index = place
+    params = group["params"]
+    return index < len(params) and params[index] is param and any(g is group for g in optimizer.param_groups)
+
+
 class _ChainedState(MutableMapping[torch.Tensor, Any]):
     """``optimizer.state`` of a chain: each parameter's entry lives in its owner's
     ``state``; reading one that has none creates it there, as a ``defaultdict`` does."""
 
     def __init__(self, chain: OptimizerChain) -> None:
         self._chain = chain
-        self._owners: dict[int, torch.optim.Optimizer] = {}
-        self._layout: tuple[tuple[int, int], ...] = ()
+        self._places: dict[int, tuple[torch.optim.Optimizer, dict[str, Any], int]] = {}
 
     def _owner(self, param: torch.Tensor) -> torch.optim.Optimizer:
-        # Rebuilt when a chained optimizer's groups change (a group added, or parameters
-        # moved between them): a few ids per lookup, not a walk over every parameter.
-        layout = tuple((id(g), len(g["params"])) for o in self._chain.optimizers for g in o.param_groups)
-        if layout != self._layout:
-            self._owners = {id(p): o for o in self._chain.optimizers for g in o.param_groups for p in g["params"]}
-            self._layout = layout
-        owner = self._owners.get(id(param))
-        if owner is None:
-            raise KeyError(f"a parameter of shape {tuple(param.shape)} that no chained optimizer holds")
-        return owner
+        # Each parameter's place (optimizer, group, index), checked at each lookup: a place
+        # that no longer holds it (groups added, removed or moved, parameters moved,
+        # swapped or replaced in place) rebuilds them all. A few identity tests per
+        # lookup, not a walk over every parameter.
+        place = self._places.get(id(param))
+        if place is None or not _holds(place, param):
+            self._places = {id(p): (o, g, i) for o in self._chain.optimizers
+                            for g in o.param_groups for i, p in enumerate(g["params"])}
+            place = self._places.get(id(param))
+            if place is None:
+                raise KeyError(f"a parameter of shape {tuple(param.shape)} that no chained optimizer holds")
+        return place[0]
 
     def __getitem__(self, param: torch.Tensor) -> Any:
         return self._owner(param).state[param]

@@ -105,6 +105,27 @@ def test_pop_and_setdefault_are_a_dicts() -> None:
     assert adamw.state[w] == {"z": 2} and w not in muon.state
 
 
+def test_parameters_swapped_in_place_between_chained_optimizers_take_their_entries_along() -> None:
+    # The owners were cached by each group's (id, length), which a swap or replacement
+    # in place leaves as it was: an entry went to the parameter's old owner, a parameter
+    # no optimizer held any more got one, and its replacement none.
+    model = _model()
+    muon, adamw = _split(model)
+    chain = OptimizerChain([muon, adamw])
+    hidden, bias = model[2].weight, model[0].bias
+    assert chain.state[hidden] is muon.state[hidden]  # the owners are looked up
+    muon.param_groups[0]["params"][1], adamw.param_groups[0]["params"][0] = bias, hidden
+    chain.state[bias], chain.state[hidden] = {"x": 1}, {"y": 2}
+    assert muon.state[bias] == {"x": 1} and adamw.state[hidden] == {"y": 2}
+    assert bias not in adamw.state and muon.state.get(hidden) == {}  # the entry the lookup above made
+    fresh = torch.zeros(8, 8, requires_grad=True)
+    adamw.param_groups[0]["params"][0] = fresh
+    chain.state[fresh] = {"z": 3}
+    assert adamw.state[fresh] == {"z": 3}
+    with pytest.raises(KeyError, match="no chained optimizer holds"):
+        chain.state[hidden] = {}
+
+
 def test_reading_a_missing_entry_creates_it_in_its_owner_and_get_never_does() -> None:
     model = _model()
     muon, adamw = _split(model)
