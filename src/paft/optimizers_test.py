@@ -124,6 +124,13 @@ def test_parameters_swapped_in_place_between_chained_optimizers_take_their_entri
     assert adamw.state[fresh] == {"z": 3}
     with pytest.raises(KeyError, match="no chained optimizer holds"):
         chain.state[hidden] = {}
+    muon.param_groups[0]["params"].pop()  # the bias, the group's last
+    with pytest.raises(KeyError, match="no chained optimizer holds"):
+        chain.state[bias] = {}
+    # A whole group moved to the other optimizer: its parameters' entries go there.
+    muon.param_groups.append(adamw.param_groups.pop())
+    chain.state[fresh] = {"w": 4}
+    assert muon.state[fresh] == {"w": 4} and adamw.state.get(fresh) == {"z": 3}
 
 
 def test_reading_a_missing_entry_creates_it_in_its_owner_and_get_never_does() -> None:
