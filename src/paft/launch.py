@@ -334,7 +334,7 @@ def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft t
     torchrun a peer may append its own lines meanwhile."""
     try:
         steps = [r["step"] for r in read_jsonl(run_dir / "metrics" / "rank0.jsonl")]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError):
         steps = []
     step = max(steps) + 1 if steps and all(isinstance(s, int) for s in steps) else 0
     record = {"step": step, "event": "failed", "rank": err.rank, "cause": err.cause, "traceback": err.traceback}
@@ -403,7 +403,7 @@ def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
                 # Every rank wrote its faults of the step before the decision they all stop on.
                 sort_faults(run_dir)
             trainer.recorder.close()
-            result = {"status": "persistent_fault", "ranks": err.ranks, "step": err.step, "message": str(err)}
+            result = {"status": "persistent_fault", "message": str(err)}
         done = True
         return result
     finally:

@@ -255,10 +255,45 @@ def test_a_guard_stop_exits_3_with_its_reason(tmp_path: pathlib.Path, monkeypatc
                                               capsys: pytest.CaptureFixture[str]) -> None:
     # The workers return a guard's stop (--on-persistent stop) as a result: exit code 3, not a failure's 1.
     reason = str(PersistentFaultError(5, [2]))
-    stopped = [{"status": "persistent_fault", "ranks": [2], "step": 5, "message": reason}] * 2
+    stopped = [{"status": "persistent_fault", "message": reason}] * 2
     monkeypatch.setattr(launcher, "local_workers", lambda worker, n: lambda *args: stopped)
     assert launcher._run_workers(TrainConfig(run_dir=str(tmp_path), world_size=2)) == 3
     assert capsys.readouterr().err == f"paft train: {reason}\n"
+
+
+def test_a_guard_stop_is_a_result_recorded_with_its_reason(tmp_path: pathlib.Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard stops every rank at the same step: a result (exit 3), not a failure.
+    Rank 0 records the stop with its ranks and reason, and puts the faults in order (each
+    rank wrote those of the step before the decision); the records are closed (what
+    TensorBoard buffers is written then). One rank, in process; training replaced."""
+    stop = PersistentFaultError(5, [1])
+    closed: list[bool] = []
+
+    class Recorder(RunRecorder):
+        def close(self) -> None:
+            closed.append(True)
+            super().close()
+
+    class Trainer:
+        def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path) -> None:
+            self.recorder = Recorder(run_dir, 0)
+
+        def train(self) -> dict[str, Any]:
+            self.recorder.faults([{"attempt": 0, "rank": 1, "step": 5}, {"attempt": 0, "rank": 0, "step": 5}])
+            raise stop
+
+    monkeypatch.setattr(launcher, "Trainer", Trainer)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        result = launcher._train_in_group(TrainConfig(), str(tmp_path))
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert (result, closed) == ({"status": "persistent_fault", "message": str(stop)}, [True])
+    assert read_jsonl(tmp_path / "events.jsonl") == [{"step": 5, "event": "stop", "ranks": [1], "reason": str(stop)}]
+    assert _steps_and_ranks(tmp_path) == [(5, 0), (5, 1)]
 
 
 def _steps_and_ranks(run: pathlib.Path) -> list[tuple[int, int]]:
