@@ -29,6 +29,7 @@ from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
 from paft.rundir import RunDirError, in_use
 from paft.signals import unwind_on_termination
 from paft.testing import run_workers
+from paft.train import format_plan, format_summary
 from paft.workers import WorkerFailed
 
 pytestmark = pytest.mark.usefixtures("sigint")
@@ -347,9 +348,10 @@ def test_under_torchrun_the_last_rank_out_puts_the_faults_in_order(tmp_path: pat
                for e in failed)
 
 
-@pytest.mark.parametrize("case", ["error", "signal", "replaced"])
+@pytest.mark.parametrize("case", ["error", "signal", "replaced", "elsewhere", "unwritable"])
 def test_under_torchrun_a_rank_records_its_failure_after_its_group_is_down(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
     # The real _train_in_group takes the process group down before the failure reaches
     # _main (the test above replaces it whole): the record must not ask the group for the
     # rank then. It did, and raised ValueError ("Default process group has not been
@@ -357,14 +359,20 @@ def test_under_torchrun_a_rank_records_its_failure_after_its_group_is_down(
     # Not recorded: torchrun's SIGHUP/SIGTERM (SignalException, an Exception of torch's:
     # a stop, not a failure), nor a failure once another directory is at the path (a
     # peer out late found the old run that rank 0's --overwrite claim had put back, and
-    # wrote its record there: seen in CI).
+    # wrote its record there: seen in CI), nor by a rank on a machine whose disk never had
+    # the run directory (rank 0 claimed it on another; a record would make it there). A
+    # record that cannot be written is warned about, by the torchrun command's name.
     def failing_trainer(cfg: TrainConfig, run_dir: pathlib.Path) -> None:
+        if case == "elsewhere":
+            raise RuntimeError("a failing rank")
         RunRecorder(run_dir, 0).metrics({"step": 0})  # a step trained: rank 0's claim keeps the run
         if case == "signal":
             raise launcher.SignalException("got signal: 1", signal.SIGHUP)
         if case == "replaced":
             run_dir.rename(run_dir.with_name("elsewhere"))
             run_dir.mkdir()
+        if case == "unwritable":
+            (run_dir / "events.jsonl").mkdir()
         raise RuntimeError("a failing rank")
 
     recorded: list[pathlib.Path] = []
@@ -376,11 +384,15 @@ def test_under_torchrun_a_rank_records_its_failure_after_its_group_is_down(
     try:
         with pytest.raises(launcher.SignalException if case == "signal" else RuntimeError):
             launcher._main(TrainConfig(run_dir=str(tmp_path / "r"), world_size=1, steps=1, quiet=True), "torchrun",
-                           True)
+                           case != "elsewhere")  # not rank 0 there: no claim
         assert not dist.is_initialized()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if case == "unwritable":
+        assert capsys.readouterr().err.startswith(f"torchrun: warning: cannot record the failure in {tmp_path}/r/"
+                                                  "events.jsonl: Is a directory\n")
+        return
     if case != "error":  # (the claim removes the replaced directory, with or without a record in it)
         assert recorded == [] and not list(tmp_path.glob("*/events.jsonl"))
         return
@@ -661,14 +673,19 @@ def test_each_worker_gets_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch
     assert set_to == [threads]
 
 
+def _as_torchrun_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int, local: str) -> None:
+    """The variables torchrun sets for rank ``rank`` (``local``: LOCAL_WORLD_SIZE)."""
+    for name, value in {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1", "LOCAL_WORLD_SIZE": local}.items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize("local", ["0", "-1", "two", ""])
 def test_a_bad_local_world_size_under_torchrun_exits_2(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str], local: str) -> None:
     """LOCAL_WORLD_SIZE sizes each rank's share of the cores: a value torchrun never sets
     is a usage error named by its variable (0 divided by zero), before any rendezvous."""
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
-                        "LOCAL_WORLD_SIZE": local}.items():
-        monkeypatch.setenv(name, value)
+    _as_torchrun_rank(monkeypatch, 0, 1, local)
     monkeypatch.setattr(launcher, "_init_process_group", lambda cfg: pytest.fail("no rendezvous"))
     assert launcher.torchrun_main(["--run-dir", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err == (f"python -m paft.train: error: LOCAL_WORLD_SIZE={local!r}: run it under "
@@ -681,14 +698,44 @@ def test_tensorboard_without_its_package_under_torchrun_exits_2(tmp_path: pathli
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """Each rank checks its machine for the package before any rendezvous."""
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
-                        "LOCAL_WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(name, value)
+    _as_torchrun_rank(monkeypatch, 0, 1, "1")
     monkeypatch.setattr(launcher, "_init_process_group", lambda cfg: pytest.fail("no rendezvous"))
     assert launcher.torchrun_main(["--run-dir", str(tmp_path / "r"), "--tensorboard"]) == 2
     assert capsys.readouterr().err == ("python -m paft.train: error: --tensorboard: needs the tensorboard package, "
                                        "which is not installed: pip install 'paft[tensorboard]'\n")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_rank_0_alone_says_the_run_was_interrupted(tmp_path: pathlib.Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  rank: int) -> None:
+    """torchrun stops every rank (its SIGTERM) and prints what each says: each exits with
+    the signal's code, and rank 0 alone says so, with how to continue from the run's
+    checkpoint. Ctrl-C ends a rank at once while it waits in the rendezvous, and unwinds
+    once the process group is up. In process, as rank ``rank`` of two; the rest replaced."""
+    _as_torchrun_rank(monkeypatch, rank, 2, "2")
+    run = tmp_path / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step0000002")
+    # Ctrl-C's handler in the rendezvous, the other signals set to unwind (the test process
+    # keeps its own), Ctrl-C's handler once the process group is up.
+    ctrl_c: list[Any] = []
+    monkeypatch.setattr(launcher, "_init_process_group", lambda cfg: ctrl_c.append(signal.getsignal(signal.SIGINT)))
+    monkeypatch.setattr(launcher, "_set_threads", lambda workers_here: None)
+    monkeypatch.setattr(launcher, "unwind_on_termination", lambda: ctrl_c.append("unwind"))
+    monkeypatch.setattr(launcher.dist, "get_rank", lambda: rank)
+
+    def stopped(cfg: TrainConfig, prog: str, rank0: bool) -> int:
+        ctrl_c.append(signal.getsignal(signal.SIGINT))
+        raise launcher.SignalException("got signal: 15", signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "_main", stopped)
+    assert launcher.torchrun_main(["--run-dir", str(run)]) == 128 + signal.SIGTERM
+    assert ctrl_c == [signal.SIG_DFL, "unwind", signal.default_int_handler]
+    hint = f"to continue from the last checkpoint: torchrun ... -m paft.train --run-dir {run} --resume"
+    assert capsys.readouterr().err == ("" if rank else f"\npython -m paft.train: interrupted (SIGTERM); {hint}\n")
 
 
 def _main_exit_codes(rank: int, world_size: int, run_dir: str) -> list[int]:
@@ -707,6 +754,49 @@ def test_under_torchrun_every_rank_exits_3_on_a_guard_stop_and_2_on_a_refused_cl
     assert run_workers(_main_exit_codes, 2, str(tmp_path / "r"), timeout=120) == [[3, 2], [3, 2]]
 
 
+@pytest.mark.parametrize("rank0", [True, False], ids=["rank 0", "rank 1"])
+def test_under_torchrun_rank_0_alone_says_the_plan_and_the_result(tmp_path: pathlib.Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str],
+                                                                   rank0: bool) -> None:
+    """torchrun prints what every rank says: the plan, the summary and a guard's stop are
+    said once, by rank 0; --quiet silences the plan, not the result (as paft train). A
+    run that ended (exit 0, or the guard's 3) is kept. In process, as the only rank, told
+    whether it is rank 0; training replaced."""
+    results = iter([{"status": "ok", "summary": {"steps": 1}}] * 2 + [{"status": "persistent_fault",
+                                                                       "message": "stopped"}])
+    monkeypatch.setattr(launcher, "_train_in_group", lambda cfg, run_dir: next(results))
+    said = []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        for name, quiet in (("plan", False), ("quiet", True), ("stop", True)):
+            cfg = TrainConfig(run_dir=str(tmp_path / name), world_size=1, steps=1, quiet=quiet)
+            said.append((launcher._main(cfg, "torchrun", rank0), *capsys.readouterr()))
+    finally:
+        dist.destroy_process_group()
+    plan = format_plan(TrainConfig(run_dir=str(tmp_path / "plan"), world_size=1, steps=1), "torchrun")
+    summary = [format_summary({"steps": 1}, str(tmp_path / name)) for name in ("plan", "quiet")]
+    assert said == ([(0, f"{plan}\n{summary[0]}\n", ""), (0, f"{summary[1]}\n", ""), (3, "", "torchrun: stopped\n")]
+                    if rank0 else [(0, "", ""), (0, "", ""), (3, "", "")])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == (["plan", "quiet", "stop"] if rank0 else [])
+
+
+def test_a_launched_worker_ends_on_ctrl_c_and_joins_gloo_or_on_gpus_nccl_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker paft train launched ends at once on Ctrl-C (the launcher stops the others
+    and cleans up). Its process group is gloo; on GPUs NCCL moves the CUDA tensors and
+    gloo the trainer's host-side values. A group already up (the test workers') is its own."""
+    backends: list[str] = []
+    monkeypatch.setattr(launcher, "_set_threads", lambda workers_here: None)
+    monkeypatch.setattr(launcher.dist, "init_process_group", backends.append)
+    monkeypatch.setattr(launcher.dist, "is_initialized", lambda: False)
+    for device in ("cpu", "cuda"):
+        launcher.start_launched_worker(TrainConfig(device=device))
+    monkeypatch.setattr(launcher.dist, "is_initialized", lambda: True)
+    launcher.start_launched_worker(TrainConfig(device="cuda"))
+    assert backends == ["gloo", "cpu:gloo,cuda:nccl"]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # (the sigint fixture restores it)
+
+
 def test_a_failure_is_recorded_at_the_step_it_interrupted_whatever_the_metrics_hold(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -718,16 +808,17 @@ def test_a_failure_is_recorded_at_the_step_it_interrupted_whatever_the_metrics_h
     launcher.record_failure(tmp_path / "r", err)
     assert read_jsonl(tmp_path / "r" / "events.jsonl") == [
         {"step": 3, "event": "failed", "rank": 1, "cause": err.cause, "traceback": err.traceback}]
-    # No step recorded, or records the failure cannot read: it is still recorded.
-    damaged = tmp_path / "damaged" / "metrics"
-    damaged.mkdir(parents=True)
+    # No step recorded, or records the failure cannot read (a line not JSON, a record
+    # without its step or with one not an integer): it is still recorded, at step 0.
     (tmp_path / "fresh").mkdir()
-    (damaged / "rank0.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
-    for run in (tmp_path / "fresh", damaged.parent):
-        launcher.record_failure(run, err)
-        events = read_jsonl(run / "events.jsonl")
-        assert [(e["event"], e["rank"], e["cause"]) for e in events] == [("failed", 1, err.cause)]
-    assert read_jsonl(tmp_path / "fresh" / "events.jsonl")[0]["step"] == 0  # none trained: it failed at the first
+    for name, text in (("not-json", '{"step": 0}\nnot json\n{"step": 1}\n'), ("no-step", '{"step": 0}\n{}\n'),
+                       ("text-step", '{"step": 0}\n{"step": "1"}\n'), ("float-step", '{"step": 0.5}\n')):
+        (tmp_path / name / "metrics").mkdir(parents=True)
+        (tmp_path / name / "metrics" / "rank0.jsonl").write_text(text)
+    for name in ("fresh", "not-json", "no-step", "text-step", "float-step"):
+        launcher.record_failure(tmp_path / name, err)
+        events = read_jsonl(tmp_path / name / "events.jsonl")
+        assert [(e["event"], e["step"], e["rank"], e["cause"]) for e in events] == [("failed", 0, 1, err.cause)], name
     # A run directory it cannot write to, or one gone (removed by rank 0's claim under
     # torchrun, and not made again): the console still has it all.
     (tmp_path / "file").write_text("")
