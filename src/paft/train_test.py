@@ -157,7 +157,17 @@ def test_summary_timings_leave_out_the_first_steps_of_every_leg(tmp_path: pathli
     assert short["wall_s"] == pytest.approx(sum(times()), rel=1e-12)
     assert short["steps_per_s"] == pytest.approx(3 / short["wall_s"], rel=1e-12)
     assert speed_without_summary(tmp_path / "r") == speed_line(short)
+    # As if the first leg had gone on past its checkpoint and been killed after another
+    # evaluation: the resume drops that one, and keeps the checkpoint step's own (marked
+    # here the run's largest divergence; mutants that kept every evaluation read back,
+    # or dropped the checkpoint step's, survived).
+    evals = read_jsonl(tmp_path / "r" / "evals.jsonl")
+    evals[1]["replica_rel_diff"] = 0.5
+    evals.append({**evals[1], "step": 5, "replica_rel_diff": 1.0})
+    (tmp_path / "r" / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     longer = run(tiny_config(tmp_path / "r", steps=7, eval_every=3, checkpoint_every=3, resume=True))[0]["summary"]
+    assert [e["step"] for e in read_jsonl(tmp_path / "r" / "evals.jsonl")] == [0, 3, 6, 7]
+    assert longer["max_replica_rel_diff_run"] == 0.5 and longer["initial_val_loss"] == evals[0]["val_loss"]
     assert len(times()) == 7 and longer["wall_s"] == pytest.approx(sum(times()), rel=1e-12)
     assert longer["steps_per_s"] == pytest.approx(1 / times()[6], rel=1e-12)
     assert longer["cpu_ms_per_step"] > 0
