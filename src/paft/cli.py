@@ -66,7 +66,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from paft.launch import launch
     from paft.rundir import RunDirError
     from paft.signals import interrupted
-    from paft.train import DeviceError
+    from paft.train import MachineError
 
     try:
         cfg = config_from_namespace(args)
@@ -76,7 +76,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"paft train: warning: {warning}", file=sys.stderr)
     try:
         code = launch(cfg)
-    except (RunDirError, DeviceError) as err:
+    except (RunDirError, MachineError) as err:
         parser.error(str(err))
     except (KeyboardInterrupt, SignalException) as err:  # before or after the workers ran
         return interrupted(err)

@@ -49,7 +49,7 @@ from paft.signals import SignalHold, interrupted, unwind_on_termination
 from paft.train import (
     EXIT_PERSISTENT_FAULT,
     EXIT_USAGE,
-    DeviceError,
+    MachineError,
     Trainer,
     check_machine,
     format_plan,
@@ -78,7 +78,7 @@ EXIT_WORKER_FAILED = 1
 def launch(cfg: TrainConfig) -> int:
     """Run ``cfg`` on ``cfg.world_size`` local workers; returns the exit code.
 
-    Raises :class:`paft.rundir.RunDirError` or :class:`paft.train.DeviceError` (before
+    Raises :class:`paft.rundir.RunDirError` or :class:`paft.train.MachineError` (before
     anything is written) when the run directory or this machine (its devices, the
     tensorboard package for ``--tensorboard``) cannot be used.
 
@@ -541,10 +541,10 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     try:
         local = os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size))
         if not local.isdigit() or int(local) < 1:
-            raise DeviceError(f"LOCAL_WORLD_SIZE={local!r}: run it under torchrun, which sets it")
+            raise MachineError(f"LOCAL_WORLD_SIZE={local!r}: run it under torchrun, which sets it")
         workers_here = int(local)
         check_machine(cfg, local_workers=workers_here)
-    except DeviceError as err:
+    except MachineError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     _set_threads(workers_here)

@@ -61,7 +61,7 @@ __all__ = [
     "Trainer",
     "format_plan",
     "format_summary",
-    "DeviceError",
+    "MachineError",
     "check_machine",
     "uses_cuda",
     "EXIT_USAGE",
@@ -77,7 +77,7 @@ BYTES_PER_PROCESS = 256 * 2**20
 """A CPU worker's resident memory before its model (torch alone: ~220 MiB)."""
 
 
-class DeviceError(ValueError):
+class MachineError(ValueError):
     """This machine cannot run what was asked: the devices are not there (no GPU, fewer
     GPUs than workers, too little memory), or ``--tensorboard``'s package is missing."""
 
@@ -527,7 +527,7 @@ def _gib(nbytes: int) -> str:
 
 
 def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
-    """Refuse, with :class:`DeviceError`, what this machine lacks for ``cfg`` and would
+    """Refuse, with :class:`MachineError`, what this machine lacks for ``cfg`` and would
     fail inside the workers: devices, memory, ``--tensorboard``'s package. Writes
     nothing. ``local_workers``: the worker processes on this machine (default: the world
     size, as ``paft train`` starts them all here).
@@ -539,9 +539,9 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
         try:
             require_tensorboard()
         except ModuleNotFoundError as err:
-            raise DeviceError(str(err)) from None
+            raise MachineError(str(err)) from None
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("--device cuda: no CUDA device is visible; use --device cpu")
+        raise MachineError("--device cuda: no CUDA device is visible; use --device cpu")
     count = torch.cuda.device_count()
     local = cfg.world_size if local_workers is None else local_workers
     # This machine's workers each take one of its GPUs (torchrun's LOCAL_RANK): under
@@ -550,9 +550,9 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
     if uses_cuda(cfg) and local > count:
         visible = f"NCCL needs one GPU per worker and {count} {'is' if count == 1 else 'are'} visible"
         if local_workers is None:
-            raise DeviceError(f"--world-size {cfg.world_size}: {visible}; use --world-size {count} "
+            raise MachineError(f"--world-size {cfg.world_size}: {visible}; use --world-size {count} "
                               "or --device cpu (gloo)")
-        raise DeviceError(f"{local} worker processes on this machine: {visible}; start at most {count} here "
+        raise MachineError(f"{local} worker processes on this machine: {visible}; start at most {count} here "
                           f"(torchrun --nproc-per-node {count}) or use --device cpu (gloo)")
     # Weights, gradients, DDP's buckets and two optimizer moments: 20 bytes per fp32
     # parameter per worker, before activations. Only sizes far beyond the machine are
@@ -565,14 +565,14 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
         # --world-size 1000 would otherwise start 1000 processes).
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
         if BYTES_PER_PROCESS * local > have:
-            raise DeviceError(
+            raise MachineError(
                 f"--world-size {cfg.world_size}: {local} worker processes on this machine would need about "
                 f"{BYTES_PER_PROCESS * local / 2**30:,.0f} GiB for torch alone ({BYTES_PER_PROCESS // 2**20} MiB "
                 f"each) and {where} {have / 2**30:,.0f} GiB; use fewer workers"
             )
         need = (need + BYTES_PER_PROCESS) * local
     if need > have:
-        raise DeviceError(
+        raise MachineError(
             f"--model: the {cfg.workload} model would need about {_gib(need)} GiB for weights, gradients "
             f"and optimizer state ({BYTES_PER_PARAMETER} bytes per parameter per worker) and {where} "
             f"{have / 2**30:,.0f} GiB; make it smaller"

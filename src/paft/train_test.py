@@ -23,7 +23,7 @@ from paft.testing import run_workers
 from paft.train import (
     BYTES_PER_PARAMETER,
     BYTES_PER_PROCESS,
-    DeviceError,
+    MachineError,
     Trainer,
     _lr_lambda,
     check_machine,
@@ -76,7 +76,7 @@ def test_the_memory_check_counts_each_worker_on_this_machine(monkeypatch: pytest
     machine(3 * per_worker)
     check_machine(cfg)  # exactly enough
     machine(3 * per_worker - 1)
-    with pytest.raises(DeviceError) as err:
+    with pytest.raises(MachineError) as err:
         check_machine(cfg)
     # 0.75 GiB, rounded (a mutant that truncated said "about 0 GiB").
     assert str(err.value) == ("--model: the resnet model would need about 1 GiB for weights, gradients and optimizer "
@@ -85,10 +85,10 @@ def test_the_memory_check_counts_each_worker_on_this_machine(monkeypatch: pytest
     machine(per_worker)
     check_machine(cfg, local_workers=1)
     machine(3 * BYTES_PER_PROCESS)  # torch's share fits, the models do not
-    with pytest.raises(DeviceError, match="--model: the resnet model would need about"):
+    with pytest.raises(MachineError, match="--model: the resnet model would need about"):
         check_machine(cfg)
     machine(3 * BYTES_PER_PROCESS - 1)
-    with pytest.raises(DeviceError, match="--world-size 3: 3 worker processes on this machine"):
+    with pytest.raises(MachineError, match="--world-size 3: 3 worker processes on this machine"):
         check_machine(cfg)
 
 
@@ -97,7 +97,7 @@ def test_the_machine_check_refuses_tensorboard_without_its_package() -> None:
     # paft train and each torchrun worker make it before any worker starts, as the
     # config no longer does.
     check_machine(TrainConfig(device="cpu"))
-    with pytest.raises(DeviceError) as err:
+    with pytest.raises(MachineError) as err:
         check_machine(TrainConfig(device="cpu", tensorboard=True))
     assert str(err.value) == ("--tensorboard: needs the tensorboard package, which is not installed: "
                               "pip install 'paft[tensorboard]'")
@@ -112,11 +112,11 @@ def test_the_gpu_check_counts_the_workers_on_this_machine(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=80 * 2**30))
     cfg = TrainConfig(workload="resnet", world_size=16, batch_size=16, device="cuda")
     check_machine(cfg, local_workers=8)
-    with pytest.raises(DeviceError) as err:
+    with pytest.raises(MachineError) as err:
         check_machine(cfg, local_workers=9)
     assert str(err.value) == ("9 worker processes on this machine: NCCL needs one GPU per worker and 8 are visible; "
                               "start at most 8 here (torchrun --nproc-per-node 8) or use --device cpu (gloo)")
-    with pytest.raises(DeviceError, match="^--world-size 16: NCCL needs one GPU per worker and 8 are visible; "
+    with pytest.raises(MachineError, match="^--world-size 16: NCCL needs one GPU per worker and 8 are visible; "
                                           "use --world-size 8 or"):
         check_machine(cfg)  # paft train starts every worker here
 

@@ -211,7 +211,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 def _check_machine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """The machine (and, for overhead, the model and batch) checked as paft train checks them."""
     from paft.config import TrainConfig
-    from paft.train import DeviceError, check_machine
+    from paft.train import MachineError, check_machine
 
     if args.benchmark == "scaling":
         world_size = max(int(x) for x in args.world_sizes.split(","))
@@ -224,7 +224,7 @@ def _check_machine(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         else:
             cfg = TrainConfig(world_size=world_size, batch_size=world_size, device=args.device)
         check_machine(cfg)
-    except (ValueError, DeviceError) as err:
+    except (ValueError, MachineError) as err:
         parser.error(str(err))
 
 
