@@ -4,10 +4,13 @@ training: ``report_test`` covers the directories a real run writes)."""
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any
 
-from paft.rundata import load_run
+import pytest
+
+from paft.rundata import ReportError, load_run, mean_local_loss
 
 
 def _write(path: pathlib.Path, records: list[dict[str, Any]]) -> None:
@@ -36,7 +39,37 @@ def test_only_rank_files_are_metrics_and_the_world_size_falls_back(tmp_path: pat
     (tmp_path / "config.json").write_text("{}")  # a library user's config may not say its world size
     for name in ("rank0.jsonl", "rank1.jsonl", "rank1 (copy).jsonl", "rank_old.jsonl"):
         _write(tmp_path / "metrics" / name, [{"step": 0, "local_loss": 1.0}])
+    _write(tmp_path / "metrics" / "rank2.jsonl", [])  # a rank that had not finished a step: no rank of the records
     run = load_run(tmp_path)  # a user's stray copies are no ranks of the run
     assert list(run.metrics) == [0, 1] and run.world_size == 2  # the ranks recorded
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 1, "world_size": 3}))
     assert load_run(tmp_path).world_size == 3  # the summary's: a rank may have recorded nothing
+
+
+def test_word_fields_stay_words_and_other_fields_are_numbers(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    # "hit_fraction" ends like the word field "action" but is no such field: a number.
+    _write(tmp_path / "metrics" / "rank0.jsonl", [{"step": 0, "local_loss": "NaN", "faults/hit_fraction": 0.25}])
+    _write(tmp_path / "faults.jsonl", [{"step": 0, "rank": 0, "site": "grad", "kind": "nan"}])
+    run = load_run(tmp_path)
+    assert run.faults[0]["kind"] == "nan"  # the fault kind, not a float NaN
+    assert run.metrics[0][0]["faults/hit_fraction"] == 0.25 and math.isnan(run.metrics[0][0]["local_loss"])
+    _write(tmp_path / "metrics" / "rank0.jsonl", [{"step": True, "local_loss": 1.0}])  # JSON's true is no step
+    with pytest.raises(ReportError, match="rank0.jsonl: record 1: step must be an integer >= 0, got True"):
+        load_run(tmp_path)
+
+
+@pytest.mark.parametrize("key", ["steps", "world_size", "steps_per_s", "wall_s", "replicas_distinct",
+                                 "max_replica_rel_diff", "faults_injected", "syncs", "detections", "recomputes",
+                                 "skipped_batches", "initial_loss", "final_val_loss"])
+def test_every_summary_number_the_report_computes_with_is_checked(tmp_path: pathlib.Path, key: str) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    _write(tmp_path / "metrics" / "rank0.jsonl", [{"step": 0, "local_loss": 1.0}])
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 1, key: "x"} if key != "steps" else {key: "x"}))
+    with pytest.raises(ReportError, match=f"summary.json: {key} must be a number, got 'x'"):
+        load_run(tmp_path)
+
+
+def test_the_mean_loss_of_losses_whose_sum_passes_float64s_range_is_finite() -> None:
+    metrics = {r: [{"step": 0, "local_loss": 1e308}, {"step": 1, "local_loss": 2.0 * r}] for r in range(3)}
+    assert mean_local_loss(metrics) == ([0, 1], [1e308, 2.0])
