@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 
 import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from paft.signals import SignalHold, ignore_further_signals, interrupted, on_sigterm, unwind_on_termination
+from paft.startup import exit_on_interrupt
 
 pytestmark = pytest.mark.usefixtures("sigint")
 
@@ -21,6 +24,44 @@ def test_a_held_signal_is_acted_on_at_release() -> None:
     with pytest.raises(KeyboardInterrupt):
         hold.release()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # A second release (a with block's end after an explicit one) acts on nothing and
+    # leaves alone a handler set since.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    hold.release()
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_outside_the_main_thread_a_hold_holds_nothing() -> None:
+    """Handlers can be set in the main thread only: elsewhere a hold is a no-op, not a ValueError."""
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            with SignalHold() as held:
+                assert held.came == []
+        except BaseException as err:  # a thread's error would only be printed: the main thread asserts on it
+            errors.append(err)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    thread.join()
+    assert errors == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_unwinding_on_termination_takes_ctrl_c_back_from_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a command's handlers are in place, Ctrl-C unwinds through them again rather
+    than ending the process at once, as it did while the command imported torch."""
+    monkeypatch.setattr(sys, "argv", ["/v/bin/paft", "train"])
+    monkeypatch.setattr(sys, "orig_argv", ["/v/bin/python", "/v/bin/paft", "train"])
+    exit_on_interrupt()
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        unwind_on_termination()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def test_a_hold_in_clean_up_drops_a_second_signal() -> None:

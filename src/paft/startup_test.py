@@ -24,6 +24,7 @@ PAFT = str(pathlib.Path(sys.executable).with_name("paft"))
     (["-m", "-m", "paft.train"], ["python", "-m", "pytest", "-m", "paft.train"], None),  # its arguments are not it
     (["-m", "src"], ["python", "-m", "pytest", "src"], None),
     (["/home/me/train.py"], ["python", "/home/me/train.py"], None),
+    (["/home/me/unpaft"], ["python", "/home/me/unpaft"], None),  # a program whose name only ends like it
     (["-c"], ["python", "-c", "import paft"], None),
 ])
 def test_command_name(monkeypatch: pytest.MonkeyPatch, argv: list[str], orig_argv: list[str], name: str | None) -> None:
@@ -55,12 +56,22 @@ def _interrupt(monkeypatch: pytest.MonkeyPatch) -> int:
 
 
 @pytest.mark.usefixtures("sigint")
+@pytest.mark.parametrize("argv,orig_argv,env,prog", [
+    (["/v/bin/paft", "train"], ["/v/bin/python", "/v/bin/paft", "train"], {}, "paft"),
+    # The launcher speaks whatever RANK it finds (a cluster job's environment may set one).
+    (["/v/bin/paft", "train"], ["/v/bin/python", "/v/bin/paft", "train"], {"RANK": "1"}, "paft"),
+    (["-m"], ["python", "-m", "paft.train"], {}, "python -m paft.train"),  # no torchrun, no RANK: it speaks
+])
 def test_a_command_ends_at_once_on_ctrl_c_until_its_handlers_take_over(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    argv: list[str], orig_argv: list[str], env: dict[str, str], prog: str,
 ) -> None:
-    _as_command(monkeypatch, ["/v/bin/paft", "train"], ["/v/bin/python", "/v/bin/paft", "train"])
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _as_command(monkeypatch, argv, orig_argv)
     assert _interrupt(monkeypatch) == 130
-    assert capsys.readouterr().err == "\npaft: interrupted (Ctrl-C)\n"
+    assert capsys.readouterr().err == f"\n{prog}: interrupted (Ctrl-C)\n"
     unwind_on_interrupt()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 

@@ -18,7 +18,8 @@ def test_identical_replicas_are_a_noop_in_every_mode() -> None:
         assert (plan.mode, plan.sources, plan.groups) == ("noop", [0, 1, 2], [[0, 1, 2]])
         assert all(plan.holds_result(r) for r in range(3))
     # Identical and non-finite: broadcast has nothing better to copy, so nothing moves.
-    assert plan_sync("broadcast", [5, 5], [False, False]).mode == "noop"
+    plan = plan_sync("broadcast", [5, 5], [False, False])
+    assert (plan.mode, plan.sources) == ("noop", [0, 1])  # every rank still holds the result
 
 
 def test_robust_copies_the_lowest_rank_of_a_finite_majority() -> None:
