@@ -44,6 +44,16 @@ def test_only_rank_files_are_metrics_and_the_world_size_falls_back(tmp_path: pat
     assert list(run.metrics) == [0, 1] and run.world_size == 2  # the ranks recorded
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 1, "world_size": 3}))
     assert load_run(tmp_path).world_size == 3  # the summary's: a rank may have recorded nothing
+    (tmp_path / "summary.json").unlink()  # a run still running: its config says
+    (tmp_path / "config.json").write_text(json.dumps({"world_size": 4}))
+    assert load_run(tmp_path).world_size == 4
+
+
+def test_a_run_given_as_dot_is_named_by_its_directory(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    _write(tmp_path / "metrics" / "rank0.jsonl", [{"step": 0, "local_loss": 1.0}])
+    monkeypatch.chdir(tmp_path)
+    assert load_run(".").name == tmp_path.name
 
 
 def test_word_fields_stay_words_and_other_fields_are_numbers(tmp_path: pathlib.Path) -> None:
