@@ -130,7 +130,7 @@ def _check_fields(path: Path, i: int, record: dict[str, Any]) -> None:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
+    if not path.exists():
         return []
     with _reading(path):
         raw = read_jsonl(path)  # a crashed writer's partial last line is dropped
@@ -146,7 +146,7 @@ def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
         data = json.loads(_read_text(path))

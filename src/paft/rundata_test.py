@@ -83,3 +83,14 @@ def test_every_summary_number_the_report_computes_with_is_checked(tmp_path: path
 def test_the_mean_loss_of_losses_whose_sum_passes_float64s_range_is_finite() -> None:
     metrics = {r: [{"step": 0, "local_loss": 1e308}, {"step": 1, "local_loss": 2.0 * r}] for r in range(3)}
     assert mean_local_loss(metrics) == ([0, 1], [1e308, 2.0])
+
+
+@pytest.mark.parametrize("name", ["summary.json", "events.jsonl", "evals.jsonl"])
+def test_a_folder_in_a_record_files_place_is_named_not_read_as_missing(tmp_path: pathlib.Path, name: str) -> None:
+    # Missing means nothing to show for that layer; something there that cannot be read is
+    # damage, named (a folder read as missing left its layer out without a word).
+    (tmp_path / "config.json").write_text("{}")
+    _write(tmp_path / "metrics" / "rank0.jsonl", [{"step": 0, "local_loss": 1.0}])
+    (tmp_path / name).mkdir()
+    with pytest.raises(ReportError, match=f"{name}: cannot read"):
+        load_run(tmp_path)
