@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import pathlib
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -281,14 +282,13 @@ def test_matrix_rows_compare_each_run_with_its_neighbouring_references(tmp_path:
         "resnet/local-exponent-0.1/dyn+guard": {"steps_per_s": 30.0},  # next to 40 and 80
     }
     for r in runs:
-        r.summary = {"final_val_loss": 2.0, "final_val_loss_max": 2.5, "max_replica_rel_diff_run": 0.0,
-                     "max_replica_rel_diff": 0.0, "replicas_distinct": 1, "faults_injected": 3, "syncs": 0,
-                     "sync_bytes": 0, "detections": 0, "recomputes": 0, "skipped_batches": 0, "final_val_acc": 0.5,
-                     "steps_per_s": next(ref_rates) if r.labels["scenario"] == matrix.REFERENCE else 30.0,
-                     **special.get(r.name, {})}
-    monkeypatch.setattr(matrix, "_plots", lambda *_: [])
+        rate = next(ref_rates) if r.labels["scenario"] == matrix.REFERENCE else 30.0
+        r.summary = _matrix_summary(**{"steps_per_s": rate, **special.get(r.name, {})})
+    monkeypatch.setattr(matrix, "_plots", lambda out, *_: [out / "resnet.png"])
     results = matrix.summarize(tmp_path, runs, ["resnet"], 6, 2)
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == results["rows"]
+    # Every run's config beside its numbers: what a reader checks a surprising cell against.
+    assert [(r["name"], r["config"]) for r in results["runs"]] == [(r.name, r.config) for r in runs]
     rows = {(r["setting"], r["scenario"]): r for r in results["rows"]}
     guard = rows[("agg-exponent-0.1", "guard")]
     assert guard["gap_pct"] == pytest.approx(10.0) and guard["gap_worst_pct"] == 20.0  # worst vs the ref's worst
@@ -306,6 +306,96 @@ def test_matrix_rows_compare_each_run_with_its_neighbouring_references(tmp_path:
         in md
     assert "| resnet | none | fault-free | 2 | 0 | 0 | 0 | 0 | 1 | 3 | 0 | 0 | 0 | 0 | 1 | n/a |" in md
     assert "| agg-exponent-0.1 | guard | 0.25 |" in md  # the accuracy table
+    assert "\n![resnet](resnet.png)\n" in md
+
+
+def _matrix_summary(**overrides: Any) -> dict[str, Any]:
+    """A run's summary as the trainer returns it, for the matrix's tables."""
+    return {"final_val_loss": 2.0, "final_val_loss_max": 2.5, "max_replica_rel_diff_run": 0.0,
+            "max_replica_rel_diff": 0.0, "replicas_distinct": 1, "faults_injected": 3, "syncs": 0, "sync_bytes": 0,
+            "detections": 0, "recomputes": 0, "skipped_batches": 0, "final_val_acc": 0.5, "steps_per_s": 30.0,
+            **overrides}
+
+
+# (protect mode, guard, monitor) per scenario: the references and the unprotected runs are
+# plain DDP, the averager and PAFT-Sync run without the monitor's collective.
+MATRIX_DEFENSES = {
+    matrix.REFERENCE: ("none", False, False), "unprotected": ("none", False, False),
+    "averager": ("averager", False, False), "paft-sync": ("sync", False, False), "paft-dyn": ("dyn", False, True),
+    "guard": ("none", True, True), "dyn+guard": ("dyn", True, True),
+}
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_matrix_plan_gives_every_run_one_base_config_with_its_defense_and_faults(tmp_path: pathlib.Path,
+                                                                                 quick: bool) -> None:
+    runs = matrix.plan(tmp_path, ["gpt", "resnet"], quick, 10, 3, device="cpu")
+    settings = matrix.fault_settings(quick)
+    assert set(MATRIX_DEFENSES) == {matrix.REFERENCE, *matrix.SCENARIOS}
+    for workload in ("gpt", "resnet"):
+        group = [r for r in runs if r.group == workload]
+        cells = sorted((r.labels["setting"], r.labels["scenario"]) for r in group
+                       if r.labels["scenario"] != matrix.REFERENCE)
+        assert cells == sorted((setting, scenario) for setting, (_, scenarios) in settings.items()
+                               for scenario in scenarios)
+        # One folder per run (the references too), under the workload's.
+        dirs = [pathlib.Path(r.config["run_dir"]) for r in group]
+        assert len(set(dirs)) == len(dirs) and all(d.is_relative_to(tmp_path / "runs" / workload) for d in dirs)
+        bases = []
+        for r in group:
+            c, scenario = r.config, r.labels["scenario"]
+            assert (c["protect"]["mode"], c["guard"]["enabled"], c["monitor"]["enabled"]) == \
+                MATRIX_DEFENSES[scenario], r.name
+            spec = [] if scenario == matrix.REFERENCE else [settings[r.labels["setting"]][0]]
+            assert c["inject"] == spec and r.labels.get("spec") == (spec[0] if spec else None), r.name
+            base = json.loads(json.dumps(c))
+            for key in ("run_dir", "inject"):
+                del base[key]
+            for section, key in (("protect", "mode"), ("guard", "enabled"), ("monitor", "enabled")):
+                del base[section][key]
+            bases.append(base)
+        # Same seed, data order, model and schedule everywhere: the runs differ only in the above.
+        assert all(b == bases[0] for b in bases)
+        assert bases[0]["model"] == matrix.BENCH_MODELS[workload]
+        assert (bases[0]["steps"], bases[0]["world_size"], bases[0]["batch_size"], bases[0]["device"]) == \
+            (10, 3, 24, "cpu")
+        assert (bases[0]["eval_every"], bases[0]["eval_batches"], bases[0]["warmup_steps"]) == (2, 4, 2)
+        assert bases[0]["checkpoint_every"] == 0 and bases[0]["protect"]["sync_period"] == (10 if quick else 20)
+
+
+@pytest.mark.parametrize("quick,steps", [(True, 40), (False, 150)])
+def test_matrix_run_compares_each_workload_with_its_own_references(tmp_path: pathlib.Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  quick: bool, steps: int) -> None:
+    loss = {"gpt": 4.0, "resnet": 2.0}
+
+    def run_all(runs: Sequence[Run], world_size: int) -> None:
+        assert world_size == 2
+        for r in runs:  # a gap of 10% for every faulty run against its own workload's references
+            faulty = r.labels["scenario"] != matrix.REFERENCE
+            r.summary = _matrix_summary(final_val_loss=loss[r.group] * (1.1 if faulty else 1.0),
+                                        final_val_loss_max=loss[r.group])
+
+    monkeypatch.setattr(matrix, "run_all", run_all)
+    monkeypatch.setattr(matrix, "_plots", lambda *_: [])
+    results = matrix.run(tmp_path, quick=quick, workloads=["gpt", "resnet"], world_size=2)
+    runs = results["runs"]
+    assert results["steps"] == steps and {r["config"]["steps"] for r in runs} == {steps}
+    assert f"{len(runs)} runs, {steps} steps each, 2 ranks" in (tmp_path / "results.md").read_text()
+    cells = sum(len(scenarios) for _, scenarios in matrix.fault_settings(quick).values())
+    for workload in ("gpt", "resnet"):
+        rows = [r for r in results["rows"] if r["workload"] == workload]
+        assert len(rows) == cells + 1
+        assert [r["gap_pct"] for r in rows] == pytest.approx(
+            [0.0 if r["scenario"] == matrix.REFERENCE else 10.0 for r in rows])
+        assert all(r["gap_worst_pct"] == 0.0 for r in rows)
+
+
+def test_matrix_plots_show_non_finite_divergence_as_gaps() -> None:
+    # An inf or NaN divergence (a replica blown up) is left out of the log plot, not drawn.
+    assert [math.isnan(matrix._finite_or_nan(x)) for x in (math.inf, -math.inf, math.nan, 0.5)] == \
+        [True, True, True, False]
+    assert matrix._finite_or_nan(0.5) == 0.5
 
 
 # -- desync and detection analyses on synthetic run directories ----------------------------
@@ -554,7 +644,9 @@ def test_matrix_quick_end_to_end(tmp_path: pathlib.Path) -> None:
         assert math.isfinite(r["final_val_loss"]) and r["throughput_ratio"] > 0
     for setting in {r["setting"] for r in results["rows"]}:  # every defense faces the same faults
         assert len({r["faults"] for r in results["rows"] if r["setting"] == setting}) == 1, setting
-    assert (out / "resnet.png").stat().st_size > 0
+    # One column of plots per fault setting (6 x 10 inches at 90 dpi each), the reference drawn in each.
+    png_size = struct.unpack(">II", (out / "resnet.png").read_bytes()[16:24])  # the IHDR's width and height
+    assert png_size == (540 * len(matrix.fault_settings(True)), 900)
     # Throughput is over plain DDP: the reference runs without the monitor's hook and collective.
     reference = json.loads((out / "runs" / "resnet" / f"{matrix.REFERENCE}-0" / "config.json").read_text())
     assert reference["monitor"]["enabled"] is False and reference["protect"]["mode"] == "none"
