@@ -709,6 +709,9 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["desync", "--world-size", "0"], "--world-size: must be >= 2 for desync"),  # the bound that holds, not >= 1
     (["scaling", "--world-sizes", "1,2"], "--world-sizes: must all be in [2, 64]"),
     (["scaling", "--world-sizes", "2,4,2"], "--world-sizes: 2 listed more than once"),
+    (["scaling", "--world-sizes", "2,128"], "--world-sizes: must all be in [2, 64], got 2,128"),
+    (["scaling", "--world-sizes", "2,four"], "--world-sizes: expected comma-separated integers, got '2,four'"),
+    (["scaling", "--world-sizes", "2,3"], "--world-sizes: 3 does not split the default global batch of 64 evenly"),
     (["matrix", "--workloads", "gpt,gpt"], "--workloads: gpt listed more than once"),
     (["overhead", "--variants", "monitor,guard,monitor"], "--variants: monitor listed more than once"),
     (["desync", "--out", "o/" + "x" * 300], "--out: o/xxx"),
@@ -726,23 +729,25 @@ def test_bad_input_exits_2_and_writes_nothing(argv: list[str], needle: str, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("benchmark,world_size", [("matrix", ["--world-size", "4"]),
-                                                   ("overhead", ["--world-size", "4"]),
-                                                   ("desync", ["--world-size", "4"]),
-                                                   ("detection", ["--world-size", "2"]),
-                                                   ("scaling", ["--world-sizes", "2,4"])])
+@pytest.mark.parametrize("benchmark,world_size,gpus", [("matrix", ["--world-size", "4"], 1),
+                                                        ("overhead", ["--world-size", "4"], 1),
+                                                        ("desync", ["--world-size", "4"], 1),
+                                                        ("detection", ["--world-size", "2"], 1),
+                                                        ("scaling", ["--world-sizes", "2,4"], 1),
+                                                        ("scaling", ["--world-sizes", "4,2"], 2)])  # the largest
 def test_more_workers_than_gpus_exits_2_and_writes_nothing(
-    benchmark: str, world_size: list[str], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    benchmark: str, world_size: list[str], gpus: int, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The device count is the machine's; pretend to one GPU so that the check runs here.
+    # The device count is the machine's; pretend to fewer GPUs so that the check runs here.
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with pytest.raises(SystemExit) as exc:
         main(["bench", benchmark, "--out", "out", *world_size])
     assert exc.value.code == 2
-    assert "NCCL needs one GPU per worker and 1 is visible" in capsys.readouterr().err
+    assert f"NCCL needs one GPU per worker and {gpus} {'is' if gpus == 1 else 'are'} visible" in \
+        capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -822,6 +827,29 @@ def test_overwrite_keeps_the_old_results_until_the_new_benchmark_finishes(
     assert (out / "results.json").read_text() == "old results"
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (["matrix", "--quick", "--workloads", "resnet,gpt", "--steps", "7", "--world-size", "3", "--device", "cpu"],
+     {"quick": True, "workloads": ["resnet", "gpt"], "steps": 7, "world_size": 3, "device": "cpu"}),
+    (["matrix"], {"quick": False, "workloads": ["gpt", "llama", "resnet"], "steps": None, "world_size": 4,
+                  "device": "auto"}),
+    (["scaling", "--world-sizes", "4,2", "--steps", "6", "--device", "cpu"],
+     {"world_sizes": (4, 2), "steps": 6, "device": "cpu"}),
+    (["scaling"], {"world_sizes": (2, 4), "steps": 40, "device": "auto"}),
+])
+def test_matrix_and_scaling_get_the_options_as_given(argv: list[str], expected: dict[str, Any],
+                                                     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    got: dict[str, Any] = {}
+
+    def run(out: pathlib.Path, **kwargs: Any) -> None:
+        got.update(kwargs, out=out)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the defaults' 4 workers, on a 1-GPU machine too
+
+    monkeypatch.setattr(matrix if argv[0] == "matrix" else scaling, "run", run)
+    assert main(["bench", *argv, "--out", str(tmp_path / "out")]) == 0
+    assert got == {**expected, "out": tmp_path / "out"}
+
+
 def test_out_that_is_a_file_exits_2(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
     out.write_text("not a folder")
@@ -892,6 +920,7 @@ def test_scaling_cost_model_matches_the_protocol() -> None:
     assert c["sync_majority_copy_B"] == 0.8e6 * 12  # fp32 weights + Adam's two moments
     big = model(1024, 7e9)
     assert big["sync_median_received_B"] == 7e9 * 12 * 1023
+    assert big["sync_median_s"] == pytest.approx(7e9 * 12 * 1023 / 50e9)  # every replica's state in, 50 GB/s
     assert 1.6 < big["sync_majority_copy_s"] < 1.8  # 84 GB at 400 Gb/s
     assert big["control_vs_gradient_allreduce"] < 1e-4
 
@@ -922,17 +951,24 @@ def test_scaling_measured_rows_state_the_paired_costs_and_median_syncs(tmp_path:
     def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str], *, steps: int,
                 world_size: int) -> dict[str, Any]:
         assert list(variants) == ["monitor"] and (steps, world_size) == (5, 2)
+        # Its runs take the untimed steps first, then the timed ones, on the --device asked for.
+        assert (base["steps"], base["world_size"], base["device"]) == (overhead.WARMUP + 5, 2, "cpu")
         (runs_dir / "monitor").mkdir(parents=True)
         (runs_dir / "monitor" / "config.json").write_text(json.dumps({"monitor": {"sketch_dim": 64}}))
         return {"plain": {"wall_ms": 4.0, "cpu_ms": 3.0, "parameters": 7},
                 "monitor": {"wall": 1.25, "wall_blocks": [1.25] * 5, "cpu": 1.5, "cpu_blocks": [1.5] * 5}}
 
-    syncs = {"sync-noop": [("noop", 24, 0.001), ("noop", 48, 0.003), ("noop", 24, 0.002)],
+    syncs = {"sync-noop": [("noop", 24, 0.001), ("noop", 48, 0.009), ("noop", 24, 0.002)],
              "sync-repair": [("majority-copy", b, 0.01) for b in (100, 300, 200, 1000)]}
+    configs = {}
 
     def run_all(runs: list[Run], world_size: int) -> None:
+        assert world_size == 2
         for r in runs:
-            _jsonl(pathlib.Path(r.config["run_dir"]) / "events.jsonl", [{"step": 0, "event": "guard"}] + [
+            configs[r.labels["variant"]] = r.config
+            # A guard's repair is no sync of the period's: left out of the sync table.
+            repair = {"step": 1, "event": "repair", "mode": "majority-copy", "bytes_sent": 10**9, "seconds": 9.0}
+            _jsonl(pathlib.Path(r.config["run_dir"]) / "events.jsonl", [{"step": 0, "event": "guard"}, repair] + [
                 {"step": 5 * i, "event": "sync", "mode": m, "bytes_sent": b, "seconds": sec}
                 for i, (m, b, sec) in enumerate(syncs[r.labels["variant"]])])
 
@@ -940,11 +976,25 @@ def test_scaling_measured_rows_state_the_paired_costs_and_median_syncs(tmp_path:
     monkeypatch.setattr(scaling, "run_all", run_all)
     out = tmp_path / "scaling"
     out.mkdir()
-    results = scaling.run(out, world_sizes=(2,), steps=5)
+    results = scaling.run(out, world_sizes=(2,), steps=5, device="cpu")
+    # PAFT-Sync alone (no monitor), synchronous, at least two syncs in 5 steps; the repair run
+    # flips rank 1's mantissas every step, the no-op run none.
+    assert sorted(configs) == ["sync-noop", "sync-repair"]
+    for variant, c in configs.items():
+        assert c["run_dir"] == str(out / "runs" / f"ws2-{variant}")
+        assert (c["steps"], c["world_size"], c["device"], c["monitor"]["enabled"]) == (5, 2, "cpu", False)
+        assert (c["eval_every"], c["eval_batches"], c["warmup_steps"], c["checkpoint_every"]) == (5, 1, 1, 0)
+        assert (c["protect"]["mode"], c["protect"]["sync_period"], c["protect"]["overlap"]) == ("sync", 2, False)
+    assert configs["sync-noop"]["inject"] == []
+    assert configs["sync-repair"]["inject"] == ["bitflip:rate=1,bits=mantissa,ranks=1"]
     m = results["measured"]["2"]
     assert (m["monitor_step_time_ratio"], m["monitor_cpu_ratio"], m["plain_step_ms"]) == (1.25, 1.5, 4.0)
     assert m["syncs"] == {"noop": {"count": 3, "bytes_sent_rank0": 24, "seconds": 0.002},
                           "majority-copy": {"count": 4, "bytes_sent_rank0": 250.0, "seconds": 0.01}}
     md = (out / "results.md").read_text()
     assert "| 2 | 64 | 584 / 584 | 1.25 | 1.5 | 4 |" in md
-    assert "| 2 | majority-copy | 4 | 250 | 10 |" in md and "| 2 | noop | 3 | 24 | 2 |" in md
+    assert "| 2 | majority-copy | 4 | 250 | 10 |\n| 2 | noop | 3 | 24 | 2 |" in md  # the modes in order
+    # The jobs calculated with the runs' k = 64: 8 * (9 + 64) = 584 B per rank's row.
+    assert set(results["calculated"]) == {"4x800000", "64x1.3e+09", "1024x7e+09"}
+    # 584 * 1023 B in, over 2 * 1023/1024 * 7e9 * 4 B of gradients; 84 GB of state at 50 GB/s, 1023 times.
+    assert "| 1024 | 7e+09 | 0.597 MB | 1.07e-05 | 24 B / 24.6 KB | 84 GB (1.68 s) | 8.59e+04 GB (1718.6 s) |" in md
