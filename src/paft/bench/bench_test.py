@@ -397,6 +397,39 @@ def test_matrix_run_compares_each_workload_with_its_own_references(tmp_path: pat
     assert acc_table.count("| 0.5 |") == cells + 1  # resnet's rows only
 
 
+def test_matrix_plots_draw_each_setting_beside_the_reference(tmp_path: pathlib.Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.figure import Figure
+
+    runs = matrix.plan(tmp_path, ["resnet"], True, 6, 2)
+    losses = [8.0, 4.0, 2.0, 1.0, 0.5, 0.25, 0.125]
+    for r in runs:
+        run_dir = pathlib.Path(r.config["run_dir"])
+        for rank in range(2):
+            _jsonl(run_dir / "metrics" / f"rank{rank}.jsonl",
+                   [{"step": t, "local_loss": v * (1 + rank)} for t, v in enumerate(losses)])
+        _jsonl(run_dir / "evals.jsonl", [{"step": 2, "replica_rel_diff": 0.5}, {"step": 4, "replica_rel_diff": "inf"}])
+        # Every run records a period here; only the syncing defenses' is drawn.
+        _jsonl(run_dir / "events.jsonl", [{"step": 0, "event": "guard"}, {"step": 3, "event": "sync", "period": 7}])
+    figures: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *_, **__: figures.append(fig))  # the end-to-end test renders
+    assert matrix._plots(tmp_path, runs, ["resnet"]) == [tmp_path / "resnet.png"]
+    (fig,) = figures
+    settings = sorted(matrix.fault_settings(True))
+    assert len(fig.axes) == 3 * len(settings)  # loss, divergence and H rows; a column per fault setting
+    for col, setting in enumerate(settings):
+        loss_ax, div_ax, h_ax = fig.axes[col], fig.axes[len(settings) + col], fig.axes[2 * len(settings) + col]
+        scenarios = [matrix.REFERENCE, *matrix.fault_settings(True)[setting][1]]
+        assert [line.get_label() for line in loss_ax.get_lines()] == scenarios
+        mean = [1.5 * v for v in losses]  # the ranks' mean, smoothed over the last 5 points
+        assert list(loss_ax.get_lines()[0].get_ydata()) == pytest.approx(trailing_mean(mean, 5))
+        assert list(loss_ax.get_lines()[0].get_ydata()) != pytest.approx(mean)
+        for line in div_ax.get_lines():
+            assert list(line.get_xdata()) == [2, 4] and line.get_ydata()[0] == 0.5 and math.isnan(line.get_ydata()[1])
+        assert [line.get_label() for line in h_ax.get_lines()] == [
+            s for s in scenarios if s in ("paft-sync", "paft-dyn", "dyn+guard")]
+
+
 def test_matrix_plots_show_non_finite_divergence_as_gaps() -> None:
     # An inf or NaN divergence (a replica blown up) is left out of the log plot, not drawn.
     assert [math.isnan(matrix._finite_or_nan(x)) for x in (math.inf, -math.inf, math.nan, 0.5)] == \
