@@ -430,13 +430,6 @@ def test_matrix_plots_draw_each_setting_beside_the_reference(tmp_path: pathlib.P
             s for s in scenarios if s in ("paft-sync", "paft-dyn", "dyn+guard")]
 
 
-def test_matrix_plots_show_non_finite_divergence_as_gaps() -> None:
-    # An inf or NaN divergence (a replica blown up) is left out of the log plot, not drawn.
-    assert [math.isnan(matrix._finite_or_nan(x)) for x in (math.inf, -math.inf, math.nan, 0.5)] == \
-        [True, True, True, False]
-    assert matrix._finite_or_nan(0.5) == 0.5
-
-
 # -- desync and detection analyses on synthetic run directories ----------------------------
 
 
