@@ -393,7 +393,8 @@ def test_three_ranks_repair_noop_nan_and_overlap():
     control = 24 + 24 * len(state)  # fingerprints + structure, then per tensor its NaN/Inf count, places, digest
     assert res[0]["flip"]["report"].bytes_sent == control + state_bytes + 8
     assert res[1]["flip"]["report"].bytes_sent == res[2]["flip"]["report"].bytes_sent == control + 8
-    assert res[2]["flip"]["report"].collectives == 3  # fingerprints, finite flags, divergence
+    # fingerprints, finite flags, divergence; the pair adds its one send / receive (one bucket)
+    assert [r["flip"]["report"].collectives for r in res] == [4, 4, 3]
 
     # a majority of identical but non-finite replicas is not copied
     _assert_replicas_identical([r["nan_majority"] for r in res])
@@ -623,6 +624,16 @@ def _w_four(rank: int, ws: int) -> dict:
     rep = ReplicaSync(model, opt, mode="broadcast", src=2, bucket_mb=64 / 2**20).sync()  # 64 bytes
     out["bcast"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
 
+    # one rank to repair, with tiny buckets: point-to-point, each bucket to its place
+    model = _model("mlp")
+    opt = _optim("sgd", model.parameters())
+    out["p2p_clean"] = _snap(model, opt)
+    if rank == 3:
+        with torch.no_grad():
+            model[0].weight.mul_(2.0)
+    rep = ReplicaSync(model, opt, bucket_mb=64 / 2**20).sync()
+    out["p2p"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
+
     # measure_divergence against a hand computation; then with a NaN replica
     model = _model("mlp")
     opt = _optim("adam", model.parameters())
@@ -671,6 +682,14 @@ def test_four_ranks_split_broadcast_buckets_and_divergence():
     flags = 24 * len(res[2]["bcast_pre"])  # per tensor its NaN/Inf count, places and digest
     assert res[2]["bcast"]["report"].bytes_sent == 24 + flags + total + 8
     assert res[0]["bcast"]["report"].bytes_sent == 24 + flags + 8
+
+    # a one-rank repair sent in many buckets lands each bucket in its place
+    _assert_replicas_identical([r["p2p"] for r in res])
+    _assert_same(res[3]["p2p"]["state"], res[0]["p2p_clean"])
+    buckets = math.ceil(sum(t.numel() * t.element_size() for _, t in res[0]["p2p_clean"]) / 64)
+    assert buckets > 1
+    # fingerprints, finite flags, a send / receive per bucket on the pair only, divergence
+    assert [r["p2p"]["report"].collectives for r in res] == [3 + buckets, 3, 3, 3 + buckets]
 
     # measure_divergence == hand computation
     params = [[t for n, t in r["div_state"] if n.startswith("param/")] for r in res]
@@ -1002,11 +1021,27 @@ def test_two_ranks_nan_source_finite_copy_noop_reference_and_bool_overlap():
 # ----------------------------------------------------------------------------
 
 
-def _one_ulp_apart(rank: int, ws: int, dtype_name: str) -> dict[str, tuple[float, float]]:
+def _one_ulp_apart(rank: int, ws: int, dtype_name: str) -> dict[str, Any]:
     """Each rank moves its own coordinate of a 16-bit model by one ulp (no majority):
-    (exact float64 divergence, the sync's) per mode."""
+    (exact float64 divergence, the sync's) per mode; and, with replicas apart, (what an
+    overlapped mean with a step in its window left, what the blocking mean then the
+    step leaves) as "overlap"."""
     dtype = getattr(torch, dtype_name)
-    out = {}
+    out: dict[str, Any] = {}
+    torch.manual_seed(rank)
+    lin = nn.Linear(16, 4).to(dtype)
+    pre = _snap(lin, None)
+    sync = ReplicaSync(lin, None, mode="mean")
+    sync.sync()
+    synced = _snap(lin, None)
+    _restore(lin, None, pre)
+    sync.start()
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.add_(torch.full_like(p, 0.1 * (rank + 1)))
+    stepped = _snap(lin, None)
+    sync.finish()
+    out["overlap"] = (_snap(lin, None), _corrected(synced, stepped, pre))
     for mode in ("robust", "mean"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)).to(dtype)
@@ -1019,12 +1054,18 @@ def _one_ulp_apart(rank: int, ws: int, dtype_name: str) -> dict[str, tuple[float
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_sixteen_bit_divergence_matches_the_float64_measure(dtype: str) -> None:
+def test_sixteen_bit_divergence_matches_the_float64_measure_and_a_mean_corrects_in_their_dtype(dtype: str) -> None:
     # The mean divided in the parameters' dtype moved agreed values by an ulp: a floor
     # of 2.7e-4 (float16) or 2.1e-3 (bfloat16) where the replicas differ by 1e-5, above
     # PAFT-Dyn's target, so H fell to its minimum; the median's centre rounded by ~1.3x.
-    for mode, (exact, reported) in run_workers(_one_ulp_apart, 3, dtype)[0].items():
+    res = run_workers(_one_ulp_apart, 3, dtype)
+    for mode in ("robust", "mean"):
+        exact, reported = res[0][mode]
         assert reported == pytest.approx(exact, rel=1e-3), mode
+    # the correction adds the step to the synced 16-bit values, as the step after a
+    # blocking sync does (not to the float32 mean, rounded once with the step)
+    for r in res:
+        _assert_same(*r["overlap"])
 
 
 class _MasterSGD(torch.optim.Optimizer):
