@@ -439,8 +439,9 @@ def test_bad_data_on_one_rank_is_data_while_another_ranks_gradient_was_hit() -> 
     assert all(same(o, d) for o, d in zip(out, data_only))  # as if only the bad batch had been skipped
 
 
-def control_sizes(rank: int, world_size: int) -> dict[str, list[int]]:
-    """Per monitor setting, the float64 count of each step's control vector."""
+def control_sizes(rank: int, world_size: int) -> dict[str, list[tuple[int, bool]]]:
+    """Per monitor setting and step, the float64 count of the control vector, and
+    whether the hook kept a copy of the local gradient."""
     protect_module = sys.modules["paft.protect"]  # the module: paft.protect is the function
     sizes: list[int] = []
     launch = protect_module.start_control
@@ -449,26 +450,34 @@ def control_sizes(rank: int, world_size: int) -> dict[str, list[int]]:
         sizes.append(vec.numel())
         return launch(vec, group)
 
-    def four_steps(monitor: MonitorConfig) -> list[int]:
+    def four_steps(monitor: MonitorConfig, guard: bool = False) -> list[tuple[int, bool]]:
         sizes.clear()
+        copied: list[bool] = []
         model = DistributedDataParallel(toy_model())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        protector = protect(model, optimizer, monitor=monitor)
+        protector = protect(model, optimizer, monitor=monitor, guard=GuardConfig(enabled=guard))
         for step in range(4):
             protector.step(toy_closure(model, optimizer, rank, step))
+            copied.append(bool(protector.hook.current.local_grads))
         protector.close()
-        return list(sizes)
+        return list(zip(sizes, copied))
 
     protect_module.start_control = counting
     return {"sketch": four_steps(MonitorConfig(interval=2, sketch_dim=16)),
-            "exact": four_steps(MonitorConfig(interval=2, cosine="exact"))}
+            "exact": four_steps(MonitorConfig(interval=2, cosine="exact")),
+            # the guard captures the local gradient's norm on every step, its copy still not
+            "exact, guarded": four_steps(MonitorConfig(interval=2, cosine="exact"), guard=True)}
 
 
 def test_the_control_vector_is_9_plus_k_float64_on_metric_steps_and_9_between() -> None:
     # README: 2.1 KB per rank for k = 256, 72 bytes without a sketch (between metric
     # steps, or with --cosine exact, whose gradients travel apart).
+    # The exact mode's float64 copy of the local gradient is taken on metric steps only:
+    # taken on every step, it doubled the gradient's memory and copy time for no reader.
     out = run_workers(control_sizes, 2)
-    assert out[0] == out[1] == {"sketch": [9 + 16, 9, 9 + 16, 9], "exact": [9] * 4}
+    sketch = [(9 + 16, False), (9, False)] * 2
+    exact = [(9, True), (9, False)] * 2
+    assert out[0] == out[1] == {"sketch": sketch, "exact": exact, "exact, guarded": exact}
 
 
 def half_model_run(rank: int, world_size: int) -> list[tuple[bool, int, float]]:
@@ -1359,7 +1368,8 @@ def _w_unmonitored_hook_and_faults(rank: int, world_size: int) -> dict[str, int]
     protector = protect(faulty, torch.optim.SGD(faulty.parameters(), lr=0.1), monitor=MonitorConfig(enabled=False),
                         inject=["scale:rate=1,ranks=1"])
     step(protector, faulty)
-    return {"hook calls": calls["n"], "faults": protector.counters["faults_injected"]}
+    return {"hook calls": calls["n"], "faults": protector.counters["faults_injected"],
+            "digests": len(protector.hook.current.agg_terms)}
 
 
 def test_an_unmonitored_protector_still_calls_the_users_hook_and_injects() -> None:
@@ -1368,6 +1378,9 @@ def test_an_unmonitored_protector_still_calls_the_users_hook_and_injects() -> No
     out = run_workers(_w_unmonitored_hook_and_faults, 2)
     assert out[0]["hook calls"] >= 1 and out[1]["hook calls"] >= 1
     assert (out[0]["faults"], out[1]["faults"]) == (0, 1)
+    # Unmonitored, no one reads the aggregated gradient's digest: none is computed (a
+    # pass over every bucket per step for nothing).
+    assert out[0]["digests"] == out[1]["digests"] == 0
 
 
 def _equal(a: Any, b: Any) -> bool:
