@@ -659,8 +659,8 @@ BAD = [
     ("", "kind", None),
     ("bitflip:rat=1", "rat", "valid keys: site, rate"),
     ("bitflip:rate=1,=5", "kind", "unknown key ''"),  # no key to name: the spec's head
-    ("bitflip:rate", "rate", None),
-    ("bitflip:rate=", "rate", None),
+    ("bitflip:rate", "rate", "needs a value (key=value)"),
+    ("bitflip:rate=", "rate", "needs a value (key=value)"),  # not "must be a number, got "
     ("bitflip:rate=0.1,rate=0.2", "rate", "twice"),
     ("bitflip:rate=1,site=memory", "site", None),
     ("bitflip:steps=x", "steps", None),
