@@ -31,6 +31,7 @@ from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec
 from paft.fingerprint import repr_digest
 from paft.optimizers import OptimizerChain, chained, check_disjoint
+from paft.records import RunRecorder
 
 __all__ = ["check_added_groups", "ddp_of", "mark_protected", "preflight", "wants_comm_hook"]
 
@@ -195,8 +196,13 @@ def _check_recorder(model: DistributedDataParallel, recorder: Any) -> None:
     """The recorder's rank 0 writes the run folder and speaks: made with the global rank
     where DDP runs over a sub-group (a hybrid layout's replica group without global
     rank 0), the group wrote no consistency.jsonl or events.jsonl and said nothing."""
+    if recorder is None:
+        return
+    if not isinstance(recorder, RunRecorder):  # a folder's path: taken, then an AttributeError at the first step
+        raise TypeError("protect(): recorder= must be a paft.records.RunRecorder(run_dir, rank), got "
+                        f"{type(recorder).__name__}; make one: RunRecorder(run_dir, dist.get_rank(ddp.process_group))")
     me = dist.get_rank(model.process_group)
-    if recorder is not None and getattr(recorder, "rank", me) != me:
+    if recorder.rank != me:
         raise ValueError(f"protect(): the recorder's rank is {recorder.rank}, but this is rank {me} of DDP's "
                          "process group; a recorder takes the rank in that group (its rank 0 writes the run "
                          "folder): RunRecorder(run_dir, dist.get_rank(ddp.process_group))")

@@ -1172,6 +1172,8 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "hook per rank": lambda m, o: protect(m, o, comm_hook=[default_hooks.allreduce_hook,
                                                                default_hooks.fp16_compress_hook][rank]),
         "state without a hook": lambda m, o: protect(m, o, comm_state=object()),
+        # a folder where the recorder goes: taken before, then an AttributeError at the first step
+        "recorder a path": lambda m, o: protect(m, o, recorder="runs/mine").step(toy_closure(m, o, rank, 0)),
         "own hook registered": lambda m, o: (m.register_comm_hook(None, default_hooks.allreduce_hook),
                                              protect(m, o)),
         # an unmonitored, fault-free protector registers no comm hook: refused all the same
@@ -1326,6 +1328,8 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "hook on one rank": "ValueError: protect(): ranks disagree on the comm hook;",
         "hook per rank": "ValueError: protect(): ranks disagree on the comm hook;",
         "state without a hook": "ValueError: protect(): comm_state= is the state of comm_hook=, which is not given",
+        "recorder a path": "TypeError: protect(): recorder= must be a paft.records.RunRecorder(run_dir, rank), "
+                           "got str",
         "own hook registered": "RuntimeError: protect(): this DDP model already has a comm hook (from "
                                "register_comm_hook, or an earlier protector's: DDP keeps it); pass yours to "
                                "protect() as comm_hook=",
