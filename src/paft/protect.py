@@ -551,7 +551,8 @@ class Protector:
             raise RuntimeError(
                 f"the closure ran no backward(): {missing}; call optimizer.zero_grad() and loss.backward() inside "
                 "it (with ddp.no_sync(), the last micro-batch outside it). A backward() that ran and still left DDP "
-                "nothing to reduce had parameters the forward did not use: pass find_unused_parameters=True to "
+                "nothing to reduce went through the module DDP wraps (call the DDP model, ddp(x), not the module it "
+                "wraps), or had parameters the forward did not use: pass find_unused_parameters=True to "
                 "DistributedDataParallel"
             )
         return loss

@@ -1158,6 +1158,8 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "no backward after a step": stale,
         "every backward under no_sync": under_no_sync_only,
         "unused parameters": lambda m, o: unused(*wrapped(Spare())),
+        # the unwrapped model in the closure: its backward ran, DDP's reducer saw none of it
+        "the module called, not DDP": lambda m, o: protect(m, o).step(toy_closure(m.module, o, rank, 0)),
         "protect twice": lambda m, o: (protect(m, o), protect(m, o)),
         "protect again, the first dropped": dropped_first,
         # A dropped protector's hook stays with DDP and went on injecting for an unmonitored one.
@@ -1351,6 +1353,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
     for name, needle in expect.items():  # "": accepted, nothing raised
         assert out[0][name].startswith(needle) and (needle or not out[0][name]), (name, out[0][name])
     assert "pass find_unused_parameters=True" in out[0]["unused parameters"]
+    assert "call the DDP model, ddp(x), not the module it wraps" in out[0]["the module called, not DDP"]
 
 
 def _w_unmonitored_hook_and_faults(rank: int, world_size: int) -> dict[str, int]:
