@@ -441,8 +441,24 @@ def _jsonl(path: pathlib.Path, records: list[dict[str, Any]]) -> None:
 def _consistency(run_dir: pathlib.Path, cv: list[float], loss: list[float]) -> None:
     _jsonl(run_dir / "consistency.jsonl", [
         {"step": t, "loss": loss[t], "consistency/loss_cv": cv[t], "consistency/loss_std": cv[t] * loss[t],
-         "consistency/gnorm_cv": 0.1, "consistency/grad_cos_mean": 0.5, "consistency/grad_cos_min": 0.25 - t / 64}
+         "consistency/gnorm_cv": 0.1, "consistency/grad_cos_mean": 0.5, "consistency/grad_cos_min": 0.25 - (t % 5) / 64}
         for t in range(len(cv))])
+
+
+def test_desync_plan_changes_only_what_each_setting_names(tmp_path: pathlib.Path) -> None:
+    runs = desync.plan(tmp_path, steps=10, world_size=2, seed=7)
+    assert [r.labels["setting"] for r in runs] == list(desync.SETTINGS)
+    changed = {r.labels["setting"]: {k: r.config[k] for k in ("desync_shuffle", "desync_seed", "seed")} for r in runs}
+    assert changed == {"S1": {"desync_shuffle": False, "desync_seed": False, "seed": 7},
+                       "S2": {"desync_shuffle": True, "desync_seed": False, "seed": 7},
+                       "S3": {"desync_shuffle": True, "desync_seed": True, "seed": 7},
+                       "S1r": {"desync_shuffle": False, "desync_seed": False, "seed": 8}}
+    # Everything else is the one base: same schedule, batch, monitor, and dropout on (so that seeds matter).
+    rest = [{k: v for k, v in r.config.items() if k not in ("desync_shuffle", "desync_seed", "seed", "run_dir")}
+            for r in runs]
+    assert all(c == rest[0] for c in rest)
+    assert rest[0]["dropout"] == desync.DROPOUT > 0 and rest[0]["inject"] == [] and rest[0]["monitor"]["enabled"]
+    assert [r.config["run_dir"] for r in runs] == [str(tmp_path / "runs" / k) for k in desync.SETTINGS]
 
 
 def test_desync_analyze_statistics_and_paired_comparison(tmp_path: pathlib.Path) -> None:
@@ -459,7 +475,7 @@ def test_desync_analyze_statistics_and_paired_comparison(tmp_path: pathlib.Path)
     result = desync.analyze(runs, warmup=2)
     s1 = result["stats"]["S1"]
     assert s1["loss_cv_mean"] == 1.0 and s1["loss_cv_max"] == 1.5
-    assert s1["grad_cos_min_min"] == 0.25 - 7 / 64
+    assert s1["grad_cos_min_min"] == 0.25 - 4 / 64 and s1["grad_cos_min_max"] == 0.25
     assert s1["loss_diff_std"] == 0.0  # a straight line after the warm-up
     same = result["comparisons"]["S2"]["loss_cv"]
     assert same["diff"] == 0.0 and math.isnan(same["z"])
@@ -471,6 +487,19 @@ def test_desync_analyze_statistics_and_paired_comparison(tmp_path: pathlib.Path)
     null = {"diff": 1.5, "se": 1.0, "z": 1.5}
     assert "not beyond run-to-run noise" in desync._verdict("loss_cv", higher, 1.0, null)
     assert "not beyond" not in desync._verdict("loss_cv", higher, 1.0, {"diff": 0.5, "se": 1.0, "z": 0.5})
+    # The threshold is |z| = Z_NOISE, either sign; the word follows the difference's sign.
+    assert "no difference beyond noise (-40.0% vs S1, z = -2.9)" in desync._verdict(
+        "loss_cv", {"diff": -1.0, "se": 1 / 2.9, "z": -2.9}, 2.5)
+    assert desync._verdict("loss_cv", {"diff": -1.0, "se": 1 / 3, "z": -3.0}, 2.5) == (
+        "loss_cv: lower than S1 by -40.0% (z = -3.0)")
+
+
+def test_desync_null_note_says_whether_the_null_control_fired() -> None:
+    quiet = {name: {"diff": 0.1, "se": 0.1, "z": 1.0} for name in (*desync.METRICS, "loss")}
+    assert desync._null_note({"S2": quiet}) == ""
+    assert "stays within |z| < 3" in desync._null_note({"S1r": quiet})
+    fired = {**quiet, "gnorm_cv": {"diff": 1.0, "se": 0.25, "z": -4.0}, "loss": {"diff": 1.0, "se": 0.25, "z": 4.0}}
+    assert "beyond |z| = 3 in gnorm_cv, loss:" in desync._null_note({"S1r": fired})
 
 
 def test_desync_standard_error_is_over_block_means() -> None:
@@ -502,12 +531,20 @@ def test_desync_reading_compares_each_setting_with_s1_and_quotes_the_null_contro
             r.summary = {"final_val_loss": 2.0 + offsets[key], "steps_per_s": 1.0}
 
     monkeypatch.setattr(desync, "run_all", run_all)
-    monkeypatch.setattr(desync, "_plots", lambda *_: [])
+    monkeypatch.setattr(desync, "_plots", lambda out, _: [out / "loss.png"])
     out = tmp_path / "desync"
     results = desync.run(out, steps=10, world_size=2)
     md = (out / "results.md").read_text()
     assert results["reading"] == [line for line in md.splitlines() if line.startswith("- ")]
+    # One table row per setting in SETTINGS' order, each column its own statistic.
+    rows = [line for line in md.splitlines() if line.startswith("| S")]
+    assert [line.split(" ")[1] for line in rows] == list(desync.SETTINGS)
+    assert rows[0] == "| S1 synchronized | 1 ± 0 | 1 | 3.438 | 4 | 0.1 ± 0 | 0.1 | 0.5 ± 0 | 0.1875 | 2 | 0 |"
+    assert set(results["comparisons"]) == {"S2", "S3", "S1r"} and len(results["reading"]) == 4
+    assert results["warmup"] == 2 and "after the 2-step warm-up" in md  # TrainConfig's warm-up of the runs
+    assert "![loss](loss.png)" in md
     s2 = next(line for line in results["reading"] if line.startswith("- S2 "))
+    assert "; grad_cos_mean: no difference beyond noise" in s2
     assert "global loss: +0.5000 per step vs S1 on average (z = +nan), null control +0.2500" in s2
     assert s2.endswith("; final val loss +0.5000 (null control +0.2500).")
     s1r = next(line for line in results["reading"] if line.startswith("- S1r "))
