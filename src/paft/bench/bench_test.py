@@ -595,7 +595,8 @@ def test_detection_harm_reads_the_worst_replica(tmp_path: pathlib.Path) -> None:
 
 def test_detection_assess_detection(tmp_path: pathlib.Path) -> None:
     run_dir = tmp_path / "guarded"
-    _jsonl(run_dir / "faults.jsonl", [{"step": t, "attempt": 0} for t in (2, 9, 15)])
+    # Step 12's fault fired only on a recompute: no fault of the schedule, so its detection stays a FP.
+    _jsonl(run_dir / "faults.jsonl", [{"step": t, "attempt": 0} for t in (2, 9, 15)] + [{"step": 12, "attempt": 1}])
     _jsonl(run_dir / "events.jsonl", [
         {"step": 2, "event": "guard", "attempt": 0, "action": "recompute", "detector": "grad_mismatch"},
         {"step": 2, "event": "guard", "attempt": 1, "action": "proceed", "detector": "grad_mismatch"},
@@ -636,10 +637,41 @@ def test_detection_bit_labels_name_the_float32_field() -> None:
     assert detection.bit_label("exponent") == "exponent (random bit)"
 
 
+def test_detection_plan_pairs_guarded_and_unguarded_runs_of_one_base(tmp_path: pathlib.Path) -> None:
+    runs = detection.plan(tmp_path, steps=8, rate=0.5, world_size=2, bits=[30, "sign"], sites=detection.SITES)
+    ref, cells = runs[0], runs[1:]
+    assert ref.name == detection.REFERENCE and ref.config["inject"] == [] and not ref.config["guard"]["enabled"]
+    assert [(r.labels["site"], r.labels["bits"], r.labels["guard"]) for r in cells] == [
+        (site, b, g) for site in detection.SITES for b in (30, "sign") for g in (True, False)]
+    for r in cells:
+        assert r.config["inject"] == [detection.fault_spec(r.labels["site"], r.labels["bits"], 0.5)]
+        assert r.config["guard"]["enabled"] == r.labels["guard"]
+    # Apart from faults and guard, every run is the reference: the same seed and fault schedule,
+    # and an evaluation after every step (the harm test reads each step's validation loss).
+    same = [{k: v for k, v in r.config.items() if k not in ("inject", "guard", "run_dir")} for r in runs]
+    assert all(c == same[0] for c in same) and same[0]["eval_every"] == 1
+
+
+def test_detection_rejects_unknown_sites_and_too_few_overhead_steps(tmp_path: pathlib.Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def run_all(runs: list[Run], world_size: int) -> None:
+        raise AssertionError("bad input must be rejected before any run starts")
+
+    monkeypatch.setattr(detection, "run_all", run_all)
+    with pytest.raises(ValueError, match="sites: must be among"):
+        detection.run(tmp_path / "a", sites=["aggregation", "weights"])
+    with pytest.raises(ValueError, match=f"overhead_steps: must be >= {overhead.BLOCKS}"):
+        detection.run(tmp_path / "b", overhead_steps=overhead.BLOCKS - 1)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_detection_table_and_results_agree_on_shares_and_counts(tmp_path: pathlib.Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # Every cell the same: faults at steps 1 (raises the loss), 4 (makes the model non-finite)
-    # and 5 (after the collapse); the guard catches step 1, step 3 late, step 0 falsely.
+    # and 5 (after the collapse); the guard catches step 1, step 3 late, step 0 falsely. Sites
+    # in ``silent`` draw no fault at all.
+    silent: set[str] = set()
+
     def run_all(runs: list[Run], world_size: int) -> None:
         for r in runs:
             run_dir = pathlib.Path(r.config["run_dir"])
@@ -647,16 +679,19 @@ def test_detection_table_and_results_agree_on_shares_and_counts(tmp_path: pathli
                 _evals(run_dir, [2.0] * 7, [0.0] * 7)
                 r.summary = {"final_val_loss": 2.0, "steps_per_s": 1.0}
                 continue
-            _jsonl(run_dir / "faults.jsonl", [{"step": t, "attempt": 0} for t in (1, 4, 5)])
+            faults = () if r.labels["site"] in silent else (1, 4, 5)
+            _jsonl(run_dir / "faults.jsonl", [{"step": t, "attempt": 0} for t in faults])
             if r.labels["guard"]:
                 _jsonl(run_dir / "events.jsonl", [
                     {"step": t, "event": "guard", "attempt": 0, "action": "recompute", "detector": "grad_mismatch"}
                     for t in (0, 1, 3)])
-                r.summary = {"final_val_loss": 2.0, "faults_injected": 3, "recomputes": 2, "skipped_batches": 0,
+                r.summary = {"final_val_loss": 2.0, "faults_injected": len(faults), "recomputes": 2,
+                             "skipped_batches": 0,
                              "replicas_distinct": 1}
             else:
                 _evals(run_dir, [2.0, 2.0, 2.2, 2.2, 2.2, "nan", "nan"], [0.0] * 5 + ["inf", "inf"])  # type: ignore[list-item]
-                r.summary = {"final_val_loss": 2.5, "faults_injected": 3, "replicas_distinct": 2,
+                r.summary = {"final_val_loss": 2.5 if r.labels["bits"] == 30 else math.nan,
+                             "faults_injected": len(faults), "replicas_distinct": 2,
                              "max_replica_rel_diff": 0.5}
 
     def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str], *, steps: int,
@@ -671,8 +706,10 @@ def test_detection_table_and_results_agree_on_shares_and_counts(tmp_path: pathli
     monkeypatch.setattr(overhead, "measure", measure)
     monkeypatch.setattr(detection, "_plot", lambda out, *_: out / "detection.png")
     out = tmp_path / "detection"
-    results = detection.run(out, steps=6, rate=0.5, bits=[30, "mantissa"], overhead_steps=5)
-    assert json.loads((out / "results.json").read_text())["rows"] == results["rows"]
+    results = detection.run(out, steps=6, rate=0.5, bits=["mantissa", 30], overhead_steps=5)
+    written = json.loads((out / "results.json").read_text())["rows"]
+    # results.json spells the infinite gap as records do ("inf"); otherwise it holds the returned rows.
+    assert written == [{**r, "gap_unguarded_pct": "inf"} if r["bits"] == "mantissa" else r for r in results["rows"]]
     assert len(results["rows"]) == 4
     for row in results["rows"]:
         assert (row["faults"], row["harm_assessed"], row["harmful"], row["collapsed"]) == (3, 2, 2, 1)
@@ -680,17 +717,27 @@ def test_detection_table_and_results_agree_on_shares_and_counts(tmp_path: pathli
         assert (row["faults_guarded"], row["detected"], row["late"], row["false_positives"]) == (3, 1, 1, 1)
         assert row["detected_share"] == 1 / 3  # over the injected faults
         assert row["harmful_missed"] == 1  # step 4's
-        assert (row["gap_guard_pct"], row["gap_unguarded_pct"]) == (0.0, 25.0)
+        # A run that ends non-finite is infinitely far from the fault-free loss.
+        assert (row["gap_guard_pct"], row["gap_unguarded_pct"]) == (0.0, 25.0 if row["bits"] == 30 else math.inf)
         assert row["background"] == {"assessed": 3, "fired": 0}  # steps 0, 2, 3
     md = (out / "results.md").read_text()
     cell = "| 3 | 2/2 (+1 after NaN) | 1/3 | 1 (+1 late) | 2 | 0 | 25 |"
     assert f"| 30 (exponent) {cell}{cell[1:]}" in md
+    assert md.index("| mantissa (random bit) |") < md.index("| 30 (exponent) |")  # the order asked for
+    assert "No fault fired" not in md
     assert ("- local-grad: over the single-bit rows, 2/2 faults harmful, 1/3 detected; harmful but missed: 30; "
             "false positives in these runs: 2 (+2 late); harm test background (fired at fault-free steps of the "
             "unguarded runs): 0/6.") in md
+    assert "| monitor | 50 | +25.0 to +50.0 | 25 | +0.0 to +50.0 |" in md
     assert "| guard | 75 | +25.0 to +75.0 | 25 | +0.0 to +50.0 |" in md
     assert f"False positives in {overhead.WARMUP + 5} fault-free guarded steps: 1." in md
     assert results["overhead"]["false_positives_fault_free"] == 1
+    # A site without faults is no reason for the warning; no fault anywhere is.
+    for silent_sites, warned in (({"local-grad"}, False), (set(detection.SITES), True)):
+        silent.clear()
+        silent.update(silent_sites)
+        detection.run(tmp_path / str(warned), steps=6, rate=0.5, bits=[30], overhead_steps=5)
+        assert ("**No fault fired**" in (tmp_path / str(warned) / "results.md").read_text()) == warned
 
 
 # -- (b), (c) real runs through the CLI ---------------------------------------------------
