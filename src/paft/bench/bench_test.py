@@ -458,6 +458,7 @@ def test_desync_plan_changes_only_what_each_setting_names(tmp_path: pathlib.Path
             for r in runs]
     assert all(c == rest[0] for c in rest)
     assert rest[0]["dropout"] == desync.DROPOUT > 0 and rest[0]["inject"] == [] and rest[0]["monitor"]["enabled"]
+    assert rest[0]["batch_size"] == 2 * desync.PER_RANK_BATCH  # the global batch: PER_RANK_BATCH per rank
     assert [r.config["run_dir"] for r in runs] == [str(tmp_path / "runs" / k) for k in desync.SETTINGS]
 
 
@@ -492,6 +493,9 @@ def test_desync_analyze_statistics_and_paired_comparison(tmp_path: pathlib.Path)
         "loss_cv", {"diff": -1.0, "se": 1 / 2.9, "z": -2.9}, 2.5)
     assert desync._verdict("loss_cv", {"diff": -1.0, "se": 1 / 3, "z": -3.0}, 2.5) == (
         "loss_cv: lower than S1 by -40.0% (z = -3.0)")
+    # Relative to |S1's mean|: a cosine that rises from -0.5 reads as higher, +20%.
+    assert desync._verdict("grad_cos_mean", {"diff": 0.1, "se": 0.01, "z": 10.0}, -0.5) == (
+        "grad_cos_mean: higher than S1 by +20.0% (z = +10.0)")
 
 
 def test_desync_null_note_says_whether_the_null_control_fired() -> None:
@@ -507,28 +511,37 @@ def test_desync_standard_error_is_over_block_means() -> None:
     mean, se = desync._mean_se([1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 0.0, 4.0, 3.0, 3.0, math.nan])
     assert mean == 2.4 and se == pytest.approx(math.sqrt(0.3 / 5), rel=1e-12)
     assert desync._mean_se([1.0, 2.0]) == (1.5, pytest.approx(0.5))  # blocks of one step
+    # 11 steps: the same 5 blocks of 2; the incomplete last block enters the mean, not the error.
+    mean, se = desync._mean_se([1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 0.0, 4.0, 3.0, 3.0, 100.0])
+    assert mean == 124 / 11 and se == pytest.approx(math.sqrt(0.3 / 5), rel=1e-12)
     mean, se = desync._mean_se([1.0, math.inf])
     assert mean == 1.0 and math.isnan(se)
 
 
-def test_desync_loss_roughness_is_after_the_warmup(tmp_path: pathlib.Path) -> None:
-    # Step-to-step differences from the warm-up on: [4, 3, 3, 1] -> [-1, 0, -2], population std.
-    _consistency(tmp_path / "S1", [1.0] * 6, [9.0, 1.0, 4.0, 3.0, 3.0, 1.0])
+def test_desync_loss_roughness_is_after_the_warmup_and_skips_non_finite_steps(tmp_path: pathlib.Path) -> None:
+    # Step-to-step differences of the finite losses from the warm-up on: [4, 3, 3, 1] -> [-1, 0, -2],
+    # population std; a non-finite step is left out, of the loss as of the monitor's metrics.
+    _consistency(tmp_path / "S1", [math.nan, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0], [9.0, 1.0, 4.0, 3.0, math.nan, 3.0, 1.0])
     run = Run("S1", {"run_dir": str(tmp_path / "S1")}, labels={"setting": "S1"},
               summary={"final_val_loss": 2.0, "steps_per_s": 1.0})
-    assert desync.analyze([run], warmup=2)["stats"]["S1"]["loss_diff_std"] == pytest.approx(math.sqrt(2 / 3))
+    s1 = desync.analyze([run], warmup=2)["stats"]["S1"]
+    assert s1["loss_diff_std"] == pytest.approx(math.sqrt(2 / 3))
+    assert (s1["loss_cv_mean"], s1["loss_cv_max"], s1["loss_cv_min"]) == (7 / 6, 2.0, 1.0)
 
 
 def test_desync_reading_compares_each_setting_with_s1_and_quotes_the_null_control(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     offsets = {"S1": 0.0, "S2": 0.5, "S3": 1.0, "S1r": 0.25}  # global loss and final val loss above S1's
+    # loss_cv: S2 and the null control S1r both clearly above S1 (|z| >> 3), by about as much.
+    cv_offsets = {"S1": 0.0, "S2": 0.5, "S3": 0.0, "S1r": 0.5}
 
     def run_all(runs: list[Run], world_size: int) -> None:
         for r in runs:
             key = r.labels["setting"]
-            _consistency(pathlib.Path(r.config["run_dir"]), [1.0] * 10, [4.0 - t / 8 + offsets[key] for t in range(10)])
-            r.summary = {"final_val_loss": 2.0 + offsets[key], "steps_per_s": 1.0}
+            cv = [1.0 + cv_offsets[key] + (t % 3) / 100 * (key != "S1") for t in range(10)]
+            _consistency(pathlib.Path(r.config["run_dir"]), cv, [4.0 - t / 8 + offsets[key] for t in range(10)])
+            r.summary = {"final_val_loss": 2.0 + offsets[key], "steps_per_s": 1.0 + offsets[key]}
 
     monkeypatch.setattr(desync, "run_all", run_all)
     monkeypatch.setattr(desync, "_plots", lambda out, _: [out / "loss.png"])
@@ -545,6 +558,9 @@ def test_desync_reading_compares_each_setting_with_s1_and_quotes_the_null_contro
     assert "![loss](loss.png)" in md
     s2 = next(line for line in results["reading"] if line.startswith("- S2 "))
     assert "; grad_cos_mean: no difference beyond noise" in s2
+    assert s2.startswith("- S2 (desync shuffle) vs S1: loss_cv: higher than S1 by ")
+    assert "but the null control differs by +50.9%: not beyond run-to-run noise; gnorm_cv" in s2
+    assert [r["steps_per_s"] for r in results["rows"]] == [1.0, 1.5, 2.0, 1.25]
     assert "global loss: +0.5000 per step vs S1 on average (z = +nan), null control +0.2500" in s2
     assert s2.endswith("; final val loss +0.5000 (null control +0.2500).")
     s1r = next(line for line in results["reading"] if line.startswith("- S1r "))
@@ -575,6 +591,11 @@ def test_detection_assess_harm(tmp_path: pathlib.Path) -> None:
     # The same test at fault-free steps 0, 2, 4, 5, 7..10 (12 is after the collapse): it fires at
     # step 4 only, whose update the loss rise also follows; the drift after the split is no new harm.
     assert harm["background"] == {"assessed": 8, "fired": 1}
+    # Replicas that diverge to inf have collapsed even where every replica's loss stays finite.
+    split = tmp_path / "split"
+    _evals(split, [2.0] * 5, [0.0, 0.0, math.inf, math.inf, math.inf])
+    _jsonl(split / "faults.jsonl", [{"step": t, "attempt": 0} for t in (1, 3)])
+    assert [p["harm"] for p in detection.assess_harm(split, ref, 4)["per_fault"]] == ["nonfinite", "collapsed"]
 
 
 def test_detection_harm_reads_the_worst_replica(tmp_path: pathlib.Path) -> None:
@@ -638,7 +659,8 @@ def test_detection_bit_labels_name_the_float32_field() -> None:
 
 
 def test_detection_plan_pairs_guarded_and_unguarded_runs_of_one_base(tmp_path: pathlib.Path) -> None:
-    runs = detection.plan(tmp_path, steps=8, rate=0.5, world_size=2, bits=[30, "sign"], sites=detection.SITES)
+    runs = detection.plan(tmp_path, steps=8, rate=0.5, world_size=2, bits=[30, "sign"], sites=detection.SITES,
+                          seed=5)
     ref, cells = runs[0], runs[1:]
     assert ref.name == detection.REFERENCE and ref.config["inject"] == [] and not ref.config["guard"]["enabled"]
     assert [(r.labels["site"], r.labels["bits"], r.labels["guard"]) for r in cells] == [
@@ -649,7 +671,7 @@ def test_detection_plan_pairs_guarded_and_unguarded_runs_of_one_base(tmp_path: p
     # Apart from faults and guard, every run is the reference: the same seed and fault schedule,
     # and an evaluation after every step (the harm test reads each step's validation loss).
     same = [{k: v for k, v in r.config.items() if k not in ("inject", "guard", "run_dir")} for r in runs]
-    assert all(c == same[0] for c in same) and same[0]["eval_every"] == 1
+    assert all(c == same[0] for c in same) and (same[0]["eval_every"], same[0]["seed"]) == (1, 5)
 
 
 def test_detection_rejects_unknown_sites_and_too_few_overhead_steps(tmp_path: pathlib.Path,
@@ -697,6 +719,7 @@ def test_detection_table_and_results_agree_on_shares_and_counts(tmp_path: pathli
     def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str], *, steps: int,
                 world_size: int) -> dict[str, Any]:
         assert tuple(variants) == detection.OVERHEAD_VARIANTS and steps == 5
+        assert base["steps"] == base["eval_every"] == overhead.WARMUP + 5  # no evaluation inside the timed steps
         _jsonl(runs_dir / "guard" / "events.jsonl", [{"step": 40, "event": "guard", "detector": "loss_spike"}])
         return {"plain": {"wall_ms": 2.0, "cpu_ms": 1.0, "parameters": 5},
                 **{v: {"wall": w, "wall_blocks": [1.25, w], "cpu": 1.25, "cpu_blocks": [1.5, 1.0]}
