@@ -252,7 +252,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
         raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing); "
                           "pass --overwrite instead of --resume to start it again")
     try:
-        saved = _saved_options(json.loads((path / "config.json").read_text(encoding="utf-8")))
+        saved = TrainConfig.from_dict(json.loads((path / "config.json").read_text(encoding="utf-8"))).to_dict()
     except (OSError, ValueError, TypeError, AttributeError) as err:
         raise RunDirError(f"--resume: cannot read {path / 'config.json'}: {err}") from None
     _check_fixed(saved, cfg.to_dict(), str(path))
@@ -282,7 +282,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     held = files[0].get("config")  # type: ignore[union-attr]  # intact: loaded
     if isinstance(held, dict):
         try:
-            trained = _saved_options(held)
+            trained = TrainConfig.from_dict(held).to_dict()
         except (ValueError, TypeError, AttributeError) as err:
             raise RunDirError(f"--resume: {root / name / 'rank0.pt'} holds unreadable options: {err}") from None
         # config.json passed the check above, so it no longer says what the run trained with.
@@ -295,12 +295,6 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
             f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
             f"pass --steps above {done} to train on"
         )
-
-
-def _saved_options(data: Any) -> dict[str, Any]:
-    """The options a run saved (``config.json``, a checkpoint's), rebuilt and checked
-    as a config dict."""
-    return TrainConfig.from_dict(data).to_dict()
 
 
 def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str, why: str = "") -> None:

@@ -551,9 +551,9 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
         visible = f"NCCL needs one GPU per worker and {count} {'is' if count == 1 else 'are'} visible"
         if local_workers is None:
             raise MachineError(f"--world-size {cfg.world_size}: {visible}; use --world-size {count} "
-                              "or --device cpu (gloo)")
+                               "or --device cpu (gloo)")
         raise MachineError(f"{local} worker processes on this machine: {visible}; start at most {count} here "
-                          f"(torchrun --nproc-per-node {count}) or use --device cpu (gloo)")
+                           f"(torchrun --nproc-per-node {count}) or use --device cpu (gloo)")
     # Weights, gradients, DDP's buckets and two optimizer moments: 20 bytes per fp32
     # parameter per worker, before activations. Only sizes far beyond the machine are
     # refused here; the rest is the allocator's to judge.
