@@ -7,6 +7,7 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 
 @pytest.fixture
@@ -26,3 +27,16 @@ def no_tensorboard(monkeypatch: pytest.MonkeyPatch) -> None:
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A one-rank gloo default process group in this process (no workers); taken down
+    after the test, unless the code under test took it down itself."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

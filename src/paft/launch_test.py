@@ -262,6 +262,7 @@ def test_a_guard_stop_exits_3_with_its_reason(tmp_path: pathlib.Path, monkeypatc
     assert capsys.readouterr().err == f"paft train: {reason}\n"
 
 
+@pytest.mark.usefixtures("one_rank_group")
 def test_a_guard_stop_is_a_result_recorded_with_its_reason(tmp_path: pathlib.Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard stops every rank at the same step: a result (exit 3), not a failure.
@@ -285,13 +286,8 @@ def test_a_guard_stop_is_a_result_recorded_with_its_reason(tmp_path: pathlib.Pat
             raise stop
 
     monkeypatch.setattr(launcher, "Trainer", Trainer)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
-        result = launcher._train_in_group(TrainConfig(), str(tmp_path))
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result = launcher._train_in_group(TrainConfig(), str(tmp_path))
+    assert not dist.is_initialized()
     assert (result, closed) == ({"status": "persistent_fault", "message": str(stop)}, [True])
     assert read_jsonl(tmp_path / "events.jsonl") == [{"step": 5, "event": "stop", "ranks": [1], "reason": str(stop)}]
     assert _steps_and_ranks(tmp_path) == [(5, 0), (5, 1)]
@@ -348,6 +344,7 @@ def test_under_torchrun_the_last_rank_out_puts_the_faults_in_order(tmp_path: pat
                for e in failed)
 
 
+@pytest.mark.usefixtures("one_rank_group")
 @pytest.mark.parametrize("case", ["error", "signal", "replaced", "elsewhere", "unwritable"])
 def test_under_torchrun_a_rank_records_its_failure_after_its_group_is_down(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], case: str
@@ -380,15 +377,10 @@ def test_under_torchrun_a_rank_records_its_failure_after_its_group_is_down(
     monkeypatch.setattr(launcher, "record_failure", lambda run_dir, *args: (recorded.append(run_dir),
                                                                             record(run_dir, *args)))
     monkeypatch.setattr(launcher, "Trainer", failing_trainer)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
-        with pytest.raises(launcher.SignalException if case == "signal" else RuntimeError):
-            launcher._main(TrainConfig(run_dir=str(tmp_path / "r"), world_size=1, steps=1, quiet=True), "torchrun",
-                           case != "elsewhere")  # not rank 0 there: no claim
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with pytest.raises(launcher.SignalException if case == "signal" else RuntimeError):
+        launcher._main(TrainConfig(run_dir=str(tmp_path / "r"), world_size=1, steps=1, quiet=True), "torchrun",
+                       case != "elsewhere")  # not rank 0 there: no claim
+    assert not dist.is_initialized()
     if case == "unwritable":
         assert capsys.readouterr().err.startswith(f"torchrun: warning: cannot record the failure in {tmp_path}/r/"
                                                   "events.jsonl: Is a directory\n")
@@ -754,6 +746,7 @@ def test_under_torchrun_every_rank_exits_3_on_a_guard_stop_and_2_on_a_refused_cl
     assert run_workers(_main_exit_codes, 2, str(tmp_path / "r"), timeout=120) == [[3, 2], [3, 2]]
 
 
+@pytest.mark.usefixtures("one_rank_group")
 @pytest.mark.parametrize("rank0", [True, False], ids=["rank 0", "rank 1"])
 def test_under_torchrun_rank_0_alone_says_the_plan_and_the_result(tmp_path: pathlib.Path,
                                                                    monkeypatch: pytest.MonkeyPatch,
@@ -767,13 +760,9 @@ def test_under_torchrun_rank_0_alone_says_the_plan_and_the_result(tmp_path: path
                                                                        "message": "stopped"}])
     monkeypatch.setattr(launcher, "_train_in_group", lambda cfg, run_dir: next(results))
     said = []
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
-        for name, quiet in (("plan", False), ("quiet", True), ("stop", True)):
-            cfg = TrainConfig(run_dir=str(tmp_path / name), world_size=1, steps=1, quiet=quiet)
-            said.append((launcher._main(cfg, "torchrun", rank0), *capsys.readouterr()))
-    finally:
-        dist.destroy_process_group()
+    for name, quiet in (("plan", False), ("quiet", True), ("stop", True)):
+        cfg = TrainConfig(run_dir=str(tmp_path / name), world_size=1, steps=1, quiet=quiet)
+        said.append((launcher._main(cfg, "torchrun", rank0), *capsys.readouterr()))
     plan = format_plan(TrainConfig(run_dir=str(tmp_path / "plan"), world_size=1, steps=1), "torchrun")
     summary = [format_summary({"steps": 1}, str(tmp_path / name)) for name in ("plan", "quiet")]
     assert said == ([(0, f"{plan}\n{summary[0]}\n", ""), (0, f"{summary[1]}\n", ""), (3, "", "torchrun: stopped\n")]

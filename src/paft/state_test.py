@@ -163,18 +163,14 @@ def _ddp_worker(rank: int, world_size: int) -> tuple[list[str], int, int]:
     return [n for n, _ in state_tensors(ddp, opt)], fp, len(set(fps))
 
 
+@pytest.mark.usefixtures("one_rank_group")
 def test_ddp_is_unwrapped_in_process() -> None:
     """One-rank gloo group in this process: DDP's ``module.`` prefix never shows."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model, opt = _trained()
-        ddp = nn.parallel.DistributedDataParallel(model)
-        assert "module.conv.weight" in dict(ddp.named_parameters())
-        assert state_tensors(ddp, opt) == state_tensors(model, opt)
-        assert state_fingerprint(ddp, opt) == state_fingerprint(model, opt)
-    finally:
-        dist.destroy_process_group()
+    model, opt = _trained()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    assert "module.conv.weight" in dict(ddp.named_parameters())
+    assert state_tensors(ddp, opt) == state_tensors(model, opt)
+    assert state_fingerprint(ddp, opt) == state_fingerprint(model, opt)
 
 
 def test_ddp_replicas_agree_and_names_are_unwrapped() -> None:

@@ -3,11 +3,8 @@ what a part's launch and finish do with the live tensors, given a plan."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from paft.flat import Layout, build_layout, structure_key, transport_view
 from paft.sync_plan import SyncPlan
@@ -16,14 +13,9 @@ from paft.sync_transfer import Entry, Transfer, pack_group
 
 
 @pytest.fixture
-def one_rank() -> Iterator[Transfer]:
+def one_rank(one_rank_group: None) -> Transfer:
     """A Transfer over a one-rank gloo world (the default group)."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield Transfer(None, 0, 1, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
+    return Transfer(None, 0, 1, torch.device("cpu"))
 
 
 # A mean over the one finite replica: this rank applies the result (the mean's ranks
