@@ -7,7 +7,8 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-import torch.distributed as dist
+
+from paft.testing import one_rank_group
 
 
 @pytest.fixture
@@ -29,14 +30,8 @@ def no_tensorboard(monkeypatch: pytest.MonkeyPatch) -> None:
                         lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
 
 
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A one-rank gloo default process group in this process (no workers); taken down
-    after the test, unless the code under test took it down itself."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+@pytest.fixture(name="one_rank_group")
+def _one_rank_group() -> Iterator[None]:
+    """A one-rank gloo default process group in this process (no workers), for one test."""
+    with one_rank_group():
         yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

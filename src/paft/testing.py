@@ -31,7 +31,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from paft.config import ProtectConfig
     from paft.protect import Protector, StepReport
 
-__all__ = ["run_workers", "take_step", "resumed_runs", "Leg", "ResumedRuns", "WorkerError", "NestedStateSGD"]
+__all__ = ["run_workers", "one_rank_group", "take_step", "resumed_runs", "Leg", "ResumedRuns", "WorkerError",
+           "NestedStateSGD"]
 
 
 def take_step(protector: Protector | None, optimizer: torch.optim.Optimizer,
@@ -168,6 +169,19 @@ def _entry(
         # clean-clone run). A peer that failed breaks the barrier: its error is the report.
         with contextlib.suppress(RuntimeError):
             dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A one-rank gloo default process group in this process (no workers); taken down
+    on leaving, unless the code inside took it down itself."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
