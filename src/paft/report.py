@@ -4,7 +4,8 @@ words are :mod:`paft.report_text`'s.
 Reads the run directory through :func:`paft.rundata.load_run`. A missing file means
 nothing to show for that layer: a fault-free, unprotected run still gets its loss, dispersion and cosine plots;
 a run that is still going or crashed (no ``summary.json``) is reported from the jsonl
-files, with a note saying so. Usage::
+files, with a note saying so; a library run's folder (``paft.protect`` with a
+``RunRecorder``: no ``config.json``) from its ``consistency.jsonl``. Usage::
 
     paft report runs/<dir>
 
@@ -218,7 +219,7 @@ def _plot_loss(run: RunData) -> bytes:
                       marker="D", ms=4, label=f"rank {rank} validation loss")
                 everything += [v for _, v in rows]
     _scale(ax, everything)
-    _finish(ax, run, "global and per-rank local loss", "loss")
+    _finish(ax, run, "global and per-rank local loss" + (" (monitored steps only)" if run.library else ""), "loss")
     return _png(fig)
 
 

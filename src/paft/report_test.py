@@ -1,4 +1,5 @@
-"""Tests of ``paft report`` on real run directories (two tiny 2-rank gloo runs, ~10 s each).
+"""Tests of ``paft report`` on real run directories (two tiny 2-rank gloo runs, ~10 s each,
+and a library run's folder: a one-rank ``paft.protect`` loop in this process).
 
 Variants the training stack does not produce cheaply (a crashed run, cosine off,
 guard and sync events, non-finite values) are derived from a real run's files.
@@ -17,11 +18,15 @@ import sys
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import paft.report as report_module
 import paft.report_text as report_text
 from paft.config import MonitorConfig, ProtectConfig, TrainConfig
-from paft.records import read_jsonl
+from paft.protect import protect
+from paft.records import RunRecorder, read_jsonl
 from paft.report import (
     _eval_divergence,
     _figure,
@@ -35,7 +40,7 @@ from paft.report import (
 from paft.report_text import series, summary_text
 from paft.rundata import ReportError, load_run, mean_local_loss
 from paft.rundir import prepare_run_dir
-from paft.testing import run_workers
+from paft.testing import one_rank_group, run_workers
 from paft.train import Trainer
 
 TINY_LM = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
@@ -66,6 +71,32 @@ def fault_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return make_run(tmp_path_factory.mktemp("report") / "clean", [])
+
+
+@pytest.fixture(scope="module")
+def library_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A library user's folder: 6 steps of ``paft.protect`` with a ``RunRecorder``, worker
+    metrics every 2nd step, PAFT-Sync every 2nd, a fault at step 2."""
+    run_dir = tmp_path_factory.mktemp("report") / "library"
+    torch.manual_seed(0)
+    with one_rank_group():
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        protector = protect(ddp, optimizer, monitor=MonitorConfig(interval=2),
+                            protect=ProtectConfig(mode="sync", sync_period=2), inject=["scale:steps=2,factor=3"],
+                            recorder=RunRecorder(run_dir, 0, quiet=True))
+        for step in range(6):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+
+            def closure(x: torch.Tensor = x) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
+                loss.backward()
+                return loss
+
+            protector.step(closure)
+        protector.close()
+    return run_dir
 
 
 def copy_run(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
@@ -119,6 +150,39 @@ def test_clean_run_report_to_other_dir(clean_run: pathlib.Path, tmp_path: pathli
     assert "faults injected: 0" in report.text
     assert "first replica split: none" in report.text
     assert "replicas distinct at the end: 1" in report.text
+
+
+def test_a_library_runs_folder_is_reported_from_its_consistency_records(library_run: pathlib.Path,
+                                                                        tmp_path: pathlib.Path) -> None:
+    assert not (library_run / "config.json").exists() and not list((library_run / "metrics").iterdir())
+    report = build_report(library_run, tmp_path / "out")
+    assert_pngs(report.files, ["loss.png", "dispersion.png", "divergence.png"])  # one rank: no cosine
+    text = report.text
+    assert ("library run (paft.protect's RunRecorder, no config.json): drawn from consistency.jsonl, the loss at "
+            "monitored steps only; the run's settings are not recorded\n"
+            "world size: 1   monitored steps: 3, the last at step 4\n") in text
+    # No step times, no summary: nothing said of them is a guess, and no run is "interrupted".
+    assert "speed: not recorded (a library run's records hold no step times)\n" in text and "note:" not in text
+    assert "faults injected: 1\n" in text and "by site: aggregation (1)" in text
+    assert "syncs: 2   detections: 0" in text
+    assert "protection:" not in text and "val loss" not in text
+
+
+def test_a_library_runs_losses_are_its_consistency_records(library_run: pathlib.Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    records = read_jsonl(library_run / "consistency.jsonl")
+    run = load_run(library_run)
+    assert run.library and run.config == {} and run.summary is None and run.world_size == 1
+    assert [(r["step"], r["local_loss"], r["loss"]) for r in run.metrics[0]] == [
+        (c["step"], c["local_losses"][0], c["loss"]) for c in records]
+    figures: list[Any] = []
+    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    report_module._plot_loss(run)
+    (ax,) = figures[0].axes
+    assert ax.get_title() == "global and per-rank local loss (monitored steps only)"
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    drawn = [(x, y) for x, y in zip(*lines["rank 0 local loss"].get_data()) if math.isfinite(y)]
+    assert drawn == [(c["step"], c["local_losses"][0]) for c in records]
 
 
 def test_a_run_resumed_without_the_monitor_says_its_records_are_an_earlier_legs(
@@ -328,8 +392,15 @@ def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
         build_report("")
     with pytest.raises(ReportError, match=re.escape(f"{tmp_path / 'missing'}: does not exist")):
         build_report(tmp_path / "missing")
+    refused = ("not a paft run directory (no config.json, and no consistency.jsonl record with local_losses): "
+               "expected a paft train run directory, or the folder of a library run's RunRecorder with the monitor on")
     (tmp_path / "plain").mkdir()
-    with pytest.raises(ReportError, match=r"plain: not a paft run directory \(no config.json\)"):
+    with pytest.raises(ReportError, match=re.escape(f"plain: {refused}")):
+        build_report(tmp_path / "plain")
+    # A RunRecorder's folder before a monitored step, or with the monitor off.
+    (tmp_path / "plain" / "metrics").mkdir()
+    (tmp_path / "plain" / "events.jsonl").write_text('{"step": 0, "event": "sync"}\n')
+    with pytest.raises(ReportError, match=re.escape(f"plain: {refused}")):
         build_report(tmp_path / "plain")
     started = tmp_path / "started"
     (started / "metrics").mkdir(parents=True)

@@ -155,7 +155,7 @@ def _notes(run: RunData) -> list[str]:
         lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
                      f"{last} (a resume still running or interrupted): reported from the jsonl files "
                      f"({last} of {cfg.get('steps', '?')} steps recorded)")
-    elif not stops and run.summary is None:
+    elif not stops and run.summary is None and not run.library:  # a library run has no summary.json
         lines.append(f"note: no summary.json: the run is still running, crashed or was interrupted; reported "
                      f"from the jsonl files ({last} of {cfg.get('steps', '?')} steps recorded)")
     if (cfg.get("monitor") or {}).get("enabled") is False and run.consistency:
@@ -173,6 +173,11 @@ def _notes(run: RunData) -> list[str]:
 
 
 def _header(run: RunData) -> list[str]:
+    if run.library:  # no config.json: its settings are not recorded, and no guess is made
+        monitored = max(len(records) for records in run.metrics.values())
+        return ["library run (paft.protect's RunRecorder, no config.json): drawn from consistency.jsonl, the loss "
+                "at monitored steps only; the run's settings are not recorded",
+                f"world size: {run.world_size}   monitored steps: {monitored}, the last at step {run.last_step}"]
     s, cfg = run.summary or {}, run.config
     protect = s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))
     guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
@@ -206,6 +211,8 @@ def _speed(run: RunData) -> str:
     s = run.summary or {}
     if "steps_per_s" in s:
         return f"speed: {s['steps_per_s']:.2f} steps/s ({number(s.get('wall_s')):.2f} s in training steps)"
+    if run.library:
+        return "speed: not recorded (a library run's records hold no step times)"
     # As the trainer times it (Trainer.step_rate): over the timed steps, which leave out
     # the first few of every leg (much slower), else over every step; the records say
     # which (those written before they did: the first leg's rule).

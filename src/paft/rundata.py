@@ -5,6 +5,10 @@ Reads only the run-directory contract (:mod:`paft.records`): ``config.json``,
 ``faults.jsonl`` and ``summary.json``. A missing record file means nothing to show for
 that layer; a damaged one (not UTF-8, not JSON, a field of the wrong type) is a
 :class:`ReportError` naming the file.
+
+A library run's folder (``paft.protect`` with a ``RunRecorder``) has no ``config.json``,
+metrics or summary: its per-rank losses are read from ``consistency.jsonl``'s
+``local_losses`` (:attr:`RunData.library`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ class RunData:
     stale_summary: int | None = None
     """The steps of a ``summary.json`` that the records have gone past (a resumed run
     still running or interrupted): it is set aside, and the records speak."""
+    library: bool = False
+    """A library run's folder (no ``config.json``): ``config`` is empty, and ``metrics``
+    holds each rank's ``local_loss`` (and the ``loss``) of the ``consistency.jsonl``
+    records, so at the monitored steps only, with no step times."""
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == kind]
@@ -102,6 +110,7 @@ _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("_minority_ranks", _ranks_list, "a list of ranks"),
     ("nonfinite_ranks", _ranks_list, "a list of ranks"),
     ("val_loss_per_rank", lambda v: isinstance(v, list), "a list"),
+    ("local_losses", lambda v: isinstance(v, list), "a list"),
     ("cos_to_mean", lambda v: isinstance(v, list), "a list"),
     ("totals", lambda v: isinstance(v, dict), "an object"),
     *((key, lambda v: v is None or isinstance(v, str), "a string") for key in sorted(_TEXT)),
@@ -204,6 +213,18 @@ def read_metrics(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     return dict(sorted(metrics.items()))
 
 
+def _library_metrics(consistency: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """rank -> a metrics record per ``consistency.jsonl`` record that holds the ranks'
+    losses: the rank's ``local_loss`` and the step's ``loss``, as ``metrics/rank{r}.jsonl``
+    has them, so that the report reads a library run as it reads a ``paft train`` one."""
+    metrics: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in consistency:
+        for rank, local in enumerate(r.get("local_losses") or []):
+            metrics[rank].append({"step": r["step"], "local_loss": local,
+                                  **({"loss": r["loss"]} if "loss" in r else {})})
+    return dict(sorted(metrics.items()))
+
+
 def mean_local_loss(metrics: dict[int, list[dict[str, Any]]]) -> tuple[list[int], list[float]]:
     """(steps, the mean of the ranks' own losses) at each step every rank recorded: the
     global loss whatever the run's defenses (a record's ``loss`` is that mean only where
@@ -239,25 +260,37 @@ def load_run(run_dir: str | Path) -> RunData:
         raise ReportError(f"{path}: {what} (expected a paft run directory, e.g. runs/<dir>)")
     config = _read_json(path / "config.json")
     if config is None:
-        raise ReportError(f"{path}: not a paft run directory (no config.json)")
-    _check_config(path / "config.json", config)
-    metrics = read_metrics(path)
-    if not metrics:
-        raise ReportError(
-            f"{path}: no per-step metrics (metrics/rank*.jsonl is missing or empty); "
-            "the run has not completed a step"
-        )
-    summary = _read_json(path / "summary.json")
-    _check_numbers(path / "summary.json", summary)
+        # Not paft train's: a library run's, if its recorder wrote the ranks' losses.
+        consistency = _by_step(_read_jsonl(path / "consistency.jsonl"))
+        metrics = _library_metrics(consistency)
+        if not metrics:
+            raise ReportError(
+                f"{path}: not a paft run directory (no config.json, and no consistency.jsonl record with "
+                "local_losses): expected a paft train run directory, or the folder of a library run's "
+                "RunRecorder with the monitor on"
+            )
+        summary = None  # paft train's: a RunRecorder writes none
+    else:
+        _check_config(path / "config.json", config)
+        metrics = read_metrics(path)
+        if not metrics:
+            raise ReportError(
+                f"{path}: no per-step metrics (metrics/rank*.jsonl is missing or empty); "
+                "the run has not completed a step"
+            )
+        summary = _read_json(path / "summary.json")
+        _check_numbers(path / "summary.json", summary)
+        consistency = _by_step(_read_jsonl(path / "consistency.jsonl"))
     run = RunData(
         path=path,
-        config=config,
+        config=config or {},
         summary=summary,
         metrics=metrics,
-        consistency=_by_step(_read_jsonl(path / "consistency.jsonl")),
+        consistency=consistency,
         evals=_by_step(_read_jsonl(path / "evals.jsonl")),
         events=_read_jsonl(path / "events.jsonl"),
         faults=_read_jsonl(path / "faults.jsonl"),
+        library=config is None,
     )
     # A resume rewrites summary.json only when it ends: until then the old one describes
     # other steps than the records hold (fewer; or more, after a resume from an earlier

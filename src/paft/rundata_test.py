@@ -94,3 +94,34 @@ def test_a_folder_in_a_record_files_place_is_named_not_read_as_missing(tmp_path:
     (tmp_path / name).mkdir()
     with pytest.raises(ReportError, match=f"{name}: cannot read"):
         load_run(tmp_path)
+
+
+def test_a_library_folder_reads_each_ranks_loss_from_its_consistency_records(tmp_path: pathlib.Path) -> None:
+    # What a RunRecorder writes: no config.json, an empty metrics/ folder; the monitor's
+    # records hold every rank's loss (a replica check's record between its metric steps too).
+    (tmp_path / "metrics").mkdir()
+    _write(tmp_path / "consistency.jsonl", [
+        {"step": 0, "loss": 2.0, "local_losses": [1.0, 3.0], "consistency/loss_cv": 0.5},
+        {"step": 2, "loss": "NaN", "local_losses": [2.5, "NaN"], "replicas/grad_distinct": 2},
+        {"step": 0, "loss": 1.5, "local_losses": [1.0, 2.0]},  # re-done: the last record wins
+        {"step": 4, "loss": 1.0, "local_losses": [0.5, 1.5]},
+    ])
+    run = load_run(tmp_path)
+    assert run.library and run.config == {} and run.summary is None and run.world_size == 2
+    # As text: NaN equals nothing, itself included.
+    assert {r: str([(m["step"], m["local_loss"], m["loss"]) for m in ms]) for r, ms in run.metrics.items()} == {
+        0: "[(0, 1.0, 1.5), (2, 2.5, nan), (4, 0.5, 1.0)]",
+        1: "[(0, 2.0, 1.5), (2, nan, nan), (4, 1.5, 1.0)]",
+    }
+    assert run.last_step == 4 and str(mean_local_loss(run.metrics)) == "([0, 2, 4], [1.5, nan, 1.0])"
+    # A config.json makes it paft train's folder, whose losses are its metrics files'.
+    (tmp_path / "config.json").write_text("{}")
+    _write(tmp_path / "metrics" / "rank0.jsonl", [{"step": 0, "local_loss": 9.0}])
+    run = load_run(tmp_path)
+    assert not run.library and run.metrics == {0: [{"step": 0, "local_loss": 9.0}]}
+
+
+def test_a_library_folders_losses_of_the_wrong_kind_are_named(tmp_path: pathlib.Path) -> None:
+    _write(tmp_path / "consistency.jsonl", [{"step": 0, "loss": 1.0, "local_losses": 1.0}])
+    with pytest.raises(ReportError, match="consistency.jsonl: record 1: local_losses must be a list, got 1.0"):
+        load_run(tmp_path)
