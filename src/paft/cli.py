@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 done, 2 not a readable run directory, or a bad --out-dir (nothing written), "
         "130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)",
     )
-    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by paft train, or a library run's RunRecorder folder")
+    report.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a run directory written by paft train, or a library run's RunRecorder folder")
     report.add_argument("--out-dir", metavar="DIR", help="where to write the plots [default: RUN_DIR/report]")
     add_bench_parser(sub)
     return parser

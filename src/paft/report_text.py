@@ -174,7 +174,7 @@ def _notes(run: RunData) -> list[str]:
 
 def _header(run: RunData) -> list[str]:
     if run.library:  # no config.json: its settings are not recorded, and no guess is made
-        monitored = max(len(records) for records in run.metrics.values())
+        monitored = len(run.metrics[0])  # each record holds every rank's loss
         return ["library run (paft.protect's RunRecorder, no config.json): drawn from consistency.jsonl, the loss "
                 "at monitored steps only; the run's settings are not recorded",
                 f"world size: {run.world_size}   monitored steps: {monitored}, the last at step {run.last_step}"]
