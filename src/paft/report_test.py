@@ -958,6 +958,29 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
     assert "detections: 8   recomputes: 8   skipped batches: 2" in build_report(run).text
 
 
+def test_a_sync_after_the_last_state_check_is_what_holds_now(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Without a summary (a stopped run, a library run) the last check's split was the
+    last word, though a sync after it had synchronized the replicas (as the plot drew)."""
+    run = copy_run(fault_run, tmp_path / "synced")
+    (run / "summary.json").unlink()
+    # Split aggregated gradients at steps 10 and 11; the state check of step 10 found 2.
+    rewrite_jsonl(run / "consistency.jsonl", lambda r: {**r, "replicas/grad_distinct": 2} if r["step"] >= 10 else r)
+    sync = {"event": "sync", "period": 5, "divergence": 0.1, "mode": "mean", "groups": [[0], [1]]}
+    events = (run / "events.jsonl").read_text()
+    # A blocking sync after step 10's update: step 11's split gradients split them again.
+    (run / "events.jsonl").write_text(events + json.dumps({**sync, "step": 10, "seen_from": 11}) + "\n")
+    assert ("replicas distinct at the last state check (step 10): 2; synchronized since, by the sync at step 10; "
+            "aggregated gradients differed after it, first at step 11\n") in summary_text(load_run(run))
+    # An overlapped sync started after step 9 that landed in step 10, before its update.
+    (run / "events.jsonl").write_text(events + json.dumps({**sync, "step": 9, "seen_from": 11}) + "\n")
+    assert ("replicas distinct at the last state check (step 10): 2; synchronized since, by the sync at step 9; "
+            "aggregated gradients differed after it, first at step 10\n") in summary_text(load_run(run))
+    # One the check already saw says nothing.
+    (run / "events.jsonl").write_text(events + json.dumps({**sync, "step": 4, "seen_from": 5}) + "\n")
+    assert "replicas distinct at the last state check (step 10): 2; aggregated gradients differed after it, " \
+           "first at step 10\n" in summary_text(load_run(run))
+
+
 def test_a_three_rank_split_names_its_minority(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """With a strict majority the odd rank is named: in the first split, at the last state
     check, and beside each differing tensor of the first sync that named them."""

@@ -90,13 +90,25 @@ def _last_state_check(run: RunData) -> str:
         ranks = rec.get("replicas/state_minority_ranks") or []
         differ = f"; minority: {ranks_phrase(ranks)}" if ranks else ""
         n = rec["replicas/state_distinct"]
+        # A sync or repair that no fingerprint has seen yet (a run that stopped without its
+        # summary, a library run) synchronized the replicas after the check: what it found
+        # is the check's, what holds now the sync's, until split aggregated gradients.
+        unseen = [e for e in sync_events(run) if int(e.get("seen_from", int(e["step"]) + 1)) > rec["step"]]
+        synced, after = "", rec["step"]
+        if unseen:
+            e = unseen[-1]
+            synced = f"; synchronized since, by the {e['event']} at step {e['step']}"
+            # Its first update from synchronized replicas: the step after a blocking sync's,
+            # the step an overlapped one landed in (recorded at the step it started after),
+            # the recompute of a repaired step.
+            after = max(after, min(int(e.get("seen_from", int(e["step"]) + 1)), int(e["step"]) + 1))
         # An aggregated gradient that differed after the check split the replicas since:
         # the check's own step's too, whose update follows the fingerprints of the state
         # it starts from.
         later = [r["step"] for r in run.consistency
-                 if r["step"] >= rec["step"] and number(r.get("replicas/grad_distinct", 1)) > 1]
+                 if r["step"] >= after and number(r.get("replicas/grad_distinct", 1)) > 1]
         since = f"; aggregated gradients differed after it, first at step {later[0]}" if later else ""
-        return f"replicas distinct at the last state check (step {rec['step']}): {n}{differ}{since}"
+        return f"replicas distinct at the last state check (step {rec['step']}): {n}{differ}{synced}{since}"
     rec = run.consistency[-1]
     return (f"distinct aggregated gradients at the last recorded step ({rec['step']}): "
             f"{rec.get('replicas/grad_distinct', '?')} (no state fingerprint recorded)")
