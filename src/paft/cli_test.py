@@ -944,14 +944,35 @@ def test_an_interrupted_run_with_a_checkpoint_says_how_to_continue(tmp_path: pat
     from paft.launch import resume_hint
 
     run = tmp_path / "my run"
-    assert resume_hint(str(run), "paft train") == ""  # nothing to continue from
+    assert resume_hint(TrainConfig(run_dir=str(run)), "paft train") == ""  # nothing to continue from
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step0000010")
-    assert resume_hint(str(run), "paft train") == (
+    assert resume_hint(TrainConfig(run_dir=str(run)), "paft train") == (
         f"; to continue from the last checkpoint: paft train --run-dir '{run}' --resume")
-    assert resume_hint(str(run), "torchrun ... -m paft.train") == (
+    assert resume_hint(TrainConfig(run_dir=str(run)), "torchrun ... -m paft.train") == (
         f"; to continue from the last checkpoint: torchrun ... -m paft.train --run-dir '{run}' --resume")
-    assert resume_hint(None, "paft train") == ""
+    assert resume_hint(TrainConfig(), "paft train") == ""
+
+
+def test_an_interrupted_resume_says_to_continue_with_its_steps(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resume to a larger --steps, interrupted before its next checkpoint, puts back the
+    config.json of the last one (--steps 60): the plain --resume its line named was
+    refused as "has trained 60 steps already"."""
+    import paft.launch
+
+    def interrupted_workers(*_: object) -> object:
+        def run(*_: object) -> None:
+            raise KeyboardInterrupt
+        return run
+
+    monkeypatch.setattr(paft.launch, "local_workers", interrupted_workers)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step0000060")
+    cfg = TrainConfig(world_size=2, steps=200, run_dir=str(tmp_path), resume=True, quiet=True)
+    assert paft.launch._run_workers(cfg) == 130
+    assert capsys.readouterr().err.endswith(f"--run-dir {tmp_path} --resume --steps 200\n")
 
 
 def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,

@@ -265,12 +265,16 @@ def hold_dir_lock(run_dir: pathlib.Path, option: str = "--run-dir", prog: str = 
         yield
 
 
-def resume_hint(run_dir: str | None, command: str) -> str:
-    """What an interrupted run's line adds where ``run_dir`` keeps a checkpoint: how to
-    continue from it (``command``: how the run was started)."""
-    if run_dir and has_checkpoint(pathlib.Path(run_dir)):
-        return f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(run_dir)} --resume"
-    return ""
+def resume_hint(cfg: TrainConfig, command: str) -> str:
+    """What an interrupted run's line adds where ``cfg.run_dir`` keeps a checkpoint: how
+    to continue from it (``command``: how the run was started). A resume names its
+    ``--steps``: stopped before its next checkpoint, it puts back the ``config.json`` of
+    the last one, whose smaller ``--steps`` a plain ``--resume`` of a run that trained
+    that far is refused with."""
+    if not cfg.run_dir or not has_checkpoint(pathlib.Path(cfg.run_dir)):
+        return ""
+    steps = f" --steps {cfg.steps}" if cfg.resume else ""
+    return f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(cfg.run_dir)} --resume{steps}"
 
 
 def set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
@@ -317,7 +321,7 @@ def _run_workers(cfg: TrainConfig) -> int:
         print(err.describe("paft train") + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        return interrupted(err, resume_hint(cfg.run_dir, "paft train"))
+        return interrupted(err, resume_hint(cfg, "paft train"))
     first = results[0]
     if first["status"] == "persistent_fault":
         print(f"paft train: {first['message']}", file=sys.stderr)
@@ -564,7 +568,7 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(cfg, prog, rank0)
     except (KeyboardInterrupt, SignalException) as err:
-        hint = resume_hint(cfg.run_dir, "torchrun ... -m paft.train") if rank0 else ""
+        hint = resume_hint(cfg, "torchrun ... -m paft.train") if rank0 else ""
         return interrupted(err, hint, prog=prog, say=rank0)
 
 
