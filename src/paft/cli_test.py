@@ -341,6 +341,7 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
     assert entries["--run-dir"].endswith("[default: auto]")
     assert entries["--steps"] == "STEPS Optimizer steps to train. [default: 200]"  # the field's docstring
     assert "``" not in out
+    assert not re.search(r":[a-z]+:`", out)  # an RST role such as :func:`...` read as it stands
     # The epilog: the --inject grammar from the faultspec docstring, and the exit codes.
     assert "fault specs (--inject, repeatable):\n\n    KIND:key=value,key=value," in out
     assert "exit codes: 0 done, 1 a worker failed, 2 bad input" in out

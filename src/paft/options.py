@@ -194,7 +194,7 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
         # The docstrings name their option for readers of the code; --help needs neither that nor RST.
         doc = re.sub(r"\s*\(``--[a-z-]+``(?:, ([^)]*))?\)", lambda m: f" ({m[1]})" if m[1] else "",
                      _field_docs(_SECTIONS[opt.section]).get(opt.name, ""))
-        doc = doc.replace("``", "")
+        doc = re.sub(r":[a-z]+:`~?([^`]*)`", r"\1", doc).replace("``", "")  # :func:`x` -> x
         default = _default(opt)
         kwargs: dict[str, Any] = {"dest": opt.flag, "default": argparse.SUPPRESS}
         if opt.kind is bool:
