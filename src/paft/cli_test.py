@@ -240,6 +240,8 @@ def test_overwrite_deletes_only_paft_output(
     # marks of paft's output (paft's config.json is recognised by its keys).
     (tmp_path / "mine" / "config.json").write_text('{"lr": 3}')
     (tmp_path / "mine" / "results.json").write_text('{"my": "experiment"}')
+    (tmp_path / "theirs").mkdir()  # keys no paft option has: not a hand-edited run's config.json
+    (tmp_path / "theirs" / "config.json").write_text('{"name": "my project"}')
     (tmp_path / "afile").write_text("")
     os.symlink("nowhere", tmp_path / "dangling")
     for argv, needle in [
@@ -253,6 +255,7 @@ def test_overwrite_deletes_only_paft_output(
         # nothing to resume, said as it is (a file was told to pass --overwrite, which refused it)
         (["train", "--run-dir", "afile", "--resume"], "--resume: afile is not a directory, let alone a run's"),
         (["train", "--run-dir", "mine", "--resume"], "--resume: mine holds no paft run"),
+        (["train", "--run-dir", "theirs", "--resume"], "--resume: theirs holds no paft run"),
         (["train", "--run-dir", "nothere", "--resume"], "--resume: nothere does not exist"),
         (["train", "--run-dir", "dangling"], "--run-dir: dangling is a symbolic link to nothing (nowhere)"),
         # under one: it was taken for a new folder, and its creation blamed "another paft train"
@@ -272,7 +275,7 @@ def test_overwrite_deletes_only_paft_output(
         assert needle in capsys.readouterr().err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["config.json", "notes.txt", "results.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling", "mine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling", "mine", "theirs"]
 
 
 def test_paft_report_of_no_run_exits_2_and_writes_nothing(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,

@@ -39,7 +39,7 @@ from paft.config import (
 )
 from paft.faultspec import parse_specs
 from paft.records import is_file
-from paft.rundir import resolve_run_dir
+from paft.rundir import has_checkpoint, is_run_config, resolve_run_dir
 from paft.values import fits
 from paft.workloads import WORKLOADS
 
@@ -335,6 +335,8 @@ def _saved_values(run_dir: str) -> dict[str, Any]:
     try:
         TrainConfig.check_keys(saved)  # the options below are read by name: others would go unseen
     except ValueError as err:
+        if not is_run_config(path) and not has_checkpoint(path.parent):  # another program's config.json
+            raise ConfigFileError(f"--resume: {run_dir} holds no paft run (no config.json of paft's)") from None
         raise ConfigFileError(f"--resume: {path}: {err}") from None
     values: dict[str, Any] = {}
     for opt in OPTIONS:

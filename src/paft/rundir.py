@@ -42,6 +42,7 @@ __all__ = [
     "resolve_run_dir",
     "check_run_dir",
     "has_checkpoint",
+    "is_run_config",
     "in_use",
     "ranks_inside",
     "records_size",
@@ -110,7 +111,7 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         return
     if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
         _refuse_in_use(path)
-        if not _is_run_config(path / "config.json"):  # --resume and --overwrite would be refused too
+        if not is_run_config(path / "config.json"):  # --resume and --overwrite would be refused too
             raise RunDirError(f"--run-dir: {path} holds no config.json of paft's, so it is not a paft run; "
                               "pick another --run-dir")
         if not has_checkpoint(path):
@@ -119,11 +120,11 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         raise RunDirError(
             f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
         )
-    if path.is_symlink() and not cfg.overwrite and _is_run_config(path / "config.json"):
+    if path.is_symlink() and not cfg.overwrite and is_run_config(path / "config.json"):
         # output_dir_problem would advise --overwrite, which refuses a link.
         raise RunDirError(f"--run-dir: {path} is a symbolic link to a paft run; pass --resume to continue it, "
                           f"or give the real directory ({path.resolve()}) with --overwrite to replace it")
-    problem = output_dir_problem(path, "--run-dir", {"config.json": _is_run_config}, cfg.overwrite)
+    problem = output_dir_problem(path, "--run-dir", {"config.json": is_run_config}, cfg.overwrite)
     if problem:
         raise RunDirError(problem)
 
@@ -132,7 +133,7 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
 _RUN_CONFIG_KEYS = frozenset({"workload", "world_size", "steps", "seed", "inject", "monitor", "protect", "guard"})
 
 
-def _is_run_config(path: pathlib.Path) -> bool:
+def is_run_config(path: pathlib.Path) -> bool:
     """Whether ``path`` is a ``config.json`` that ``paft train`` wrote (what marks a run
     directory that ``--overwrite`` may replace)."""
     try:
@@ -247,7 +248,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
             raise RunDirError(f"--resume: {path} does not exist; leave out --resume to start a run there")
         if not path.is_dir():
             raise RunDirError(f"--resume: {path} is not a directory, let alone a run's")
-        if not _is_run_config(path / "config.json"):
+        if not is_run_config(path / "config.json"):
             raise RunDirError(f"--resume: {path} holds no paft run (no config.json of paft's)")
         raise RunDirError(f"--resume: no checkpoint to resume in {path} (checkpoints/latest is missing); "
                           "pass --overwrite instead of --resume to start it again")
