@@ -10,7 +10,8 @@ and say plainly what went wrong when one fails.
   recorded there only, not also in torch.multiprocessing's ``pytorch-errorfile-*``
   pickle, which nothing ever removes from the system's temporary directory;
 - one account of a failure: the failed rank's traceback once and a one-line cause
-  (:class:`WorkerFailed`), instead of the launcher's log of it plus its summary of it.
+  (:class:`WorkerFailed`), instead of the launcher's log of it plus its summary of it;
+- workers that end with the launcher, also when it is killed outright (Linux).
 
 Example (a script: the workers import ``work`` from it)::
 
@@ -33,8 +34,10 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import tempfile
+import threading
 import traceback
 import uuid
 from collections.abc import Callable
@@ -130,7 +133,7 @@ def local_workers(entry: Callable[..., Any], world_size: int, name: str = "paft"
         with tempfile.TemporaryDirectory(prefix=f"{name}-launch-") as logs:
             config = _launch_config(world_size, run_id, start_method, logs)
             try:
-                return elastic_launch(config, _run_entry)(entry, *args)
+                return elastic_launch(config, _run_entry)(os.getpid(), entry, *args)
             except ChildFailedError as err:
                 raise WorkerFailed.from_launcher(err) from None
 
@@ -152,16 +155,41 @@ def _launch_config(world_size: int, run_id: str, start_method: str, log_dir: str
     )
 
 
-def _run_entry(entry: Callable[..., Any], *args: Any) -> Any:
-    """In a worker: ``entry(*args)``; an exception is recorded in the launcher's error
-    file and the worker exits 1. Left to propagate, torch.multiprocessing would also
-    pickle its traceback into a file of its own in the system's temporary directory,
-    which nothing removes (one per failed worker)."""
+def _run_entry(launcher: int, entry: Callable[..., Any], *args: Any) -> Any:
+    """In a worker: ``entry(*args)``, ended with the process ``launcher`` (a pid: see
+    :func:`_end_with`); an exception is recorded in the launcher's error file and the
+    worker exits 1. Left to propagate, torch.multiprocessing would also pickle its
+    traceback into a file of its own in the system's temporary directory, which nothing
+    removes (one per failed worker)."""
+    _end_with(launcher)
     try:
         return entry(*args)
     except Exception as err:
         get_error_handler().record_exception(err)
         raise SystemExit(1) from None
+
+
+def _end_with(launcher: int) -> None:
+    """Send this worker SIGTERM, as the launcher's own shutdown does, when the process
+    ``launcher`` exits. The launcher stops its workers on every way out but one: killed
+    outright (SIGKILL, the OOM killer), it left them training on into a run directory
+    no longer claimed (a ``--resume`` of it was accepted beside them), then waiting
+    forever for it to collect their results. They are the fork server's children, not
+    the launcher's, so no parent-death signal can tell them. A daemon thread waits on a
+    pidfd of the launcher: Linux only (``os.pidfd_open``); elsewhere they outlive it."""
+    if not hasattr(os, "pidfd_open"):
+        return
+
+    def wait_for_launcher() -> None:
+        try:
+            fd = os.pidfd_open(launcher)
+        except ProcessLookupError:  # gone already, before this worker looked
+            pass
+        else:
+            select.select([fd], [], [])  # readable once the launcher has exited
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait_for_launcher, name="paft-launcher-watch", daemon=True).start()
 
 
 def _worker_start_method() -> str:

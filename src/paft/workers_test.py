@@ -3,6 +3,7 @@ and how it is told; the fork server and resource tracker it starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -152,6 +154,47 @@ def test_the_workers_fork_from_a_server_deaf_to_ctrl_c_that_gives_them_the_defau
         """
     done = _in_a_launcher(code)
     assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", ""), done.stderr
+
+
+def _say_pid_and_wait(folder: str) -> None:
+    (pathlib.Path(folder) / f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(300)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not exited (a zombie, its parent gone, waits for init to reap it)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="workers watch their launcher through a pidfd (Linux)")
+def test_the_workers_end_with_a_launcher_killed_outright(tmp_path: pathlib.Path) -> None:
+    """A launcher killed by SIGKILL (the OOM killer) cannot stop its workers: they trained
+    on into a run directory no longer claimed, then hung waiting for it."""
+    code = ("from paft import workers, workers_test as t; "
+            f"workers.local_workers(t._say_pid_and_wait, 2)({str(tmp_path)!r})")
+    launcher = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": _SRC},
+                                start_new_session=True, stderr=subprocess.DEVNULL)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.1)
+            pids = [int(f.read_text()) for f in tmp_path.glob("rank*") if f.read_text()]
+        assert len(pids) == 2 and all(map(_alive, pids))
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, pids))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.kill()
 
 
 def _failure(tmp: pathlib.Path, exitcode: int, message: str | None) -> ChildFailedError:
