@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 import paft.report as report_module
 import paft.report_text as report_text
 from paft.config import MonitorConfig, ProtectConfig, TrainConfig
-from paft.protect import protect
+from paft.protect import PersistentFaultError, protect
 from paft.records import RunRecorder, read_jsonl
 from paft.report import (
     _eval_divergence,
@@ -254,6 +254,29 @@ def test_guard_stopped_run_gets_one_note(fault_run: pathlib.Path, tmp_path: path
     text = summary_text(load_run(run))
     assert "note: the guard stopped the run at step 5" in text
     assert "note: summary.json ends at step 4 but the records go on to step 12" in text
+    # The trainer's own reason names the policy: said once.
+    kept = [line for line in (run / "events.jsonl").read_text().splitlines() if '"stop"' not in line]
+    stop = {"step": 5, "event": "stop", "ranks": [1], "reason": str(PersistentFaultError(5, [1]))}
+    (run / "events.jsonl").write_text("\n".join([*kept, json.dumps(stop)]) + "\n")
+    assert summary_text(load_run(run)).count("(--on-persistent stop)") == 1
+
+
+def test_an_interrupted_resume_past_config_steps_and_a_lone_evaluation(
+        fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """An interrupted resume with more --steps leaves config.json as its last checkpoint's
+    (fewer steps): "steps: 12 of 8" was read; and one evaluation is not a change from
+    itself ("4.2178 (step 0) -> 4.2178 (step 0)")."""
+    run = copy_run(fault_run, tmp_path / "resumed")
+    (run / "summary.json").unlink()
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "steps": 8}))
+    (run / "evals.jsonl").write_text((run / "evals.jsonl").read_text().splitlines()[0] + "\n")
+    text = summary_text(load_run(run))
+    assert "steps: 12   optimizer" in text and "(12 steps recorded)" in text and " of 8" not in text
+    first = json.loads((run / "evals.jsonl").read_text())
+    assert f"val loss: {first['val_loss']:.4f} (step 0, the only evaluation)\n" in text
+    (run / "config.json").write_text(json.dumps({**config, "steps": 12}))
+    assert "steps: 12 of 12   optimizer" in summary_text(load_run(run))
 
 
 def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

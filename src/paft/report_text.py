@@ -157,7 +157,8 @@ def _notes(run: RunData) -> list[str]:
     for stop in stops:
         reason = stop.get("reason") or f"a persistent fault on {ranks_phrase(stop.get('ranks') or [])}"
         reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
-        lines.append(f"note: the guard stopped the run at step {stop.get('step')} (--on-persistent stop): {reason}")
+        policy = "" if "(--on-persistent stop)" in reason else " (--on-persistent stop)"  # the trainer's says it
+        lines.append(f"note: the guard stopped the run at step {stop.get('step')}{policy}: {reason}")
     for failed in run.events_of("failed"):  # paft train's launcher's; under torchrun each failed rank's
         where = " (its traceback is in events.jsonl)" if failed.get("traceback") else ""  # none from a killed rank
         lines.append(f"note: the run failed at step {failed.get('step')}: rank {failed.get('rank')} "
@@ -166,10 +167,10 @@ def _notes(run: RunData) -> list[str]:
         went = "go on to" if last > run.stale_summary else "stop at"  # stop: resumed from an earlier checkpoint
         lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
                      f"{last} (a resume still running or interrupted): reported from the jsonl files "
-                     f"({last} of {cfg.get('steps', '?')} steps recorded)")
+                     f"({_of_steps(cfg, last)} steps recorded)")
     elif not stops and run.summary is None and not run.library:  # a library run has no summary.json
         lines.append(f"note: no summary.json: the run is still running, crashed or was interrupted; reported "
-                     f"from the jsonl files ({last} of {cfg.get('steps', '?')} steps recorded)")
+                     f"from the jsonl files ({_of_steps(cfg, last)} steps recorded)")
     if (cfg.get("monitor") or {}).get("enabled") is False and run.consistency:
         # config.json is the last leg's: a resume with --no-monitor left the plots and
         # extremes of the earlier legs' records, which say nothing of the steps after them.
@@ -184,6 +185,15 @@ def _notes(run: RunData) -> list[str]:
     return lines
 
 
+def _of_steps(cfg: dict[str, Any], steps: int) -> str:
+    """``steps`` of the run's ``--steps``; alone past it: an interrupted resume with more
+    ``--steps`` leaves config.json as its last checkpoint's, with the fewer."""
+    planned = cfg.get("steps")
+    if planned is None:
+        return f"{steps} of ?"
+    return f"{steps} of {planned}" if planned >= steps else str(steps)
+
+
 def _header(run: RunData) -> list[str]:
     if run.library:  # no config.json: its settings are not recorded, and no guess is made
         monitored = len(run.metrics[0])  # each record holds every rank's loss
@@ -195,7 +205,7 @@ def _header(run: RunData) -> list[str]:
     guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
     return [
         f"workload: {s.get('workload', cfg.get('workload', '?'))}   world size: {run.world_size}   "
-        f"steps: {s.get('steps', run.last_step + 1)} of {cfg.get('steps', '?')}   "
+        f"steps: {_of_steps(cfg, s.get('steps', run.last_step + 1))}   "
         f"optimizer: {cfg.get('optimizer', '?')}",
         f"protection: {protect}   guard: {'on' if guard else 'off'}   "
         f"injected: {'; '.join(cfg.get('inject') or []) or 'none'}",
@@ -214,8 +224,11 @@ def _losses(run: RunData) -> list[str]:
             worst = max_or_nan(per_rank) if per_rank else number(b)
             shown = f"{worst:.4f}" != f"{number(b):.4f}"  # a difference the line can show
             spread = f", worst rank {worst:.4f}" if key == "val_loss" and shown else ""
-            lines.append(f"{name}: {number(a):.4f} (step {first.get('step', 0)}) -> {number(b):.4f} "
-                         f"(step {final.get('step', run.last_step + 1)}{spread})")
+            start, end = first.get("step", 0), final.get("step", run.last_step + 1)
+            if start == end:  # one evaluation so far (a run stopped before its second)
+                lines.append(f"{name}: {number(b):.4f} (step {end}{spread}, the only evaluation)")
+            else:
+                lines.append(f"{name}: {number(a):.4f} (step {start}) -> {number(b):.4f} (step {end}{spread})")
     return lines
 
 
