@@ -75,6 +75,10 @@ BYTES_PER_PARAMETER = 20
 """fp32 weights, gradients, DDP buckets and two optimizer moments (the memory check)."""
 BYTES_PER_PROCESS = 256 * 2**20
 """A CPU worker's resident memory before its model (torch alone: ~220 MiB)."""
+EXACT_COSINE_BYTES_PER_RANK = 20
+"""``--cosine exact``, per parameter per worker and per rank in the world, on top of 4
+bytes for its own flat gradient: every rank's gradient gathered (float32) and the two
+float64 copies the cosines are taken from, held at once (the memory check)."""
 
 
 class MachineError(ValueError):
@@ -555,9 +559,13 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
         raise MachineError(f"{local} worker processes on this machine: {visible}; start at most {count} here "
                            f"(torchrun --nproc-per-node {count}) or use --device cpu (gloo)")
     # Weights, gradients, DDP's buckets and two optimizer moments: 20 bytes per fp32
-    # parameter per worker, before activations. Only sizes far beyond the machine are
-    # refused here; the rest is the allocator's to judge.
-    need = BYTES_PER_PARAMETER * parameter_count(cfg.workload, cfg.model)
+    # parameter per worker, before activations; --cosine exact gathers the gradients of
+    # every rank on each (a 100 M-parameter model on 4 workers passed, then a worker was
+    # killed by the OOM killer). Only sizes far beyond the machine are refused here; the
+    # rest is the allocator's to judge.
+    exact = cfg.monitor.enabled and cfg.monitor.interval > 0 and cfg.monitor.cosine == "exact"
+    per_parameter = BYTES_PER_PARAMETER + (4 + EXACT_COSINE_BYTES_PER_RANK * cfg.world_size if exact else 0)
+    need = per_parameter * parameter_count(cfg.workload, cfg.model)
     if uses_cuda(cfg):
         have, where = torch.cuda.get_device_properties(0).total_memory, "each GPU has"
     else:
@@ -572,10 +580,12 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
             )
         need = (need + BYTES_PER_PROCESS) * local
     if need > have:
+        gathered = (f", and --cosine exact's gathered gradients ({per_parameter - BYTES_PER_PARAMETER} bytes more "
+                    f"at {cfg.world_size} ranks)" if exact else "")
         raise MachineError(
             f"--model: the {cfg.workload} model would need about {_gib(need)} GiB for weights, gradients "
-            f"and optimizer state ({BYTES_PER_PARAMETER} bytes per parameter per worker) and {where} "
-            f"{have / 2**30:,.0f} GiB; make it smaller"
+            f"and optimizer state ({BYTES_PER_PARAMETER} bytes per parameter per worker){gathered} and {where} "
+            f"{have / 2**30:,.0f} GiB; make it smaller{' or use --cosine sketch' if exact else ''}"
         )
 
 

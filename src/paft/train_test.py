@@ -23,6 +23,7 @@ from paft.testing import run_workers
 from paft.train import (
     BYTES_PER_PARAMETER,
     BYTES_PER_PROCESS,
+    EXACT_COSINE_BYTES_PER_RANK,
     MachineError,
     Trainer,
     _lr_lambda,
@@ -90,6 +91,27 @@ def test_the_memory_check_counts_each_worker_on_this_machine(monkeypatch: pytest
     machine(3 * BYTES_PER_PROCESS - 1)
     with pytest.raises(MachineError, match="--world-size 3: 3 worker processes on this machine"):
         check_machine(cfg)
+
+
+def test_the_memory_check_counts_exact_cosines_gathered_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cosine exact holds every rank's gradient on each worker: a 100 M-parameter model
+    on 4 workers passed the check, then a worker was killed by the OOM killer."""
+    real = os.sysconf
+    params = parameter_count("resnet")
+    exact = (BYTES_PER_PARAMETER + 4 + EXACT_COSINE_BYTES_PER_RANK * 3) * params + BYTES_PER_PROCESS
+    sizes = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": 3 * exact}
+    monkeypatch.setattr(os, "sysconf", lambda name: sizes[name] if name in sizes else real(name))
+    shape = {"workload": "resnet", "world_size": 3, "batch_size": 3, "device": "cpu"}
+    cfg = TrainConfig(**shape, monitor=MonitorConfig(cosine="exact"))
+    check_machine(cfg)  # exactly enough
+    sizes["SC_PHYS_PAGES"] -= 1
+    with pytest.raises(MachineError, match=r"\(20 bytes per parameter per worker\), and --cosine exact's gathered "
+                       r"gradients \(64 bytes more at 3 ranks\) and this machine has .* or use --cosine sketch$"):
+        check_machine(cfg)
+    # Nothing gathered: the sketch, or no worker metrics.
+    check_machine(TrainConfig(**shape))
+    check_machine(TrainConfig(**shape, monitor=MonitorConfig(cosine="exact", interval=0)))
+    check_machine(TrainConfig(**shape, monitor=MonitorConfig(enabled=False, cosine="exact")))
 
 
 @pytest.mark.usefixtures("no_tensorboard")
