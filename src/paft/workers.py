@@ -69,7 +69,9 @@ class WorkerFailed(RuntimeError):
         if isinstance(data, dict):  # what the worker recorded (see _run_entry)
             return cls(rank, _failed(data["message"]), data["extraInfo"]["py_callstack"])
         if failure.exitcode < 0:
-            return cls(rank, f"was killed by {failure.signal_name()}", None)
+            # SIGKILL, which no process sends itself: most often the kernel's, out of memory.
+            hint = f" ({_KILLED_HINT})" if failure.exitcode == -signal.SIGKILL else ""
+            return cls(rank, f"was killed by {failure.signal_name()}{hint}", None)
         return cls(rank, f"exited with code {failure.exitcode} and left no traceback", None)
 
     @classmethod
@@ -89,6 +91,9 @@ class WorkerFailed(RuntimeError):
 # rank it finds dead: often a rank that was waiting on the killed one.
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
 _PEER_LOST_HINT = "its connection to a peer broke: another rank may have died first, killed without a traceback"
+
+
+_KILLED_HINT = "out of memory? the kernel's OOM killer sends it, as does kill -9"
 
 
 def _failed(message: str) -> str:
