@@ -267,14 +267,17 @@ def hold_dir_lock(run_dir: pathlib.Path, option: str = "--run-dir", prog: str = 
 
 def resume_hint(cfg: TrainConfig, command: str) -> str:
     """What an interrupted run's line adds where ``cfg.run_dir`` keeps a checkpoint: how
-    to continue from it (``command``: how the run was started). A resume names its
-    ``--steps``: stopped before its next checkpoint, it puts back the ``config.json`` of
-    the last one, whose smaller ``--steps`` a plain ``--resume`` of a run that trained
-    that far is refused with."""
+    to continue from it (``command``: how the run was started)."""
     if not cfg.run_dir or not has_checkpoint(pathlib.Path(cfg.run_dir)):
         return ""
-    steps = f" --steps {cfg.steps}" if cfg.resume else ""
-    return f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(cfg.run_dir)} --resume{steps}"
+    return f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(cfg.run_dir)} {_resuming(cfg)}"
+
+
+def _resuming(cfg: TrainConfig) -> str:
+    """The options that continue ``cfg``'s run. A resume names its ``--steps``: stopped
+    before its next checkpoint, it puts back the ``config.json`` of the last one, whose
+    smaller ``--steps`` a plain ``--resume`` of a run that trained that far is refused with."""
+    return f"--resume --steps {cfg.steps}" if cfg.resume else "--resume"
 
 
 def set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
@@ -317,7 +320,7 @@ def _run_workers(cfg: TrainConfig) -> int:
         record_failure(pathlib.Path(cfg.run_dir), err)
         kept = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
-            kept = f"; {cfg.run_dir} keeps its checkpoints (--resume continues from the last)"
+            kept = f"; {cfg.run_dir} keeps its checkpoints ({_resuming(cfg)} continues from the last)"
         print(err.describe("paft train") + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
