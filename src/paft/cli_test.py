@@ -283,7 +283,8 @@ def test_paft_report_of_no_run_exits_2_and_writes_nothing(tmp_path: pathlib.Path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "config.json").write_text('{"lr": 3}')
-    for argv, needle in [(["report", "mine"], "paft report: error: mine: no per-step metrics"),
+    for argv, needle in [(["report", "mine"], "paft report: error: mine: not a paft run directory (its config.json "
+                                              "is not paft's)"),
                          (["report", "nothere"], "paft report: error: nothere: does not exist (expected a paft run")]:
         with pytest.raises(SystemExit) as exc:
             main(argv)

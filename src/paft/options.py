@@ -38,8 +38,8 @@ from paft.config import (
     long_option,
 )
 from paft.faultspec import parse_specs
-from paft.records import is_file
-from paft.rundir import has_checkpoint, is_run_config, resolve_run_dir
+from paft.records import is_file, is_run_config
+from paft.rundir import has_checkpoint, resolve_run_dir
 from paft.values import fits
 from paft.workloads import WORKLOADS
 

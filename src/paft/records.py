@@ -47,6 +47,7 @@ __all__ = [
     "atomic_write_json",
     "read_jsonl",
     "read_utf8",
+    "is_run_config",
     "is_file",
     "truncate_jsonl",
     "sort_faults",
@@ -206,6 +207,19 @@ def read_utf8(path: pathlib.Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): damaged?") from None
+
+
+_RUN_CONFIG_KEYS = frozenset({"workload", "world_size", "steps", "seed", "inject", "monitor", "protect", "guard"})
+
+
+def is_run_config(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a ``config.json`` that ``paft train`` wrote (what marks a run
+    directory that ``--overwrite`` may replace, and ``paft report`` reads)."""
+    try:
+        data = json.loads(read_utf8(path))
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
+        return False
+    return isinstance(data, dict) and _RUN_CONFIG_KEYS <= data.keys()
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

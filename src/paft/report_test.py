@@ -427,7 +427,10 @@ def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
         build_report(tmp_path / "plain")
     started = tmp_path / "started"
     (started / "metrics").mkdir(parents=True)
-    (started / "config.json").write_text("{}")
+    (started / "config.json").write_text("{}")  # another program's
+    with pytest.raises(ReportError, match=re.escape("started: not a paft run directory (its config.json is not")):
+        build_report(started)
+    (started / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
     with pytest.raises(ReportError, match="started: no per-step metrics"):
         build_report(started)
     assert issubclass(ReportError, ValueError)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paft.records import from_jsonable, read_jsonl, read_utf8
+from paft.records import from_jsonable, is_run_config, read_jsonl, read_utf8
 
 __all__ = ["ReportError", "RunData", "load_run", "read_metrics", "mean_local_loss", "is_number", "number"]
 
@@ -274,6 +274,8 @@ def load_run(run_dir: str | Path) -> RunData:
         _check_config(path / "config.json", config)
         metrics = read_metrics(path)
         if not metrics:
+            if not is_run_config(path / "config.json"):  # another program's folder
+                raise ReportError(f"{path}: not a paft run directory (its config.json is not paft's)")
             raise ReportError(
                 f"{path}: no per-step metrics (metrics/rank*.jsonl is missing or empty); "
                 "the run has not completed a step"

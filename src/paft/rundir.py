@@ -28,10 +28,10 @@ from paft.config import TrainConfig
 from paft.records import (
     atomic_write_json,
     is_file,
+    is_run_config,
     output_dir_problem,
     path_name_problem,
     read_jsonl,
-    read_utf8,
 )
 from paft.workloads import model_config
 
@@ -42,7 +42,6 @@ __all__ = [
     "resolve_run_dir",
     "check_run_dir",
     "has_checkpoint",
-    "is_run_config",
     "in_use",
     "ranks_inside",
     "records_size",
@@ -130,19 +129,6 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
 
 
 # Keys every paft run's config.json has had: a user's own config.json is not a run's.
-_RUN_CONFIG_KEYS = frozenset({"workload", "world_size", "steps", "seed", "inject", "monitor", "protect", "guard"})
-
-
-def is_run_config(path: pathlib.Path) -> bool:
-    """Whether ``path`` is a ``config.json`` that ``paft train`` wrote (what marks a run
-    directory that ``--overwrite`` may replace)."""
-    try:
-        data = json.loads(read_utf8(path))
-    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
-        return False
-    return isinstance(data, dict) and _RUN_CONFIG_KEYS <= data.keys()
-
-
 def stale_checkpoints(folders: list[pathlib.Path], latest: str) -> list[pathlib.Path]:
     """The checkpoint folders to delete once ``latest`` is written: all but the newest
     ``_KEEP_CHECKPOINTS`` up to it, and every one past it. Those are from a timeline a

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from paft.config import GuardConfig, ProtectConfig, TrainConfig
+from paft.records import _RUN_CONFIG_KEYS
 from paft.rundir import (
     _CHECKPOINT_KEYS,
-    _RUN_CONFIG_KEYS,
     RunDirError,
     check_run_dir,
     checkpoint_candidates,
