@@ -731,6 +731,32 @@ def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatc
         assert capsys.readouterr().err == said
 
 
+def test_a_resume_names_the_saved_options_it_changes(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A resume keeps the run's saved options and takes those given again: a changed
+    --lr, --inject or --no-monitor went on without a word."""
+    import paft.launch
+
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg: 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r").mkdir()
+    saved = TrainConfig(steps=6, lr=3e-3, quiet=True, inject=["bitflip:steps=1"], run_dir="r").to_dict()
+    (tmp_path / "r" / "config.json").write_text(json.dumps(saved))
+    assert main(["train", "--run-dir", "r", "--resume", "--steps", "9"]) == 0
+    assert capsys.readouterr().err == ""  # --steps is how a run trains on
+    assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--seed", "5"]) == 0
+    assert capsys.readouterr().err == ""  # no change but refused (by launch's check_run_dir, stubbed here)
+    (tmp_path / "c.toml").write_text('inject = ["nan:steps=7", "bitflip:steps=8"]\n')
+    argv = ["train", "--run-dir", "r", "--resume", "--steps", "9", "--lr", "0.001", "--no-monitor", "--no-quiet",
+            "--config", "c.toml"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == (
+        "paft train: warning: --resume changes the run's saved options: --lr 0.001 (was 0.003), --inject "
+        "nan:steps=7 bitflip:steps=8 (was bitflip:steps=1), --no-quiet (was --quiet), --no-monitor (was --monitor)\n")
+    assert main(["train", "--run-dir", "r", "--lr", "0.001"]) == 0  # not a resume: nothing saved to change
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("argv,expect", [
     (["--spike-threshold", "3"], ["--spike-threshold has no effect without --guard"]),
     (["--guard", "--spike-threshold", "3"], []),

@@ -39,7 +39,7 @@ from paft.config import (
 )
 from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
-from paft.rundir import has_checkpoint, resolve_run_dir
+from paft.rundir import _FIXED_ON_RESUME, has_checkpoint, resolve_run_dir
 from paft.values import fits
 from paft.workloads import WORKLOADS
 
@@ -49,8 +49,8 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
-           "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults", "train_warnings",
-           "train_epilog"]
+           "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults", "resume_changes",
+           "train_warnings", "train_epilog"]
 
 
 class ConfigFileError(ValueError):
@@ -338,17 +338,47 @@ def _saved_values(run_dir: str) -> dict[str, Any]:
         if not is_run_config(path) and not has_checkpoint(path.parent):  # another program's config.json
             raise ConfigFileError(f"--resume: {run_dir} holds no paft run (no config.json of paft's)") from None
         raise ConfigFileError(f"--resume: {path}: {err}") from None
+    values = _option_values(saved, path)
+    for flag in ("resume", "overwrite"):
+        values.pop(flag, None)
+    return values
+
+
+def _option_values(config: dict[str, Any], path: pathlib.Path) -> dict[str, Any]:
+    """Option -> value of a config in ``config.json``'s shape (read from ``path``),
+    each checked as a ``--config`` file's."""
     values: dict[str, Any] = {}
     for opt in OPTIONS:
-        section = saved if opt.section is None else saved.get(opt.section, {})
+        section = config if opt.section is None else config.get(opt.section, {})
         if not isinstance(section, dict):
             raise ConfigFileError(f"--resume: {path}: {opt.section!r} must be a mapping, got {section!r}")
         if opt.name in section:
             where = f"--resume: {path}: {'' if opt.section is None else opt.section + '.'}{opt.name}"
             values[opt.flag] = _coerce(opt, section[opt.name], where)
-    for flag in ("resume", "overwrite"):
-        values.pop(flag, None)
     return values
+
+
+def resume_changes(cfg: TrainConfig) -> list[str]:
+    """With ``--resume``, the options this command changes from the run's saved ones (its
+    ``config.json``: the last checkpoint's), which a resume takes (the rest it keeps):
+    ``--lr 0.001 (was 0.003)``. Not ``--steps``, the way to train on, nor the options a
+    resume cannot change (refused: ``_FIXED_ON_RESUME`` in :mod:`paft.rundir`)."""
+    path = pathlib.Path(resolve_run_dir(cfg.run_dir)) / "config.json" if cfg.run_dir else None
+    if not cfg.resume or path is None or not is_file(path):
+        return []
+    saved = _saved_values(str(path.parent))
+    now = _option_values(cfg.to_dict(), path)
+    kept = {"steps", "run-dir", *(flag.removeprefix("--") for _, flag in _FIXED_ON_RESUME)}
+    return [f"{_typed(flag, now[flag])} (was {_typed(flag, saved[flag], named=False)})"
+            for flag in now if flag in saved and flag not in kept and now[flag] != saved[flag]]
+
+
+def _typed(flag: str, value: Any, named: bool = True) -> str:
+    """``value`` as the command line would give it (``named``: after its option)."""
+    if isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{flag}"
+    shown = (" ".join(value) or "none") if isinstance(value, list) else str(value)  # a list: --inject's specs
+    return f"--{flag} {shown}" if named else shown
 
 
 def _merge(values: dict[str, Any], new: dict[str, Any]) -> None:
@@ -526,9 +556,11 @@ class OptionParser(argparse.ArgumentParser):
 
 
 def train_warnings(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
-    """What a training command warns about before it starts: :func:`idle_faults` and
-    :func:`ignored_options`."""
-    return [*idle_faults(cfg), *ignored_options(ns, cfg)]
+    """What a training command warns about before it starts: :func:`idle_faults`,
+    :func:`ignored_options` and the options a ``--resume`` changes (:func:`resume_changes`)."""
+    changes = resume_changes(cfg)
+    changed = [f"--resume changes the run's saved options: {', '.join(changes)}"] if changes else []
+    return [*idle_faults(cfg), *ignored_options(ns, cfg), *changed]
 
 
 def train_epilog() -> str:
