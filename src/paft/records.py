@@ -209,6 +209,7 @@ def read_utf8(path: pathlib.Path) -> str:
         raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): damaged?") from None
 
 
+# Keys every paft run's config.json has had: a user's own config.json is not a run's.
 _RUN_CONFIG_KEYS = frozenset({"workload", "world_size", "steps", "seed", "inject", "monitor", "protect", "guard"})
 
 

@@ -128,7 +128,6 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         raise RunDirError(problem)
 
 
-# Keys every paft run's config.json has had: a user's own config.json is not a run's.
 def stale_checkpoints(folders: list[pathlib.Path], latest: str) -> list[pathlib.Path]:
     """The checkpoint folders to delete once ``latest`` is written: all but the newest
     ``_KEEP_CHECKPOINTS`` up to it, and every one past it. Those are from a timeline a
