@@ -506,6 +506,17 @@ def test_desync_null_note_says_whether_the_null_control_fired() -> None:
     assert "beyond |z| = 3 in gnorm_cv, loss:" in desync._null_note({"S1r": fired})
 
 
+def test_desync_a_difference_without_a_standard_error_is_not_read_as_none() -> None:
+    # --steps 1: one paired difference, no standard error, so z is undefined.
+    comp = desync._paired([1.0], [1.5])
+    assert comp["diff"] == 0.5 and math.isnan(comp["z"])
+    assert desync._verdict("loss_cv", comp, 1.0) == (
+        "loss_cv: +50.0% vs S1, too few steps to tell it from noise (z undefined)")
+    note = desync._null_note({"S1r": {name: comp for name in (*desync.METRICS, "loss")}})
+    assert note == ("- The null control S1r (synchronized, only the seed differs) cannot be tested against |z| = 3 "
+                    "in loss_cv, gnorm_cv, grad_cos_mean, loss: too few steps for a standard error; run more --steps.")
+
+
 def test_desync_standard_error_is_over_block_means() -> None:
     # 10 steps: blocks of 2 (at least 5 blocks), means [2, 2, 3, 2, 3]: se = stdev / sqrt(5).
     mean, se = desync._mean_se([1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 0.0, 4.0, 3.0, 3.0, math.nan])

@@ -146,6 +146,9 @@ def _verdict(name: str, comp: dict[str, float], ref_mean: float, null: dict[str,
     is there, the difference is more than NULL_FACTOR times the null control's."""
     z = comp["z"]
     rel = comp["diff"] / abs(ref_mean) * 100 if ref_mean else math.nan
+    if not math.isfinite(z) and comp["diff"] != 0:
+        # No standard error (a run of one step): a difference that cannot be weighed is not "none".
+        return f"{name}: {rel:+.1f}% vs S1, too few steps to tell it from noise (z undefined)"
     if not math.isfinite(z) or abs(z) < Z_NOISE:
         return f"{name}: no difference beyond noise ({rel:+.1f}% vs S1, z = {z:+.1f})"
     word = "higher" if comp["diff"] > 0 else "lower"
@@ -161,8 +164,12 @@ def _null_note(comps: dict[str, dict[str, Any]]) -> str:
     null = comps.get("S1r")
     if null is None:
         return ""
-    fired = [name for name in ("loss_cv", "gnorm_cv", "grad_cos_mean", "loss")
-             if math.isfinite(null[name]["z"]) and abs(null[name]["z"]) >= Z_NOISE]
+    names = ("loss_cv", "gnorm_cv", "grad_cos_mean", "loss")
+    fired = [name for name in names if math.isfinite(null[name]["z"]) and abs(null[name]["z"]) >= Z_NOISE]
+    untested = [name for name in names if not math.isfinite(null[name]["z"]) and null[name]["diff"] != 0]
+    if untested and not fired:
+        return (f"- The null control S1r (synchronized, only the seed differs) cannot be tested against "
+                f"|z| = {Z_NOISE:g} in {', '.join(untested)}: too few steps for a standard error; run more --steps.")
     if fired:
         return (f"- The null control S1r (synchronized, only the seed differs) also differs from S1 beyond "
                 f"|z| = {Z_NOISE:g} in {', '.join(fired)}: the z test is too eager there; read S2 and S3 "
