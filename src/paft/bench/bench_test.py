@@ -302,7 +302,8 @@ def test_matrix_rows_compare_each_run_with_its_neighbouring_references(tmp_path:
     assert (ref["throughput_ratio"], ref["throughput_vs_unprotected"], ref["gap_pct"]) == (1.0, None, 0.0)
     md = (tmp_path / "results.md").read_text()
     # The columns in the header's order: val loss, gap %, worst gap %, max div, end div, replicas,
-    # faults, syncs, sync MB, detect, recomp, thru / ref, thru / unprot.
+    # faults, syncs, sync MiB (sync_bytes / 2**20: 3 * 2**20 reads 3), detect, recomp, thru / ref, thru / unprot.
+    assert "| syncs | sync MiB | detect |" in md
     assert "| resnet | agg-exponent-0.1 | guard | 2.2 | 10 | 20 | 0.25 | 0.125 | 2 | 3 | 4 | 3 | 5 | 6 | 0.8 | 2 |" \
         in md
     assert "| resnet | none | fault-free | 2 | 0 | 0 | 0 | 0 | 1 | 3 | 0 | 0 | 0 | 0 | 1 | n/a |" in md

@@ -164,7 +164,7 @@ def summarize(out: pathlib.Path, runs: list[Run], workloads: list[str], steps: i
                 base = unprotected.get(r.labels["setting"])
                 rows.append(_row(r, ref, ratios[r.name][0], r.summary["steps_per_s"] / base if base else None))
     header = ["workload", "setting", "scenario", "val loss", "gap %", "worst gap %", "max div", "end div", "replicas",
-              "faults", "syncs", "sync MB", "detect", "recomp", "thru / ref", "thru / unprot"]
+              "faults", "syncs", "sync MiB", "detect", "recomp", "thru / ref", "thru / unprot"]
     table = markdown_table(header, [
         [r["workload"], r["setting"], r["scenario"], r["final_val_loss"], r["gap_pct"], r["gap_worst_pct"],
          r["max_divergence"], r["end_divergence"], r["replicas_distinct"], r["faults"], r["syncs"], r["sync_mb"],
@@ -174,7 +174,8 @@ def summarize(out: pathlib.Path, runs: list[Run], workloads: list[str], steps: i
     md = (f"{len(runs)} runs, {steps} steps each, {world_size} ranks, same seed and data order. gap % = final "
           "validation loss (mean over replicas) vs the fault-free run; worst gap % = the worst replica's vs the "
           "fault-free run's worst; div = max over ranks of ||w_r - mean w|| / ||mean w|| (max over the run's "
-          "evaluations, and at the end); thru / ref = steps/s over the fault-free runs scheduled next to it "
+          "evaluations, and at the end); sync MiB = bytes the syncs moved / 2^20; thru / ref = steps/s over "
+          "the fault-free runs scheduled next to it "
           "(plain DDP, built-in reducer); thru / unprot = steps/s over the unprotected run of the same fault "
           f"setting (the same comm-hook path, no defense).\n\n{table}\n")
     if acc_rows:
