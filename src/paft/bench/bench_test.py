@@ -309,6 +309,14 @@ def test_matrix_rows_compare_each_run_with_its_neighbouring_references(tmp_path:
     assert "| resnet | none | fault-free | 2 | 0 | 0 | 0 | 0 | 1 | 3 | 0 | 0 | 0 | 0 | 1 | n/a |" in md
     assert "| agg-exponent-0.1 | guard | 0.25 |" in md  # the accuracy table
     assert "\n![resnet](resnet.png)\n" in md
+    assert "No fault fired" not in md
+    # A setting none of whose runs drew a fault is said so; one run without a fault is not.
+    for r in runs:
+        if r.labels["setting"] in ("none", "local-exponent-0.1") or r.name == "resnet/agg-exponent-0.1/guard":
+            r.summary["faults_injected"] = 0  # the fault-free references' setting, "none", draws none by design
+    matrix.summarize(tmp_path, runs, ["resnet"], 6, 2)
+    assert ("\n**No fault fired** in local-exponent-0.1 (resnet): 6 steps drew none, so those rows compare "
+            "fault-free runs; run more --steps.\n") in (tmp_path / "results.md").read_text()
 
 
 def _matrix_summary(**overrides: Any) -> dict[str, Any]:

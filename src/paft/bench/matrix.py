@@ -178,6 +178,13 @@ def summarize(out: pathlib.Path, runs: list[Run], workloads: list[str], steps: i
           "the fault-free runs scheduled next to it "
           "(plain DDP, built-in reducer); thru / unprot = steps/s over the unprotected run of the same fault "
           f"setting (the same comm-hook path, no defense).\n\n{table}\n")
+    # A short run may draw no fault from a setting's rate: its rows then compare fault-free runs.
+    idle = sorted({(r["workload"], r["setting"]) for r in rows if r["scenario"] != REFERENCE}
+                  - {(r["workload"], r["setting"]) for r in rows if r["scenario"] != REFERENCE and r["faults"]})
+    if idle:
+        said = ", ".join(f"{setting} ({workload})" for workload, setting in idle)
+        md += (f"\n**No fault fired** in {said}: {steps} steps drew none, so those rows compare fault-free runs; "
+               "run more --steps.\n")
     if acc_rows:
         md += "\nresnet validation accuracy:\n\n" + markdown_table(["setting", "scenario", "val acc"], acc_rows) + "\n"
     results = {"steps": steps, "world_size": world_size, "workloads": workloads, "rows": rows,
