@@ -265,6 +265,12 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     settle(replaced, out, keep_new=code == 0, prog="paft bench")
 
 
+def _kept(out: pathlib.Path, overwrite: bool) -> str:
+    """What a stopped benchmark's line adds: its folder keeps what was written (runs stepped
+    in lockstep, as overhead's, finish none early), unless ``--overwrite`` puts the old one back."""
+    return "" if overwrite else f"; {out} keeps what was written"
+
+
 def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.ArgumentParser,
               locks: contextlib.ExitStack) -> int:
     from paft.launch import hold_dir_lock
@@ -313,11 +319,10 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
 
             detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size, device=args.device)
     except WorkerFailed as err:
-        kept = "" if args.overwrite else f"; {out} keeps what was written"
-        print(err.describe("paft bench") + kept, file=sys.stderr)
+        print(err.describe("paft bench") + _kept(out, args.overwrite), file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        return interrupted(err, "" if args.overwrite else f"; {out} keeps the runs finished so far", "paft bench")
+        return interrupted(err, _kept(out, args.overwrite), "paft bench")
     plots = ", plots" if args.benchmark in ("matrix", "desync", "detection") else ""
     console(f"\nresults in {out}/ (results.md, results.json{plots})")
     return 0

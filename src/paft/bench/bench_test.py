@@ -938,7 +938,8 @@ def test_overwrite_with_bad_option_keeps_existing_out(tmp_path: pathlib.Path,
     assert (out / "results.json").read_text() == "earlier results"
 
 
-def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     # The marker is written before any run: a benchmark stopped midway is still ours.
     from paft.bench import desync
 
@@ -949,6 +950,8 @@ def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, mon
     monkeypatch.setattr(desync, "run", interrupted)
     out = tmp_path / "out"
     assert main(["bench", "desync", "--out", str(out)]) == 130  # Ctrl-C: the shell's code, no traceback
+    # Not "the runs finished so far": overhead's runs step in lockstep and none finishes early.
+    assert capsys.readouterr().err.endswith(f"; {out} keeps what was written\n")
     monkeypatch.setattr(desync, "run", lambda out, **_: None)
     assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == [".lock", ".paft-bench"]  # the lock a benchmark holds
