@@ -233,7 +233,8 @@ def test_overhead_block_range_is_the_lowest_to_the_highest_block() -> None:
     assert overhead.block_range([1.025, 0.98, 1.1, 1.0]) == "-2.0 to +10.0"
 
 
-def test_overhead_table_states_the_measured_costs(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overhead_table_states_the_measured_costs(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(overhead, "launch", _fake_launch([]))
     out = tmp_path / "overhead"
     out.mkdir()
@@ -246,6 +247,7 @@ def test_overhead_table_states_the_measured_costs(tmp_path: pathlib.Path, monkey
     assert "| monitor | 45.45 | +0.0 to +200.0 | 50 | 0.6875 | 133.3 | +133.3 to +133.3 |" in md
     assert "plain DDP: 2000.0 ms per step (wall, slowest rank), 1500.0 ms CPU" in md
     assert "(0.00 M parameters)" in md and "5 paired steps per variant after 0 untimed" in md
+    assert capsys.readouterr().out.endswith(md.split("\n", 2)[2])  # the console's note and table, a line between
 
 
 # -- the matrix's rows, from synthetic run summaries -------------------------------------------
@@ -708,7 +710,8 @@ def test_detection_rejects_unknown_sites_and_too_few_overhead_steps(tmp_path: pa
 
 
 def test_detection_table_and_results_agree_on_shares_and_counts(tmp_path: pathlib.Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     # Every cell the same: faults at steps 1 (raises the loss), 4 (makes the model non-finite)
     # and 5 (after the collapse); the guard catches step 1, step 3 late, step 0 falsely. Sites
     # in ``silent`` draw no fault at all.
@@ -768,6 +771,9 @@ def test_detection_table_and_results_agree_on_shares_and_counts(tmp_path: pathli
     assert f"| 30 (exponent) {cell}{cell[1:]}" in md
     assert md.index("| mantissa (random bit) |") < md.index("| 30 (exponent) |")  # the order asked for
     assert "No fault fired" not in md
+    assert md.endswith("\n![detection](detection.png)\n\n")  # the plot's link in results.md, not on the console
+    said = capsys.readouterr().out
+    assert "| 30 (exponent) |" in said and "![detection]" not in said
     assert ("- local-grad: over the single-bit rows, 2/2 faults harmful, 1/3 detected; harmful but missed: 30; "
             "false positives in these runs: 2 (+2 late); harm test background (fired at fault-free steps of the "
             "unguarded runs): 0/6.") in md

@@ -330,7 +330,6 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
     md = _markdown(rows, sites, targets, steps=steps, rate=rate, world_size=world_size, ref_loss=ref_loss,
                    costs=costs, overhead_steps=overhead_steps, clean_fp=clean_fp, clean_steps=clean_steps)
     plot = _plot(out, rows, sites, targets)
-    md += f"\n![{plot.stem}]({plot.name})\n"
     results = {
         "steps": steps, "rate": rate, "world_size": world_size, "seed": seed, "model": MODEL,
         "thresholds": {"loss_harm": LOSS_HARM, "div_harm": DIV_HARM, "harm_window": HARM_WINDOW,
@@ -341,8 +340,8 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
                      "fault_free_guarded_steps": clean_steps},
         "runs": [{"name": r.name, **r.labels, **r.summary} for r in runs],
     }
-    write_outputs(out, "Guard detection per float32 bit", results, md)
-    console("\n" + md)
+    write_outputs(out, "Guard detection per float32 bit", results, md + f"\n![{plot.stem}]({plot.name})\n")
+    console("\n" + md)  # the plot's markdown link is for results.md only
     return results
 
 

@@ -215,5 +215,5 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
                "world_size": world_size, "workload": workload, "period": period, "device": where.lower(),
                "model": model or {}, "parameters": params}
     write_outputs(out, "Overhead without faults (ratio to plain DDP)", results, f"{note}\n\n{table}")
-    console(f"\n{note}\n{table}")
+    console(f"\n{note}\n\n{table}")
     return results
