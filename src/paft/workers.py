@@ -181,7 +181,7 @@ def _end_with(launcher: int) -> None:
     no longer claimed (a ``--resume`` of it was accepted beside them), then waiting
     forever for it to collect their results. They are the fork server's children, not
     the launcher's, so no parent-death signal can tell them. A daemon thread waits on a
-    pidfd of the launcher: Linux only (``os.pidfd_open``); elsewhere they outlive it."""
+    pidfd of the launcher: Linux 5.3 on (``os.pidfd_open``); elsewhere they outlive it."""
     if not hasattr(os, "pidfd_open"):
         return
 
@@ -190,6 +190,8 @@ def _end_with(launcher: int) -> None:
             fd = os.pidfd_open(launcher)
         except ProcessLookupError:  # gone already, before this worker looked
             pass
+        except OSError:  # no pidfds here (a kernel before 5.3, a seccomp filter): outlive it, as elsewhere
+            return
         else:
             select.select([fd], [], [])  # readable once the launcher has exited
         os.kill(os.getpid(), signal.SIGTERM)

@@ -4,6 +4,7 @@ and how it is told; the fork server and resource tracker it starts."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -196,6 +198,24 @@ def test_the_workers_end_with_a_launcher_killed_outright(tmp_path: pathlib.Path)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         launcher.kill()
+
+
+def test_a_worker_that_cannot_watch_its_launcher_trains_on_without_a_word(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel has no pidfd_open (before 5.3) or a seccomp filter refuses it,
+    each worker printed its watcher thread's OSError traceback."""
+    def refused(pid: int) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    raised: list[BaseException | None] = []
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "pidfd_open", refused, raising=False)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    workers._end_with(os.getpid())
+    for thread in threading.enumerate():
+        if thread.name == "paft-launcher-watch":
+            thread.join(10)
+    assert (raised, killed) == ([], [])
 
 
 def _failure(tmp: pathlib.Path, exitcode: int, message: str | None) -> ChildFailedError:
