@@ -78,7 +78,8 @@ BYTES_PER_PROCESS = 256 * 2**20
 EXACT_COSINE_BYTES_PER_RANK = 20
 """``--cosine exact``, per parameter per worker and per rank in the world, on top of 4
 bytes for its own flat gradient: every rank's gradient gathered (float32) and the two
-float64 copies the cosines are taken from, held at once (the memory check)."""
+float64 copies the cosines are taken from, held at once in the machine's memory (the
+memory check; on a GPU only the gathered 4 bytes)."""
 
 
 class MachineError(ValueError):
@@ -564,10 +565,23 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
     # killed by the OOM killer). Only sizes far beyond the machine are refused here; the
     # rest is the allocator's to judge.
     exact = cfg.monitor.enabled and cfg.monitor.interval > 0 and cfg.monitor.cosine == "exact"
-    per_parameter = BYTES_PER_PARAMETER + (4 + EXACT_COSINE_BYTES_PER_RANK * cfg.world_size if exact else 0)
-    need = per_parameter * parameter_count(cfg.workload, cfg.model)
+    params = parameter_count(cfg.workload, cfg.model)
+    # NCCL gathers into the GPU (float32, 4 bytes per rank); the cosines' copies are made
+    # in this machine's memory (gather_exact_grads moves the gathered ones there).
+    per_rank = 4 if uses_cuda(cfg) else EXACT_COSINE_BYTES_PER_RANK
+    per_parameter = BYTES_PER_PARAMETER + (4 + per_rank * cfg.world_size if exact else 0)
+    need = per_parameter * params
     if uses_cuda(cfg):
         have, where = torch.cuda.get_device_properties(0).total_memory, "each GPU has"
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        copies = EXACT_COSINE_BYTES_PER_RANK * cfg.world_size * params * local if exact else 0
+        if copies > host:
+            raise MachineError(
+                f"--cosine exact: the {local} workers on this machine would need about {_gib(copies)} GiB of its "
+                f"memory for every rank's gradient and their float64 copies ({EXACT_COSINE_BYTES_PER_RANK} bytes "
+                f"per parameter per rank per worker) and this machine has {host / 2**30:,.0f} GiB; "
+                "make the model smaller or use --cosine sketch"
+            )
     else:
         # Every worker on this machine also holds torch itself (a typo such as
         # --world-size 1000 would otherwise start 1000 processes).

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import paft.train
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
 from paft.launch import run_worker
 from paft.records import from_jsonable, read_jsonl
@@ -112,6 +113,31 @@ def test_the_memory_check_counts_exact_cosines_gathered_gradients(monkeypatch: p
     check_machine(TrainConfig(**shape))
     check_machine(TrainConfig(**shape, monitor=MonitorConfig(cosine="exact", interval=0)))
     check_machine(TrainConfig(**shape, monitor=MonitorConfig(enabled=False, cosine="exact")))
+
+
+def test_on_gpus_exact_cosines_gather_into_the_gpu_and_copy_into_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL gathers every rank's gradient into the GPU (4 bytes per rank); the cosines'
+    copies are in the machine's memory. The GPU's check counted the copies (a 500 M-parameter
+    model on 8 GPUs of 80 GiB was refused, needing 26 GiB each), the machine's none."""
+    params, ranks = 500_000_000, 8
+    gpu = {"total_memory": (BYTES_PER_PARAMETER + 4 + 4 * ranks) * params}
+    sizes = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": EXACT_COSINE_BYTES_PER_RANK * ranks * params * ranks}
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: sizes[name] if name in sizes else real(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: ranks)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(**gpu))
+    monkeypatch.setattr(paft.train, "parameter_count", lambda workload, model=None: params)
+    cfg = TrainConfig(workload="resnet", world_size=ranks, batch_size=ranks, device="cuda",
+                      monitor=MonitorConfig(cosine="exact"))
+    check_machine(cfg)  # exactly enough, on each GPU and in the machine
+    gpu["total_memory"] -= 1
+    with pytest.raises(MachineError, match=r"\(36 bytes more at 8 ranks\) and each GPU has"):
+        check_machine(cfg)
+    gpu["total_memory"] += 1
+    sizes["SC_PHYS_PAGES"] -= 1
+    with pytest.raises(MachineError, match=r"^--cosine exact: the 8 workers on this machine would need about 596 GiB"):
+        check_machine(cfg)
 
 
 @pytest.mark.usefixtures("no_tensorboard")
