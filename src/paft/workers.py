@@ -193,7 +193,9 @@ def _end_with(launcher: int) -> None:
         except OSError:  # no pidfds here (a kernel before 5.3, a seccomp filter): outlive it, as elsewhere
             return
         else:
-            select.select([fd], [], [])  # readable once the launcher has exited
+            watch = select.poll()  # not select(): a descriptor past 1023 is refused there
+            watch.register(fd, select.POLLIN)
+            watch.poll()  # readable once the launcher has exited
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=wait_for_launcher, name="paft-launcher-watch", daemon=True).start()
