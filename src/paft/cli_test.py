@@ -753,6 +753,10 @@ def test_a_resume_names_the_saved_options_it_changes(tmp_path: pathlib.Path, mon
     assert capsys.readouterr().err == (
         "paft train: warning: --resume changes the run's saved options: --lr 0.001 (was 0.003), --inject "
         "nan:steps=7 bitflip:steps=8 (was bitflip:steps=1), --no-quiet (was --quiet), --no-monitor (was --monitor)\n")
+    (tmp_path / "c.toml").write_text("inject = []\n")
+    assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--config", "c.toml"]) == 0
+    assert capsys.readouterr().err == ("paft train: warning: --resume changes the run's saved options: no --inject "
+                                       "(was bitflip:steps=1)\n")  # not "--inject none", which no parser takes
     assert main(["train", "--run-dir", "r", "--lr", "0.001"]) == 0  # not a resume: nothing saved to change
     assert capsys.readouterr().err == ""
 

@@ -377,7 +377,9 @@ def _typed(flag: str, value: Any, named: bool = True) -> str:
     """``value`` as the command line would give it (``named``: after its option)."""
     if isinstance(value, bool):
         return f"--{'' if value else 'no-'}{flag}"
-    shown = (" ".join(value) or "none") if isinstance(value, list) else str(value)  # a list: --inject's specs
+    if value == []:  # --inject emptied (from a --config file: the command line cannot)
+        return f"no --{flag}" if named else "none"
+    shown = " ".join(value) if isinstance(value, list) else str(value)  # a list: --inject's specs
     return f"--{flag} {shown}" if named else shown
 
 
