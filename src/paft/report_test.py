@@ -183,6 +183,10 @@ def test_a_library_runs_losses_are_its_consistency_records(library_run: pathlib.
     lines = {line.get_label(): line for line in ax.get_lines()}
     drawn = [(x, y) for x, y in zip(*lines["rank 0 local loss"].get_data()) if math.isfinite(y)]
     assert drawn == [(c["step"], c["local_losses"][0]) for c in records]
+    # A guard stop is named by the setting a library user gave, not by paft train's option.
+    run.events.append({"step": 4, "event": "guard", "action": "stop", "ranks": [0]})
+    assert ("note: the guard stopped the run at step 4 (on_persistent='stop'): a persistent fault on rank 0\n"
+            in summary_text(run))
 
 
 def test_a_run_resumed_without_the_monitor_says_its_records_are_an_earlier_legs(

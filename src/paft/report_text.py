@@ -157,7 +157,9 @@ def _notes(run: RunData) -> list[str]:
     for stop in stops:
         reason = stop.get("reason") or f"a persistent fault on {ranks_phrase(stop.get('ranks') or [])}"
         reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
-        policy = "" if "(--on-persistent stop)" in reason else " (--on-persistent stop)"  # the trainer's says it
+        # The policy as its user set it (a library user, GuardConfig's field), unless the trainer's reason says it.
+        named = "on_persistent='stop'" if run.library else "--on-persistent stop"
+        policy = "" if named in reason else f" ({named})"
         lines.append(f"note: the guard stopped the run at step {stop.get('step')}{policy}: {reason}")
     for failed in run.events_of("failed"):  # paft train's launcher's; under torchrun each failed rank's
         where = " (its traceback is in events.jsonl)" if failed.get("traceback") else ""  # none from a killed rank
