@@ -490,7 +490,7 @@ def test_desync_analyze_statistics_and_paired_comparison(tmp_path: pathlib.Path)
     assert s1["grad_cos_min_min"] == 0.25 - 4 / 64 and s1["grad_cos_min_max"] == 0.25
     assert s1["loss_diff_std"] == 0.0  # a straight line after the warm-up
     same = result["comparisons"]["S2"]["loss_cv"]
-    assert same["diff"] == 0.0 and math.isnan(same["z"])
+    assert (same["diff"], same["z"]) == (0.0, 0.0)  # identical: no difference, and no noise either
     higher = result["comparisons"]["S3"]["loss_cv"]
     assert higher["diff"] == 2.0 and higher["z"] > desync.Z_NOISE
     assert "no difference beyond noise" in desync._verdict("loss_cv", same, 1.0)
@@ -526,6 +526,18 @@ def test_desync_a_difference_without_a_standard_error_is_not_read_as_none() -> N
     note = desync._null_note({"S1r": {name: comp for name in (*desync.METRICS, "loss")}})
     assert note == ("- The null control S1r (synchronized, only the seed differs) cannot be tested against |z| = 3 "
                     "in loss_cv, gnorm_cv, grad_cos_mean, loss: too few steps for a standard error; run more --steps.")
+    # Many steps, the same difference at each: no noise to weigh it against, so beyond any (not "too few steps").
+    constant = desync._paired([1.0] * 40, [2.0] * 40)
+    assert (constant["se"], constant["z"]) == (0.0, math.inf)
+    assert desync._verdict("loss_cv", constant, 1.0) == "loss_cv: higher than S1 by +100.0% (z = +inf)"
+    assert desync._paired([1.0] * 40, [1.0] * 40)["z"] == 0.0  # no difference at all
+    note = desync._null_note({"S1r": {name: constant for name in (*desync.METRICS, "loss")}})
+    assert "also differs from S1 beyond |z| = 3 in loss_cv, gnorm_cv, grad_cos_mean, loss" in note
+    # No step where both are finite: nothing to compare, and no call for more steps.
+    void = desync._paired([math.nan] * 40, [1.0] * 40)
+    assert desync._verdict("loss_cv", void, 1.0) == (
+        "loss_cv: no step where both runs have a finite value, nothing to compare")
+    assert "too few steps" not in desync._null_note({"S1r": {name: void for name in (*desync.METRICS, "loss")}})
 
 
 def test_desync_standard_error_is_over_block_means() -> None:
@@ -583,7 +595,8 @@ def test_desync_reading_compares_each_setting_with_s1_and_quotes_the_null_contro
     assert s2.startswith("- S2 (desync shuffle) vs S1: loss_cv: higher than S1 by ")
     assert "but the null control differs by +50.9%: not beyond run-to-run noise; gnorm_cv" in s2
     assert [r["steps_per_s"] for r in results["rows"]] == [1.0, 1.5, 2.0, 1.25]
-    assert "global loss: +0.5000 per step vs S1 on average (z = +nan), null control +0.2500" in s2
+    # The same offset at every step: no noise to weigh it against (z was NaN, read as "cannot say").
+    assert "global loss: +0.5000 per step vs S1 on average (z = +inf), null control +0.2500" in s2
     assert s2.endswith("; final val loss +0.5000 (null control +0.2500).")
     s1r = next(line for line in results["reading"] if line.startswith("- S1r "))
     assert s1r.endswith("; final val loss +0.2500.")  # itself the null control: none quoted

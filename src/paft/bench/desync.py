@@ -20,7 +20,8 @@ differences after the learning-rate warm-up. The claim under test is that the
 averaged loss looks alike while worker-level dispersion differs; S2, S3 and S1r are
 compared with S1 step by step (paired differences, z = mean / standard error of
 10-step block means, since consecutive steps share a trajectory), and the table says
-"no difference beyond noise" when |z| < 3, whatever we hoped to see.
+"no difference beyond noise" when |z| < 3, whatever we hoped to see (a difference the
+same in every block has z = +-inf; one with fewer than two blocks, too few steps, none).
 
 Note: in S1 ranks already see different data every step, so the per-step dispersion
 of S2 comes from the same kind of sampling noise; only overlap and the uncoordinated
@@ -106,7 +107,10 @@ def _paired(a: list[float], b: list[float]) -> dict[str, float]:
     """Mean of b - a over the steps both have, its standard error and z."""
     diffs = [y - x for x, y in zip(a, b) if math.isfinite(x) and math.isfinite(y)]
     mean, se = _mean_se(diffs)
-    z = mean / se if se and math.isfinite(se) and se > 0 else math.nan
+    if se == 0:  # the same difference in every block: beyond any noise unless it is none
+        z = 0.0 if mean == 0 else math.copysign(math.inf, mean)
+    else:
+        z = mean / se  # NaN without a standard error (too few steps) or without a finite pair
     return {"diff": mean, "se": se, "z": z}
 
 
@@ -146,10 +150,12 @@ def _verdict(name: str, comp: dict[str, float], ref_mean: float, null: dict[str,
     is there, the difference is more than NULL_FACTOR times the null control's."""
     z = comp["z"]
     rel = comp["diff"] / abs(ref_mean) * 100 if ref_mean else math.nan
-    if not math.isfinite(z) and comp["diff"] != 0:
+    if math.isnan(comp["diff"]):
+        return f"{name}: no step where both runs have a finite value, nothing to compare"
+    if math.isnan(z) and comp["diff"] != 0:
         # No standard error (a run of one step): a difference that cannot be weighed is not "none".
         return f"{name}: {rel:+.1f}% vs S1, too few steps to tell it from noise (z undefined)"
-    if not math.isfinite(z) or abs(z) < Z_NOISE:
+    if math.isnan(z) or abs(z) < Z_NOISE:
         return f"{name}: no difference beyond noise ({rel:+.1f}% vs S1, z = {z:+.1f})"
     word = "higher" if comp["diff"] > 0 else "lower"
     if null is not None and math.isfinite(null["diff"]) and abs(comp["diff"]) <= NULL_FACTOR * abs(null["diff"]):
@@ -165,8 +171,9 @@ def _null_note(comps: dict[str, dict[str, Any]]) -> str:
     if null is None:
         return ""
     names = ("loss_cv", "gnorm_cv", "grad_cos_mean", "loss")
-    fired = [name for name in names if math.isfinite(null[name]["z"]) and abs(null[name]["z"]) >= Z_NOISE]
-    untested = [name for name in names if not math.isfinite(null[name]["z"]) and null[name]["diff"] != 0]
+    fired = [name for name in names if abs(null[name]["z"]) >= Z_NOISE]  # NaN compares False
+    untested = [name for name in names if math.isnan(null[name]["z"]) and null[name]["diff"] != 0
+                and not math.isnan(null[name]["diff"])]
     if untested and not fired:
         return (f"- The null control S1r (synchronized, only the seed differs) cannot be tested against "
                 f"|z| = {Z_NOISE:g} in {', '.join(untested)}: too few steps for a standard error; run more --steps.")
