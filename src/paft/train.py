@@ -573,7 +573,7 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
     need = per_parameter * params
     if uses_cuda(cfg):
         have, where = torch.cuda.get_device_properties(0).total_memory, "each GPU has"
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = _memory()
         copies = EXACT_COSINE_BYTES_PER_RANK * cfg.world_size * params * local if exact else 0
         if copies > host:
             raise MachineError(
@@ -585,7 +585,7 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
     else:
         # Every worker on this machine also holds torch itself (a typo such as
         # --world-size 1000 would otherwise start 1000 processes).
-        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+        have, where = _memory(), "this machine has"
         if BYTES_PER_PROCESS * local > have:
             raise MachineError(
                 f"--world-size {cfg.world_size}: {local} worker processes on this machine would need about "
@@ -601,6 +601,11 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
             f"and optimizer state ({BYTES_PER_PARAMETER} bytes per parameter per worker){gathered} and {where} "
             f"{have / 2**30:,.0f} GiB; make it smaller{' or use --cosine sketch' if exact else ''}"
         )
+
+
+def _memory() -> int:
+    """This machine's memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _device(cfg: TrainConfig) -> torch.device:
