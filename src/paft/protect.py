@@ -155,6 +155,8 @@ def protect(
 
     Example (a script, ``torchrun --nproc-per-node 2 example.py``)::
 
+        import gc
+
         import torch
         import torch.distributed as dist
         import torch.nn.functional as F
@@ -182,6 +184,10 @@ def protect(
         protector.close()  # finish an in-flight overlapped sync
         if dist.get_rank() == 0:
             print(f"{protector.counters['syncs']} syncs, loss {report.loss:.3f}")
+        # DDP's reducer holds the process group: left to the exit, after the group is
+        # destroyed, it aborted a rank now and then (torch's gloo teardown). Free it first.
+        del protector, ddp
+        gc.collect()  # modules hold reference cycles
         dist.barrier()  # no rank closes its gloo connections while a peer still reads them
         dist.destroy_process_group()
     """
