@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from paft.records import atomic_write_bytes, is_file, output_dir_problem
-from paft.report_text import first_split, ranks_phrase, series, split_syncs, summary_text, sync_events
+from paft.report_text import first_split, ranks_phrase, seen_from, series, split_syncs, summary_text, sync_events
 from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
 
 __all__ = ["Report", "build_report"]
@@ -265,7 +265,7 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     # split it found is drawn, and so must be the end it put to it. An overlapped sync
     # that landed within a step (seen_from two steps after its own) came before that
     # step's update, whose split gradients split the state again: the split has the last word.
-    synced = [(int(e.get("seen_from", int(e["step"]) + 1)), 1.0, int(e["step"])) for e in sync_events(run)]
+    synced = [(seen_from(e), 1.0, int(e["step"])) for e in sync_events(run)]
     landed_before = [(f, v) for f, v, step in synced if f >= step + 2]
     landed_after = [(f, v) for f, v, step in synced if f < step + 2]
     end = [(run.last_step + 1, float(run.summary["replicas_distinct"]))] if run.summary and isinstance(

@@ -17,7 +17,7 @@ from paft.replicas import outside_majority
 from paft.resync import averages_at
 from paft.rundata import RunData, is_number, number
 
-__all__ = ["first_split", "ranks_phrase", "series", "split_syncs", "summary_text", "sync_events"]
+__all__ = ["first_split", "ranks_phrase", "seen_from", "series", "split_syncs", "summary_text", "sync_events"]
 
 
 # -- reading the records -----------------------------------------------------------------
@@ -31,6 +31,12 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
 def sync_events(run: RunData) -> list[dict[str, Any]]:
     """PAFT-Sync's syncs and the guard's repairs (a robust sync of its own), in file order."""
     return [e for e in run.events if e.get("event") in ("sync", "repair")]
+
+
+def seen_from(sync: dict[str, Any]) -> int:
+    """The first step whose state fingerprints see a sync's result; a sync recorded
+    without it ran after its step's fingerprints."""
+    return int(sync.get("seen_from", int(sync["step"]) + 1))
 
 
 # -- the text summary --------------------------------------------------------------------
@@ -93,7 +99,7 @@ def _last_state_check(run: RunData) -> str:
         # A sync or repair that no fingerprint has seen yet (a run that stopped without its
         # summary, a library run) synchronized the replicas after the check: what it found
         # is the check's, what holds now the sync's, until split aggregated gradients.
-        unseen = [e for e in sync_events(run) if int(e.get("seen_from", int(e["step"]) + 1)) > rec["step"]]
+        unseen = [e for e in sync_events(run) if seen_from(e) > rec["step"]]
         synced, after = "", rec["step"]
         if unseen:
             e = unseen[-1]
@@ -101,7 +107,7 @@ def _last_state_check(run: RunData) -> str:
             # Its first update from synchronized replicas: the step after a blocking sync's,
             # the step an overlapped one landed in (recorded at the step it started after),
             # the recompute of a repaired step.
-            after = max(after, min(int(e.get("seen_from", int(e["step"]) + 1)), int(e["step"]) + 1))
+            after = max(after, min(seen_from(e), int(e["step"]) + 1))
         # An aggregated gradient that differed after the check split the replicas since:
         # the check's own step's too, whose update follows the fingerprints of the state
         # it starts from.
