@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import os
 import pathlib
 import shlex
@@ -401,7 +400,6 @@ def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
     """Train in the process group already up (a launched worker's, or a torchrun rank's),
     then take it down; a persistent fault the guard stops on is a result, not an error."""
     done = False  # the run finished, or the guard stopped it (every rank stops at the same step)
-    trainer: Trainer | None = None
     try:
         trainer = Trainer(cfg, pathlib.Path(run_dir))
         try:
@@ -416,12 +414,6 @@ def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
         done = True
         return result
     finally:
-        # DDP's reducer holds the process group: one left to the interpreter's exit, after
-        # the group was destroyed, aborted a torchrun rank now and then ("terminate called
-        # without an active exception", plain DDP alike: 2 of 30 runs, none of 40 with it
-        # released first). The trainer (modules hold reference cycles) goes first.
-        trainer = None
-        gc.collect()
         _take_group_down(every_rank_done=done)
 
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from typing import Any
 
 import pytest
@@ -292,35 +291,6 @@ def test_a_guard_stop_is_a_result_recorded_with_its_reason(tmp_path: pathlib.Pat
     assert (result, closed) == ({"status": "persistent_fault", "message": str(stop)}, [True])
     assert read_jsonl(tmp_path / "events.jsonl") == [{"step": 5, "event": "stop", "ranks": [1], "reason": str(stop)}]
     assert _steps_and_ranks(tmp_path) == [(5, 0), (5, 1)]
-
-
-@pytest.mark.usefixtures("one_rank_group")
-def test_the_trainer_is_released_before_the_group_goes_down(tmp_path: pathlib.Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """DDP's reducer holds the process group: left to the interpreter's exit, after the
-    group was destroyed, it aborted a torchrun rank now and then. The trainer, reference
-    cycles and all, is gone before the group is taken down. One rank, in process."""
-    class Held:  # stands for the trainer's DDP model: in a reference cycle, as modules are
-        def __init__(self) -> None:
-            self.me = self
-
-    held: list[weakref.ref[Held]] = []
-
-    class Trainer:
-        def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path) -> None:
-            self.model = Held()
-            held.append(weakref.ref(self.model))
-
-        def train(self) -> dict[str, Any]:
-            return {"steps": 1}
-
-    alive: list[bool] = []
-    take_down = launcher._take_group_down
-    monkeypatch.setattr(launcher, "Trainer", Trainer)
-    monkeypatch.setattr(launcher, "_take_group_down",
-                        lambda every_rank_done: alive.append(held[0]() is not None) or take_down(every_rank_done))
-    assert launcher._train_in_group(TrainConfig(), str(tmp_path)) == {"status": "ok", "summary": {"steps": 1}}
-    assert alive == [False] and not dist.is_initialized()
 
 
 def _steps_and_ranks(run: pathlib.Path) -> list[tuple[int, int]]:
