@@ -1171,6 +1171,28 @@ def test_overwrite_of_an_empty_folder_leaves_it_empty_when_the_run_stops(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # nothing set aside either
 
 
+def test_a_folder_holding_only_a_lock_counts_as_empty(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher killed outright between taking a new folder and writing config.json
+    leaves its lock alone there: the folder was refused as "not a paft run", for good, and
+    had to be deleted by hand. While a run holds that lock, it is in use."""
+    from paft import launch as launcher
+    from paft.records import LOCK_FILE, output_dir_problem
+    from paft.rundir import RunDirError, check_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("d").mkdir()
+    (pathlib.Path("d") / LOCK_FILE).touch()
+    with launcher.hold_dir_lock(pathlib.Path("d")), pytest.raises(RunDirError, match="in use"):
+        check_run_dir(TrainConfig(run_dir="d", steps=1))
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: 0)
+    assert launcher.launch(TrainConfig(run_dir="d", steps=1)) == 0
+    assert pathlib.Path("d/config.json").is_file()
+    # A benchmark's --out too (it holds a lock of the same name).
+    pathlib.Path("b").mkdir()
+    (pathlib.Path("b") / LOCK_FILE).touch()
+    assert output_dir_problem(pathlib.Path("b"), "--out", {".paft-bench": pathlib.Path.is_file}, False) is None
+
+
 @pytest.mark.parametrize("code", [1, 3])  # a worker failed; the guard stopped the run (persistent fault)
 def test_a_resume_that_stops_before_its_next_checkpoint_keeps_config_json(
         code: int, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,9 +32,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from paft.config import TrainConfig
 from paft.protect import PersistentFaultError
-from paft.records import atomic_write_bytes, console, jsonl_line, read_jsonl, sort_faults
+from paft.records import LOCK_FILE, atomic_write_bytes, console, holds_files, jsonl_line, read_jsonl, sort_faults
 from paft.rundir import (
-    LOCK_FILE,
     RunDirError,
     check_run_dir,
     default_run_dir,
@@ -167,7 +166,7 @@ def _take_run_dir(cfg: TrainConfig, run_dir: pathlib.Path, locks: contextlib.Exi
         locks.enter_context(hold_dir_lock(run_dir))
     # An empty folder (but for the lock just taken) holds nothing to set aside: --overwrite
     # runs in it as a new run does (set aside, it came back with the lock in it).
-    holds = existed and any(p.name != LOCK_FILE for p in run_dir.iterdir())
+    holds = existed and holds_files(run_dir)
     replaced = set_aside(run_dir) if cfg.overwrite and holds else None
     if replaced is not None or not existed:
         try:

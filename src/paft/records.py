@@ -56,6 +56,8 @@ __all__ = [
     "from_jsonable",
     "max_or_nan",
     "Marker",
+    "LOCK_FILE",
+    "holds_files",
     "output_dir_problem",
     "path_name_problem",
     "from_jsonable_float",
@@ -104,6 +106,17 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+LOCK_FILE = ".lock"
+"""Held (flock) by the ``paft train`` or ``paft bench`` that uses a folder. Found alone,
+it is what a launcher killed outright (``kill -9``) before its first write left: the
+folder counts as empty."""
+
+
+def holds_files(path: pathlib.Path) -> bool:
+    """Whether folder ``path`` holds anything but :data:`LOCK_FILE`."""
+    return any(child.name != LOCK_FILE for child in path.iterdir())
+
+
 Marker = Mapping[str, Callable[[pathlib.Path], bool]]
 """File name -> whether the file of that name in a folder is paft's own: what tells
 paft's output folders from a user's."""
@@ -148,7 +161,7 @@ def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwr
     if path.exists():
         if not path.is_dir():
             return f"{option}: {path} exists and is not a directory"
-        if any(path.iterdir()):
+        if holds_files(path):
             if not any(ours(path / name) for name, ours in markers.items()):  # then --overwrite would not help
                 said, what = ("--overwrite", "refusing to delete it") if overwrite else (option, "pick another")
                 return (f"{said}: {path} holds no {' or '.join(markers)} of paft's, so it is not paft's "

@@ -26,7 +26,9 @@ import torch
 
 from paft.config import TrainConfig
 from paft.records import (
+    LOCK_FILE,
     atomic_write_json,
+    holds_files,
     is_file,
     is_run_config,
     output_dir_problem,
@@ -36,7 +38,6 @@ from paft.records import (
 from paft.workloads import model_config
 
 __all__ = [
-    "LOCK_FILE",
     "RunDirError",
     "default_run_dir",
     "resolve_run_dir",
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 _KEEP_CHECKPOINTS = 2
-LOCK_FILE = ".lock"  # held (flock) by the paft train that uses the directory
 
 
 class RunDirError(ValueError):
@@ -109,7 +109,8 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
         _check_resume(cfg, path)
         return
     if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
-        _refuse_in_use(path)
+        _refuse_in_use(path)  # a run that has just taken the folder holds its lock alone
+    if path.is_dir() and not path.is_symlink() and holds_files(path) and not cfg.overwrite:
         if not is_run_config(path / "config.json"):  # --resume and --overwrite would be refused too
             raise RunDirError(f"--run-dir: {path} holds no config.json of paft's, so it is not a paft run; "
                               "pick another --run-dir")
