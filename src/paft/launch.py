@@ -397,23 +397,31 @@ def run_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any]:
 
 def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
     """Train in the process group already up (a launched worker's, or a torchrun rank's),
-    then take it down; a persistent fault the guard stops on is a result, not an error."""
+    then take it down."""
     done = False  # the run finished, or the guard stopped it (every rank stops at the same step)
     try:
-        trainer = Trainer(cfg, pathlib.Path(run_dir))
-        try:
-            result: dict[str, Any] = {"status": "ok", "summary": trainer.train()}
-        except PersistentFaultError as err:
-            if dist.get_rank() == 0:
-                trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
-                # Every rank wrote its faults of the step before the decision they all stop on.
-                sort_faults(run_dir)
-            trainer.recorder.close()
-            result = {"status": "persistent_fault", "message": str(err)}
+        result = _train(cfg, run_dir)
         done = True
         return result
     finally:
         _take_group_down(every_rank_done=done)
+
+
+def _train(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
+    """Train; a persistent fault the guard stops on is a result, not an error. The
+    Trainer goes with this frame, and with it the DDP model, whose reducer holds the
+    process group: freed after the group's destruction (at the interpreter's exit), gloo's
+    teardown aborted a rank now and then ("terminate called without an active exception")."""
+    trainer = Trainer(cfg, pathlib.Path(run_dir))
+    try:
+        return {"status": "ok", "summary": trainer.train()}
+    except PersistentFaultError as err:
+        if dist.get_rank() == 0:
+            trainer.recorder.event({"step": err.step, "event": "stop", "ranks": err.ranks, "reason": str(err)})
+            # Every rank wrote its faults of the step before the decision they all stop on.
+            sort_faults(run_dir)
+        trainer.recorder.close()
+        return {"status": "persistent_fault", "message": str(err)}
 
 
 def _take_group_down(every_rank_done: bool) -> None:
@@ -554,6 +562,12 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     _set_threads(workers_here)
+    # DDP's constructor imports torch._dynamo, and torch.fx's wrap(), run by that import,
+    # keeps its own frame in a reference cycle, and so every caller's frame until a full
+    # garbage collection: the Trainer's too, whose DDP model then outlived the process
+    # group (see _train). Imported here, it holds this frame only. (paft train's workers
+    # have it from their fork server.)
+    import torch._dynamo  # noqa: F401
     # A rank waiting for its peers waits in C++, where no Python handler runs (SIGTERM's
     # and Ctrl-C's went unheard for the rendezvous' 30 minutes): until the group is up,
     # when nothing needs undoing yet, a signal ends it by its default action.

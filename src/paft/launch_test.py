@@ -637,6 +637,38 @@ def test_a_torchrun_rank_waiting_for_its_peers_ends_on_a_signal(tmp_path: pathli
     assert (rank.returncode, err, list(tmp_path.iterdir())) == (-sig, "", [])
 
 
+_DDP_ALIVE_AT_DESTROY = """
+import gc, sys
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from paft.launch import torchrun_main
+
+destroy, alive = dist.destroy_process_group, []
+def destroy_counting(*args, **kwargs):
+    alive.append(sum(type(o) is DistributedDataParallel for o in gc.get_objects()))
+    destroy(*args, **kwargs)
+dist.destroy_process_group = destroy_counting
+gc.disable()  # only reference counting frees: what a run without a full collection gets
+code = torchrun_main(["--run-dir", "r", "--steps", "1", "--quiet"])
+print(code, alive)
+"""
+
+
+def test_under_torchrun_the_ddp_model_is_freed_before_the_group_is_destroyed(tmp_path: pathlib.Path) -> None:
+    """The Trainer (and its DDP model, whose reducer holds the process group) outlived
+    the group to the interpreter's exit, where gloo's teardown aborted a rank now and
+    then: torch.fx's wrap(), run by the import of torch._dynamo in DDP's constructor,
+    keeps every caller's frame in a reference cycle, the Trainer's constructor's too."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "PYTHONPATH": str(pathlib.Path(paft.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", _DDP_ALIVE_AT_DESTROY], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[-1:] == ["0 [0]"], done.stderr[-2000:]
+
+
 def _threads_as_launched(rank: int, world_size: int) -> tuple[str | None, int]:
     launcher.start_launched_worker(TrainConfig(world_size=world_size, batch_size=12))
     import torch
