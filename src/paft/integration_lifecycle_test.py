@@ -18,8 +18,10 @@ on one rank (a user's bug), as plain DDP: the others wait for the group's timeou
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import gc
+import pathlib
 import time
 from typing import Any
 
@@ -32,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paft.config import GuardConfig, ProtectConfig
 from paft.protect import protect
 from paft.protect_test import batch, toy_closure, toy_model
+from paft.records import RunRecorder, read_jsonl
 from paft.state import state_fingerprint
 from paft.testing import run_workers, take_step
 
@@ -263,3 +266,62 @@ def test_a_closure_that_raises_on_one_rank_raises_there_and_the_others_wait_for_
     assert out[0]["waited"] >= 5
     # the raising rank's protector is where it was before the step: the sync lands, the step is still 2
     assert out[1]["in flight"] and out[1]["step after close"] == 2
+
+
+def _w_recorded(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A library run with a recorder, 6 steps with a fault at step 4, into ``root/once``;
+    then the same run stopped after step 4, resumed from its checkpoint after step 3
+    into the same folder (``root/resumed``); then a new run into a used folder."""
+    def run(folder: str, steps: range, state: dict[str, Any] | None = None, append: bool = False) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(toy_model())
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        recorder = RunRecorder(f"{root}/{folder}", rank, quiet=True, append=append)
+        protector = protect(model, optimizer, protect=ProtectConfig(mode="sync", sync_period=2),
+                            inject=["bitflip:steps=4,ranks=1,bits=30"], recorder=recorder)
+        if state is not None:
+            model.module.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            protector.load_state_dict(state["protector"])
+        protector.prime(toy_closure(model, optimizer, rank, 0))
+        saved: dict[str, Any] = {}
+        for step in steps:
+            protector.step(toy_closure(model, optimizer, rank, step))
+            if step == 3:
+                protector.close()
+                saved = copy.deepcopy({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                                       "protector": protector.state_dict()})
+        protector.close()
+        recorder.close()
+        return saved
+
+    run("once", range(6))
+    saved = run("resumed", range(5))  # stopped after step 4: its records of step 4 go with the resume
+    run("resumed", range(4, 6), saved, append=True)
+    try:
+        run("once", range(1))
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return {"refused": refused}
+
+
+def test_a_resumed_library_run_records_as_the_uninterrupted_one_and_a_used_folder_is_refused(
+        tmp_path: pathlib.Path) -> None:
+    """A script run again into its folder appended a second run's records to the first's,
+    which paft report read as one run; a resumed run kept the interrupted leg's records of
+    the steps it re-did."""
+    out = run_workers(_w_recorded, 2, str(tmp_path))
+
+    def records(folder: str, name: str) -> list[dict[str, Any]]:  # a sync's own timings aside
+        return [{k: v for k, v in r.items() if k not in ("seconds", "wall_seconds")}
+                for r in read_jsonl(tmp_path / folder / name)]
+
+    for name in ("consistency.jsonl", "events.jsonl", "faults.jsonl"):
+        assert records("once", name) == records("resumed", name), name
+    assert [r["step"] for r in records("once", "faults.jsonl")] == [4]
+    assert [r["step"] for r in records("once", "consistency.jsonl")] == list(range(6))
+    assert out[0]["refused"].startswith(f"protect(): the recorder's folder {tmp_path}/once holds an earlier run's "
+                                        "records (consistency.jsonl, events.jsonl, faults.jsonl)")
+    assert out[1]["refused"].startswith("protect(): the recorder's folder")
+    assert not (tmp_path / "once" / "metrics").exists()  # a library run writes no per-rank metrics

@@ -195,7 +195,9 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
 def _check_recorder(model: DistributedDataParallel, recorder: Any) -> None:
     """The recorder's rank 0 writes the run folder and speaks: made with the global rank
     where DDP runs over a sub-group (a hybrid layout's replica group without global
-    rank 0), the group wrote no consistency.jsonl or events.jsonl and said nothing."""
+    rank 0), the group wrote no consistency.jsonl or events.jsonl and said nothing. A
+    folder holding an earlier run's records (a script run again into it) is refused: the
+    report read the two runs as one."""
     if recorder is None:
         return
     if not isinstance(recorder, RunRecorder):  # a folder's path: taken, then an AttributeError at the first step
@@ -206,6 +208,11 @@ def _check_recorder(model: DistributedDataParallel, recorder: Any) -> None:
         raise ValueError(f"protect(): the recorder's rank is {recorder.rank}, but this is rank {me} of DDP's "
                          "process group; a recorder takes the rank in that group (its rank 0 writes the run "
                          "folder): RunRecorder(run_dir, dist.get_rank(ddp.process_group))")
+    if recorder.earlier_records:
+        shown = ", ".join(recorder.earlier_records[:3]) + (", ..." if len(recorder.earlier_records) > 3 else "")
+        raise ValueError(f"protect(): the recorder's folder {recorder.run_dir} holds an earlier run's records "
+                         f"({shown}), which this run's would be mixed with; give another folder, or "
+                         "RunRecorder(..., append=True) to go on with them (a resumed run)")
 
 
 def _check_cuda_device(backend: str, model: Any, world_size: int, current: Callable[[], int] | None = None) -> None:

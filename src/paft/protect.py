@@ -498,11 +498,15 @@ class Protector:
         it before the first step of every run, fresh or resumed.
         Two passes: the first records the order, the second runs on the rebuilt layout
         and tells the hook how many buckets it has. RNG and buffers are restored, the
-        gradients set to None; nothing is injected or recorded, and a comm hook of the user's is
+        gradients set to None; nothing is injected or recorded (after a
+        :meth:`load_state_dict`, the recorder's records of the steps the resumed run re-does
+        are dropped: :class:`~paft.records.RunRecorder` ``append=True``), and a comm hook of the user's is
         not called (a plain mean all-reduce runs instead). Without it, the first two steps
         still inject reproducibly, but only into the buckets the hook knew of then, and a
         bucket-site ``stale`` fault finds no previous result to replay at steps 1 and 2.
         """
+        # Before this rank's first collective, so before any rank records again.
+        self.recorder.drop_resumed_steps()
         before = ForwardSnapshot(self._buffers)
         for _ in range(2):
             # The mean all-reduce, not a user's hook: a stateful one (PowerSGD's step counter,
@@ -746,6 +750,7 @@ class Protector:
         except Exception:
             self._load(before)
             raise
+        self.recorder.resumed_at(self.step_idx)  # prime() drops the records of the steps re-done
 
     def _load(self, state: dict[str, Any]) -> None:
         self.resync.load_state_dict(state)

@@ -312,20 +312,31 @@ def require_tensorboard() -> None:
         )
 
 
+# The records rank 0 writes into a run folder for every rank (each rank's own:
+# metrics/rank<r>.jsonl).
+_SHARED_RECORDS = ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")
+
+
 class RunRecorder:
     """Appends this rank's records to the run directory (``None`` run_dir: records dropped).
 
     Rank 0 writes the shared files (consistency, events, summary); every rank writes
     its own metrics and the faults it injected. ``tensorboard`` without the package is
     refused here (:func:`require_tensorboard`), not at rank 0's first scalar.
+
+    A folder that already holds a run's records is taken only with ``append=True`` (a
+    resumed run): two runs' records in one folder would read as one run. ``protect()``
+    refuses it on every rank (:attr:`earlier_records`).
     """
 
     def __init__(
-        self, run_dir: str | os.PathLike[str] | None, rank: int, tensorboard: bool = False, quiet: bool = False
+        self, run_dir: str | os.PathLike[str] | None, rank: int, tensorboard: bool = False, quiet: bool = False,
+        append: bool = False,
     ) -> None:
         self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
         self.rank = rank
         self.quiet = quiet
+        self.append = append
         self._files: dict[str, Any] = {}
         if tensorboard and self.run_dir is not None:
             # Every rank refuses alike (only rank 0 writes tb/): none is left waiting in a
@@ -334,14 +345,29 @@ class RunRecorder:
         self._tensorboard = tensorboard and rank == 0 and self.run_dir is not None
         self._tb: Any = None  # the SummaryWriter, opened by the first scalar
         self._purge_step: int | None = None
-        if self.run_dir is not None:
-            (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        self._resumed_at: int | None = None  # a resume's step whose later records are still to drop
+        self.earlier_records = [] if append or self.run_dir is None else _records_in(self.run_dir)
+        """The records of an earlier run found in the folder (without ``append``)."""
 
     def resumed_at(self, step: int) -> None:
         """A resumed run re-does the steps after ``step``: TensorBoard hides what the
-        interrupted leg logged for them (``purge_step``), as the jsonl files drop them.
-        Call before the first record."""
+        interrupted leg logged for them (``purge_step``), and :meth:`drop_resumed_steps`
+        drops them from the jsonl files. Call before the first record."""
         self._purge_step = step + 1
+        self._resumed_at = step
+
+    def drop_resumed_steps(self) -> None:
+        """After :meth:`resumed_at`, drop the records of the steps the resumed run
+        re-does: this rank's metrics, and on rank 0 the shared files. Every rank calls it
+        before any rank records again (a fault another rank appended meanwhile would be
+        lost), then a collective: :meth:`paft.protect.Protector.prime` does."""
+        step, self._resumed_at = self._resumed_at, None
+        if step is None or self.run_dir is None:
+            return
+        truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", step)
+        if self.rank == 0:
+            for name in _SHARED_RECORDS:  # an evaluation at ``step`` came before the checkpoint
+                truncate_jsonl(self.run_dir / name, step + (name == "evals.jsonl"))
 
     def _add_scalars(self, step: int, values: Iterable[tuple[str, float]]) -> None:
         if not self._tensorboard:
@@ -361,6 +387,7 @@ class RunRecorder:
             return
         f = self._files.get(name)
         if f is None:
+            (self.run_dir / name).parent.mkdir(parents=True, exist_ok=True)  # metrics/
             f = self._files[name] = open(self.run_dir / name, "a", buffering=1)
         for record in records:
             f.write(jsonl_line(record))
@@ -404,6 +431,13 @@ class RunRecorder:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _records_in(folder: pathlib.Path) -> list[str]:
+    """The run records in ``folder`` that hold something (names relative to it)."""
+    found = [folder / name for name in _SHARED_RECORDS]
+    found += sorted(folder.glob("metrics/rank*.jsonl")) + sorted(folder.glob("tb/events.out.tfevents.*"))
+    return [str(path.relative_to(folder)) for path in found if is_file(path) and path.stat().st_size > 0]
 
 
 def truncate_jsonl(path: str | os.PathLike[str], step: int) -> None:

@@ -46,7 +46,6 @@ from paft.records import (
     read_jsonl,
     require_tensorboard,
     sort_faults,
-    truncate_jsonl,
 )
 from paft.replicas import group_replicas
 from paft.rundir import (
@@ -158,7 +157,8 @@ class Trainer:
         )
         # Dropout draws from this RNG; synchronized across ranks unless --desync-seed.
         torch.manual_seed(cfg.seed + 1 + (7919 * self.rank if cfg.desync_seed else 0))
-        self.recorder = RunRecorder(run_dir, self.rank, tensorboard=cfg.tensorboard, quiet=cfg.quiet)
+        self.recorder = RunRecorder(run_dir, self.rank, tensorboard=cfg.tensorboard, quiet=cfg.quiet,
+                                    append=cfg.resume)
         self.protector: Protector = protect(
             self.model, self.optimizer, monitor=cfg.monitor, protect=cfg.protect, guard=cfg.guard,
             inject=cfg.inject, seed=cfg.seed, grad_clip=cfg.grad_clip, recorder=self.recorder,
@@ -397,14 +397,9 @@ class Trainer:
         if "timed" in state:  # the timed steps of every leg (older checkpoints: this leg's only)
             steps, seconds, cpu = state["timed"]
             self._timed = _Timing(int(steps), float(seconds), float(cpu))
-        # The interrupted run may have logged steps past its last checkpoint: drop them.
-        self.recorder.resumed_at(self.step)
-        truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", self.step)
-        if self.rank == 0:
-            for log in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl"):
-                truncate_jsonl(self.run_dir / log, self.step + (log == "evals.jsonl"))
+        # The interrupted run may have logged steps past its last checkpoint: the
+        # protector's prime() drops them from the records (it resumed at self.step).
         self.evals = [e for e in self.evals if e["step"] <= self.step]
-        dist.barrier()
         self.recorder.say(f"resumed from {name} (step {self.step})")
 
     # -- the end -----------------------------------------------------------------------
