@@ -1165,3 +1165,56 @@ def test_a_failed_run_says_where_and_why_it_failed(fault_run: pathlib.Path, tmp_
                             "traceback": "Traceback (most recent call last):\nValueError: x\n"}) + "\n")
     assert ("note: the run failed at step 13: rank 0 failed: ValueError: x (its traceback is in events.jsonl)\n"
             in summary_text(load_run(run)))
+
+
+def test_the_first_split_line_says_how_far_the_state_checks_reach(clean_run: pathlib.Path,
+                                                                  tmp_path: pathlib.Path) -> None:
+    """"none (replicas identical at every recorded step)" was said of a run whose state was
+    last fingerprinted steps before its end, with a fault at rest since (a library run, a
+    run stopped before its summary): nothing had checked the replicas after it."""
+    run = copy_run(clean_run, tmp_path / "r")
+    line = "first replica split: none (replicas identical at every recorded step)"
+    assert line in build_report(run).text  # the summary's check at the end
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()
+    checked = [r["step"] for r in read_jsonl(run / "consistency.jsonl") if "replicas/state_distinct" in r]
+    assert checked[-1] < load_run(run).last_step
+    (run / "faults.jsonl").write_text(json.dumps({"step": checked[-1] + 1, "rank": 1, "site": "params",
+                                                  "kind": "noise"}) + "\n")
+    assert ("first replica split: none seen (aggregated gradients identical at every recorded step; the training "
+            f"state fingerprinted last at step {checked[-1]}, 1 fault injected after it)") in build_report(run).text
+    (run / "summary.json").write_text(json.dumps({**summary, "replicas_distinct": 2}))
+    assert (f"first replica split: after the last state check (last at step {checked[-1]}): the end of the run "
+            "found 2 distinct replicas") in build_report(run).text
+
+
+def test_a_guard_stop_the_loop_went_on_after_is_told_so(library_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """A library user may catch the guard's stop and train on: the note said only that
+    the guard stopped the run, above later steps' records."""
+    run = copy_run(library_run, tmp_path / "r")
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "event": "guard", "attempt": 2, "action": "stop", "ranks": [0]}) + "\n")
+    assert ("note: the guard stopped the run at step 2 (on_persistent='stop'): a persistent fault on rank 0; "
+            f"the run went on after it, to step {load_run(run).last_step}\n") in build_report(run).text
+
+
+def test_tensors_a_later_sync_found_are_not_tied_to_a_split_the_guard_undid(clean_run: pathlib.Path,
+                                                                              tmp_path: pathlib.Path) -> None:
+    """The guard recomputed step 3 (the state stayed whole); the sync at step 7 found
+    another incident's tensors, listed as the first split's, BatchNorm buffers first."""
+    run = copy_run(clean_run, tmp_path / "r")
+    (run / "summary.json").unlink()
+    split = [[0], [1]]
+    with open(run / "events.jsonl", "a") as f:
+        for event in (
+            {"step": 3, "event": "guard", "attempt": 0, "action": "recompute", "detector": "grad_mismatch",
+             "ranks": [], "values": {}},
+            {"step": 7, "event": "sync", "mode": "median", "groups": split, "differing_tensors": 2,
+             "differing": {"buffer/1.running_mean": split, "param/wte.weight": split}},
+        ):
+            f.write(json.dumps(event) + "\n")
+    text = build_report(run).text
+    assert "first replica split: step 3 (aggregated-gradient checksums differ" in text
+    said = "(no strict majority: [[0], [1]])"
+    assert (f"\n  tensors that differed (a later split: the guard undid the first), as the sync at step 7 found "
+            f"them: param/wte.weight {said}, buffer/1.running_mean {said}\n") in text

@@ -166,7 +166,9 @@ def _notes(run: RunData) -> list[str]:
         # The policy as its user set it (a library user, GuardConfig's field), unless the trainer's reason says it.
         named = "on_persistent='stop'" if run.library else "--on-persistent stop"
         policy = "" if named in reason else f" ({named})"
-        lines.append(f"note: the guard stopped the run at step {stop.get('step')}{policy}: {reason}")
+        # A library user may catch the stop and train on (docs/LIBRARY.md).
+        went_on = f"; the run went on after it, to step {run.last_step}" if run.last_step > stop.get("step", 0) else ""
+        lines.append(f"note: the guard stopped the run at step {stop.get('step')}{policy}: {reason}{went_on}")
     for failed in run.events_of("failed"):  # paft train's launcher's; under torchrun each failed rank's
         where = " (its traceback is in events.jsonl)" if failed.get("traceback") else ""  # none from a killed rank
         lines.append(f"note: the run failed at step {failed.get('step')}: rank {failed.get('rank')} "
@@ -349,9 +351,23 @@ def _first_split_line(run: RunData) -> str:
                   "sync": "; found and repaired by the sync at this step, no fingerprint saw it before"}.get(by, "")
         where = f" on {ranks_phrase(ranks)}" if ranks else ""
         return f"first replica split: step {step}{where} ({' and '.join(what)} differ{tie}{undone})"
-    if any("replicas/grad_distinct" in r for r in run.consistency):
+    if not any("replicas/grad_distinct" in r for r in run.consistency):
+        return "first replica split: not recorded (no fingerprints in consistency.jsonl)"
+    # The gradients' checksums are every step's; the training state's fingerprints only
+    # every few steps: a fault at rest after the last one shows only at the end's check,
+    # which a library run, or a run stopped before its summary, has not.
+    checked = [int(r["step"]) for r in run.consistency if "replicas/state_distinct" in r]
+    last = f"last at step {checked[-1]}" if checked else "never"
+    end = number((run.summary or {}).get("replicas_distinct", math.nan))
+    if end > 1:
+        return (f"first replica split: after the last state check ({last}): the end of the run found "
+                f"{int(end)} distinct replicas")
+    if end == 1 or (checked and checked[-1] == run.last_step):
         return "first replica split: none (replicas identical at every recorded step)"
-    return "first replica split: not recorded (no fingerprints in consistency.jsonl)"
+    late = sum(1 for f in run.faults if int(f.get("step", -1)) > (checked[-1] if checked else -1))
+    unchecked = f", {late} fault{'s' if late > 1 else ''} injected after it" if late else ""
+    return ("first replica split: none seen (aggregated gradients identical at every recorded step; the "
+            f"training state fingerprinted {last}{unchecked})")
 
 
 def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
@@ -365,7 +381,9 @@ def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
         if not named:
             continue
         parts = []
-        for name, groups in list(named.items())[:shown]:
+        # Parameters and optimizer state first: the buffers (BatchNorm's statistics) differ
+        # under DDP as a rule.
+        for name, groups in sorted(named.items(), key=lambda item: item[0].startswith("buffer/"))[:shown]:
             odd = outside_majority(groups, run.world_size)
             parts.append(f"{name} on {ranks_phrase(odd)}" if odd else f"{name} (no strict majority: {groups})")
         listed = _listed(parts, shown, total=int(e.get("differing_tensors", len(named))))
@@ -380,7 +398,14 @@ def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
             found.append((int(a["step"]), 1, f"farthest apart at the state-split alert of step {a['step']}: "
                                              f"{', '.join(parts)}"))
             break
-    return [f"  tensors that differed, {min(found)[2]}"] if found else []
+    if not found:
+        return []
+    # A first split the guard undid at its step (a recompute) left the state whole: what a
+    # later record found split is another incident's.
+    step, _, line = min(found)
+    split = first_split(run)
+    later = split is not None and split[3] == "guard" and step != split[0]
+    return [f"  tensors that differed{' (a later split: the guard undid the first)' if later else ''}, {line}"]
 
 
 def _counters(run: RunData) -> str:
