@@ -88,7 +88,9 @@ class StepReport:
     step: int
     loss: float
     """Mean of the ranks' local losses (of the attempt that was applied); with the
-    monitor off (no control collective), this rank's local loss."""
+    monitor off (no control collective), this rank's local loss. For a batch the guard
+    skipped (``applied`` False) it is that batch's last attempt's: NaN on every rank
+    where any rank's loss was NaN."""
     local_loss: float
     grad_norm: float
     """Norm of this rank's aggregated gradient, before clipping; NaN with the monitor
