@@ -330,6 +330,9 @@ class Protector:
 
         The closure builds the step's whole gradient from zero (gradient accumulation
         inside it): the guard recomputes a step by calling it again."""
+        if not callable(closure):  # a loss tensor passed in would fail deep inside the step
+            raise TypeError("step() takes a closure that runs forward and backward and returns the loss "
+                            f"(as optimizer.step(closure) does), got {type(closure).__name__}")
         t = self.step_idx
         if len(self.optimizer.param_groups) != self._groups_known:
             check_added_groups(self.model, self.optimizer)

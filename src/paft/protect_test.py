@@ -29,7 +29,7 @@ from paft.consistency import pairwise_cosine
 from paft.protect import PersistentFaultError, protect
 from paft.records import RunRecorder, from_jsonable, read_jsonl
 from paft.state import state_fingerprint
-from paft.testing import run_workers
+from paft.testing import one_rank_group, run_workers
 
 
 def toy_model(batchnorm: bool = False, init_std: float | None = None) -> nn.Module:
@@ -1570,3 +1570,17 @@ def test_a_model_not_wrapped_in_ddp_is_refused_with_the_fix_named() -> None:
     with pytest.raises(TypeError, match=r"^protect\(\) needs a DistributedDataParallel model, got Linear; wrap "
                                         r"the model in DistributedDataParallel\(model\)"):
         protect(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+def test_step_refuses_a_loss_tensor_in_place_of_the_closure_before_it_starts() -> None:
+    with one_rank_group():
+        ddp = DistributedDataParallel(nn.Linear(2, 1))
+        protector = protect(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+        loss = ddp(torch.ones(1, 2)).sum()
+        loss.backward()
+        with pytest.raises(TypeError, match=r"^step\(\) takes a closure that runs forward and backward and "
+                                            r"returns the loss .*, got Tensor$"):
+            protector.step(loss)  # type: ignore[arg-type]
+        assert protector.step_idx == 0
+        del protector, ddp
+        gc.collect()
