@@ -557,19 +557,19 @@ class Protector:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TypeError(f"the closure must return the loss as a one-element tensor, got {got}")
+        fix = ("call optimizer.zero_grad() and loss.backward() inside the closure (with ddp.no_sync(), the last "
+               "micro-batch outside it)")
         if self._hooked:
-            missing = "DDP all-reduced no gradient" if self.hook.buckets_seen == 0 else ""
-        else:
-            unchanged = all(p.grad is g and (g is None or g._version == v) for p, (g, v) in zip(self._params, before))
-            missing = "no parameter's gradient was created or changed" if unchanged else ""
-        if missing:
-            raise RuntimeError(
-                f"the closure ran no backward(): {missing}; call optimizer.zero_grad() and loss.backward() inside "
-                "it (with ddp.no_sync(), the last micro-batch outside it). A backward() that ran and still left DDP "
-                "nothing to reduce went through the module DDP wraps (call the DDP model, ddp(x), not the module it "
-                "wraps), or had parameters the forward did not use: pass find_unused_parameters=True to "
-                "DistributedDataParallel"
-            )
+            # DDP reduces no bucket until each of its parameters has a gradient: the
+            # unused parameters of a model are as likely as a missing backward().
+            if self.hook.buckets_seen == 0:
+                raise RuntimeError(
+                    "the closure ran no backward(), or its backward() left parameters without a gradient (unused "
+                    "parameters: pass find_unused_parameters=True to DistributedDataParallel): DDP all-reduced no "
+                    f"gradient; {fix}, and call the DDP model, ddp(x), not the module it wraps"
+                )
+        elif all(p.grad is g and (g is None or g._version == v) for p, (g, v) in zip(self._params, before)):
+            raise RuntimeError(f"the closure ran no backward(): no parameter's gradient was created or changed; {fix}")
         return loss
 
     def _inject_at_rest(self, step: int, attempt: int = 0) -> int:
