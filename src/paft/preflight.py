@@ -262,10 +262,13 @@ def _check_sparse(model: DistributedDataParallel) -> None:
     """Sparse gradients (``nn.Embedding(sparse=True)``) reach a comm hook as sparse
     tensors, which paft's captures and faults cannot read: refused up front, not as a
     shape error inside the first backward pass."""
-    sparse = [name for name, m in model.module.named_modules()
+    sparse = [(name, m) for name, m in model.module.named_modules()
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
-        raise ValueError(f"protect(): module {sparse[0] or 'the model'!r} makes sparse gradients, which paft's "
+        name, module = sparse[0]
+        # The root module has no name of its own: the model itself is the embedding.
+        what = f"module {name!r}" if name else f"the model (an {type(module).__name__} with sparse=True)"
+        raise ValueError(f"protect(): {what} makes sparse gradients, which paft's "
                          "comm hook cannot read; build it with sparse=False, or pass MonitorConfig(enabled=False) "
                          "and no inject= or comm_hook= (then DDP's own reducer runs)")
 

@@ -1567,6 +1567,19 @@ def test_a_cuda_model_off_the_current_device_is_refused_under_nccl() -> None:
     _check_cuda_device("nccl", on("cpu"), 2, current=lambda: 0)
 
 
+def test_a_sparse_embedding_is_named_as_the_model_where_it_is_the_root_module() -> None:
+    from types import SimpleNamespace
+
+    from paft.preflight import _check_sparse
+
+    with pytest.raises(ValueError, match=r"^protect\(\): the model \(an Embedding with sparse=True\) makes sparse "
+                                        r"gradients, which paft's comm hook cannot read"):
+        _check_sparse(SimpleNamespace(module=nn.Embedding(10, 4, sparse=True)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^protect\(\): module '1' makes sparse gradients"):
+        inner = nn.Sequential(nn.Linear(1, 1), nn.Embedding(10, 4, sparse=True))
+        _check_sparse(SimpleNamespace(module=inner))  # type: ignore[arg-type]
+
+
 def test_a_model_not_wrapped_in_ddp_is_refused_with_the_fix_named() -> None:
     # Checked first, in one process: without DDP there is no process group to agree over.
     module = nn.Linear(2, 2)
