@@ -28,7 +28,7 @@ from paft.amp import OptimizerStep
 from paft.collectives import gather_rows
 from paft.comm import paft_comm_hook, registered_comm_hooks
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
-from paft.faultspec import FaultSpec
+from paft.faultspec import FaultSpec, FaultSpecError
 from paft.fingerprint import repr_digest
 from paft.optimizers import OptimizerChain, chained, check_disjoint
 from paft.records import RunRecorder
@@ -72,7 +72,7 @@ def preflight(
         _check_recorder(model, recorder)
         _check_cuda_device(str(dist.get_backend(model.process_group)), model, dist.get_world_size(model.process_group))
         specs = [s if isinstance(s, FaultSpec) else FaultSpec.parse(s, option="protect(): inject") for s in inject]
-        _check_specs(specs, list(model.parameters()))
+        _check_specs(specs, list(model.parameters()), dist.get_world_size(model.process_group))
         # DDP takes one comm hook, and keeps it for good: a rank whose model has one
         # already must refuse here, with the others. An earlier protector's hook goes on
         # injecting and capturing for a protector that wants none: refused too.
@@ -305,13 +305,18 @@ def _hook_identity(comm_hook: Any, comm_state: Any) -> list[Any]:
     return [module, name, keywords, None if comm_state is None else type(comm_state).__qualname__]
 
 
-def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter]) -> None:
-    """Fault specs the model's dtypes cannot take. Checked before the hook is registered:
-    inside a step, a bit beyond the width would fail in one rank's hook callback and
-    leave the others waiting. A gradient bucket can hold any of the dtypes; faults at
-    rest pick, among the tensors, those they can corrupt, so there one dtype is enough."""
+def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter], world_size: int) -> None:
+    """Fault specs that name a rank beyond the group, or that the model's dtypes cannot
+    take. Checked before the hook is registered: inside a step, a bit beyond the width
+    would fail in one rank's hook callback and leave the others waiting. A gradient
+    bucket can hold any of the dtypes; faults at rest pick, among the tensors, those
+    they can corrupt, so there one dtype is enough."""
     dtypes = sorted({p.dtype for p in params if p.is_floating_point()}, key=str)
     for spec in specs:
+        try:  # here, not only in the fault schedule: its message has no protect() prefix
+            spec.check_ranks(world_size)
+        except FaultSpecError as err:
+            raise FaultSpecError(f"protect(): inject {spec.to_text()!r}: {err.reason}", err.field) from None
         errors = []
         for dtype in dtypes:
             try:

@@ -1089,6 +1089,7 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
 
     cases: dict[str, Any] = {
         "bits beyond the dtype": lambda m, o: protect(m, o, inject=["bitflip:steps=1,bits=40"]),
+        "a rank beyond the group": lambda m, o: protect(m, o, inject=["bitflip:steps=1,ranks=5"]),
         "foreign parameters in a later group": lambda m, o: protect(m, torch.optim.SGD(
             [{"params": m.parameters()}, {"params": toy_model().parameters()}], lr=0.1)),
         "a tuple of optimizers": lambda m, o: protect(m, (torch.optim.SGD(list(m.parameters())[:2], lr=0.1),
@@ -1264,6 +1265,8 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
                    "all-reduced no gradient; call optimizer.zero_grad()")
     expect = {
         "bits beyond the dtype": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': ",
+        "a rank beyond the group": "FaultSpecError: protect(): inject 'bitflip:steps=1,ranks=5': field 'ranks' names "
+                                   "rank 5 but world_size is 2",
         "foreign parameters in a later group": "ValueError: protect(): the optimizer holds 6 parameter(s) that are "
                                                "not the model's",
         "a tuple of optimizers": "",  # chained as a list is
