@@ -312,8 +312,8 @@ def require_tensorboard() -> None:
         )
 
 
-# The records rank 0 writes into a run folder for every rank (each rank's own:
-# metrics/rank<r>.jsonl).
+# A run folder's records shared by the ranks (rank 0 writes them, but faults.jsonl, which
+# every rank appends to); each rank's own are metrics/rank<r>.jsonl.
 _SHARED_RECORDS = ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")
 
 
