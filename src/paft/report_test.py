@@ -1218,3 +1218,28 @@ def test_tensors_a_later_sync_found_are_not_tied_to_a_split_the_guard_undid(clea
     said = "(no strict majority: [[0], [1]])"
     assert (f"\n  tensors that differed (a later split: the guard undid the first), as the sync at step 7 found "
             f"them: param/wte.weight {said}, buffer/1.running_mean {said}\n") in text
+
+
+def test_the_summary_says_what_the_syncs_repaired_and_what_the_guard_caught(clean_run: pathlib.Path,
+                                                                             tmp_path: pathlib.Path) -> None:
+    """Only counts were printed ("syncs: 10   detections: 5"): which syncs found the
+    replicas apart, and the guard's detectors, flagged ranks and causes, took reading
+    events.jsonl (a user trial)."""
+    run = copy_run(clean_run, tmp_path / "r")
+    assert "syncs that found" not in build_report(run).text and "guard detections" not in build_report(run).text
+    totals = {"transient": 0, "persistent": 0, "data": 0, "state": 0, "detections": 1}
+    with open(run / "events.jsonl", "a") as f:
+        for event in (
+            {"step": 3, "event": "sync", "mode": "median", "groups": [[0], [1]], "divergence": 0.5},
+            {"step": 4, "event": "guard", "attempt": 0, "action": "recompute", "detector": "rank_outlier",
+             "ranks": [1], "totals": totals},
+            {"step": 4, "event": "guard", "attempt": 1, "action": "proceed", "detector": "rank_outlier",
+             "ranks": [1], "cause": "transient", "totals": {**totals, "transient": 1}},
+            {"step": 6, "event": "sync", "mode": "noop", "groups": [[0, 1]], "divergence": 0.0},
+            {"step": 7, "event": "repair", "mode": "mean", "groups": [[0], [1]], "divergence": "inf"},
+        ):
+            f.write(json.dumps(event) + "\n")
+    text = build_report(run).text
+    assert ("\n  syncs that found the replicas apart: 2 (steps 3, 7), merged by mean (1), median (1); largest "
+            "divergence 0.5 (step 3)\n") in text
+    assert "\n  guard detections: rank_outlier (1); flagged rank 1 (1); causes: transient (1)\n" in text

@@ -144,7 +144,7 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     report writes, listed on its last line."""
     lines = [f"paft report: {run.path}", *_notes(run), *_header(run), *_losses(run), _speed(run),
              *_replicas(run), *_unfingerprinted(run), *_faults(run), _first_split_line(run),
-             *_differing_tensors(run), _counters(run),
+             *_differing_tensors(run), _counters(run), *_repairs(run), *_detections(run),
              *_metric_extremes(run),
              _alerts(run)]
     if files:
@@ -415,8 +415,8 @@ def _counters(run: RunData) -> str:
     repair is followed by a recompute)."""
     s = run.summary or {}
     guards = run.events_of("guard")
-    totals = next((g["totals"] for g in reversed(guards) if isinstance(g.get("totals"), dict)), None) or {
-        "detections": len({g.get("step") for g in guards if g.get("action") != "proceed" and not g.get("attempt")}),
+    totals = _guard_totals(run) or {
+        "detections": len({g.get("step") for g in _incidents(run)}),
         "recomputes": sum(1 for g in guards if g.get("action") in ("recompute", "repair")),
         "skipped_batches": sum(1 for g in guards if g.get("action") == "skip"),
     }
@@ -427,6 +427,52 @@ def _counters(run: RunData) -> str:
         "skipped batches": s.get("skipped_batches", totals.get("skipped_batches", 0)),
     }
     return "   ".join(f"{k}: {v}" for k, v in counts.items())
+
+
+def _incidents(run: RunData) -> list[dict[str, Any]]:
+    """The guard events that opened an incident: a first attempt the guard acted on."""
+    return [g for g in run.events_of("guard") if g.get("action") != "proceed" and not g.get("attempt")]
+
+
+def _guard_totals(run: RunData) -> dict[str, Any]:
+    """The guard's running counts, which each of its events carries: the last one's
+    ({} from runs recorded before events carried them)."""
+    return next((g["totals"] for g in reversed(run.events_of("guard")) if isinstance(g.get("totals"), dict)), {})
+
+
+def _repairs(run: RunData) -> list[str]:
+    """The syncs that found the replicas apart (each leaves them identical): when, how
+    they merged, who stood outside the majority, and the largest divergence found."""
+    splits = split_syncs(run)
+    if not splits:
+        return []
+    outside = [{"rank": r} for e in splits for r in outside_majority(e["groups"], run.world_size)]
+    line = (f"  syncs that found the replicas apart: {len(splits)} (step{_plural(splits)} "
+            f"{_listed([e['step'] for e in splits], 8)}), merged by {_counts(splits, 'mode')}")
+    if outside:
+        line += f"; outside the majority: {_counts(outside, 'rank', 'rank ')}"
+    found = [e for e in splits if is_number(e.get("divergence")) and math.isfinite(number(e["divergence"]))]
+    if found:
+        worst = max(found, key=lambda e: number(e["divergence"]))
+        line += f"; largest divergence {number(worst['divergence']):.3g} (step {worst['step']})"
+    return [line]
+
+
+def _detections(run: RunData) -> list[str]:
+    """The guard's incidents: which detectors fired, the ranks they flagged, and the
+    causes its reruns settled on (its running totals, in every guard event)."""
+    incidents = _incidents(run)
+    if not incidents:
+        return []
+    line = f"  guard detections: {_counts(incidents, 'detector')}"
+    flagged = [{"rank": r} for g in incidents for r in g.get("ranks") or []]
+    if flagged:
+        line += f"; flagged {_counts(flagged, 'rank', 'rank ')}"
+    totals = _guard_totals(run)
+    causes = [f"{c} ({totals[c]})" for c in ("transient", "persistent", "data", "state") if totals.get(c)]
+    if causes:
+        line += f"; causes: {', '.join(causes)}"
+    return [line]
 
 
 def _recorded_syncs(run: RunData) -> int:
