@@ -141,8 +141,11 @@ def _mark_events(ax: Axes, run: RunData) -> None:
         labelled.add(text)
         return text
 
-    for step, rank in sorted({(int(f["step"]), int(f["rank"])) for f in run.faults if "step" in f and "rank" in f}):
-        ax.axvline(step, color=_rank_color(rank), ls="--", lw=1.0, alpha=0.8, label=label(f"fault on rank {rank}"))
+    # By rank, so that the legend lists the ranks in order; behind the data, which a fault
+    # line in its rank's color hid where it crossed that rank's line.
+    for rank, step in sorted({(int(f["rank"]), int(f["step"])) for f in run.faults if "step" in f and "rank" in f}):
+        ax.axvline(step, color=_rank_color(rank), ls="--", lw=1.0, alpha=0.6, zorder=0.5,
+                   label=label(f"fault on rank {rank}"))
     for sync in sync_events(run):
         noop = sync.get("mode") == "noop"
         ax.plot([sync["step"]], [0.03], ls="", marker="^", ms=7, color=_SYNC_COLOR,
@@ -311,6 +314,19 @@ def _eval_divergence(run: RunData) -> tuple[list[int], list[float]]:
     return (steps, values) if any(v != 0 for v in values) else ([], [])
 
 
+def _alert_divergence(run: RunData) -> list[tuple[int, float]]:
+    """(step, largest relative distance of a rank's parameters to the mean) measured at
+    each state-split alert: before the first evaluation or sync, often the only
+    measurement of a split's size."""
+    found = []
+    for a in run.events_of("alert"):
+        per_rank = (a.get("divergence") or {}).get("params_per_rank") if a.get("detector") == "state_split" else None
+        finite = [number(v) for v in per_rank or [] if math.isfinite(number(v))]
+        if finite:
+            found.append((int(a["step"]), max(finite)))
+    return found
+
+
 def _divergence_panel(ax: Axes, run: RunData) -> None:
     # Both kinds are measurements at single steps, drawn as points: a line between two of
     # them would claim values for the steps between (it rose before the fault, and ran
@@ -325,14 +341,18 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
     if pos:
         ax.plot([s for s, _ in pos], [v for _, v in pos], ls="", marker="o", ms=5, color=_SYNC_COLOR,
                 label="before a sync that found replicas apart")
+    alerts = _alert_divergence(run)
+    if alerts:
+        ax.plot([s for s, _ in alerts], [v for _, v in alerts], ls="", marker="D", ms=5, color="goldenrod",
+                label="at a state-split alert")
     bad = [s for s, v in syncs if not math.isfinite(v)]
     if bad:
         ax.plot(bad, [0.88] * len(bad), ls="", marker="$!$", ms=10, color="red",
                 transform=ax.get_xaxis_transform(), label="non-finite replica at a sync")
-    _scale(ax, [*values, *(v for _, v in pos)])
+    _scale(ax, [*values, *(v for _, v in pos), *(v for _, v in alerts)])
     if ax.get_yscale() == "linear":  # a distance: nothing below 0 (an all-zero panel showed -0.05)
         ax.set_ylim(bottom=0)
-    if not steps and not pos and not bad:
+    if not steps and not pos and not alerts and not bad:
         ax.text(0.5, 0.5, "every sync found identical replicas", transform=ax.transAxes, ha="center", color="0.4")
     _finish(ax, run, "relative L2 distance of the replicas to their mean (max over ranks)", "divergence")
 
@@ -370,7 +390,8 @@ def _periods(run: RunData) -> list[tuple[int, float]]:
 def _plot_divergence(run: RunData) -> bytes | None:
     periods = _periods(run)
     panels = [name for name, on in (("replicas", any("replicas/grad_distinct" in r for r in run.consistency)),
-                                    ("divergence", bool(sync_events(run) or _eval_divergence(run)[0])),
+                                    ("divergence", bool(sync_events(run) or _eval_divergence(run)[0]
+                                                        or _alert_divergence(run))),
                                     ("period", bool(periods))) if on]
     if not panels:
         return None

@@ -1079,6 +1079,9 @@ def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pa
         for step, divergence, mode in ((3, 0.2, "median"), (6, 0.0, "noop"), (9, 0.4, "median")):
             f.write(json.dumps({"step": step, "event": "sync", "period": 3, "divergence": divergence,
                                 "mode": mode}) + "\n")
+        # A state-split alert's measurement, often the first of a split's size, was not drawn.
+        f.write(json.dumps({"step": 4, "event": "alert", "detector": "state_split",
+                            "divergence": {"params_per_rank": [1e-5, 3e-5]}}) + "\n")
     run = load_run(run_dir)
     _, (ax,) = _figure(1, 1, "points")
     report_module._divergence_panel(ax, run)
@@ -1087,6 +1090,10 @@ def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pa
     measured = [(x, y) for x, y in zip(evals.get_xdata(), evals.get_ydata()) if math.isfinite(y)]
     assert [x for x, _ in measured] == [0, 6, 12] and measured[0][1] == 0 < min(y for _, y in measured[1:])
     assert list(zip(syncs.get_xdata(), syncs.get_ydata())) == [(3, 0.2), (9, 0.4)]
+    assert (4, 3e-5) in zip(lines["at a state-split alert"].get_xdata(), lines["at a state-split alert"].get_ydata())
+    # The fault lines go behind the data (in its rank's color, one hid that rank's line).
+    faults = [line for line in ax.get_lines() if line.get_label().startswith("fault on rank")]
+    assert faults and all(line.get_zorder() < evals.get_zorder() for line in faults)
     # Nothing joins two measurements: every line of several points is markers only, or
     # a vertical event line (one step).
     for line in ax.get_lines():
