@@ -1143,8 +1143,8 @@ def test_identical_non_finite_replicas_are_not_a_healthy_end(clean_run: pathlib.
     summary.update(replicas_distinct=1, replica_groups=[[0, 1]], max_replica_rel_diff="inf", final_val_loss="nan")
     (run / "summary.json").write_text(json.dumps(summary))
     rewrite_jsonl(run / "evals.jsonl", lambda r: {**r, "replica_rel_diff": "inf"} if r["step"] > 0 else r)
-    assert ("replicas distinct at the end: 1 (groups [[0, 1]], max relative difference inf): identical but "
-            "non-finite, every replica holds NaN/Inf in its parameters\n") in build_report(run).text
+    assert ("replicas distinct at the end: 1 (groups [[0, 1]], largest relative L2 distance to their mean inf): "
+            "identical but non-finite, every replica holds NaN/Inf in its parameters\n") in build_report(run).text
     (run / "summary.json").unlink()  # interrupted: the last evaluation says it
     assert "; the last evaluation (step 12) found NaN/Inf in a replica's parameters\n" in build_report(run).text
     # Apart, a NaN replica is one of two groups: not "identical".

@@ -271,7 +271,7 @@ def _replicas(run: RunData) -> list[str]:
         bad = ": identical but non-finite, every replica holds NaN/Inf in its parameters" if (
             s["replicas_distinct"] == 1 and math.isinf(diff)) else ""
         return [f"replicas distinct at the end: {s['replicas_distinct']} (groups {s.get('replica_groups', '?')}, "
-                f"max relative difference {diff:.3g}){bad}"]
+                f"largest relative L2 distance to their mean {diff:.3g}){bad}"]
     last = run.evals[-1] if run.evals else {}
     bad = (f"; the last evaluation (step {last['step']}) found NaN/Inf in a replica's parameters"
            if math.isinf(number(last.get("replica_rel_diff"))) else "")
