@@ -64,6 +64,7 @@ __all__ = [
     "launch",
     "run_worker",
     "start_launched_worker",
+    "take_group_down",
     "torchrun_main",
     "resume_hint",
     "set_aside",
@@ -404,7 +405,7 @@ def _train_in_group(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
         done = True
         return result
     finally:
-        _take_group_down(every_rank_done=done)
+        take_group_down(every_rank_done=done)
 
 
 def _train(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
@@ -424,11 +425,15 @@ def _train(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
         return {"status": "persistent_fault", "message": str(err)}
 
 
-def _take_group_down(every_rank_done: bool) -> None:
+def take_group_down(every_rank_done: bool) -> None:
     """Destroy the process group: once every rank is done, after a barrier, so that no
     rank closes its gloo connections while a peer still reads them (a rank aborted in
     gloo's teardown: 'terminate called without an active exception'); where this rank
-    failed, at once, since a barrier would wait for peers that may never come."""
+    failed, at once, since a barrier would wait for peers that may never come.
+
+    Free what holds the group first (a DDP model, whose reducer does: see :func:`_train`).
+    Left to outlive it, the group's last reference could go with one in a gloo worker
+    thread, whose destructor then joined its own thread ('Resource deadlock avoided')."""
     if every_rank_done:
         dist.barrier()
     dist.destroy_process_group()
@@ -609,7 +614,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         if error[0]:
             if rank0:
                 print(f"{prog}: error: {error[0]}", file=sys.stderr)
-            _take_group_down(every_rank_done=True)  # every rank refuses, on the broadcast
+            take_group_down(every_rank_done=True)  # every rank refuses, on the broadcast
             return EXIT_USAGE
         # Entered after the claim, so that on the way out each rank tidies (when last out),
         # then rank 0 waits for its peers to be out, then settles.

@@ -163,7 +163,7 @@ def _entry(
         results.put((rank, False, traceback.format_exc()))
     else:
         # Every rank done before any closes its connections, as paft train's workers
-        # take their group down (launch._take_group_down): a rank that finished first and
+        # take their group down (launch.take_group_down): a rank that finished first and
         # tore down its group while a peer still worked aborted that peer in gloo
         # ('terminate called after throwing an instance of std::system_error', once in a
         # clean-clone run). A peer that failed breaks the barrier: its error is the report.

@@ -12,7 +12,8 @@ import json
 import math
 import pathlib
 import struct
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -202,11 +203,16 @@ def test_overhead_round_order_puts_every_variant_in_every_position_equally_often
 def test_overhead_worker_steps_the_variants_in_the_rotating_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker itself (trainers and the process group faked): each round steps every
     trainer once, in _round_order's order, warm-up rounds included; only the timed
-    steps are recorded."""
+    steps are recorded. The trainers are gone before the group is taken down: left to
+    outlive it, a rank aborted now and then ('Resource deadlock avoided', a clean-clone
+    run's scaling and overhead tests)."""
     stepped: list[str] = []
+    alive: weakref.WeakSet[Any] = weakref.WeakSet()
+    at_teardown: list[int] = []
 
     class FakeTrainer:
         def __init__(self, name: str) -> None:
+            alive.add(self)
             self.name, self.device = name, torch.device("cpu")
             self.model = torch.nn.Linear(2, 3)
             self.protector = type("Protector", (), {"close": lambda _: None})()
@@ -217,7 +223,12 @@ def test_overhead_worker_steps_the_variants_in_the_rotating_order(monkeypatch: p
         def train_step(self) -> None:
             stepped.append(self.name)
 
-    monkeypatch.setattr(overhead, "worker_group", lambda cfg: contextlib.nullcontext())
+    @contextlib.contextmanager
+    def group(cfg: dict[str, Any]) -> Iterator[None]:
+        yield
+        at_teardown.append(len(alive))
+
+    monkeypatch.setattr(overhead, "worker_group", group)
     monkeypatch.setattr(overhead, "new_trainer", lambda cfg: FakeTrainer(cfg["name"]))
     monkeypatch.setattr(dist, "barrier", lambda: None)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
@@ -227,6 +238,8 @@ def test_overhead_worker_steps_the_variants_in_the_rotating_order(monkeypatch: p
     assert stepped[:6] == ["plain", "monitor", "guard", "monitor", "guard", "plain"]
     assert {n: (len(t["wall"]), len(t["cpu"])) for n, t in out["times"].items()} == {n: (4, 4) for n in names}
     assert out["parameters"] == 9
+    # Gone before the group: a DDP model's reducer holds it (paft.launch.take_group_down).
+    assert at_teardown == [0]
 
 
 def test_overhead_block_range_is_the_lowest_to_the_highest_block() -> None:

@@ -108,30 +108,35 @@ def _round_order(names: Sequence[str], round_index: int) -> list[str]:
 def _paired_worker(configs: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
     """One worker: a trainer per variant, stepped in rotating order; per-step wall and CPU
     seconds per variant, and the model's parameter count."""
+    with worker_group(next(iter(configs.values()))):
+        # The trainers go with _paired_steps' frame: before the group (take_group_down).
+        return _paired_steps(configs, steps, warmup)
+
+
+def _paired_steps(configs: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    with worker_group(next(iter(configs.values()))):
-        trainers = {name: new_trainer(cfg_dict) for name, cfg_dict in configs.items()}
-        for trainer in trainers.values():
-            trainer.prime()
-        names = list(trainers)
-        times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
-        for i in range(warmup + steps):
-            for name in _round_order(names, i):
-                dist.barrier()
-                wall, cpu = time.perf_counter(), time.process_time()
-                trainers[name].train_step()
-                if trainers[name].device.type == "cuda":
-                    torch.cuda.synchronize()  # a step ends when its kernels do
-                if i >= warmup:
-                    times[name]["wall"].append(time.perf_counter() - wall)
-                    times[name]["cpu"].append(time.process_time() - cpu)
-            if dist.get_rank() == 0 and (i + 1) % 50 == 0:
-                console(f"  step {i + 1}/{warmup + steps}")
-        for trainer in trainers.values():
-            trainer.protector.close()
-        params = sum(p.numel() for p in trainers["plain"].model.parameters())
-        return {"times": times, "parameters": params}
+    trainers = {name: new_trainer(cfg_dict) for name, cfg_dict in configs.items()}
+    for trainer in trainers.values():
+        trainer.prime()
+    names = list(trainers)
+    times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
+    for i in range(warmup + steps):
+        for name in _round_order(names, i):
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            trainers[name].train_step()
+            if trainers[name].device.type == "cuda":
+                torch.cuda.synchronize()  # a step ends when its kernels do
+            if i >= warmup:
+                times[name]["wall"].append(time.perf_counter() - wall)
+                times[name]["cpu"].append(time.process_time() - cpu)
+        if dist.get_rank() == 0 and (i + 1) % 50 == 0:
+            console(f"  step {i + 1}/{warmup + steps}")
+    for trainer in trainers.values():
+        trainer.protector.close()
+    params = sum(p.numel() for p in trainers["plain"].model.parameters())
+    return {"times": times, "parameters": params}
 
 
 def _ratio(part: Sequence[float], reference: Sequence[float]) -> float:

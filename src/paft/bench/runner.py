@@ -108,14 +108,17 @@ def throughput_ratios(schedule: Sequence[str], rates: Sequence[float], reference
 @contextlib.contextmanager
 def worker_group(cfg_dict: dict[str, Any]) -> Iterator[None]:
     """Inside a launched worker: threads and the process group for ``cfg_dict``'s device,
-    torn down on exit, even after an error."""
-    from paft.launch import start_launched_worker
+    torn down on exit, even after an error. The trainers inside must be gone by then
+    (:func:`paft.launch.take_group_down`)."""
+    from paft.launch import start_launched_worker, take_group_down
 
     start_launched_worker(TrainConfig.from_dict(cfg_dict))
+    done = False
     try:
         yield
+        done = True
     finally:
-        dist.destroy_process_group()
+        take_group_down(every_rank_done=done)
 
 
 def new_trainer(cfg_dict: dict[str, Any]) -> Trainer:
