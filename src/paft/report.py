@@ -31,7 +31,16 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from paft.records import atomic_write_bytes, is_file, output_dir_problem
-from paft.report_text import first_split, ranks_phrase, seen_from, series, split_syncs, summary_text, sync_events
+from paft.report_text import (
+    first_split,
+    ranks_phrase,
+    run_settings,
+    seen_from,
+    series,
+    split_syncs,
+    summary_text,
+    sync_events,
+)
 from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
 
 __all__ = ["Report", "build_report"]
@@ -123,12 +132,23 @@ def _scale(ax: Axes, values: Sequence[float]) -> None:
         ax.set_yscale("symlog", linthresh=min(positive))
 
 
-def _figure(rows: int, cols: int, title: str) -> tuple[Figure, list[Axes]]:
+def _figure(rows: int, cols: int, title: str, run: RunData | None = None) -> tuple[Figure, list[Axes]]:
+    """A figure of ``rows`` x ``cols`` panels; with ``run``, titled with the run's name
+    and settings, so that a plot shown on its own says what it is of."""
     fig = Figure(figsize=(6.5 * cols + 3.0, 1.0 + 3.0 * rows), layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.subplots(rows, cols, sharex=True, squeeze=False)
-    fig.suptitle(title)
+    fig.suptitle(title if run is None else f"{title}: {run.name}\n{_settings_title(run)}")
     return fig, [ax for row in grid for ax in row]
+
+
+def _settings_title(run: RunData) -> str:
+    if run.library:
+        return f"library run, {run.world_size} ranks"
+    said = run_settings(run)
+    injected = said["injected"] if len(said["injected"]) <= 60 else said["injected"][:57] + "..."
+    return (f"{said['workload']}, {said['world size']} ranks, protection {said['protection']}, "
+            f"guard {said['guard']}, injected {injected}")
 
 
 def _mark_events(ax: Axes, run: RunData) -> None:
@@ -141,11 +161,14 @@ def _mark_events(ax: Axes, run: RunData) -> None:
         labelled.add(text)
         return text
 
+    faults = [(int(f["rank"]), int(f["step"]), str(f.get("site", "?")))
+              for f in run.faults if "step" in f and "rank" in f]
+    sites = {rank: ", ".join(sorted({site for r, _, site in faults if r == rank})) for rank, _, _ in faults}
     # By rank, so that the legend lists the ranks in order; behind the data, which a fault
     # line in its rank's color hid where it crossed that rank's line.
-    for rank, step in sorted({(int(f["rank"]), int(f["step"])) for f in run.faults if "step" in f and "rank" in f}):
+    for rank, step in sorted({(rank, step) for rank, step, _ in faults}):
         ax.axvline(step, color=_rank_color(rank), ls="--", lw=1.0, alpha=0.6, zorder=0.5,
-                   label=label(f"fault on rank {rank}"))
+                   label=label(f"fault on rank {rank} ({sites[rank]})"))
     for sync in sync_events(run):
         noop = sync.get("mode") == "noop"
         ax.plot([sync["step"]], [0.03], ls="", marker="^", ms=7, color=_SYNC_COLOR,
@@ -200,7 +223,7 @@ def _visible_spread(values: list[float]) -> bool:
 
 
 def _plot_loss(run: RunData) -> bytes:
-    fig, (ax,) = _figure(1, 1, f"Loss: {run.name}")
+    fig, (ax,) = _figure(1, 1, "Loss", run)
     everything: list[float] = []
     for rank, records in run.metrics.items():
         steps, values = series(records, "local_loss")
@@ -227,7 +250,7 @@ def _plot_loss(run: RunData) -> bytes:
 
 
 def _plot_dispersion(run: RunData) -> bytes:
-    fig, axes = _figure(2, 2, f"Worker dispersion: {run.name}")
+    fig, axes = _figure(2, 2, "Worker dispersion", run)
     for ax, (key, title, ylabel) in zip(axes, _DISPERSION):
         steps, values = series(run.consistency, key)
         _plot(ax, steps, values, color="black", lw=1.2, label=key)
@@ -237,7 +260,7 @@ def _plot_dispersion(run: RunData) -> bytes:
 
 
 def _plot_cosine(run: RunData) -> bytes:
-    fig, (pairs, to_mean) = _figure(2, 1, f"Gradient cosine similarity between workers: {run.name}")
+    fig, (pairs, to_mean) = _figure(2, 1, "Gradient cosine similarity between workers", run)
     # Drawn wide then thin: with two ranks there is one pair, and min == mean.
     for key, color, width in (("consistency/grad_cos_mean", "0.6", 3.0), ("consistency/grad_cos_min", "black", 1.2)):
         steps, values = series(run.consistency, key)
@@ -395,7 +418,7 @@ def _plot_divergence(run: RunData) -> bytes | None:
                                     ("period", bool(periods))) if on]
     if not panels:
         return None
-    fig, axes = _figure(len(panels), 1, f"Replica divergence: {run.name}")
+    fig, axes = _figure(len(panels), 1, "Replica divergence", run)
     for ax, name in zip(axes, panels):
         if name == "replicas":
             _replica_panel(ax, run)

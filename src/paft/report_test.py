@@ -327,10 +327,15 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     report_module._mark_events(ax, data)
     labels = ax.get_legend_handles_labels()[1]  # a recompute's "proceed" verdict did nothing: no marker
     assert "guard: recompute" in labels and not any("proceed" in label for label in labels)
-    assert {"fault on rank 0", "fault on rank 1", "sync (repair)", "sync (no-op)"} <= set(labels)
+    assert {"fault on rank 0 (local-grad)", "fault on rank 1 (local-grad)", "sync (repair)",
+            "sync (no-op)"} <= set(labels)
     faults = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()
               if line.get_label().startswith("fault on")}
-    assert faults == {"fault on rank 1": [5, 5], "fault on rank 0": [8, 8]}
+    assert faults == {"fault on rank 0 (local-grad)": [8, 8], "fault on rank 1 (local-grad)": [5, 5]}
+    # A plot shown on its own says what run it is of.
+    fig, _ = _figure(1, 1, "Loss", data)
+    assert fig.get_suptitle() == ("Loss: events\ngpt, 2 ranks, protection none, guard off, injected "
+                                  "bitflip:steps=5,bits=exponent,ranks=1")
     syncs = [(list(line.get_xdata()), line.get_mfc()) for line in ax.get_lines() if line.get_marker() == "^"]
     assert [x for x, _ in syncs] == [[6], [9], [10]] and syncs[2][1] == "none" != syncs[0][1]  # no-op: hollow
     report = build_report(run)

@@ -17,7 +17,8 @@ from paft.replicas import outside_majority
 from paft.resync import averages_at
 from paft.rundata import RunData, is_number, number
 
-__all__ = ["first_split", "ranks_phrase", "seen_from", "series", "split_syncs", "summary_text", "sync_events"]
+__all__ = ["first_split", "ranks_phrase", "run_settings", "seen_from", "series", "split_syncs", "summary_text",
+           "sync_events"]
 
 
 # -- reading the records -----------------------------------------------------------------
@@ -210,16 +211,23 @@ def _header(run: RunData) -> list[str]:
         return ["library run (paft.protect's RunRecorder, no config.json): drawn from consistency.jsonl, the loss "
                 "at monitored steps only; the run's settings are not recorded",
                 f"world size: {run.world_size}   monitored steps: {monitored}, the last at step {run.last_step}"]
+    said = run_settings(run)
+    return ["   ".join(f"{name}: {said[name]}" for name in names)
+            for names in (("workload", "world size", "steps", "optimizer"), ("protection", "guard", "injected"))]
+
+
+def run_settings(run: RunData) -> dict[str, str]:
+    """A ``paft train`` run's settings as the report states them (name -> value)."""
     s, cfg = run.summary or {}, run.config
-    protect = s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))
-    guard = s.get("guard", (cfg.get("guard") or {}).get("enabled", False))
-    return [
-        f"workload: {s.get('workload', cfg.get('workload', '?'))}   world size: {run.world_size}   "
-        f"steps: {_of_steps(cfg, s.get('steps', run.last_step + 1))}   "
-        f"optimizer: {cfg.get('optimizer', '?')}",
-        f"protection: {protect}   guard: {'on' if guard else 'off'}   "
-        f"injected: {'; '.join(cfg.get('inject') or []) or 'none'}",
-    ]
+    return {
+        "workload": str(s.get("workload", cfg.get("workload", "?"))),
+        "world size": str(run.world_size),
+        "steps": _of_steps(cfg, s.get("steps", run.last_step + 1)),
+        "optimizer": str(cfg.get("optimizer", "?")),
+        "protection": str(s.get("protect", (cfg.get("protect") or {}).get("mode", "none"))),
+        "guard": "on" if s.get("guard", (cfg.get("guard") or {}).get("enabled", False)) else "off",
+        "injected": "; ".join(cfg.get("inject") or []) or "none",
+    }
 
 
 def _losses(run: RunData) -> list[str]:
