@@ -33,6 +33,7 @@ from matplotlib.ticker import MaxNLocator
 from paft.records import atomic_write_bytes, is_file, output_dir_problem
 from paft.report_text import (
     first_split,
+    guard_incidents,
     ranks_phrase,
     run_settings,
     seen_from,
@@ -276,6 +277,42 @@ def _plot_cosine(run: RunData) -> bytes:
     return _png(fig)
 
 
+# Where a guard event keeps the value its detector judged, and that detector's limit.
+_GUARD_VALUES = (("value", "limit"), ("ratio", "limit"), ("grad_norm_value", "grad_norm_limit"),
+                 ("loss_value", "loss_limit"))
+
+
+def _plot_guard(run: RunData) -> bytes:
+    """What the guard caught: each incident's judged value against its detector's limit,
+    colored by the rank it flagged (the rejected attempt is in no other record: the
+    step's records are the accepted one's)."""
+    fig, (ax,) = _figure(1, 1, "Guard detections", run)
+    labelled: set[str] = set()
+    for g in guard_incidents(run):
+        found = g.get("values") or {}
+        pair = next(((number(found[v]), number(found[lim])) for v, lim in _GUARD_VALUES
+                     if v in found and lim in found), None)
+        ranks = g.get("ranks") or []
+        what = f"{g.get('detector', '?')} on {ranks_phrase(ranks)}" if ranks else str(g.get("detector", "?"))
+        color = _rank_color(int(ranks[0])) if ranks else "black"
+        if pair is None or not math.isfinite(pair[0]):  # NaN/Inf, or a value not recorded: on the top edge
+            ax.plot([g["step"]], [0.97], ls="", marker="$!$", ms=10, color=color,
+                    transform=ax.get_xaxis_transform(), label=what if what not in labelled else "_nolegend_")
+        else:
+            ax.plot([g["step"]], [pair[0]], ls="", marker="o", ms=7, color=color,
+                    label=what if what not in labelled else "_nolegend_")
+            if math.isfinite(pair[1]):
+                ax.plot([g["step"]], [pair[1]], ls="", marker="_", ms=14, mew=2, color="0.4",
+                        label="the detector's limit" if "limit" not in labelled else "_nolegend_")
+                labelled.add("limit")
+        labelled.add(what)
+    ax.set_yscale("log")
+    ax.margins(y=0.15)  # the event markers on the top edge stay clear of the highest value
+    _finish(ax, run, "the value each detection judged (rejected attempt) against its limit",
+            "loss, gradient norm or update ratio")
+    return _png(fig)
+
+
 def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     """The distinct training states: each fingerprint's count, and 1 from the first step
     whose fingerprints see a sync or repair (it leaves the replicas identical: the
@@ -440,6 +477,8 @@ def _plots(run: RunData) -> dict[str, bytes]:
     divergence = _plot_divergence(run)
     if divergence is not None:
         plots["divergence.png"] = divergence
+    if guard_incidents(run):
+        plots["guard.png"] = _plot_guard(run)
     return plots
 
 

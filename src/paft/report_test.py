@@ -339,7 +339,7 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
     syncs = [(list(line.get_xdata()), line.get_mfc()) for line in ax.get_lines() if line.get_marker() == "^"]
     assert [x for x, _ in syncs] == [[6], [9], [10]] and syncs[2][1] == "none" != syncs[0][1]  # no-op: hollow
     report = build_report(run)
-    assert_pngs(report.files, PLOTS)
+    assert_pngs(report.files, [*PLOTS, "guard.png"])  # the guard recomputed step 8
     text = report.text
     assert "syncs: 3   detections: 1   recomputes: 1   skipped batches: 0" in text
     assert "by rank: rank 0 (1), rank 1 (1)" in text
@@ -1255,3 +1255,30 @@ def test_the_summary_says_what_the_syncs_repaired_and_what_the_guard_caught(clea
     assert ("\n  syncs that found the replicas apart: 2 (steps 3, 7), merged by mean (1), median (1); largest "
             "divergence 0.5 (step 3)\n") in text
     assert "\n  guard detections: rank_outlier (1); flagged rank 1 (1); causes: transient (1)\n" in text
+
+
+def test_the_guard_plot_shows_each_caught_value_against_its_limit(clean_run: pathlib.Path, tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attempts the guard rejected are in no other record (a step's records are the
+    accepted attempt's): the plots showed a caught fault as a marker alone (a user trial)."""
+    run = copy_run(clean_run, tmp_path / "r")
+    assert "guard.png" not in [f.name for f in build_report(run).files]
+    with open(run / "events.jsonl", "a") as f:
+        for event in (
+            {"step": 3, "event": "guard", "attempt": 0, "action": "recompute", "detector": "rank_outlier",
+             "ranks": [1], "values": {"grad_norm_value": 1e30, "grad_norm_limit": 5.0}},
+            {"step": 3, "event": "guard", "attempt": 1, "action": "proceed", "detector": "rank_outlier",
+             "ranks": [1], "values": {"grad_norm": 1.0}},
+            {"step": 7, "event": "guard", "attempt": 0, "action": "recompute", "detector": "nonfinite",
+             "ranks": [0], "values": {"loss": "nan"}},
+        ):
+            f.write(json.dumps(event) + "\n")
+    assert "guard.png" in [f.name for f in build_report(run).files]
+    figures: list[Any] = []
+    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    report_module._plot_guard(load_run(run))
+    (ax,) = figures[0].axes
+    points = {line.get_label(): list(zip(line.get_xdata(), line.get_ydata())) for line in ax.get_lines()}
+    assert points["rank_outlier on rank 1"] == [(3, 1e30)] and points["the detector's limit"] == [(3, 5.0)]
+    assert [x for x, _ in points["nonfinite on rank 0"]] == [7]  # NaN: on the top edge
+    assert ax.get_yscale() == "log"

@@ -17,8 +17,8 @@ from paft.replicas import outside_majority
 from paft.resync import averages_at
 from paft.rundata import RunData, is_number, number
 
-__all__ = ["first_split", "ranks_phrase", "run_settings", "seen_from", "series", "split_syncs", "summary_text",
-           "sync_events"]
+__all__ = ["first_split", "guard_incidents", "ranks_phrase", "run_settings", "seen_from", "series", "split_syncs",
+           "summary_text", "sync_events"]
 
 
 # -- reading the records -----------------------------------------------------------------
@@ -424,7 +424,7 @@ def _counters(run: RunData) -> str:
     s = run.summary or {}
     guards = run.events_of("guard")
     totals = _guard_totals(run) or {
-        "detections": len({g.get("step") for g in _incidents(run)}),
+        "detections": len({g.get("step") for g in guard_incidents(run)}),
         "recomputes": sum(1 for g in guards if g.get("action") in ("recompute", "repair")),
         "skipped_batches": sum(1 for g in guards if g.get("action") == "skip"),
     }
@@ -437,7 +437,7 @@ def _counters(run: RunData) -> str:
     return "   ".join(f"{k}: {v}" for k, v in counts.items())
 
 
-def _incidents(run: RunData) -> list[dict[str, Any]]:
+def guard_incidents(run: RunData) -> list[dict[str, Any]]:
     """The guard events that opened an incident: a first attempt the guard acted on."""
     return [g for g in run.events_of("guard") if g.get("action") != "proceed" and not g.get("attempt")]
 
@@ -469,7 +469,7 @@ def _repairs(run: RunData) -> list[str]:
 def _detections(run: RunData) -> list[str]:
     """The guard's incidents: which detectors fired, the ranks they flagged, and the
     causes its reruns settled on (its running totals, in every guard event)."""
-    incidents = _incidents(run)
+    incidents = guard_incidents(run)
     if not incidents:
         return []
     line = f"  guard detections: {_counts(incidents, 'detector')}"
