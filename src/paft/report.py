@@ -239,11 +239,15 @@ def _plot_loss(run: RunData) -> bytes:
         everything += values
         per_rank = [r["val_loss_per_rank"] for r in run.evals if isinstance(r.get("val_loss_per_rank"), list)]
         if any(_visible_spread([number(v) for v in row]) for row in per_rank):
-            for rank in range(max(len(row) for row in per_rank)):
+            ranks = max(len(row) for row in per_rank)
+            for rank in range(ranks):
                 rows = [(r["step"], number(r["val_loss_per_rank"][rank])) for r in run.evals
                         if len(r.get("val_loss_per_rank", [])) > rank]
+                # Largest first, each rank's smaller on top: ranks at one value (replicas in
+                # agreement) show as nested markers, where one hid the others.
                 _plot(ax, [s for s, _ in rows], [v for _, v in rows], color=_rank_color(rank), ls="",
-                      marker="D", ms=4, label=f"rank {rank} validation loss")
+                      marker="D", ms=3 + 2 * (min(ranks, 6) - 1 - min(rank, 5)),
+                      label=f"rank {rank} validation loss")
                 everything += [v for _, v in rows]
     _scale(ax, everything)
     _finish(ax, run, "global and per-rank local loss" + (" (monitored steps only)" if run.library else ""), "loss")

@@ -610,6 +610,20 @@ def test_loss_plot_draws_every_ranks_local_loss_and_their_mean(fault_run: pathli
     assert drawn == [(r["step"], r["val_loss"]) for r in run.evals]
 
 
+def test_ranks_at_one_validation_loss_stay_visible(fault_run: pathlib.Path, tmp_path: pathlib.Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-rank validation markers of one size: where ranks agreed (replicas identical),
+    the last rank's hid the others' (a report review)."""
+    run_dir = copy_run(fault_run, tmp_path / "r")
+    rewrite_jsonl(run_dir / "evals.jsonl", lambda r: {**r, "val_loss_per_rank": [4.0, 4.0 + r["step"] / 10]})
+    figures: list[Any] = []
+    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    report_module._plot_loss(load_run(run_dir))
+    lines = {line.get_label(): line for line in figures[0].axes[0].get_lines()}
+    sizes = [lines[f"rank {rank} validation loss"].get_markersize() for rank in (0, 1)]
+    assert sizes[0] > sizes[1]  # drawn in rank order, so each later rank's sits inside
+
+
 def test_no_line_bridges_a_step_that_was_not_measured(fault_run: pathlib.Path, tmp_path: pathlib.Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Worker metrics at some steps only (--monitor-interval; between its steps the
