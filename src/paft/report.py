@@ -260,7 +260,16 @@ def _plot_dispersion(run: RunData) -> bytes:
         steps, values = series(run.consistency, key)
         _plot(ax, steps, values, color="black", lw=1.2, label=key)
         _scale(ax, values)
-        _finish(ax, run, title, ylabel)
+        _finish(ax, run, f"{title}\n({key})", ylabel)
+    # The four panels mark the same events: one legend for the figure, where four took a
+    # third of its width.
+    for ax in axes:
+        legend = ax.get_legend()
+        if legend is not None:
+            legend.remove()
+    marks = [(h, label) for h, label in zip(*axes[0].get_legend_handles_labels()) if label != _DISPERSION[0][0]]
+    if marks:
+        fig.legend(*zip(*marks), loc="outside right upper", fontsize="small")
     return _png(fig)
 
 

@@ -1296,3 +1296,15 @@ def test_the_guard_plot_shows_each_caught_value_against_its_limit(clean_run: pat
     assert points["rank_outlier on rank 1"] == [(3, 1e30)] and points["the detector's limit"] == [(3, 5.0)]
     assert [x for x, _ in points["nonfinite on rank 0"]] == [7]  # NaN: on the top edge
     assert ax.get_yscale() == "log"
+
+
+def test_the_dispersion_panels_share_one_legend(fault_run: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The four panels mark the same events: four legends took a third of the figure's width."""
+    figures: list[Any] = []
+    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    report_module._plot_dispersion(load_run(fault_run))
+    (fig,) = figures
+    assert [ax.get_legend() for ax in fig.axes] == [None] * 4
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["fault on rank 1 (aggregation)"]
+    assert fig.axes[0].get_title() == "local-loss std over ranks\n(consistency/loss_std)"
