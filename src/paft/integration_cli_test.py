@@ -143,7 +143,8 @@ def test_each_workload_under_each_defense_records_what_its_summary_says(
         assert main(["report", "r"]) == 0
         assert capsys.readouterr().out.startswith(text)
         assert text in (tmp_path / "r" / "report" / "report.md").read_text()
-        assert _plots(tmp_path / "r") == ["cosine.png", "dispersion.png", "divergence.png", "loss.png"]
+        guarded = ["guard.png"] if guard else []  # what the guard caught
+        assert _plots(tmp_path / "r") == ["cosine.png", "dispersion.png", "divergence.png", *guarded, "loss.png"]
 
 
 def test_the_report_says_what_the_monitor_recorded_and_what_it_did_not(
