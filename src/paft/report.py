@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,8 +152,8 @@ def _settings_title(run: RunData) -> str:
             f"guard {said['guard']}, injected {injected}")
 
 
-def _mark_events(ax: Axes, run: RunData) -> None:
-    """Faults as vertical lines colored by rank; syncs (bottom) and guard actions (top) as markers."""
+def _legend_once() -> Callable[[str], str]:
+    """A labeller that gives each legend entry once (matplotlib leaves "_nolegend_" out)."""
     labelled: set[str] = set()
 
     def label(text: str) -> str:
@@ -161,6 +161,13 @@ def _mark_events(ax: Axes, run: RunData) -> None:
             return "_nolegend_"
         labelled.add(text)
         return text
+
+    return label
+
+
+def _mark_events(ax: Axes, run: RunData) -> None:
+    """Faults as vertical lines colored by rank; syncs (bottom) and guard actions (top) as markers."""
+    label = _legend_once()
 
     faults = [(int(f["rank"]), int(f["step"]), str(f.get("site", "?")))
               for f in run.faults if "step" in f and "rank" in f]
@@ -300,7 +307,7 @@ def _plot_guard(run: RunData) -> bytes:
     colored by the rank it flagged (the rejected attempt is in no other record: the
     step's records are the accepted one's)."""
     fig, (ax,) = _figure(1, 1, "Guard detections", run)
-    labelled: set[str] = set()
+    label = _legend_once()
     for g in guard_incidents(run):
         found = g.get("values") or {}
         pair = next(((number(found[v]), number(found[lim])) for v, lim in _GUARD_VALUES
@@ -310,15 +317,12 @@ def _plot_guard(run: RunData) -> bytes:
         color = _rank_color(int(ranks[0])) if ranks else "black"
         if pair is None or not math.isfinite(pair[0]):  # NaN/Inf, or a value not recorded: on the top edge
             ax.plot([g["step"]], [0.97], ls="", marker="$!$", ms=10, color=color,
-                    transform=ax.get_xaxis_transform(), label=what if what not in labelled else "_nolegend_")
+                    transform=ax.get_xaxis_transform(), label=label(what))
         else:
-            ax.plot([g["step"]], [pair[0]], ls="", marker="o", ms=7, color=color,
-                    label=what if what not in labelled else "_nolegend_")
+            ax.plot([g["step"]], [pair[0]], ls="", marker="o", ms=7, color=color, label=label(what))
             if math.isfinite(pair[1]):
                 ax.plot([g["step"]], [pair[1]], ls="", marker="_", ms=14, mew=2, color="0.4",
-                        label="the detector's limit" if "limit" not in labelled else "_nolegend_")
-                labelled.add("limit")
-        labelled.add(what)
+                        label=label("the detector's limit"))
     ax.set_yscale("log")
     ax.margins(y=0.15)  # the event markers on the top edge stay clear of the highest value
     _finish(ax, run, "the value each detection judged (rejected attempt) against its limit",
