@@ -336,7 +336,6 @@ class RunRecorder:
         self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
         self.rank = rank
         self.quiet = quiet
-        self.append = append
         self._files: dict[str, Any] = {}
         if tensorboard and self.run_dir is not None:
             # Every rank refuses alike (only rank 0 writes tb/): none is left waiting in a
