@@ -108,18 +108,18 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
     if cfg.resume:
         _check_resume(cfg, path)
         return
-    if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not cfg.overwrite:
-        _refuse_in_use(path)  # a run that has just taken the folder holds its lock alone
-    if path.is_dir() and not path.is_symlink() and holds_files(path) and not cfg.overwrite:
-        if not is_run_config(path / "config.json"):  # --resume and --overwrite would be refused too
-            raise RunDirError(f"--run-dir: {path} holds no config.json of paft's, so it is not a paft run; "
-                              "pick another --run-dir")
-        if not has_checkpoint(path):
-            raise RunDirError(f"--run-dir: {path} holds a run that stopped before its first checkpoint; "
-                              "pass --overwrite to start it again")
-        raise RunDirError(
-            f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
-        )
+    if path.is_dir() and not path.is_symlink() and not cfg.overwrite:
+        _refuse_in_use(path)  # also a folder a run has just taken, its lock alone in it
+        if holds_files(path):
+            if not is_run_config(path / "config.json"):  # --resume and --overwrite would be refused too
+                raise RunDirError(f"--run-dir: {path} holds no config.json of paft's, so it is not a paft run; "
+                                  "pick another --run-dir")
+            if not has_checkpoint(path):
+                raise RunDirError(f"--run-dir: {path} holds a run that stopped before its first checkpoint; "
+                                  "pass --overwrite to start it again")
+            raise RunDirError(
+                f"--run-dir: {path} already exists; pass --resume to continue it or --overwrite to replace it"
+            )
     if path.is_symlink() and not cfg.overwrite and is_run_config(path / "config.json"):
         # output_dir_problem would advise --overwrite, which refuses a link.
         raise RunDirError(f"--run-dir: {path} is a symbolic link to a paft run; pass --resume to continue it, "
