@@ -80,23 +80,29 @@ def library_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("report") / "library"
     torch.manual_seed(0)
     with one_rank_group():
-        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        protector = protect(ddp, optimizer, monitor=MonitorConfig(interval=2),
-                            protect=ProtectConfig(mode="sync", sync_period=2), inject=["scale:steps=2,factor=3"],
-                            recorder=RunRecorder(run_dir, 0, quiet=True))
-        for step in range(6):
-            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
-
-            def closure(x: torch.Tensor = x) -> torch.Tensor:
-                optimizer.zero_grad()
-                loss = nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
-                loss.backward()
-                return loss
-
-            protector.step(closure)
-        protector.close()
+        _train_library_run(run_dir)
     return run_dir
+
+
+def _train_library_run(run_dir: pathlib.Path) -> None:
+    """The library run of :func:`library_run`, in a frame of its own: its DDP model goes
+    with the frame, before the group."""
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    protector = protect(ddp, optimizer, monitor=MonitorConfig(interval=2),
+                        protect=ProtectConfig(mode="sync", sync_period=2), inject=["scale:steps=2,factor=3"],
+                        recorder=RunRecorder(run_dir, 0, quiet=True))
+    for step in range(6):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
+            loss.backward()
+            return loss
+
+        protector.step(closure)
+    protector.close()
 
 
 def copy_run(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:

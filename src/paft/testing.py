@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import os
 import queue
@@ -177,11 +178,21 @@ def _entry(
 @contextlib.contextmanager
 def one_rank_group() -> Iterator[None]:
     """A one-rank gloo default process group in this process (no workers); taken down
-    on leaving, unless the code inside took it down itself."""
+    on leaving, unless the code inside took it down itself.
+
+    The code inside must drop its DDP models before leaving (it fails otherwise): a
+    model that outlives its group can let the group's last reference go in a gloo
+    thread, whose destructor then joins itself and aborts the process ("Resource
+    deadlock avoided"), as paft's workers once did."""
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
+        gc.collect()  # models held only in reference cycles (hooks, closures) go here
+        alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+        if alive:
+            raise AssertionError(f"{alive} DistributedDataParallel model(s) outlive the one-rank group: "
+                                 "drop them (del) before leaving it")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
