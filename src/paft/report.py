@@ -9,8 +9,8 @@ files, with a note saying so; a library run's folder (``paft.protect`` with a
 
     paft report runs/<dir>
 
-writes ``runs/<dir>/report/{loss,dispersion,cosine,divergence}.png`` and ``report.md``
-and prints the text summary. From Python: ``build_report("runs/<dir>")``.
+writes ``runs/<dir>/report/{loss,dispersion,cosine,divergence,guard}.png`` (those the run has
+records for) and ``report.md`` and prints the text summary. From Python: ``build_report("runs/<dir>")``.
 
 The plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch),
 so reports can be built on headless machines and inside other programs.
@@ -46,7 +46,7 @@ from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
 
 __all__ = ["Report", "build_report"]
 
-_PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png")
+_PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png", "guard.png")  # every plot _plots may write
 REPORT_MARKER = ".paft-report"  # marks a folder paft report wrote, which it may write into again
 _TITLE = "# paft report: "
 # The tab10 colours (C0-C9) are the ranks'; what is not a rank is drawn in others. Each

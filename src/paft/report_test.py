@@ -1302,6 +1302,9 @@ def test_the_guard_plot_shows_each_caught_value_against_its_limit(clean_run: pat
     assert points["rank_outlier on rank 1"] == [(3, 1e30)] and points["the detector's limit"] == [(3, 5.0)]
     assert [x for x, _ in points["nonfinite on rank 0"]] == [7]  # NaN: on the top edge
     assert ax.get_yscale() == "log"
+    rewrite_jsonl(run / "events.jsonl", lambda e: {**e, "event": "note"} if e["event"] == "guard" else e)
+    build_report(run)  # a guard plot must not survive a report of a run without detections
+    assert not (run / "report" / "guard.png").exists()
 
 
 def test_the_dispersion_panels_share_one_legend(fault_run: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
