@@ -1,7 +1,7 @@
 """Writing a run's records: what goes where in the run directory, and how files are
 written safely (:mod:`paft.rundir` checks and claims the directory itself).
 
-Layout (the contract other tools read; see docs/ARCHITECTURE.md):
+Layout (the contract other tools read; every key: docs/RUN-DIRECTORY.md):
 
 - ``config.json``: the resolved :class:`~paft.config.TrainConfig`;
 - ``metrics/rank{r}.jsonl``: per rank, per step: step, local loss, global loss,
