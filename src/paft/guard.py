@@ -241,11 +241,7 @@ class Guard:
         """Verdict on attempt ``attempt`` of ``step`` before ``optimizer.step()``."""
         if view.world_size != self.world_size:
             raise ValueError(f"view has {view.world_size} ranks, the guard was built for {self.world_size}")
-        st = self._st
-        if st is None or st.step != step or (
-            attempt == 0 and not (st.pending is not None and st.pending.source == "update")
-        ):
-            st = self._st = _StepState(step)
+        st = self._step_state(step, attempt)
         state = view.state_fingerprints()
         groups = group_replicas(state) if state is not None else []
         if len(groups) > 1:
@@ -278,13 +274,9 @@ class Guard:
         # transient fault, on either attempt, does not make one rank's bad data persistent).
         rows = sorted(set(ranks) & set(prev.ranks)) or None
         if not mismatch_again and reproduced(prev.bits, bits, rows):
-            st.pending = None
-            self._decide(st, "data")
-            self.counters["skipped_batches"] += 1
             named = rows or ranks  # the ranks whose data reproduced
-            skip = GuardVerdict("skip", detector, named, "data", values)
             # A level shift applies this attempt: never one where another rank was hit too.
-            return self._spike_skipped(skip, named, values) if detector in _SPIKES and named == ranks else skip
+            return self._skip_as_data(st, detector, named, values, may_shift=detector in _SPIKES and named == ranks)
         st.pending = _Incident("check", detector, ranks, bits)
         common = sorted(set(prev.ranks) & set(ranks))
         if not (common or prev.ranks or ranks) and detector == prev.detector:
@@ -341,9 +333,7 @@ class Guard:
         cfg = self.config
         if cfg.update_ratio <= 0:
             return GuardVerdict("proceed")
-        st = self._st
-        if st is None or st.step != step:
-            st = self._st = _StepState(step)
+        st = self._step_state(step)
         ratio = float(ratio)
         self._expire_ratios(step)
         # The cap holds once the ratios are warm: from a small or zero initialisation the
@@ -371,12 +361,9 @@ class Guard:
             st.pending = _Incident("update", "update_ratio", [], bits)
             verdict = self._rerun(st, "update_ratio", [], values)
         elif prev.bits == bits or close(bits_f64(prev.bits[0][0]), ratio):
-            st.pending = None
-            self._decide(st, "data")
-            self.counters["skipped_batches"] += 1
-            verdict = GuardVerdict("skip", "update_ratio", [], "data", values)
-            if math.isfinite(ratio):  # as for a reproduced loss spike: a lasting rise is applied
-                verdict = self._spike_skipped(verdict, [], values)  # after --shift-after skips; NaN never
+            # As for a reproduced loss spike: a lasting rise is applied after
+            # --shift-after skips; a NaN never.
+            verdict = self._skip_as_data(st, "update_ratio", [], values, may_shift=math.isfinite(ratio))
         else:
             st.pending = _Incident("update", "update_ratio", [], bits)
             verdict = self._rerun(st, "update_ratio", [], values)
@@ -423,6 +410,28 @@ class Guard:
                 self._ratios_seen += 1
         self._st = None
         self._armed_step = None
+
+    def _step_state(self, step: int, attempt: int | None = None) -> _StepState:
+        """``step``'s state, kept across its recomputes; begun afresh at a new step, and
+        at a first attempt (``attempt == 0``) of :meth:`check`, unless the detection of
+        :meth:`check_update` is pending (the attempt recomputes an update it rolled back)."""
+        st = self._st
+        if st is None or st.step != step or (
+            attempt == 0 and not (st.pending is not None and st.pending.source == "update")
+        ):
+            st = self._st = _StepState(step)
+        return st
+
+    def _skip_as_data(self, st: _StepState, detector: str, ranks: list[int], values: dict[str, float],
+                      may_shift: bool) -> GuardVerdict:
+        """The detection reproduced on recomputation: the batch's data is to blame and it
+        is skipped, or, where ``may_shift``, counted towards a level shift
+        (:meth:`_spike_skipped`)."""
+        st.pending = None
+        self._decide(st, "data")
+        self.counters["skipped_batches"] += 1
+        skip = GuardVerdict("skip", detector, ranks, "data", values)
+        return self._spike_skipped(skip, ranks, values) if may_shift else skip
 
     def _spike_skipped(self, skip: GuardVerdict, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
         """``skip`` drops a batch for a spike that reproduced on recomputation, or that
