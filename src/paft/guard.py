@@ -189,7 +189,7 @@ class GuardVerdict:
 
 
 @dataclass
-class _Incident:
+class _Detection:
     """The detection a rerun is compared against."""
 
     source: str  # "check" | "update"
@@ -203,8 +203,8 @@ class _StepState:
     step: int
     reruns: int = 0
     cause: str | None = None
-    pending: _Incident | None = None
-    incident: bool = False  # anything detected in this step: arms the snapshot
+    pending: _Detection | None = None
+    detected: bool = False  # anything detected in this step: arms the snapshot
     tainted: bool = False  # an update anomaly that could not be rolled back
 
 
@@ -251,15 +251,15 @@ class Guard:
         if found is None:
             if prev is not None and prev.source == "check":
                 st.pending = None
-                cause = self._decide(st, st.cause or "transient")
+                cause = self._set_cause(st, st.cause or "transient")
                 return GuardVerdict("proceed", prev.detector, prev.ranks, cause, self._summary(view))
             return GuardVerdict("proceed", values=self._summary(view))
         detector, ranks, values = found
-        self._new_incident(st)
+        self._mark_detected(st)
         bits = view.header_bits()
         if prev is None or prev.source != "check":
-            st.pending = _Incident("check", detector, ranks, bits)
-            verdict = self._rerun(st, detector, ranks, values)
+            st.pending = _Detection("check", detector, ranks, bits)
+            verdict = self._recompute_unless_capped(st, detector, ranks, values)
             if verdict.detector == "rerun_cap" and detector in _SPIKES and not ranks and self._rose_alike(view):
                 # No rerun left to tell data from a fault: a rise of every rank alike
                 # counts towards a level shift (skipping on would stall training for good).
@@ -277,7 +277,7 @@ class Guard:
             named = rows or ranks  # the ranks whose data reproduced
             # A level shift applies this attempt: never one where another rank was hit too.
             return self._skip_as_data(st, detector, named, values, may_shift=detector in _SPIKES and named == ranks)
-        st.pending = _Incident("check", detector, ranks, bits)
+        st.pending = _Detection("check", detector, ranks, bits)
         common = sorted(set(prev.ranks) & set(ranks))
         if not (common or prev.ranks or ranks) and detector == prev.detector:
             # Unnamed both times (two faulty ranks of four pull the ranks' median along):
@@ -285,11 +285,11 @@ class Guard:
             # values moved are the ones the recurring anomaly comes from.
             common = unsteady_ranks(prev.bits, bits)
         if common or mismatch_again:
-            self._decide(st, "persistent")
+            self._set_cause(st, "persistent")
             if self.config.on_persistent == "stop":
                 return GuardVerdict("stop", detector, common, "persistent", values)
-            return self._rerun(st, detector, common or ranks, values)
-        return self._rerun(st, detector, ranks, values)
+            return self._recompute_unless_capped(st, detector, common or ranks, values)
+        return self._recompute_unless_capped(st, detector, ranks, values)
 
     # -- post-step ------------------------------------------------------------------
 
@@ -313,7 +313,7 @@ class Guard:
         cfg = self.config
         if cfg.update_ratio <= 0:
             return False  # no post-step detector: nothing would roll back
-        if self._ratios_seen < cfg.warmup or (self._st is not None and self._st.step == step and self._st.incident):
+        if self._ratios_seen < cfg.warmup or (self._st is not None and self._st.step == step and self._st.detected):
             return True  # the ratio's own spike rule is still off, or this step needed a recompute
         if self._armed:  # a near miss of the loss or the aggregated gradient norm
             half = cfg.spike_threshold / 2
@@ -348,9 +348,9 @@ class Guard:
         if math.isfinite(ratio) and ratio <= limit:
             if prev is not None and prev.source == "update":
                 st.pending = None
-                return GuardVerdict("proceed", "update_ratio", [], self._decide(st, st.cause or "transient"), values)
+                return GuardVerdict("proceed", "update_ratio", [], self._set_cause(st, st.cause or "transient"), values)
             return GuardVerdict("proceed", values=values)
-        self._new_incident(st)
+        self._mark_detected(st)
         if self._armed_step != step:
             # No snapshot to return to: a record for the events log, and the step's
             # values are kept out of the history.
@@ -358,25 +358,25 @@ class Guard:
             return GuardVerdict("proceed", "update_ratio", [], None, values)
         bits = [[f64_bits(ratio)]]
         if prev is None or prev.source != "update":
-            st.pending = _Incident("update", "update_ratio", [], bits)
-            verdict = self._rerun(st, "update_ratio", [], values)
+            st.pending = _Detection("update", "update_ratio", [], bits)
+            verdict = self._recompute_unless_capped(st, "update_ratio", [], values)
         elif prev.bits == bits or close(bits_f64(prev.bits[0][0]), ratio):
             # As for a reproduced loss spike: a lasting rise is applied after
             # --shift-after skips; a NaN never.
             verdict = self._skip_as_data(st, "update_ratio", [], values, may_shift=math.isfinite(ratio))
         else:
-            st.pending = _Incident("update", "update_ratio", [], bits)
-            verdict = self._rerun(st, "update_ratio", [], values)
+            st.pending = _Detection("update", "update_ratio", [], bits)
+            verdict = self._recompute_unless_capped(st, "update_ratio", [], values)
         if verdict.action != "proceed":  # a level shift keeps the update
             self.counters["rollbacks"] += 1
         return verdict
 
-    def _new_incident(self, st: _StepState) -> None:
+    def _mark_detected(self, st: _StepState) -> None:
         """Something was detected in ``st``'s step: one detection per step, whatever its
-        recomputes find (they are part of the incident that started them)."""
-        if not st.incident:
+        recomputes find (they belong to the detection that started them)."""
+        if not st.detected:
             self.counters["detections"] += 1
-        st.incident = True
+        st.detected = True
 
     def _expire_ratios(self, step: int) -> None:
         """Drop the ratios older than ``window`` steps: the spike rule judges an update
@@ -428,7 +428,7 @@ class Guard:
         is skipped, or, where ``may_shift``, counted towards a level shift
         (:meth:`_spike_skipped`)."""
         st.pending = None
-        self._decide(st, "data")
+        self._set_cause(st, "data")
         self.counters["skipped_batches"] += 1
         skip = GuardVerdict("skip", detector, ranks, "data", values)
         return self._spike_skipped(skip, ranks, values) if may_shift else skip
@@ -558,7 +558,7 @@ class Guard:
         """The replicas' parameters / optimizer state differ (corrupted at rest, or by a
         fault inside ``optimizer.step()``): recomputing from that state would only
         reproduce it, so re-synchronize from the majority first, then recompute."""
-        self._new_incident(st)  # or what this step's recompute found: one incident
+        self._mark_detected(st)  # or what this step's recompute found: one detection
         minority = outside_majority(groups, self.world_size)
         prev = st.pending
         # The split this step's recompute was to clear, if the pending detection is one.
@@ -567,16 +567,18 @@ class Guard:
         # Split again right after its repair: stuck memory, also where no majority names
         # the replica either time (2 ranks, an even split), as a grad_mismatch that comes back.
         persistent = bool(again) or (split is not None and not minority and not split.ranks)
-        self._decide(st, "persistent" if persistent else "state")
-        st.pending = _Incident("check", "state_mismatch", minority, view.header_bits())
+        self._set_cause(st, "persistent" if persistent else "state")
+        st.pending = _Detection("check", "state_mismatch", minority, view.header_bits())
         if persistent and self.config.on_persistent == "stop":
             return GuardVerdict("stop", "state_mismatch", again, "persistent", {"distinct": float(len(groups))})
-        verdict = self._rerun(st, "state_mismatch", minority, {"distinct": float(len(groups))})
+        verdict = self._recompute_unless_capped(st, "state_mismatch", minority, {"distinct": float(len(groups))})
         # Past a cap: the replicas are still repaired, and the batch is skipped.
         action = "repair" if verdict.action == "recompute" else "skip"
         return GuardVerdict(action, "state_mismatch", minority, st.cause or "state", verdict.values)
 
-    def _rerun(self, st: _StepState, detector: str, ranks: list[int], values: dict[str, float]) -> GuardVerdict:
+    def _recompute_unless_capped(self, st: _StepState, detector: str, ranks: list[int],
+                                 values: dict[str, float]) -> GuardVerdict:
+        """``recompute`` the step, or past a rerun cap ``skip`` it (detector ``rerun_cap``)."""
         cfg = self.config
         if st.reruns >= cfg.max_reruns_per_step or self.counters["recomputes"] >= cfg.max_reruns_per_run:
             self.counters["skipped_batches"] += 1
@@ -587,7 +589,7 @@ class Guard:
         self.counters["recomputes"] += 1
         return GuardVerdict("recompute", detector, ranks, st.cause, values)
 
-    def _decide(self, st: _StepState, cause: str) -> str:
+    def _set_cause(self, st: _StepState, cause: str) -> str:
         """Record the step's cause once (a later, stronger finding replaces it)."""
         if st.cause != cause:
             if st.cause is not None:
@@ -615,7 +617,8 @@ class Guard:
             "windows": {name: list(w.values) for name, w in self._windows().items()},
             "ratio_steps": list(self._ratio_steps),
             "step": None if st is None else {
-                "step": st.step, "reruns": st.reruns, "cause": st.cause, "incident": st.incident,
+                # "incident" and "pending": the keys of older checkpoints, which still load.
+                "step": st.step, "reruns": st.reruns, "cause": st.cause, "incident": st.detected,
                 "tainted": st.tainted,
                 "pending": None if st.pending is None else {
                     "source": st.pending.source, "detector": st.pending.detector,
@@ -645,7 +648,7 @@ class Guard:
         self._st = None
         if s is not None:
             p = s["pending"]
-            self._st = _StepState(s["step"], s["reruns"], s["cause"], None if p is None else _Incident(
+            self._st = _StepState(s["step"], s["reruns"], s["cause"], None if p is None else _Detection(
                 p["source"], p["detector"], list(p["ranks"]), [list(r) for r in p["bits"]]),
                 s["incident"], s["tainted"])
         self._armed_step = state.get("armed_step")
