@@ -139,7 +139,6 @@ __all__ = [
     "CAUSES",
     "COUNTERS",
     "DETECTORS",
-    "ABS_FLOOR",
     "GuardVerdict",
     "Guard",
 ]
@@ -152,7 +151,7 @@ DETECTORS = ("state_mismatch", "nonfinite_loss", "nonfinite_local_grad", "nonfin
              "loss_scale_overflow")
 _SPIKES = ("loss_spike", "grad_spike", "rank_outlier")  # finite values judged against the history
 
-ABS_FLOOR = 1e-12  # attribution of a mismatch without majority, against a zero median
+_ABS_FLOOR = 1e-12  # attribution of a mismatch without majority, against a zero median
 
 
 @dataclass
@@ -548,7 +547,7 @@ class Guard:
         if not self._grad.values:
             return []
         med, mad, _ = self._grad.stats()
-        scale = max(MAD_TO_STD * mad, REL_FLOOR_GRAD * abs(med), ABS_FLOOR)
+        scale = max(MAD_TO_STD * mad, REL_FLOOR_GRAD * abs(med), _ABS_FLOOR)
         odd = [r for g in groups for r in g if abs(agg[r] - med) > self.config.spike_threshold * scale]
         return sorted(odd) if 0 < len(odd) < self.world_size else []
 
