@@ -41,7 +41,7 @@ from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
 from paft.rundir import _FIXED_ON_RESUME, has_checkpoint, resolve_run_dir
 from paft.values import fits
-from paft.workloads import WORKLOADS
+from paft.workloads import DROPOUT_WORKLOADS, WORKLOADS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -508,7 +508,7 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
                           no_metrics if not metrics else "with --cosine off (no cosine is computed)"),
         "sketch-dim": (metrics and cfg.monitor.cosine == "sketch",
                        no_metrics if not metrics else "without --cosine sketch"),
-        "dropout": (cfg.workload != "resnet", "on the resnet workload"),
+        "dropout": (cfg.workload in DROPOUT_WORKLOADS, "on the resnet workload"),
         **{flag: (mode == "dyn", "without --protect dyn") for flag in ("h-min", "h-max", "dyn-target")},
         **{flag: (mode in ("sync", "dyn"), "without --protect sync or dyn") for flag in ("sync-mode", "overlap")},
         "sync-period": (mode != "none", "with --protect none"),

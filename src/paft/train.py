@@ -54,7 +54,7 @@ from paft.rundir import (
     stale_checkpoints,
 )
 from paft.state import state_fingerprint
-from paft.workloads import ShardedSampler, Workload, build_workload, hidden_matrices, parameter_count
+from paft.workloads import DROPOUT_WORKLOADS, ShardedSampler, Workload, build_workload, hidden_matrices, parameter_count
 
 __all__ = [
     "Trainer",
@@ -174,7 +174,7 @@ class Trainer:
 
     @staticmethod
     def _dropout_arg(cfg: TrainConfig) -> dict[str, Any]:
-        return {"dropout": cfg.dropout} if cfg.workload in ("gpt", "llama") else {}
+        return {"dropout": cfg.dropout} if cfg.workload in DROPOUT_WORKLOADS else {}
 
     # -- the loop --------------------------------------------------------------------
 

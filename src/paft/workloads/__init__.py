@@ -50,6 +50,7 @@ from paft.workloads.resnet import ResNet, ResNetConfig
 __all__ = [
     "WORKLOADS",
     "MUON_WORKLOADS",
+    "DROPOUT_WORKLOADS",
     "hidden_matrices",
     "Workload",
     "build_workload",
@@ -244,6 +245,10 @@ def parameter_count(name: str, model_args: dict[str, Any] | None = None) -> int:
 MUON_WORKLOADS: tuple[str, ...] = ("gpt", "llama")
 """The workloads with hidden weight matrices for ``--optimizer muon``: ResNet's layers
 are 4-D convolutions (``torch.optim.Muon`` takes 2-D parameters) and one output head."""
+
+DROPOUT_WORKLOADS: tuple[str, ...] = ("gpt", "llama")
+"""The workloads whose model takes ``--dropout`` (a ``dropout`` field in its config):
+ResNet has no dropout layers."""
 
 
 def hidden_matrices(model: nn.Module) -> list[torch.Tensor]:

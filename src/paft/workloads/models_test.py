@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from paft.testing import run_workers
 from paft.workloads import (
+    DROPOUT_WORKLOADS,
     GPT,
     MUON_WORKLOADS,
     WORKLOADS,
@@ -167,6 +168,12 @@ def test_muon_trains_the_hidden_matrices_alone(name: str) -> None:
                       if p.dim() == 2)
     assert names == matrices and bool(names) == (name in MUON_WORKLOADS)
     assert all(p.dim() == 2 for p in hidden_matrices(model))
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_dropout_workloads_are_those_whose_config_takes_dropout(name: str) -> None:
+    # Training passes --dropout to these alone, and warns that it is ignored elsewhere.
+    assert hasattr(model_config(name), "dropout") == (name in DROPOUT_WORKLOADS)
 
 
 @pytest.mark.parametrize("cls, cfg, residual", [
