@@ -7,8 +7,9 @@ all-reduce (``local-grad``), and in parameters or optimizer state at rest
 does and *when* it fires, and nothing about process groups, so every decision is a
 pure function that tests check in microseconds:
 
-- **kinds** (:func:`apply_fault` and the per-kind functions): in-place tensor edits,
-  with elements chosen by a seeded :class:`torch.Generator`;
+- **kinds** (:func:`apply_fault`): in-place tensor edits, with elements chosen by a
+  seeded :class:`torch.Generator` (``stale`` instead replays the previous value of
+  the whole tensor: :func:`_replay_stale`);
 - :class:`~paft.faultspec.FaultSpec` (its own module, :mod:`paft.faultspec`): one
   fault, with the text grammar of ``--inject``;
 - :class:`FaultSchedule`: a counter-based, random-access function of
@@ -163,18 +164,7 @@ def apply_fault(
     if n == 0:
         return None
     if spec.kind == "stale":
-        if previous is None or previous.shape != tensor.shape or previous.dtype != tensor.dtype:
-            return None
-        with torch.no_grad():
-            prev = previous.to(tensor.device)
-            diff = (tensor.reshape(-1).view(_int_view(tensor.dtype))
-                    != prev.reshape(-1).view(_int_view(tensor.dtype))).nonzero().flatten()
-            idx = diff[:RECORD_VALUES]
-            before = tensor.reshape(-1)[idx].double().tolist()
-            tensor.copy_(prev)
-            after = tensor.reshape(-1)[idx].double().tolist()
-        return Applied(n, idx.tolist(), before, after)
-
+        return _replay_stale(tensor, previous)
     indices = select_indices(n, generator, count=spec.count, fraction=spec.fraction)
     k = indices.numel()
     contiguous = tensor.is_contiguous()
@@ -218,6 +208,23 @@ def apply_fault(
         if not contiguous:
             tensor.copy_(work.view(tensor.shape))
     return Applied(k, head.tolist(), before, after, bits_list)
+
+
+def _replay_stale(tensor: Tensor, previous: Tensor | None) -> Applied | None:
+    """The ``stale`` kind: copy ``previous`` over the whole non-empty ``tensor``,
+    recording the elements whose bits changed; ``None`` without a ``previous`` of the
+    same shape and dtype."""
+    if previous is None or previous.shape != tensor.shape or previous.dtype != tensor.dtype:
+        return None
+    with torch.no_grad():
+        prev = previous.to(tensor.device)
+        diff = (tensor.reshape(-1).view(_int_view(tensor.dtype))
+                != prev.reshape(-1).view(_int_view(tensor.dtype))).nonzero().flatten()
+        idx = diff[:RECORD_VALUES]
+        before = tensor.reshape(-1)[idx].double().tolist()
+        tensor.copy_(prev)
+        after = tensor.reshape(-1)[idx].double().tolist()
+    return Applied(tensor.numel(), idx.tolist(), before, after)
 
 
 def _int_view(dtype: torch.dtype) -> torch.dtype:
