@@ -13,7 +13,14 @@ import sys
 from collections.abc import Sequence
 
 from paft.bench import add_bench_parser, run_bench
-from paft.options import OptionParser, add_train_options, config_from_namespace, train_epilog, train_warnings
+from paft.options import (
+    OptionParser,
+    add_train_options,
+    config_from_namespace,
+    resume_args,
+    train_epilog,
+    train_warnings,
+)
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -70,13 +77,13 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from paft.train import MachineError
 
     try:
-        cfg = config_from_namespace(args)
+        cfg, changes = config_from_namespace(args)
     except ValueError as err:
         parser.error(str(err))
-    for warning in train_warnings(args, cfg):
+    for warning in train_warnings(args, cfg, changes):
         print(f"paft train: warning: {warning}", file=sys.stderr)
     try:
-        code = launch(cfg)
+        code = launch(cfg, resume_args(changes, args.config))
     except (RunDirError, MachineError) as err:
         parser.error(str(err))
     except (KeyboardInterrupt, SignalException) as err:  # before or after the workers ran

@@ -544,7 +544,7 @@ def test_under_torchrun_a_world_size_mismatch_says_where_the_size_came_from(
         with pytest.raises(SystemExit):
             parse_train_config(argv, launched=3)
         assert needle in capsys.readouterr().err
-    assert parse_train_config(["--batch-size", "6"], launched=3).world_size == 3  # none asked: torchrun's
+    assert parse_train_config(["--batch-size", "6"], launched=3)[0].world_size == 3  # none asked: torchrun's
 
 
 def _failing(step: int, steps: int = 4) -> list[str]:
@@ -716,7 +716,7 @@ def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatc
     import paft.launch
 
     ran: list[TrainConfig] = []
-    monkeypatch.setattr(paft.launch, "launch", lambda cfg: ran.append(cfg) or 0)
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg, _: ran.append(cfg) or 0)
     assert main(["train", "--steps", "3", "--inject", "bitflip:steps=100", "--spike-threshold", "3"]) == 0
     assert capsys.readouterr().err.splitlines() == [
         "paft train: warning: --inject 'bitflip:steps=100' cannot fire before step 100, past --steps 3",
@@ -737,7 +737,7 @@ def test_a_resume_names_the_saved_options_it_changes(tmp_path: pathlib.Path, mon
     --lr, --inject or --no-monitor went on without a word."""
     import paft.launch
 
-    monkeypatch.setattr(paft.launch, "launch", lambda cfg: 0)
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg, _: 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r").mkdir()
     saved = TrainConfig(steps=6, lr=3e-3, quiet=True, inject=["bitflip:steps=1"], run_dir="r").to_dict()
@@ -813,7 +813,7 @@ def test_options_that_change_nothing_are_named(argv: list[str], expect: list[str
     parser = OptionParser()
     add_train_options(parser)
     ns = parser.parse_args(argv)
-    assert ignored_options(ns, config_from_namespace(ns)) == expect
+    assert ignored_options(ns, config_from_namespace(ns)[0]) == expect
 
 
 def test_config_file_and_command_line_values_combine(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -824,7 +824,7 @@ def test_config_file_and_command_line_values_combine(tmp_path: pathlib.Path, mon
     assert parse_train_config(["--config", "empty.yaml"]) == parse_train_config([])
     pathlib.Path("run.toml").write_text('inject = "bitflip:steps=1"\n[model]\nn_layer = 1\n')
     # --model fields add to the file's; spelled as a shell user may (spaces, a config file's FALSE)
-    cfg = parse_train_config(["--config", "run.toml", "--model", "n_embd = 64", "--model", "bias=FALSE"])
+    cfg, _ = parse_train_config(["--config", "run.toml", "--model", "n_embd = 64", "--model", "bias=FALSE"])
     assert cfg.inject == ["bitflip:steps=1"]  # one spec as a string: a list of one
     assert cfg.model == {"n_layer": 1, "n_embd": 64, "bias": False}
 
@@ -843,7 +843,7 @@ def test_a_resume_starts_from_the_runs_config_json(tmp_path: pathlib.Path, monke
     pathlib.Path("r.toml").write_text('run-dir = "r"\nresume = true\n')
     pathlib.Path("ws3.toml").write_text("world-size = 3\n")
     for argv in (["--run-dir", "r", "--resume"], ["--run-dir", "r", "--config", "resume.toml"], ["--config", "r.toml"]):
-        cfg = parse_train_config(["--steps", "20", *argv])
+        cfg, _ = parse_train_config(["--steps", "20", *argv])
         assert (cfg.optimizer, cfg.world_size, cfg.steps, cfg.resume, cfg.overwrite) == ("sgd", 2, 20, True, False)
     for saved, argv, needle in [
         (first.to_dict(), ["--world-size", "4"],
@@ -940,7 +940,7 @@ def test_paft_train_exits_with_the_runs_code_or_the_signals(monkeypatch: pytest.
     import paft.launch
 
     for outcome, code in ((3, 3), (KeyboardInterrupt(), 130), (SignalException("", signal.SIGTERM), 143)):
-        def launch(cfg: TrainConfig, outcome: int | BaseException = outcome) -> int:
+        def launch(cfg: TrainConfig, _: object, outcome: int | BaseException = outcome) -> int:
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
@@ -1006,7 +1006,7 @@ def test_an_interrupted_resume_says_to_continue_with_its_steps(
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step0000060")
     cfg = TrainConfig(world_size=2, steps=200, run_dir=str(tmp_path), resume=True, quiet=True)
-    assert paft.launch._run_workers(cfg) == 130
+    assert paft.launch._run_workers(cfg, ()) == 130
     assert capsys.readouterr().err.endswith(f"--run-dir {tmp_path} --resume --steps 200\n")
 
 
@@ -1045,7 +1045,7 @@ def test_a_resume_into_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monke
     from paft.rundir import _CHECKPOINT_KEYS
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: pytest.fail("the resume must not start"))
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: pytest.fail("the resume must not start"))
     cfg = TrainConfig(world_size=2, steps=12, batch_size=16, run_dir="r")
     step = pathlib.Path("r/checkpoints/step0000012")
     step.mkdir(parents=True)
@@ -1147,7 +1147,7 @@ def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathli
     monkeypatch.chdir(tmp_path)
     pathlib.Path("d").mkdir()
 
-    def workers(cfg: TrainConfig) -> int:
+    def workers(cfg: TrainConfig, *_: object) -> int:
         with pytest.raises(RunDirError, match="in use"), launcher.hold_dir_lock(pathlib.Path("d")):
             pass  # held by the launcher while the workers run
         return 0
@@ -1165,7 +1165,7 @@ def test_overwrite_of_an_empty_folder_leaves_it_empty_when_the_run_stops(tmp_pat
 
     monkeypatch.chdir(tmp_path)
     pathlib.Path("empty").mkdir()
-    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: 1)  # stops before its first step
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: 1)  # stops before its first step
     assert launcher.launch(TrainConfig(run_dir="empty", steps=1, overwrite=True)) == 1
     assert list(pathlib.Path("empty").iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # nothing set aside either
@@ -1184,7 +1184,7 @@ def test_a_folder_holding_only_a_lock_counts_as_empty(tmp_path: pathlib.Path, mo
     (pathlib.Path("d") / LOCK_FILE).touch()
     with launcher.hold_dir_lock(pathlib.Path("d")), pytest.raises(RunDirError, match="in use"):
         check_run_dir(TrainConfig(run_dir="d", steps=1))
-    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: 0)
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: 0)
     assert launcher.launch(TrainConfig(run_dir="d", steps=1)) == 0
     assert pathlib.Path("d/config.json").is_file()
     # A benchmark's --out too (it holds a lock of the same name).

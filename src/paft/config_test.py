@@ -193,7 +193,7 @@ def test_the_defaults_the_readme_names() -> None:
     # window, warm-up and threshold: guard_test's worked example of docs/GUARD.md.)
     from paft.options import parse_train_config
 
-    cfg = parse_train_config([])  # what paft train runs with, as the library's dataclasses
+    cfg, _ = parse_train_config([])  # what paft train runs with, as the library's dataclasses
     for monitor, guard, protect in ((cfg.monitor, cfg.guard, cfg.protect),
                                     (MonitorConfig(), GuardConfig(), ProtectConfig())):
         assert (monitor.enabled, monitor.interval, monitor.fingerprint_every) == (True, 1, 10)

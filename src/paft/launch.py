@@ -75,8 +75,10 @@ __all__ = [
 EXIT_WORKER_FAILED = 1
 
 
-def launch(cfg: TrainConfig) -> int:
+def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
     """Run ``cfg`` on ``cfg.world_size`` local workers; returns the exit code.
+    ``resumed_with``: the options a ``--resume`` changes, as command-line words
+    (:func:`paft.options.resume_args`), which the line saying how to continue names.
 
     Raises :class:`paft.rundir.RunDirError` or :class:`paft.train.MachineError` (before
     anything is written) when the run directory or this machine (its devices, the
@@ -95,7 +97,7 @@ def launch(cfg: TrainConfig) -> int:
     check_machine(cfg)
     check_run_dir(cfg)
     with claim_run_dir(cfg) as outcome:
-        code = _run_workers(cfg)
+        code = _run_workers(cfg, resumed_with)
         _tidy_after_workers(pathlib.Path(cfg.run_dir))  # the workers are gone, however they ended
         outcome["code"] = code
         return code
@@ -265,19 +267,25 @@ def hold_dir_lock(run_dir: pathlib.Path, option: str = "--run-dir", prog: str = 
         yield
 
 
-def resume_hint(cfg: TrainConfig, command: str) -> str:
+def resume_hint(cfg: TrainConfig, command: str, resumed_with: Sequence[str] = ()) -> str:
     """What an interrupted run's line adds where ``cfg.run_dir`` keeps a checkpoint: how
-    to continue from it (``command``: how the run was started)."""
+    to continue from it (``command``: how the run was started; ``resumed_with``: see
+    :func:`_resuming`)."""
     if not cfg.run_dir or not has_checkpoint(pathlib.Path(cfg.run_dir)):
         return ""
-    return f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(cfg.run_dir)} {_resuming(cfg)}"
+    return (f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(cfg.run_dir)} "
+            f"{_resuming(cfg, resumed_with)}")
 
 
-def _resuming(cfg: TrainConfig) -> str:
-    """The options that continue ``cfg``'s run. A resume names its ``--steps``: stopped
-    before its next checkpoint, it puts back the ``config.json`` of the last one, whose
-    smaller ``--steps`` a plain ``--resume`` of a run that trained that far is refused with."""
-    return f"--resume --steps {cfg.steps}" if cfg.resume else "--resume"
+def _resuming(cfg: TrainConfig, resumed_with: Sequence[str]) -> str:
+    """The options that continue ``cfg``'s run. A resume stopped before its next
+    checkpoint puts back the ``config.json`` of the last one, so it names what it
+    changed: its ``--steps`` (a plain ``--resume`` of a run that trained that far is
+    refused with the smaller one) and ``resumed_with``, the other options it changed
+    (command-line words), which a plain ``--resume`` would take back."""
+    if not cfg.resume:
+        return "--resume"
+    return shlex.join(["--resume", "--steps", str(cfg.steps), *resumed_with])
 
 
 def set_aside(run_dir: pathlib.Path) -> pathlib.Path | None:
@@ -311,7 +319,7 @@ def settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str
               f"failed: {err.strerror or err})", file=sys.stderr)
 
 
-def _run_workers(cfg: TrainConfig) -> int:
+def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str]) -> int:
     if not cfg.quiet:
         console(format_plan(cfg))
     try:
@@ -320,11 +328,11 @@ def _run_workers(cfg: TrainConfig) -> int:
         record_failure(pathlib.Path(cfg.run_dir), err)
         kept = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
-            kept = f"; {cfg.run_dir} keeps its checkpoints ({_resuming(cfg)} continues from the last)"
+            kept = f"; {cfg.run_dir} keeps its checkpoints ({_resuming(cfg, resumed_with)} continues from the last)"
         print(err.describe("paft train") + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        return interrupted(err, resume_hint(cfg, "paft train"))
+        return interrupted(err, resume_hint(cfg, "paft train", resumed_with))
     first = results[0]
     if first["status"] == "persistent_fault":
         print(f"paft train: {first['message']}", file=sys.stderr)
@@ -551,7 +559,7 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
             problem = f"WORLD_SIZE={os.environ['WORLD_SIZE']!r}"
     # Every rank parses and refuses alike: the first to exit makes torchrun stop the
     # others, maybe before rank 0 has written a word.
-    cfg = parse_train_config(argv, prog=prog, launched=launched, warn=os.environ.get("RANK", "0") == "0")
+    cfg, resumed_with = parse_train_config(argv, prog=prog, launched=launched, warn=os.environ.get("RANK", "0") == "0")
     if problem:
         print(f"{prog}: error: {problem}: run it under torchrun, which sets {', '.join(torchrun_env)} (e.g. "
               f"torchrun --standalone --nproc-per-node 4 -m paft.train), or use paft train, which starts its own "
@@ -589,7 +597,7 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(cfg, prog, rank0)
     except (KeyboardInterrupt, SignalException) as err:
-        hint = resume_hint(cfg, "torchrun ... -m paft.train") if rank0 else ""
+        hint = resume_hint(cfg, "torchrun ... -m paft.train", resumed_with) if rank0 else ""
         return interrupted(err, hint, prog=prog, say=rank0)
 
 

@@ -62,7 +62,7 @@ def test_ctrl_c_while_the_replaced_run_is_deleted_deletes_it_whole(tmp_path: pat
     stopped the delete: a ``r.replaced-<id>`` folder stayed behind."""
     run = _old_run(tmp_path, monkeypatch)
 
-    def finished(cfg: TrainConfig) -> int:
+    def finished(cfg: TrainConfig, *_: object) -> int:
         (run / "summary.json").write_text("{}")
         return 0
 
@@ -79,7 +79,7 @@ def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pa
     """A Ctrl-C between moving the old run aside and the clean-up's ``try`` left it aside."""
     run = _old_run(tmp_path, monkeypatch)
     monkeypatch.setattr(launcher, "set_aside", _interrupting(launcher.set_aside, after=True))
-    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: pytest.fail("the run must not start"))
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: pytest.fail("the run must not start"))
     with pytest.raises(KeyboardInterrupt):
         launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
@@ -113,7 +113,7 @@ def test_an_old_run_comes_back_when_the_new_directory_cannot_be_made(tmp_path: p
         raise RunDirError(f"--run-dir: {run_dir} was just created by another paft train; pick another --run-dir")
 
     monkeypatch.setattr(launcher, "_create", taken)
-    monkeypatch.setattr(launcher, "_run_workers", lambda cfg: pytest.fail("the run must not start"))
+    monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: pytest.fail("the run must not start"))
     with pytest.raises(RunDirError, match="r was just created by another paft train"):
         launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
@@ -129,7 +129,7 @@ def test_overwrite_deletes_the_old_run_once_the_new_one_checkpointed_or_ended(
     with no step recorded; neither is said to have stopped early."""
     run = _old_run(tmp_path, monkeypatch)
 
-    def workers(cfg: TrainConfig) -> int:
+    def workers(cfg: TrainConfig, *_: object) -> int:
         if how == "guard stop":
             (run / "events.jsonl").write_text('{"step": 0, "event": "stop"}\n')
             return launcher.EXIT_PERSISTENT_FAULT
@@ -155,7 +155,7 @@ def test_a_run_stopped_before_a_step_removes_what_it_made_and_only_that(
     pathlib.Path("outer").mkdir()
     pathlib.Path("given").mkdir()
 
-    def workers(cfg: TrainConfig) -> int:
+    def workers(cfg: TrainConfig, *_: object) -> int:
         (pathlib.Path(cfg.run_dir) / "checkpoints").mkdir()  # a first checkpoint begun, never done
         if cfg.run_dir.startswith("outer/new/"):
             pathlib.Path("outer/new/theirs").write_text("")
@@ -226,7 +226,7 @@ def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, mon
     interrupted) never got there: the launcher sorts it once they are gone."""
     monkeypatch.chdir(tmp_path)
 
-    def failed(cfg: TrainConfig) -> int:
+    def failed(cfg: TrainConfig, *_: object) -> int:
         run = pathlib.Path(cfg.run_dir)
         (run / "metrics").mkdir()
         (run / "metrics" / "rank0.jsonl").write_text('{"step": 0}\n')  # a step trained: the run is kept
@@ -258,7 +258,7 @@ def test_a_guard_stop_exits_3_with_its_reason(tmp_path: pathlib.Path, monkeypatc
     reason = str(PersistentFaultError(5, [2]))
     stopped = [{"status": "persistent_fault", "message": reason}] * 2
     monkeypatch.setattr(launcher, "local_workers", lambda worker, n: lambda *args: stopped)
-    assert launcher._run_workers(TrainConfig(run_dir=str(tmp_path), world_size=2)) == 3
+    assert launcher._run_workers(TrainConfig(run_dir=str(tmp_path), world_size=2), ()) == 3
     assert capsys.readouterr().err == f"paft train: {reason}\n"
 
 
@@ -591,7 +591,7 @@ def test_a_failed_run_leaves_no_checkpoint_temporaries(tmp_path: pathlib.Path,
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "r" / "checkpoints"
 
-    def stopped_mid_checkpoint(cfg: TrainConfig) -> int:
+    def stopped_mid_checkpoint(cfg: TrainConfig, *_: object) -> int:
         for name in ("step0000002/rank0.pt", "step0000002/rank1.pt", "latest", "step0000006/rank0.pt",
                      "step0000002/.rank0.pt.notes"):  # not a temporary's name: the user's
             (root / name).parent.mkdir(parents=True, exist_ok=True)

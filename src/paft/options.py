@@ -22,7 +22,7 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from paft.config import (
     COSINE_MODES,
@@ -49,7 +49,8 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
-           "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults", "resume_changes",
+           "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults", "ResumeChange",
+           "resume_changes", "resume_args",
            "train_warnings", "train_epilog"]
 
 
@@ -358,19 +359,45 @@ def _option_values(config: dict[str, Any], path: pathlib.Path) -> dict[str, Any]
     return values
 
 
-def resume_changes(cfg: TrainConfig) -> list[str]:
-    """With ``--resume``, the options this command changes from the run's saved ones (its
-    ``config.json``: the last checkpoint's), which a resume takes (the rest it keeps):
-    ``--lr 0.001 (was 0.003)``. Not ``--steps``, the way to train on, nor the options a
-    resume cannot change (refused: ``_FIXED_ON_RESUME`` in :mod:`paft.rundir`)."""
-    path = pathlib.Path(resolve_run_dir(cfg.run_dir)) / "config.json" if cfg.run_dir else None
-    if not cfg.resume or path is None or not is_file(path):
+class ResumeChange(NamedTuple):
+    """An option a ``--resume`` changes from its run's saved one (option name, values)."""
+
+    flag: str
+    now: Any
+    was: Any
+
+
+def resume_changes(cfg: TrainConfig, saved: dict[str, Any]) -> list[ResumeChange]:
+    """With ``--resume``, the options ``cfg`` changes from ``saved``, the run's saved
+    ones (its ``config.json``: the last checkpoint's, as :func:`config_from_namespace`
+    read them), which a resume takes (the rest it keeps). Not ``--steps``, the way to
+    train on, nor the options a resume cannot change (refused: ``_FIXED_ON_RESUME`` in
+    :mod:`paft.rundir`)."""
+    if not saved:  # not a resume, or of a run without config.json (refused later)
         return []
-    saved = _saved_values(str(path.parent))
-    now = _option_values(cfg.to_dict(), path)
+    now = _option_values(cfg.to_dict(), pathlib.Path(cfg.run_dir, "config.json"))  # cfg is checked: never raises
     kept = {"steps", "run-dir", *(flag.removeprefix("--") for _, flag in _FIXED_ON_RESUME)}
-    return [f"{_typed(flag, now[flag])} (was {_typed(flag, saved[flag], named=False)})"
+    return [ResumeChange(flag, now[flag], saved[flag])
             for flag in now if flag in saved and flag not in kept and now[flag] != saved[flag]]
+
+
+def resume_args(changes: Sequence[ResumeChange], config_file: str | None) -> list[str]:
+    """``changes`` as command-line words, for the line that says how to continue a
+    resume: stopped before its next checkpoint, it puts back the ``config.json`` of the
+    last one, so a plain ``--resume`` would go on with the saved options. An emptied
+    ``--inject`` is what only a config file says: that file (``config_file``)."""
+    words: list[str] = []
+    for flag, now, _ in changes:
+        if isinstance(now, bool):
+            words.append(_typed(flag, now))
+        elif now == []:
+            assert config_file is not None, "only a config file empties a list"
+            words += ["--config", config_file]
+        elif isinstance(now, list):  # --inject's specs: one option each
+            words += [w for spec in now for w in (f"--{flag}", spec)]
+        else:
+            words += [f"--{flag}", str(now)]
+    return words
 
 
 def _typed(flag: str, value: Any, named: bool = True) -> str:
@@ -391,8 +418,10 @@ def _merge(values: dict[str, Any], new: dict[str, Any]) -> None:
         values[key] = value
 
 
-def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -> TrainConfig:
-    """Build (and so validate) the config.
+def config_from_namespace(ns: argparse.Namespace,
+                          launched: int | None = None) -> tuple[TrainConfig, list[ResumeChange]]:
+    """Build (and so validate) the config, and say what a ``--resume`` changes from its
+    run's saved options (:func:`resume_changes`; the run's ``config.json`` is read once).
 
     Precedence, lowest first: defaults, ``launched``, the resumed run's ``config.json``
     (with ``--resume``), the ``--config`` file, the command line. A resumed run
@@ -409,6 +438,7 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
         raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>-<pid>)")
     source: dict[str, str] = {}  # option -> the file its value came from (none: the command line)
+    saved: dict[str, Any] = {}  # with --resume: the run's saved options
     # The folder the run will use: "~" expanded, ".." resolved (as launch() does).
     if resume and run_dir and is_file(pathlib.Path(resolve_run_dir(run_dir)) / "config.json"):
         saved = _saved_values(resolve_run_dir(run_dir))
@@ -441,7 +471,7 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
     top = kwargs.pop(None)
     try:
         sections = {name: _SECTIONS[name](**kw) for name, kw in kwargs.items()}
-        return TrainConfig(**top, **sections)  # type: ignore[arg-type]
+        cfg = TrainConfig(**top, **sections)  # type: ignore[arg-type]
     except ValueError as err:
         # Checks name the field and its option ("TrainConfig.lr (--lr): must be > 0"); a
         # value read from a file is that file's, named the way its type errors are
@@ -461,6 +491,7 @@ def config_from_namespace(ns: argparse.Namespace, launched: int | None = None) -
         if notes:
             raise ValueError(f"{err} ({'; '.join(notes)})") from None
         raise
+    return cfg, resume_changes(cfg, saved)
 
 
 def _file(source: str) -> str:
@@ -557,11 +588,12 @@ class OptionParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {as_options(message)}\n(options: {self.prog} --help)\n")
 
 
-def train_warnings(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
+def train_warnings(ns: argparse.Namespace, cfg: TrainConfig, changes: Sequence[ResumeChange]) -> list[str]:
     """What a training command warns about before it starts: :func:`idle_faults`,
-    :func:`ignored_options` and the options a ``--resume`` changes (:func:`resume_changes`)."""
-    changes = resume_changes(cfg)
-    changed = [f"--resume changes the run's saved options: {', '.join(changes)}"] if changes else []
+    :func:`ignored_options` and the options a ``--resume`` changes (``changes``, from
+    :func:`config_from_namespace`): ``--lr 0.001 (was 0.003)``."""
+    said = [f"{_typed(flag, now)} (was {_typed(flag, was, named=False)})" for flag, now, was in changes]
+    changed = [f"--resume changes the run's saved options: {', '.join(said)}"] if said else []
     return [*idle_faults(cfg), *ignored_options(ns, cfg), *changed]
 
 
@@ -585,18 +617,19 @@ def parse_train_config(
     prog: str = "paft train",
     launched: int | None = None,
     warn: bool = False,
-) -> TrainConfig:
-    """Parse ``argv`` into a validated :class:`TrainConfig`; bad input exits with code 2.
-    ``launched``: see :func:`config_from_namespace`; ``warn``: print
+) -> tuple[TrainConfig, list[str]]:
+    """Parse ``argv`` into a validated :class:`TrainConfig` and the options a
+    ``--resume`` changes, as command-line words (:func:`resume_args`); bad input exits
+    with code 2. ``launched``: see :func:`config_from_namespace`; ``warn``: print
     :func:`train_warnings` to stderr (one rank of several does)."""
     parser = OptionParser(prog=prog, epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_options(parser)
     ns = parser.parse_args(argv)
     try:
-        cfg = config_from_namespace(ns, launched)
+        cfg, changes = config_from_namespace(ns, launched)
     except ValueError as err:
         parser.error(str(err))
     if warn:
-        for warning in train_warnings(ns, cfg):
+        for warning in train_warnings(ns, cfg, changes):
             print(f"{prog}: warning: {warning}", file=sys.stderr)
-    return cfg
+    return cfg, resume_args(changes, ns.config)
