@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -986,7 +987,19 @@ def test_an_interrupted_run_with_a_checkpoint_says_how_to_continue(tmp_path: pat
         f"; to continue from the last checkpoint: paft train --run-dir '{run}' --resume")
     assert resume_hint(TrainConfig(run_dir=str(run)), "torchrun ... -m paft.train") == (
         f"; to continue from the last checkpoint: torchrun ... -m paft.train --run-dir '{run}' --resume")
+    # A resume names its --steps and the options it changed (paft.options.resume_args).
+    resumed = TrainConfig(run_dir=str(run), resume=True, steps=90)
+    assert resume_hint(resumed, "torchrun ... -m paft.train", ["--lr", "0.001", "--inject", "nan:steps=7"]) == (
+        f"; to continue from the last checkpoint: torchrun ... -m paft.train --run-dir '{run}' --resume --steps 90 "
+        "--lr 0.001 --inject nan:steps=7")
     assert resume_hint(TrainConfig(), "paft train") == ""
+
+
+def _interrupted_workers(*_: object) -> object:
+    """A stand-in for ``paft.launch.local_workers`` whose workers are stopped by Ctrl-C."""
+    def run(*_: object) -> None:
+        raise KeyboardInterrupt
+    return run
 
 
 def test_an_interrupted_resume_says_to_continue_with_its_steps(
@@ -997,17 +1010,68 @@ def test_an_interrupted_resume_says_to_continue_with_its_steps(
     refused as "has trained 60 steps already"."""
     import paft.launch
 
-    def interrupted_workers(*_: object) -> object:
-        def run(*_: object) -> None:
-            raise KeyboardInterrupt
-        return run
-
-    monkeypatch.setattr(paft.launch, "local_workers", interrupted_workers)
+    monkeypatch.setattr(paft.launch, "local_workers", _interrupted_workers)
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step0000060")
     cfg = TrainConfig(world_size=2, steps=200, run_dir=str(tmp_path), resume=True, quiet=True)
     assert paft.launch._run_workers(cfg, ()) == 130
     assert capsys.readouterr().err.endswith(f"--run-dir {tmp_path} --resume --steps 200\n")
+
+
+@pytest.mark.parametrize("inject", ['["nan:steps=7", "bitflip:steps=8"]', "[]"])
+def test_an_interrupted_resume_says_to_continue_with_every_option_it_changed(
+    inject: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stopped before its next checkpoint, a resume puts back the config.json of the last
+    one; its line named --steps alone, and the command copied from it went on with the
+    saved --lr, monitor and faults. An --inject emptied, which only a config file says,
+    is named by that file."""
+    import shlex
+
+    import paft.launch
+    from paft.options import parse_train_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000006")
+    saved = json.dumps(TrainConfig(steps=6, lr=3e-3, quiet=True, inject=["bitflip:steps=1"], run_dir="r").to_dict())
+    (tmp_path / "r" / "config.json").write_text(saved)
+    monkeypatch.setattr(paft.launch, "check_machine", lambda cfg: None)
+    monkeypatch.setattr(paft.launch, "check_run_dir", lambda cfg: None)  # the checkpoint is a stand-in
+    monkeypatch.setattr(paft.launch, "local_workers", _interrupted_workers)
+    (tmp_path / "c.toml").write_text(f"inject = {inject}\n")
+    argv = ["--run-dir", "r", "--resume", "--steps", "9", "--lr", "0.001", "--no-monitor", "--config", "c.toml"]
+    asked, _ = parse_train_config(argv)
+    assert main(["train", *argv]) == 130
+    err = capsys.readouterr().err
+    assert "stopped before a checkpoint: r/config.json keeps the options of its last one" in err
+    assert (tmp_path / "r" / "config.json").read_text() == saved
+    hint = re.search(r"to continue from the last checkpoint: paft train (.*)\n", err)
+    assert hint is not None
+    faults = "--config c.toml" if inject == "[]" else "--inject nan:steps=7 --inject bitflip:steps=8"
+    assert hint[1] == f"--run-dir r --resume --steps 9 --lr 0.001 {faults} --no-monitor"
+    assert parse_train_config(shlex.split(hint[1]))[0] == asked  # goes on as the interrupted resume
+
+
+def test_a_resume_reads_the_runs_config_json_once(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The options to resume with and the ones the resume changes came from two reads of
+    config.json: one file, read and checked twice."""
+    import paft.launch
+
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg, _: 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text(json.dumps(TrainConfig(steps=6, lr=3e-3, run_dir="r").to_dict()))
+    reads: list[pathlib.Path] = []
+    read_text = pathlib.Path.read_text
+
+    def counted(path: pathlib.Path, *args: Any, **kwargs: Any) -> str:
+        reads.append(path)
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", counted)
+    assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--lr", "0.001"]) == 0
+    assert [p for p in reads if p.name == "config.json"] == [pathlib.Path("r", "config.json")]
 
 
 def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
