@@ -640,7 +640,8 @@ def test_a_resume_commits_its_options_with_its_first_checkpoint(
     # Both ranks fail on the same agreed decision: the launcher names the first it saw.
     assert re.search(r"paft train: rank [01] failed: RuntimeError: ReplicaSync\(mode='mean'\): no replica is finite "
                      r"\(NaN/Inf on all 2 ranks\); nothing to average from -- restore a checkpoint; r keeps its "
-                     r"checkpoints \(--resume --steps 8 continues from the last\)", err)
+                     r"checkpoints \(--resume --steps 8 --inject nan:site=params,steps=4,ranks=0\+1 continues from "
+                     r"the last\)", err)  # the changed --inject too: config.json has the saved one back
     assert err.count("Traceback (most recent call last)") == 1  # the failed rank's, once
     assert "stopped before a checkpoint: r/config.json keeps the options of its last one" in err
     assert (tmp_path / "r" / "config.json").read_bytes() == before  # --steps 4: a plain --resume is refused
