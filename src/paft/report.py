@@ -32,9 +32,9 @@ from matplotlib.ticker import MaxNLocator
 
 from paft.records import atomic_write_bytes, is_file, output_dir_problem
 from paft.report_text import (
-    first_split,
     guard_incidents,
     ranks_phrase,
+    replica_splits,
     run_settings,
     seen_from,
     series,
@@ -54,6 +54,7 @@ _TITLE = "# paft report: "
 _GUARD_MARKERS = {"recompute": ("X", "magenta", 0.95), "skip": ("s", "darkgoldenrod", 0.91),
                   "stop": ("*", "black", 0.99)}
 _SYNC_COLOR = "teal"
+_SPLIT_LABELS = 6  # the splits the replica panel labels; more are counted in one note
 _NONFINITE_LABEL = "non-finite value (color: series)"
 _DISPERSION = [
     ("consistency/loss_std", "local-loss std over ranks", "std"),
@@ -374,14 +375,21 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
             ax.step(steps, values, where="post", **_lone(values, style), label=f"distinct {label}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max(2, run.world_size) + 0.5)
-    split = first_split(run)
-    if split is not None:
-        who = ranks_phrase(split[1]) if split[1] else "no majority"  # not "rank ?"
-        caught = {"guard": " (caught by the guard)", "sync": " (found by a sync)"}.get(split[3], "")
-        late = split[0] > 0.6 * max(run.last_step, 1)  # written leftwards, clear of the legend
-        ax.annotate(f"first split: step {split[0]}, {who}{caught}", xy=(split[0], 1),
-                    xytext=(-8 if late else 8, 20), ha="right" if late else "left", textcoords="offset points",
-                    arrowprops={"arrowstyle": "->"})
+    # Each split, with the ranks outside the majority: the first above the line of one
+    # replica, the later ones smaller, below it (where only the sync markers are), at
+    # three depths in turn, so that the labels of splits a few steps apart stay apart.
+    splits = replica_splits(run)
+    for i, (step, ranks, _, by) in enumerate(splits[:_SPLIT_LABELS]):
+        who = ranks_phrase(ranks) if ranks else "no majority"  # not "rank ?"
+        caught = {"guard": " (caught by the guard)", "sync": " (found by a sync)"}.get(by, "")
+        late = step > 0.6 * max(run.last_step, 1)  # written leftwards, clear of the legend
+        ax.annotate(f"{'first split' if i == 0 else 'split'}: step {step}, {who}{caught}", xy=(step, 1),
+                    xytext=(-8 if late else 8, 20 if i == 0 else -14 * (1 + (i - 1) % 3)),
+                    ha="right" if late else "left", va="baseline" if i == 0 else "top", textcoords="offset points",
+                    arrowprops={"arrowstyle": "->"}, fontsize=None if i == 0 else "small")
+    if len(splits) > _SPLIT_LABELS:
+        ax.text(0.99, 0.1, f"{len(splits) - _SPLIT_LABELS} later splits not labelled", transform=ax.transAxes,
+                ha="right", color="0.4", fontsize="small")
     _finish(ax, run, "distinct replicas (fingerprint groups)", "replicas")
 
 

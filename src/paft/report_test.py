@@ -794,7 +794,7 @@ def test_the_first_split_is_the_earliest_whoever_found_it(fault_run: pathlib.Pat
     for run_dir, step, side in ((early, 5, "left"), (late, 10, "right")):
         _, (ax,) = _figure(1, 1, "split")
         _replica_panel(ax, load_run(run_dir))
-        (note,) = ax.texts
+        note = ax.texts[0]  # early's sync at step 9 found a later split, after the guard undid the first
         assert note.get_text().startswith(f"first split: step {step}, ") and note.get_horizontalalignment() == side
 
 
@@ -1317,3 +1317,60 @@ def test_the_dispersion_panels_share_one_legend(fault_run: pathlib.Path, monkeyp
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == ["fault on rank 1 (aggregation)"]
     assert fig.axes[0].get_title() == "local-loss std over ranks\n(consistency/loss_std)"
+
+
+def test_each_later_split_is_labelled_with_its_minority(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The divergence plot labelled the first split only: after a sync or the guard had
+    made the replicas one, a split again showed as a rise of the line with no word of
+    the ranks apart. Three ranks, so that each split has a minority to name."""
+    run_dir = copy_run(clean_run, tmp_path / "splits")
+    (run_dir / "summary.json").unlink()
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "world_size": 3}))
+    shutil.copy(run_dir / "metrics" / "rank1.jsonl", run_dir / "metrics" / "rank2.jsonl")
+    splits = {2: {"replicas/state_distinct": 2, "replicas/state_minority_ranks": [2]},
+              3: {"replicas/state_distinct": 2, "replicas/state_minority_ranks": [2]},  # the same split
+              6: {"replicas/grad_distinct": 2, "replicas/grad_minority_ranks": [1]}}
+    rewrite_jsonl(run_dir / "consistency.jsonl", lambda r: {**r, **splits.get(r["step"], {})})
+    sync = {"event": "sync", "period": 4, "divergence": 0.3, "mode": "majority-copy"}
+    with open(run_dir / "events.jsonl", "a") as f:
+        for event in ({**sync, "step": 3, "groups": [[0, 1], [2]]},  # ends the first split
+                      {**sync, "step": 7, "groups": [[0, 2], [1]]},  # ends the second
+                      {"step": 10, "event": "guard", "attempt": 0, "action": "recompute",
+                       "detector": "grad_mismatch", "ranks": [0], "values": {}},  # caught and undone
+                      {**sync, "step": 11, "groups": [[0, 1], [2]]}):  # a split no fingerprint saw
+            f.write(json.dumps(event) + "\n")
+    run = load_run(run_dir)
+    _, (ax,) = _figure(1, 1, "splits")
+    _replica_panel(ax, run)
+    assert [(t.get_text(), t.xy[0]) for t in ax.texts] == [
+        ("first split: step 2, rank 2", 2), ("split: step 6, rank 1", 6),
+        ("split: step 10, rank 0 (caught by the guard)", 10), ("split: step 11, rank 2 (found by a sync)", 11)]
+    assert "first replica split: step 2 on rank 2 (training-state fingerprints differ)\n" in summary_text(run)
+    # Many splits: the first few labelled, the rest counted, not written over each other.
+    run.events += [{**sync, "step": step, "groups": [[0, 1], [2]]} for step in range(12, 20)]
+    _, (ax,) = _figure(1, 1, "many")
+    _replica_panel(ax, run)
+    labels = [t.get_text() for t in ax.texts]
+    assert len(labels) == report_module._SPLIT_LABELS + 1 and labels[-1] == "6 later splits not labelled"
+
+
+def test_what_ends_a_split_and_what_does_not(clean_run: pathlib.Path) -> None:
+    """A split ends where a state fingerprint finds one replica again, and where a sync
+    that found the replicas apart made them one: an overlapped sync lands within the
+    step after its own (seen_from two steps on), whose state fingerprints, taken before
+    it landed, still show the split it ended, while that step's split aggregated
+    gradients are a new split. A sync that found one replica ended nothing, and hides
+    no split that a fingerprint found before it landed."""
+    run = load_run(clean_run)
+    run.consistency = [{"step": 2, "replicas/state_distinct": 2}, {"step": 4, "replicas/state_distinct": 1},
+                       {"step": 6, "replicas/grad_distinct": 2}]
+    assert [s[0] for s in report_text.replica_splits(run)] == [2, 6]
+    run.consistency = [{"step": 4, "replicas/state_distinct": 2}, {"step": 5, "replicas/state_distinct": 2}]
+    run.events = [{"step": 4, "event": "sync", "mode": "median", "groups": [[0], [1]], "seen_from": 6}]
+    assert [s[0] for s in report_text.replica_splits(run)] == [4]
+    run.consistency[1]["replicas/grad_distinct"] = 2
+    assert [s[0] for s in report_text.replica_splits(run)] == [4, 5]
+    run.consistency = [{"step": 5, "replicas/state_distinct": 2}]
+    run.events = [{"step": 4, "event": "sync", "mode": "noop", "groups": [[0, 1]], "seen_from": 6}]
+    assert [s[0] for s in report_text.replica_splits(run)] == [5]

@@ -17,8 +17,8 @@ from paft.replicas import outside_majority
 from paft.resync import averages_at
 from paft.rundata import RunData, is_number, number
 
-__all__ = ["first_split", "guard_incidents", "ranks_phrase", "run_settings", "seen_from", "series", "split_syncs",
-           "summary_text", "sync_events"]
+__all__ = ["Split", "first_split", "guard_incidents", "ranks_phrase", "replica_splits", "run_settings", "seen_from",
+           "series", "split_syncs", "summary_text", "sync_events"]
 
 
 # -- reading the records -----------------------------------------------------------------
@@ -64,21 +64,60 @@ def _split_in(rec: dict[str, Any]) -> tuple[list[int], list[str]] | None:
     return (sorted(ranks), what) if what else None
 
 
-def first_split(run: RunData) -> tuple[int, list[int], list[str], str] | None:
-    """(step, ranks outside the largest group, what differed, who found it) of the first
-    split: a split record (found ``""``: by the step's own checks), a mismatch the guard
-    undid (by a recompute or a repair) before the step's record (``"guard"``), or a
-    split a sync found and ended before any fingerprint saw it (``"sync"``)."""
-    found = [(int(r["step"]), *split, "") for r in run.consistency if (split := _split_in(r))][:1]
+Split = tuple[int, list[int], list[str], str]
+"""(step, ranks outside the largest group, what differed, who found it: ``""`` the step's
+own checks, ``"guard"``, ``"sync"``)."""
+
+
+def replica_splits(run: RunData) -> list[Split]:
+    """Every split of the replicas, at the first step of each stretch they stayed apart:
+    a split record (found ``""``: by the step's own checks), a mismatch the guard undid
+    (by a recompute or a repair) before the step's record (``"guard"``), or a split a sync
+    found before any fingerprint saw it (``"sync"``); at one step in that order. A
+    stretch ends where a sync, a repair or the guard left the replicas one, or where a
+    state fingerprint found them one: a split after it is another."""
+    # (step, order at the step, the split it shows, whether it is a state fingerprint of
+    # one replica, from which steps on it left the replicas one: (gradients, state)).
+    found: list[tuple[int, int, Split | None, bool, tuple[int, int] | None]] = []
+    for r in run.consistency:
+        seen = _split_in(r)
+        found.append((int(r["step"]), 0, (int(r["step"]), *seen, "") if seen else None,
+                      r.get("replicas/state_distinct") == 1, None))
     caught = [g for g in run.events_of("guard") if g.get("detector") in _MISMATCH]
-    if caught:
-        step = int(caught[0]["step"])
+    for step in sorted({int(g["step"]) for g in caught}):
         same_step = [g for g in caught if int(g["step"]) == step]
         what = sorted({_MISMATCH[g["detector"]] for g in same_step})
-        found.append((step, sorted({int(r) for g in same_step for r in g.get("ranks") or []}), what, "guard"))
-    found += [(int(e["step"]), outside_majority(e["groups"], run.world_size), [_MISMATCH["state_mismatch"]], "sync")
-              for e in split_syncs(run)[:1]]
-    return min(found, key=lambda f: f[0]) if found else None  # at one step the first kind listed
+        ranks = sorted({int(r) for g in same_step for r in g.get("ranks") or []})
+        # Undone: the step's update is from an attempt the guard accepted.
+        found.append((step, 1, (step, ranks, what, "guard"), False, (step + 1, step + 1)))
+    apart = split_syncs(run)
+    for e in sync_events(run):
+        step = int(e["step"])
+        split: Split | None = (step, outside_majority(e["groups"], run.world_size),
+                               [_MISMATCH["state_mismatch"]], "sync") if e in apart else None
+        # The first update from one replica (an overlapped sync lands within the step after
+        # its own), and the first fingerprints that see it (seen_from).
+        found.append((step, 2, split, False, (min(seen_from(e), step + 1), seen_from(e))))
+    splits: list[Split] = []
+    new_from: tuple[float, float] = (0, 0)  # the first step whose split is a new one: by gradients, by state alone
+    for step, _, split, whole, ends in sorted(found, key=lambda f: f[:2]):
+        if whole:
+            new_from = (min(new_from[0], step), min(new_from[1], step))
+        # A split in the state alone, seen by fingerprints taken before an overlapped sync
+        # landed, is the one the sync ended.
+        by_state = split is not None and split[3] != "sync" and _MISMATCH["grad_mismatch"] not in split[2]
+        if split is not None and step >= (new_from[1] if by_state else new_from[0]):
+            splits.append(split)
+            new_from = (math.inf, math.inf)  # apart until something ends it
+        if ends is not None and math.isinf(new_from[0]):  # a sync that found one replica ended nothing
+            new_from = ends
+    return splits
+
+
+def first_split(run: RunData) -> Split | None:
+    """The first of :func:`replica_splits`."""
+    splits = replica_splits(run)
+    return splits[0] if splits else None
 
 
 def split_syncs(run: RunData) -> list[dict[str, Any]]:
