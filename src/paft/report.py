@@ -54,6 +54,8 @@ _TITLE = "# paft report: "
 _GUARD_MARKERS = {"recompute": ("X", "magenta", 0.95), "skip": ("s", "darkgoldenrod", 0.91),
                   "stop": ("*", "black", 0.99)}
 _SYNC_COLOR = "teal"
+# A monitor alert: a ring around the value it judged, on the panel of its metric.
+_ALERT_STYLE: dict[str, Any] = {"ls": "", "marker": "o", "ms": 12, "mfc": "none", "mew": 1.5, "zorder": 3}
 _SPLIT_LABELS = 6  # the splits the replica panel labels; more are counted in one note
 _NONFINITE_LABEL = "non-finite value (color: series)"
 _DISPERSION = [
@@ -192,6 +194,30 @@ def _mark_events(ax: Axes, run: RunData) -> None:
                 transform=ax.get_xaxis_transform(), clip_on=False, label=label(f"guard: {action}"))
 
 
+def _mark_alerts(ax: Axes, run: RunData, *detectors: str) -> None:
+    """The monitor's alerts of ``detectors`` (the panel's metrics) at their steps: a ring
+    around the value each judged, on the top edge where that is no finite number (a NaN,
+    the ranks a ``nonfinite_local`` alert names). One artist and one legend entry per
+    kind, however many alerts."""
+    for detector in detectors:
+        alerts = [a for a in run.events_of("alert") if a.get("detector") == detector]
+        if not alerts:
+            continue
+        # The state split's color is its measurement's on the divergence panel.
+        color = "goldenrod" if detector == "state_split" else "crimson"
+        ranks = sorted({int(r) for a in alerts for r in a.get("ranks") or []})
+        who = f", {ranks_phrase(ranks)}" if detector == "nonfinite_local" and ranks else ""
+        label = f"alert: {detector}{who} ({len(alerts)})"
+        at = [(int(a["step"]), number(a.get("value"))) for a in alerts]
+        finite = [(s, v) for s, v in at if math.isfinite(v)]
+        edge = [s for s, v in at if not math.isfinite(v)]
+        if finite:
+            ax.plot([s for s, _ in finite], [v for _, v in finite], color=color, label=label, **_ALERT_STYLE)
+        if edge:  # at the height of the first non-finite value's mark, which it rings
+            ax.plot(edge, [0.88] * len(edge), color=color, transform=ax.get_xaxis_transform(), clip_on=False,
+                    label="_nolegend_" if finite else label, **_ALERT_STYLE)
+
+
 def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
     _mark_events(ax, run)
     ax.set_title(title)
@@ -258,6 +284,7 @@ def _plot_loss(run: RunData) -> bytes:
                       label=f"rank {rank} validation loss")
                 everything += [v for _, v in rows]
     _scale(ax, everything)
+    _mark_alerts(ax, run, "nonfinite_local")
     _finish(ax, run, "global and per-rank local loss" + (" (monitored steps only)" if run.library else ""), "loss")
     return _png(fig)
 
@@ -268,16 +295,20 @@ def _plot_dispersion(run: RunData) -> bytes:
         steps, values = series(run.consistency, key)
         _plot(ax, steps, values, color="black", lw=1.2, label=key)
         _scale(ax, values)
+        _mark_alerts(ax, run, key.rpartition("/")[2])  # a threshold's alert is named as its metric (loss_cv)
         _finish(ax, run, f"{title}\n({key})", ylabel)
-    # The four panels mark the same events: one legend for the figure, where four took a
-    # third of its width.
-    for ax in axes:
+    # The four panels mark the same events (and a panel its alerts): one legend for the
+    # figure, where four took a third of its width.
+    marks: dict[str, Any] = {}
+    for ax, (key, *_) in zip(axes, _DISPERSION):
         legend = ax.get_legend()
         if legend is not None:
             legend.remove()
-    marks = [(h, label) for h, label in zip(*axes[0].get_legend_handles_labels()) if label != _DISPERSION[0][0]]
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label != key:
+                marks.setdefault(label, handle)
     if marks:
-        fig.legend(*zip(*marks), loc="outside right upper", fontsize="small")
+        fig.legend(list(marks.values()), list(marks), loc="outside right upper", fontsize="small")
     return _png(fig)
 
 
@@ -287,6 +318,7 @@ def _plot_cosine(run: RunData) -> bytes:
     for key, color, width in (("consistency/grad_cos_mean", "0.6", 3.0), ("consistency/grad_cos_min", "black", 1.2)):
         steps, values = series(run.consistency, key)
         _plot(pairs, steps, values, color=color, lw=width, label=key.split("/")[1])
+    _mark_alerts(pairs, run, "grad_cos_min")
     _finish(pairs, run, "pairwise cosine of local gradients", "cosine")
     rows = [(r["step"], r["consistency/cos_to_mean"]) for r in run.consistency
             if isinstance(r.get("consistency/cos_to_mean"), list)]
@@ -375,6 +407,7 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
             ax.step(steps, values, where="post", **_lone(values, style), label=f"distinct {label}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max(2, run.world_size) + 0.5)
+    _mark_alerts(ax, run, "replicas_split", "state_split")
     # Each split, with the ranks outside the majority: the first above the line of one
     # replica, the later ones smaller, below it (where only the sync markers are), at
     # three depths in turn, so that the labels of splits a few steps apart stay apart.

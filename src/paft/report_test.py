@@ -1319,6 +1319,52 @@ def test_the_dispersion_panels_share_one_legend(fault_run: pathlib.Path, monkeyp
     assert fig.axes[0].get_title() == "local-loss std over ranks\n(consistency/loss_std)"
 
 
+def test_each_alert_is_marked_on_the_panel_of_its_metric(fault_run: pathlib.Path, tmp_path: pathlib.Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The monitor's alerts were in events.jsonl and the text's count only: a reader of the
+    plots saw a loss CV rise past its threshold with no word that it had been alerted. The
+    fault run's own alerts are a replicas_split at step 5 and a state_split after it."""
+    run_dir = copy_run(fault_run, tmp_path / "alerts")
+    with open(run_dir / "events.jsonl", "a") as f:
+        for step, detector, value in ((3, "loss_cv", 0.7), (7, "loss_cv", "nan"), (8, "loss_cv", 0.9),
+                                      (4, "grad_cos_min", -0.9), (6, "nonfinite_local", [1]),
+                                      (9, "nonfinite_local", [0, 1])):
+            ranks = value if isinstance(value, list) else []
+            f.write(json.dumps({"step": step, "event": "alert", "detector": detector, "value": value,
+                                "ranks": ranks}) + "\n")
+    run = load_run(run_dir)
+    split_alerts = {a["detector"]: a for a in run.events_of("alert") if a["detector"].endswith("split")}
+    assert set(split_alerts) == {"replicas_split", "state_split"}
+    figures: list[Any] = []
+    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    report_module._plots(run)
+    loss, dispersion, cosine, divergence = (fig.axes for fig in figures)
+
+    def rings(ax: Any) -> dict[str, list[tuple[float, float]]]:
+        """Each alert artist's label and points (one artist per kind, more for a kind with
+        values on the top edge, which are unlabelled)."""
+        found: dict[str, list[tuple[float, float]]] = {}
+        for line in ax.get_lines():
+            if line.get_marker() == "o" and line.get_markerfacecolor() == "none" and line.get_markersize() == 12:
+                found.setdefault(line.get_label(), []).extend(zip(line.get_xdata(), line.get_ydata()))
+        return found
+
+    # The loss CV's panel, not the other three: the finite values where they were judged,
+    # the NaN on the top edge; one legend entry, in the figure's one legend.
+    assert [rings(ax) for ax in dispersion] == [
+        {}, {"alert: loss_cv (3)": [(3, 0.7), (8, 0.9)], "_nolegend_": [(7, 0.88)]}, {}, {}]
+    assert "alert: loss_cv (3)" in [t.get_text() for t in figures[1].legends[0].get_texts()]
+    assert rings(cosine[0]) == {"alert: grad_cos_min (1)": [(4, -0.9)]} and rings(cosine[1]) == {}
+    # A non-finite rank's alert names the ranks: on the top edge of the loss plot.
+    assert rings(loss[0]) == {"alert: nonfinite_local, ranks 0, 1 (2)": [(6, 0.88), (9, 0.88)]}
+    # The splits on the replica panel, at the count of distinct replicas each judged.
+    replicas = divergence[0]
+    assert rings(replicas) == {f"alert: {d} (1)": [(a["step"], a["value"])] for d, a in split_alerts.items()}
+    assert {"alert: replicas_split (1)", "alert: state_split (1)"} <= {
+        t.get_text() for t in replicas.get_legend().get_texts()}
+    assert all(rings(ax) == {} for ax in divergence[1:])  # the state split's measurement is drawn there already
+
+
 def test_each_later_split_is_labelled_with_its_minority(clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """The divergence plot labelled the first split only: after a sync or the guard had
     made the replicas one, a split again showed as a rise of the line with no word of
