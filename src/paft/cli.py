@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report",
         help="plots and a text summary of a run directory",
-        description="Write PNG plots (loss per rank, dispersion, cosine, replica divergence; faults, syncs and "
-        "guard events marked) and report.md for RUN_DIR, and print the summary.",
+        description="Write PNG plots (loss per rank, dispersion, cosine, replica divergence; faults, syncs, "
+        "guard events and alerts marked, each replica split labelled with its minority ranks) and report.md for "
+        "RUN_DIR, and print the summary.",
         epilog="exit codes: 0 done, 2 not a readable run directory, or a bad --out-dir (nothing written), "
         "130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)",
     )

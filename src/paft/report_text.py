@@ -1,8 +1,8 @@
 """What a run's records say, in words: the text summary ``paft report`` prints and
 puts in ``report.md`` (:func:`summary_text`), and the reading of the records that the
-plots (:mod:`paft.report`) share with it: where the replicas first split, and who
-found it (:func:`first_split`), the syncs that found them split, a record's values as
-a series."""
+plots (:mod:`paft.report`) share with it: where the replicas split, each time, with
+the ranks outside the majority and who found it (:func:`replica_splits`, the first
+:func:`first_split`), the syncs that found them split, a record's values as a series."""
 
 from __future__ import annotations
 
