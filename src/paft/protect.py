@@ -273,7 +273,6 @@ class Protector:
         self._buffers = list(model.module.buffers())
         self.monitor_cfg = monitor
         self.protect_cfg = protect
-        self.guard_cfg = guard
         self.grad_clip = grad_clip
         self.group = model.process_group
         self.rank = dist.get_rank(self.group)
@@ -415,10 +414,10 @@ class Protector:
             view = pending.wait()
             if self._overflow(view):  # the loss scaler's, not a fault: the step is skipped
                 if attempt:  # the recompute of a detection: its record ends here, undecided
-                    self._judge(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
+                    self._record_verdict(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
                 synced = self.resync.finish(t) or synced
                 return _StepOutcome(view, attempt + 1, applied=self._scaled_step(True), overflow=True, synced=synced)
-            verdict = self._judge(t, attempt, guard.check(t, attempt, view))
+            verdict = self._record_verdict(t, attempt, guard.check(t, attempt, view))
             if verdict.action != "proceed":
                 # The attempt leaves no trace (its RNG draws, its BatchNorm statistics, a
                 # comm hook's state paft can take), on every rank before a repair: a skipped
@@ -452,14 +451,14 @@ class Protector:
         attempt). The step's outcome, or ``None``: recompute it."""
         guard = self.guard
         assert guard is not None
-        armed = self.guard_cfg.update_ratio > 0 and guard.wants_snapshot(t, view)
+        armed = guard.wants_snapshot(t, view)  # never without an update-ratio limit
         before = self._snapshot.capture(self.model, self.optimizer) if armed else None
         scaler_state = self._stepper.state() if armed else None
         self._stepper.step()  # every rank's aggregated gradient is finite here: no skip
         if before is None:
             return _StepOutcome(view, attempt + 1, synced=synced)
         ratio = max_over_ranks(before.update_ratio(), self.group)
-        verdict = self._judge(t, attempt, guard.check_update(t, ratio))
+        verdict = self._record_verdict(t, attempt, guard.check_update(t, ratio))
         if verdict.action == "proceed":
             return _StepOutcome(view, attempt + 1, ratio=ratio, synced=synced)
         before.restore(self.optimizer)
@@ -627,7 +626,7 @@ class Protector:
         # Every rank agrees on ``metric_step``, so on the length of the vectors.
         return start_control(vec.pack(self.sketch_dim if metric_step else 0), self.group)
 
-    def _judge(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
+    def _record_verdict(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
         """Record and announce a guard verdict that says something; return it."""
         if verdict.detector is not None or verdict.action != "proceed":
             # With the run's counts so far: a run that ends without summary.json is still counted right.
