@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from paft.collectives import gather_rows, max_over_ranks
+from paft.collectives import max_over_ranks
 from paft.comm import CommHook, CommHookState, paft_comm_hook
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.consistency import (
@@ -62,7 +62,7 @@ from paft.preflight import check_added_groups, ddp_of, mark_protected, preflight
 from paft.records import RunRecorder
 from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot
-from paft.state import state_fingerprint, state_tensors
+from paft.state import fingerprints_over_ranks, state_fingerprint, state_tensors
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 
@@ -314,8 +314,7 @@ class Protector:
         self.monitor = Monitor(monitor, self.recorder, divergence=lambda: measure_divergence(
             model, opt, per_tensor=True, group=group, buffers=False))
         self.resync = Resync(model, opt, protect, guard=self.guard is not None, recorder=self.recorder,
-                             replicas_agree=self.monitor.replicas_agree,
-                             fingerprints_now=lambda: _state_fingerprints_now(model, opt, group))
+                             replicas_agree=self.monitor.replicas_agree)
         self._faults_injected = 0
         # A stop on a state mismatch left the replicas split: the next step checks the
         # state, whatever --fingerprint-every says, and so repairs them (the stop is
@@ -679,7 +678,7 @@ class Protector:
             return False
         states = view.state_fingerprints()
         if states is None:  # not a state-check step: look now (every rank alike; overflows are rare)
-            states = _state_fingerprints_now(self.model, self.optimizer, self.group)
+            states = fingerprints_over_ranks(self.model, self.optimizer, buffers=False, group=self.group)
         return len(set(states)) == 1
 
     def _aggregated_norm(self) -> float:
@@ -771,10 +770,3 @@ class Protector:
     def _totals(self) -> dict[str, int]:
         """The run's counts a checkpoint keeps: faults injected here, syncs, bytes, alerts."""
         return {"faults_injected": self._faults_injected, **self.resync.counters, "alerts": self.monitor.alerts}
-
-
-def _state_fingerprints_now(model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                            group: dist.ProcessGroup | None) -> list[int]:
-    """Every rank's state fingerprint as it is now (a collective: call it on every rank)."""
-    fp = torch.tensor([state_fingerprint(model, optimizer, buffers=False)], dtype=torch.int64)
-    return gather_rows(fp, group)[:, 0].tolist()

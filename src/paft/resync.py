@@ -11,9 +11,8 @@ state split; after the update a sync may be due), and so stays the step protocol
 
 Every decision is taken from values every rank holds alike (the view, the step,
 the scheduler's state), so every rank runs the same collectives. The protector is
-reached through narrow inputs only: the recorder, the monitor's ``replicas_agree``
-(a sync's result is a new start for its split alerts) and a collective that returns
-every rank's state fingerprint now.
+reached through narrow inputs only: the recorder and the monitor's ``replicas_agree``
+(a sync's result is a new start for its split alerts).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from paft.consistency import ControlView
 from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
 from paft.records import RunRecorder
 from paft.replicas import group_replicas
+from paft.state import fingerprints_over_ranks
 from paft.sync import ReplicaSync, SyncReport
 
 __all__ = ["Resync", "averages_at"]
@@ -48,8 +48,7 @@ class Resync:
     """One protector's syncs and repairs (one per rank, all in step).
 
     ``guard``: the guard is on, so a robust repairer is kept for the state splits it
-    finds. ``replicas_agree``: told after every sync and repair. ``fingerprints_now``:
-    every rank's state fingerprint as it is now, a collective called on every rank alike.
+    finds. ``replicas_agree``: told after every sync and repair.
     """
 
     def __init__(
@@ -61,14 +60,13 @@ class Resync:
         guard: bool,
         recorder: RunRecorder,
         replicas_agree: Callable[[], None],
-        fingerprints_now: Callable[[], list[int]],
     ) -> None:
         self.config = config
         self.recorder = recorder
         self._replicas_agree = replicas_agree
-        self._fingerprints_now = fingerprints_now
+        self._model, self._optimizer = model, optimizer
         self._params = list(model.parameters())  # what the averager averages and counts
-        group = model.process_group
+        group = self._group = model.process_group
         self.sync: ReplicaSync | None = None
         self.scheduler: SyncScheduler | None = None
         self.averager: PeriodicModelAverager | None = None
@@ -175,7 +173,8 @@ class Resync:
             # sync, or a fault after its snapshot, which its correction w + (synced -
             # snapshot) keeps. Look again now (every rank alike: the view is shared), so a
             # split still there is repaired in this step, not the next.
-            state_split = len(group_replicas(self._fingerprints_now())) > 1
+            fps = fingerprints_over_ranks(self._model, self._optimizer, buffers=False, group=self._group)
+            state_split = len(group_replicas(fps)) > 1
         return state_split or (applied and len(group_replicas(view.agg_checksum_keys())) > 1)
 
     def repair(self, step: int, rerun: bool) -> None:

@@ -16,13 +16,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paft.collectives import gather_rows
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.protect import protect
 from paft.protect_test import toy_closure, toy_model
 from paft.records import RunRecorder, read_jsonl
 from paft.resync import Resync, averages_at
-from paft.state import state_fingerprint
+from paft.state import fingerprints_over_ranks, state_fingerprint
 from paft.testing import run_workers
 
 
@@ -36,7 +35,7 @@ def averager_steps(rank: int, world_size: int, period: int, start: int,
     model = DistributedDataParallel(nn.Linear(3, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     resync = Resync(model, optimizer, ProtectConfig(mode="averager", sync_period=period), guard=False,
-                    recorder=RunRecorder(None, rank), replicas_agree=lambda: None, fingerprints_now=lambda: [])
+                    recorder=RunRecorder(None, rank), replicas_agree=lambda: None)
     resync.set_next_step(start)
     out = []
     for step in range(start, start + steps):
@@ -86,10 +85,9 @@ def protected_run(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str,
     steps = []
     for step in range(opts["steps"]):
         r = protector.step(toy_closure(model, optimizer, rank, step))
-        fp = torch.tensor([state_fingerprint(model, optimizer, buffers=False)], dtype=torch.int64)
         steps.append({"synced": r.synced, "applied": r.applied, "attempts": r.attempts,
                       "stale": protector.resync.stale_fingerprints, "in_flight": protector.resync.in_flight,
-                      "agree": len(set(gather_rows(fp, None)[:, 0].tolist())) == 1})
+                      "agree": len(set(fingerprints_over_ranks(model, optimizer, buffers=False))) == 1})
         if step == opts.get("close_after"):
             protector.close()
     protector.close()
@@ -148,7 +146,7 @@ def dyn_period(rank: int, world_size: int, config: ProtectConfig) -> int:
     """PAFT-Dyn's period as Resync sets it up from ``config``."""
     model = DistributedDataParallel(nn.Linear(2, 1))
     resync = Resync(model, torch.optim.SGD(model.parameters(), lr=0.1), config, guard=False,
-                    recorder=RunRecorder(None, rank), replicas_agree=lambda: None, fingerprints_now=lambda: [])
+                    recorder=RunRecorder(None, rank), replicas_agree=lambda: None)
     assert resync.scheduler is not None
     return resync.scheduler.period
 

@@ -6,7 +6,8 @@ whatever wrapper (DDP, DataParallel, ``torch.compile``) it put around its model 
 however its optimizer nests its state. :func:`state_tensors` is that listing (the live
 tensors, not copies); :func:`state_fingerprint` is its
 :func:`~paft.fingerprint.fingerprint`, the one number per rank whose agreement across
-ranks says that the replicas are bitwise identical.
+ranks says that the replicas are bitwise identical, and
+:func:`fingerprints_over_ranks` gathers that number from every rank.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from paft.collectives import gather_rows
 from paft.fingerprint import fingerprint
 
 __all__ = [
     "state_tensors",
     "state_fingerprint",
+    "fingerprints_over_ranks",
     "nested_tensors",
 ]
 
@@ -111,3 +115,16 @@ def state_fingerprint(
 ) -> int:
     """:func:`fingerprint` of :func:`state_tensors` ``(model, optimizer, buffers=...)``."""
     return fingerprint(t for _, t in state_tensors(model, optimizer, buffers=buffers))
+
+
+def fingerprints_over_ranks(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    buffers: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> list[int]:
+    """Every rank's :func:`state_fingerprint` ``(model, optimizer, buffers=...)`` as it is
+    now, in rank order: a collective, which every rank of ``group`` calls alike."""
+    mine = torch.tensor([state_fingerprint(model, optimizer, buffers=buffers)], dtype=torch.int64)
+    return gather_rows(mine, group)[:, 0].tolist()

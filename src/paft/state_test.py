@@ -11,7 +11,7 @@ from torch import nn
 from paft.fingerprint import fingerprint
 from paft.fingerprint_test import flip_bit
 from paft.replicas import group_replicas
-from paft.state import state_fingerprint, state_tensors
+from paft.state import fingerprints_over_ranks, state_fingerprint, state_tensors
 from paft.testing import NestedStateSGD, run_workers
 
 
@@ -189,10 +189,7 @@ def flip_buffer_and_fingerprint(rank: int, world_size: int) -> int:
     if rank == 2:
         bits = model[1].running_var.view(torch.int32)
         bits[1] ^= 1 << 3  # one mantissa bit of one BatchNorm statistic
-    fp = torch.tensor([state_fingerprint(model)], dtype=torch.int64)
-    fps = [torch.zeros_like(fp) for _ in range(world_size)]
-    dist.all_gather(fps, fp)
-    return group_replicas([int(f) for f in fps])[1:]
+    return group_replicas(fingerprints_over_ranks(model))[1:]
 
 
 def test_single_flipped_buffer_bit_names_the_rank() -> None:

@@ -53,7 +53,7 @@ from paft.rundir import (
     load_checkpoint_file,
     stale_checkpoints,
 )
-from paft.state import state_fingerprint
+from paft.state import fingerprints_over_ranks
 from paft.workloads import DROPOUT_WORKLOADS, ShardedSampler, Workload, build_workload, hidden_matrices, parameter_count
 
 __all__ = [
@@ -253,8 +253,7 @@ class Trainer:
         replicas are bitwise equal (their fingerprints agree), each rank evaluates a
         share of the batches and the ranks add their per-batch sums up: the numbers each
         would have got alone, to the bit, for a world-size-th of the work."""
-        fp = torch.tensor([state_fingerprint(self.model)], dtype=torch.int64)
-        equal = len(set(gather_rows(fp).flatten().tolist())) == 1
+        equal = len(set(fingerprints_over_ranks(self.model))) == 1
         if equal:
             sums = self.workload.batch_sums(self.model, batch_size=64, max_batches=self.cfg.eval_batches,
                                             share=(self.rank, self.world_size))
@@ -407,9 +406,8 @@ class Trainer:
     def summarize(self) -> dict[str, Any]:
         # Replicas compare parameters + optimizer state (BatchNorm buffers differ between
         # ranks by DDP's design); the run's own fingerprint is rank 0's whole state.
-        fp = torch.tensor([state_fingerprint(self.model, self.optimizer, buffers=False),
-                           state_fingerprint(self.model, self.optimizer)], dtype=torch.int64)
-        fps, whole = gather_rows(fp).T.tolist()
+        fps = fingerprints_over_ranks(self.model, self.optimizer, buffers=False)
+        whole = fingerprints_over_ranks(self.model, self.optimizer)
         groups = group_replicas(fps)
         divergence = self.evals[-1]["replica_rel_diff"]
         # Faults are injected per rank and CPU time is per process; the rest is identical everywhere.
