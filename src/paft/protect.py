@@ -391,10 +391,10 @@ class Protector:
         synced = self.resync.finish(plan.step)
         self._clip()
         if self._stepper.scaler is None:
-            self._stepper.step()
+            self._apply_update(skip=False)
             return _StepOutcome(pending.wait(), synced=synced)
         view = pending.wait()
-        applied = self._scaled_step(bool(view.ranks_with(FLAG_AGG_NONFINITE)))
+        applied = self._apply_update(skip=bool(view.ranks_with(FLAG_AGG_NONFINITE)))
         return _StepOutcome(view, applied=applied, overflow=not applied and self._overflow(view), synced=synced)
 
     def _guarded_update(self, plan: _StepPlan) -> _StepOutcome:
@@ -415,7 +415,8 @@ class Protector:
                 if attempt:  # the recompute of a detection: its record ends here, undecided
                     self._record_verdict(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
                 synced = self.resync.finish(t) or synced
-                return _StepOutcome(view, attempt + 1, applied=self._scaled_step(True), overflow=True, synced=synced)
+                self._apply_update(skip=True)
+                return _StepOutcome(view, attempt + 1, applied=False, overflow=True, synced=synced)
             verdict = self._record_verdict(t, attempt, guard.check(t, attempt, view))
             if verdict.action != "proceed":
                 # The attempt leaves no trace (its RNG draws, its BatchNorm statistics, a
@@ -453,7 +454,7 @@ class Protector:
         armed = guard.wants_snapshot(t, view)  # never without an update-ratio limit
         before = self._snapshot.capture(self.model, self.optimizer) if armed else None
         scaler_state = self._stepper.state() if armed else None
-        self._stepper.step()  # every rank's aggregated gradient is finite here: no skip
+        self._apply_update(skip=False)  # every rank's aggregated gradient is finite here
         if before is None:
             return _StepOutcome(view, attempt + 1, synced=synced)
         ratio = max_over_ranks(before.update_ratio(), self.group)
@@ -474,16 +475,13 @@ class Protector:
         self._stepper.unscale()
         self._record_faults(self.hook.current.faults)
         synced = self.resync.finish(t)
-        applied = True
-        if self._stepper.scaler is None:
-            self._clip()
-            self._stepper.step()
-        else:  # one flag all-reduced: the ranks agree on the scaler's skips, as the monitor's view makes them
-            overflow = max_over_ranks(0.0 if math.isfinite(self._aggregated_norm()) else 1.0, self.group) > 0
-            self._clip()
-            applied = self._scaled_step(overflow)
-            if not applied:  # as a monitored skip: no non-finite gradient is left behind
-                self.optimizer.zero_grad(set_to_none=True)
+        # One flag all-reduced: the ranks agree on the scaler's skips, as the monitor's view makes them.
+        overflow = self._stepper.scaler is not None and max_over_ranks(
+            0.0 if math.isfinite(self._aggregated_norm()) else 1.0, self.group) > 0
+        self._clip()
+        applied = self._apply_update(skip=overflow)
+        if not applied:  # as a monitored skip: no non-finite gradient is left behind
+            self.optimizer.zero_grad(set_to_none=True)
         synced = self.resync.maybe_sync(t, None) or synced
         self.step_idx += 1
         return StepReport(step=t, loss=loss, local_loss=loss, grad_norm=math.nan, applied=applied, synced=synced)
@@ -655,11 +653,12 @@ class Protector:
         self.resync.set_next_step(self.step_idx)
         return PersistentFaultError(step, verdict.ranks)
 
-    def _scaled_step(self, skip: bool) -> bool:
-        """The loss scaler's step; ``skip`` (known alike on every rank: some rank's
-        aggregated gradient is non-finite) skips it on every rank and backs the scale off,
-        so the ranks' scales never part (each scaler alone decides from its own rank's
-        gradients, which a fault makes differ). Whether the step was applied."""
+    def _apply_update(self, skip: bool) -> bool:
+        """The optimizer's step (the loss scaler's, where there is one); ``skip`` (only with
+        a scaler, known alike on every rank: some rank's aggregated gradient is non-finite)
+        skips it on every rank and backs the scale off, so the ranks' scales never part
+        (each scaler alone decides from its own rank's gradients, which a fault makes
+        differ). Whether the update was applied."""
         if skip:
             self._stepper.skip()
         else:
