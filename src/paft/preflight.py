@@ -26,31 +26,35 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.amp import OptimizerStep
 from paft.collectives import gather_rows
-from paft.comm import paft_comm_hook, registered_comm_hooks
+from paft.comm import CommHook, paft_comm_hook, registered_comm_hooks
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
 from paft.faultspec import FaultSpec, FaultSpecError
 from paft.fingerprint import repr_digest
 from paft.optimizers import OptimizerChain, chained, check_disjoint
 from paft.records import RunRecorder
 
-__all__ = ["check_added_groups", "ddp_of", "mark_protected", "preflight", "wants_comm_hook"]
+__all__ = ["ProtectSettings", "check_added_groups", "ddp_of", "mark_protected", "preflight", "wants_comm_hook"]
 
 
-def preflight(
-    model: Any,
-    optimizer: Any,
-    *,
-    monitor: Any,
-    protect: Any,
-    guard: Any,
-    inject: Any,
-    seed: int,
-    grad_clip: Any,
-    scaler: torch.amp.GradScaler | None,
-    comm_hook: Any,
-    comm_state: Any = None,
-    recorder: Any = None,
-) -> tuple[list[FaultSpec], OptimizerStep]:
+@dataclasses.dataclass(frozen=True)
+class ProtectSettings:
+    """:func:`paft.protect`'s keyword arguments, its defaults filled in: what
+    :func:`preflight` checks (as the user passed them: a wrong type is refused there)
+    and the :class:`~paft.protect.Protector` is built from."""
+
+    monitor: MonitorConfig
+    protect: ProtectConfig
+    guard: GuardConfig
+    inject: Sequence[str | FaultSpec]
+    seed: int
+    grad_clip: float
+    recorder: RunRecorder | None
+    comm_hook: CommHook | None
+    comm_state: Any
+    scaler: torch.amp.GradScaler | None
+
+
+def preflight(model: Any, optimizer: Any, settings: ProtectSettings) -> tuple[list[FaultSpec], OptimizerStep]:
     """Check :func:`paft.protect`'s arguments; a collective over the model's process
     group. Returns the parsed fault specs and the optimizer step (with the loss scaler;
     its ``optimizer`` is a list's :class:`~paft.optimizers.OptimizerChain`). Raises
@@ -67,29 +71,31 @@ def preflight(
         # must raise on every rank, not leave the others waiting in the gather below.
         if isinstance(optimizer, (list, tuple)):
             optimizer = OptimizerChain(optimizer)
-        _check_arguments(model, optimizer, monitor, protect, guard, inject, grad_clip)
-        _check_comm_hook(comm_hook, comm_state)
-        _check_recorder(model, recorder)
+        _check_arguments(model, optimizer, settings)
+        _check_comm_hook(settings.comm_hook, settings.comm_state)
+        _check_recorder(model, settings.recorder)
         _check_cuda_device(str(dist.get_backend(model.process_group)), model, dist.get_world_size(model.process_group))
-        specs = [s if isinstance(s, FaultSpec) else FaultSpec.parse(s, option="protect(): inject") for s in inject]
+        specs = [s if isinstance(s, FaultSpec) else FaultSpec.parse(s, option="protect(): inject")
+                 for s in settings.inject]
         _check_specs(specs, list(model.parameters()), dist.get_world_size(model.process_group))
         # DDP takes one comm hook, and keeps it for good: a rank whose model has one
         # already must refuse here, with the others. An earlier protector's hook goes on
         # injecting and capturing for a protector that wants none: refused too.
         hooks = registered_comm_hooks(model)
-        hooked = wants_comm_hook(monitor, specs, comm_hook)
+        hooked = wants_comm_hook(settings.monitor, specs, settings.comm_hook)
         if hooks and (hooked or any(hook is paft_comm_hook for hook, _ in hooks)):
             raise RuntimeError("protect(): this DDP model already has a comm hook (from register_comm_hook, or "
                                "an earlier protector's: DDP keeps it); pass yours to protect() as comm_hook=, "
                                "or wrap the module in a new DDP model")
         if hooked:
             _check_sparse(model)
-        stepper = OptimizerStep(optimizer, scaler)
+        stepper = OptimizerStep(optimizer, settings.scaler)
         agreed: dict[str, Any] | None = {
-            "the monitor config": monitor, "the protect config": protect, "the guard config": guard,
-            "grad_clip": grad_clip, "seed": seed, "inject": [s.to_text() for s in specs],
-            **_model_and_optimizer(model, optimizer), "the loss scaler": stepper.state(),
-            "the comm hook": _hook_identity(comm_hook, comm_state),
+            "the monitor config": settings.monitor, "the protect config": settings.protect,
+            "the guard config": settings.guard, "grad_clip": settings.grad_clip, "seed": settings.seed,
+            "inject": [s.to_text() for s in specs], **_model_and_optimizer(model, optimizer),
+            "the loss scaler": stepper.state(),
+            "the comm hook": _hook_identity(settings.comm_hook, settings.comm_state),
         }
     except (TypeError, ValueError, RuntimeError) as err:
         refusal, agreed = err, None
@@ -149,9 +155,9 @@ def _is_zero_redundancy(optimizer: Any) -> bool:
     return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
 
 
-def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: Any, protect: Any, guard: Any,
-                     inject: Any, grad_clip: Any) -> None:
+def _check_arguments(model: DistributedDataParallel, optimizer: Any, settings: ProtectSettings) -> None:
     """Misuse that would otherwise fail deep inside a later step, or not at all."""
+    monitor, protect, guard, grad_clip = settings.monitor, settings.protect, settings.guard, settings.grad_clip
     earlier = _PROTECTED.get(model)
     if earlier is not None and earlier() is not None:
         raise RuntimeError("protect(): this DDP model is already protected by a live Protector; keep using "
@@ -175,7 +181,7 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, monitor: An
         if not isinstance(cfg, cls):
             raise TypeError(f"protect(): {name}= must be a {cls.__name__}, got {type(cfg).__name__}")
         dataclasses.replace(cfg)  # re-runs the checks: a field may have been changed since
-    if isinstance(inject, (str, FaultSpec)):
+    if isinstance(settings.inject, (str, FaultSpec)):
         raise TypeError("protect(): inject= must be a list of fault specs, e.g. ['bitflip:steps=5,ranks=1']")
     if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or not 0 <= grad_clip < math.inf:
         raise ValueError(f"protect(): grad_clip must be a finite number >= 0 (0: no clipping), got {grad_clip!r}")

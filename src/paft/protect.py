@@ -58,7 +58,7 @@ from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.hook_state import hook_snapshot
 from paft.monitor import Monitor
 from paft.norms import judged_norm, total_norm
-from paft.preflight import check_added_groups, ddp_of, mark_protected, preflight, wants_comm_hook
+from paft.preflight import ProtectSettings, check_added_groups, ddp_of, mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot
@@ -193,19 +193,13 @@ def protect(
         dist.barrier()  # no rank closes its gloo connections while a peer still reads them
         dist.destroy_process_group()
     """
+    settings = ProtectSettings(monitor=monitor or MonitorConfig(), protect=protect or ProtectConfig(),
+                               guard=guard or GuardConfig(), inject=inject, seed=seed, grad_clip=grad_clip,
+                               recorder=recorder, comm_hook=comm_hook, comm_state=comm_state, scaler=scaler)
     return Protector(
         ddp_of(model),  # torch.compile(ddp): the DDP model the closure's compiled wrapper runs
         optimizer,  # a list is chained by the preflight, on every rank alike
-        monitor=monitor or MonitorConfig(),
-        protect=protect or ProtectConfig(),
-        guard=guard or GuardConfig(),
-        inject=inject,
-        seed=seed,
-        grad_clip=grad_clip,
-        recorder=recorder,
-        comm_hook=comm_hook,
-        comm_state=comm_state,
-        scaler=scaler,
+        settings,
     )
 
 
@@ -246,21 +240,9 @@ class Protector:
         self,
         model: DistributedDataParallel,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-        *,
-        monitor: MonitorConfig,
-        protect: ProtectConfig,
-        guard: GuardConfig,
-        inject: Sequence[str | FaultSpec],
-        seed: int,
-        grad_clip: float,
-        recorder: RunRecorder | None,
-        comm_hook: CommHook | None,
-        comm_state: Any,
-        scaler: torch.amp.GradScaler | None = None,
+        settings: ProtectSettings,
     ) -> None:
-        specs, self._stepper = preflight(model, optimizer, monitor=monitor, protect=protect, guard=guard,
-                                         inject=inject, seed=seed, grad_clip=grad_clip, scaler=scaler,
-                                         comm_hook=comm_hook, comm_state=comm_state, recorder=recorder)
+        specs, self._stepper = preflight(model, optimizer, settings)
         self.model = model
         self.optimizer = self._stepper.optimizer  # a list's OptimizerChain
         # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
@@ -271,49 +253,50 @@ class Protector:
         # unfreezing) is checked at the next step (check_added_groups).
         self._groups_known = len(self.optimizer.param_groups)
         self._buffers = list(model.module.buffers())
-        self.monitor_cfg = monitor
-        self.protect_cfg = protect
-        self.grad_clip = grad_clip
+        self.monitor_cfg = settings.monitor
+        self.protect_cfg = settings.protect
+        self.grad_clip = settings.grad_clip
         self.group = model.process_group
         self.rank = dist.get_rank(self.group)
         # Rank 0 of the DDP group speaks (a data-parallel group without global rank 0, in a
         # hybrid layout, was silent); the ranks in its messages are the group's too.
-        self.recorder = recorder or RunRecorder(None, self.rank)
+        self.recorder = settings.recorder or RunRecorder(None, self.rank)
         self.world_size = dist.get_world_size(self.group)
-        self.injector = FaultInjector(FaultSchedule(specs, seed, self.world_size), self.rank)
+        self.injector = FaultInjector(FaultSchedule(specs, settings.seed, self.world_size), self.rank)
         self.hook = CommHookState(
             self.injector,
-            cosine=monitor.cosine,
-            sketch_dim=monitor.sketch_dim,
+            cosine=settings.monitor.cosine,
+            sketch_dim=settings.monitor.sketch_dim,
             process_group=self.group,
-            inner_hook=comm_hook,
-            inner_state=comm_state,
+            inner_hook=settings.comm_hook,
+            inner_state=settings.comm_state,
         )
         # A dropped protector (or one whose construction fails below) leaves plain DDP
         # behind: DDP keeps the hook for good. The finalizer holds the hook state, not
         # self, so it keeps no protector alive.
         weakref.finalize(self, self.hook.retire)
-        self._hooked = wants_comm_hook(monitor, specs, comm_hook)
+        self._hooked = wants_comm_hook(settings.monitor, specs, settings.comm_hook)
         if self._hooked:
             try:
                 model.register_comm_hook(self.hook, paft_comm_hook)
             except RuntimeError as err:  # preflight's check missed it (torch changed DDP's internals)
                 raise RuntimeError(f"protect(): {err}") from None
         mark_protected(model, self)
-        self.sketch_dim = monitor.sketch_dim if monitor.cosine == "sketch" else 0
-        self.guard = Guard(guard, self.world_size) if guard.enabled else None
+        self.sketch_dim = settings.monitor.sketch_dim if settings.monitor.cosine == "sketch" else 0
+        self.guard = Guard(settings.guard, self.world_size) if settings.guard.enabled else None
         # A recompute restarts the user's hook from the state the step found it in (PowerSGD's
         # error feedback and warm start kept a faulty attempt's values): only the guard
         # recomputes, and only a state paft knows how to take is copied, every step.
-        self._hook_state = hook_snapshot(comm_state) if self.guard is not None and comm_hook is not None else None
+        self._hook_state = (hook_snapshot(settings.comm_state)
+                            if self.guard is not None and settings.comm_hook is not None else None)
         self.step_idx = 0
         self._grad_norm: torch.Tensor | None = None
         self._snapshot = StateSnapshot()
         # Not self in the lambdas: a cycle would keep a dropped protector alive.
         group, opt = self.group, self.optimizer
-        self.monitor = Monitor(monitor, self.recorder, divergence=lambda: measure_divergence(
+        self.monitor = Monitor(settings.monitor, self.recorder, divergence=lambda: measure_divergence(
             model, opt, per_tensor=True, group=group, buffers=False))
-        self.resync = Resync(model, opt, protect, guard=self.guard is not None, recorder=self.recorder,
+        self.resync = Resync(model, opt, settings.protect, guard=self.guard is not None, recorder=self.recorder,
                              replicas_agree=self.monitor.replicas_agree)
         self._faults_injected = 0
         # A stop on a state mismatch left the replicas split: the next step checks the
