@@ -181,7 +181,7 @@ def test_ddp_replicas_agree_and_names_are_unwrapped() -> None:
     assert not any("module." in n for n in names0)
 
 
-def flip_buffer_and_fingerprint(rank: int, world_size: int) -> int:
+def flip_buffer_and_fingerprint(rank: int, world_size: int) -> list[list[int]]:
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
     torch.manual_seed(0)
     for p in model.parameters():
