@@ -414,7 +414,8 @@ def test_paft_train_end_to_end_with_config_file(
         (ckpts / "latest", b"foo", "r/checkpoints/latest names 'foo', not a checkpoint folder"),
         (ckpts / "latest", b"\xff\xfe", "--resume: cannot read r/checkpoints/latest"),
         (tmp_path / "r" / "config.json", b"[]", "--resume: r/config.json must hold a mapping"),
-        (tmp_path / "r" / "config.json", b'{"guard": {"window": "big"}}', "r/config.json: guard.window: expected int"),
+        (tmp_path / "r" / "config.json", b'{"guard": {"window": "big"}}',
+         "r/config.json: guard.window (--guard-window): expected int"),
         (tmp_path / "r" / "evals.jsonl", b'{"step": 0}\n{"st\n{"step": 40}\n', "r/evals.jsonl: line 2 is not JSON"),
         # A hand-edited config.json: the checkpoint holds the options it was trained with
         # (an edited seed went on silently, an edited optimizer failed in a worker).

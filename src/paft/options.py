@@ -5,8 +5,10 @@ One table, :data:`OPTIONS`, ties each field of the config tree to a ``--long-opt
 help text is the field's own docstring, so the two never drift apart.
 Values come, lowest precedence first, from the dataclass defaults, a ``--config``
 file (TOML, YAML or JSON, keys spelled like the long options: ``world-size = 4``), and the
-command line. Both ``paft train`` and ``python -m paft.train`` (under torchrun) use
-:func:`parse_train_config`.
+command line. A run's ``config.json`` (:meth:`TrainConfig.to_dict`'s shape: the fields,
+with the tables ``monitor``, ``protect`` and ``guard``) is a ``--config`` file too, read
+through the same table: it reruns that run's settings in another folder. Both ``paft
+train`` and ``python -m paft.train`` (under torchrun) use :func:`parse_train_config`.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help="TOML, YAML or JSON file (by suffix) whose keys mirror the long options (e.g. world-size = 2); "
+        help="TOML, YAML or JSON file (by suffix) whose keys mirror the long options (e.g. world-size = 2), "
+        "or a run's config.json (its settings, without its --run-dir, --resume and --overwrite); "
         "options given on the command line win",
     )
     groups: dict[str | None, argparse._ArgumentGroup] = {}
@@ -246,7 +249,9 @@ def _load_yaml(text: str) -> Any:
         raise ValueError(f"{context}{err.problem}{where}") from None
 
 
-def _read_config_file(path: str) -> dict[str, Any]:
+def _read_config_file(path: str) -> tuple[dict[str, Any], bool]:
+    """Option -> value of ``--config`` file ``path``, and whether it is a run's
+    ``config.json`` (whose keys are the config's fields: :func:`_run_config_values`)."""
     if not path.strip():  # --config "$CFG" with CFG unset: not "no file"
         raise ConfigFileError("--config: must not be empty (leave it out to use no config file)")
     p = pathlib.Path(path).expanduser()  # --config=~/c.toml reaches us unexpanded
@@ -272,6 +277,10 @@ def _read_config_file(path: str) -> dict[str, Any]:
         raise ConfigFileError(f"--config: {path} is not valid {kind}{read_as}: {err}") from None
     if not isinstance(data, dict):
         raise ConfigFileError(f"--config: {path} must hold a mapping of option names to values")
+    # A flat file's monitor, protect and guard are an on/off and a mode, never tables: a
+    # table is what TrainConfig.to_dict() writes (also in a config.json trimmed by hand).
+    if kind == "JSON" and any(isinstance(data.get(section), dict) for section in SECTIONS):
+        return _run_config_values(data, f"--config: {path}"), True
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("_", "-")
@@ -285,7 +294,7 @@ def _read_config_file(path: str) -> dict[str, Any]:
         if key in values:  # world-size and world_size: which one was meant?
             raise ConfigFileError(f"--config: {path}: option {key!r} is given twice")
         values[key] = _coerce(opt, value, f"--config: {path}: {raw_key}")
-    return values
+    return values, False
 
 
 def _coerce(opt: Option, value: Any, where: str) -> Any:
@@ -339,24 +348,51 @@ def _saved_values(run_dir: str) -> dict[str, Any]:
         if not is_run_config(path) and not has_checkpoint(path.parent):  # another program's config.json
             raise ConfigFileError(f"--resume: {run_dir} holds no paft run (no config.json of paft's)") from None
         raise ConfigFileError(f"--resume: {path}: {err}") from None
-    values = _option_values(saved, path)
+    values = _option_values(saved, f"--resume: {path}")
     for flag in ("resume", "overwrite"):
         values.pop(flag, None)
     return values
 
 
-def _option_values(config: dict[str, Any], path: pathlib.Path) -> dict[str, Any]:
-    """Option -> value of a config in ``config.json``'s shape (read from ``path``),
-    each checked as a ``--config`` file's."""
+# What a run's config.json says about that run's own folder, not about how it trains:
+# from another run's, --run-dir would write into that run, --resume continue it and
+# --overwrite delete it.
+_OF_ITS_FOLDER = ("run-dir", "resume", "overwrite")
+
+
+def _run_config_values(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """Option -> value of a run's ``config.json`` given as a ``--config`` file (``where``:
+    ``"--config: FILE"``), checked as :func:`_saved_values` checks it; without the
+    options of that run's folder (``_OF_ITS_FOLDER``), so a new run takes its settings."""
+    try:
+        TrainConfig.check_keys(config)  # the options below are read by name: others would go unseen
+    except ValueError as err:  # also a flat file's keys beside a table: say why they are fields here
+        table = next(section for section in SECTIONS if isinstance(config.get(section), dict))
+        raise ConfigFileError(f"{where}: {err}; read as a run's config.json (its {table!r} is a table), whose "
+                              "keys are TrainConfig's fields") from None
+    values = _option_values(config, where)
+    for flag in _OF_ITS_FOLDER:
+        values.pop(flag, None)
+    return values
+
+
+def _option_values(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """Option -> value of a config in ``config.json``'s shape, each checked as a
+    ``--config`` file's; an error starts with ``where`` (``"--resume: r/config.json"``)
+    and names the field and its option: ``guard.window (--guard-window)``."""
     values: dict[str, Any] = {}
     for opt in OPTIONS:
         section = config if opt.section is None else config.get(opt.section, {})
         if not isinstance(section, dict):
-            raise ConfigFileError(f"--resume: {path}: {opt.section!r} must be a mapping, got {section!r}")
+            raise ConfigFileError(f"{where}: {opt.section!r} must be a mapping, got {section!r}")
         if opt.name in section:
-            where = f"--resume: {path}: {'' if opt.section is None else opt.section + '.'}{opt.name}"
-            values[opt.flag] = _coerce(opt, section[opt.name], where)
+            values[opt.flag] = _coerce(opt, section[opt.name], f"{where}: {_field(opt)}")
     return values
+
+
+def _field(opt: Option) -> str:
+    """``opt``'s field as a run's ``config.json`` names it, and its option: ``guard.window (--guard-window)``."""
+    return f"{'' if opt.section is None else opt.section + '.'}{opt.name} (--{opt.flag})"
 
 
 class ResumeChange(NamedTuple):
@@ -375,7 +411,7 @@ def resume_changes(cfg: TrainConfig, saved: dict[str, Any]) -> list[ResumeChange
     :mod:`paft.rundir`)."""
     if not saved:  # not a resume, or of a run without config.json (refused later)
         return []
-    now = _option_values(cfg.to_dict(), pathlib.Path(cfg.run_dir, "config.json"))  # cfg is checked: never raises
+    now = _option_values(cfg.to_dict(), "--resume")  # cfg is checked: never raises
     kept = {"steps", "run-dir", *(flag.removeprefix("--") for _, flag in _FIXED_ON_RESUME)}
     return [ResumeChange(flag, now[flag], saved[flag])
             for flag in now if flag in saved and flag not in kept and now[flag] != saved[flag]]
@@ -431,13 +467,13 @@ def config_from_namespace(ns: argparse.Namespace,
     ranks derive from it, so other checks would blame them).
     """
     given = {k: v for k, v in vars(ns).items() if k in _BY_KEY}
-    from_file = _read_config_file(ns.config) if getattr(ns, "config", None) is not None else {}
+    from_file, run_config = _read_config_file(ns.config) if getattr(ns, "config", None) is not None else ({}, False)
     values: dict[str, Any] = {"world-size": launched} if launched is not None else {}
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
         raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>-<pid>)")
-    source: dict[str, str] = {}  # option -> the file its value came from (none: the command line)
+    source: dict[str, _Source] = {}  # option -> the file its value came from (none: the command line)
     saved: dict[str, Any] = {}  # with --resume: the run's saved options
     # The folder the run will use: "~" expanded, ".." resolved (as launch() does).
     if resume and run_dir and is_file(pathlib.Path(resolve_run_dir(run_dir)) / "config.json"):
@@ -449,18 +485,19 @@ def config_from_namespace(ns: argparse.Namespace,
             raise ValueError(f"--resume: cannot change --world-size ({saved['world-size']} in "
                              f"{resolve_run_dir(run_dir)}, {asked} asked); start a new run")
         _merge(values, saved)
-        source.update(dict.fromkeys(saved, f"--resume: {pathlib.Path(resolve_run_dir(run_dir)) / 'config.json'}"))
+        source.update(dict.fromkeys(saved, _Source("--resume", str(pathlib.Path(resolve_run_dir(run_dir)) /
+                                                                       "config.json"), fields=True)))
     _merge(values, from_file)
-    source.update(dict.fromkeys(from_file, f"--config: {ns.config}"))
+    source.update(dict.fromkeys(from_file, _Source("--config", ns.config, fields=run_config)))
     _merge(values, given)
     for key in given:
         source.pop(key, None)
     if launched is not None and values["world-size"] != launched:
         asked, where = values["world-size"], source.get("world-size")
-        if where is not None and where.startswith("--resume: "):  # fixed at the first run
+        if where is not None and where.option == "--resume":  # fixed at the first run
             raise ValueError(f"--resume: {resolve_run_dir(run_dir)} was trained on {asked} ranks and torchrun "
                              f"started {launched} processes; start it with --nproc-per-node {asked}")
-        raise ValueError(f"--world-size {asked}{f' (in {_file(where)})' if where else ''}: torchrun started {launched} "
+        raise ValueError(f"--world-size {asked}{f' (in {where.path})' if where else ''}: torchrun started {launched} "
                          f"processes; pass --world-size {launched} or leave it out")
     kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for key, value in values.items():
@@ -482,10 +519,10 @@ def config_from_namespace(ns: argparse.Namespace,
         # (--no-monitor is typed for the option "monitor")
         named = {m[2:].removeprefix("no-") for m in re.findall(r"--[a-z][\w-]*", str(err))}
         if about is not None and source.get(about[0]) and not named & given.keys():
-            raise ConfigFileError(f"{source[about[0]]}: {about[0]}: {about[1]}") from None
+            raise ConfigFileError(f"{source[about[0]]}: {source[about[0]].names(about[0])}: {about[1]}") from None
         # Else say where the options it names that were not typed come from: a file, or
         # (next to one that was typed: --h-min 500 against --h-max's 400) the default.
-        notes = [f"--{n} is set in {_file(source[n])}" for n in sorted(named) if n in source and n not in given]
+        notes = [f"--{n} is set in {source[n].path}" for n in sorted(named) if n in source and n not in given]
         if named & given.keys():
             notes += [f"--{n} is at its default" for n in sorted(named) if n in _BY_KEY and n not in values]
         if notes:
@@ -494,9 +531,19 @@ def config_from_namespace(ns: argparse.Namespace,
     return cfg, resume_changes(cfg, saved)
 
 
-def _file(source: str) -> str:
-    """The file of a value's source (``"--config: c.toml"`` -> ``"c.toml"``)."""
-    return source.partition(": ")[2]
+class _Source(NamedTuple):
+    """The file an option's value came from, as an error names it: ``--config: c.toml``."""
+
+    option: str  # "--config" or "--resume"
+    path: str
+    fields: bool  # in config.json's shape: it names an option by its field (guard.window)
+
+    def __str__(self) -> str:
+        return f"{self.option}: {self.path}"
+
+    def names(self, flag: str) -> str:
+        """How this file names option ``flag``: ``guard-window``, or ``guard.window (--guard-window)``."""
+        return _field(_BY_KEY[flag]) if self.fields else flag
 
 
 def idle_faults(cfg: TrainConfig) -> list[str]:
