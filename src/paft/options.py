@@ -446,12 +446,37 @@ def _typed(flag: str, value: Any, named: bool = True) -> str:
     return f"--{flag} {shown}" if named else shown
 
 
-def _merge(values: dict[str, Any], new: dict[str, Any]) -> None:
-    """``values.update(new)``, except that ``--model`` fields add to the ones before."""
-    for key, value in new.items():
-        if _BY_KEY[key].kind == "model" and key in values:
-            value = list({**dict(values[key]), **dict(value)}.items())
-        values[key] = value
+class _Source(NamedTuple):
+    """The file an option's value came from, as an error names it: ``--config: c.toml``."""
+
+    option: str  # "--config" or "--resume"
+    path: str
+    fields: bool  # in config.json's shape: it names an option by its field (guard.window)
+
+    def __str__(self) -> str:
+        return f"{self.option}: {self.path}"
+
+    def names(self, flag: str) -> str:
+        """How this file names option ``flag``: ``guard-window``, or ``guard.window (--guard-window)``."""
+        return _field(_BY_KEY[flag]) if self.fields else flag
+
+
+def _merged(layers: Sequence[tuple[dict[str, Any], _Source | None]]) -> tuple[dict[str, Any], dict[str, _Source]]:
+    """The options' values from ``layers`` of values and where they were read (lowest
+    precedence first; a later value replaces, except that ``--model`` fields add to the
+    ones before), and the file each value came from (none: the command line, torchrun)."""
+    values: dict[str, Any] = {}
+    source: dict[str, _Source] = {}
+    for layer, where in layers:
+        for key, value in layer.items():
+            if _BY_KEY[key].kind == "model" and key in values:
+                value = list({**dict(values[key]), **dict(value)}.items())
+            values[key] = value
+            if where is None:
+                source.pop(key, None)
+            else:
+                source[key] = where
+    return values, source
 
 
 def config_from_namespace(ns: argparse.Namespace,
@@ -467,83 +492,67 @@ def config_from_namespace(ns: argparse.Namespace,
     ranks derive from it, so other checks would blame them).
     """
     given = {k: v for k, v in vars(ns).items() if k in _BY_KEY}
-    from_file, run_config = _read_config_file(ns.config) if getattr(ns, "config", None) is not None else ({}, False)
-    values: dict[str, Any] = {"world-size": launched} if launched is not None else {}
+    config_file = getattr(ns, "config", None)
+    from_file, run_config = _read_config_file(config_file) if config_file is not None else ({}, False)
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
         raise ValueError("--run-dir: must not be empty (leave it out for runs/<workload>-<time>-<pid>)")
-    source: dict[str, _Source] = {}  # option -> the file its value came from (none: the command line)
-    saved: dict[str, Any] = {}  # with --resume: the run's saved options
-    # The folder the run will use: "~" expanded, ".." resolved (as launch() does).
-    if resume and run_dir and is_file(pathlib.Path(resolve_run_dir(run_dir)) / "config.json"):
-        saved = _saved_values(resolve_run_dir(run_dir))
+    # The folder a --resume continues: "~" expanded, ".." resolved (as launch() does).
+    folder = resolve_run_dir(run_dir) if resume and run_dir else ""
+    saved_file = pathlib.Path(folder, "config.json")
+    saved = _saved_values(folder) if folder and is_file(saved_file) else {}  # the run's saved options
+    if "world-size" in saved:
         # Said before the config is built, whose checks would blame what the world size
         # splits (--batch-size, an --inject rank) instead.
-        asked = given.get("world-size", from_file.get("world-size", saved.get("world-size")))
-        if "world-size" in saved and asked != saved["world-size"]:
+        asked = given.get("world-size", from_file.get("world-size", saved["world-size"]))
+        if asked != saved["world-size"]:
             raise ValueError(f"--resume: cannot change --world-size ({saved['world-size']} in "
-                             f"{resolve_run_dir(run_dir)}, {asked} asked); start a new run")
-        _merge(values, saved)
-        source.update(dict.fromkeys(saved, _Source("--resume", str(pathlib.Path(resolve_run_dir(run_dir)) /
-                                                                       "config.json"), fields=True)))
-    _merge(values, from_file)
-    source.update(dict.fromkeys(from_file, _Source("--config", ns.config, fields=run_config)))
-    _merge(values, given)
-    for key in given:
-        source.pop(key, None)
+                             f"{folder}, {asked} asked); start a new run")
+    values, source = _merged([({"world-size": launched} if launched is not None else {}, None),
+                              (saved, _Source("--resume", str(saved_file), fields=True)),
+                              (from_file, _Source("--config", str(config_file), fields=run_config)),
+                              (given, None)])
     if launched is not None and values["world-size"] != launched:
         asked, where = values["world-size"], source.get("world-size")
         if where is not None and where.option == "--resume":  # fixed at the first run
-            raise ValueError(f"--resume: {resolve_run_dir(run_dir)} was trained on {asked} ranks and torchrun "
+            raise ValueError(f"--resume: {folder} was trained on {asked} ranks and torchrun "
                              f"started {launched} processes; start it with --nproc-per-node {asked}")
         raise ValueError(f"--world-size {asked}{f' (in {where.path})' if where else ''}: torchrun started {launched} "
                          f"processes; pass --world-size {launched} or leave it out")
     kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for key, value in values.items():
         opt = _BY_KEY[key]
-        if opt.kind == "model":
-            value = dict(value)
-        kwargs[opt.section][opt.name] = value
+        kwargs[opt.section][opt.name] = dict(value) if opt.kind == "model" else value
     top = kwargs.pop(None)
     try:
         sections = {name: _SECTIONS[name](**kw) for name, kw in kwargs.items()}
         cfg = TrainConfig(**top, **sections)  # type: ignore[arg-type]
     except ValueError as err:
-        # Checks name the field and its option ("TrainConfig.lr (--lr): must be > 0"); a
-        # value read from a file is that file's, named the way its type errors are
-        # ("neg.toml: lr: ..."). A check across options ("... (--h-max): must be >=
-        # ProtectConfig.h_min (--h-min) ...") blames the file only when no option it
-        # names was typed.
-        about = error_option(str(err))
-        # (--no-monitor is typed for the option "monitor")
-        named = {m[2:].removeprefix("no-") for m in re.findall(r"--[a-z][\w-]*", str(err))}
-        if about is not None and source.get(about[0]) and not named & given.keys():
-            raise ConfigFileError(f"{source[about[0]]}: {source[about[0]].names(about[0])}: {about[1]}") from None
-        # Else say where the options it names that were not typed come from: a file, or
-        # (next to one that was typed: --h-min 500 against --h-max's 400) the default.
-        notes = [f"--{n} is set in {source[n].path}" for n in sorted(named) if n in source and n not in given]
-        if named & given.keys():
-            notes += [f"--{n} is at its default" for n in sorted(named) if n in _BY_KEY and n not in values]
-        if notes:
-            raise ValueError(f"{err} ({'; '.join(notes)})") from None
-        raise
+        raise _blamed(err, source, given, values) from None
     return cfg, resume_changes(cfg, saved)
 
 
-class _Source(NamedTuple):
-    """The file an option's value came from, as an error names it: ``--config: c.toml``."""
+def _blamed(err: ValueError, source: dict[str, _Source], given: dict[str, Any], values: dict[str, Any]) -> ValueError:
+    """``err``, a check of the config built from ``values``, saying where the options it
+    names got their values: ``source``'s files, the command line (``given``), the defaults.
 
-    option: str  # "--config" or "--resume"
-    path: str
-    fields: bool  # in config.json's shape: it names an option by its field (guard.window)
-
-    def __str__(self) -> str:
-        return f"{self.option}: {self.path}"
-
-    def names(self, flag: str) -> str:
-        """How this file names option ``flag``: ``guard-window``, or ``guard.window (--guard-window)``."""
-        return _field(_BY_KEY[flag]) if self.fields else flag
+    Checks name the field and its option ("TrainConfig.lr (--lr): must be > 0"); a
+    value read from a file is that file's, named the way its type errors are
+    ("neg.toml: lr: ..."). A check across options ("... (--h-max): must be >=
+    ProtectConfig.h_min (--h-min) ...") blames the file only when no option it names
+    was typed."""
+    about = error_option(str(err))
+    # (--no-monitor is typed for the option "monitor")
+    named = {m[2:].removeprefix("no-") for m in re.findall(r"--[a-z][\w-]*", str(err))}
+    if about is not None and source.get(about[0]) and not named & given.keys():
+        return ConfigFileError(f"{source[about[0]]}: {source[about[0]].names(about[0])}: {about[1]}")
+    # Else say where the options it names that were not typed come from: a file, or
+    # (next to one that was typed: --h-min 500 against --h-max's 400) the default.
+    notes = [f"--{n} is set in {source[n].path}" for n in sorted(named) if n in source and n not in given]
+    if named & given.keys():
+        notes += [f"--{n} is at its default" for n in sorted(named) if n in _BY_KEY and n not in values]
+    return ValueError(f"{err} ({'; '.join(notes)})") if notes else err
 
 
 def idle_faults(cfg: TrainConfig) -> list[str]:
