@@ -13,14 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from paft.bench import add_bench_parser, run_bench
-from paft.options import (
-    OptionParser,
-    add_train_options,
-    config_from_namespace,
-    resume_args,
-    train_epilog,
-    train_warnings,
-)
+from paft.options import OptionParser, add_train_options, parsed_train_config, train_epilog
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -77,14 +70,9 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from paft.signals import interrupted
     from paft.train import MachineError
 
+    cfg, resumed_with = parsed_train_config(parser, args)
     try:
-        cfg, changes = config_from_namespace(args)
-    except ValueError as err:
-        parser.error(str(err))
-    for warning in train_warnings(args, cfg, changes):
-        print(f"paft train: warning: {warning}", file=sys.stderr)
-    try:
-        code = launch(cfg, resume_args(changes, args.config))
+        code = launch(cfg, resumed_with)
     except (RunDirError, MachineError) as err:
         parser.error(str(err))
     except (KeyboardInterrupt, SignalException) as err:  # before or after the workers ran

@@ -51,8 +51,8 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
-           "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults", "ResumeChange",
-           "resume_changes", "resume_args",
+           "parsed_train_config", "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults",
+           "ResumeChange", "resume_changes", "resume_args",
            "train_warnings", "train_epilog"]
 
 
@@ -680,12 +680,21 @@ def parse_train_config(
     :func:`train_warnings` to stderr (one rank of several does)."""
     parser = OptionParser(prog=prog, epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_options(parser)
-    ns = parser.parse_args(argv)
+    return parsed_train_config(parser, parser.parse_args(argv), launched, warn)
+
+
+def parsed_train_config(parser: argparse.ArgumentParser, ns: argparse.Namespace, launched: int | None = None,
+                        warn: bool = True) -> tuple[TrainConfig, list[str]]:
+    """The validated :class:`TrainConfig` of ``ns``, the options ``parser`` parsed (it
+    has :func:`add_train_options`), and the options a ``--resume`` changes, as
+    command-line words (:func:`resume_args`); bad input is ``parser``'s error (exit
+    code 2). ``launched``: see :func:`config_from_namespace`; ``warn``: print
+    :func:`train_warnings` to stderr, as ``parser.prog`` (``paft train: warning: ...``)."""
     try:
         cfg, changes = config_from_namespace(ns, launched)
     except ValueError as err:
         parser.error(str(err))
     if warn:
         for warning in train_warnings(ns, cfg, changes):
-            print(f"{prog}: warning: {warning}", file=sys.stderr)
+            print(f"{parser.prog}: warning: {warning}", file=sys.stderr)
     return cfg, resume_args(changes, ns.config)
