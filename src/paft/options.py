@@ -41,7 +41,7 @@ from paft.config import (
 )
 from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
-from paft.rundir import _FIXED_ON_RESUME, has_checkpoint, resolve_run_dir
+from paft.rundir import FIXED_ON_RESUME, has_checkpoint, resolve_run_dir
 from paft.values import fits
 from paft.workloads import DROPOUT_WORKLOADS, WORKLOADS
 
@@ -407,12 +407,12 @@ def resume_changes(cfg: TrainConfig, saved: dict[str, Any]) -> list[ResumeChange
     """With ``--resume``, the options ``cfg`` changes from ``saved``, the run's saved
     ones (its ``config.json``: the last checkpoint's, as :func:`config_from_namespace`
     read them), which a resume takes (the rest it keeps). Not ``--steps``, the way to
-    train on, nor the options a resume cannot change (refused: ``_FIXED_ON_RESUME`` in
+    train on, nor the options a resume cannot change (refused: ``FIXED_ON_RESUME`` in
     :mod:`paft.rundir`)."""
     if not saved:  # not a resume, or of a run without config.json (refused later)
         return []
     now = _option_values(cfg.to_dict(), "--resume")  # cfg is checked: never raises
-    kept = {"steps", "run-dir", *(flag.removeprefix("--") for _, flag in _FIXED_ON_RESUME)}
+    kept = {"steps", "run-dir", *(flag.removeprefix("--") for _, flag in FIXED_ON_RESUME)}
     return [ResumeChange(flag, now[flag], saved[flag])
             for flag in now if flag in saved and flag not in kept and now[flag] != saved[flag]]
 

@@ -38,6 +38,7 @@ from paft.records import (
 from paft.workloads import model_config
 
 __all__ = [
+    "FIXED_ON_RESUME",
     "RunDirError",
     "default_run_dir",
     "resolve_run_dir",
@@ -69,7 +70,7 @@ def default_run_dir(name: str, root: str = "runs") -> str:
 
 
 # What a resumed run cannot change: its state would not load, or it would be another run.
-_FIXED_ON_RESUME = (
+FIXED_ON_RESUME = (
     ("workload", "--workload"), ("model", "--model"), ("world_size", "--world-size"),
     ("batch_size", "--batch-size"), ("optimizer", "--optimizer"), ("seed", "--seed"),
     ("protect.mode", "--protect"), ("protect.sync_mode", "--sync-mode"), ("guard.enabled", "--guard"),
@@ -285,14 +286,14 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
 
 
 def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str, why: str = "") -> None:
-    """Refuse a resume that changes an option of :data:`_FIXED_ON_RESUME` (config dicts);
+    """Refuse a resume that changes an option of :data:`FIXED_ON_RESUME` (config dicts);
     ``why`` tells where a change that passed the command line's check came from."""
     # Compare what takes effect: model fields at their defaults, no sync mode without a sync.
     for d in (saved, asked):
         d["model"] = dataclasses.asdict(model_config(d["workload"], d["model"]))
         if d["protect"]["mode"] not in ("sync", "dyn"):
             d["protect"]["sync_mode"] = None
-    for key, flag in _FIXED_ON_RESUME:
+    for key, flag in FIXED_ON_RESUME:
         was, now = saved, asked
         for part in key.split("."):
             was, now = was[part], now[part]
