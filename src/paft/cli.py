@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from paft.bench import add_bench_parser, run_bench
+from paft.exitcodes import EXIT_USAGE
 from paft.options import OptionParser, add_train_options, parsed_train_config, train_epilog
 
 __all__ = ["main", "run", "build_parser"]
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write PNG plots (loss per rank, dispersion, cosine, replica divergence; faults, syncs, "
         "guard events and alerts marked, each replica split labelled with its minority ranks) and report.md for "
         "RUN_DIR, and print the summary.",
-        epilog="exit codes: 0 done, 2 not a readable run directory, or a bad --out-dir (nothing written), "
+        epilog=f"exit codes: 0 done, {EXIT_USAGE} not a readable run directory, or a bad --out-dir (nothing written), "
         "130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)",
     )
     report.add_argument("run_dir", metavar="RUN_DIR",
@@ -66,9 +67,9 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from paft.launch import launch
+    from paft.machine import MachineError
     from paft.rundir import RunDirError
     from paft.signals import interrupted
-    from paft.train import MachineError
 
     cfg, resumed_with = parsed_train_config(parser, args)
     try:

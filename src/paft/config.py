@@ -383,7 +383,7 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write TensorBoard scalars to ``<run-dir>/tb`` (``--tensorboard``); needs the
     optional tensorboard package (``pip install 'paft[tensorboard]'``). The machine that
-    trains checks for it (:func:`paft.train.check_machine`), not the config: a saved run's
+    trains checks for it (:func:`paft.machine.check_machine`), not the config: a saved run's
     config reads on a machine without it."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     protect: ProtectConfig = field(default_factory=ProtectConfig)

@@ -154,7 +154,7 @@ def test_from_dict_takes_a_config_json_without_the_fields_paft_added_since() -> 
 
 @pytest.mark.usefixtures("no_tensorboard")
 def test_tensorboard_is_a_value_a_machine_without_its_package_reads() -> None:
-    # Whether the package is installed is the machine's to check (train.check_machine):
+    # Whether the package is installed is the machine's to check (machine.check_machine):
     # a run's saved config.json said --tensorboard, and every reader of it (a resume,
     # the benchmarks) failed on a machine without the package.
     saved = TrainConfig(tensorboard=True).to_dict()

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from paft.config import TrainConfig
+from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED
+from paft.machine import MachineError, check_machine, uses_cuda
 from paft.protect import PersistentFaultError
 from paft.records import LOCK_FILE, atomic_write_bytes, console, holds_files, jsonl_line, read_jsonl, sort_faults
 from paft.rundir import (
@@ -45,16 +47,7 @@ from paft.rundir import (
     write_config,
 )
 from paft.signals import SignalHold, interrupted, unwind_on_termination
-from paft.train import (
-    EXIT_PERSISTENT_FAULT,
-    EXIT_USAGE,
-    MachineError,
-    Trainer,
-    check_machine,
-    format_plan,
-    format_summary,
-    uses_cuda,
-)
+from paft.train import Trainer, format_plan, format_summary
 from paft.workers import WorkerFailed, local_workers
 
 __all__ = [
@@ -69,10 +62,7 @@ __all__ = [
     "resume_hint",
     "set_aside",
     "settle",
-    "EXIT_WORKER_FAILED",
 ]
-
-EXIT_WORKER_FAILED = 1
 
 
 def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
@@ -80,7 +70,7 @@ def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
     ``resumed_with``: the options a ``--resume`` changes, as command-line words
     (:func:`paft.options.resume_args`), which the line saying how to continue names.
 
-    Raises :class:`paft.rundir.RunDirError` or :class:`paft.train.MachineError` (before
+    Raises :class:`paft.rundir.RunDirError` or :class:`paft.machine.MachineError` (before
     anything is written) when the run directory or this machine (its devices, the
     tensorboard package for ``--tensorboard``) cannot be used.
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import paft
 from paft import launch as launcher
 from paft.config import TrainConfig
+from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_WORKER_FAILED
 from paft.launch import last_rank_out_tidies
 from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
@@ -132,10 +133,10 @@ def test_overwrite_deletes_the_old_run_once_the_new_one_checkpointed_or_ended(
     def workers(cfg: TrainConfig, *_: object) -> int:
         if how == "guard stop":
             (run / "events.jsonl").write_text('{"step": 0, "event": "stop"}\n')
-            return launcher.EXIT_PERSISTENT_FAULT
+            return EXIT_PERSISTENT_FAULT
         (run / "checkpoints").mkdir()
         (run / "checkpoints" / "latest").write_text("step0000001\n")
-        return launcher.EXIT_WORKER_FAILED
+        return EXIT_WORKER_FAILED
 
     monkeypatch.setattr(launcher, "_run_workers", workers)
     code = launcher.launch(TrainConfig(run_dir="r", steps=4, overwrite=True))
@@ -159,7 +160,7 @@ def test_a_run_stopped_before_a_step_removes_what_it_made_and_only_that(
         (pathlib.Path(cfg.run_dir) / "checkpoints").mkdir()  # a first checkpoint begun, never done
         if cfg.run_dir.startswith("outer/new/"):
             pathlib.Path("outer/new/theirs").write_text("")
-        return launcher.EXIT_WORKER_FAILED
+        return EXIT_WORKER_FAILED
 
     monkeypatch.setattr(launcher, "_run_workers", workers)
     assert launcher.launch(TrainConfig(run_dir="outer/made/deeper/r", steps=2)) == 1
@@ -232,10 +233,10 @@ def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, mon
         (run / "metrics" / "rank0.jsonl").write_text('{"step": 0}\n')  # a step trained: the run is kept
         (run / "faults.jsonl").write_text("".join(f'{{"attempt": 0, "rank": {r}, "step": {s}}}\n'
                                                   for s, r in ((0, 1), (0, 0), (1, 1), (1, 0))))
-        return launcher.EXIT_WORKER_FAILED
+        return EXIT_WORKER_FAILED
 
     monkeypatch.setattr(launcher, "_run_workers", failed)
-    assert launcher.launch(TrainConfig(run_dir="r", steps=2)) == launcher.EXIT_WORKER_FAILED
+    assert launcher.launch(TrainConfig(run_dir="r", steps=2)) == EXIT_WORKER_FAILED
     assert _steps_and_ranks(tmp_path / "r") == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
@@ -600,10 +601,10 @@ def test_a_failed_run_leaves_no_checkpoint_temporaries(tmp_path: pathlib.Path,
             (root / name).parent.mkdir(exist_ok=True)
             os.close(tempfile.mkstemp(prefix=pathlib.PurePath(name).name, dir=(root / name).parent)[0])
         (root / "step0000001").mkdir()  # pruned but for the folder
-        return launcher.EXIT_WORKER_FAILED
+        return EXIT_WORKER_FAILED
 
     monkeypatch.setattr(launcher, "_run_workers", stopped_mid_checkpoint)
-    assert launcher.launch(TrainConfig(run_dir="r", steps=8)) == launcher.EXIT_WORKER_FAILED
+    assert launcher.launch(TrainConfig(run_dir="r", steps=8)) == EXIT_WORKER_FAILED
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
         "latest", "step0000002", "step0000002/.rank0.pt.notes", "step0000002/rank0.pt", "step0000002/rank1.pt",
         "step0000006", "step0000006/rank0.pt"]

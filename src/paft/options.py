@@ -39,6 +39,7 @@ from paft.config import (
     error_option,
     long_option,
 )
+from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED
 from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
 from paft.rundir import FIXED_ON_RESUME, has_checkpoint, resolve_run_dir
@@ -641,7 +642,7 @@ class OptionParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {as_options(message)}\n(options: {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {as_options(message)}\n(options: {self.prog} --help)\n")
 
 
 def train_warnings(ns: argparse.Namespace, cfg: TrainConfig, changes: Sequence[ResumeChange]) -> list[str]:
@@ -659,11 +660,13 @@ def train_epilog() -> str:
     from paft import faultspec
 
     grammar = (faultspec.__doc__ or "").split("Grammar (one ``--inject`` value)::", 1)[-1]
+    codes = (f"0 done, {EXIT_WORKER_FAILED} a worker failed, {EXIT_USAGE} bad input (nothing written), "
+             f"{EXIT_PERSISTENT_FAULT} persistent faulty rank (--on-persistent stop)")
     return f"""\
 fault specs (--inject, repeatable):
 {grammar.rstrip()}
 
-exit codes: 0 done, 1 a worker failed, 2 bad input (nothing written), 3 persistent faulty rank (--on-persistent stop),
+exit codes: {codes},
             130 interrupted (Ctrl-C; 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT; continue with --resume)
 """
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
 from paft.config import DEVICES
+from paft.exitcodes import EXIT_USAGE, EXIT_WORKER_FAILED
 from paft.options import parse_model_arg
 from paft.rundir import default_run_dir
 from paft.workloads import WORKLOADS
@@ -33,8 +34,8 @@ from paft.workloads import WORKLOADS
 __all__ = ["add_bench_parser", "run_bench"]
 
 
-_EXIT_CODES = ("exit codes: 0 done, 1 a run failed (its traceback above), 2 bad input (nothing written), "
-               "130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)")
+_EXIT_CODES = (f"exit codes: 0 done, {EXIT_WORKER_FAILED} a run failed (its traceback above), {EXIT_USAGE} bad input "
+               "(nothing written), 130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)")
 
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
@@ -211,7 +212,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 def _check_machine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """The machine (and, for overhead, the model and batch) checked as paft train checks them."""
     from paft.config import TrainConfig
-    from paft.train import MachineError, check_machine
+    from paft.machine import MachineError, check_machine
 
     if args.benchmark == "scaling":
         world_size = max(int(x) for x in args.world_sizes.split(","))
@@ -234,7 +235,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     and come back if it does not."""
     import shutil
 
-    from paft.launch import EXIT_WORKER_FAILED, hold_dir_lock, set_aside, settle
+    from paft.launch import hold_dir_lock, set_aside, settle
     from paft.rundir import RunDirError
     from paft.signals import SignalHold
 
@@ -287,7 +288,6 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
         parser.error(f"--out: cannot create {out}: {err.strerror or err}")
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from paft.launch import EXIT_WORKER_FAILED
     from paft.records import console
     from paft.signals import interrupted
     from paft.workers import WorkerFailed

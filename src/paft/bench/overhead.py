@@ -64,8 +64,8 @@ import torch
 
 from paft.bench.runner import launch, make_config, markdown_table, new_trainer, worker_group, write_outputs
 from paft.config import TrainConfig
+from paft.machine import uses_cuda
 from paft.records import console
-from paft.train import uses_cuda
 
 __all__ = ["VARIANTS", "BLOCKS", "WARMUP", "measure", "block_range", "run"]
 
