@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -489,7 +488,7 @@ def test_under_torchrun_the_world_size_is_torchruns(tmp_path: pathlib.Path) -> N
         assert f"--world-size {asked}: torchrun started 2 processes; pass --world-size 2 or leave it out" in bad.stderr
         assert not (tmp_path / "r2").exists()
     # The run directory is claimed as paft train claims it: not while another run holds it.
-    from paft.launch import hold_dir_lock
+    from paft.claim import hold_dir_lock
 
     before = sorted(p.name for p in (tmp_path / "r").iterdir())
     with hold_dir_lock(tmp_path / "r"):
@@ -657,33 +656,6 @@ def test_a_resume_commits_its_options_with_its_first_checkpoint(
     assert main(["train", *_failing(6, steps=10), "--run-dir", "r", "--resume", "--checkpoint-every", "1"]) == 1
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step0000006"
     assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 10
-
-
-def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from paft.launch import set_aside, settle
-    from paft.rundir import RunDirError
-
-    run = tmp_path / "run"
-    for keep_new in (True, False):
-        shutil.rmtree(run, ignore_errors=True)
-        run.mkdir()
-        (run / "summary.json").write_text("old")
-        aside = set_aside(run)
-        assert aside is not None and not run.exists() and aside.parent == tmp_path
-        assert (aside / "summary.json").read_text() == "old"
-        if keep_new:
-            run.mkdir()
-            (run / "summary.json").write_text("new")
-        settle(aside, run, keep_new=keep_new)  # a new run not kept was removed before
-        assert (run / "summary.json").read_text() == ("new" if keep_new else "old")
-        assert not aside.exists()
-    assert f"the output it was to replace is back in {run}" in capsys.readouterr().err
-    assert set_aside(tmp_path / "none") is None  # nothing to move
-    monkeypatch.chdir(run)
-    for here in (".", ".."):  # the working directory, or one that holds it, is never moved
-        with pytest.raises(RunDirError, match="is the working directory"):
-            set_aside(pathlib.Path(here))
 
 
 @pytest.mark.parametrize("spec,needle", [
@@ -1080,7 +1052,7 @@ def test_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest
                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Two paft train processes in one run directory interleaved their records: a
     --resume or --overwrite while another run holds the directory is refused."""
-    from paft.launch import hold_dir_lock
+    from paft.claim import hold_dir_lock
 
     monkeypatch.chdir(tmp_path)
     run = pathlib.Path("r")
@@ -1107,7 +1079,7 @@ def test_a_resume_into_a_run_dir_in_use_is_refused(tmp_path: pathlib.Path, monke
     import torch
 
     from paft import launch as launcher
-    from paft.launch import hold_dir_lock
+    from paft.claim import hold_dir_lock
     from paft.rundir import _CHECKPOINT_KEYS
 
     monkeypatch.chdir(tmp_path)
@@ -1134,7 +1106,7 @@ def test_a_resume_into_a_run_in_progress_before_its_first_checkpoint_says_in_use
     """Before its first checkpoint a run in progress has no checkpoints/latest: a --resume
     of it said "no checkpoint to resume ... pass --overwrite", advice that is refused as
     "in use" in turn. It is refused as in use, as a plain start or --overwrite is."""
-    from paft.launch import hold_dir_lock
+    from paft.claim import hold_dir_lock
 
     monkeypatch.chdir(tmp_path)
     run = pathlib.Path("r")
@@ -1155,7 +1127,7 @@ def test_a_bench_folder_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: p
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """Two benchmarks into one --out mixed their runs' records (steps 0..4 twice in one
     metrics file), and the second's --overwrite moved the first's folder aside under it."""
-    from paft.launch import hold_dir_lock
+    from paft.claim import hold_dir_lock
 
     monkeypatch.chdir(tmp_path)
     out = pathlib.Path("b")
@@ -1170,51 +1142,19 @@ def test_a_bench_folder_in_use_is_refused(tmp_path: pathlib.Path, monkeypatch: p
     assert not list(tmp_path.glob("b.replaced-*"))
 
 
-def test_a_run_dir_another_start_took_meanwhile_is_left_alone(tmp_path: pathlib.Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two new runs started together: the one that lost the directory removed the
-    winner's files on its way out (the lock came after the directory was written)."""
-    from paft.launch import claim_run_dir, hold_dir_lock
-    from paft.rundir import RunDirError
-
-    monkeypatch.chdir(tmp_path)
-    cfg = TrainConfig(run_dir="d", steps=1)
-    theirs = pathlib.Path("d")
-    theirs.mkdir()
-    (theirs / "config.json").write_text("theirs")
-    with hold_dir_lock(theirs), pytest.raises(RunDirError, match="d is in use by another paft train"):
-        with claim_run_dir(cfg):
-            pass
-    with pytest.raises(RunDirError, match="d was just filled by another paft train"):  # not locked yet
-        with claim_run_dir(cfg):
-            pass
-    real_is_dir, looked = pathlib.Path.is_dir, []
-
-    def is_dir(path: pathlib.Path) -> bool:  # the first look misses it; the start that made it is just done
-        if path == theirs and not looked:
-            looked.append(path)
-            return False
-        return real_is_dir(path)
-
-    monkeypatch.setattr(pathlib.Path, "is_dir", is_dir)
-    with pytest.raises(RunDirError, match="d was just created by another paft train"):  # seen missing, then made
-        with claim_run_dir(cfg):
-            pass
-    assert (theirs / "config.json").read_text() == "theirs"
-
-
 def test_a_new_run_into_an_existing_empty_folder_holds_one_lock(tmp_path: pathlib.Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher locked an existing folder, then locked it again as a new run's: flock
     locks belong to each open file, so it refused itself and removed the folder."""
     from paft import launch as launcher
+    from paft.claim import hold_dir_lock
     from paft.rundir import RunDirError
 
     monkeypatch.chdir(tmp_path)
     pathlib.Path("d").mkdir()
 
     def workers(cfg: TrainConfig, *_: object) -> int:
-        with pytest.raises(RunDirError, match="in use"), launcher.hold_dir_lock(pathlib.Path("d")):
+        with pytest.raises(RunDirError, match="in use"), hold_dir_lock(pathlib.Path("d")):
             pass  # held by the launcher while the workers run
         return 0
 
@@ -1242,13 +1182,14 @@ def test_a_folder_holding_only_a_lock_counts_as_empty(tmp_path: pathlib.Path, mo
     leaves its lock alone there: the folder was refused as "not a paft run", for good, and
     had to be deleted by hand. While a run holds that lock, it is in use."""
     from paft import launch as launcher
+    from paft.claim import hold_dir_lock
     from paft.records import LOCK_FILE, output_dir_problem
     from paft.rundir import RunDirError, check_run_dir
 
     monkeypatch.chdir(tmp_path)
     pathlib.Path("d").mkdir()
     (pathlib.Path("d") / LOCK_FILE).touch()
-    with launcher.hold_dir_lock(pathlib.Path("d")), pytest.raises(RunDirError, match="in use"):
+    with hold_dir_lock(pathlib.Path("d")), pytest.raises(RunDirError, match="in use"):
         check_run_dir(TrainConfig(run_dir="d", steps=1))
     monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: 0)
     assert launcher.launch(TrainConfig(run_dir="d", steps=1)) == 0
@@ -1257,24 +1198,6 @@ def test_a_folder_holding_only_a_lock_counts_as_empty(tmp_path: pathlib.Path, mo
     pathlib.Path("b").mkdir()
     (pathlib.Path("b") / LOCK_FILE).touch()
     assert output_dir_problem(pathlib.Path("b"), "--out", {".paft-bench": pathlib.Path.is_file}, False) is None
-
-
-@pytest.mark.parametrize("code", [1, 3])  # a worker failed; the guard stopped the run (persistent fault)
-def test_a_resume_that_stops_before_its_next_checkpoint_keeps_config_json(
-        code: int, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exit 3 counted as a finished run: the new options stayed in config.json, and a later
-    --resume went on from the old checkpoint with options it was never trained with."""
-    from paft.launch import claim_run_dir
-
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
-    (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000024")
-    old = json.dumps(TrainConfig(steps=24).to_dict())
-    (tmp_path / "r" / "config.json").write_text(old)
-    with claim_run_dir(TrainConfig(run_dir="r", steps=40, resume=True)) as outcome:
-        assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 40
-        outcome["code"] = code
-    assert (tmp_path / "r" / "config.json").read_text() == old
 
 
 def test_an_unknown_argument_is_said_by_the_command_it_was_given_to(capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,10 +21,11 @@ import pytest
 import torch.distributed as dist
 
 import paft
+from paft import claim
 from paft import launch as launcher
+from paft.claim_test import old_run
 from paft.config import TrainConfig
 from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_WORKER_FAILED
-from paft.launch import last_rank_out_tidies
 from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
 from paft.rundir import RunDirError, in_use
@@ -34,14 +35,6 @@ from paft.train import format_plan, format_summary
 from paft.workers import WorkerFailed
 
 pytestmark = pytest.mark.usefixtures("sigint")
-
-
-def _old_run(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
-    monkeypatch.chdir(tmp_path)
-    run = pathlib.Path("r")
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps(TrainConfig(run_dir="r", steps=2).to_dict()))
-    return run
 
 
 def _interrupting(real: Any, after: bool = False) -> Any:
@@ -61,7 +54,7 @@ def test_ctrl_c_while_the_replaced_run_is_deleted_deletes_it_whole(tmp_path: pat
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C while --overwrite deleted the run it replaced (the new one had finished)
     stopped the delete: a ``r.replaced-<id>`` folder stayed behind."""
-    run = _old_run(tmp_path, monkeypatch)
+    run = old_run(tmp_path, monkeypatch)
 
     def finished(cfg: TrainConfig, *_: object) -> int:
         (run / "summary.json").write_text("{}")
@@ -78,8 +71,8 @@ def test_ctrl_c_while_the_replaced_run_is_deleted_deletes_it_whole(tmp_path: pat
 def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pathlib.Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C between moving the old run aside and the clean-up's ``try`` left it aside."""
-    run = _old_run(tmp_path, monkeypatch)
-    monkeypatch.setattr(launcher, "set_aside", _interrupting(launcher.set_aside, after=True))
+    run = old_run(tmp_path, monkeypatch)
+    monkeypatch.setattr(claim, "set_aside", _interrupting(claim.set_aside, after=True))
     monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: pytest.fail("the run must not start"))
     with pytest.raises(KeyboardInterrupt):
         launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
@@ -87,33 +80,17 @@ def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pa
     assert json.loads((run / "config.json").read_text())["steps"] == 2
 
 
-def test_a_refused_claim_gives_the_signals_back(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The claim holds Ctrl-C and the terminating signals while it sets an old run aside;
-    a claim refused there (the directory in use) must hand them back, or a later Ctrl-C
-    is only noted and never acted on."""
-    run = _old_run(tmp_path, monkeypatch)
-    before = signal.getsignal(signal.SIGTERM)
-    with launcher.hold_dir_lock(run), pytest.raises(RunDirError, match="in use"):
-        with launcher.claim_run_dir(TrainConfig(run_dir="r", steps=1, overwrite=True)):
-            pytest.fail("the claim must be refused")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.getsignal(signal.SIGTERM) == before
-    with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)  # the handler runs at the next bytecode; this is never reached
-
-
 def test_an_old_run_comes_back_when_the_new_directory_cannot_be_made(tmp_path: pathlib.Path,
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """--overwrite moves the old run aside and then creates the new directory: when that
     fails (another start took the name meanwhile), the old run is moved back."""
-    run = _old_run(tmp_path, monkeypatch)
+    run = old_run(tmp_path, monkeypatch)
 
     def taken(run_dir: pathlib.Path) -> None:
         raise RunDirError(f"--run-dir: {run_dir} was just created by another paft train; pick another --run-dir")
 
-    monkeypatch.setattr(launcher, "_create", taken)
+    monkeypatch.setattr(claim, "_create", taken)
     monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: pytest.fail("the run must not start"))
     with pytest.raises(RunDirError, match="r was just created by another paft train"):
         launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
@@ -128,7 +105,7 @@ def test_overwrite_deletes_the_old_run_once_the_new_one_checkpointed_or_ended(
     """A new run that failed after its first checkpoint (--resume continues it), or that the
     guard stopped (exit 3, an end the user asked for), replaces the old run for good, even
     with no step recorded; neither is said to have stopped early."""
-    run = _old_run(tmp_path, monkeypatch)
+    run = old_run(tmp_path, monkeypatch)
 
     def workers(cfg: TrainConfig, *_: object) -> int:
         if how == "guard stop":
@@ -174,54 +151,6 @@ def test_a_run_stopped_before_a_step_removes_what_it_made_and_only_that(
         "paft train: the run stopped before a step; what it wrote in given was removed\n")
 
 
-def test_each_old_run_set_aside_gets_a_name_of_its_own(tmp_path: pathlib.Path) -> None:
-    """An old run kept aside (it could not go back) keeps its name: the next --overwrite
-    sets the run now in its place aside beside it."""
-    run = tmp_path / "r"
-    asides = []
-    for _ in range(2):
-        run.mkdir()
-        aside = launcher.set_aside(run)
-        assert aside is not None and aside.name.startswith("r.replaced-")
-        asides.append(aside)
-    assert asides[0] != asides[1] and all(a.is_dir() for a in asides)
-
-
-def test_a_rewritten_latest_checkpoint_is_told_from_the_one_it_replaced(tmp_path: pathlib.Path) -> None:
-    """A resume that stops before its next checkpoint puts config.json back: whether one
-    was written meanwhile is read from checkpoints/latest's file identity. Each write
-    replaces it whole, with the same name and maybe the same bytes; the file system may
-    give it back an inode it freed (its number alone would say "the same file"), or a
-    coarse clock the same time (its time alone would)."""
-    latest = tmp_path / "checkpoints" / "latest"
-    assert launcher._latest(tmp_path) == ()
-    atomic_write_bytes(latest, b"step 3")
-    first, st = launcher._latest(tmp_path), latest.stat()
-    os.utime(latest, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # its inode, written later
-    assert launcher._latest(tmp_path) != first
-    atomic_write_bytes(latest, b"step 3")  # another inode, at the same time
-    os.utime(latest, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert latest.stat().st_ino != st.st_ino and launcher._latest(tmp_path) != first
-
-
-def test_an_old_run_that_cannot_go_back_stays_aside_and_is_named(tmp_path: pathlib.Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """The run --overwrite set aside goes back in place when the new one is not kept;
-    where something took that place meanwhile, it stays aside, whole, and the user is
-    told where."""
-    run = tmp_path / "r"
-    run.mkdir()
-    (run / "summary.json").write_text("old")
-    aside = launcher.set_aside(run)
-    assert aside is not None
-    run.mkdir()
-    (run / "theirs").write_text("")  # another start took the name
-    launcher.settle(aside, run, keep_new=False)
-    assert (aside / "summary.json").read_text() == "old" and (run / "theirs").is_file()
-    assert capsys.readouterr().err == (f"paft train: the output it was to replace is kept in {aside} (moving it "
-                                       f"back to {run} failed: Directory not empty)\n")
-
-
 def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 sorts faults.jsonl at a run's end; a run whose workers failed (or were
     interrupted) never got there: the launcher sorts it once they are gone."""
@@ -238,19 +167,6 @@ def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, mon
     monkeypatch.setattr(launcher, "_run_workers", failed)
     assert launcher.launch(TrainConfig(run_dir="r", steps=2)) == EXIT_WORKER_FAILED
     assert _steps_and_ranks(tmp_path / "r") == [(0, 0), (0, 1), (1, 0), (1, 1)]
-
-
-def test_a_file_system_without_flock_is_warned_about(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    # Some network and FUSE mounts refuse flock: the run goes on, and says what that leaves open.
-    def no_flock(fd: Any, operation: int) -> None:
-        raise OSError(37, "No locks available")
-
-    monkeypatch.setattr(launcher.fcntl, "flock", no_flock)
-    with launcher.hold_dir_lock(tmp_path):
-        pass
-    assert capsys.readouterr().err == (f"paft train: warning: cannot lock {tmp_path} (No locks available); nothing "
-                                       "stops a second paft train from using it meanwhile\n")
 
 
 def test_a_guard_stop_exits_3_with_its_reason(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
@@ -415,7 +331,7 @@ def _claiming_while_a_peer_lingers(rank: int, world_size: int, run_dir: str) -> 
     if rank == 0:
         probed = in_use(run)
         try:
-            with launcher.claim_run_dir(TrainConfig(run_dir=run_dir, world_size=2, steps=1, overwrite=True)):
+            with claim.claim_run_dir(TrainConfig(run_dir=run_dir, world_size=2, steps=1, overwrite=True)):
                 outcome = "claimed"
         except RunDirError as err:
             outcome = str(err)
@@ -436,21 +352,8 @@ def test_under_torchrun_the_run_dir_stays_claimed_until_the_last_rank_is_out(tmp
                           "wait for it to end or pick another --run-dir"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r", "tried"]  # not set aside
     assert not in_use(run)
-    with launcher.hold_dir_lock(run):  # free once every rank is out
+    with claim.hold_dir_lock(run):  # free once every rank is out
         pass
-
-
-def test_the_last_rank_out_leaves_a_directory_put_in_its_place_alone(tmp_path: pathlib.Path) -> None:
-    """Rank 0's claim may remove the run, or move the run --overwrite replaced back in
-    its place, while a peer is still on its way out: that one tidies nothing there."""
-    run = tmp_path / "r"
-    run.mkdir()
-    unsorted = '{"attempt": 0, "rank": 0, "step": 1}\n{"attempt": 0, "rank": 0, "step": 0}\n'
-    with last_rank_out_tidies(run):
-        run.rename(tmp_path / "gone")
-        run.mkdir()
-        (run / "faults.jsonl").write_text(unsorted)
-    assert (run / "faults.jsonl").read_text() == unsorted
 
 
 def _writing_after_rank_0_failed(rank: int, world_size: int, run_dir: str, wait: float, bound: float,

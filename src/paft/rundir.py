@@ -4,7 +4,7 @@ checks, the checkpoint files, ``config.json``.
 Everything here reads or refuses; only :func:`prepare_run_dir` and
 :func:`write_config` write, and :func:`remove_checkpoint_temporaries` deletes what
 stopped workers left. ``paft train`` claims the directory itself under a lock
-(:func:`paft.launch.claim_run_dir`); the training ranks write their checkpoints
+(:func:`paft.claim.claim_run_dir`); the training ranks write their checkpoints
 (:class:`paft.train.Trainer`) and logs (:class:`paft.records.RunRecorder`) into it.
 """
 
@@ -190,7 +190,7 @@ def in_use(run_dir: pathlib.Path) -> bool:
 def ranks_inside(run_dir: pathlib.Path) -> bool:
     """Whether a rank of a torchrun run is still inside ``run_dir`` (a probe). Each
     rank holds a shared flock on the directory itself until it is out
-    (:func:`paft.launch.last_rank_out_tidies`): rank 0, the holder of :data:`LOCK_FILE`,
+    (:func:`paft.claim.last_rank_out_tidies`): rank 0, the holder of :data:`LOCK_FILE`,
     waits for its peers to be out only so long, and one may still be tidying or writing
     when it has gone. (A probe that lands between the last rank's letting go and its
     try for the exclusive lock makes that rank leave its run untidied: a window of
@@ -372,7 +372,7 @@ def _intact(path: pathlib.Path) -> dict[str, Any] | None:
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
     """Create (or, with --overwrite, replace) the run directory and write ``config.json``:
     for benchmarks and tests, which own their folders. ``paft train`` and its torchrun
-    form claim the directory under a lock instead (:func:`paft.launch.claim_run_dir`)."""
+    form claim the directory under a lock instead (:func:`paft.claim.claim_run_dir`)."""
     path = pathlib.Path(cfg.run_dir)
     try:
         if cfg.overwrite and path.exists():

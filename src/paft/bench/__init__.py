@@ -235,7 +235,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     and come back if it does not."""
     import shutil
 
-    from paft.launch import hold_dir_lock, set_aside, settle
+    from paft.claim import hold_dir_lock, set_aside, settle
     from paft.rundir import RunDirError
     from paft.signals import SignalHold
 
@@ -274,7 +274,7 @@ def _kept(out: pathlib.Path, overwrite: bool) -> str:
 
 def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.ArgumentParser,
               locks: contextlib.ExitStack) -> int:
-    from paft.launch import hold_dir_lock
+    from paft.claim import hold_dir_lock
     from paft.rundir import RunDirError
 
     # Written first, so that an interrupted benchmark's folder is still known as ours.

@@ -1,0 +1,191 @@
+"""Holding a run directory: its lock, an old run set aside and settled, a new run's
+folders removed when it stopped early, a resume's options kept with its checkpoint,
+and the tidying by the last torchrun rank out."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from paft import claim
+from paft.config import TrainConfig
+from paft.records import atomic_write_bytes
+from paft.rundir import RunDirError
+
+pytestmark = pytest.mark.usefixtures("sigint")
+
+
+def old_run(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    """A run directory ``r`` holding a 2-step run's config.json, in ``tmp_path``, the working directory."""
+    monkeypatch.chdir(tmp_path)
+    run = pathlib.Path("r")
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(TrainConfig(run_dir="r", steps=2).to_dict()))
+    return run
+
+
+def test_a_refused_claim_gives_the_signals_back(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claim holds Ctrl-C and the terminating signals while it sets an old run aside;
+    a claim refused there (the directory in use) must hand them back, or a later Ctrl-C
+    is only noted and never acted on."""
+    run = old_run(tmp_path, monkeypatch)
+    before = signal.getsignal(signal.SIGTERM)
+    with claim.hold_dir_lock(run), pytest.raises(RunDirError, match="in use"):
+        with claim.claim_run_dir(TrainConfig(run_dir="r", steps=1, overwrite=True)):
+            pytest.fail("the claim must be refused")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == before
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler runs at the next bytecode; this is never reached
+
+
+def test_each_old_run_set_aside_gets_a_name_of_its_own(tmp_path: pathlib.Path) -> None:
+    """An old run kept aside (it could not go back) keeps its name: the next --overwrite
+    sets the run now in its place aside beside it."""
+    run = tmp_path / "r"
+    asides = []
+    for _ in range(2):
+        run.mkdir()
+        aside = claim.set_aside(run)
+        assert aside is not None and aside.name.startswith("r.replaced-")
+        asides.append(aside)
+    assert asides[0] != asides[1] and all(a.is_dir() for a in asides)
+
+
+def test_a_rewritten_latest_checkpoint_is_told_from_the_one_it_replaced(tmp_path: pathlib.Path) -> None:
+    """A resume that stops before its next checkpoint puts config.json back: whether one
+    was written meanwhile is read from checkpoints/latest's file identity. Each write
+    replaces it whole, with the same name and maybe the same bytes; the file system may
+    give it back an inode it freed (its number alone would say "the same file"), or a
+    coarse clock the same time (its time alone would)."""
+    latest = tmp_path / "checkpoints" / "latest"
+    assert claim._latest(tmp_path) == ()
+    atomic_write_bytes(latest, b"step 3")
+    first, st = claim._latest(tmp_path), latest.stat()
+    os.utime(latest, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # its inode, written later
+    assert claim._latest(tmp_path) != first
+    atomic_write_bytes(latest, b"step 3")  # another inode, at the same time
+    os.utime(latest, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert latest.stat().st_ino != st.st_ino and claim._latest(tmp_path) != first
+
+
+def test_an_old_run_that_cannot_go_back_stays_aside_and_is_named(tmp_path: pathlib.Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The run --overwrite set aside goes back in place when the new one is not kept;
+    where something took that place meanwhile, it stays aside, whole, and the user is
+    told where."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "summary.json").write_text("old")
+    aside = claim.set_aside(run)
+    assert aside is not None
+    run.mkdir()
+    (run / "theirs").write_text("")  # another start took the name
+    claim.settle(aside, run, keep_new=False)
+    assert (aside / "summary.json").read_text() == "old" and (run / "theirs").is_file()
+    assert capsys.readouterr().err == (f"paft train: the output it was to replace is kept in {aside} (moving it "
+                                       f"back to {run} failed: Directory not empty)\n")
+
+
+def test_a_file_system_without_flock_is_warned_about(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # Some network and FUSE mounts refuse flock: the run goes on, and says what that leaves open.
+    def no_flock(fd: Any, operation: int) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(claim.fcntl, "flock", no_flock)
+    with claim.hold_dir_lock(tmp_path):
+        pass
+    assert capsys.readouterr().err == (f"paft train: warning: cannot lock {tmp_path} (No locks available); nothing "
+                                       "stops a second paft train from using it meanwhile\n")
+
+
+def test_the_last_rank_out_leaves_a_directory_put_in_its_place_alone(tmp_path: pathlib.Path) -> None:
+    """Rank 0's claim may remove the run, or move the run --overwrite replaced back in
+    its place, while a peer is still on its way out: that one tidies nothing there."""
+    run = tmp_path / "r"
+    run.mkdir()
+    unsorted = '{"attempt": 0, "rank": 0, "step": 1}\n{"attempt": 0, "rank": 0, "step": 0}\n'
+    with claim.last_rank_out_tidies(run):
+        run.rename(tmp_path / "gone")
+        run.mkdir()
+        (run / "faults.jsonl").write_text(unsorted)
+    assert (run / "faults.jsonl").read_text() == unsorted
+
+
+def test_overwrite_moves_the_old_run_aside_until_the_new_one_has_something(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    for keep_new in (True, False):
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir()
+        (run / "summary.json").write_text("old")
+        aside = claim.set_aside(run)
+        assert aside is not None and not run.exists() and aside.parent == tmp_path
+        assert (aside / "summary.json").read_text() == "old"
+        if keep_new:
+            run.mkdir()
+            (run / "summary.json").write_text("new")
+        claim.settle(aside, run, keep_new=keep_new)  # a new run not kept was removed before
+        assert (run / "summary.json").read_text() == ("new" if keep_new else "old")
+        assert not aside.exists()
+    assert f"the output it was to replace is back in {run}" in capsys.readouterr().err
+    assert claim.set_aside(tmp_path / "none") is None  # nothing to move
+    monkeypatch.chdir(run)
+    for here in (".", ".."):  # the working directory, or one that holds it, is never moved
+        with pytest.raises(RunDirError, match="is the working directory"):
+            claim.set_aside(pathlib.Path(here))
+
+
+def test_a_run_dir_another_start_took_meanwhile_is_left_alone(tmp_path: pathlib.Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two new runs started together: the one that lost the directory removed the
+    winner's files on its way out (the lock came after the directory was written)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig(run_dir="d", steps=1)
+    theirs = pathlib.Path("d")
+    theirs.mkdir()
+    (theirs / "config.json").write_text("theirs")
+    with claim.hold_dir_lock(theirs), pytest.raises(RunDirError, match="d is in use by another paft train"):
+        with claim.claim_run_dir(cfg):
+            pass
+    with pytest.raises(RunDirError, match="d was just filled by another paft train"):  # not locked yet
+        with claim.claim_run_dir(cfg):
+            pass
+    real_is_dir, looked = pathlib.Path.is_dir, []
+
+    def is_dir(path: pathlib.Path) -> bool:  # the first look misses it; the start that made it is just done
+        if path == theirs and not looked:
+            looked.append(path)
+            return False
+        return real_is_dir(path)
+
+    monkeypatch.setattr(pathlib.Path, "is_dir", is_dir)
+    with pytest.raises(RunDirError, match="d was just created by another paft train"):  # seen missing, then made
+        with claim.claim_run_dir(cfg):
+            pass
+    assert (theirs / "config.json").read_text() == "theirs"
+
+
+@pytest.mark.parametrize("code", [1, 3])  # a worker failed; the guard stopped the run (persistent fault)
+def test_a_resume_that_stops_before_its_next_checkpoint_keeps_config_json(
+        code: int, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 3 counted as a finished run: the new options stayed in config.json, and a later
+    --resume went on from the old checkpoint with options it was never trained with."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000024")
+    old = json.dumps(TrainConfig(steps=24).to_dict())
+    (tmp_path / "r" / "config.json").write_text(old)
+    with claim.claim_run_dir(TrainConfig(run_dir="r", steps=40, resume=True)) as outcome:
+        assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 40
+        outcome["code"] = code
+    assert (tmp_path / "r" / "config.json").read_text() == old
