@@ -118,12 +118,25 @@ def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str]) -> int:
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
         return interrupted(err, resume_hint(cfg, "paft train", resumed_with))
-    first = results[0]
-    if first["status"] == "persistent_fault":
-        print(f"paft train: {first['message']}", file=sys.stderr)
-        return EXIT_PERSISTENT_FAULT
-    console(format_summary(first["summary"], cfg.run_dir))
-    return 0
+    return _tell_result(results[0], cfg.run_dir, "paft train")
+
+
+def _exit_code(result: dict[str, Any]) -> int:
+    """The exit code of a run that ended with ``result`` (:func:`_train`'s): 0 when it
+    finished, 3 when the guard stopped it."""
+    return EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
+
+
+def _tell_result(result: dict[str, Any], run_dir: str, prog: str, say: bool = True) -> int:
+    """Say how a run that ended went (unless ``say`` is false: under torchrun rank 0 alone
+    says it), the guard's reason for stopping it or the summary table (--quiet silences
+    progress, not the result); returns its exit code (:func:`_exit_code`)."""
+    code = _exit_code(result)
+    if say and code == EXIT_PERSISTENT_FAULT:
+        print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
+    elif say:
+        console(format_summary(result["summary"], run_dir))
+    return code
 
 
 def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft train") -> None:
@@ -389,12 +402,5 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
             if ours is not None and _identity(cfg.run_dir) == ours:
                 record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog)
             raise
-        code = EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
-        outcome["code"] = code
-    if code == EXIT_PERSISTENT_FAULT:
-        if rank0:
-            print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
-        return code
-    if rank0:  # --quiet silences progress, not the result (as paft train)
-        console(format_summary(result["summary"], cfg.run_dir))
-    return 0
+        outcome["code"] = _exit_code(result)
+    return _tell_result(result, cfg.run_dir, prog, say=rank0)  # once the claim settled the directory
