@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from paft.bench import add_bench_parser, run_bench
 from paft.exitcodes import EXIT_USAGE
-from paft.options import OptionParser, add_train_options, parsed_train_config, train_epilog
+from paft.options import OptionParser, add_train_options, config_or_exit, train_epilog
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -71,7 +71,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from paft.rundir import RunDirError
     from paft.signals import interrupted
 
-    cfg, resumed_with = parsed_train_config(parser, args)
+    cfg, resumed_with = config_or_exit(parser, args)
     try:
         code = launch(cfg, resumed_with)
     except (RunDirError, MachineError) as err:

@@ -52,7 +52,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
-           "parsed_train_config", "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults",
+           "config_or_exit", "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults",
            "ResumeChange", "resume_changes", "resume_args",
            "train_warnings", "train_epilog"]
 
@@ -683,11 +683,11 @@ def parse_train_config(
     :func:`train_warnings` to stderr (one rank of several does)."""
     parser = OptionParser(prog=prog, epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_options(parser)
-    return parsed_train_config(parser, parser.parse_args(argv), launched, warn)
+    return config_or_exit(parser, parser.parse_args(argv), launched, warn)
 
 
-def parsed_train_config(parser: argparse.ArgumentParser, ns: argparse.Namespace, launched: int | None = None,
-                        warn: bool = True) -> tuple[TrainConfig, list[str]]:
+def config_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace, launched: int | None = None,
+                   warn: bool = True) -> tuple[TrainConfig, list[str]]:
     """The validated :class:`TrainConfig` of ``ns``, the options ``parser`` parsed (it
     has :func:`add_train_options`), and the options a ``--resume`` changes, as
     command-line words (:func:`resume_args`); bad input is ``parser``'s error (exit
