@@ -117,11 +117,16 @@ def _plot(ax: Axes, steps: Sequence[int], values: Sequence[float], **kw: Any) ->
     if bad:
         # Each series its own row, so that which rank went non-finite first shows.
         row = sum(1 for line in ax.get_lines() if line.get_gid() == "nonfinite")
-        ax.plot(bad, [max(0.88 - 0.04 * row, 0.5)] * len(bad), ls="", marker="$!$", ms=10,
-                color=kw.get("color", "black"), transform=ax.get_xaxis_transform(), gid="nonfinite",
-                label="_nolegend_")
+        _edge_marks(ax, bad, max(0.88 - 0.04 * row, 0.5), kw.get("color", "black"), "_nolegend_", gid="nonfinite")
         if _NONFINITE_LABEL not in ax.get_legend_handles_labels()[1]:
-            ax.plot([], [], ls="", marker="$!$", ms=10, color="0.3", label=_NONFINITE_LABEL)
+            _edge_marks(ax, [], 0.88, "0.3", _NONFINITE_LABEL)
+
+
+def _edge_marks(ax: Axes, steps: Sequence[int], height: float, color: Any, label: str, gid: str | None = None) -> None:
+    """A "!" at each of ``steps``, ``height`` up the panel (a fraction of it): a value
+    that is not a finite number has no place on the value axis."""
+    ax.plot(steps, [height] * len(steps), ls="", marker="$!$", ms=10, color=color,
+            transform=ax.get_xaxis_transform(), gid=gid, label=label)
 
 
 def _scale(ax: Axes, values: Sequence[float]) -> None:
@@ -349,8 +354,7 @@ def _plot_guard(run: RunData) -> bytes:
         what = f"{g.get('detector', '?')} on {ranks_phrase(ranks)}" if ranks else str(g.get("detector", "?"))
         color = _rank_color(int(ranks[0])) if ranks else "black"
         if pair is None or not math.isfinite(pair[0]):  # NaN/Inf, or a value not recorded: on the top edge
-            ax.plot([g["step"]], [0.97], ls="", marker="$!$", ms=10, color=color,
-                    transform=ax.get_xaxis_transform(), label=label(what))
+            _edge_marks(ax, [g["step"]], 0.97, color, label(what))
         else:
             ax.plot([g["step"]], [pair[0]], ls="", marker="o", ms=7, color=color, label=label(what))
             if math.isfinite(pair[1]):
@@ -465,8 +469,7 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
                 label="at a state-split alert")
     bad = [s for s, v in syncs if not math.isfinite(v)]
     if bad:
-        ax.plot(bad, [0.88] * len(bad), ls="", marker="$!$", ms=10, color="red",
-                transform=ax.get_xaxis_transform(), label="non-finite replica at a sync")
+        _edge_marks(ax, bad, 0.88, "red", "non-finite replica at a sync")
     _scale(ax, [*values, *(v for _, v in pos), *(v for _, v in alerts)])
     if ax.get_yscale() == "linear":  # a distance: nothing below 0 (an all-zero panel showed -0.05)
         ax.set_ylim(bottom=0)
