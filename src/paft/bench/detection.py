@@ -45,10 +45,12 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from paft.bench import overhead
 from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
 from paft.config import TrainConfig
-from paft.faultspec import BIT_CLASSES
+from paft.faultspec import BIT_CLASSES, BUCKET_SITES, bit_range
 from paft.records import console, read_jsonl
 
 __all__ = [
@@ -70,7 +72,7 @@ __all__ = [
     "run",
 ]
 
-SITES: tuple[str, ...] = ("aggregation", "local-grad")
+SITES: tuple[str, ...] = BUCKET_SITES
 BIT_TARGETS: tuple[int | str, ...] = (*range(32), "sign", "exponent", "mantissa")
 MODEL: dict[str, Any] = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 PER_RANK_BATCH = 8
@@ -109,11 +111,19 @@ def fault_spec(site: str, bits: int | str, rate: float) -> str:
     return f"bitflip:site={site},rate={rate:g},bits={bits},ranks=1,count=1"
 
 
+def _float32_field(bit: int) -> str:
+    """The float32 field (``sign``, ``exponent``, ``mantissa``) that holds ``bit``."""
+    for field in ("sign", "exponent", "mantissa"):
+        lo, hi = bit_range(torch.float32, field)
+        if lo <= bit <= hi:
+            return field
+    raise ValueError(f"bit {bit} is not a float32 bit")
+
+
 def bit_label(bits: int | str) -> str:
     if isinstance(bits, str):
         return f"{bits} (random bit)" if bits != "sign" else "sign (class)"
-    kind = "sign" if bits == 31 else "exponent" if bits >= 23 else "mantissa"
-    return f"{bits} ({kind})"
+    return f"{bits} ({_float32_field(bits)})"
 
 
 def _base(steps: int, world_size: int, seed: int, eval_every: int, device: str = "auto") -> dict[str, Any]:
@@ -422,6 +432,9 @@ def _missed(cells: list[dict[str, Any]]) -> str:
     return ", ".join(out) if out else "none"
 
 
+_FIELD_COLORS = {"sign": "tab:purple", "exponent": "tab:orange", "mantissa": "tab:gray"}
+
+
 def _plot(out: pathlib.Path, rows: list[dict[str, Any]], sites: Sequence[str],
           targets: list[int | str]) -> pathlib.Path:
     from matplotlib.figure import Figure
@@ -439,8 +452,7 @@ def _plot(out: pathlib.Path, rows: list[dict[str, Any]], sites: Sequence[str],
         # Shade the float32 fields behind the single-bit targets.
         for x, b in zip(xs, targets):
             if isinstance(b, int):
-                color = "tab:purple" if b == 31 else "tab:orange" if b >= 23 else "tab:gray"
-                ax.axvspan(x - 0.5, x + 0.5, color=color, alpha=0.08, lw=0)
+                ax.axvspan(x - 0.5, x + 0.5, color=_FIELD_COLORS[_float32_field(b)], alpha=0.08, lw=0)
         ax.set_xticks(xs, [str(b) for b in targets], rotation=90, fontsize=8)
         ax.set(title=f"site {site}, per bit target: harmful share of the assessed faults, detected share of "
                      f"the injected ones "
