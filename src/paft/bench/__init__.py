@@ -21,8 +21,8 @@ import argparse
 import contextlib
 import pathlib
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
 from paft.config import DEVICES
@@ -119,12 +119,20 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                                "bytes and time, a sync's bytes and time, and the monitor's paired-step cost, "
                                "measured at each world size beside the cost model.")
     common(scaling)
-    scaling.add_argument("--world-sizes", default="2,4", metavar="WORLD-SIZES",
+    scaling.add_argument("--world-sizes", type=_world_sizes, default="2,4", metavar="WORLD-SIZES",
                          help="comma-separated [default: %(default)s]")
     scaling.add_argument("--steps", type=int, default=40,
                          help="steps per sync run, and timed paired steps of the monitor against plain DDP, at "
                          f"least {BLOCKS} [default: %(default)s]")
     return bench
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    """``--world-sizes``: comma-separated integers (bounds are checked with the other options)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 BENCH_MARKER = ".paft-bench"
@@ -161,15 +169,30 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
-    if args.benchmark in ("overhead", "scaling") and args.steps < BLOCKS:
+    # One local process per rank: more than this is a typo on any one machine.
+    if args.benchmark != "scaling" and args.world_size > MAX_LOCAL_WORLD_SIZE:
+        parser.error(f"--world-size: must be <= {MAX_LOCAL_WORLD_SIZE} (one process per rank on this machine), "
+                     f"got {args.world_size}")
+    check = _BENCHMARKS[args.benchmark].check
+    if check is not None:
+        check(args, parser)
+    _check_machine(args, parser)
+
+
+def _check_block_steps(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.steps < BLOCKS:
         parser.error(
             f"--steps: must be >= {BLOCKS} (the ratios are also reported per block), got {args.steps}"
         )
-    if args.benchmark == "overhead" and args.warmup < 0:
+
+
+def _check_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    _check_block_steps(args, parser)
+    if args.warmup < 0:
         parser.error(f"--warmup: must be >= 0, got {args.warmup}")
-    if args.benchmark == "overhead" and args.batch_size % args.world_size:
+    if args.batch_size % args.world_size:
         parser.error(f"--batch-size: {args.batch_size} cannot be split evenly across --world-size {args.world_size}")
-    if args.benchmark == "overhead" and args.variants is not None:  # "" is a typo, not "all"
+    if args.variants is not None:  # "" is a typo, not "all"
         unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
@@ -177,36 +200,36 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             parser.error("--variants: plain alone measures nothing: plain DDP is the reference the variants are "
                          "measured against (it always runs); name a variant")
         _refuse_repeats(parser, "--variants", args.variants.split(","))
-    if args.benchmark == "overhead" and args.workload not in WORKLOADS:
+    if args.workload not in WORKLOADS:
         parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")
-    if args.benchmark == "matrix":
-        names = args.workloads.split(",")
-        unknown = [w for w in names if w not in WORKLOADS]
-        if unknown:
-            parser.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
-        _refuse_repeats(parser, "--workloads", names)
-    # One local process per rank: more than this is a typo on any one machine.
-    if args.benchmark != "scaling" and args.world_size > MAX_LOCAL_WORLD_SIZE:
-        parser.error(f"--world-size: must be <= {MAX_LOCAL_WORLD_SIZE} (one process per rank on this machine), "
-                     f"got {args.world_size}")
-    if args.benchmark == "detection" and not 0 < args.rate <= 1:
-        parser.error(f"--rate: must be in (0, 1], got {args.rate}")
-    if args.benchmark == "scaling":
-        try:
-            sizes = [int(x) for x in args.world_sizes.split(",")]
-        except ValueError:
-            parser.error(f"--world-sizes: expected comma-separated integers, got {args.world_sizes!r}")
-        if any(x < 2 or x > MAX_LOCAL_WORLD_SIZE for x in sizes):
-            parser.error(f"--world-sizes: must all be in [2, {MAX_LOCAL_WORLD_SIZE}], got {args.world_sizes}")
-        _refuse_repeats(parser, "--world-sizes", sizes)
-        from paft.config import TrainConfig
 
-        batch = TrainConfig.batch_size  # the scaling runs train the default global batch
-        uneven = [x for x in sizes if batch % x]
-        if uneven:
-            parser.error(f"--world-sizes: {uneven[0]} does not split the default global batch of {batch} evenly; "
-                         f"use divisors of {batch}")
-    _check_machine(args, parser)
+
+def _check_matrix(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    names = args.workloads.split(",")
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
+    _refuse_repeats(parser, "--workloads", names)
+
+
+def _check_detection(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not 0 < args.rate <= 1:
+        parser.error(f"--rate: must be in (0, 1], got {args.rate}")
+
+
+def _check_scaling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from paft.config import TrainConfig
+
+    _check_block_steps(args, parser)
+    sizes = args.world_sizes
+    if any(x < 2 or x > MAX_LOCAL_WORLD_SIZE for x in sizes):
+        parser.error(f"--world-sizes: must all be in [2, {MAX_LOCAL_WORLD_SIZE}], got {','.join(map(str, sizes))}")
+    _refuse_repeats(parser, "--world-sizes", sizes)
+    batch = TrainConfig.batch_size  # the scaling runs train the default global batch
+    uneven = [x for x in sizes if batch % x]
+    if uneven:
+        parser.error(f"--world-sizes: {uneven[0]} does not split the default global batch of {batch} evenly; "
+                     f"use divisors of {batch}")
 
 
 def _check_machine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -214,10 +237,7 @@ def _check_machine(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from paft.config import TrainConfig
     from paft.machine import MachineError, check_machine
 
-    if args.benchmark == "scaling":
-        world_size = max(int(x) for x in args.world_sizes.split(","))
-    else:
-        world_size = args.world_size
+    world_size = max(args.world_sizes) if args.benchmark == "scaling" else args.world_size
     try:
         if args.benchmark == "overhead":
             cfg = TrainConfig(workload=args.workload, world_size=world_size, batch_size=args.batch_size,
@@ -227,6 +247,55 @@ def _check_machine(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         check_machine(cfg)
     except (ValueError, MachineError) as err:
         parser.error(str(err))
+
+
+def _run_overhead(out: pathlib.Path, args: argparse.Namespace) -> None:
+    from paft.bench import overhead
+
+    overhead.run(out, steps=args.steps, warmup=args.warmup, period=args.period, workload=args.workload,
+                 world_size=args.world_size, batch_size=args.batch_size, device=args.device,
+                 model=dict(args.model or []),
+                 variants=args.variants.split(",") if args.variants is not None else None)
+
+
+def _run_matrix(out: pathlib.Path, args: argparse.Namespace) -> None:
+    from paft.bench import matrix
+
+    matrix.run(out, quick=args.quick, workloads=args.workloads.split(","), steps=args.steps,
+               world_size=args.world_size, device=args.device)
+
+
+def _run_desync(out: pathlib.Path, args: argparse.Namespace) -> None:
+    from paft.bench import desync
+
+    desync.run(out, steps=args.steps, world_size=args.world_size, device=args.device)
+
+
+def _run_detection(out: pathlib.Path, args: argparse.Namespace) -> None:
+    from paft.bench import detection
+
+    detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size, device=args.device)
+
+
+def _run_scaling(out: pathlib.Path, args: argparse.Namespace) -> None:
+    from paft.bench import scaling
+
+    scaling.run(out, world_sizes=args.world_sizes, steps=args.steps, device=args.device)
+
+
+class _Benchmark(NamedTuple):
+    run: Callable[[pathlib.Path, argparse.Namespace], None]
+    check: Callable[[argparse.Namespace, argparse.ArgumentParser], None] | None = None
+    """Its own options' checks, after the ones all benchmarks share (parser.error on the first bad one)."""
+
+
+_BENCHMARKS: dict[str, _Benchmark] = {
+    "matrix": _Benchmark(_run_matrix, _check_matrix),
+    "overhead": _Benchmark(_run_overhead, _check_overhead),
+    "desync": _Benchmark(_run_desync),
+    "detection": _Benchmark(_run_detection, _check_detection),
+    "scaling": _Benchmark(_run_scaling, _check_scaling),
+}
 
 
 def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -293,31 +362,7 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
     from paft.workers import WorkerFailed
 
     try:
-        if args.benchmark == "overhead":
-            from paft.bench import overhead
-
-            overhead.run(out, steps=args.steps, warmup=args.warmup, period=args.period, workload=args.workload,
-                         world_size=args.world_size, batch_size=args.batch_size, device=args.device,
-                         model=dict(args.model or []),
-                         variants=args.variants.split(",") if args.variants is not None else None)
-        elif args.benchmark == "matrix":
-            from paft.bench import matrix
-
-            matrix.run(out, quick=args.quick, workloads=args.workloads.split(","), steps=args.steps,
-                       world_size=args.world_size, device=args.device)
-        elif args.benchmark == "desync":
-            from paft.bench import desync
-
-            desync.run(out, steps=args.steps, world_size=args.world_size, device=args.device)
-        elif args.benchmark == "scaling":
-            from paft.bench import scaling
-
-            scaling.run(out, world_sizes=tuple(int(x) for x in args.world_sizes.split(",")), steps=args.steps,
-                        device=args.device)
-        elif args.benchmark == "detection":
-            from paft.bench import detection
-
-            detection.run(out, steps=args.steps, rate=args.rate, world_size=args.world_size, device=args.device)
+        _BENCHMARKS[args.benchmark].run(out, args)
     except WorkerFailed as err:
         print(err.describe("paft bench") + _kept(out, args.overwrite), file=sys.stderr)
         return EXIT_WORKER_FAILED
