@@ -25,7 +25,9 @@ from typing import Any
 
 from paft.records import from_jsonable, is_run_config, read_jsonl, read_utf8
 
-__all__ = ["ReportError", "RunData", "load_run", "read_metrics", "mean_local_loss", "is_number", "number"]
+__all__ = [
+    "ReportError", "RunData", "load_run", "read_records", "read_metrics", "mean_local_loss", "is_number", "number",
+]
 
 
 class ReportError(ValueError):
@@ -138,7 +140,9 @@ def _check_fields(path: Path, i: int, record: dict[str, Any]) -> None:
             raise ReportError(f"{path}: record {i + 1}: {key} must be {rule[1]}, got {value!r}")
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of one ``.jsonl`` record file (missing: none), checked, non-finite
+    strings turned back into floats; a damaged file is a :class:`ReportError` naming it."""
     if not path.exists():
         return []
     with _reading(path):
@@ -207,7 +211,7 @@ def read_metrics(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
     for file in sorted((Path(run_dir) / "metrics").glob("rank*.jsonl")):
         suffix = file.stem[len("rank"):]
         if suffix.isdigit():
-            records = _by_step(_read_jsonl(file))
+            records = _by_step(read_records(file))
             if records:
                 metrics[int(suffix)] = records
     return dict(sorted(metrics.items()))
@@ -261,7 +265,7 @@ def load_run(run_dir: str | Path) -> RunData:
     config = _read_json(path / "config.json")
     if config is None:
         # Not paft train's: a library run's, if its recorder wrote the ranks' losses.
-        consistency = _by_step(_read_jsonl(path / "consistency.jsonl"))
+        consistency = _by_step(read_records(path / "consistency.jsonl"))
         metrics = _library_metrics(consistency)
         if not metrics:
             raise ReportError(
@@ -282,16 +286,16 @@ def load_run(run_dir: str | Path) -> RunData:
             )
         summary = _read_json(path / "summary.json")
         _check_numbers(path / "summary.json", summary)
-        consistency = _by_step(_read_jsonl(path / "consistency.jsonl"))
+        consistency = _by_step(read_records(path / "consistency.jsonl"))
     run = RunData(
         path=path,
         config=config or {},
         summary=summary,
         metrics=metrics,
         consistency=consistency,
-        evals=_by_step(_read_jsonl(path / "evals.jsonl")),
-        events=_read_jsonl(path / "events.jsonl"),
-        faults=_read_jsonl(path / "faults.jsonl"),
+        evals=_by_step(read_records(path / "evals.jsonl")),
+        events=read_records(path / "events.jsonl"),
+        faults=read_records(path / "faults.jsonl"),
         library=config is None,
     )
     # A resume rewrites summary.json only when it ends: until then the old one describes

@@ -38,7 +38,8 @@ from typing import Any
 from paft.bench.matrix import BENCH_MODELS
 from paft.bench.runner import Run, make_config, markdown_table, run_all, trailing_mean, write_outputs
 from paft.config import TrainConfig
-from paft.records import console, read_jsonl
+from paft.records import console
+from paft.rundata import number, read_records
 
 __all__ = ["SETTINGS", "METRICS", "Z_NOISE", "plan", "analyze", "run"]
 
@@ -78,11 +79,11 @@ def plan(out: pathlib.Path, steps: int, world_size: int, seed: int = 0, device: 
 
 
 def _series(run_dir: str) -> dict[str, list[float]]:
-    records = read_jsonl(pathlib.Path(run_dir) / "consistency.jsonl")
+    records = read_records(pathlib.Path(run_dir) / "consistency.jsonl")
     out: dict[str, list[float]] = {"step": [float(r["step"]) for r in records],
-                                   "loss": [float(r["loss"]) for r in records]}
+                                   "loss": [number(r["loss"]) for r in records]}
     for name in METRICS:
-        out[name] = [float(r.get(f"consistency/{name}", math.nan)) for r in records]
+        out[name] = [number(r.get(f"consistency/{name}", math.nan)) for r in records]
     return out
 
 

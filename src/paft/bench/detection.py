@@ -51,7 +51,8 @@ from paft.bench import overhead
 from paft.bench.runner import Run, make_config, markdown_table, run_all, write_outputs
 from paft.config import TrainConfig
 from paft.faultspec import BIT_CLASSES, BUCKET_SITES, bit_range
-from paft.records import console, read_jsonl
+from paft.records import console
+from paft.rundata import read_records
 
 __all__ = [
     "bit_label",
@@ -157,26 +158,22 @@ def plan(out: pathlib.Path, *, steps: int, rate: float, world_size: int, bits: l
 # -- reading a run directory ------------------------------------------------------------
 
 
-def _f(x: Any) -> float:
-    return float(x)  # records store non-finite floats as "nan" / "inf" strings: float() reads both
-
-
 def _fault_steps(run_dir: pathlib.Path) -> list[int]:
     """Steps where a fault was injected on the first attempt (transient faults never re-fire)."""
-    return sorted({int(r["step"]) for r in read_jsonl(run_dir / "faults.jsonl") if int(r.get("attempt", 0)) == 0})
+    return sorted({int(r["step"]) for r in read_records(run_dir / "faults.jsonl") if int(r.get("attempt", 0)) == 0})
 
 
 def _guard_events(run_dir: pathlib.Path) -> list[dict[str, Any]]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "guard" and e.get("detector")]
+    return [e for e in read_records(run_dir / "events.jsonl") if e.get("event") == "guard" and e.get("detector")]
 
 
 def _evals(run_dir: pathlib.Path) -> tuple[dict[int, float], dict[int, float]]:
     """step -> worst replica's validation loss, step -> relative replica divergence."""
     worst, div = {}, {}
-    for e in read_jsonl(run_dir / "evals.jsonl"):
-        per_rank = [_f(v) for v in e.get("val_loss_per_rank", [e["val_loss"]])]
+    for e in read_records(run_dir / "evals.jsonl"):
+        per_rank = e.get("val_loss_per_rank", [e["val_loss"]])
         worst[int(e["step"])] = math.inf if not all(math.isfinite(v) for v in per_rank) else max(per_rank)
-        div[int(e["step"])] = _f(e["replica_rel_diff"])
+        div[int(e["step"])] = e["replica_rel_diff"]
     return worst, div
 
 

@@ -45,8 +45,8 @@ from paft.bench.runner import (
     write_outputs,
 )
 from paft.config import TrainConfig
-from paft.records import console, read_jsonl
-from paft.rundata import mean_local_loss, read_metrics
+from paft.records import console
+from paft.rundata import mean_local_loss, number, read_metrics, read_records
 
 __all__ = ["SCENARIOS", "fault_settings", "plan", "run", "summarize", "BENCH_MODELS"]
 
@@ -214,10 +214,10 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
                 name = r.labels["scenario"]
                 steps, loss = mean_local_loss(read_metrics(r.config["run_dir"]))
                 loss_ax.plot(steps, trailing_mean(loss, 5), label=name, lw=1)
-                evals = read_jsonl(pathlib.Path(r.config["run_dir"]) / "evals.jsonl")
+                evals = read_records(pathlib.Path(r.config["run_dir"]) / "evals.jsonl")
                 div_ax.plot([e["step"] for e in evals], [_finite_or_nan(e["replica_rel_diff"]) for e in evals],
                             marker="o", ms=3, label=name)
-                events = read_jsonl(pathlib.Path(r.config["run_dir"]) / "events.jsonl")
+                events = read_records(pathlib.Path(r.config["run_dir"]) / "events.jsonl")
                 syncs = [e for e in events if e.get("event") in ("sync", "repair") and "period" in e]
                 if syncs and name in ("paft-dyn", "dyn+guard", "paft-sync"):
                     h_ax.step([e["step"] for e in syncs], [e["period"] for e in syncs], where="post", label=name)
@@ -237,5 +237,5 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
 
 
 def _finite_or_nan(x: Any) -> float:
-    x = float(x)
-    return x if math.isfinite(x) else float("nan")
+    x = number(x)
+    return x if math.isfinite(x) else math.nan
