@@ -129,6 +129,7 @@ def plan_sync(
     groups = group_replicas(fps)
     everyone = list(range(ws))
     good = [r for r in everyone if finite[r]]
+    bad = [r for r in everyone if not finite[r]]
     # mean refuses identical replicas too when none is finite (ReplicaSync checks
     # identical parameters and optimizer state in mean mode): nothing to average from.
     if not good and mode == "mean":
@@ -142,7 +143,7 @@ def plan_sync(
         note = f"source rank {src} is non-finite; copied rank {copied}" if copied != src else ""
         return SyncPlan("broadcast", groups, [copied], finite, src=copied, note=note)
     if mode == "mean":
-        note = f"non-finite ranks {[r for r in everyone if not finite[r]]} excluded" if len(good) < ws else ""
+        note = f"non-finite ranks {bad} excluded" if bad else ""
         return SyncPlan("mean", groups, good, finite, src=good[0], count=len(good), note=note)
     maj = majority(fps)
     if maj is not None and finite[maj[0]]:
@@ -150,23 +151,19 @@ def plan_sync(
                         minority=[r for r in everyone if r not in maj])
     note = "majority is non-finite; " if maj is not None else ""
     if len(good) == 1 and not (with_reference and reference_ok and per_coordinate):  # copy the one sound replica
-        (copied,) = good
-        others = [r for r in everyone if r != copied]
-        return SyncPlan("finite-copy", groups, good, finite, src=copied, minority=others,
-                        note=f"{note}non-finite ranks {others} excluded")
+        return SyncPlan("finite-copy", groups, good, finite, src=good[0], minority=bad,
+                        note=f"{note}non-finite ranks {bad} excluded")
+    if good and bad:  # one sound rank only with a reference, for the buffers (per_coordinate)
+        note += f"non-finite ranks {bad} outvoted where non-finite; "
+    elif not good:
+        note += "every rank holds NaN/Inf; "
     if with_reference:
-        if 0 < len(good) < ws:  # per_coordinate: the buffers
-            note += f"non-finite ranks {[r for r in everyone if r not in good]} outvoted where non-finite; "
-        elif not good:
-            note += "every rank holds NaN/Inf; "
         if not reference_ok:
             note += "references disagree; used a zero reference"
         return SyncPlan("median-with-reference", groups, everyone, finite,
                         reference_ok=reference_ok, note=note.rstrip("; "))
-    if 0 < len(good) < ws:
-        note += f"non-finite ranks {[r for r in everyone if r not in good]} outvoted where non-finite"
-    elif not good:
-        note += "every rank holds NaN/Inf; where the median is non-finite, the finite values' median"
+    if not good:
+        note += "where the median is non-finite, the finite values' median"
     return SyncPlan("median", groups, everyone, finite, note=note.rstrip("; "))
 
 
