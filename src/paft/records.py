@@ -62,6 +62,7 @@ __all__ = [
     "path_name_problem",
     "from_jsonable_float",
     "UNTIMED_STEPS",
+    "SHARED_RECORDS",
 ]
 
 UNTIMED_STEPS = 3
@@ -312,9 +313,9 @@ def require_tensorboard() -> None:
         )
 
 
-# A run folder's records shared by the ranks (rank 0 writes them, but faults.jsonl, which
-# every rank appends to); each rank's own are metrics/rank<r>.jsonl.
-_SHARED_RECORDS = ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")
+SHARED_RECORDS = ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")
+"""A run folder's records shared by the ranks (rank 0 writes them, but faults.jsonl, which
+every rank appends to); each rank's own are metrics/rank<r>.jsonl."""
 
 
 class RunRecorder:
@@ -365,7 +366,7 @@ class RunRecorder:
             return
         truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", step)
         if self.rank == 0:
-            for name in _SHARED_RECORDS:  # an evaluation at ``step`` came before the checkpoint
+            for name in SHARED_RECORDS:  # an evaluation at ``step`` came before the checkpoint
                 truncate_jsonl(self.run_dir / name, step + (name == "evals.jsonl"))
 
     def _add_scalars(self, step: int, values: Iterable[tuple[str, float]]) -> None:
@@ -434,7 +435,7 @@ class RunRecorder:
 
 def _records_in(folder: pathlib.Path) -> list[str]:
     """The run records in ``folder`` that hold something (names relative to it)."""
-    found = [folder / name for name in _SHARED_RECORDS]
+    found = [folder / name for name in SHARED_RECORDS]
     found += sorted(folder.glob("metrics/rank*.jsonl")) + sorted(folder.glob("tb/events.out.tfevents.*"))
     return [str(path.relative_to(folder)) for path in found if is_file(path) and path.stat().st_size > 0]
 

@@ -27,6 +27,7 @@ import torch
 from paft.config import TrainConfig
 from paft.records import (
     LOCK_FILE,
+    SHARED_RECORDS,
     atomic_write_json,
     holds_files,
     is_file,
@@ -245,7 +246,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
         raise RunDirError(f"--resume: cannot read {path / 'config.json'}: {err}") from None
     _check_fixed(saved, cfg.to_dict(), str(path))
     # The logs the resume reads back and cuts at the checkpoint's step.
-    logs = [path / n for n in ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")]
+    logs = [path / n for n in SHARED_RECORDS]
     for log in [*logs, *sorted((path / "metrics").glob("rank*.jsonl"))]:
         try:
             read_jsonl(log)
