@@ -245,30 +245,13 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
     except (OSError, ValueError, TypeError, AttributeError) as err:
         raise RunDirError(f"--resume: cannot read {path / 'config.json'}: {err}") from None
     _check_fixed(saved, cfg.to_dict(), str(path))
-    # The logs the resume reads back and cuts at the checkpoint's step.
-    logs = [path / n for n in SHARED_RECORDS]
-    for log in [*logs, *sorted((path / "metrics").glob("rank*.jsonl"))]:
-        try:
-            read_jsonl(log)
-        except ValueError as err:
-            raise RunDirError(f"--resume: {err}") from None
-    # The workers fall back from a damaged latest checkpoint to older ones; check here,
-    # before config.json is rewritten, that one of them has every rank's file intact.
+    _check_logs(path)
     root = path / "checkpoints"
-    names = checkpoint_candidates(root)
-    damaged: dict[str, list[int]] = {}
-    for name in names:  # newest first, as the workers try them
-        files = {r: _intact(root / name / f"rank{r}.pt") for r in range(cfg.world_size)}
-        damaged[name] = [r for r, state in files.items() if state is None]
-        if not damaged[name]:
-            break
-    else:
-        raise RunDirError(f"--resume: no checkpoint in {root} has an intact file for every rank "
-                          f"({names[0]}: rank(s) {damaged[names[0]]} missing or damaged)")
+    name, rank0 = _intact_checkpoint(root, cfg.world_size)
     # The checkpoint's own options (config.json is a user's to edit, by hand or by a
     # resume's options): a changed seed went on silently, a changed optimizer failed in
     # a worker. Checkpoints written before they held it have only config.json's word.
-    held = files[0].get("config")  # type: ignore[union-attr]  # intact: loaded
+    held = rank0.get("config")
     if isinstance(held, dict):
         try:
             trained = TrainConfig.from_dict(held).to_dict()
@@ -284,6 +267,34 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
             f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
             f"pass --steps above {done} to train on"
         )
+
+
+def _check_logs(path: pathlib.Path) -> None:
+    """Refuse a resume of run directory ``path`` whose logs do not read: the resume reads
+    them back and cuts them at the checkpoint's step."""
+    logs = [path / n for n in SHARED_RECORDS]
+    for log in [*logs, *sorted((path / "metrics").glob("rank*.jsonl"))]:
+        try:
+            read_jsonl(log)
+        except ValueError as err:
+            raise RunDirError(f"--resume: {err}") from None
+
+
+def _intact_checkpoint(root: pathlib.Path, world_size: int) -> tuple[str, dict[str, Any]]:
+    """The checkpoint folder in ``root`` the workers will resume from, and its rank 0
+    file (tensors memory-mapped): the newest with every rank's file intact. The workers
+    fall back from a damaged latest checkpoint to older ones; this checks, before
+    config.json is rewritten, that one of them will do."""
+    names = checkpoint_candidates(root)
+    damaged: dict[str, list[int]] = {}
+    for name in names:  # newest first, as the workers try them
+        files = {r: _intact(root / name / f"rank{r}.pt") for r in range(world_size)}
+        damaged[name] = [r for r, state in files.items() if state is None]
+        rank0 = files[0]
+        if rank0 is not None and not damaged[name]:
+            return name, rank0
+    raise RunDirError(f"--resume: no checkpoint in {root} has an intact file for every rank "
+                      f"({names[0]}: rank(s) {damaged[names[0]]} missing or damaged)")
 
 
 def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str, why: str = "") -> None:
