@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from paft.bench import add_bench_parser, run_bench
-from paft.exitcodes import EXIT_USAGE
+from paft.exitcodes import EXIT_USAGE, interrupted_codes
 from paft.options import OptionParser, add_train_options, config_or_exit, train_epilog
 
 __all__ = ["main", "run", "build_parser"]
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "guard events and alerts marked, each replica split labelled with its minority ranks) and report.md for "
         "RUN_DIR, and print the summary.",
         epilog=f"exit codes: 0 done, {EXIT_USAGE} not a readable run directory, or a bad --out-dir (nothing written), "
-        "130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)",
+        f"{interrupted_codes()}",
     )
     report.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run directory written by paft train, or a library run's RunRecorder folder")

@@ -39,7 +39,7 @@ from paft.config import (
     error_option,
     long_option,
 )
-from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED
+from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED, interrupted_codes
 from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
 from paft.rundir import FIXED_ON_RESUME, has_checkpoint, resolve_run_dir
@@ -667,7 +667,7 @@ fault specs (--inject, repeatable):
 {grammar.rstrip()}
 
 exit codes: {codes},
-            130 interrupted (Ctrl-C; 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT; continue with --resume)
+            {interrupted_codes(resume=True)}
 """
 
 

@@ -104,7 +104,7 @@ class SignalHold:
 
 def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", say: bool = True) -> int:
     """Say (unless ``say`` is false) that the run was interrupted, and by what; the exit
-    code the shell uses for that signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)."""
+    code the shell uses for that signal (the --help texts list them: :func:`paft.exitcodes.interrupted_codes`)."""
     sig = err.sigval if isinstance(err, SignalException) else signal.SIGINT
     what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
     if say:

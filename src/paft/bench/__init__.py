@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
 from paft.config import DEVICES
-from paft.exitcodes import EXIT_USAGE, EXIT_WORKER_FAILED
+from paft.exitcodes import EXIT_USAGE, EXIT_WORKER_FAILED, interrupted_codes
 from paft.options import parse_model_arg
 from paft.rundir import default_run_dir
 from paft.workloads import WORKLOADS
@@ -35,7 +35,7 @@ __all__ = ["add_bench_parser", "run_bench"]
 
 
 _EXIT_CODES = (f"exit codes: 0 done, {EXIT_WORKER_FAILED} a run failed (its traceback above), {EXIT_USAGE} bad input "
-               "(nothing written), 130 interrupted (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)")
+               f"(nothing written), {interrupted_codes()}")
 
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
