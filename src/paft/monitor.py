@@ -105,6 +105,20 @@ class Monitor:
             self._alerts(step, metrics, stale_fingerprints)
         return metrics
 
+    def state_dict(self) -> dict[str, Any]:
+        """The ``alerting`` part of the protector's checkpoint: an alert still active
+        after a resume is not new. The alert count is in the protector's counters
+        (:attr:`alerts`)."""
+        return {"alerting": dict(self.alerting)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` and the protector's counters wrote (``state``:
+        the protector's). Older checkpoints may lack the alert state or count, and saved
+        a condition that held as ``True`` where :attr:`alerting` now keeps a split's
+        groups or the non-finite ranks (:meth:`_is_new` takes either)."""
+        self.alerts = int(state["counters"].get("alerts", 0))
+        self.alerting = dict(state.get("alerting", {}))
+
     def replicas_agree(self) -> None:
         """The replicas were made identical (a sync, a repair): a split a later
         fingerprint finds is a new one, and gets its own alert."""
@@ -158,7 +172,7 @@ class Monitor:
         before = self.alerting.get(name, False)
         if not before:
             return True
-        if name == "nonfinite_local":  # before True: saved by an older version, which named no ranks
+        if name == "nonfinite_local":  # before True: an older checkpoint's (see load_state_dict)
             return bool(set(groups or []) - set(before if isinstance(before, list) else []))
         return bool(groups) and isinstance(before, list) and before != groups
 

@@ -150,6 +150,22 @@ def test_a_split_that_regroups_is_alerted_again(tmp_path: Path) -> None:
     assert monitor.alerts == 2
 
 
+def test_an_alert_still_active_after_a_resume_is_not_new(tmp_path: Path) -> None:
+    split = view([None] * 4, aggs=[7, 7, 8, 7])  # rank 2 hit
+    saved = Monitor(MonitorConfig(), RunRecorder(tmp_path / "a", rank=0, quiet=True), None)
+    saved.record(0, split, metric_step=True)
+    resumed = Monitor(MonitorConfig(), RunRecorder(tmp_path / "b", rank=0, quiet=True), None)
+    resumed.load_state_dict({**saved.state_dict(), "counters": {"alerts": saved.alerts}})  # as the protector's
+    resumed.record(1, split, metric_step=True)
+    assert resumed.alerts == 1 and events(tmp_path / "b") == []
+    # An older checkpoint's: no alert state, or a split saved as True (which groups is unknown).
+    resumed.load_state_dict({"counters": {}})
+    assert (resumed.alerts, resumed.alerting) == (0, {})
+    resumed.load_state_dict({"counters": {"alerts": 1}, "alerting": {"replicas_split": True}})
+    resumed.record(2, split, metric_step=True)
+    assert resumed.alerts == 1
+
+
 def _report(per_tensor: list | None, state: list[float]) -> Callable[[], DivergenceReport]:
     return lambda: DivergenceReport(per_rank=[0.0, 0.9, 0.5], max=0.9, finite=[True] * 3, state_per_rank=state,
                                     state_max=max(state), per_tensor=per_tensor)

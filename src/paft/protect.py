@@ -691,7 +691,7 @@ class Protector:
             raise RuntimeError(
                 "Protector.state_dict(): an overlapped sync is in flight; call close() on every rank first"
             )
-        resync = self.resync.state_dict()
+        resync, monitor = self.resync.state_dict(), self.monitor.state_dict()
         return {
             "step": self.step_idx,
             "mode": self.protect_cfg.mode,
@@ -700,7 +700,7 @@ class Protector:
             "sync": resync["sync"],
             "guard": self.guard.state_dict() if self.guard is not None else None,
             "repairer": resync["repairer"],
-            "alerting": dict(self.monitor.alerting),  # an alert still active after a resume is not new
+            "alerting": monitor["alerting"],
             "check_state": self._check_state_next,  # replicas left split by a stop, saved rank by rank
         }
 
@@ -743,10 +743,8 @@ class Protector:
             self.guard.load_state_dict(state["guard"])
         self.step_idx = state["step"]
         self.resync.set_next_step(self.step_idx)
-        counts = dict(state["counters"])
-        self.monitor.alerts = int(counts.pop("alerts", 0))
-        self._faults_injected = counts.get("faults_injected", self._faults_injected)
-        self.monitor.alerting = dict(state.get("alerting", {}))
+        self.monitor.load_state_dict(state)
+        self._faults_injected = state["counters"].get("faults_injected", self._faults_injected)
         self._check_state_next = bool(state.get("check_state", False))  # older states lack it
 
     def _totals(self) -> dict[str, int]:
