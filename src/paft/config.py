@@ -297,11 +297,7 @@ class GuardConfig:
         _require(self.max_reruns_per_run >= 1, self, "max_reruns_per_run",
                  f"must be >= 1, got {self.max_reruns_per_run}")
         _require(self.shift_after >= 0, self, "shift_after", f"must be >= 0, got {self.shift_after}")
-        _require(
-            self.on_persistent in ON_PERSISTENT,
-            self, "on_persistent",
-            f"must be 'repair' or 'stop', got {self.on_persistent!r}",
-        )
+        _require_choice(self, "on_persistent", ON_PERSISTENT)
 
 
 @dataclass
@@ -441,7 +437,7 @@ class TrainConfig:
         _require(self.checkpoint_every >= 0, self, "checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         _require(not (self.resume and self.overwrite), self, "resume", "cannot be combined with --overwrite")
         _require(not self.resume or bool(self.run_dir), self, "resume", "needs --run-dir, the run to continue")
-        _require(self.device in DEVICES, self, "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _require_choice(self, "device", DEVICES)
         _require(0 <= self.dropout < 1, self, "dropout", f"must be in [0, 1), got {self.dropout}")
         # One home for it: with both, which one wins was a detail of the code.
         _require("dropout" not in self.model, self, "model", "dropout is set with --dropout (e.g. --dropout 0.1), "
