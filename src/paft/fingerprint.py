@@ -88,9 +88,9 @@ is in ``fingerprint_test.py`` (``test_speed_budget``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -138,23 +138,16 @@ def _to_signed(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
 
-_META_CACHE: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _meta_hash(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     """Deterministic hash of (dtype, shape). Never Python's ``hash``: it is salted
     per process for strings, which would make fingerprints rank-dependent."""
-    key = (dtype, shape)
-    h = _META_CACHE.get(key)
-    if h is None:
-        h = 0x6D657461  # "meta"
-        for byte in str(dtype).encode():
-            h = _mix64(h ^ byte)
-        h = _mix64(h ^ len(shape))
-        for dim in shape:
-            h = _mix64(h ^ dim)
-        if len(_META_CACHE) < 4096:
-            _META_CACHE[key] = h
+    h = 0x6D657461  # "meta"
+    for byte in str(dtype).encode():
+        h = _mix64(h ^ byte)
+    h = _mix64(h ^ len(shape))
+    for dim in shape:
+        h = _mix64(h ^ dim)
     return h
 
 
@@ -221,11 +214,13 @@ class _Plan:
     big_owner: np.ndarray  # [len(big)] tensor index of each big tensor
 
 
-_PLANS: OrderedDict[tuple[torch.device, tuple[int, ...]], _Plan] = OrderedDict()
 _MAX_PLANS = 256  # the state's layouts, and each gradient bucket's (digest_tensor)
 
 
-def _build_plan(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
+@functools.lru_cache(maxsize=_MAX_PLANS)  # thread-safe: the comm hook's callbacks run on other threads
+def _plan_for(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
+    """The plan for tensors of byte sizes ``nbytes`` on ``device``; cached, least recently
+    used evicted first: the state's layout and the gradient buckets' come back every step."""
     big: list[tuple[int, int]] = []
     pieces: list[tuple[int, int, int]] = []  # (tensor index, first byte, rows)
     for i, n in enumerate(nbytes):
@@ -257,42 +252,13 @@ def _build_plan(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
     )
 
 
-def _plan_for(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
-    """The cached plan (least recently used evicted first: the state's layout and the
-    gradient buckets' come back every step)."""
-    key = (device, nbytes)
-    with _lock:  # the comm hook's callbacks run on other threads
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _PLANS.move_to_end(key)
-            return plan
-    plan = _build_plan(device, nbytes)
-    with _lock:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.popitem(last=False)
-        _PLANS[key] = plan
-    return plan
-
-
-_KEYS: OrderedDict[tuple[tuple[torch.dtype, torch.Size], ...], np.ndarray] = OrderedDict()
-
-
+@functools.lru_cache(maxsize=_MAX_PLANS)
 def _keys(metas: tuple[tuple[torch.dtype, torch.Size], ...]) -> np.ndarray:
     """Per tensor, ``mix(meta + index * gamma)`` as uint64: what its digest is XORed
     with before mixing. Cached per layout (least recently used evicted first), as the
     digest plans are: the state's layout comes back every check."""
-    with _lock:
-        keys = _KEYS.get(metas)
-        if keys is not None:
-            _KEYS.move_to_end(metas)
-            return keys
-    keys = np.array([_mix64(_meta_hash(dtype, tuple(shape)) + i * _GAMMA) for i, (dtype, shape) in enumerate(metas)],
+    return np.array([_mix64(_meta_hash(dtype, tuple(shape)) + i * _GAMMA) for i, (dtype, shape) in enumerate(metas)],
                     dtype=np.uint64)
-    with _lock:
-        if len(_KEYS) >= _MAX_PLANS:
-            _KEYS.popitem(last=False)
-        _KEYS[metas] = keys
-    return keys
 
 
 # ----------------------------------------------------------------------------

@@ -269,13 +269,16 @@ def test_the_layout_checked_every_step_stays_cached_among_many_others() -> None:
     between layouts never seen before (gradient buckets, other states), is never rebuilt. Evicted
     first in, first out, it was rebuilt once per ``_MAX_PLANS`` new layouts."""
     state = [torch.randn(3000), torch.zeros(7)]
+    caches = (F._plan_for, F._keys)
+    for cache in caches:
+        cache.cache_clear()
     fingerprint(state)
-    plan_key, keys_key = (torch.device("cpu"), (12000, 28)), tuple((t.dtype, t.shape) for t in state)
-    plan, keys = F._PLANS[plan_key], F._KEYS[keys_key]
     for n in range(F._MAX_PLANS + 10):
         fingerprint([torch.zeros(1000 + n)])  # a layout not seen before
         fingerprint(state)
-    assert F._PLANS.get(plan_key) is plan and F._KEYS.get(keys_key) is keys
+    # Built once for the state, once for each new layout; the state's found every time after.
+    assert [(c.cache_info().misses, c.cache_info().hits) for c in caches] == [(1 + F._MAX_PLANS + 10,
+                                                                                F._MAX_PLANS + 10)] * 2
 
 
 def test_order_dtype_and_shape_are_part_of_the_fingerprint() -> None:
