@@ -37,13 +37,10 @@ compare anywhere, so NaN payloads, signed zeros and denormals are all plain bits
 The digests are then combined: each is XORed with a key made from its tensor's
 index, dtype and shape, mixed by the splitmix64 finalizer, and the mixed words are
 summed mod ``2**64``; the sum, with the tensor count, is mixed once more. The result
-is returned as a signed int64 Python int (it fits a ``torch.int64`` tensor). (The
-first version absorbed the digests one by one into a splitmix64 chain: the same
-guarantees, but a serial loop of Python big-int arithmetic, about 3 us per tensor,
-0.6-0.75 ms for the default gpt's Adam state of 208 tensors. The keys depend only on
-the layout and are cached, and the rest is a few numpy operations on all digests at
-once: that state's fingerprint went from 3.3-6.6 ms to 3.1-6.1 ms, best and median
-of 40 alternating rounds on one idle core.)
+is returned as a signed int64 Python int (it fits a ``torch.int64`` tensor). A sum,
+not a chain absorbing the digests one by one (the same guarantees), so that no serial
+loop of Python big-int arithmetic runs per tensor: the keys depend only on the layout
+and are cached, and the rest is a few numpy operations on all digests at once.
 
 Why 32-bit lanes in 64-bit arithmetic: a lane's change ``delta`` is below ``2**32``
 in magnitude, so ``delta * weight`` keeps at least 32 random bits mod ``2**64``

@@ -39,7 +39,7 @@ def averages_at(step: int, period: int) -> bool:
     """Whether PyTorch's model averager (``--protect averager``, no warm-up) averages
     the replicas at ``step``: every ``period``-th step from step 0, as
     ``PeriodicModelAverager`` counts its calls. One rule for :class:`Resync`, which
-    counts the averages, and :mod:`paft.report`, which counts them again from the
+    counts the averages, and :mod:`paft.report_text`, which counts them again from the
     recorded steps when a run has no summary (the averager records no event)."""
     return step % period == 0
 

@@ -176,7 +176,7 @@ class SyncReport:
     """How many tensors' bits differed between the replicas before the sync (0 when
     they agreed)."""
     differing: dict[str, list[list[int]]] = field(default_factory=dict)
-    """The first 16 of them by name (``param/...``, ``optim/<index>/<key>``, then
+    """The first :data:`_LISTED` of them by name (``param/...``, ``optim/<index>/<key>``, then
     ``buffer/...``; see :func:`paft.state.state_tensors`), each with the ranks grouped
     by its bits, largest group first: where a fault at rest struck, or which moment
     a faulty update wrote."""
