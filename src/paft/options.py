@@ -418,23 +418,37 @@ def resume_changes(cfg: TrainConfig, saved: dict[str, Any]) -> list[ResumeChange
             for flag in now if flag in saved and flag not in kept and now[flag] != saved[flag]]
 
 
-def resume_args(changes: Sequence[ResumeChange], config_file: str | None) -> list[str]:
+def resume_args(changes: Sequence[ResumeChange], config_file: str | None, given: dict[str, Any]) -> list[str]:
     """``changes`` as command-line words, for the line that says how to continue a
     resume: stopped before its next checkpoint, it puts back the ``config.json`` of the
     last one, so a plain ``--resume`` would go on with the saved options. An emptied
-    ``--inject`` is what only a config file says: that file (``config_file``)."""
+    ``--inject`` is what only a config file says: that file (``config_file``), and again
+    the options typed over its values (``given``: the command line's), which it would
+    bring back otherwise (--lr 0.003, the saved value, over the file's 0.5)."""
     words: list[str] = []
+    named_file = False
     for flag, now, _ in changes:
-        if isinstance(now, bool):
-            words.append(_typed(flag, now))
-        elif now == []:
+        if now == []:
             assert config_file is not None, "only a config file empties a list"
             words += ["--config", config_file]
-        elif isinstance(now, list):  # --inject's specs: one option each
-            words += [w for spec in now for w in (f"--{flag}", spec)]
+            named_file = True
         else:
-            words += [f"--{flag}", str(now)]
+            words += _words(flag, now)
+    if named_file:
+        said = {"run-dir", "resume", "steps", *(change.flag for change in changes)}  # the hint's own, or above
+        words += [w for flag, value in given.items() if flag not in said for w in _words(flag, value)]
     return words
+
+
+def _words(flag: str, value: Any) -> list[str]:
+    """Option ``flag`` with ``value`` as command-line words."""
+    if isinstance(value, bool):
+        return [_typed(flag, value)]
+    if _BY_KEY[flag].kind == "model":  # (key, value) pairs: one --model KEY=VALUE each
+        return [w for key, field in value for w in (f"--{flag}", f"{key}={field!r}")]
+    if isinstance(value, list):  # --inject's specs: one option each
+        return [w for spec in value for w in (f"--{flag}", spec)]
+    return [f"--{flag}", str(value)]
 
 
 def _typed(flag: str, value: Any, named: bool = True) -> str:
@@ -480,6 +494,11 @@ def _merged(layers: Sequence[tuple[dict[str, Any], _Source | None]]) -> tuple[di
     return values, source
 
 
+def _given(ns: argparse.Namespace) -> dict[str, Any]:
+    """The options typed on the command line (``ns``'s: the others are left out of it)."""
+    return {k: v for k, v in vars(ns).items() if k in _BY_KEY}
+
+
 def config_from_namespace(ns: argparse.Namespace,
                           launched: int | None = None) -> tuple[TrainConfig, list[ResumeChange]]:
     """Build (and so validate) the config, and say what a ``--resume`` changes from its
@@ -492,7 +511,7 @@ def config_from_namespace(ns: argparse.Namespace,
     asked, which is refused before anything else (the per-rank batch and the fault
     ranks derive from it, so other checks would blame them).
     """
-    given = {k: v for k, v in vars(ns).items() if k in _BY_KEY}
+    given = _given(ns)
     config_file = getattr(ns, "config", None)
     from_file, run_config = _read_config_file(config_file) if config_file is not None else ({}, False)
     resume = given.get("resume", from_file.get("resume", False))
@@ -700,4 +719,5 @@ def config_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace, laun
     if warn:
         for warning in train_warnings(ns, cfg, changes):
             print(f"{parser.prog}: warning: {warning}", file=sys.stderr)
-    return cfg, resume_args(changes, ns.config)
+    return cfg, resume_args(changes, ns.config, _given(ns))
+

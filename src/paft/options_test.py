@@ -1,4 +1,5 @@
-"""A run's ``config.json`` as a ``--config`` file: it reruns the run's settings elsewhere."""
+"""A run's ``config.json`` as a ``--config`` file: it reruns the run's settings elsewhere; and a
+``--config`` file in the command that continues an interrupted resume."""
 
 from __future__ import annotations
 
@@ -103,3 +104,19 @@ def test_a_table_in_toml_or_yaml_is_no_runs_config(tmp_path: pathlib.Path, monke
     with pytest.raises(SystemExit) as exc:
         main(["train", "--config", "c.toml"])
     assert exc.value.code == 2 and "--config: c.toml: guard: expected true or false" in capsys.readouterr().err
+
+
+def test_a_resumes_hint_that_names_its_config_file_types_its_options_over_it_again(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An --inject emptied by c.toml is continued with --config c.toml, which also brought
+    back the file's values that the command line had replaced with the saved ones: the
+    continuation trained at the file's --lr 0.5, and was refused for its --model."""
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("r").mkdir()
+    write_config(TrainConfig(steps=6, lr=3e-3, model={"n_layer": 2}, inject=["bitflip:steps=1"], run_dir="r"))
+    pathlib.Path("c.toml").write_text('inject = []\nlr = 0.5\nmodel = {n_layer = 3}\n')
+    argv = ["--run-dir", "r", "--resume", "--steps", "9", "--lr", "0.003", "--config", "c.toml",
+            "--model", "n_layer=2"]
+    asked, words = parse_train_config(argv)
+    assert words == ["--config", "c.toml", "--lr", "0.003", "--model", "n_layer=2"]
+    assert parse_train_config(["--run-dir", "r", "--resume", "--steps", "9", *words])[0] == asked
