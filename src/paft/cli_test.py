@@ -538,9 +538,12 @@ def test_under_torchrun_a_world_size_mismatch_says_where_the_size_came_from(
         # typed over the file's: the command line's, not the file's
         (["--config", "two.toml", "--world-size", "4"], "error: --world-size 4: torchrun started 3 processes"),
         # fixed at the first run: passing --world-size 3 would be refused too
-        (["--run-dir", "r", "--resume", "--steps", "500"],
-         "--resume: r was trained on 2 ranks and torchrun started 3 processes; "
-         "start it with --nproc-per-node 2"),
+        *[(["--run-dir", "r", "--resume", "--steps", "500", *also],
+           "--resume: r was trained on 2 ranks and torchrun started 3 processes; "
+           "start it with --nproc-per-node 2")
+          # also where the size is given again (a run's config.json as --config has it):
+          # "pass --world-size 3 or leave it out" sent to the refusal above
+          for also in ([], ["--config", "two.toml"], ["--world-size", "2"])],
     ]:
         with pytest.raises(SystemExit):
             parse_train_config(argv, launched=3)

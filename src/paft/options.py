@@ -535,7 +535,8 @@ def config_from_namespace(ns: argparse.Namespace,
                               (given, None)])
     if launched is not None and values["world-size"] != launched:
         asked, where = values["world-size"], source.get("world-size")
-        if where is not None and where.option == "--resume":  # fixed at the first run
+        # Fixed at the first run, wherever else it is also given (a run's config.json has it).
+        if "world-size" in saved:
             raise ValueError(f"--resume: {folder} was trained on {asked} ranks and torchrun "
                              f"started {launched} processes; start it with --nproc-per-node {asked}")
         raise ValueError(f"--world-size {asked}{f' (in {where.path})' if where else ''}: torchrun started {launched} "
