@@ -32,6 +32,7 @@ import queue
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -185,17 +186,26 @@ def one_rank_group() -> Iterator[None]:
     thread, whose destructor then joins itself and aborts the process ("Resource
     deadlock avoided"), as paft's workers once did."""
     assert not dist.is_initialized()
+    # Only the models made inside are this group's: one a failed test's traceback keeps
+    # from before would fail every later test that takes a group.
+    before = weakref.WeakSet(_ddp_models())
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
         gc.collect()  # models held only in reference cycles (hooks, closures) go here
-        alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+        alive = sum(model not in before for model in _ddp_models())
         if alive:
             raise AssertionError(f"{alive} DistributedDataParallel model(s) outlive the one-rank group: "
                                  "drop them (del) before leaving it")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _ddp_models() -> list[DistributedDataParallel]:
+    """The DDP models alive in this process."""
+    # type(), not isinstance: that reads torch's deprecated reduce_op's __class__, which warns.
+    return [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)]
 
 
 def _context() -> Any:
