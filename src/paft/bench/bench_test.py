@@ -129,7 +129,7 @@ def test_markdown_table_formats_floats_to_four_digits_and_nan_as_na() -> None:
 def test_run_all_gives_each_run_rank_0s_summary(monkeypatch: pytest.MonkeyPatch) -> None:
     # Step rates and wall times are each rank's own: the summary is rank 0's, as its
     # state fingerprint is (a mutant that read another rank's survived).
-    monkeypatch.setattr(runner, "launch", lambda entry, world_size, configs, names: {
+    monkeypatch.setattr(runner, "run_on_workers", lambda entry, world_size, configs, names: {
         r: [{"rank": r, "run": name} for name in names] for r in range(world_size)})
     runs = [Run("a", {}), Run("b", {})]
     run_all(runs, world_size=3)
@@ -156,17 +156,17 @@ _RANK_TIMES = [
 ]
 
 
-def _fake_launch(calls: list[tuple[Any, ...]]) -> Any:
-    def launch(entry: Any, world_size: int, *args: Any) -> dict[int, Any]:
+def _fake_run_on_workers(calls: list[tuple[Any, ...]]) -> Any:
+    def run_on_workers(entry: Any, world_size: int, *args: Any) -> dict[int, Any]:
         calls.append((entry, world_size, *args))
         return {r: {"times": t, "parameters": 1234} for r, t in enumerate(_RANK_TIMES[:world_size])}
-    return launch
+    return run_on_workers
 
 
 def test_overhead_measure_compares_summed_paired_steps(tmp_path: pathlib.Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(overhead, "launch", _fake_launch(calls))
+    monkeypatch.setattr(overhead, "run_on_workers", _fake_run_on_workers(calls))
     base = TrainConfig(workload="resnet", world_size=2, batch_size=8, steps=5).to_dict()
     costs = overhead.measure(tmp_path, base, ["monitor"], steps=5, world_size=2, warmup=3)
     (_, world_size, configs, steps, warmup), = calls
@@ -248,7 +248,7 @@ def test_overhead_block_range_is_the_lowest_to_the_highest_block() -> None:
 
 def test_overhead_table_states_the_measured_costs(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(overhead, "launch", _fake_launch([]))
+    monkeypatch.setattr(overhead, "run_on_workers", _fake_run_on_workers([]))
     out = tmp_path / "overhead"
     out.mkdir()
     results = overhead.run(out, steps=5, warmup=0, world_size=2, batch_size=8, variants=["monitor"],

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from paft.bench.runner import launch, make_config, markdown_table, new_trainer, worker_group, write_outputs
+from paft.bench.runner import make_config, markdown_table, new_trainer, run_on_workers, worker_group, write_outputs
 from paft.config import TrainConfig
 from paft.machine import uses_cuda
 from paft.records import console
@@ -159,7 +159,7 @@ def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: Sequence[str
         raise ValueError(f"steps: must be >= {BLOCKS} (one per block), got {steps}")
     names = ["plain", *[v for v in variants if v != "plain"]]
     configs = {n: make_config(base, runs_dir / n, **VARIANTS[n]) for n in names}
-    per_rank = launch(_paired_worker, world_size, configs, steps, warmup)
+    per_rank = run_on_workers(_paired_worker, world_size, configs, steps, warmup)
     ranks = [per_rank[r]["times"] for r in sorted(per_rank)]
     # Per step: wall = the slowest rank, CPU = the mean over ranks.
     wall = {n: [max(x) for x in zip(*(r[n]["wall"] for r in ranks))] for n in names}

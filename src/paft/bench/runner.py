@@ -42,7 +42,7 @@ __all__ = [
     "throughput_ratios",
     "trailing_mean",
     "run_all",
-    "launch",
+    "run_on_workers",
     "worker_group",
     "new_trainer",
     "make_config",
@@ -154,7 +154,7 @@ def _bench_worker(configs: list[dict[str, Any]], names: list[str]) -> list[dict[
     return summaries
 
 
-def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
+def run_on_workers(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
     """``entry(*args)`` in one elastic launch of ``world_size`` local workers; rank -> return value.
 
     ``entry`` must be a module-level function (the workers are forked from a server, or
@@ -168,7 +168,7 @@ def launch(entry: Callable[..., Any], world_size: int, *args: Any) -> dict[int, 
 
 def run_all(runs: Sequence[Run], world_size: int) -> None:
     """Run ``runs`` in order in one elastic launch of ``world_size`` workers; fills summaries."""
-    results = launch(_bench_worker, world_size, [r.config for r in runs], [r.name for r in runs])
+    results = run_on_workers(_bench_worker, world_size, [r.config for r in runs], [r.name for r in runs])
     for run, summary in zip(runs, results[0]):
         run.summary = summary
 
