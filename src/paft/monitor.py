@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +55,41 @@ from paft.records import RunRecorder, jsonable
 __all__ = ["Monitor", "SPLIT_TENSORS"]
 
 SPLIT_TENSORS = 5  # the tensors a state-split alert names, farthest apart first
+
+
+@dataclass(frozen=True)
+class _Condition:
+    """One alert: the metric it reads, when it fires, and what sets it apart."""
+
+    name: str
+    key: str
+    """Its metric in the step's record; a step without it leaves the alert's state be."""
+    fires: Callable[[Any, MonitorConfig], bool]
+    split: str | None = None
+    """The part of the replicas a split alert is about, ``grad`` or ``state``: the
+    ranks it names are the minority, and a split that regroups is new."""
+    unmeasured_if_nonfinite: bool = False
+    """A threshold a non-finite rank turns NaN: that NaN measured nothing."""
+    names_ranks: bool = False
+    """Its value is the ranks it names; another rank while it lasts is new."""
+    of_fingerprints: bool = False
+    """Read from the state fingerprints: none where a sync changed the state after
+    them; the alert measures the replicas' distance (``divergence``)."""
+
+
+_CONDITIONS = (
+    # A rank's non-finite loss or local gradient, named at once: the dispersion turns NaN
+    # alike whichever rank it is, and the cosines leave the rank out.
+    _Condition("nonfinite_local", "consistency/nonfinite_ranks", lambda v, cfg: bool(v), names_ranks=True),
+    # Written so that NaN fires too: one no non-finite rank explains (finite losses whose
+    # sum overflows) is news.
+    _Condition("loss_cv", "consistency/loss_cv", lambda v, cfg: not v <= cfg.alert_loss_cv,
+               unmeasured_if_nonfinite=True),
+    _Condition("grad_cos_min", "consistency/grad_cos_min", lambda v, cfg: not v >= cfg.alert_cos_min,
+               unmeasured_if_nonfinite=True),
+    _Condition("replicas_split", "replicas/grad_distinct", lambda v, cfg: v > 1, split="grad"),
+    _Condition("state_split", "replicas/state_distinct", lambda v, cfg: v > 1, split="state", of_fingerprints=True),
+)
 
 
 class Monitor:
@@ -128,71 +164,59 @@ class Monitor:
         """Edge-triggered: a condition whose metric this step lacks (not computed at this
         step, e.g. the state fingerprint between checks, or a threshold's NaN that a
         non-finite rank made) keeps its state."""
-        cfg = self.config
-        conditions = {
-            # A rank's non-finite loss or local gradient, named at once: the dispersion
-            # turns NaN alike whichever rank it is, and the cosines leave the rank out.
-            "nonfinite_local": ("consistency/nonfinite_ranks", lambda v: bool(v), None),
-            # Written so that NaN fires too: one no non-finite rank explains (finite
-            # losses whose sum overflows) is news.
-            "loss_cv": ("consistency/loss_cv", lambda v: not v <= cfg.alert_loss_cv, None),
-            "grad_cos_min": ("consistency/grad_cos_min", lambda v: not v >= cfg.alert_cos_min, None),
-            "replicas_split": ("replicas/grad_distinct", lambda v: v > 1, "grad"),
-            "state_split": ("replicas/state_distinct", lambda v: v > 1, "state"),
-        }
         # A non-finite rank turns the loss CV NaN, and the cosines once no pair of finite
         # gradients is left: such a NaN measured nothing (the other ranks may agree) and
         # nonfinite_local names the cause, so the threshold keeps its state, unmeasured.
         explained = bool(m.get("consistency/nonfinite_ranks"))
-        for name, (key, fires, kind) in conditions.items():
-            if key not in m or (name == "state_split" and stale_fingerprints):
+        for c in _CONDITIONS:
+            if c.key not in m or (c.of_fingerprints and stale_fingerprints):
                 continue
-            value = m[key]
-            if explained and name in ("loss_cv", "grad_cos_min") and math.isnan(value):
+            value = m[c.key]
+            if explained and c.unmeasured_if_nonfinite and math.isnan(value):
                 continue
-            active = bool(fires(value))
-            ranks, groups = self._who(name, kind, value, m)
-            if active and self._is_new(name, groups):
-                self._alert(step, name, kind, value, ranks, groups)
-            self.alerting[name] = groups if active and groups else active
+            active = bool(c.fires(value, self.config))
+            ranks, groups = self._who(c, value, m)
+            if active and self._is_new(c, groups):
+                self._alert(step, c, value, ranks, groups)
+            self.alerting[c.name] = groups if active and groups else active
 
     @staticmethod
-    def _who(name: str, kind: str | None, value: Any, m: dict[str, Any]) -> tuple[list[int], list[Any] | None]:
+    def _who(c: _Condition, value: Any, m: dict[str, Any]) -> tuple[list[int], list[Any] | None]:
         """(the ranks the alert names, what makes an alert new while one lasts: a split's
         groups, the non-finite ranks; ``None`` for a threshold)."""
-        if kind:
-            return m.get(f"replicas/{kind}_minority_ranks", []), m.get(f"replicas/{kind}_groups")
-        if name == "nonfinite_local":
+        if c.split:
+            return m.get(f"replicas/{c.split}_minority_ranks", []), m.get(f"replicas/{c.split}_groups")
+        if c.names_ranks:
             return value, sorted(value)
         return [], None
 
-    def _is_new(self, name: str, groups: list[Any] | None) -> bool:
-        """Whether condition ``name``, on now, is news: it was off, or while it lasts
+    def _is_new(self, c: _Condition, groups: list[Any] | None) -> bool:
+        """Whether condition ``c``, on now, is news: it was off, or while it lasts
         another rank went non-finite, or a split regrouped (another rank hit meanwhile)."""
-        before = self.alerting.get(name, False)
+        before = self.alerting.get(c.name, False)
         if not before:
             return True
-        if name == "nonfinite_local":  # before True: an older checkpoint's (see load_state_dict)
+        if c.names_ranks:  # before True: an older checkpoint's (see load_state_dict)
             return bool(set(groups or []) - set(before if isinstance(before, list) else []))
         return bool(groups) and isinstance(before, list) and before != groups
 
-    def _alert(self, step: int, name: str, kind: str | None, value: Any, ranks: list[int],
+    def _alert(self, step: int, c: _Condition, value: Any, ranks: list[int],
                groups: list[Any] | None) -> None:
         """Record the alert in ``events.jsonl`` and say it on the console."""
         self.alerts += 1
-        event = {"step": step, "event": "alert", "detector": name, "value": value, "ranks": ranks}
-        if not kind:
+        event = {"step": step, "event": "alert", "detector": c.name, "value": value, "ranks": ranks}
+        if not c.split:
             who = ""
         elif ranks:
             who = f" (rank(s) {ranks} disagree)"
         else:  # no strict majority: which side is faulty is unknown
             who = f" (no majority: groups {groups})"
-        if name == "state_split" and self.divergence is not None:  # every rank alike: a shared view
+        if c.of_fingerprints and self.divergence is not None:  # every rank alike: a shared view
             event["divergence"], far = self._split_magnitude()
             who += far
         self.recorder.event(event)
         shown = f"{value:.4g}" if isinstance(value, float) else value
-        self.recorder.say(f"[alert] step {step}: {name} = {shown}{who}")
+        self.recorder.say(f"[alert] step {step}: {c.name} = {shown}{who}")
 
     def _split_magnitude(self) -> tuple[dict[str, Any], str]:
         """How far apart the replicas are, now that their fingerprints disagree: each
