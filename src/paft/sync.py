@@ -455,13 +455,13 @@ class ReplicaSync:
         # mean mode's check of identical parameters and optimizer state. In the buffers
         # "finite" is relative (see sound_replicas): NaN/Inf the replicas share is state.
         differ = [len(set(fps)) > 1 for _, fps, _ in parts]
-        mine = [x for (part, _, digests), d in zip(parts, differ) if d
+        mine = [x for (part, _, digests), differs in zip(parts, differ) if differs
                 for x in nonfinite_patterns([t for _, t, _ in part]) + digests]
         rows = self._gather_ints(mine) if mine else []
         bytes_sent, collectives = bytes_sent + 8 * len(mine), collectives + bool(mine)
-        decisions, differing, at = [], [], 0
-        for (part, fps, _), d in zip(parts, differ):
-            if d:
+        plans, differing, at = [], [], 0
+        for (part, fps, _), differs in zip(parts, differ):
+            if differs:
                 n = len(part)
                 lenient = [part is buffers] * n
                 finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * n] for r in rows], lenient)]
@@ -473,23 +473,23 @@ class ReplicaSync:
                 # non-finite on every rank alike (nothing to average from), never buffers
                 strict = self.mode == "mean" and part is state
                 finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
-            decisions.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._reference is not None,
+            plans.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._reference is not None,
                                        reference_ok=self._reference is not None and len(set(tags)) == 1,
                                        per_coordinate=part is buffers))
-        state_d, buffers_d = decisions
+        state_plan, buffers_plan = plans
         if self._buffer_src is not None:
-            buffers_d = as_ddp_would(buffers_d, state_d, self._buffer_src)
+            buffers_plan = as_ddp_would(buffers_plan, state_plan, self._buffer_src)
         # The buffers first, now and blocking, before the next forward updates them:
         # their updates (BatchNorm's running averages) are not additive, so the overlapped
         # correction synced + (w - snapshot) would put a replica's deviation back with the
         # opposite sign (a negative running variance). They are small.
-        buffers_done = self._finish_part(self._launch_part(buffers_d, buffers, overlapped=False), False)
-        pending = self._launch_part(state_d, state, overlapped and not (repair_now and differ[0]))
+        buffers_done = self._finish_part(self._launch_part(buffers_plan, buffers, overlapped=False), False)
+        pending = self._launch_part(state_plan, state, overlapped and not (repair_now and differ[0]))
         return _Sync(ctrl, bytes_sent, collectives, buffers_done, pending, differing, t0,
                      critical=time.perf_counter() - t0)
 
-    def _launch_part(self, d: SyncPlan, entries: list[Entry], overlapped: bool) -> PartInFlight:
-        return self._transfer.launch(d, self._layout_for(entries), entries, overlapped=overlapped,
+    def _launch_part(self, plan: SyncPlan, entries: list[Entry], overlapped: bool) -> PartInFlight:
+        return self._transfer.launch(plan, self._layout_for(entries), entries, overlapped=overlapped,
                                      opt_steps=self._opt_steps, reference=self._reference)
 
     def _finish_part(self, p: PartInFlight, state_changed: bool | None) -> PartDone:
@@ -505,24 +505,24 @@ class ReplicaSync:
         self.syncs += 1
         if self._reference is not None:
             self._reference.after_sync(self.syncs, p.ctrl)
-        d, note = done.decision, done.decision.note
-        if buffers.decision.mode != "noop":
-            if d.mode == "noop":  # parameters and optimizer state agree: only the buffers moved
-                d, note = buffers.decision, "; ".join(filter(None, ["buffers only", buffers.decision.note]))
+        plan, note = done.plan, done.plan.note
+        if buffers.plan.mode != "noop":
+            if plan.mode == "noop":  # parameters and optimizer state agree: only the buffers moved
+                plan, note = buffers.plan, "; ".join(filter(None, ["buffers only", buffers.plan.note]))
             else:
-                extra = f" ({buffers.decision.note})" if buffers.decision.note else ""
-                note = "; ".join(filter(None, [note, f"buffers: {buffers.decision.mode}{extra}"]))
+                extra = f" ({buffers.plan.note})" if buffers.plan.note else ""
+                note = "; ".join(filter(None, [note, f"buffers: {buffers.plan.mode}{extra}"]))
         t2 = time.perf_counter()
         return SyncReport(
-            mode=d.mode,
-            groups=d.groups,
-            source_ranks=d.sources,
+            mode=plan.mode,
+            groups=plan.groups,
+            source_ranks=plan.sources,
             bytes_sent=p.control_bytes + done.bytes_sent + buffers.bytes_sent,
             seconds=p.critical + (t2 - t1),
             divergence=max(done.divergence, buffers.divergence),
             collectives=p.control_collectives + done.collectives + buffers.collectives,
             wall_seconds=t2 - p.t0,
-            overlapped=p.state.overlapped and p.state.decision.mode != "noop",  # a transfer was in flight
+            overlapped=p.state.overlapped and p.state.plan.mode != "noop",  # a transfer was in flight
             delta_tensors=done.delta_tensors,
             note=note,
             differing_tensors=len(p.differing),

@@ -1,4 +1,4 @@
-"""PAFT-Sync's decision: whose values make up the synchronized state.
+"""PAFT-Sync's plan: whose values make up the synchronized state.
 
 A sync starts with one small control exchange (see :mod:`paft.sync`): every rank
 learns every replica's state fingerprint and whether that replica is finite. From

@@ -1,4 +1,4 @@
-"""Tests for paft.sync_plan: PAFT-Sync's decision from fingerprints and finite flags.
+"""Tests for paft.sync_plan: PAFT-Sync's plan from fingerprints and finite flags.
 Pure logic: milliseconds. (sync_test.py runs the plans end to end on real ranks.)"""
 
 from __future__ import annotations

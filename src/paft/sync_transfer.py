@@ -100,7 +100,7 @@ def keep_as_reference(reference: SyncReference, layout: Layout, entries: list[En
 class PartInFlight:
     """One part of a sync (the parameters and optimizer state, or the buffers) in flight."""
 
-    decision: SyncPlan
+    plan: SyncPlan
     layout: Layout
     originals: list[Tensor]  # the live objects, for identity / version checks
     versions: list[int]
@@ -118,7 +118,7 @@ class PartInFlight:
 class PartDone:
     """A completed part: what the report says of it."""
 
-    decision: SyncPlan
+    plan: SyncPlan
     divergence: float
     bytes_sent: int
     collectives: int
@@ -137,7 +137,7 @@ class Transfer:
 
     def launch(
         self,
-        d: SyncPlan,
+        plan: SyncPlan,
         layout: Layout,
         entries: list[Entry],
         *,
@@ -146,7 +146,7 @@ class Transfer:
         reference: SyncReference | None,
     ) -> PartInFlight:
         """Launch the collectives of one part (the parameters and optimizer state, or the
-        buffers) as decided by ``d``. ``layout``: the entries' layout; ``overlapped``: the
+        buffers) as ``plan`` says. ``layout``: the entries' layout; ``overlapped``: the
         caller's next step may change the state before :meth:`finish`; ``opt_steps``:
         the optimizer steps so far; ``reference``: where one is kept, a no-op keeps the
         state agreed now for it."""
@@ -156,19 +156,19 @@ class Transfer:
         bufs: list[Tensor | None] = []
         gathered: list[list[Tensor] | None] = []
         works: list[Any] = []
-        src_global = dist.get_global_rank(group, d.src) if group is not None and d.src >= 0 else d.src
+        src_global = dist.get_global_rank(group, plan.src) if group is not None and plan.src >= 0 else plan.src
         for g in layout.groups:
             snap: Tensor | None = None
             buf: Tensor | None = None
             outs: list[Tensor] | None = []
-            copy_mode = d.mode in COPY_MODES or (d.mode == "mean" and not g.floating)
-            if d.mode == "noop" or g.numel == 0:
+            copy_mode = plan.mode in COPY_MODES or (plan.mode == "mean" and not g.floating)
+            if plan.mode == "noop" or g.numel == 0:
                 pass
-            elif d.mode in COPY_MODES and len(d.minority) == 1:
+            elif plan.mode in COPY_MODES and len(plan.minority) == 1:
                 # One rank to repair (the common case): send it the source's state
                 # point-to-point; the other majority members move nothing at all.
-                (bad,) = d.minority
-                if rank == d.src:
+                (bad,) = plan.minority
+                if rank == plan.src:
                     buf = snap = pack_group(g, entries, self.device)
                     dst = dist.get_global_rank(group, bad) if group is not None else bad
                     for k, (a, b) in enumerate(g.buckets):
@@ -182,20 +182,20 @@ class Transfer:
                         works.append(dist.irecv(buf[a:b], src_global, group=group, tag=k))
                     collectives += len(g.buckets)
             elif copy_mode:
-                if rank == d.src:
+                if rank == plan.src:
                     # The source's buffer is never overwritten: it is its own snapshot.
                     buf = snap = pack_group(g, entries, self.device)
                     bytes_sent += buf.numel() * buf.element_size()
                 else:
                     # Majority members hold the result already and only receive; the
                     # others keep a snapshot for divergence and the overlapped delta.
-                    if not d.holds_result(rank):
+                    if not plan.holds_result(rank):
                         snap = pack_group(g, entries, self.device)
                     buf = torch.empty(g.numel, dtype=g.dtype, device=self.device)
                 for a, b in g.buckets:
                     works.append(dist.broadcast(buf[a:b], src_global, group=group, async_op=True))
                 collectives += len(g.buckets)
-            elif d.mode == "mean":
+            elif plan.mode == "mean":
                 snap = pack_group(g, entries, self.device)
                 # Sum, then divide (in finish): exact where the replicas agree for a
                 # power-of-two count (n * x / n is x) and for the smallest subnormals
@@ -203,7 +203,7 @@ class Transfer:
                 # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
                 # averaged (copy_mode above).
                 wide = wide_dtype(g.dtype)
-                buf = snap.to(wide, copy=True) if d.finite[rank] else torch.zeros_like(snap, dtype=wide)
+                buf = snap.to(wide, copy=True) if plan.finite[rank] else torch.zeros_like(snap, dtype=wide)
                 for a, b in g.buckets:
                     works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
                 bytes_sent += buf.numel() * buf.element_size()
@@ -222,10 +222,10 @@ class Transfer:
         originals = [o for _, _, o in entries]
         # The next world-size-2 reference after a no-op is the state agreed NOW: by
         # finish() an overlapped step may have moved the two replicas apart.
-        if d.mode == "noop" and reference is not None:
+        if plan.mode == "noop" and reference is not None:
             keep_as_reference(reference, layout, entries, self.device)
         return PartInFlight(
-            decision=d,
+            plan=plan,
             layout=layout,
             originals=originals,
             versions=[o._version for o in originals],
@@ -281,7 +281,7 @@ class Transfer:
         re-resolves its tensors by name); ``opt_steps``: the optimizer steps so far;
         ``reference``: where one is kept, the median's third opinion, and then replaced
         by the state just agreed."""
-        d, layout = p.decision, p.layout
+        plan, layout = p.plan, p.layout
         for w in p.works:
             w.wait()
         bytes_sent, collectives = p.bytes_sent, p.collectives
@@ -294,20 +294,20 @@ class Transfer:
         me = self.rank
         # A replica holding NaN/Inf is infinitely far from the others, which every rank
         # knows from the plan: only a sync of finite replicas measures the distance.
-        measure = d.mode != "noop" and not d.holds_result(me) and all(d.finite)
-        good = [r for r in range(self.world_size) if d.finite[r]]
+        measure = plan.mode != "noop" and not plan.holds_result(me) and all(plan.finite)
+        good = [r for r in range(self.world_size) if plan.finite[r]]
         for gi, g in enumerate(layout.groups):
             snap, buf = p.snaps[gi], p.bufs[gi]
-            if d.mode == "noop" or g.numel == 0 or (buf is None and d.holds_result(me)):
+            if plan.mode == "noop" or g.numel == 0 or (buf is None and plan.holds_result(me)):
                 synced.append(None)  # nothing moved, or a majority member left out of the copy
                 continue
-            if d.mode in ("median", "median-with-reference"):
+            if plan.mode in ("median", "median-with-reference"):
                 out_flat = torch.empty(g.numel, dtype=g.dtype, device=self.device)
                 ref = None
-                if d.mode == "median-with-reference":
+                if plan.mode == "median-with-reference":
                     assert reference is not None  # planned only where a reference is kept
-                    ref = reference.flat(g, d.reference_ok)
-                nan_free = all(d.finite)  # then the NaN pass of the medians is skipped
+                    ref = reference.flat(g, plan.reference_ok)
+                nan_free = all(plan.finite)  # then the NaN pass of the medians is skipped
                 for (a, b), rows in zip(g.buckets, self._rows(p, gi)):
                     if ref is not None:
                         median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
@@ -320,15 +320,15 @@ class Transfer:
                     if not (measure and g.floating):
                         continue
                     for lo, hi in ranges_in(g.param_ranges, a, b):
-                        part = rows[:, lo:hi].to(wide_dtype(g.dtype))
-                        c = part.mean(0)
+                        rows_in_range = rows[:, lo:hi].to(wide_dtype(g.dtype))
+                        c = rows_in_range.mean(0)
                         ref_sq += sq_norm(c)
-                        local_sq += sq_norm(part[me] - c)
+                        local_sq += sq_norm(rows_in_range[me] - c)
                 synced.append(out_flat)
                 continue
             assert buf is not None
-            if d.mode == "mean" and g.floating:
-                buf.div_(d.count)
+            if plan.mode == "mean" and g.floating:
+                buf.div_(plan.count)
                 overflowed = ~torch.isfinite(buf)
                 if bool(overflowed.any()):
                     # Finite replicas whose sum overflowed (40000 + 40992 in float16): sum
@@ -336,7 +336,7 @@ class Transfer:
                     # sum overflowed. The all-reduce left the same result on every rank,
                     # so every rank takes this branch alike.
                     assert snap is not None
-                    scaled = snap.to(buf.dtype) * (1.0 / d.count) if d.finite[me] else torch.zeros_like(buf)
+                    scaled = snap.to(buf.dtype) * (1.0 / plan.count) if plan.finite[me] else torch.zeros_like(buf)
                     for a, b in g.buckets:
                         dist.all_reduce(scaled[a:b], group=self.group)
                     buf = torch.where(overflowed, scaled, buf)
@@ -352,9 +352,9 @@ class Transfer:
         # very same number (PAFT-Dyn takes its decisions from it on every rank). A
         # non-finite replica, or a part without parameters (the buffers), needs none:
         # the finite flags, which every rank holds, say all there is.
-        if d.mode == "noop":
+        if plan.mode == "noop":
             divergence = 0.0
-        elif not all(d.finite):
+        elif not all(plan.finite):
             divergence = math.inf
         elif not any(g.param_ranges for g in layout.groups):
             divergence = 0.0
@@ -365,15 +365,15 @@ class Transfer:
         # 2. Apply: copy where the tensor is untouched since the snapshot, else the
         # correction synced + (w - snapshot).
         delta_tensors = 0
-        if d.mode != "noop" and not d.holds_result(self.rank):
+        if plan.mode != "noop" and not plan.holds_result(self.rank):
             delta_tensors = self._apply(p, synced, state_changed, live_entries, opt_steps)
 
         # 3. The reference for the next world-size-2 median: the state just agreed
         # (merged by name: each part replaces its own tensors' reference; a no-op's was
         # taken at launch).
-        if reference is not None and d.mode != "noop":
+        if reference is not None and plan.mode != "noop":
             reference.keep(layout, synced)
-        return PartDone(d, divergence, bytes_sent, collectives, delta_tensors)
+        return PartDone(plan, divergence, bytes_sent, collectives, delta_tensors)
 
     def _apply(
         self,
@@ -384,12 +384,12 @@ class Transfer:
         opt_steps: int,
     ) -> int:
         """Write ``synced`` into the live state; how many tensors took the correction."""
-        d, layout = p.decision, p.layout
+        plan, layout = p.plan, p.layout
         if p.overlapped:
             # Re-resolve by name: the optimizer may have replaced a state tensor.
             now = {n: (t, o) for n, t, o in live_entries()}
         # A non-finite replica's own progress is garbage: it just takes the result.
-        garbage = not d.finite[self.rank]
+        garbage = not plan.finite[self.rank]
         stepped = opt_steps != p.opt_steps
         delta_tensors = 0
         copy_dst: list[Tensor] = []
