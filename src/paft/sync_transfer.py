@@ -125,6 +125,36 @@ class PartDone:
     delta_tensors: int
 
 
+@dataclass
+class _Distance:
+    """The divergence's two sums over the parameters' ranges, in the order they are
+    measured: this rank's squared distance to the centre and the centre's squared norm."""
+
+    local_sq: float = 0.0
+    ref_sq: float = 0.0
+
+    def add(self, mine: Tensor, centre: Tensor) -> None:
+        self.ref_sq += sq_norm(centre)
+        self.local_sq += sq_norm(mine - centre)
+
+    def relative(self) -> float:
+        return rel_distance(self.local_sq, self.ref_sq)
+
+
+def _divergence_from_flags(plan: SyncPlan, layout: Layout) -> float | None:
+    """The divergence where the plan alone tells it, else None (it must be measured and
+    exchanged). A no-op moves nothing; a non-finite replica, or a part without
+    parameters (the buffers), needs no exchange: the finite flags, which every rank
+    holds, say all there is."""
+    if plan.mode == "noop":
+        return 0.0
+    if not all(plan.finite):
+        return math.inf
+    if not any(g.param_ranges for g in layout.groups):
+        return 0.0
+    return None
+
+
 @dataclass(frozen=True)
 class Transfer:
     """Launches and finishes the collectives of a sync's parts over ``group`` (this
@@ -290,76 +320,35 @@ class Transfer:
         # the centre: the mean of the finite replicas (median modes: from the gather;
         # mean: the result), or the copied source (copy modes).
         synced: list[Tensor | None] = []
-        local_sq = ref_sq = 0.0
+        distance = _Distance()
         me = self.rank
         # A replica holding NaN/Inf is infinitely far from the others, which every rank
         # knows from the plan: only a sync of finite replicas measures the distance.
         measure = plan.mode != "noop" and not plan.holds_result(me) and all(plan.finite)
-        good = [r for r in range(self.world_size) if plan.finite[r]]
         for gi, g in enumerate(layout.groups):
             snap, buf = p.snaps[gi], p.bufs[gi]
             if plan.mode == "noop" or g.numel == 0 or (buf is None and plan.holds_result(me)):
                 synced.append(None)  # nothing moved, or a majority member left out of the copy
                 continue
             if plan.mode in ("median", "median-with-reference"):
-                out_flat = torch.empty(g.numel, dtype=g.dtype, device=self.device)
-                ref = None
-                if plan.mode == "median-with-reference":
-                    assert reference is not None  # planned only where a reference is kept
-                    ref = reference.flat(g, plan.reference_ok)
-                nan_free = all(plan.finite)  # then the NaN pass of the medians is skipped
-                for (a, b), rows in zip(g.buckets, self._rows(p, gi)):
-                    if ref is not None:
-                        median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
-                        if len(good) == 1 and g.floating:
-                            sound_where_it_can_tell_(out_flat[a:b], rows[good[0]], rows[1 - good[0]])
-                    else:
-                        merged = replica_median(rows, out=out_flat[a:b], nan_free=nan_free)
-                        if not nan_free:
-                            finite_where_outvoted_(merged, rows, good)
-                    if not (measure and g.floating):
-                        continue
-                    for lo, hi in ranges_in(g.param_ranges, a, b):
-                        rows_in_range = rows[:, lo:hi].to(wide_dtype(g.dtype))
-                        c = rows_in_range.mean(0)
-                        ref_sq += sq_norm(c)
-                        local_sq += sq_norm(rows_in_range[me] - c)
-                synced.append(out_flat)
+                synced.append(self._merge_median(p, gi, reference, distance if measure and g.floating else None))
                 continue
             assert buf is not None
             if plan.mode == "mean" and g.floating:
-                buf.div_(plan.count)
-                overflowed = ~torch.isfinite(buf)
-                if bool(overflowed.any()):
-                    # Finite replicas whose sum overflowed (40000 + 40992 in float16): sum
-                    # again with each share scaled first, and take that where the plain
-                    # sum overflowed. The all-reduce left the same result on every rank,
-                    # so every rank takes this branch alike.
-                    assert snap is not None
-                    scaled = snap.to(buf.dtype) * (1.0 / plan.count) if plan.finite[me] else torch.zeros_like(buf)
-                    for a, b in g.buckets:
-                        dist.all_reduce(scaled[a:b], group=self.group)
-                    buf = torch.where(overflowed, scaled, buf)
-                    bytes_sent += scaled.numel() * scaled.element_size()
+                buf, summed_again = self._mean_from_sum(plan, g, snap, buf)
+                if summed_again:
+                    bytes_sent += buf.numel() * buf.element_size()
                     collectives += len(g.buckets)
             if measure and g.floating and snap is not None:
                 for lo, hi in g.param_ranges:
-                    local_sq += sq_norm(snap[lo:hi] - buf[lo:hi])
-                    ref_sq += sq_norm(buf[lo:hi])
+                    distance.add(snap[lo:hi], buf[lo:hi])
             synced.append(buf.to(g.dtype))  # a float32 mean of 16-bit state, rounded once
 
-        # The max over ranks: one 8-byte all-reduce, so that every rank reports the
-        # very same number (PAFT-Dyn takes its decisions from it on every rank). A
-        # non-finite replica, or a part without parameters (the buffers), needs none:
-        # the finite flags, which every rank holds, say all there is.
-        if plan.mode == "noop":
-            divergence = 0.0
-        elif not all(plan.finite):
-            divergence = math.inf
-        elif not any(g.param_ranges for g in layout.groups):
-            divergence = 0.0
-        else:
-            divergence = max_over_ranks(rel_distance(local_sq, ref_sq) if measure else 0.0, self.group)
+        divergence = _divergence_from_flags(plan, layout)
+        if divergence is None:
+            # The max over ranks: one 8-byte all-reduce, so that every rank reports the
+            # very same number (PAFT-Dyn takes its decisions from it on every rank).
+            divergence = max_over_ranks(distance.relative() if measure else 0.0, self.group)
             bytes_sent, collectives = bytes_sent + 8, collectives + 1
 
         # 2. Apply: copy where the tensor is untouched since the snapshot, else the
@@ -374,6 +363,53 @@ class Transfer:
         if reference is not None and plan.mode != "noop":
             reference.keep(layout, synced)
         return PartDone(plan, divergence, bytes_sent, collectives, delta_tensors)
+
+    def _merge_median(
+        self, p: PartInFlight, gi: int, reference: SyncReference | None, distance: _Distance | None
+    ) -> Tensor:
+        """Group ``gi``'s per-coordinate median of the gathered replicas (and, in
+        ``median-with-reference``, the reference), bucket by bucket; where ``distance``
+        is given, this rank's distance to the replicas' mean is added to it."""
+        plan, g, me = p.plan, p.layout.groups[gi], self.rank
+        good = [r for r in range(self.world_size) if plan.finite[r]]
+        out_flat = torch.empty(g.numel, dtype=g.dtype, device=self.device)
+        ref = None
+        if plan.mode == "median-with-reference":
+            assert reference is not None  # planned only where a reference is kept
+            ref = reference.flat(g, plan.reference_ok)
+        nan_free = all(plan.finite)  # then the NaN pass of the medians is skipped
+        for (a, b), rows in zip(g.buckets, self._rows(p, gi)):
+            if ref is not None:
+                median_of_three(rows[0], rows[1], ref[a:b], out=out_flat[a:b], nan_free=nan_free)
+                if len(good) == 1 and g.floating:
+                    sound_where_it_can_tell_(out_flat[a:b], rows[good[0]], rows[1 - good[0]])
+            else:
+                merged = replica_median(rows, out=out_flat[a:b], nan_free=nan_free)
+                if not nan_free:
+                    finite_where_outvoted_(merged, rows, good)
+            if distance is None:
+                continue
+            for lo, hi in ranges_in(g.param_ranges, a, b):
+                rows_in_range = rows[:, lo:hi].to(wide_dtype(g.dtype))
+                distance.add(rows_in_range[me], rows_in_range.mean(0))
+        return out_flat
+
+    def _mean_from_sum(self, plan: SyncPlan, g: Group, snap: Tensor | None, buf: Tensor) -> tuple[Tensor, bool]:
+        """The finite replicas' mean from ``buf``, their sum (divided in place), and
+        whether the overflowed coordinates took a second sum-all-reduce."""
+        buf.div_(plan.count)
+        overflowed = ~torch.isfinite(buf)
+        if not bool(overflowed.any()):
+            return buf, False
+        # Finite replicas whose sum overflowed (40000 + 40992 in float16): sum again
+        # with each share scaled first, and take that where the plain sum overflowed.
+        # The all-reduce left the same result on every rank, so every rank takes this
+        # branch alike.
+        assert snap is not None
+        scaled = snap.to(buf.dtype) * (1.0 / plan.count) if plan.finite[self.rank] else torch.zeros_like(buf)
+        for a, b in g.buckets:
+            dist.all_reduce(scaled[a:b], group=self.group)
+        return torch.where(overflowed, scaled, buf), True
 
     def _apply(
         self,
