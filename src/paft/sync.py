@@ -129,6 +129,10 @@ __all__ = [
 
 _LISTED = 16  # differing tensors a report names (a drifted state differs in every one)
 
+_Part = tuple[list[Entry], list[int], list[int]]
+"""One part of the state: its entries, every rank's fingerprint of it and this rank's
+digests of its tensors."""
+
 # ----------------------------------------------------------------------------
 # Reports
 # ----------------------------------------------------------------------------
@@ -432,6 +436,39 @@ class ReplicaSync:
         """Blocking gather of a few int64 per rank."""
         return gather_rows(torch.tensor(row, dtype=torch.int64, device=self._device), self.group).tolist()
 
+    @staticmethod
+    def _patterns_and_digests_row(parts: list[_Part], differ: list[bool]) -> list[int]:
+        """This rank's row of the exchange after the control one: for each part whose
+        replicas differ, per tensor its NaN/Inf count and pattern (two ints,
+        :func:`~paft.divergence.nonfinite_patterns`), then per tensor its digest.
+        :meth:`_plan_parts` reads every rank's row back in this layout."""
+        return [x for (part, _, digests), differs in zip(parts, differ) if differs
+                for x in nonfinite_patterns([t for _, t, _ in part]) + digests]
+
+    def _plan_parts(self, parts: list[_Part], differ: list[bool], rows: list[list[int]],
+                    reference_ok: bool) -> tuple[list[SyncPlan], list[tuple[str, list[list[int]]]]]:
+        """Each part's plan (``parts``: the parameters' and optimizer state's, then the
+        buffers') and the tensors whose bits differ, each with the ranks grouped by
+        them, from every rank's :meth:`_patterns_and_digests_row` in ``rows``."""
+        buffers = parts[1][0]
+        plans, differing, at = [], [], 0
+        for (part, fps, _), differs in zip(parts, differ):
+            if differs:
+                n = len(part)
+                lenient = [part is buffers] * n
+                finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * n] for r in rows], lenient)]
+                for (name, _, _), *digests in zip(part, *(r[at + 2 * n : at + 3 * n] for r in rows)):
+                    if len(set(digests)) > 1:
+                        differing.append((name, group_replicas(digests)))
+                at += 3 * n
+            else:  # identical: mean mode still refuses parameters or optimizer state gone
+                # non-finite on every rank alike (nothing to average from), never buffers
+                strict = self.mode == "mean" and part is not buffers
+                finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
+            plans.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._reference is not None,
+                                   reference_ok=reference_ok, per_coordinate=part is buffers))
+        return plans, differing
+
     def _launch(self, overlapped: bool, repair_now: bool = False) -> _Sync:
         t0 = time.perf_counter()
         entries = self._entries()
@@ -455,27 +492,11 @@ class ReplicaSync:
         # mean mode's check of identical parameters and optimizer state. In the buffers
         # "finite" is relative (see sound_replicas): NaN/Inf the replicas share is state.
         differ = [len(set(fps)) > 1 for _, fps, _ in parts]
-        mine = [x for (part, _, digests), differs in zip(parts, differ) if differs
-                for x in nonfinite_patterns([t for _, t, _ in part]) + digests]
+        mine = self._patterns_and_digests_row(parts, differ)
         rows = self._gather_ints(mine) if mine else []
         bytes_sent, collectives = bytes_sent + 8 * len(mine), collectives + bool(mine)
-        plans, differing, at = [], [], 0
-        for (part, fps, _), differs in zip(parts, differ):
-            if differs:
-                n = len(part)
-                lenient = [part is buffers] * n
-                finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * n] for r in rows], lenient)]
-                for (name, _, _), *digests in zip(part, *(r[at + 2 * n : at + 3 * n] for r in rows)):
-                    if len(set(digests)) > 1:
-                        differing.append((name, group_replicas(digests)))
-                at += 3 * n
-            else:  # identical: mean mode still refuses parameters or optimizer state gone
-                # non-finite on every rank alike (nothing to average from), never buffers
-                strict = self.mode == "mean" and part is state
-                finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
-            plans.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._reference is not None,
-                                       reference_ok=self._reference is not None and len(set(tags)) == 1,
-                                       per_coordinate=part is buffers))
+        reference_ok = self._reference is not None and len(set(tags)) == 1
+        plans, differing = self._plan_parts(parts, differ, rows, reference_ok)
         state_plan, buffers_plan = plans
         if self._buffer_src is not None:
             buffers_plan = as_ddp_would(buffers_plan, state_plan, self._buffer_src)
