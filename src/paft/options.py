@@ -7,8 +7,9 @@ Values come, lowest precedence first, from the dataclass defaults, a ``--config`
 file (TOML, YAML or JSON, keys spelled like the long options: ``world-size = 4``), and the
 command line. A run's ``config.json`` (:meth:`TrainConfig.to_dict`'s shape: the fields,
 with the tables ``monitor``, ``protect`` and ``guard``) is a ``--config`` file too, read
-through the same table: it reruns that run's settings in another folder. Both ``paft
-train`` and ``python -m paft.train`` (under torchrun) use :func:`parse_train_config`.
+through the same table: it reruns that run's settings in another folder. ``paft train``
+builds its config with :func:`config_or_exit` (its parser is a subcommand's), ``python -m
+paft.train`` (under torchrun) with :func:`parse_train_config`, which wraps it.
 """
 
 from __future__ import annotations
