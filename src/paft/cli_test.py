@@ -534,7 +534,11 @@ def test_under_torchrun_a_world_size_mismatch_says_where_the_size_came_from(
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "config.json").write_text(json.dumps(TrainConfig(world_size=2).to_dict()))
     for argv, needle in [
-        (["--config", "two.toml"], "--world-size 2 (in two.toml): torchrun started 3 processes; pass --world-size 3"),
+        (["--config", "two.toml"],
+         "--world-size 2 (in two.toml): torchrun started 3 processes; pass --world-size 3 or leave it out"),
+        # a run's config.json always has one: only the command line's goes over it
+        (["--config", "r/config.json"], "--world-size 2 (in r/config.json): torchrun started 3 processes; "
+         "pass --world-size 3 on the command line, over the file's\n"),
         # typed over the file's: the command line's, not the file's
         (["--config", "two.toml", "--world-size", "4"], "error: --world-size 4: torchrun started 3 processes"),
         # fixed at the first run: passing --world-size 3 would be refused too

@@ -540,8 +540,10 @@ def config_from_namespace(ns: argparse.Namespace,
         if "world-size" in saved:
             raise ValueError(f"--resume: {folder} was trained on {asked} ranks and torchrun "
                              f"started {launched} processes; start it with --nproc-per-node {asked}")
+        # A run's config.json always has a world size: only the command line's goes over it.
+        fix = "on the command line, over the file's" if where and where.fields else "or leave it out"
         raise ValueError(f"--world-size {asked}{f' (in {where.path})' if where else ''}: torchrun started {launched} "
-                         f"processes; pass --world-size {launched} or leave it out")
+                         f"processes; pass --world-size {launched} {fix}")
     kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for key, value in values.items():
         opt = _BY_KEY[key]
