@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from paft.bench import add_bench_parser, run_bench
-from paft.exitcodes import EXIT_USAGE, interrupted_codes
+from paft.exitcodes import EXIT_USAGE, TERMINATING_SIGNALS, interrupted_codes, signal_exit_code
 from paft.options import OptionParser, add_train_options, config_or_exit, train_epilog
 
 __all__ = ["main", "run", "build_parser"]
@@ -125,7 +125,7 @@ def run() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from paft.records import quiet_stdout
-    from paft.signals import TERMINATING_SIGNALS, ignore_further_signals, interrupted, unwind_on_termination
+    from paft.signals import ignore_further_signals, interrupted, unwind_on_termination
 
     unwind_on_termination()
     try:
@@ -135,7 +135,7 @@ def run() -> None:
     except BrokenPipeError:  # the console went away (`| head`) while a command printed
         quiet_stdout()
         code = 1
-    if code in [128 + int(sig) for sig in (signal.SIGINT, *TERMINATING_SIGNALS)]:
+    if code in [signal_exit_code(sig) for sig in (signal.SIGINT, *TERMINATING_SIGNALS)]:
         ignore_further_signals()
     sys.exit(code)
 

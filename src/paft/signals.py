@@ -18,11 +18,11 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from paft.exitcodes import TERMINATING_SIGNALS, signal_exit_code
 from paft.startup import interrupted_line, unwind_on_interrupt
 
 __all__ = [
     "SignalHold",
-    "TERMINATING_SIGNALS",
     "ignore_further_signals",
     "interrupted",
     "on_sigterm",
@@ -37,10 +37,6 @@ def on_sigterm(signum: int, _frame: Any) -> None:
     (torch's elastic launcher installs its own handler while the workers run, which
     raises the same exception.)"""
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
-
-
-# What torch's elastic launcher itself turns into an unwind (with SIGINT, which Python does).
-TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def unwind_on_termination() -> None:
@@ -109,4 +105,4 @@ def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", sa
     what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
     if say:
         print(interrupted_line(prog, what, hint), file=sys.stderr)
-    return 128 + int(sig)
+    return signal_exit_code(sig)

@@ -14,8 +14,8 @@ Nothing needs undoing that early, so :func:`exit_on_interrupt`, called by
 (exit 130, the line the commands say for it), until
 :func:`paft.signals.unwind_on_termination` has it unwind to the command's handlers again.
 Only the interpreter's own start-up, its first tens of milliseconds, comes before paft's
-first line. A program that only imports paft is left alone. stdlib only: torch is what
-is being waited for.
+first line. A program that only imports paft is left alone. stdlib only (and
+:mod:`paft.exitcodes`, which is too): torch is what is being waited for.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import os
 import signal
 import sys
 from types import FrameType
+
+from paft.exitcodes import signal_exit_code
 
 __all__ = ["interrupted_line", "command_name", "exit_on_interrupt", "unwind_on_interrupt"]
 
@@ -61,7 +63,7 @@ class _Exit:
     def __call__(self, signum: int, _frame: FrameType | None) -> None:
         if self.speaks:
             print(interrupted_line(self.prog), file=sys.stderr, flush=True)
-        os._exit(128 + signum)
+        os._exit(signal_exit_code(signum))
 
 
 def exit_on_interrupt() -> None:
