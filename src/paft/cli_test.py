@@ -734,7 +734,8 @@ def test_a_resume_names_the_saved_options_it_changes(tmp_path: pathlib.Path, mon
     assert main(argv) == 0
     assert capsys.readouterr().err == (
         "paft train: warning: --resume changes the run's saved options: --lr 0.001 (was 0.003), --inject "
-        "nan:steps=7 bitflip:steps=8 (was bitflip:steps=1), --no-quiet (was --quiet), --no-monitor (was --monitor)\n")
+        "nan:steps=7 --inject bitflip:steps=8 (was bitflip:steps=1), --no-quiet (was --quiet), "
+        "--no-monitor (was --monitor)\n")  # one --inject per spec, as the command line takes them
     (tmp_path / "c.toml").write_text("inject = []\n")
     assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--config", "c.toml"]) == 0
     assert capsys.readouterr().err == ("paft train: warning: --resume changes the run's saved options: no --inject "
@@ -968,7 +969,7 @@ def test_an_interrupted_run_with_a_checkpoint_says_how_to_continue(tmp_path: pat
         f"; to continue from the last checkpoint: paft train --run-dir '{run}' --resume")
     assert resume_hint(TrainConfig(run_dir=str(run)), "torchrun ... -m paft.train") == (
         f"; to continue from the last checkpoint: torchrun ... -m paft.train --run-dir '{run}' --resume")
-    # A resume names its --steps and the options it changed (paft.options.resume_args).
+    # A resume names its --steps and the options it changed (paft.resume_options.resume_args).
     resumed = TrainConfig(run_dir=str(run), resume=True, steps=90)
     assert resume_hint(resumed, "torchrun ... -m paft.train", ["--lr", "0.001", "--inject", "nan:steps=7"]) == (
         f"; to continue from the last checkpoint: torchrun ... -m paft.train --run-dir '{run}' --resume --steps 90 "

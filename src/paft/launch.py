@@ -58,7 +58,7 @@ __all__ = [
 def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
     """Run ``cfg`` on ``cfg.world_size`` local workers; returns the exit code.
     ``resumed_with``: the options a ``--resume`` changes, as command-line words
-    (:func:`paft.options.resume_args`), which the line saying how to continue names.
+    (:func:`paft.resume_options.resume_args`), which the line saying how to continue names.
 
     Raises :class:`paft.rundir.RunDirError` or :class:`paft.machine.MachineError` (before
     anything is written) when the run directory or this machine (its devices, the

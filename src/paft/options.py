@@ -43,7 +43,8 @@ from paft.config import (
 from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED, interrupted_codes
 from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
-from paft.rundir import FIXED_ON_RESUME, has_checkpoint, resolve_run_dir
+from paft.resume_options import ResumeChange, changes_said, resume_args, resume_changes
+from paft.rundir import has_checkpoint, resolve_run_dir
 from paft.values import fits
 from paft.workloads import DROPOUT_WORKLOADS, WORKLOADS
 
@@ -54,7 +55,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
            "config_or_exit", "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults",
-           "ResumeChange", "resume_changes", "resume_args",
            "train_warnings", "train_epilog"]
 
 
@@ -397,71 +397,6 @@ def _field(opt: Option) -> str:
     return f"{'' if opt.section is None else opt.section + '.'}{opt.name} (--{opt.flag})"
 
 
-class ResumeChange(NamedTuple):
-    """An option a ``--resume`` changes from its run's saved one (option name, values)."""
-
-    flag: str
-    now: Any
-    was: Any
-
-
-def resume_changes(cfg: TrainConfig, saved: dict[str, Any]) -> list[ResumeChange]:
-    """With ``--resume``, the options ``cfg`` changes from ``saved``, the run's saved
-    ones (its ``config.json``: the last checkpoint's, as :func:`config_from_namespace`
-    read them), which a resume takes (the rest it keeps). Not ``--steps``, the way to
-    train on, nor the options a resume cannot change (refused: ``FIXED_ON_RESUME`` in
-    :mod:`paft.rundir`)."""
-    if not saved:  # not a resume, or of a run without config.json (refused later)
-        return []
-    now = _option_values(cfg.to_dict(), "--resume")  # cfg is checked: never raises
-    kept = {"steps", "run-dir", *(flag.removeprefix("--") for _, flag in FIXED_ON_RESUME)}
-    return [ResumeChange(flag, now[flag], saved[flag])
-            for flag in now if flag in saved and flag not in kept and now[flag] != saved[flag]]
-
-
-def resume_args(changes: Sequence[ResumeChange], config_file: str | None, given: dict[str, Any]) -> list[str]:
-    """``changes`` as command-line words, for the line that says how to continue a
-    resume: stopped before its next checkpoint, it puts back the ``config.json`` of the
-    last one, so a plain ``--resume`` would go on with the saved options. An emptied
-    ``--inject`` is what only a config file says: that file (``config_file``), and again
-    the options typed over its values (``given``: the command line's), which it would
-    bring back otherwise (--lr 0.003, the saved value, over the file's 0.5)."""
-    words: list[str] = []
-    named_file = False
-    for flag, now, _ in changes:
-        if now == []:
-            assert config_file is not None, "only a config file empties a list"
-            words += ["--config", config_file]
-            named_file = True
-        else:
-            words += _words(flag, now)
-    if named_file:
-        said = {"run-dir", "resume", "steps", *(change.flag for change in changes)}  # the hint's own, or above
-        words += [w for flag, value in given.items() if flag not in said for w in _words(flag, value)]
-    return words
-
-
-def _words(flag: str, value: Any) -> list[str]:
-    """Option ``flag`` with ``value`` as command-line words."""
-    if isinstance(value, bool):
-        return [_typed(flag, value)]
-    if _BY_KEY[flag].kind == "model":  # (key, value) pairs: one --model KEY=VALUE each
-        return [w for key, field in value for w in (f"--{flag}", f"{key}={field!r}")]
-    if isinstance(value, list):  # --inject's specs: one option each
-        return [w for spec in value for w in (f"--{flag}", spec)]
-    return [f"--{flag}", str(value)]
-
-
-def _typed(flag: str, value: Any, named: bool = True) -> str:
-    """``value`` as the command line would give it (``named``: after its option)."""
-    if isinstance(value, bool):
-        return f"--{'' if value else 'no-'}{flag}"
-    if value == []:  # --inject emptied (from a --config file: the command line cannot)
-        return f"no --{flag}" if named else "none"
-    shown = " ".join(value) if isinstance(value, list) else str(value)  # a list: --inject's specs
-    return f"--{flag} {shown}" if named else shown
-
-
 class _Source(NamedTuple):
     """The file an option's value came from, as an error names it: ``--config: c.toml``."""
 
@@ -503,7 +438,8 @@ def _given(ns: argparse.Namespace) -> dict[str, Any]:
 def config_from_namespace(ns: argparse.Namespace,
                           launched: int | None = None) -> tuple[TrainConfig, list[ResumeChange]]:
     """Build (and so validate) the config, and say what a ``--resume`` changes from its
-    run's saved options (:func:`resume_changes`; the run's ``config.json`` is read once).
+    run's saved options (:func:`paft.resume_options.resume_changes`; the run's
+    ``config.json`` is read once).
 
     Precedence, lowest first: defaults, ``launched``, the resumed run's ``config.json``
     (with ``--resume``), the ``--config`` file, the command line. A resumed run
@@ -554,7 +490,9 @@ def config_from_namespace(ns: argparse.Namespace,
         cfg = TrainConfig(**top, **sections)  # type: ignore[arg-type]
     except ValueError as err:
         raise _blamed(err, source, given, values) from None
-    return cfg, resume_changes(cfg, saved)
+    if not saved:  # not a resume, or of a run without config.json (refused later)
+        return cfg, []
+    return cfg, resume_changes(_option_values(cfg.to_dict(), "--resume"), saved)  # cfg is checked: never raises
 
 
 def _blamed(err: ValueError, source: dict[str, _Source], given: dict[str, Any], values: dict[str, Any]) -> ValueError:
@@ -672,8 +610,7 @@ def train_warnings(ns: argparse.Namespace, cfg: TrainConfig, changes: Sequence[R
     """What a training command warns about before it starts: :func:`idle_faults`,
     :func:`ignored_options` and the options a ``--resume`` changes (``changes``, from
     :func:`config_from_namespace`): ``--lr 0.001 (was 0.003)``."""
-    said = [f"{_typed(flag, now)} (was {_typed(flag, was, named=False)})" for flag, now, was in changes]
-    changed = [f"--resume changes the run's saved options: {', '.join(said)}"] if said else []
+    changed = [f"--resume changes the run's saved options: {changes_said(changes)}"] if changes else []
     return [*idle_faults(cfg), *ignored_options(ns, cfg), *changed]
 
 
@@ -701,9 +638,9 @@ def parse_train_config(
     warn: bool = False,
 ) -> tuple[TrainConfig, list[str]]:
     """Parse ``argv`` into a validated :class:`TrainConfig` and the options a
-    ``--resume`` changes, as command-line words (:func:`resume_args`); bad input exits
-    with code 2. ``launched``: see :func:`config_from_namespace`; ``warn``: print
-    :func:`train_warnings` to stderr (one rank of several does)."""
+    ``--resume`` changes, as command-line words (:func:`paft.resume_options.resume_args`);
+    bad input exits with code 2. ``launched``: see :func:`config_from_namespace`;
+    ``warn``: print :func:`train_warnings` to stderr (one rank of several does)."""
     parser = OptionParser(prog=prog, epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_options(parser)
     return config_or_exit(parser, parser.parse_args(argv), launched, warn)
@@ -713,9 +650,10 @@ def config_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace, laun
                    warn: bool = True) -> tuple[TrainConfig, list[str]]:
     """The validated :class:`TrainConfig` of ``ns``, the options ``parser`` parsed (it
     has :func:`add_train_options`), and the options a ``--resume`` changes, as
-    command-line words (:func:`resume_args`); bad input is ``parser``'s error (exit
-    code 2). ``launched``: see :func:`config_from_namespace`; ``warn``: print
-    :func:`train_warnings` to stderr, as ``parser.prog`` (``paft train: warning: ...``)."""
+    command-line words (:func:`paft.resume_options.resume_args`); bad input is
+    ``parser``'s error (exit code 2). ``launched``: see :func:`config_from_namespace`;
+    ``warn``: print :func:`train_warnings` to stderr, as ``parser.prog`` (``paft train:
+    warning: ...``)."""
     try:
         cfg, changes = config_from_namespace(ns, launched)
     except ValueError as err:
