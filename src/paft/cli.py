@@ -71,7 +71,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from paft.rundir import RunDirError
     from paft.signals import interrupted
 
-    cfg, resumed_with = config_or_exit(parser, args)
+    cfg, resumed_with = config_or_exit(parser, args, warn=True)
     try:
         code = launch(cfg, resumed_with)
     except (RunDirError, MachineError) as err:

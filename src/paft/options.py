@@ -643,11 +643,11 @@ def parse_train_config(
     ``warn``: print :func:`train_warnings` to stderr (one rank of several does)."""
     parser = OptionParser(prog=prog, epilog=train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_options(parser)
-    return config_or_exit(parser, parser.parse_args(argv), launched, warn)
+    return config_or_exit(parser, parser.parse_args(argv), launched, warn=warn)
 
 
-def config_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace, launched: int | None = None,
-                   warn: bool = True) -> tuple[TrainConfig, list[str]]:
+def config_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace, launched: int | None = None, *,
+                   warn: bool) -> tuple[TrainConfig, list[str]]:
     """The validated :class:`TrainConfig` of ``ns``, the options ``parser`` parsed (it
     has :func:`add_train_options`), and the options a ``--resume`` changes, as
     command-line words (:func:`paft.resume_options.resume_args`); bad input is
