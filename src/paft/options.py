@@ -557,7 +557,7 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
                           no_metrics if not metrics else "with --cosine off (no cosine is computed)"),
         "sketch-dim": (metrics and cfg.monitor.cosine == "sketch",
                        no_metrics if not metrics else "without --cosine sketch"),
-        "dropout": (cfg.workload in DROPOUT_WORKLOADS, "on the resnet workload"),
+        "dropout": (cfg.workload in DROPOUT_WORKLOADS, f"on the {cfg.workload} workload"),
         **{flag: (mode == "dyn", "without --protect dyn") for flag in ("h-min", "h-max", "dyn-target")},
         **{flag: (mode in ("sync", "dyn"), "without --protect sync or dyn") for flag in ("sync-mode", "overlap")},
         "sync-period": (mode != "none", "with --protect none"),
