@@ -52,10 +52,19 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
     another run uses it. ``--overwrite`` moves it aside; a new directory is created
     exclusively, so a directory another start created meanwhile is never taken (nor
     removed), and locked before anything is written; then ``config.json``. The caller
-    sets ``outcome["code"]`` to its exit code; on the way out what :func:`paft.launch.launch`
-    describes is settled. ``cfg.run_dir`` holds no ".."
-    (callers pass it through :func:`~paft.rundir.resolve_run_dir`), so the folders it
-    creates are the path's missing prefixes as written.
+    sets ``outcome["code"]`` to its exit code; on the way out the directory is settled.
+    ``cfg.run_dir`` holds no ".." (callers pass it through
+    :func:`~paft.rundir.resolve_run_dir`), so the folders it creates are the path's
+    missing prefixes as written.
+
+    A new run that fails or is interrupted before it trained a step leaves nothing
+    behind; one that trained steps keeps its records (what ``paft report`` reads: they
+    may explain the failure), even before its first checkpoint, when ``--resume``
+    cannot continue it. ``--overwrite`` moves the old run aside instead of deleting it,
+    and deletes it only once the new run has finished or written its first checkpoint;
+    when the new run stops before that, the old run is moved back. A ``--resume``
+    that stops before its next checkpoint leaves ``config.json`` as it was: the
+    options of the checkpoint a later plain ``--resume`` goes on from.
     """
     run_dir = pathlib.Path(cfg.run_dir)
     outcome = {"code": EXIT_WORKER_FAILED}

@@ -62,16 +62,8 @@ def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
 
     Raises :class:`paft.rundir.RunDirError` or :class:`paft.machine.MachineError` (before
     anything is written) when the run directory or this machine (its devices, the
-    tensorboard package for ``--tensorboard``) cannot be used.
-
-    A new run that fails or is interrupted before it trained a step leaves nothing
-    behind; one that trained steps keeps its records (what ``paft report`` reads: they
-    may explain the failure), even before its first checkpoint, when ``--resume``
-    cannot continue it. ``--overwrite`` moves the old run aside instead of deleting it,
-    and deletes it only once the new run has finished or written its first checkpoint;
-    when the new run stops before that, the old run is moved back. A ``--resume``
-    that stops before its next checkpoint leaves ``config.json`` as it was: the
-    options of the checkpoint a later plain ``--resume`` goes on from.
+    tensorboard package for ``--tensorboard``) cannot be used. What a run that fails or
+    is interrupted leaves in its run directory: :func:`paft.claim.claim_run_dir`.
     """
     cfg.run_dir = resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))
     check_machine(cfg)
