@@ -63,6 +63,7 @@ __all__ = [
     "from_jsonable_float",
     "UNTIMED_STEPS",
     "SHARED_RECORDS",
+    "record_files",
 ]
 
 UNTIMED_STEPS = 3
@@ -433,10 +434,15 @@ class RunRecorder:
             self._tb = None
 
 
+def record_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """A run's jsonl records in ``folder`` (the shared ones whether there or not, then
+    each rank's metrics found): what a resume reads back and cuts at its step."""
+    return [*(folder / name for name in SHARED_RECORDS), *sorted(folder.glob("metrics/rank*.jsonl"))]
+
+
 def _records_in(folder: pathlib.Path) -> list[str]:
     """The run records in ``folder`` that hold something (names relative to it)."""
-    found = [folder / name for name in SHARED_RECORDS]
-    found += sorted(folder.glob("metrics/rank*.jsonl")) + sorted(folder.glob("tb/events.out.tfevents.*"))
+    found = record_files(folder) + sorted(folder.glob("tb/events.out.tfevents.*"))
     return [str(path.relative_to(folder)) for path in found if is_file(path) and path.stat().st_size > 0]
 
 

@@ -27,7 +27,6 @@ import torch
 from paft.config import TrainConfig
 from paft.records import (
     LOCK_FILE,
-    SHARED_RECORDS,
     atomic_write_json,
     holds_files,
     is_file,
@@ -35,6 +34,7 @@ from paft.records import (
     output_dir_problem,
     path_name_problem,
     read_jsonl,
+    record_files,
 )
 from paft.workloads import model_config
 
@@ -272,8 +272,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
 def _check_logs(path: pathlib.Path) -> None:
     """Refuse a resume of run directory ``path`` whose logs do not read: the resume reads
     them back and cuts them at the checkpoint's step."""
-    logs = [path / n for n in SHARED_RECORDS]
-    for log in [*logs, *sorted((path / "metrics").glob("rank*.jsonl"))]:
+    for log in record_files(path):
         try:
             read_jsonl(log)
         except ValueError as err:
