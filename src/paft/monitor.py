@@ -142,14 +142,13 @@ class Monitor:
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The ``alerting`` part of the protector's checkpoint: an alert still active
-        after a resume is not new. The alert count is in the protector's counters
-        (:attr:`alerts`)."""
-        return {"alerting": dict(self.alerting)}
+        """The monitor's parts of the protector's checkpoint, in its shape: ``alerting``
+        (an alert still active after a resume is not new) and the ``alerts`` counter."""
+        return {"alerting": dict(self.alerting), "counters": {"alerts": self.alerts}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` and the protector's counters wrote (``state``:
-        the protector's). Older checkpoints may lack the alert state or count, and saved
+        """Restore what :meth:`state_dict` wrote (``state``: its own, or the protector's
+        checkpoint holding it). Older checkpoints may lack the alert state or count, and saved
         a condition that held as ``True`` where :attr:`alerting` now keeps a split's
         groups or the non-finite ranks (:meth:`_is_new` takes either)."""
         self.alerts = int(state["counters"].get("alerts", 0))

@@ -512,7 +512,7 @@ class Protector:
     def counters(self) -> dict[str, int]:
         """Run totals: faults injected here, syncs, bytes, alerts, and the guard's counts."""
         guard = self.guard.counters if self.guard is not None else {}
-        out = self._totals()
+        out = {"faults_injected": self._faults_injected, **self.resync.counters, "alerts": self.monitor.alerts}
         for key in COUNTERS:
             out[key] = guard.get(key, 0)
         return out
@@ -695,7 +695,8 @@ class Protector:
         return {
             "step": self.step_idx,
             "mode": self.protect_cfg.mode,
-            "counters": self._totals(),
+            # The run's counts in one place, as checkpoints have always kept them.
+            "counters": {"faults_injected": self._faults_injected, **resync["counters"], **monitor["counters"]},
             "scheduler": resync["scheduler"],
             "sync": resync["sync"],
             "guard": self.guard.state_dict() if self.guard is not None else None,
@@ -746,7 +747,3 @@ class Protector:
         self.monitor.load_state_dict(state)
         self._faults_injected = state["counters"].get("faults_injected", self._faults_injected)
         self._check_state_next = bool(state.get("check_state", False))  # older states lack it
-
-    def _totals(self) -> dict[str, int]:
-        """The run's counts a checkpoint keeps: faults injected here, syncs, bytes, alerts."""
-        return {"faults_injected": self._faults_injected, **self.resync.counters, "alerts": self.monitor.alerts}

@@ -246,19 +246,20 @@ class Resync:
         return self.repairer if self.repairer is not self.sync else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The ``scheduler``, ``sync`` and ``repairer`` parts of the protector's
-        checkpoint (None where this protector has none); the counters are in
+        """Resync's parts of the protector's checkpoint, in its shape: ``scheduler``,
+        ``sync`` and ``repairer`` (None where this protector has none) and the
         :attr:`counters`. Nothing may be in flight (the caller checks :attr:`in_flight`)."""
         own = self._own_repairer
         return {
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "sync": self.sync.state_dict() if self.sync is not None else None,
             "repairer": own.state_dict() if own is not None else None,
+            "counters": self.counters,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the parts of a protector's state :meth:`state_dict` and
-        :attr:`counters` wrote; the caller checked that its parts match this one's."""
+        """Restore what :meth:`state_dict` wrote (``state``: its own, or the protector's
+        checkpoint holding it); the caller checked that its parts match this one's."""
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.sync is not None:
