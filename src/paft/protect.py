@@ -234,7 +234,9 @@ class _StepOutcome:
 
 
 class Protector:
-    """Per-step protection of a DDP model; build it with :func:`protect`."""
+    """Per-step protection of a DDP model. Build it with :func:`protect`: the constructor
+    is internal (it takes protect()'s arguments as one
+    :class:`paft.preflight.ProtectSettings`, after checking them)."""
 
     def __init__(
         self,
@@ -253,6 +255,8 @@ class Protector:
         # unfreezing) is checked at the next step (check_added_groups).
         self._groups_known = len(self.optimizer.param_groups)
         self._buffers = list(model.module.buffers())
+        # The settings the steps read from here on; the rest of ``settings`` is used up
+        # below, building the parts (hook, guard, monitor, resync) that keep their own.
         self.monitor_cfg = settings.monitor
         self.protect_cfg = settings.protect
         self.grad_clip = settings.grad_clip
