@@ -616,7 +616,8 @@ class Guard:
             "windows": {name: list(w.values) for name, w in self._windows().items()},
             "ratio_steps": list(self._ratio_steps),
             "step": None if st is None else {
-                # "incident" and "pending": the keys of older checkpoints, which still load.
+                # "incident" keeps its name from before _StepState.detected: checkpoints of
+                # either version load.
                 "step": st.step, "reruns": st.reruns, "cause": st.cause, "incident": st.detected,
                 "tainted": st.tainted,
                 "pending": None if st.pending is None else {
