@@ -54,6 +54,10 @@ _TITLE = "# paft report: "
 _GUARD_MARKERS = {"recompute": ("X", "magenta", 0.95), "skip": ("s", "darkgoldenrod", 0.91),
                   "stop": ("*", "black", 0.99)}
 _SYNC_COLOR = "teal"
+_STATE_SPLIT_COLOR = "goldenrod"  # a state-split alert's, and its measurement's on the divergence panel
+# How far up a panel (a fraction of it) the non-finite marks' first row is: _mark_alerts
+# rings a non-finite value's mark there.
+_NONFINITE_ROW = 0.88
 # A monitor alert: a ring around the value it judged, on the panel of its metric.
 _ALERT_STYLE: dict[str, Any] = {"ls": "", "marker": "o", "ms": 12, "mfc": "none", "mew": 1.5, "zorder": 3}
 _SPLIT_LABELS = 6  # the splits the replica panel labels; more are counted in one note
@@ -117,9 +121,10 @@ def _plot(ax: Axes, steps: Sequence[int], values: Sequence[float], **kw: Any) ->
     if bad:
         # Each series its own row, so that which rank went non-finite first shows.
         row = sum(1 for line in ax.get_lines() if line.get_gid() == "nonfinite")
-        _edge_marks(ax, bad, max(0.88 - 0.04 * row, 0.5), kw.get("color", "black"), "_nolegend_", gid="nonfinite")
+        height = max(_NONFINITE_ROW - 0.04 * row, 0.5)
+        _edge_marks(ax, bad, height, kw.get("color", "black"), "_nolegend_", gid="nonfinite")
         if _NONFINITE_LABEL not in ax.get_legend_handles_labels()[1]:
-            _edge_marks(ax, [], 0.88, "0.3", _NONFINITE_LABEL)
+            _edge_marks(ax, [], _NONFINITE_ROW, "0.3", _NONFINITE_LABEL)
 
 
 def _edge_marks(ax: Axes, steps: Sequence[int], height: float, color: Any, label: str, gid: str | None = None) -> None:
@@ -208,8 +213,7 @@ def _mark_alerts(ax: Axes, run: RunData, *detectors: str) -> None:
         alerts = [a for a in run.events_of("alert") if a.get("detector") == detector]
         if not alerts:
             continue
-        # The state split's color is its measurement's on the divergence panel.
-        color = "goldenrod" if detector == "state_split" else "crimson"
+        color = _STATE_SPLIT_COLOR if detector == "state_split" else "crimson"
         ranks = sorted({int(r) for a in alerts for r in a.get("ranks") or []})
         who = f", {ranks_phrase(ranks)}" if detector == "nonfinite_local" and ranks else ""
         label = f"alert: {detector}{who} ({len(alerts)})"
@@ -219,7 +223,7 @@ def _mark_alerts(ax: Axes, run: RunData, *detectors: str) -> None:
         if finite:
             ax.plot([s for s, _ in finite], [v for _, v in finite], color=color, label=label, **_ALERT_STYLE)
         if edge:  # at the height of the first non-finite value's mark, which it rings
-            ax.plot(edge, [0.88] * len(edge), color=color, transform=ax.get_xaxis_transform(), clip_on=False,
+            ax.plot(edge, [_NONFINITE_ROW] * len(edge), color=color, transform=ax.get_xaxis_transform(), clip_on=False,
                     label="_nolegend_" if finite else label, **_ALERT_STYLE)
 
 
@@ -465,11 +469,11 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
                 label="before a sync that found replicas apart")
     alerts = _alert_divergence(run)
     if alerts:
-        ax.plot([s for s, _ in alerts], [v for _, v in alerts], ls="", marker="D", ms=5, color="goldenrod",
+        ax.plot([s for s, _ in alerts], [v for _, v in alerts], ls="", marker="D", ms=5, color=_STATE_SPLIT_COLOR,
                 label="at a state-split alert")
     bad = [s for s, v in syncs if not math.isfinite(v)]
     if bad:
-        _edge_marks(ax, bad, 0.88, "red", "non-finite replica at a sync")
+        _edge_marks(ax, bad, _NONFINITE_ROW, "red", "non-finite replica at a sync")
     _scale(ax, [*values, *(v for _, v in pos), *(v for _, v in alerts)])
     if ax.get_yscale() == "linear":  # a distance: nothing below 0 (an all-zero panel showed -0.05)
         ax.set_ylim(bottom=0)

@@ -1057,11 +1057,12 @@ def test_a_three_rank_split_names_its_minority(clean_run: pathlib.Path, tmp_path
     run.events = [{**sync, "step": 4, "differing_tensors": 0, "differing": {}},
                   {**sync, "step": 8, "differing_tensors": 40,
                    "differing": {"param/wte.weight": [[0, 1], [2]], "optim/0/exp_avg": [[0], [1], [2]]}}]
-    assert report_text._differing_tensors(run) == [
+    assert report_text._differing_tensors(run, report_text.first_split(run)) == [
         "  tensors that differed, as the sync at step 8 found them: param/wte.weight on rank 2, "
         "optim/0/exp_avg (no strict majority: [[0], [1], [2]]) and 38 more"]
     run.events[1]["differing_tensors"] = 2  # every one listed: no "and 0 more"
-    assert report_text._differing_tensors(run)[0].endswith("(no strict majority: [[0], [1], [2]])")
+    assert report_text._differing_tensors(run, report_text.first_split(run))[0].endswith(
+        "(no strict majority: [[0], [1], [2]])")
 
 
 def test_a_closed_console_ends_the_report_quietly(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:

@@ -182,9 +182,10 @@ def _counts(records: list[dict[str, Any]], key: str, prefix: str = "") -> str:
 def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
     """The plain-text summary of a run (what ``paft report`` prints); ``files``: what the
     report writes, listed on its last line."""
+    split = first_split(run)  # two lines read it, and finding it goes through every record
     lines = [f"paft report: {run.path}", *_notes(run), *_header(run), *_losses(run), _speed(run),
-             *_replicas(run), *_unfingerprinted(run), *_faults(run), _first_split_line(run),
-             *_differing_tensors(run), _counters(run), *_repairs(run), *_detections(run),
+             *_replicas(run), *_unfingerprinted(run), *_faults(run), _first_split_line(run, split),
+             *_differing_tensors(run, split), _counters(run), *_repairs(run), *_detections(run),
              *_metric_extremes(run),
              _alerts(run)]
     if files:
@@ -388,8 +389,8 @@ def _values_hit(faults: list[dict[str, Any]]) -> list[str]:
     return [line]
 
 
-def _first_split_line(run: RunData) -> str:
-    split = first_split(run)
+def _first_split_line(run: RunData, split: Split | None) -> str:
+    """The line on ``split``, the run's :func:`first_split`."""
     if split is not None:
         step, ranks, what, by = split
         # No ranks named: the guard found no strict majority to tell the odd ones out.
@@ -417,11 +418,12 @@ def _first_split_line(run: RunData) -> str:
             f"training state fingerprinted {last}{unchecked})")
 
 
-def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
+def _differing_tensors(run: RunData, split: Split | None, shown: int = 4) -> list[str]:
     """The tensors the replicas first differed in, where a record names them: the first
     sync or repair that found the parameters or optimizer state split (the syncs
     exchange per-tensor digests), or, earlier, the monitor's first state-split alert
-    (the tensors farthest apart, measured after that step's update)."""
+    (the tensors farthest apart, measured after that step's update). ``split``: the
+    run's :func:`first_split`."""
     found: list[tuple[int, int, str]] = []  # (step, the sync's exact names first, the line)
     for e in split_syncs(run):
         named: dict[str, list[list[int]]] = e.get("differing") or {}
@@ -450,7 +452,6 @@ def _differing_tensors(run: RunData, shown: int = 4) -> list[str]:
     # A first split the guard undid at its step (a recompute) left the state whole: what a
     # later record found split is another incident's.
     step, _, line = min(found)
-    split = first_split(run)
     later = split is not None and split[3] == "guard" and step != split[0]
     return [f"  tensors that differed{' (a later split: the guard undid the first)' if later else ''}, {line}"]
 
