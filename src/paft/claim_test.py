@@ -10,12 +10,14 @@ import pathlib
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from paft import claim
 from paft.config import TrainConfig
+from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_WORKER_FAILED
 from paft.records import atomic_write_bytes
 from paft.rundir import RunDirError
 
@@ -29,6 +31,127 @@ def old_run(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.
     run.mkdir()
     (run / "config.json").write_text(json.dumps(TrainConfig(run_dir="r", steps=2).to_dict()))
     return run
+
+
+def run_claimed(cfg: TrainConfig, workers: Callable[[TrainConfig], int]) -> int:
+    """What :func:`paft.launch.launch` does around its workers: ``workers`` run in the
+    claimed run directory, their exit code the claim's outcome."""
+    with claim.claim_run_dir(cfg) as outcome:
+        outcome["code"] = workers(cfg)
+    return outcome["code"]
+
+
+def _must_not_start(cfg: TrainConfig) -> int:
+    pytest.fail("the run must not start")
+
+
+def _interrupting(real: Any, after: bool = False) -> Any:
+    """``real``, with a Ctrl-C just before it starts (or just ``after`` it returned)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not after:
+            os.kill(os.getpid(), signal.SIGINT)  # unless held, the handler raises before ``real`` starts
+        result = real(*args, **kwargs)
+        if after:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    return call
+
+
+def test_ctrl_c_while_the_replaced_run_is_deleted_deletes_it_whole(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while --overwrite deleted the run it replaced (the new one had finished)
+    stopped the delete: a ``r.replaced-<id>`` folder stayed behind."""
+    run = old_run(tmp_path, monkeypatch)
+
+    def finished(cfg: TrainConfig) -> int:
+        (run / "summary.json").write_text("{}")
+        return 0
+
+    monkeypatch.setattr(shutil, "rmtree", _interrupting(shutil.rmtree))
+    with pytest.raises(KeyboardInterrupt):
+        run_claimed(TrainConfig(run_dir="r", steps=1, overwrite=True), finished)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert (run / "summary.json").is_file() and json.loads((run / "config.json").read_text())["steps"] == 1
+
+
+def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C between moving the old run aside and the clean-up's ``try`` left it aside."""
+    run = old_run(tmp_path, monkeypatch)
+    monkeypatch.setattr(claim, "set_aside", _interrupting(claim.set_aside, after=True))
+    with pytest.raises(KeyboardInterrupt):
+        run_claimed(TrainConfig(run_dir="r", steps=1, overwrite=True), _must_not_start)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert json.loads((run / "config.json").read_text())["steps"] == 2
+
+
+def test_an_old_run_comes_back_when_the_new_directory_cannot_be_made(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """--overwrite moves the old run aside and then creates the new directory: when that
+    fails (another start took the name meanwhile), the old run is moved back."""
+    run = old_run(tmp_path, monkeypatch)
+
+    def taken(run_dir: pathlib.Path) -> None:
+        raise RunDirError(f"--run-dir: {run_dir} was just created by another paft train; pick another --run-dir")
+
+    monkeypatch.setattr(claim, "_create", taken)
+    with pytest.raises(RunDirError, match="r was just created by another paft train"):
+        run_claimed(TrainConfig(run_dir="r", steps=1, overwrite=True), _must_not_start)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert json.loads((run / "config.json").read_text())["steps"] == 2
+    assert "the output it was to replace is back in r" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["checkpointed", "guard stop"])
+def test_overwrite_deletes_the_old_run_once_the_new_one_checkpointed_or_ended(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], how: str) -> None:
+    """A new run that failed after its first checkpoint (--resume continues it), or that the
+    guard stopped (exit 3, an end the user asked for), replaces the old run for good, even
+    with no step recorded; neither is said to have stopped early."""
+    run = old_run(tmp_path, monkeypatch)
+
+    def workers(cfg: TrainConfig) -> int:
+        if how == "guard stop":
+            (run / "events.jsonl").write_text('{"step": 0, "event": "stop"}\n')
+            return EXIT_PERSISTENT_FAULT
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "latest").write_text("step0000001\n")
+        return EXIT_WORKER_FAILED
+
+    code = run_claimed(TrainConfig(run_dir="r", steps=4, overwrite=True), workers)
+    assert code == (3 if how == "guard stop" else 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    assert json.loads((run / "config.json").read_text())["steps"] == 4
+    assert (run / ("events.jsonl" if how == "guard stop" else "checkpoints/latest")).is_file()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_run_stopped_before_a_step_removes_what_it_made_and_only_that(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The folders a new run created go again, a parent only while empty (a file put
+    there meanwhile stays, with its folder); in an empty folder the user gave, what the
+    run wrote goes (folders too) and the folder stays."""
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("outer").mkdir()
+    pathlib.Path("given").mkdir()
+
+    def workers(cfg: TrainConfig) -> int:
+        (pathlib.Path(cfg.run_dir) / "checkpoints").mkdir()  # a first checkpoint begun, never done
+        if cfg.run_dir.startswith("outer/new/"):
+            pathlib.Path("outer/new/theirs").write_text("")
+        return EXIT_WORKER_FAILED
+
+    assert run_claimed(TrainConfig(run_dir="outer/made/deeper/r", steps=2), workers) == 1
+    assert run_claimed(TrainConfig(run_dir="outer/new/deeper/r", steps=2), workers) == 1
+    assert run_claimed(TrainConfig(run_dir="given", steps=2), workers) == 1
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "given", "outer", "outer/new", "outer/new/theirs"]
+    assert capsys.readouterr().err == (
+        "paft train: the run stopped before a step; outer/made/deeper/r was removed\n"
+        "paft train: the run stopped before a step; outer/new/deeper/r was removed\n"
+        "paft train: the run stopped before a step; what it wrote in given was removed\n")
 
 
 def test_a_refused_claim_gives_the_signals_back(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

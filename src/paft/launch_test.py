@@ -1,5 +1,7 @@
-"""A signal never strands a run directory halfway: held while an old run is set aside
-and while it is settled (moved back, or deleted)."""
+"""Starting a run's workers: the launcher around them (a failed run's faults put in
+order, a guard's stop as exit 3), and under torchrun each rank's part (the last one
+out tidies, rank 0 settles the run directory once its peers are out, a signal or a
+failure takes the group down). What a claim keeps or removes: claim_test.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import io
 import json
 import os
 import pathlib
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,9 +24,8 @@ import torch.distributed as dist
 import paft
 from paft import claim
 from paft import launch as launcher
-from paft.claim_test import old_run
 from paft.config import TrainConfig
-from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_WORKER_FAILED
+from paft.exitcodes import EXIT_WORKER_FAILED
 from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
 from paft.rundir import RunDirError, in_use
@@ -35,120 +35,6 @@ from paft.train import format_plan, format_summary
 from paft.workers import WorkerFailed
 
 pytestmark = pytest.mark.usefixtures("sigint")
-
-
-def _interrupting(real: Any, after: bool = False) -> Any:
-    """``real``, with a Ctrl-C just before it starts (or just ``after`` it returned)."""
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not after:
-            os.kill(os.getpid(), signal.SIGINT)  # unless held, the handler raises before ``real`` starts
-        result = real(*args, **kwargs)
-        if after:
-            os.kill(os.getpid(), signal.SIGINT)
-        return result
-
-    return call
-
-
-def test_ctrl_c_while_the_replaced_run_is_deleted_deletes_it_whole(tmp_path: pathlib.Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Ctrl-C while --overwrite deleted the run it replaced (the new one had finished)
-    stopped the delete: a ``r.replaced-<id>`` folder stayed behind."""
-    run = old_run(tmp_path, monkeypatch)
-
-    def finished(cfg: TrainConfig, *_: object) -> int:
-        (run / "summary.json").write_text("{}")
-        return 0
-
-    monkeypatch.setattr(launcher, "_run_workers", finished)
-    monkeypatch.setattr(shutil, "rmtree", _interrupting(shutil.rmtree))
-    with pytest.raises(KeyboardInterrupt):
-        launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
-    assert (run / "summary.json").is_file() and json.loads((run / "config.json").read_text())["steps"] == 1
-
-
-def test_ctrl_c_right_after_the_old_run_is_set_aside_brings_it_back(tmp_path: pathlib.Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Ctrl-C between moving the old run aside and the clean-up's ``try`` left it aside."""
-    run = old_run(tmp_path, monkeypatch)
-    monkeypatch.setattr(claim, "set_aside", _interrupting(claim.set_aside, after=True))
-    monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: pytest.fail("the run must not start"))
-    with pytest.raises(KeyboardInterrupt):
-        launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
-    assert json.loads((run / "config.json").read_text())["steps"] == 2
-
-
-def test_an_old_run_comes_back_when_the_new_directory_cannot_be_made(tmp_path: pathlib.Path,
-                                                                    monkeypatch: pytest.MonkeyPatch,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """--overwrite moves the old run aside and then creates the new directory: when that
-    fails (another start took the name meanwhile), the old run is moved back."""
-    run = old_run(tmp_path, monkeypatch)
-
-    def taken(run_dir: pathlib.Path) -> None:
-        raise RunDirError(f"--run-dir: {run_dir} was just created by another paft train; pick another --run-dir")
-
-    monkeypatch.setattr(claim, "_create", taken)
-    monkeypatch.setattr(launcher, "_run_workers", lambda cfg, *_: pytest.fail("the run must not start"))
-    with pytest.raises(RunDirError, match="r was just created by another paft train"):
-        launcher.launch(TrainConfig(run_dir="r", steps=1, overwrite=True))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
-    assert json.loads((run / "config.json").read_text())["steps"] == 2
-    assert "the output it was to replace is back in r" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("how", ["checkpointed", "guard stop"])
-def test_overwrite_deletes_the_old_run_once_the_new_one_checkpointed_or_ended(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], how: str) -> None:
-    """A new run that failed after its first checkpoint (--resume continues it), or that the
-    guard stopped (exit 3, an end the user asked for), replaces the old run for good, even
-    with no step recorded; neither is said to have stopped early."""
-    run = old_run(tmp_path, monkeypatch)
-
-    def workers(cfg: TrainConfig, *_: object) -> int:
-        if how == "guard stop":
-            (run / "events.jsonl").write_text('{"step": 0, "event": "stop"}\n')
-            return EXIT_PERSISTENT_FAULT
-        (run / "checkpoints").mkdir()
-        (run / "checkpoints" / "latest").write_text("step0000001\n")
-        return EXIT_WORKER_FAILED
-
-    monkeypatch.setattr(launcher, "_run_workers", workers)
-    code = launcher.launch(TrainConfig(run_dir="r", steps=4, overwrite=True))
-    assert code == (3 if how == "guard stop" else 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
-    assert json.loads((run / "config.json").read_text())["steps"] == 4
-    assert (run / ("events.jsonl" if how == "guard stop" else "checkpoints/latest")).is_file()
-    assert capsys.readouterr().err == ""
-
-
-def test_a_run_stopped_before_a_step_removes_what_it_made_and_only_that(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The folders a new run created go again, a parent only while empty (a file put
-    there meanwhile stays, with its folder); in an empty folder the user gave, what the
-    run wrote goes (folders too) and the folder stays."""
-    monkeypatch.chdir(tmp_path)
-    pathlib.Path("outer").mkdir()
-    pathlib.Path("given").mkdir()
-
-    def workers(cfg: TrainConfig, *_: object) -> int:
-        (pathlib.Path(cfg.run_dir) / "checkpoints").mkdir()  # a first checkpoint begun, never done
-        if cfg.run_dir.startswith("outer/new/"):
-            pathlib.Path("outer/new/theirs").write_text("")
-        return EXIT_WORKER_FAILED
-
-    monkeypatch.setattr(launcher, "_run_workers", workers)
-    assert launcher.launch(TrainConfig(run_dir="outer/made/deeper/r", steps=2)) == 1
-    assert launcher.launch(TrainConfig(run_dir="outer/new/deeper/r", steps=2)) == 1
-    assert launcher.launch(TrainConfig(run_dir="given", steps=2)) == 1
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
-        "given", "outer", "outer/new", "outer/new/theirs"]
-    assert capsys.readouterr().err == (
-        "paft train: the run stopped before a step; outer/made/deeper/r was removed\n"
-        "paft train: the run stopped before a step; outer/new/deeper/r was removed\n"
-        "paft train: the run stopped before a step; what it wrote in given was removed\n")
 
 
 def test_the_faults_of_a_failed_run_are_put_in_order(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
