@@ -32,7 +32,7 @@ __all__ = [
 
 def on_sigterm(signum: int, _frame: Any) -> None:
     """SIGTERM (a scheduler's, ``kill``), SIGHUP and SIGQUIT unwind like Ctrl-C, so the clean-up in
-    :func:`launch` runs: without it, a run killed while starting lost the run that
+    :func:`paft.claim.claim_run_dir` runs: without it, a run killed while starting lost the run that
     ``--overwrite`` had moved aside, and left a directory holding only config.json.
     (torch's elastic launcher installs its own handler while the workers run, which
     raises the same exception.)"""
