@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from paft.collectives import collective_device, gather_rows
 from paft.fingerprint import digest, repr_digest
-from paft.flat import pack, structure_key, transport_view
+from paft.flat import consecutive_runs, pack, structure_key, transport_view
 from paft.records import jsonable
 from paft.state import state_tensors
 
@@ -195,7 +195,8 @@ def measure_divergence(
 
     sq: list[float] = []
     msq: list[float] = []
-    for bucket in _buckets([t.numel() for _, t in entries], max(1, int(bucket_mb * 2**20) // 8)):
+    for first, end in consecutive_runs([t.numel() for _, t in entries], max(1, int(bucket_mb * 2**20) // 8)):
+        bucket = range(first, end)
         spans, at = [], 0
         for j in bucket:
             spans.append((at, at + entries[j][1].numel()))
@@ -256,16 +257,3 @@ def _finite_absmax(tensors: list[tuple[Tensor, bool]], device: torch.device) -> 
             out = torch.maximum(out, torch.maximum(-lo.double(), hi.double()).to(device))
     return out
 
-
-def _buckets(sizes: list[int], cap: int) -> list[list[int]]:
-    """Consecutive indices of ``sizes``, grouped into runs of at most ``cap`` elements
-    (a larger tensor alone)."""
-    out: list[list[int]] = []
-    total = cap
-    for j, n in enumerate(sizes):
-        if total + n > cap or not out:
-            out.append([])
-            total = 0
-        out[-1].append(j)
-        total += n
-    return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from paft.divergence import _buckets, all_finite, measure_divergence, nonfinite_patterns, rel_distance, sound_replicas
+from paft.divergence import all_finite, measure_divergence, nonfinite_patterns, rel_distance, sound_replicas
 from paft.testing import run_workers
 
 nan, inf = math.nan, math.inf
@@ -64,13 +64,6 @@ def test_nonfinite_patterns_tell_the_kind_and_the_place() -> None:
 ])
 def test_sound_replicas(rows: list[list[int]], lenient: list[bool], sound: list[list[bool]]) -> None:
     assert sound_replicas(rows, lenient) == sound
-
-
-def test_buckets_are_consecutive_runs_of_at_most_cap_elements() -> None:
-    """The bound on the float64 copies held at a time: a run closes before it would pass
-    the cap; a tensor larger than the cap goes alone; an empty one joins the run."""
-    assert _buckets([3, 3, 1, 10, 2, 0], 6) == [[0, 1], [2], [3], [4, 5]]
-    assert _buckets([0], 1) == [[0]] and _buckets([], 6) == []
 
 
 def _w_float64(rank: int, ws: int) -> dict:

@@ -10,7 +10,7 @@ digest tells them whether they do.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ __all__ = [
     "Group",
     "Layout",
     "build_layout",
+    "consecutive_runs",
     "copy_all_",
     "pack",
     "ranges_in",
@@ -148,6 +149,23 @@ def ranges_in(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, 
         if lo < hi:
             out.append((lo - a, hi - a))
     return out
+
+
+def consecutive_runs(sizes: Sequence[int], cap: int) -> list[tuple[int, int]]:
+    """The indices of ``sizes`` cut into consecutive runs ``[i, j)`` of at most ``cap`` in
+    all: a run closes before it would pass the cap, a size above the cap makes a run of
+    its own, a zero joins the run before it. What bounds the copies a loop over the runs
+    holds at a time."""
+    runs: list[tuple[int, int]] = []
+    start = total = 0
+    for k, n in enumerate(sizes):
+        if k > start and total + n > cap:
+            runs.append((start, k))
+            start, total = k, 0
+        total += n
+    if start < len(sizes):
+        runs.append((start, len(sizes)))
+    return runs
 
 
 def storage_of(t: Tensor) -> tuple[torch.device, int] | None:

@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paft.flat import build_layout, copy_all_, pack, ranges_in, storage_of, structure_key, transport_view
+from paft.flat import (
+    build_layout,
+    consecutive_runs,
+    copy_all_,
+    pack,
+    ranges_in,
+    storage_of,
+    structure_key,
+    transport_view,
+)
 
 
 def test_layout_groups_by_dtype_cuts_byte_buckets_and_joins_adjacent_parameters() -> None:
@@ -159,3 +168,10 @@ def test_tensors_off_the_flats_device_are_copied_in_their_place(monkeypatch: pyt
     dst = [torch.zeros(2, device=meta), torch.zeros(1)]
     copy_all_(dst, [torch.ones(2), torch.ones(1)])
     assert crossed == [("meta", "cpu")] and dst[1].item() == 1.0
+
+
+def test_consecutive_runs_close_before_the_cap_and_a_larger_size_goes_alone() -> None:
+    """The bound on the copies held at a time (a divergence's float64 buckets, the update
+    ratio's differences): an empty size joins the run before it."""
+    assert consecutive_runs([3, 3, 1, 10, 2, 0], 6) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert consecutive_runs([0], 1) == [(0, 1)] and consecutive_runs([], 6) == []

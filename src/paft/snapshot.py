@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from paft.flat import copy_all_
+from paft.flat import consecutive_runs, copy_all_
 from paft.hook_state import HookStateSnapshot
 from paft.norms import norm_of
 from paft.state import nested_tensors, state_tensors
@@ -65,22 +65,6 @@ class ForwardSnapshot:
 
 DIFF_BATCH_BYTES = 64 << 20
 """The update ratio subtracts the parameters a run of at most this many bytes at a time."""
-
-
-def _batches(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """``tensors`` cut into runs ``[i, j)`` of at most :data:`DIFF_BATCH_BYTES` (a bigger
-    tensor: a run of its own)."""
-    limit = DIFF_BATCH_BYTES
-    runs, start, size = [], 0, 0
-    for k, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if k > start and size + nbytes > limit:
-            runs.append((start, k))
-            start, size = k, 0
-        size += nbytes
-    if start < len(tensors):
-        runs.append((start, len(tensors)))
-    return runs
 
 
 def _copy_structure(value: Any) -> Any:
@@ -158,10 +142,11 @@ class StateSnapshot:
         against the copy): inf when the update is not finite, 0 when every old weight is
         0 (a zero-initialised model has no scale to compare its first update with)."""
         old, new = self._saved[: self._num_params], self._live[: self._num_params]
+        runs = consecutive_runs([t.numel() * t.element_size() for t in old], DIFF_BATCH_BYTES)
         with torch.no_grad():
             # The differences a batch at a time: all at once they were another copy of
             # the parameters (a second model on a GPU, on top of the snapshot).
-            num = math.hypot(*(norm_of(torch._foreach_sub(new[i:j], old[i:j])) for i, j in _batches(old)))
+            num = math.hypot(*(norm_of(torch._foreach_sub(new[i:j], old[i:j])) for i, j in runs))
             den = norm_of(old)
         if not math.isfinite(num):
             return math.inf
