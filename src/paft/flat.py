@@ -48,6 +48,9 @@ def transport_view(t: Tensor) -> Tensor:
 
 @dataclass
 class Slot:
+    """Where one named tensor lives in its dtype group's flat: ``numel`` elements from
+    ``offset``, viewed back as ``shape``."""
+
     name: str
     offset: int
     numel: int
@@ -56,17 +59,24 @@ class Slot:
 
 @dataclass
 class Group:
+    """The tensors of one dtype, back to back in one flat of ``numel`` elements."""
+
     dtype: torch.dtype
     floating: bool
     numel: int = 0
     slots: list[Slot] = field(default_factory=list)
     members: list[int] = field(default_factory=list)  # entry index of each slot
     buckets: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` element ranges of the flat, one collective each."""
     param_ranges: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` element ranges the parameters (``param/``) fill, adjacent ones
+    joined: what a sync measures the parameters' divergence over."""
 
 
 @dataclass
 class Layout:
+    """Where each named tensor of a state lives: one :class:`Group` per dtype."""
+
     key: tuple[Any, ...]
     groups: list[Group]
     digest: int = 0
@@ -81,6 +91,8 @@ def structure_key(entries: Iterable[tuple[str, Tensor]]) -> tuple[Any, ...]:
 
 
 def build_layout(key: tuple[Any, ...], entries: list[tuple[str, Tensor]], bucket_bytes: int) -> Layout:
+    """The layout of ``entries`` (whose :func:`structure_key` is ``key``): a group per
+    dtype in order of first appearance, cut into buckets of at most ``bucket_bytes``."""
     by_dtype: dict[torch.dtype, Group] = {}
     for i, (name, t) in enumerate(entries):
         g = by_dtype.get(t.dtype)
