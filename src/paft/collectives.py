@@ -3,6 +3,8 @@
 - :func:`start_gather_rows` / :func:`gather_rows`: every rank's small 1-D row, as an
   all-gather gives it (on gloo an all-to-all, which costs less there): the per-step
   control vector, settings digests, sync decisions, evaluation results;
+- :func:`start_gather_into`: an all-gather into a ``[world_size, n]`` tensor of the
+  caller's (a sync's all-gathered buckets);
 - :func:`max_over_ranks`: one float's max, the same on every rank;
 - :func:`all_gather_flat`: every rank's flat tensor, concatenated;
 - :func:`collective_device`: where a group's collectives take their tensors.
