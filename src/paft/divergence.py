@@ -53,9 +53,8 @@ class DivergenceReport:
     state_per_rank: list[float]
     per_tensor: list[tuple[str, float, list[int]]] | None = None
     """With ``per_tensor=True``: ``(name, max over ranks, the ranks at that max)`` for
-    every floating tensor, worst first. Ranks within a relative 1e-9 of the max tie (two
-    replicas are always equally far from their mean; every rank is when all are
-    non-finite): naming the first of them named rank 0 for a fault on rank 1."""
+    every floating tensor, worst first; the ranks as :func:`farthest` names them (every
+    rank when all are non-finite)."""
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(asdict(self))
@@ -71,6 +70,9 @@ def farthest(distances: list[float]) -> list[int]:
 
 
 def rel_distance(sq: float, ref_sq: float) -> float:
+    """``sqrt(sq / ref_sq)``, a squared distance against the squared norm it is relative
+    to: inf where either is not finite, or where only the reference is 0 (a zero mean
+    has no scale to compare a distance with); 0 where both are."""
     if not (math.isfinite(sq) and math.isfinite(ref_sq)):
         return math.inf
     if ref_sq == 0.0:
