@@ -53,6 +53,7 @@ class ForwardSnapshot:
                 saved.copy_(live)
 
     def restore(self) -> None:
+        """Put the RNG states, the buffers and the hook's state back (before a recompute)."""
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -106,6 +107,7 @@ class StateSnapshot:
         self._group_values: list[torch.Tensor] = []
 
     def capture(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> StateSnapshot:
+        """Take the state as it is now (before ``optimizer.step()``); ``self``."""
         # What optimizer.step() can change: the optimizer's parameters and its state. A
         # frozen backbone never moves: copied, it cost a model-sized copy per armed step,
         # and in the ratio's denominator it diluted the trained parameters' update (a
@@ -153,6 +155,8 @@ class StateSnapshot:
         return num / den if den > 0 else 0.0
 
     def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the captured state back (the rollback); again and again if need be: the
+        snapshot's own structures are never handed out."""
         with torch.no_grad():
             copy_all_(self._live, self._saved)
         for p, extras in self._extras.items():
