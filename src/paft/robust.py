@@ -67,9 +67,10 @@ def _nan_where_no_input_is_inf_(merged: Tensor, inputs: list[Tensor]) -> Tensor:
 def replica_median(rows: Tensor, out: Tensor | None = None, nan_free: bool = False) -> Tensor:
     """Per column, the median of the ``n`` rows, always one row's own value; NaN counts
     as +inf (a median that came out of NaN is NaN). For odd ``n`` the middle value; for
-    even ``n``, of the two middle values the one of smaller magnitude, so that where the replicas split evenly a flipped
-    exponent that enlarged a value (``-1e30``, ``inf``) loses the tie on either side
-    (the lower middle value alone would take ``-1e30`` from two ranks of four).
+    even ``n``, of the two middle values the one of smaller magnitude, so that where the
+    replicas split evenly a flipped exponent that enlarged a value (``-1e30``, ``inf``)
+    loses the tie on either side (the lower middle value alone would take ``-1e30`` from
+    two ranks of four).
     ``rows``: ``[n, m]``, not modified. ``nan_free=True`` skips the NaN pass (the
     caller knows every replica is finite)."""
     if nan_free:
