@@ -100,7 +100,7 @@ class StateSnapshot:
         self._num_params = 0
         # Per parameter: its state's keys and entries (None: no state entry yet; an
         # empty dict, which state_dict() lists, is kept as one).
-        self._extras: dict[torch.Tensor, tuple[set[Any], dict[Any, Any]] | None] = {}
+        self._param_state: dict[torch.Tensor, tuple[set[Any], dict[Any, Any]] | None] = {}
         self._groups: list[dict[str, Any]] = []
         # The tensors in the param groups (the objects) and copies of their values.
         self._group_tensors: list[torch.Tensor] = []
@@ -123,7 +123,7 @@ class StateSnapshot:
             copy_all_(self._saved, live)
         self._live = live
         self._num_params = sum(1 for n, _ in named if n.startswith("param/"))
-        self._extras = {}
+        self._param_state = {}
         # Optimizer state kept per group (D-Adaptation's and Prodigy's ``d`` and ``k``,
         # which step() changes): every entry but the parameters, and the values of the
         # tensors among them, which restore writes back into these same objects (a
@@ -135,7 +135,7 @@ class StateSnapshot:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p)
-                self._extras[p] = None if state is None else (
+                self._param_state[p] = None if state is None else (
                     set(state), {k: _copy_structure(v) for k, v in state.items()})
         return self
 
@@ -159,11 +159,11 @@ class StateSnapshot:
         snapshot's own structures are never handed out."""
         with torch.no_grad():
             copy_all_(self._live, self._saved)
-        for p, extras in self._extras.items():
-            if extras is None:
+        for p, entries in self._param_state.items():
+            if entries is None:
                 optimizer.state.pop(p, None)  # the step created this state: undo it
                 continue
-            keys, values = extras
+            keys, values = entries
             state = optimizer.state[p]
             for key in set(state) - keys:
                 del state[key]
