@@ -7,7 +7,7 @@ gradient or update non-finite (and clipping would scale by 0). Every norm paft j
 the guard use, the guard's update-to-weight ratio, a sync's divergence) comes from
 here. The per-step norms are computed as torch computes them, in the values' own dtype
 (fast; :func:`squared_norm` widens 16-bit values to float32 first), and redone in
-float64 only where that came out inf on finite values; :func:`sq_norm` (a sync's
+float64 only where that came out inf on finite values; :func:`squared_norm_as_float` (a sync's
 divergence, once per sync) accumulates in float64 throughout.
 
 Example::
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["wide_dtype", "widened", "squared_norm", "sq_norm", "total_norm", "judged_norm", "norm_of"]
+__all__ = ["wide_dtype", "widened", "squared_norm", "squared_norm_as_float", "total_norm", "judged_norm", "norm_of"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -61,7 +61,7 @@ def squared_norm(flat: Tensor) -> Tensor:
     return torch.where(torch.isinf(sq), _float64_norm(flat) ** 2, sq)
 
 
-def sq_norm(x: Tensor) -> float:
+def squared_norm_as_float(x: Tensor) -> float:
     """``||x||^2`` as a float, accumulated in float64; inf past float64's range (a
     Python ``** 2`` would raise OverflowError there)."""
     return float(torch.linalg.vector_norm(x, dtype=torch.float64).square())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paft import norms
-from paft.norms import judged_norm, norm_of, sq_norm, squared_norm, total_norm, wide_dtype, widened
+from paft.norms import judged_norm, norm_of, squared_norm, squared_norm_as_float, total_norm, wide_dtype, widened
 
 HUGE = torch.full((4,), 1e20)  # a flipped exponent bit: finite, but its square overflows float32
 
@@ -38,9 +38,9 @@ def test_squared_norm_is_redone_in_float64_only_where_float32_overflowed() -> No
 
 
 def test_sq_norm_accumulates_in_float64_and_is_inf_past_its_range() -> None:
-    assert sq_norm(HUGE) == float(torch.linalg.vector_norm(HUGE, dtype=torch.float64).square())
-    assert sq_norm(torch.tensor([3.0, 4.0])) == 25.0
-    assert sq_norm(torch.full((2,), 1e200, dtype=torch.float64)) == math.inf  # a Python ** 2 raises there
+    assert squared_norm_as_float(HUGE) == float(torch.linalg.vector_norm(HUGE, dtype=torch.float64).square())
+    assert squared_norm_as_float(torch.tensor([3.0, 4.0])) == 25.0
+    assert squared_norm_as_float(torch.full((2,), 1e200, dtype=torch.float64)) == math.inf  # a Python ** 2 raises there
 
 
 def test_total_norm_is_torchs_unless_squares_overflowed() -> None:

@@ -59,7 +59,7 @@ from torch import Tensor
 from paft.collectives import max_over_ranks, start_gather_into
 from paft.divergence import rel_distance
 from paft.flat import Group, Layout, copy_all_, pack, ranges_in, storage_of, transport_view
-from paft.norms import sq_norm, wide_dtype
+from paft.norms import squared_norm_as_float, wide_dtype
 from paft.robust import finite_where_outvoted_, median_of_three, replica_median, sound_where_it_can_tell_
 from paft.sync_plan import COPY_MODES, SyncPlan
 from paft.sync_reference import SyncReference
@@ -134,8 +134,8 @@ class _Distance:
     ref_sq: float = 0.0
 
     def add(self, mine: Tensor, centre: Tensor) -> None:
-        self.ref_sq += sq_norm(centre)
-        self.local_sq += sq_norm(mine - centre)
+        self.ref_sq += squared_norm_as_float(centre)
+        self.local_sq += squared_norm_as_float(mine - centre)
 
     def relative(self) -> float:
         return rel_distance(self.local_sq, self.ref_sq)
