@@ -25,12 +25,12 @@ __all__ = [
     "SignalHold",
     "ignore_further_signals",
     "interrupted",
-    "on_sigterm",
+    "on_termination_signal",
     "unwind_on_termination",
 ]
 
 
-def on_sigterm(signum: int, _frame: Any) -> None:
+def on_termination_signal(signum: int, _frame: Any) -> None:
     """SIGTERM (a scheduler's, ``kill``), SIGHUP and SIGQUIT unwind like Ctrl-C, so the clean-up in
     :func:`paft.claim.claim_run_dir` runs: without it, a run killed while starting lost the run that
     ``--overwrite`` had moved aside, and left a directory holding only config.json.
@@ -40,12 +40,12 @@ def on_sigterm(signum: int, _frame: Any) -> None:
 
 
 def unwind_on_termination() -> None:
-    """Install :func:`on_sigterm` for SIGTERM, SIGHUP (a closed terminal or ssh session)
+    """Install :func:`on_termination_signal` for SIGTERM, SIGHUP (a closed terminal or ssh session)
     and SIGQUIT: their default action killed the process before its clean-up ran. Ctrl-C,
     which ended the command at once while it started (:mod:`paft.startup`), unwinds too."""
     unwind_on_interrupt()
     for sig in TERMINATING_SIGNALS:
-        signal.signal(sig, on_sigterm)
+        signal.signal(sig, on_termination_signal)
 
 
 def ignore_further_signals() -> None:

@@ -11,7 +11,7 @@ import threading
 import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from paft.signals import SignalHold, ignore_further_signals, interrupted, on_sigterm, unwind_on_termination
+from paft.signals import SignalHold, ignore_further_signals, interrupted, on_termination_signal, unwind_on_termination
 from paft.startup import exit_on_interrupt
 
 pytestmark = pytest.mark.usefixtures("sigint")
@@ -83,7 +83,7 @@ def test_a_hold_whose_block_raised_drops_its_signal() -> None:
 def test_a_held_signal_is_the_first_that_came(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two signals held: the first is acted on (its exit code is the one said), and one
     whose handler was the default is sent again, so that it still ends the process."""
-    before = {sig: signal.signal(sig, on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    before = {sig: signal.signal(sig, on_termination_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         hold = SignalHold()
         signal.raise_signal(signal.SIGTERM)
@@ -118,7 +118,7 @@ def test_after_an_interrupt_further_signals_are_ignored() -> None:
 
 
 def test_sigterm_unwinds_like_ctrl_c_with_its_own_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-    before = signal.signal(signal.SIGTERM, on_sigterm)
+    before = signal.signal(signal.SIGTERM, on_termination_signal)
     try:
         with pytest.raises(SignalException) as exc:  # an exception: launch()'s clean-up runs
             signal.raise_signal(signal.SIGTERM)
