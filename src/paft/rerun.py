@@ -60,6 +60,10 @@ __all__ = ["RERUN_RTOL", "bits_f64", "close", "f64_bits", "reproduced", "unstead
 
 RERUN_RTOL = 1e-3  # finite reruns this close count as the same result
 
+# A rank's own values (local loss, local squared gradient norm): unlike the aggregate
+# columns, no other rank's fault moves them.
+_OWN = slice(COL_LOSS, COL_LOCAL_SQ + 1)
+
 
 def f64_bits(x: float) -> int:
     """The bit pattern of ``x`` as a float64, as a signed int64 (a header cell)."""
@@ -114,15 +118,14 @@ def reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | No
         # A NaN/Inf must reproduce bitwise (see below) where the kernels are deterministic,
         # as the other ranks show by recomputing their own values bit for bit; where
         # theirs moved (GPU atomics) the suspects' own values must come back in kind.
-        own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
-        strict = all(prev[r][own] == cur[r][own] for r in range(len(prev)) if r not in rows)
+        strict = all(prev[r][_OWN] == cur[r][_OWN] for r in range(len(prev)) if r not in rows)
         # The aggregate (norm, checksum, non-finite flag) is a sum over all ranks: a fault
         # elsewhere, on either attempt, moves it. It is a suspect's evidence only where
         # that suspect's own values are NaN/Inf and the kernels deterministic: the NaN's
         # place shows in the checksum alone (a faulty unit moves it, bad data does not).
         # Elsewhere the suspects' own values, flags and state must come back.
         def evidence(p: list[int], c: list[int]) -> tuple[list[int], list[int]]:
-            finite = all(math.isfinite(bits_f64(x)) for x in p[own] + c[own])
+            finite = all(math.isfinite(bits_f64(x)) for x in p[_OWN] + c[_OWN])
             return (_without_aggregate(p), _without_aggregate(c)) if finite or not strict else (p, c)
 
         pairs = [evidence(prev[r], cur[r]) for r in rows]
@@ -153,11 +156,10 @@ def unsteady_ranks(prev: list[list[int]], cur: list[list[int]]) -> list[int]:
     AND still lie outside the range of the ranks whose values did not: if only some
     moved (where every rank's did, as non-deterministic GPU kernels can make them, they
     tell nothing), and not a one-off fault on the first attempt that has since gone."""
-    own = slice(COL_LOSS, COL_LOCAL_SQ + 1)
-    moved = [r for r, (a, b) in enumerate(zip(prev, cur)) if a[own] != b[own]]
+    moved = [r for r, (a, b) in enumerate(zip(prev, cur)) if a[_OWN] != b[_OWN]]
     steady = [r for r in range(len(cur)) if r not in moved]
     if not moved or not steady:
         return []
-    values = [[bits_f64(x) for x in row[own]] for row in cur]
+    values = [[bits_f64(x) for x in row[_OWN]] for row in cur]
     bounds = [(min(values[r][c] for r in steady), max(values[r][c] for r in steady)) for c in range(2)]
     return [r for r in moved if any(not lo <= values[r][c] <= hi for c, (lo, hi) in enumerate(bounds))]
