@@ -480,7 +480,7 @@ def _parse_bits(raw: str) -> int | str:
                    raw) from None
 
 
-def _parse_bool(raw: str) -> bool:
+def _parse_persistent(raw: str) -> bool:
     if raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     raise _err("persistent", "must be true or false", raw)
@@ -502,7 +502,7 @@ _PARSERS = {  # in FaultSpec field order, which is also to_text's order
     "sigma": _parse_number("sigma", float),
     "value": _parse_number("value", float),
     "burst": _parse_number("burst", int),
-    "persistent": _parse_bool,
+    "persistent": _parse_persistent,
     "start": _parse_number("start", int),
     "stop": _parse_number("stop", int),
 }
