@@ -101,6 +101,11 @@ def _fmt(v: Any) -> str:
     return repr(v) if isinstance(v, float) else str(v)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: the name a user writes."""
+    return str(dtype).replace("torch.", "")
+
+
 def _err(name: str, msg: str, value: Any = dataclasses.MISSING) -> FaultSpecError:
     got = "" if value is dataclasses.MISSING else f", got {_fmt(value)}"
     return FaultSpecError(f"field '{name}' {msg}{got}", name)
@@ -390,15 +395,15 @@ class FaultSpec:
         if self.kind == "random" and self.value is not None and dtype.is_floating_point:
             top = torch.finfo(dtype).max  # beyond it a "random" value rounds to inf: another fault
             if self.value > top:
-                raise _err("value", f"must be <= {top:g} for {str(dtype).replace('torch.', '')}", self.value)
+                raise _err("value", f"must be <= {top:g} for {_dtype_name(dtype)}", self.value)
         if self.kind != "bitflip":
             return
         if dtype not in FLOAT_LAYOUT:
-            supported = ", ".join(str(d).replace("torch.", "") for d in FLOAT_LAYOUT)
+            supported = ", ".join(_dtype_name(d) for d in FLOAT_LAYOUT)
             raise _err("bits", f"bitflip supports dtypes {supported}, not {dtype}")
         width = FLOAT_LAYOUT[dtype][1]
         if is_int(self.bits) and self.bits >= width:
-            raise _err("bits", f"must be < {width} for {str(dtype).replace('torch.', '')}",
+            raise _err("bits", f"must be < {width} for {_dtype_name(dtype)}",
                        self.bits)
 
     def takes(self, dtype: torch.dtype) -> bool:
