@@ -28,7 +28,7 @@ from paft.amp import OptimizerStep
 from paft.collectives import gather_rows
 from paft.comm import CommHook, paft_comm_hook, registered_comm_hooks
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
-from paft.faultspec import FaultSpec, FaultSpecError
+from paft.faultspec import BUCKET_SITES, FaultSpec, FaultSpecError
 from paft.fingerprint import repr_digest
 from paft.optimizers import OptimizerChain, chained, check_disjoint
 from paft.records import RunRecorder
@@ -329,7 +329,7 @@ def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter
                 spec.check_dtype(dtype)
             except ValueError as err:
                 errors.append(err)
-        if errors and (spec.site in ("aggregation", "local-grad") or len(errors) == len(dtypes)):
+        if errors and (spec.site in BUCKET_SITES or len(errors) == len(dtypes)):
             raise ValueError(f"protect(): inject {spec.to_text()!r}: {errors[0]}")
 
 
