@@ -201,9 +201,9 @@ def _check_arguments(model: DistributedDataParallel, optimizer: Any, settings: P
 def _check_recorder(model: DistributedDataParallel, recorder: Any) -> None:
     """The recorder's rank 0 writes the run folder and speaks: made with the global rank
     where DDP runs over a sub-group (a hybrid layout's replica group without global
-    rank 0), the group wrote no consistency.jsonl or events.jsonl and said nothing. A
-    folder holding an earlier run's records (a script run again into it) is refused: the
-    report read the two runs as one."""
+    rank 0), the group would write no consistency.jsonl or events.jsonl and say nothing.
+    A folder holding an earlier run's records (a script run again into it) is refused:
+    the report would read the two runs as one."""
     if recorder is None:
         return
     if not isinstance(recorder, RunRecorder):  # a folder's path: taken, then an AttributeError at the first step
