@@ -79,6 +79,7 @@ MNIST_TRAIN_SIZE = 8000  # of the 10k test-set images; the remaining 2000 are va
 _IDX_IMAGES_MAGIC = 0x00000803
 _IDX_LABELS_MAGIC = 0x00000801
 
+
 def _data_file(name: str) -> Traversable:
     return resources.files("paft") / "data" / name
 
@@ -338,7 +339,7 @@ class ShardedSampler:
         """This rank's item order for ``epoch`` (length ``batches_per_epoch * batch_size``)."""
         if self.shuffle:
             seed = self.seed + (1000003 * self.rank if self.desync else 0)
-            if epoch:  # a hash, not seed + epoch: seed s + 1's first epoch was seed s's second
+            if epoch:  # a hash, not seed + epoch, which would make seed s + 1's first epoch seed s's second
                 seed = int.from_bytes(hashlib.blake2b(f"{seed}/{epoch}".encode(), digest_size=4).digest(), "little")
             g = torch.Generator().manual_seed(seed)
             perm = torch.randperm(self.num_items, generator=g)

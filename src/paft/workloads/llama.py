@@ -12,9 +12,9 @@ What differs from GPT-2: RMSNorm instead of LayerNorm; rotary position embedding
 multiple of ``multiple_of``; no biases anywhere; an untied output head.
 
 RoPE's cos/sin tables are computed once on the CPU and kept per device in a plain
-attribute, not as buffers: as buffers DDP broadcast them before every forward
-(``broadcast_buffers``), so a table corrupted on rank 0 became every rank's unseen
-(the state fingerprints leave buffers out: under DDP they may legitimately differ).
+attribute, not as buffers: DDP broadcasts buffers before every forward
+(``broadcast_buffers``), so a table corrupted on rank 0 would become every rank's,
+unseen (the state fingerprints leave buffers out: under DDP they may legitimately differ).
 """
 
 from __future__ import annotations
