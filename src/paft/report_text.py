@@ -45,7 +45,7 @@ def seen_from(sync: dict[str, Any]) -> int:
 
 def ranks_phrase(ranks: Sequence[int]) -> str:
     """``rank 1`` / ``ranks 1, 3``."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks) if ranks else '?'}"
+    return f"rank{_plural(ranks)} {', '.join(str(r) for r in ranks) if ranks else '?'}"
 
 
 # What differed, as the split line names it: the per-step checksum of the aggregated
@@ -166,7 +166,7 @@ def _extreme(run: RunData, key: str, pick_max: bool) -> str:
         return "not recorded"
     bad = [(s, v) for s, v in zip(steps, values) if not math.isfinite(v)]
     if bad:
-        return f"{bad[0][1]} at step {bad[0][0]} (non-finite at {len(bad)} step{'s' if len(bad) > 1 else ''})"
+        return f"{bad[0][1]} at step {bad[0][0]} (non-finite at {len(bad)} step{_plural(bad)})"
     # The first step holding the extreme, for a max as for a min.
     value, step = max(zip(values, steps), key=lambda p: (p[0], -p[1])) if pick_max else min(zip(values, steps))
     return f"{value:.4g} at step {step}"
