@@ -101,12 +101,13 @@ def _ranks_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_rank(r) for r in value)
 
 
+_TEXT = frozenset({"event", "action", "reason", "cause", "detector", "mode", "site", "kind", "traceback"})
+"""Fields that hold words, kept as written: the fault kinds "nan" and "inf" are not numbers."""
+
 # The record fields the report reads as other than numbers (which it reads leniently: a
 # non-number is a gap in a plot), with what they must be. A name matches a key's last
 # "/" part ("cos_to_mean": "consistency/cos_to_mean"); one starting with "_" matches a
 # key's end ("_minority_ranks": "replicas/grad_minority_ranks").
-_TEXT = frozenset({"event", "action", "reason", "cause", "detector", "mode", "site", "kind", "traceback"})
-"""Fields that hold words, kept as written: the fault kinds "nan" and "inf" are not numbers."""
 _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("ranks", _ranks_list, "a list of ranks"),
     ("_minority_ranks", _ranks_list, "a list of ranks"),
