@@ -97,7 +97,7 @@ def _is_rank(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _ranks_list(value: Any) -> bool:
+def _is_rank_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_rank(r) for r in value)
 
 
@@ -109,9 +109,9 @@ _TEXT = frozenset({"event", "action", "reason", "cause", "detector", "mode", "si
 # "/" part ("cos_to_mean": "consistency/cos_to_mean"); one starting with "_" matches a
 # key's end ("_minority_ranks": "replicas/grad_minority_ranks").
 _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("ranks", _ranks_list, "a list of ranks"),
-    ("_minority_ranks", _ranks_list, "a list of ranks"),
-    ("nonfinite_ranks", _ranks_list, "a list of ranks"),
+    ("ranks", _is_rank_list, "a list of ranks"),
+    ("_minority_ranks", _is_rank_list, "a list of ranks"),
+    ("nonfinite_ranks", _is_rank_list, "a list of ranks"),
     ("val_loss_per_rank", lambda v: isinstance(v, list), "a list"),
     ("local_losses", lambda v: isinstance(v, list), "a list"),
     ("cos_to_mean", lambda v: isinstance(v, list), "a list"),
@@ -188,7 +188,7 @@ def _check_config(path: Path, config: dict[str, Any]) -> None:
         raise ReportError(f"{path}: inject must be a list of fault specs (strings), got {config['inject']!r}")
 
 
-def _check_numbers(path: Path, summary: dict[str, Any] | None) -> None:
+def _check_summary_numbers(path: Path, summary: dict[str, Any] | None) -> None:
     for key, value in (summary or {}).items():
         if key in _SUMMARY_NUMBERS or key.startswith(("initial_", "final_")):
             if not is_number(value):
@@ -286,7 +286,7 @@ def load_run(run_dir: str | Path) -> RunData:
                 "the run has not completed a step"
             )
         summary = _read_json(path / "summary.json")
-        _check_numbers(path / "summary.json", summary)
+        _check_summary_numbers(path / "summary.json", summary)
         consistency = _by_step(read_records(path / "consistency.jsonl"))
     run = RunData(
         path=path,
