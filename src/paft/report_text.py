@@ -25,6 +25,8 @@ __all__ = ["Split", "first_split", "guard_incidents", "ranks_phrase", "replica_s
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that hold ``key``; a value that is no number is NaN
+    (a gap in a plot)."""
     rows = [(int(r["step"]), number(r[key])) for r in records if key in r]
     return [s for s, _ in rows], [v for _, v in rows]
 
