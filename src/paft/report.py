@@ -1,5 +1,6 @@
 """Plots and a text summary of one run directory (``paft report``); the summary's
-words are :mod:`paft.report_text`'s.
+words are :mod:`paft.report_text`'s, the reading of the records both share
+:mod:`paft.run_reading`'s.
 
 Reads the run directory through :func:`paft.rundata.load_run`. A missing file means
 nothing to show for that layer: a fault-free, unprotected run still gets its loss, dispersion and cosine plots;
@@ -31,17 +32,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from paft.records import atomic_write_bytes, is_file, output_dir_problem
-from paft.report_text import (
-    guard_incidents,
-    ranks_phrase,
-    replica_splits,
-    run_settings,
-    seen_from,
-    series,
-    split_syncs,
-    summary_text,
-    sync_events,
-)
+from paft.report_text import ranks_phrase, run_settings, summary_text
+from paft.run_reading import guard_incidents, replica_splits, seen_from, series, split_syncs, sync_events
 from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
 
 __all__ = ["Report", "build_report"]

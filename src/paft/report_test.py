@@ -37,7 +37,8 @@ from paft.report import (
     _state_distinct,
     build_report,
 )
-from paft.report_text import series, summary_text
+from paft.report_text import summary_text
+from paft.run_reading import first_split, replica_splits, series
 from paft.rundata import ReportError, load_run, mean_local_loss
 from paft.rundir import prepare_run_dir
 from paft.testing import one_rank_group, run_workers
@@ -1057,11 +1058,11 @@ def test_a_three_rank_split_names_its_minority(clean_run: pathlib.Path, tmp_path
     run.events = [{**sync, "step": 4, "differing_tensors": 0, "differing": {}},
                   {**sync, "step": 8, "differing_tensors": 40,
                    "differing": {"param/wte.weight": [[0, 1], [2]], "optim/0/exp_avg": [[0], [1], [2]]}}]
-    assert report_text._differing_tensors(run, report_text.first_split(run)) == [
+    assert report_text._differing_tensors(run, first_split(run)) == [
         "  tensors that differed, as the sync at step 8 found them: param/wte.weight on rank 2, "
         "optim/0/exp_avg (no strict majority: [[0], [1], [2]]) and 38 more"]
     run.events[1]["differing_tensors"] = 2  # every one listed: no "and 0 more"
-    assert report_text._differing_tensors(run, report_text.first_split(run))[0].endswith(
+    assert report_text._differing_tensors(run, first_split(run))[0].endswith(
         "(no strict majority: [[0], [1], [2]])")
 
 
@@ -1412,12 +1413,12 @@ def test_what_ends_a_split_and_what_does_not(clean_run: pathlib.Path) -> None:
     run = load_run(clean_run)
     run.consistency = [{"step": 2, "replicas/state_distinct": 2}, {"step": 4, "replicas/state_distinct": 1},
                        {"step": 6, "replicas/grad_distinct": 2}]
-    assert [s[0] for s in report_text.replica_splits(run)] == [2, 6]
+    assert [s[0] for s in replica_splits(run)] == [2, 6]
     run.consistency = [{"step": 4, "replicas/state_distinct": 2}, {"step": 5, "replicas/state_distinct": 2}]
     run.events = [{"step": 4, "event": "sync", "mode": "median", "groups": [[0], [1]], "seen_from": 6}]
-    assert [s[0] for s in report_text.replica_splits(run)] == [4]
+    assert [s[0] for s in replica_splits(run)] == [4]
     run.consistency[1]["replicas/grad_distinct"] = 2
-    assert [s[0] for s in report_text.replica_splits(run)] == [4, 5]
+    assert [s[0] for s in replica_splits(run)] == [4, 5]
     run.consistency = [{"step": 5, "replicas/state_distinct": 2}]
     run.events = [{"step": 4, "event": "sync", "mode": "noop", "groups": [[0, 1]], "seen_from": 6}]
-    assert [s[0] for s in report_text.replica_splits(run)] == [5]
+    assert [s[0] for s in replica_splits(run)] == [5]
