@@ -3,7 +3,8 @@
 Values reach the config tree from Python (``MonitorConfig(interval=2)``), from config
 files (YAML and JSON, with YAML 1.1's quirks) and from ``--model key=value``; each
 entry point converts what it must (a YAML ``3e-3`` read as a string) and words its own
-error, but they all judge a value by :func:`fits`.
+error, but they all judge a value by :func:`fits`. The model configs' sizes must
+also be positive ints (:func:`require_positive_ints`).
 
 Example::
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-__all__ = ["fits"]
+__all__ = ["fits", "require_positive_ints"]
 
 
 def fits(kind: type, value: Any) -> bool:
@@ -36,3 +37,12 @@ def fits(kind: type, value: Any) -> bool:
     if kind is float:
         return isinstance(value, numbers.Real)
     return isinstance(value, kind)
+
+
+def require_positive_ints(config: object, fields: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming the first of ``config``'s ``fields`` that is not a
+    positive Python int (a bool is none): the model configs' shared size check."""
+    for field in fields:
+        value = getattr(config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{field} must be a positive int, got {value!r}")

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paft.values import require_positive_ints
+
 __all__ = ["GPTConfig", "GPT"]
 
 
@@ -50,10 +52,7 @@ class GPTConfig:
     """Biases in the Linear layers and LayerNorms (GPT-2 has them)."""
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        require_positive_ints(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"))
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paft.values import require_positive_ints
+
 __all__ = ["LlamaConfig", "Llama", "RMSNorm"]
 
 
@@ -54,10 +56,7 @@ class LlamaConfig:
     0 disables it."""
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        require_positive_ints(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"))
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:
             raise ValueError(
                 f"n_head ({self.n_head}) must divide n_embd ({self.n_embd}) into an even head size"

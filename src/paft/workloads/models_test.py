@@ -276,6 +276,15 @@ def test_config_validation_names_the_field(cls: type, kwargs: dict[str, Any], fi
         cls(**kwargs)
 
 
+@pytest.mark.parametrize("value", [0, True, 2.0, "2"])
+@pytest.mark.parametrize("cls, field", [(GPTConfig, "n_head"), (LlamaConfig, "multiple_of"), (ResNetConfig, "width")])
+def test_config_sizes_must_be_positive_ints(cls: type, field: str, value: object) -> None:
+    # The three configs share one check (paft.values.require_positive_ints): same words.
+    with pytest.raises(ValueError) as err:
+        cls(**{field: value})
+    assert str(err.value) == f"{field} must be a positive int, got {value!r}"
+
+
 # ------------------------------------------------------------- build_workload
 
 

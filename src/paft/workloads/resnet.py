@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paft.values import require_positive_ints
+
 __all__ = ["ResNetConfig", "ResNet", "BasicBlock"]
 
 
@@ -41,10 +43,7 @@ class ResNetConfig:
     """Input image channels (1 for MNIST)."""
 
     def __post_init__(self) -> None:
-        for field in ("depth", "width", "num_classes", "in_channels"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        require_positive_ints(self, ("depth", "width", "num_classes", "in_channels"))
         if self.depth < 8 or (self.depth - 2) % 6 != 0:
             raise ValueError(f"depth must be 6n + 2 with n >= 1 (8, 14, 20, ...), got {self.depth}")
 
