@@ -648,6 +648,13 @@ def test_takes_says_whether_check_dtype_accepts(text: str, dtype: torch.dtype, t
             spec.check_dtype(dtype)
 
 
+def test_bitflip_refusal_names_the_dtype_as_a_user_writes_it() -> None:
+    # The message listed "float32, ..." but then the raw "torch.float8_e4m3fn".
+    with pytest.raises(FaultSpecError) as err:
+        FaultSpec.parse("bitflip:rate=1").check_dtype(torch.float8_e4m3fn)
+    assert str(err.value).endswith("bitflip supports dtypes float32, bfloat16, float16, float64, not float8_e4m3fn")
+
+
 BAD = [
     ("bitflip:rate=2", "rate", "field 'rate' must be in [0, 1], got 2"),
     ("bitflip:rate=-0.1", "rate", None),

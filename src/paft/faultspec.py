@@ -400,7 +400,7 @@ class FaultSpec:
             return
         if dtype not in FLOAT_LAYOUT:
             supported = ", ".join(_dtype_name(d) for d in FLOAT_LAYOUT)
-            raise _err("bits", f"bitflip supports dtypes {supported}, not {dtype}")
+            raise _err("bits", f"bitflip supports dtypes {supported}, not {_dtype_name(dtype)}")
         width = FLOAT_LAYOUT[dtype][1]
         if is_int(self.bits) and self.bits >= width:
             raise _err("bits", f"must be < {width} for {_dtype_name(dtype)}",
