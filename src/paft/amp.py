@@ -61,6 +61,8 @@ class OptimizerStep:
         return scale
 
     def step(self) -> None:
+        """Apply the update: ``optimizer.step()``, or ``scaler.step`` (which skips it if a
+        gradient overflowed) then ``scaler.update`` (the scale backs off or grows)."""
         if self.scaler is None:
             self.optimizer.step()
             return
@@ -86,9 +88,14 @@ class OptimizerStep:
             self.scaler.update(self.scaler.get_scale())
 
     def state(self) -> dict[str, Any] | None:
+        """The loss scaler's state (scale, growth count), ``None`` without one: taken
+        before a step the guard may roll back, for :meth:`restore`."""
         return self.scaler.state_dict() if self.scaler is not None else None
 
     def restore(self, state: dict[str, Any] | None) -> None:
+        """Put back what :meth:`state` took, so that a rolled-back step's recompute
+        starts from the scale the first attempt had, and forget that attempt's unscale
+        and inf checks (:meth:`discard`); with ``None`` or no scaler, nothing."""
         if self.scaler is not None and state is not None:
             self.scaler.load_state_dict(state)
             self.discard()

@@ -55,6 +55,8 @@ class RunData:
     records, so at the monitored steps only, with no step times."""
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
+        """The ``events.jsonl`` records of one ``event`` kind (``"guard"``, ``"alert"``,
+        ``"stop"``, ...), in the file's order: what the report's sections each draw on."""
         return [e for e in self.events if e.get("event") == kind]
 
     @property

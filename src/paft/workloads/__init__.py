@@ -171,6 +171,10 @@ class Workload:
 
 
 def _make_config(workload: str, cls: type, defaults: dict[str, Any], model_args: dict[str, Any] | None) -> Any:
+    """``cls(**defaults, **model_args)`` with each ``--model`` key checked first: an
+    unknown key is refused with the nearest valid one, and a value must fit its field's
+    type (then converted to it), so a typo or a config file's string is a clear
+    ``ValueError`` naming the key rather than a ``TypeError`` or a model built wrong."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     args = dict(model_args or {})
     for key, value in args.items():
