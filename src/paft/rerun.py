@@ -90,7 +90,7 @@ def _cleared(row: list[int], cols: tuple[int, ...], flag: int) -> list[int]:
     return row
 
 
-def _without_state(bits: list[list[int]]) -> list[list[int]]:
+def _rows_without_state(bits: list[list[int]]) -> list[list[int]]:
     """Header rows with the state fingerprint and its flag cleared."""
     return [_cleared(row, (COL_STATE_HI, COL_STATE_LO), FLAG_STATE_CHECKED) for row in bits]
 
@@ -131,7 +131,7 @@ def reproduced(prev: list[list[int]], cur: list[list[int]], rows: list[int] | No
         pairs = [evidence(prev[r], cur[r]) for r in rows]
         prev, cur = [p for p, _ in pairs], [c for _, c in pairs]
     if _state_checked(prev) != _state_checked(cur):
-        prev, cur = _without_state(prev), _without_state(cur)
+        prev, cur = _rows_without_state(prev), _rows_without_state(cur)
     if prev == cur:
         return True
     a = torch.tensor(prev, dtype=torch.int64).view(torch.float64).tolist()
