@@ -516,10 +516,15 @@ class Protector:
     def counters(self) -> dict[str, int]:
         """Run totals: faults injected here, syncs, bytes, alerts, and the guard's counts."""
         guard = self.guard.counters if self.guard is not None else {}
-        out = {"faults_injected": self._faults_injected, **self.resync.counters, "alerts": self.monitor.alerts}
+        out = self._saved_counters()
         for key in COUNTERS:
             out[key] = guard.get(key, 0)
         return out
+
+    def _saved_counters(self) -> dict[str, int]:
+        """The counts a checkpoint keeps under ``counters`` (the guard keeps its own):
+        faults injected here, the syncs' and the alerts'."""
+        return {"faults_injected": self._faults_injected, **self.resync.counters, "alerts": self.monitor.alerts}
 
     # -- pieces of the step ---------------------------------------------------------
 
@@ -700,7 +705,7 @@ class Protector:
             "step": self.step_idx,
             "mode": self.protect_cfg.mode,
             # The run's counts in one place, as checkpoints have always kept them.
-            "counters": {"faults_injected": self._faults_injected, **resync["counters"], **monitor["counters"]},
+            "counters": self._saved_counters(),
             "scheduler": resync["scheduler"],
             "sync": resync["sync"],
             "guard": self.guard.state_dict() if self.guard is not None else None,
