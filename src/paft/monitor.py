@@ -67,14 +67,13 @@ class _Condition:
     fires: Callable[[Any, MonitorConfig], bool]
     split: str | None = None
     """The part of the replicas a split alert is about, ``grad`` or ``state``: the
-    ranks it names are the minority, and a split that regroups is new."""
+    ranks it names are the minority, and a split that regroups is new. A ``state``
+    split is read from the state fingerprints: none where a sync changed the state
+    after them; the alert measures the replicas' distance (``divergence``)."""
     unmeasured_if_nonfinite: bool = False
     """A threshold a non-finite rank turns NaN: that NaN measured nothing."""
     names_ranks: bool = False
     """Its value is the ranks it names; another rank while it lasts is new."""
-    of_fingerprints: bool = False
-    """Read from the state fingerprints: none where a sync changed the state after
-    them; the alert measures the replicas' distance (``divergence``)."""
 
 
 _CONDITIONS = (
@@ -88,7 +87,7 @@ _CONDITIONS = (
     _Condition("grad_cos_min", "consistency/grad_cos_min", lambda v, cfg: not v >= cfg.alert_cos_min,
                unmeasured_if_nonfinite=True),
     _Condition("replicas_split", "replicas/grad_distinct", lambda v, cfg: v > 1, split="grad"),
-    _Condition("state_split", "replicas/state_distinct", lambda v, cfg: v > 1, split="state", of_fingerprints=True),
+    _Condition("state_split", "replicas/state_distinct", lambda v, cfg: v > 1, split="state"),
 )
 
 
@@ -168,7 +167,7 @@ class Monitor:
         # nonfinite_local names the cause, so the threshold keeps its state, unmeasured.
         explained = bool(m.get("consistency/nonfinite_ranks"))
         for c in _CONDITIONS:
-            if c.key not in m or (c.of_fingerprints and stale_fingerprints):
+            if c.key not in m or (c.split == "state" and stale_fingerprints):
                 continue
             value = m[c.key]
             if explained and c.unmeasured_if_nonfinite and math.isnan(value):
@@ -210,7 +209,7 @@ class Monitor:
             who = f" (rank(s) {ranks} disagree)"
         else:  # no strict majority: which side is faulty is unknown
             who = f" (no majority: groups {groups})"
-        if c.of_fingerprints and self.divergence is not None:  # every rank alike: a shared view
+        if c.split == "state" and self.divergence is not None:  # every rank alike: a shared view
             event["divergence"], far = self._split_magnitude()
             who += far
         self.recorder.event(event)
