@@ -53,7 +53,7 @@ from paft.rundir import (
     load_checkpoint_file,
     stale_checkpoints,
 )
-from paft.state import fingerprints_over_ranks
+from paft.state import fingerprints_over_ranks, state_fingerprint
 from paft.workloads import DROPOUT_WORKLOADS, ShardedSampler, Workload, build_workload, hidden_matrices, parameter_count
 
 __all__ = [
@@ -383,8 +383,9 @@ class Trainer:
     def summarize(self) -> dict[str, Any]:
         # Replicas compare parameters + optimizer state (BatchNorm buffers differ between
         # ranks by DDP's design); the run's own fingerprint is rank 0's whole state.
-        fps = fingerprints_over_ranks(self.model, self.optimizer, buffers=False)
-        whole = fingerprints_over_ranks(self.model, self.optimizer)
+        mine = [state_fingerprint(self.model, self.optimizer, buffers=False),
+                state_fingerprint(self.model, self.optimizer)]
+        fps, whole = gather_rows(torch.tensor(mine, dtype=torch.int64)).T.tolist()  # one collective for both
         groups = group_replicas(fps)
         divergence = self.evals[-1]["replica_rel_diff"]
         # Faults are injected per rank and CPU time is per process; the rest is identical everywhere.
