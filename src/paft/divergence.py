@@ -157,44 +157,92 @@ def measure_divergence(
     extremes neither overflow nor underflow), through all-reduces of at most
     ``bucket_mb`` each, and holds about three such buckets at a time beside the state,
     plus a few numbers per tensor (``per_tensor``) or two per rank."""
-    ws, me = dist.get_world_size(group), dist.get_rank(group)
     entries = [(n, transport_view(t)) for n, t in state_tensors(model, optimizer, buffers=buffers)]
     entries = [(n, t) for n, t in entries if t.is_floating_point()]
     device = collective_device(group, entries[0][1] if entries else None)
-    # The structure first (a fixed size everywhere), so that the exchanges below line up.
+    _require_same_structure(entries, device, group)
+    ballot = _ballot(entries, device, group)
+    scale = _common_scale(entries, ballot, device, group)
+    sq, msq = _squared_distances(entries, ballot, scale, bucket_mb, device, group)
+    return _report(entries, sq, msq, ballot.finite, per_tensor, device, group)
+
+
+@dataclass(frozen=True)
+class _Ballot:
+    """Whose copy of each measured tensor counts in its mean, the same on every rank."""
+
+    votes: list[list[bool]]
+    """``[rank][tensor]``: the rank's copy counts. A rank with NaN/Inf of its own is
+    left out: of the parameters where its parameters hold it, of everything where any
+    of its tensors does."""
+    finite: list[bool]
+    """Per rank: none of its tensors holds NaN/Inf of its own."""
+    same_bits: list[bool]
+    """Per tensor: float64, and every voter holds it bitwise alike."""
+    nonfinite_here: list[bool]
+    """Per tensor: this rank's copy holds NaN/Inf (a mask's ``-inf`` too)."""
+    rank: int
+    """This rank in the group."""
+
+    @property
+    def mine(self) -> list[bool]:
+        return self.votes[self.rank]
+
+    def voters(self, j: int) -> int:
+        return sum(row[j] for row in self.votes)
+
+
+def _require_same_structure(entries: list[tuple[str, Tensor]], device: torch.device,
+                            group: dist.ProcessGroup | None) -> None:
+    """The structure first (a fixed size everywhere), so that the exchanges after it
+    line up; raises ``RuntimeError`` on every rank where it differs."""
     structure = repr_digest(structure_key(entries))
     structures = gather_rows(torch.tensor([structure], dtype=torch.int64, device=device), group)
     if len(set(structures.reshape(-1).tolist())) > 1:
         raise RuntimeError("measure_divergence: the ranks' states differ in structure (tensor names, dtypes or "
                            "shapes), e.g. optimizer state created on some ranks only; they cannot be compared")
-    # A leading 0 keeps the exchange non-empty for a model without floating state. The
-    # float64 tensors' digests ride along: their mean over 3 identical copies, (x+x+x)/3,
-    # rounds away from x, so identical copies are told by their bits, not their distance.
+
+
+def _ballot(entries: list[tuple[str, Tensor]], device: torch.device, group: dist.ProcessGroup | None) -> _Ballot:
+    """One gather of every rank's NaN/Inf patterns, and of its float64 tensors' digests:
+    their mean over 3 identical copies, (x+x+x)/3, rounds away from x, so identical
+    copies are told by their bits, not their distance. A leading 0 keeps the exchange
+    non-empty for a model without floating state."""
+    n = len(entries)
     wide = [t.dtype == torch.float64 for _, t in entries]
     digests = [digest(t) if w else 0 for (_, t), w in zip(entries, wide)]
     mine = torch.tensor([0, *nonfinite_patterns([t for _, t in entries]), *digests], dtype=torch.int64,
                         device=device)
-    gathered_rows = gather_rows(mine, group).tolist()
-    rows = [row[1 : 1 + 2 * len(entries)] for row in gathered_rows]
-    their_digests = [row[1 + 2 * len(entries) :] for row in gathered_rows]
+    gathered = gather_rows(mine, group).tolist()
+    patterns = [row[1 : 1 + 2 * n] for row in gathered]
     is_param = [name.startswith("param/") for name, _ in entries]
-    sound = sound_replicas(rows, [name.startswith("buffer/") for name, _ in entries])
-    # A rank with NaN/Inf of its own is left out of the mean: of the parameters where
-    # they hold it, of everything where any tensor does.
+    sound = sound_replicas(patterns, [name.startswith("buffer/") for name, _ in entries])
     sound_params = [all(ok for ok, p in zip(row, is_param) if p) for row in sound]
-    sound_all = [all(row) for row in sound]
-    votes = [[sound_params[r] if p else sound_all[r] for p in is_param] for r in range(ws)]
-    voters = [sum(votes[r][j] for r in range(ws)) for j in range(len(entries))]
+    finite = [all(row) for row in sound]
+    votes = [[params_ok if p else all_ok for p in is_param] for params_ok, all_ok in zip(sound_params, finite)]
     # Float64 tensors that every voter holds bitwise alike (a NaN rank, left out, aside).
-    same_bits = [w and len({their_digests[r][j] for r in range(ws) if votes[r][j]}) == 1
+    same_bits = [w and len({row[1 + 2 * n + j] for row, vote in zip(gathered, votes) if vote[j]}) == 1
                  for j, w in enumerate(wide)]
-    # One power-of-two scale for every copy (exact: the ratios are the same bits): a
-    # float64 replica of 1e200 (a flipped exponent bit) squared to inf and made every
-    # rank's distance inf, replicas of 1e-200 squared to 0 and read as identical.
-    top = _finite_absmax([(t, rows[me][2 * j] > 0) for j, (_, t) in enumerate(entries) if votes[me][j]], device)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    scale = math.ldexp(1.0, -max(math.frexp(float(top))[1], -1021))  # 2**1021 at most: no overflow
+    me = dist.get_rank(group)
+    return _Ballot(votes, finite, same_bits, [patterns[me][2 * j] > 0 for j in range(n)], me)
 
+
+def _common_scale(entries: list[tuple[str, Tensor]], ballot: _Ballot, device: torch.device,
+                  group: dist.ProcessGroup | None) -> float:
+    """One power-of-two scale for every copy (exact: the ratios are the same bits): a
+    float64 replica of 1e200 (a flipped exponent bit) squared to inf and made every
+    rank's distance inf, replicas of 1e-200 squared to 0 and read as identical."""
+    top = _finite_absmax([(t, bad) for (_, t), vote, bad in zip(entries, ballot.mine, ballot.nonfinite_here)
+                          if vote], device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return math.ldexp(1.0, -max(math.frexp(float(top))[1], -1021))  # 2**1021 at most: no overflow
+
+
+def _squared_distances(entries: list[tuple[str, Tensor]], ballot: _Ballot, scale: float, bucket_mb: float,
+                       device: torch.device, group: dist.ProcessGroup | None) -> tuple[list[float], list[float]]:
+    """Per tensor, this rank's squared distance to the mean replica (inf where its copy
+    does not count) and the mean's squared norm, both of the copies times ``scale``:
+    bucket by bucket, each one float64 all-reduce of at most ``bucket_mb``."""
     sq: list[float] = []
     msq: list[float] = []
     for first, end in consecutive_runs([t.numel() for _, t in entries], max(1, int(bucket_mb * 2**20) // 8)):
@@ -208,37 +256,45 @@ def measure_divergence(
         local.mul_(scale)
         mean = local.clone()
         for j, (a, b) in zip(bucket, spans):
-            if not votes[me][j]:
+            if not ballot.mine[j]:
                 mean[a:b] = 0.0
         dist.all_reduce(mean, group=group)
         for j, (a, b) in zip(bucket, spans):
-            mean[a:b] /= max(voters[j], 1)
+            mean[a:b] /= max(ballot.voters(j), 1)
         apart = ~torch.isfinite(mean)  # there every sound copy is non-finite alike: agreement
         local.sub_(mean).masked_fill_(apart, 0.0)  # the distance to the mean
         for j, (a, b) in zip(bucket, spans):
-            if same_bits[j]:  # bitwise identical on every rank: no distance, whatever the rounding
+            if ballot.same_bits[j]:  # bitwise identical on every rank: no distance, whatever the rounding
                 local[a:b] = 0.0
         mean.masked_fill_(apart, 0.0)
         sums = torch.stack([x[a:b].square().sum() for x in (local, mean) for a, b in spans]).tolist()
-        sq += [v if votes[me][j] else math.inf for j, v in zip(bucket, sums[: len(bucket)])]
+        sq += [v if ballot.mine[j] else math.inf for j, v in zip(bucket, sums[: len(bucket)])]
         msq += sums[len(bucket) :]
+    return sq, msq
+
+
+def _report(entries: list[tuple[str, Tensor]], sq: list[float], msq: list[float], finite: list[bool],
+            per_tensor: bool, device: torch.device, group: dist.ProcessGroup | None) -> DivergenceReport:
+    """Every rank's distances, gathered: two sums per rank (the parameters', the whole
+    state's), and its per-tensor ones if asked."""
+    is_param = [name.startswith("param/") for name, _ in entries]
     summary = [sum(x for x, p in zip(sq, is_param) if p), sum(sq)]
-    row = torch.tensor(summary + sq if per_tensor else summary, dtype=torch.float64, device=device)
-    gathered = gather_rows(row, group).tolist()
-    param_msq = sum(m for m, p in zip(msq, is_param) if p)
+    gathered = gather_rows(torch.tensor(summary + sq if per_tensor else summary, dtype=torch.float64,
+                                        device=device), group).tolist()
     breakdown = None
     if per_tensor:
         breakdown = []
         for j, (name, _) in enumerate(entries):
-            rels = [rel_distance(gathered[r][2 + j], msq[j]) for r in range(ws)]
+            rels = [rel_distance(row[2 + j], msq[j]) for row in gathered]
             breakdown.append((name, max(rels), farthest(rels)))
         breakdown.sort(key=lambda x: -x[1])
-    per_rank = [rel_distance(gathered[r][0], param_msq) for r in range(ws)]
-    state_per_rank = [rel_distance(gathered[r][1], sum(msq)) for r in range(ws)]
+    param_msq = sum(m for m, p in zip(msq, is_param) if p)
+    per_rank = [rel_distance(row[0], param_msq) for row in gathered]
+    state_per_rank = [rel_distance(row[1], sum(msq)) for row in gathered]
     return DivergenceReport(
         max=max(per_rank),
         per_rank=per_rank,
-        finite=sound_all,
+        finite=finite,
         state_max=max(state_per_rank),
         state_per_rank=state_per_rank,
         per_tensor=breakdown,
@@ -258,4 +314,3 @@ def _finite_absmax(tensors: list[tuple[Tensor, bool]], device: torch.device) -> 
             lo, hi = torch.aminmax(t)
             out = torch.maximum(out, torch.maximum(-lo.double(), hi.double()).to(device))
     return out
-
