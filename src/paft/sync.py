@@ -450,12 +450,12 @@ class ReplicaSync:
         """Each part's plan (``parts``: the parameters' and optimizer state's, then the
         buffers') and the tensors whose bits differ, each with the ranks grouped by
         them, from every rank's :meth:`_patterns_and_digests_row` in ``rows``."""
-        buffers = parts[1][0]
         plans, differing, at = [], [], 0
-        for (part, fps, _), differs in zip(parts, differ):
+        for i, ((part, fps, _), differs) in enumerate(zip(parts, differ)):
+            is_buffers = i == 1
             if differs:
                 n = len(part)
-                lenient = [part is buffers] * n
+                lenient = [is_buffers] * n
                 finite = [all(ok) for ok in sound_replicas([r[at : at + 2 * n] for r in rows], lenient)]
                 for (name, _, _), *digests in zip(part, *(r[at + 2 * n : at + 3 * n] for r in rows)):
                     if len(set(digests)) > 1:
@@ -463,10 +463,10 @@ class ReplicaSync:
                 at += 3 * n
             else:  # identical: mean mode still refuses parameters or optimizer state gone
                 # non-finite on every rank alike (nothing to average from), never buffers
-                strict = self.mode == "mean" and part is not buffers
+                strict = self.mode == "mean" and not is_buffers
                 finite = [not strict or all_finite([t for _, t, _ in part])] * self.world_size
             plans.append(plan_sync(self.mode, fps, finite, src=self.src, with_reference=self._reference is not None,
-                                   reference_ok=reference_ok, per_coordinate=part is buffers))
+                                   reference_ok=reference_ok, per_coordinate=is_buffers))
         return plans, differing
 
     def _launch(self, overlapped: bool, repair_now: bool = False) -> _Sync:
