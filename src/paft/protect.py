@@ -61,7 +61,7 @@ from paft.norms import judged_norm, total_norm
 from paft.preflight import ProtectSettings, check_added_groups, ddp_of, mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
-from paft.snapshot import ForwardSnapshot, StateSnapshot
+from paft.snapshot import ForwardSnapshot, StateSnapshot, buffer_slots
 from paft.state import fingerprints_over_ranks, state_fingerprint, state_tensors
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
@@ -247,14 +247,15 @@ class Protector:
         specs, self._stepper = preflight(model, optimizer, settings)
         self.model = model
         self.optimizer = self._stepper.optimizer  # a list's OptimizerChain
-        # Walking the module tree costs ~0.4 ms per call on a small model; the sets of
-        # parameters and buffers are fixed once DDP wraps the model (DDP itself keeps
-        # the buffer list it broadcasts from construction on), so collect them once.
+        # Walking the module tree costs ~0.4 ms per call on a small model; the set of
+        # parameters is fixed once DDP wraps the model, so collect it once. So are the
+        # places of the buffers, not the tensors: a forward may replace a buffer by
+        # assignment (DDP lists the buffers it broadcasts afresh at each forward).
         self._params = list(model.parameters())
         # Param groups the optimizer had when last checked: one added since (progressive
         # unfreezing) is checked at the next step (check_added_groups).
         self._groups_known = len(self.optimizer.param_groups)
-        self._buffers = list(model.module.buffers())
+        self._buffer_slots = buffer_slots(model.module)
         # The settings the steps read from here on; the rest of ``settings`` is used up
         # below, building the parts (hook, guard, monitor, resync) that keep their own.
         self.monitor_cfg = settings.monitor
@@ -388,7 +389,7 @@ class Protector:
         """The guard's state machine: attempts until one is applied or the batch is
         skipped (the guard's rerun caps bound them), or the run stops."""
         t = plan.step
-        rerun_from = ForwardSnapshot(self._buffers, self._hook_state)
+        rerun_from = ForwardSnapshot(self._buffer_slots, self._hook_state)
         guard = self.guard
         assert guard is not None
         attempt, synced = 0, False
@@ -495,7 +496,7 @@ class Protector:
         """
         # Before this rank's first collective, so before any rank records again.
         self.recorder.drop_resumed_steps()
-        before = ForwardSnapshot(self._buffers)
+        before = ForwardSnapshot(self._buffer_slots)
         for _ in range(2):
             # The mean all-reduce, not a user's hook: a stateful one (PowerSGD's step counter,
             # error feedback) would advance on batches whose gradients are thrown away.

@@ -426,6 +426,49 @@ def test_guard_recomputes_a_bit30_flip_at_the_first_step_of_two_ranks() -> None:
     assert (out[0]["counters"]["detections"], out[0]["counters"]["transient"]) == (1, 1)
 
 
+class ReplacedRunningMean(nn.Module):
+    """A running mean of its input that each training forward replaces by assignment, not
+    updates in place, as hand-written normalizers do (DDP allows it: it lists the buffers
+    it broadcasts afresh at each forward)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return x - self.mean
+
+
+def _replaced_buffer_run(inject: list[str]) -> tuple[list[torch.Tensor], bool]:
+    """Four guarded steps, primed, of a model whose forward replaces its buffer, on one
+    rank: its parameters and buffer at the end, and whether prime() left the buffer alone."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 8), ReplacedRunningMean(8), nn.Tanh(),
+                                                  nn.Linear(8, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    protector = protect(model, optimizer, guard=GuardConfig(**GUARD), inject=inject)
+    protector.prime(toy_closure(model, optimizer, 0, 0))
+    primed = torch.equal(model.module[1].mean, torch.zeros(8))
+    for step in range(4):
+        protector.step(toy_closure(model, optimizer, 0, step))
+    assert protector.counters["transient"] == len(inject)
+    state = [t.detach().clone() for t in model.module.state_dict().values()]
+    del protector, model
+    return state, primed
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_buffer_the_forward_replaces_is_put_back_before_a_recompute_and_after_prime() -> None:
+    # The snapshot copied the buffer tensors listed once at protect(): a forward that
+    # replaced one left the copy to a tensor the module no longer had, so the
+    # recompute updated the running mean twice, and prime() changed it.
+    clean, primed = _replaced_buffer_run([])
+    out, _ = _replaced_buffer_run(["nan:site=local-grad,steps=2"])
+    assert primed and all(torch.equal(a, b) for a, b in zip(clean, out))
+
+
 def test_bad_data_on_one_rank_is_data_while_another_ranks_gradient_was_hit() -> None:
     # Rank 1's targets are 1000x at step 8 (data); rank 2's local gradient takes a bit-30
     # flip on the first attempt only. The recompute moves every rank's aggregated norm

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.flat import consecutive_runs, copy_all_
@@ -22,44 +23,68 @@ from paft.hook_state import HookStateSnapshot
 from paft.norms import norm_of
 from paft.state import nested_tensors, state_tensors
 
-__all__ = ["ForwardSnapshot", "StateSnapshot"]
+__all__ = ["ForwardSnapshot", "StateSnapshot", "buffer_slots"]
+
+
+def buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Where ``module``'s buffers live: (the submodule, the buffer's name) for each.
+
+    The places, not the tensors: a forward may replace a buffer by assignment
+    (``self.ema = 0.9 * self.ema + 0.1 * x.mean(0)``), which DDP allows (it lists the
+    buffers it broadcasts afresh at each forward); a list of the tensors taken once
+    would then hold one the module no longer has."""
+    return [(m, name) for m in module.modules() for name, b in m._buffers.items() if b is not None]
 
 
 class ForwardSnapshot:
-    """What a recomputation of the step must start from: RNG states and buffers, and the
-    state of a user's comm hook where paft can take it (``hook``, see :mod:`paft.hook_state`).
+    """What a recomputation of the step must start from: RNG states and buffers (``slots``,
+    see :func:`buffer_slots`), and the state of a user's comm hook where paft can take
+    it (``hook``, see :mod:`paft.hook_state`).
 
     Parameters and optimizer state are untouched until ``optimizer.step()``; only
-    what the forward itself mutates (BatchNorm statistics) and the RNG that dropout
-    draws from are copied, both small, and what the backward's comm hook mutates.
+    what the forward itself mutates (BatchNorm statistics, a buffer it replaces) and
+    the RNG that dropout draws from are copied, both small, and what the backward's
+    comm hook mutates.
     """
 
-    def __init__(self, buffers: Sequence[torch.Tensor], hook: HookStateSnapshot | None = None) -> None:
+    def __init__(self, slots: Sequence[tuple[nn.Module, str]], hook: HookStateSnapshot | None = None) -> None:
         self.cpu_rng = torch.get_rng_state()
         # Only where this process started CUDA: get_rng_state_all() would start it (a
         # context on every GPU) in a CPU run on a GPU machine, which drew nothing from it.
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.buffers = [(b, b.detach().clone()) for b in buffers]
+        self._slots = slots
+        self.buffers = self._take()
         self.hook = hook
         if hook is not None:
             hook.take()
+
+    def _take(self) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
+        """Each slot's buffer now: the tensor itself and a copy of its values."""
+        taken = []
+        for module, name in self._slots:
+            live = module._buffers.get(name)
+            if live is not None:
+                taken.append((module, name, live, live.detach().clone()))
+        return taken
 
     def keep_buffers(self) -> None:
         """Take the buffers as they are now as the ones to restore: a repair synced
         them, and a later recompute of the same step must not bring back the
         corrupted statistics the repair replaced."""
-        with torch.no_grad():
-            for live, saved in self.buffers:
-                saved.copy_(live)
+        self.buffers = self._take()
 
     def restore(self) -> None:
-        """Put the RNG states, the buffers and the hook's state back (before a recompute)."""
+        """Put the RNG states, the buffers and the hook's state back (before a recompute):
+        each buffer the tensor it was, with its values then, also where the attempt's
+        forward replaced it by another."""
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         with torch.no_grad():
-            for live, saved in self.buffers:
-                live.copy_(saved)
+            for module, name, tensor, saved in self.buffers:
+                tensor.copy_(saved)
+                if module._buffers.get(name) is not tensor:
+                    setattr(module, name, tensor)
         if self.hook is not None:
             self.hook.restore()
 

@@ -12,8 +12,8 @@ from torch import nn
 from paft import snapshot
 from paft.hook_state import hook_snapshot
 from paft.norms import norm_of
-from paft.protect_test import batch, toy_model
-from paft.snapshot import ForwardSnapshot, StateSnapshot
+from paft.protect_test import ReplacedRunningMean, batch, toy_model
+from paft.snapshot import ForwardSnapshot, StateSnapshot, buffer_slots
 from paft.state import state_fingerprint
 from paft.testing import NestedStateSGD
 
@@ -48,7 +48,7 @@ def test_forward_snapshot_rewinds_the_rng_and_buffers_and_keeps_a_repairs_buffer
     bn = nn.BatchNorm1d(3)
     buffers = list(bn.buffers())  # running_mean, running_var, num_batches_tracked
     before = [b.clone() for b in buffers]
-    snap = ForwardSnapshot(buffers)
+    snap = ForwardSnapshot(buffer_slots(bn))
     draw = torch.rand(4)
     bn(torch.randn(5, 3))
     snap.restore()
@@ -63,6 +63,25 @@ def test_forward_snapshot_rewinds_the_rng_and_buffers_and_keeps_a_repairs_buffer
     bn(torch.randn(5, 3))
     snap.restore()
     assert all(torch.equal(b, new) for b, new in zip(buffers, repaired))
+
+
+def test_forward_snapshot_puts_back_a_buffer_the_forward_replaced() -> None:
+    """A forward that replaces a buffer by assignment: the recompute starts from the
+    tensor the step found, with its values then; after keep_buffers, from the one there
+    then (a repair's)."""
+    norm = ReplacedRunningMean(3)
+    found = norm.mean
+    snap = ForwardSnapshot(buffer_slots(norm))
+    norm(torch.randn(5, 3))
+    assert norm.mean is not found
+    snap.restore()
+    assert norm.mean is found and torch.equal(found, torch.zeros(3))
+    norm.mean = torch.full((3,), 7.0)  # what a repair left there
+    snap.keep_buffers()
+    repaired = norm.mean
+    norm(torch.randn(5, 3))
+    snap.restore()
+    assert norm.mean is repaired and torch.equal(repaired, torch.full((3,), 7.0))
 
 
 def test_forward_snapshot_takes_a_comm_hooks_state_and_puts_it_back() -> None:
