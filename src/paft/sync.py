@@ -95,7 +95,11 @@ comes before the next ``optimizer.step()``. If something did (an optimizer step)
 finish applies ``w <- synced + (w - snapshot)`` per coordinate: additive progress is
 kept, so for plain SGD without weight decay the replicas are equal up to the rounding
 of that addition; where the update reads the state (momentum, Adam's moments, weight
-decay) they stay apart by its non-additive part.
+decay) they stay apart by its non-additive part. Optimizer state that holds no negative
+value (a second moment: Adam's ``exp_avg_sq``, Adagrad's ``sum``) never turns negative
+through the correction: where it would, the synced value stands (a replica whose second
+moment had been corrupted huge took a step down that made it negative, and its next
+step NaN).
 """
 
 from __future__ import annotations
@@ -324,8 +328,9 @@ class ReplicaSync:
         keeps additive progress (an SGD step) exactly; a running average's is not
         additive (Adam's moments), so call finish() before the next optimizer step, as
         :class:`paft.protect.Protector` does. A coordinate that went NaN/Inf since
-        :meth:`start` stays so on every rank; one the sum alone overflows takes the
-        synced value. Changes made through ``.data`` or other
+        :meth:`start` stays so on every rank; one the sum alone overflows, or turns
+        negative in optimizer state that holds no negative value (a second moment),
+        takes the synced value. Changes made through ``.data`` or other
         kernels that bypass version counters must be declared with ``True``.
         """
         if self._pending is None:

@@ -41,7 +41,9 @@ A rank whose state is not the result already copies the synced values into its l
 tensors, or, where they changed since the launch (an overlapped sync), applies
 ``w <- synced + (w - snapshot)`` per coordinate (see
 :meth:`paft.sync.ReplicaSync.finish`). Boolean tensors take the live value where it
-changed and the synced one elsewhere (a sum of booleans is not a boolean).
+changed and the synced one elsewhere (a sum of booleans is not a boolean); optimizer
+state that holds no negative value (a second moment) takes the synced value where the
+correction would make it negative.
 """
 
 from __future__ import annotations
@@ -139,6 +141,12 @@ class _Distance:
 
     def relative(self) -> float:
         return rel_distance(self.local_sq, self.ref_sq)
+
+
+def _non_negative(*tensors: Tensor) -> bool:
+    """Whether every value of ``tensors`` is >= 0 (none NaN): state that holds no
+    negative value anywhere, as a second moment never does."""
+    return all(bool((t >= 0).all()) for t in tensors)
 
 
 def _divergence_from_flags(plan: SyncPlan, layout: Layout) -> float | None:
@@ -477,6 +485,13 @@ class Transfer:
                         keep = target == old
                         if res.is_floating_point():
                             keep |= ~torch.isfinite(res) & torch.isfinite(target)
+                            if s.name.startswith("optim/") and _non_negative(new, old, target):
+                                # A second moment (Adam's exp_avg_sq, Adagrad's sum) decays
+                                # in proportion to itself: a replica that held a huge value
+                                # took a step down that, added to a small synced value, made
+                                # it negative, and the next step's square root NaN. Where the
+                                # sum alone turns it negative, the synced value stands.
+                                keep |= res < 0
                         value = torch.where(keep, new.to(target.device), res)
                     if shared and storage_of(target) in shared:
                         later.append((target, value))

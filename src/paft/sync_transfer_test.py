@@ -91,3 +91,24 @@ def test_an_overlapped_noop_keeps_the_state_at_launch_as_the_reference(one_rank:
     assert (done.divergence, done.bytes_sent, done.collectives, done.delta_tensors) == (0.0, 0, 0, 0)
     assert torch.equal(reference.flat(layout.groups[0], True), torch.tensor([1.0, 2.0]))
     assert torch.equal(w, torch.tensor([2.0, 3.0]))
+
+
+def test_a_second_moment_the_correction_would_make_negative_keeps_the_synced_value(one_rank: Transfer) -> None:
+    """A replica whose second moment was corrupted huge decays it by its own step in the
+    window: synced + (w - snapshot) made it negative, and its next Adam step's square
+    root NaN. Where the correction alone turns such state negative, the synced value
+    stands; a parameter, and state that holds negative values, keep the plain
+    correction (exact for SGD, whose progress may cross zero)."""
+    # A mean of this replica and three that hold zeros: a quarter of its own state.
+    mean_of_four = SyncPlan("mean", [[0]], [0], [True], src=0, count=4)
+    state = {"optim/0/exp_avg_sq": torch.tensor([8.0, 1e30]), "optim/0/exp_avg": torch.tensor([8.0, -4.0]),
+             "param/w": torch.tensor([8.0, 1e30])}
+    entries = _entries(state)
+    p = one_rank.launch(mean_of_four, _layout(entries), entries, overlapped=True, opt_steps=0, reference=None)
+    for t in state.values():
+        t.mul_(0.5)  # the step in the window: a decay
+    done = one_rank.finish(p, None, live_entries=lambda: entries, opt_steps=0, reference=None)
+    assert done.delta_tensors == 3
+    assert torch.equal(state["optim/0/exp_avg_sq"], torch.tensor([2.0, 2.5e29]))  # synced, not -2, -2.5e29
+    assert torch.equal(state["optim/0/exp_avg"], torch.tensor([-2.0, 1.0]))
+    assert torch.equal(state["param/w"], torch.tensor([-2.0, -2.5e29]))
