@@ -693,6 +693,45 @@ def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None)
     assert [needle in w for w in warnings] == [True] if needle else warnings == []
 
 
+@pytest.mark.parametrize("spec,start,warned", [
+    ("stale:steps=4", 4, True),  # the resume's first step has no step before's value
+    ("stale:steps=4+9", 4, True),  # step 9 is past --steps 9
+    ("stale:steps=4-5", 4, False),
+    ("stale:steps=4,burst=2", 4, False),  # its burst goes on at step 5
+    ("stale:steps=4", 3, False),
+    ("stale:steps=4,site=optimizer-state", 4, True),
+    ("stale:rate=0.5", 4, False),
+    ("bitflip:steps=4", 4, False),  # only a stale fault needs the step before
+    ("stale:steps=2", 4, False),  # it had its chance in the run's first leg
+])
+def test_a_stale_fault_a_resume_leaves_no_step_for_is_warned_about(spec: str, start: int, warned: bool) -> None:
+    from paft.options import idle_faults
+
+    warnings = idle_faults(TrainConfig(steps=9, inject=[spec], optimizer="adamw"), start)
+    assert warnings == ([f"--inject {spec!r} cannot fire in this resumed run: its only step left is step {start}, "
+                         "the resume's first, where a stale fault has no step before's value (a checkpoint holds "
+                         "none)"] if warned else [])
+
+
+def test_paft_train_warns_of_a_stale_fault_at_the_step_it_resumes_from(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README says paft train warns when a stale spec can fire nowhere but where it
+    cannot: the first step after a resume too, which went on without a word."""
+    import paft.launch
+
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg, _: 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "r" / "config.json").write_text(json.dumps(TrainConfig(steps=6, run_dir="r").to_dict()))
+    (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000006")
+    assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--inject", "stale:steps=6"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "paft train: warning: --inject 'stale:steps=6' cannot fire in this resumed run: its only step left is "
+        "step 6, the resume's first, where a stale fault has no step before's value (a checkpoint holds none)")
+    assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--inject", "stale:steps=6-7"]) == 0
+    assert "cannot fire" not in capsys.readouterr().err
+
+
 def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     import paft.launch

@@ -44,7 +44,7 @@ from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED
 from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
 from paft.resume_options import ResumeChange, changes_said, resume_args, resume_changes
-from paft.rundir import has_checkpoint, resolve_run_dir
+from paft.rundir import has_checkpoint, latest_step, resolve_run_dir
 from paft.values import fits
 from paft.workloads import DROPOUT_WORKLOADS, WORKLOADS
 
@@ -517,9 +517,10 @@ def _blamed(err: ValueError, source: dict[str, _Source], given: dict[str, Any], 
     return ValueError(f"{err} ({'; '.join(notes)})") if notes else err
 
 
-def idle_faults(cfg: TrainConfig) -> list[str]:
+def idle_faults(cfg: TrainConfig, start: int = 0) -> list[str]:
     """A warning for each fault spec that cannot fire within --steps: most likely a
-    typo; not an error, since a later --resume with more steps may reach it."""
+    typo; not an error, since a later --resume with more steps may reach it. ``start``:
+    the step a resumed run starts at, where a stale fault cannot fire either."""
     out = []
     for text, spec in zip(cfg.inject, parse_specs(cfg.inject, option="--inject")):
         if spec.site == "optimizer-state" and cfg.optimizer == "sgd":
@@ -537,6 +538,14 @@ def idle_faults(cfg: TrainConfig) -> list[str]:
                        f"step{late})")
         elif first >= cfg.steps:
             out.append(f"--inject {text!r} cannot fire before step {first}, past --steps {cfg.steps}")
+        elif spec.kind == "stale" and start and spec.first_firing(after=start) == start:
+            # A checkpoint holds no step before's value: a stale spec whose steps left are
+            # the resume's first alone went on without a word, and without its fault.
+            later = spec.first_firing(after=start + 1)
+            if later is None or later >= cfg.steps:
+                out.append(f"--inject {text!r} cannot fire in this resumed run: its only step left is step "
+                           f"{start}, the resume's first, where a stale fault has no step before's value (a "
+                           "checkpoint holds none)")
     return out
 
 
@@ -611,7 +620,8 @@ def train_warnings(ns: argparse.Namespace, cfg: TrainConfig, changes: Sequence[R
     :func:`ignored_options` and the options a ``--resume`` changes (``changes``, from
     :func:`config_from_namespace`): ``--lr 0.001 (was 0.003)``."""
     changed = [f"--resume changes the run's saved options: {changes_said(changes)}"] if changes else []
-    return [*idle_faults(cfg), *ignored_options(ns, cfg), *changed]
+    start = latest_step(pathlib.Path(resolve_run_dir(cfg.run_dir))) if cfg.resume else 0
+    return [*idle_faults(cfg, start), *ignored_options(ns, cfg), *changed]
 
 
 def train_epilog() -> str:

@@ -45,6 +45,7 @@ __all__ = [
     "resolve_run_dir",
     "check_run_dir",
     "has_checkpoint",
+    "latest_step",
     "in_use",
     "ranks_inside",
     "records_size",
@@ -167,6 +168,16 @@ def remove_checkpoint_temporaries(run_dir: pathlib.Path) -> None:
 def _step_of(name: str) -> int:
     """The step of a checkpoint folder's name (``step0000040`` -> 40); -1 for another name."""
     return int(name[4:]) if _CHECKPOINT_NAME.fullmatch(name) else -1
+
+
+def latest_step(run_dir: pathlib.Path) -> int:
+    """The step a ``--resume`` of ``run_dir`` starts at, that of the checkpoint
+    ``checkpoints/latest`` names; 0 where none reads (:func:`check_run_dir` refuses to
+    resume such a folder)."""
+    try:
+        return max(0, _step_of(checkpoint_candidates(run_dir / "checkpoints")[0]))
+    except RunDirError:
+        return 0
 
 
 def has_checkpoint(run_dir: pathlib.Path) -> bool:
