@@ -350,10 +350,7 @@ def _saved_values(run_dir: str) -> dict[str, Any]:
         if not is_run_config(path) and not has_checkpoint(path.parent):  # another program's config.json
             raise ConfigFileError(f"--resume: {run_dir} holds no paft run (no config.json of paft's)") from None
         raise ConfigFileError(f"--resume: {path}: {err}") from None
-    values = _option_values(saved, f"--resume: {path}")
-    for flag in ("resume", "overwrite"):
-        values.pop(flag, None)
-    return values
+    return _option_values(saved, f"--resume: {path}", leave_out=("resume", "overwrite"))
 
 
 # What a run's config.json says about that run's own folder, not about how it trains:
@@ -372,18 +369,18 @@ def _run_config_values(config: dict[str, Any], where: str) -> dict[str, Any]:
         table = next(section for section in SECTIONS if isinstance(config.get(section), dict))
         raise ConfigFileError(f"{where}: {err}; read as a run's config.json (its {table!r} is a table), whose "
                               "keys are TrainConfig's fields") from None
-    values = _option_values(config, where)
-    for flag in _OF_ITS_FOLDER:
-        values.pop(flag, None)
-    return values
+    return _option_values(config, where, leave_out=_OF_ITS_FOLDER)
 
 
-def _option_values(config: dict[str, Any], where: str) -> dict[str, Any]:
+def _option_values(config: dict[str, Any], where: str, leave_out: Sequence[str] = ()) -> dict[str, Any]:
     """Option -> value of a config in ``config.json``'s shape, each checked as a
-    ``--config`` file's; an error starts with ``where`` (``"--resume: r/config.json"``)
-    and names the field and its option: ``guard.window (--guard-window)``."""
+    ``--config`` file's, but the options named in ``leave_out``; an error starts with
+    ``where`` (``"--resume: r/config.json"``) and names the field and its option:
+    ``guard.window (--guard-window)``."""
     values: dict[str, Any] = {}
     for opt in OPTIONS:
+        if opt.flag in leave_out:
+            continue
         section = config if opt.section is None else config.get(opt.section, {})
         if not isinstance(section, dict):
             raise ConfigFileError(f"{where}: {opt.section!r} must be a mapping, got {section!r}")
