@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write PNG plots (loss per rank, dispersion, cosine, replica divergence; faults, syncs, "
         "guard events and alerts marked, each replica split labelled with its minority ranks) and report.md for "
         "RUN_DIR, and print the summary.",
-        epilog=f"exit codes: 0 done, {EXIT_USAGE} not a readable run directory, or a bad --out-dir (nothing written), "
+        epilog=f"exit codes: 0 done, {EXIT_USAGE} not a readable run directory, a bad --out-dir, or a report the disk "
+        "cannot hold (nothing written: an earlier report stays as it was), "
         f"{interrupted_codes()}",
     )
     report.add_argument("run_dir", metavar="RUN_DIR",

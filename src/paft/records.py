@@ -45,6 +45,7 @@ __all__ = [
     "quiet_stdout",
     "atomic_write_bytes",
     "atomic_write_json",
+    "stage_bytes",
     "read_jsonl",
     "read_utf8",
     "is_run_config",
@@ -188,6 +189,19 @@ def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwr
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``."""
+    tmp = stage_bytes(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def stage_bytes(path: str | os.PathLike[str], data: bytes) -> pathlib.Path:
+    """A temp file beside ``path`` holding ``data``, written and synced, for the caller to
+    ``os.replace`` onto ``path`` (or remove); none is left when writing it fails. Files
+    that must appear together are each staged first: a full disk stops them before any
+    old file is replaced."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -197,10 +211,10 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
+    return pathlib.Path(tmp)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:

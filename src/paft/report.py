@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import atomic_write_bytes, is_file, output_dir_problem
+from paft.records import is_file, output_dir_problem, stage_bytes
 from paft.report_text import ranks_phrase, run_settings, summary_text
 from paft.run_reading import guard_incidents, replica_splits, seen_from, series, split_syncs, sync_events
 from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
@@ -237,13 +239,6 @@ def _png(fig: Figure) -> bytes:
     data = io.BytesIO()
     fig.savefig(data, format="png", dpi=110)
     return data.getvalue()
-
-
-def _save(data: bytes, path: Path) -> Path:
-    """Write ``data`` to ``path`` whole or not at all (an interrupted report leaves the
-    earlier one's plot, never half a PNG)."""
-    atomic_write_bytes(path, data)
-    return path
 
 
 # -- the four plots ----------------------------------------------------------------------
@@ -569,20 +564,60 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError) as err:
         raise ReportError(f"{run.path}: a record holds a value of an unexpected kind "
                           f"({type(err).__name__}: {err}); nothing was written") from None
+    created = _first_missing(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ReportError(f"{label}: cannot create {out}: {err.strerror or err}") from None
-    (out / REPORT_MARKER).write_text("paft report\n")
-    files = [_save(data, out / name) for name, data in plots.items()]
+    files = [out / name for name in plots]
     images = "\n".join(f"![{f.stem}]({f.name})" for f in files)
     md = out / "report.md"
-    atomic_write_bytes(md, f"{_TITLE}{run.name}\n\n```text\n{text}```\n\n{images}\n".encode())
-    # Last, so that every plot the report.md on disk links to exists at every moment:
-    # a plot this run no longer has must not survive from an earlier report.
+    # The plots before report.md, so that every plot the report.md on disk links to exists at every moment.
+    contents = {**dict(zip(files, plots.values())),
+                md: f"{_TITLE}{run.name}\n\n```text\n{text}```\n\n{images}\n".encode()}
+    _write_all(out, contents, created, label)
+    # Last: a plot this run no longer has must not survive from an earlier report.
     for name in set(_PLOTS) - {f.name for f in files}:
         (out / name).unlink(missing_ok=True)
     return Report(files=[*files, md], text=text)
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet: the folder that
+    creating ``path`` makes, None where ``path`` exists."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
+def _write_all(out: Path, contents: dict[Path, bytes], created: Path | None, label: str) -> None:
+    """Write ``contents`` (path -> bytes, in that order) into ``out``, the marker first,
+    whole or not at all: every file is staged before the first is replaced, so a full
+    disk (or an interrupt) while writing leaves an earlier report as it was, and removes
+    the folder ``created`` for this one."""
+    staged: list[tuple[Path, Path]] = []
+    writing = out / REPORT_MARKER
+    try:
+        writing.write_text("paft report\n")  # an interrupted report's folder is still known as ours
+        for writing, data in contents.items():
+            staged.append((writing, stage_bytes(writing, data)))
+    except BaseException as err:
+        for _, tmp in staged:
+            tmp.unlink(missing_ok=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        if isinstance(err, OSError):  # a full disk, a quota: not paft's to show a traceback for
+            raise ReportError(f"{label}: cannot write {writing}: {err.strerror or err}; nothing was written") from None
+        raise
+    try:
+        for path, tmp in staged:
+            os.replace(tmp, path)
+    finally:  # interrupted between two renames: the files not yet in place leave no temp behind
+        for _, tmp in staged:
+            tmp.unlink(missing_ok=True)
 
 
 def _titled_report(path: Path) -> bool:

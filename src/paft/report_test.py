@@ -557,14 +557,14 @@ def test_an_interrupted_report_leaves_the_earlier_one_whole(clean_run: pathlib.P
     out = tmp_path / "out"
     first = build_report(clean_run, out)
     before = {f.name: f.read_bytes() for f in first.files}
-    real_save = report_module._save
+    real_stage = report_module.stage_bytes
 
-    def interrupted_after_loss(data: bytes, path: pathlib.Path) -> pathlib.Path:
+    def interrupted_after_loss(path: pathlib.Path, data: bytes) -> pathlib.Path:
         if path.name != "loss.png":
             raise KeyboardInterrupt
-        return real_save(data, path)
+        return real_stage(path, data)
 
-    monkeypatch.setattr(report_module, "_save", interrupted_after_loss)
+    monkeypatch.setattr(report_module, "stage_bytes", interrupted_after_loss)
     with pytest.raises(KeyboardInterrupt):
         build_report(clean_run, out)
     linked = re.findall(r"\]\(([^)]+)\)", (out / "report.md").read_text())
@@ -573,6 +573,33 @@ def test_an_interrupted_report_leaves_the_earlier_one_whole(clean_run: pathlib.P
     assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ".paft-report"]
     monkeypatch.undo()
     assert {f.name: f.read_bytes() for f in build_report(clean_run, out).files}.keys() == before.keys()
+
+
+def test_a_report_the_disk_cannot_hold_is_refused_and_leaves_the_earlier_one_untouched(
+        clean_run: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A full disk raised OSError's traceback (exit 1) after the first plots had replaced
+    # the earlier report's: a report.md beside plots of another report.
+    out = tmp_path / "out"
+    build_report(clean_run, out)
+    before = {p.name: (p.read_bytes(), p.stat().st_ino) for p in out.iterdir()}
+    real_fsync = os.fsync
+    calls = []
+
+    def full_at_the_second_file(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_at_the_second_file)
+    with pytest.raises(ReportError, match=re.escape(f"cannot write {out / 'dispersion.png'}: No space left on "
+                                                    "device; nothing was written")):
+        build_report(clean_run, out)
+    assert {p.name: (p.read_bytes(), p.stat().st_ino) for p in out.iterdir()} == before
+    calls.clear()
+    with pytest.raises(ReportError, match="No space left on device; nothing was written"):
+        build_report(clean_run, tmp_path / "fresh" / "out")
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_the_global_loss_line_has_every_step_when_consistency_is_sparse(fault_run: pathlib.Path,
