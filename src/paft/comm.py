@@ -71,6 +71,16 @@ class BucketCapture:
     is order-independent and the odd factor keeps a one-lane change visible."""
     local_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     faults: list[FaultRecord] = field(default_factory=list)
+    """The attempt's faults as injected: local-grad ones on the autograd thread,
+    aggregation ones on the all-reduce callbacks' threads, so their interleaving
+    depends on timing; :meth:`ordered_faults` does not."""
+
+    def ordered_faults(self) -> list[FaultRecord]:
+        """The attempt's faults in an order no timing changes (local-grad before
+        aggregation, then by bucket, then by spec, the order of each bucket's own
+        injection): what this rank writes to ``faults.jsonl``, whose sort keeps a rank's
+        lines of a (step, attempt) in this order, so that identical runs write identical files."""
+        return sorted(self.faults, key=lambda r: (r.site != "local-grad", r.target, r.spec_index))
 
     def local_flat(self) -> torch.Tensor:
         """The full local gradient (``exact`` mode), buckets in index order."""

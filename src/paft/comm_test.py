@@ -1,6 +1,6 @@
 """Tests for paft.comm's boundary with torch: the one read of DDP's private state, and
 a hook chain that uses public API only (the chain itself is tested through
-paft.protect, in protect_test.py)."""
+paft.protect, in protect_test.py), and the order a rank records a step's faults in."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import inspect
 import pathlib
 import re
 
+import pytest
+import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from paft import comm
 from paft.comm import registered_comm_hooks
+from paft.faults import FaultInjector, FaultSchedule
 from paft.testing import run_workers
 
 
@@ -45,3 +48,32 @@ def test_private_api_is_read_in_one_documented_place() -> None:
     src = pathlib.Path(comm.__file__).parent
     users = sorted(p.name for p in src.rglob("*.py") if read.search(p.read_text()) and p.name != "comm_test.py")
     assert users == ["comm.py"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_rank_records_an_attempts_faults_in_one_order_whatever_the_threads_timing() -> None:
+    """Local-grad faults are injected on the autograd thread, aggregation ones on the
+    all-reduce callbacks': whether bucket 0's result comes back before bucket 1's
+    local gradient was the ranks' timing, and two identical runs wrote their
+    faults.jsonl lines in different orders (the file's sort keeps a rank's order)."""
+    specs = ["bitflip:site=local-grad,steps=0-19,ranks=0", "zero:site=aggregation,steps=0-19,ranks=0",
+             "scale:site=aggregation,steps=0-19,ranks=0"]
+    state = comm.CommHookState(FaultInjector(FaultSchedule(specs, seed=0, world_size=1), rank=0), cosine="off")
+    state.num_buckets = 3
+    interleavings = (
+        [(site, i) for i in range(3) for site in ("local-grad", "aggregation")],  # each result back at once
+        [(site, i) for site in ("local-grad", "aggregation") for i in reversed(range(3))],  # results late
+    )
+    orders_differed = False
+    for step in range(20):
+        seen = []
+        for calls in interleavings:
+            state.begin(step)
+            for site, index in calls:
+                state.inject(site, index, torch.ones(4))
+            seen.append(state.current)
+        ordered = [[(r.site, r.target, r.spec_index) for r in cap.ordered_faults()] for cap in seen]
+        assert ordered[0] == ordered[1] and len(ordered[0]) == 3
+        assert ordered[0] == sorted(ordered[0], key=lambda r: (r[0] != "local-grad", r[1], r[2]))
+        orders_differed |= [r.site for r in seen[0].faults] != [r.site for r in seen[1].faults]
+    assert orders_differed  # the case that needs the order

@@ -461,7 +461,7 @@ class Protector:
         self.hook.begin(t, 0, local=False, checksum=False)
         loss = float(self._run_closure(closure).detach())
         self._stepper.unscale()
-        self._record_faults(self.hook.current.faults)
+        self._record_faults(self.hook.current.ordered_faults())
         synced = self.resync.finish(t)
         # One flag all-reduced: the ranks agree on the scaler's skips, as the monitor's view makes them.
         overflow = self._stepper.scaler is not None and max_over_ranks(
@@ -585,7 +585,7 @@ class Protector:
         (``scale``: the loss scaler's, which the hook's captures carry; ``rest_faults``: the
         attempt's faults at rest, counted with the hook's)."""
         cap = self.hook.current
-        self._record_faults(cap.faults)
+        self._record_faults(cap.ordered_faults())
         agg_norm = self._aggregated_norm()
         # The step's host reads, after the backward pass (none inside the hook).
         local_loss = float(loss.detach())
