@@ -934,6 +934,11 @@ def test_the_summary_says_what_the_faults_made_of_the_values_they_hit(
     # A NaN that stayed NaN was not made by the fault; the largest is by magnitude.
     assert ("  values hit: 5 recorded, 1 made NaN/Inf; largest finite value after: -3 (was 0.5; step 4, rank 1)\n"
             in text)
+    # A record lists the first elements it hit only (count= or fraction=): the counts say of how many.
+    many = {**flip(5, [24, 30, 28], [0.1, 0.2, 0.3], [0.4, 0.5, 0.6]), "num_elements": 1000}
+    (run / "faults.jsonl").write_text(json.dumps(many) + "\n" + json.dumps({**faults[0], "num_elements": 1}) + "\n")
+    assert "  by bit (the 4 elements recorded of 1001 hit): 24 (1), 27 (1), 28 (1), 30 (1)\n" in (
+        summary_text(load_run(run)))
     (run / "faults.jsonl").write_text(json.dumps({"step": 2, "rank": 0, "site": "params", "kind": "zero"}) + "\n")
     text = summary_text(load_run(run))  # a record without values or bits: no such lines
     assert "by bit" not in text and "values hit" not in text

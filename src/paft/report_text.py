@@ -264,7 +264,12 @@ def _faults(run: RunData) -> list[str]:
         lines.append(f"  by rank: {_counts(run.faults, 'rank', 'rank ')}")
         bits = [b for f in run.faults for b in (f.get("bits") or []) if isinstance(b, int)]
         if bits:
-            lines.append(f"  by bit: {_counts([{'bit': b} for b in bits], 'bit')}")
+            # A record lists the bits of the first elements it hit only (RECORD_VALUES):
+            # with count= or fraction= the counts below are of those.
+            hit = sum(max(f["num_elements"], len(f["bits"])) if isinstance(f.get("num_elements"), int)
+                      else len(f["bits"]) for f in run.faults if f.get("bits"))
+            of = f" (the {len(bits)} elements recorded of {hit} hit)" if hit > len(bits) else ""
+            lines.append(f"  by bit{of}: {_counts([{'bit': b} for b in bits], 'bit')}")
         f0 = min(run.faults, key=lambda f: f.get("step", 0))
         lines.append(f"  first: step {f0.get('step')}, rank {f0.get('rank')}, {f0.get('site')}/{f0.get('kind')}")
         lines.extend(_values_hit(run.faults))
