@@ -166,6 +166,7 @@ class CommHookState:
         self.num_buckets = 1
         self.step_buckets = 1
         self.buckets_seen = 0  # this attempt's buckets: none means DDP synced no gradient
+        self.pass_buckets = 0  # the buckets of the backward pass under way (see bucket_index)
         self.priming = False
         self.current = BucketCapture()
 
@@ -185,7 +186,7 @@ class CommHookState:
         self.local_enabled, self.checksum_enabled, self.inject_enabled = local, checksum, inject
         self.direction_enabled = local and direction
         self.step_buckets = self.num_buckets
-        self.buckets_seen = 0
+        self.buckets_seen = self.pass_buckets = 0
         dim = self.sketcher.dim if self.direction_enabled and self.sketcher is not None else 0
         self.current = BucketCapture(sketch_dim=dim)
 
@@ -200,6 +201,21 @@ class CommHookState:
         self.current = BucketCapture()
 
     # -- the chain: paft_comm_hook's steps, one bucket at a time ----------------------
+
+    def bucket_index(self, bucket: dist.GradBucket) -> int:
+        """``bucket``'s place in its backward pass, and the pass's bucket count where it is
+        the last. DDP hands the hook its buckets in index order, but under
+        ``static_graph=True`` its first pass all-reduces them all at the pass's end, each
+        with ``bucket.index() == 0`` (and none ``is_last()``, where there are several: one
+        per dtype, or per ``bucket_cap_mb_list`` cap). Keyed by that index, each bucket
+        overwrote the one before in the capture, so the checksum was that of whichever
+        bucket's all-reduce finished last (replicas split with no fault), and a fault
+        event struck every bucket. So the buckets are counted here instead."""
+        index = self.pass_buckets
+        self.pass_buckets = 0 if bucket.is_last() else index + 1
+        if bucket.is_last():
+            self.num_buckets = index + 1  # for the next begin()
+        return index
 
     def inject(self, site: str, index: int, tensor: torch.Tensor) -> None:
         """Inject this step's faults at ``site`` into bucket ``index`` (``tensor``), in place."""
@@ -247,10 +263,8 @@ class CommHookState:
 
 def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The hook registered on DDP: see the module docstring for the chain."""
-    index = bucket.index()
+    index = state.bucket_index(bucket)
     state.buckets_seen += 1
-    if bucket.is_last():
-        state.num_buckets = index + 1  # for the next begin()
     buffer = bucket.buffer()
     state.inject("local-grad", index, buffer)
     if state.local_enabled:

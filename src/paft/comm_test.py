@@ -17,7 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft import comm
 from paft.comm import registered_comm_hooks
+from paft.config import MonitorConfig
 from paft.faults import FaultInjector, FaultSchedule
+from paft.protect import protect
 from paft.testing import run_workers
 
 
@@ -77,3 +79,47 @@ def test_a_rank_records_an_attempts_faults_in_one_order_whatever_the_threads_tim
         assert ordered[0] == sorted(ordered[0], key=lambda r: (r[0] != "local-grad", r[1], r[2]))
         orders_differed |= [r.site for r in seen[0].faults] != [r.site for r in seen[1].faults]
     assert orders_differed  # the case that needs the order
+
+
+class TwoDtypes(nn.Module):
+    """A float32 layer, then a float64 one: DDP buckets each dtype apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 1).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)).double())
+
+
+def _first_static_step() -> tuple[list[int], list[int], list[int], int]:
+    """One protected step of a fresh ``static_graph`` DDP model of two dtypes (a local-grad
+    fault at it): the exact copy's and the checksum's bucket indices, the copies'
+    sizes, and the faults injected."""
+    model = DistributedDataParallel(TwoDtypes(), static_graph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    protector = protect(model, optimizer, monitor=MonitorConfig(cosine="exact"),
+                        inject=["bitflip:site=local-grad,steps=0,bits=3"])
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(torch.ones(2, 4)).square().mean()
+        loss.backward()
+        return loss
+
+    protector.step(closure)
+    captured = protector.hook.current
+    return (sorted(captured.local_grads), sorted(captured.agg_terms),
+            sorted(t.numel() for t in captured.local_grads.values()), protector.counters["faults_injected"])
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_static_graphs_first_pass_gives_each_bucket_its_own_index() -> None:
+    """DDP's first backward pass under ``static_graph=True`` all-reduces every bucket at
+    its end, and hands each one ``index() == 0``. A model of two dtypes has two buckets
+    then: keyed by that index, the second overwrote the first's exact copy and checksum
+    (which bucket's callback finished last decided the checksum: replicas split with no
+    fault), and one fault event struck both buckets."""
+    assert _first_static_step() == ([0, 1], [0, 1], [5, 20], 1)
