@@ -315,16 +315,21 @@ def _check_specs(specs: Sequence[FaultSpec], params: Sequence[torch.nn.Parameter
     """Fault specs that name a rank beyond the group, or that the model's dtypes cannot
     take. Checked before the hook is registered: inside a step, a bit beyond the width
     would fail in one rank's hook callback and leave the others waiting. A gradient
-    bucket can hold any of the dtypes; faults at rest pick, among the tensors, those
-    they can corrupt, so there one dtype is enough."""
-    dtypes = sorted({p.dtype for p in params if p.is_floating_point()}, key=str)
+    bucket can hold the dtype of any parameter DDP reduces (those that require a
+    gradient: a frozen bfloat16 base model beside a float32 adapter leaves bucket
+    faults float32's bits); faults at rest pick, among the tensors, those they can
+    corrupt, so there one dtype is enough."""
+    def floating(tensors: Sequence[torch.nn.Parameter]) -> list[torch.dtype]:
+        return sorted({p.dtype for p in tensors if p.is_floating_point()}, key=str)
+
+    dtypes, trained = floating(params), floating([p for p in params if p.requires_grad])
     for spec in specs:
         try:  # here, not only in the fault schedule: its message has no protect() prefix
             spec.check_ranks(world_size)
         except FaultSpecError as err:
             raise FaultSpecError(f"protect(): inject {spec.to_text()!r}: {err.reason}", err.field) from None
         errors = []
-        for dtype in dtypes:
+        for dtype in trained if spec.site in BUCKET_SITES else dtypes:
             try:
                 spec.check_dtype(dtype)
             except ValueError as err:

@@ -1155,6 +1155,10 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "bits beyond one dtype, at rest": lambda m, o: protect(
             *mixed(), inject=["bitflip:site=params,steps=1,bits=40"]),
         "bits beyond one dtype, in a bucket": lambda m, o: protect(*mixed(), inject=["bitflip:steps=1,bits=40"]),
+        # A frozen layer's weights never reach a gradient bucket (a frozen bfloat16 base
+        # model beside a float32 adapter): only the trained dtypes bound a bucket fault.
+        "bits beyond a frozen layer's dtype, in a bucket": lambda m, o: protect(*wrapped(nn.Sequential(
+            nn.Linear(2, 2).requires_grad_(False), nn.Linear(2, 1).double())), inject=["bitflip:steps=1,bits=40"]),
         "random beyond float16": lambda m, o: protect(
             *wrapped(toy_model().half()), inject=["random:steps=1,value=1e6"]),
         "broadcast rank": lambda m, o: protect(m, o, protect=ProtectConfig(
@@ -1320,6 +1324,7 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "a layer frozen on one rank": "ValueError: protect(): ranks disagree on the model's parameter shapes;",
         "a layer float64 on one rank": "ValueError: protect(): ranks disagree on the model's parameter shapes;",
         "bits beyond one dtype, at rest": "",
+        "bits beyond a frozen layer's dtype, in a bucket": "",
         "local-grad bits beyond one dtype": "ValueError: protect(): inject 'bitflip:site=local-grad,steps=1,bits=40': "
                                             "field 'bits' must be < 32 for float32",
         "bits beyond one dtype, in a bucket": "ValueError: protect(): inject 'bitflip:steps=1,bits=40': field 'bits' "
