@@ -553,8 +553,11 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
     source), which loses its trigger."""
     mode = cfg.protect.mode
     # The worker metrics (and so the cosine and their alerts) need metric steps.
-    metrics = cfg.monitor.enabled and cfg.monitor.interval > 0
-    no_metrics = "with --no-monitor" if not cfg.monitor.enabled else "with --monitor-interval 0 (no worker metrics)"
+    # One rank has none to compare with: its loss CV is 0 and no cosine is computed.
+    metrics = cfg.monitor.enabled and cfg.monitor.interval > 0 and cfg.world_size > 1
+    no_metrics = ("with --no-monitor" if not cfg.monitor.enabled else
+                  "with --monitor-interval 0 (no worker metrics)" if cfg.monitor.interval == 0 else
+                  "with one rank (--world-size 1: no other rank to compare with)")
     needs: dict[str, tuple[bool, str]] = {
         "broadcast-src": (mode in ("sync", "dyn") and cfg.protect.sync_mode == "broadcast",
                           "without --sync-mode broadcast and --protect sync or dyn"),
