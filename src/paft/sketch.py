@@ -94,9 +94,7 @@ class CountSketch:
         n, p = signed.numel(), self.stride(index, flat.numel(), shapes)
         full = n - n % p
         if full:
-            # Reduce in the gradient's own dtype (a cast to float64 first costs 5x);
-            # each slot sums n/p values, far from float32's precision limits.
-            self._fold(out, signed[:full].view(-1, p).sum(0))
+            self._fold(out, _slot_sums(signed[:full].view(-1, p)))
         if n > full:
             self._fold(out, signed[full:])
         return squared_norm(signed)
@@ -110,3 +108,19 @@ class CountSketch:
         for start in range(0, slots.numel(), k):
             chunk = slots[start : start + k]
             out[: chunk.numel()] += chunk
+
+
+def _slot_sums(rows: torch.Tensor) -> torch.Tensor:
+    """The column sums of ``rows``, in their dtype (a cast to float64 first costs 5x;
+    each slot sums n/p values, far from float32's precision limits), redone in float64
+    where a slot overflowed on finite values: a few entries near float32's max (a flipped
+    exponent bit) made a finite gradient's sketch inf, and its rank's cosines NaN with no
+    rank named non-finite. As in :func:`paft.norms.squared_norm`, on a GPU both sums are
+    taken (a host read per bucket would drain the launch queue), on the CPU the float64
+    one only where needed."""
+    sums = rows.sum(0)
+    if sums.dtype == torch.float64:
+        return sums
+    if rows.device.type == "cpu":
+        return rows.sum(0, dtype=torch.float64) if bool(torch.isinf(sums).any()) else sums
+    return torch.where(torch.isinf(sums), rows.sum(0, dtype=torch.float64), sums)
