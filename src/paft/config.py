@@ -389,7 +389,7 @@ class TrainConfig:
         _check_types(self)
         # Local imports: the fault modules are leaves, and importing config stays cheap.
         from paft.faultspec import parse_specs
-        from paft.workloads import MUON_WORKLOADS, WORKLOADS, model_config, train_items
+        from paft.workloads import MUON_WORKLOADS, WORKLOADS, DataFileError, model_config, train_items
 
         _require_choice(self, "workload", WORKLOADS)
         _require(isinstance(self.model, dict), self, "model",
@@ -397,6 +397,8 @@ class TrainConfig:
         try:
             model = model_config(self.workload, self.model)
             items = train_items(self.workload, model)  # block_size decides the LM's items
+        except DataFileError:  # the installation's fault, not --model's: its message says so
+            raise
         except (ValueError, TypeError) as err:
             raise ValueError(f"{_named(self, 'model')}: {err}") from None
         _require(self.world_size >= 1, self, "world_size", f"must be >= 1, got {self.world_size}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import pathlib
 from collections.abc import Callable
 
 import pytest
@@ -25,6 +26,7 @@ from paft.config import (
     long_option,
 )
 from paft.options import OPTIONS, add_train_options
+from paft.workloads import DataFileError
 
 SECTIONS = {None: TrainConfig, "monitor": MonitorConfig, "protect": ProtectConfig, "guard": GuardConfig}
 
@@ -173,6 +175,18 @@ def test_checks_across_fields_refuse(options: dict[str, object], message: str) -
     with pytest.raises(ValueError) as err:
         TrainConfig(**options)  # type: ignore[arg-type]
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("workload, missing", [("gpt", "tinyshakespeare.txt"),
+                                               ("resnet", "mnist-t10k-images-idx3-ubyte.gz")])
+def test_a_missing_data_file_is_refused_with_the_config_and_not_blamed_on_an_option(
+        data_dir: pathlib.Path, workload: str, missing: str) -> None:
+    # Before the workers start (resnet's files were first read in them, exit 1), and as
+    # the installation's fault: gpt's error was "--model: ...", or a traceback.
+    with pytest.raises(DataFileError) as err:
+        TrainConfig(workload=workload)
+    assert str(err.value).startswith(f"paft's data file {data_dir / missing} cannot be read")
+    assert error_option(str(err.value)) is None
 
 
 def test_each_rank_takes_an_even_share_of_the_batch() -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import pathlib
 import signal
 from collections.abc import Iterator
 
 import pytest
 
 from paft.testing import one_rank_group
+from paft.workloads import data
 
 
 @pytest.fixture
@@ -35,3 +37,16 @@ def _one_rank_group() -> Iterator[None]:
     """A one-rank gloo default process group in this process (no workers), for one test."""
     with one_rank_group():
         yield
+
+
+@pytest.fixture
+def data_dir(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[pathlib.Path]:
+    """An empty folder that paft reads its packaged data files from (a damaged
+    installation, for one test): the tests write what it holds. The loaders' caches are
+    cleared before and after, so no other test sees these files."""
+    monkeypatch.setattr(data, "_data_file", lambda name: tmp_path / name)
+    for loader in (data.load_shakespeare, data.load_mnist):
+        loader.cache_clear()
+    yield tmp_path
+    for loader in (data.load_shakespeare, data.load_mnist):
+        loader.cache_clear()

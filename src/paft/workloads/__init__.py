@@ -34,9 +34,9 @@ from torch import nn
 
 from paft.values import fits
 from paft.workloads.data import (
-    MNIST_TRAIN_SIZE,
     ArrayDataset,
     CharVocab,
+    DataFileError,
     Dataset,
     ShardedSampler,
     TokenDataset,
@@ -61,6 +61,7 @@ __all__ = [
     "ArrayDataset",
     "TokenDataset",
     "CharVocab",
+    "DataFileError",
     "ShardedSampler",
     "GPT",
     "GPTConfig",
@@ -227,9 +228,11 @@ def model_config(name: str, model_args: dict[str, Any] | None = None) -> Any:
 
 def train_items(name: str, config: Any) -> int:
     """How many training items workload ``name`` has with model config ``config``
-    (the language models cut the text into ``block_size + 1`` windows); cheap."""
+    (the language models cut the text into ``block_size + 1`` windows); cheap after
+    the first call. It reads the data, so a missing or damaged data file is a
+    :class:`DataFileError` here, before any worker starts, for every workload."""
     if name == "resnet":
-        return MNIST_TRAIN_SIZE
+        return len(mnist_datasets()[0])
     return len(shakespeare_datasets(config.block_size)[0])
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "MNIST_IMAGES_FILE",
     "MNIST_LABELS_FILE",
     "MNIST_TRAIN_SIZE",
+    "DataFileError",
 ]
 
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
@@ -80,8 +81,18 @@ _IDX_IMAGES_MAGIC = 0x00000803
 _IDX_LABELS_MAGIC = 0x00000801
 
 
+class DataFileError(ValueError):
+    """A data file shipped inside the package is missing or damaged: a broken
+    installation, which no option fixes (the message says to reinstall paft)."""
+
+
 def _data_file(name: str) -> Traversable:
     return resources.files("paft") / "data" / name
+
+
+def _damaged(name: str, problem: str) -> DataFileError:
+    return DataFileError(f"paft's data file {_data_file(name)} {problem}; the installation is damaged: "
+                         "reinstall paft")
 
 
 def _read_bytes(src: PathLike) -> bytes:
@@ -189,7 +200,14 @@ class CharVocab:
 @functools.cache
 def load_shakespeare() -> tuple[torch.Tensor, CharVocab]:
     """The whole Tiny Shakespeare text as an int64 token tensor, and its vocabulary."""
-    text = _data_file(SHAKESPEARE_FILE).read_text(encoding="utf-8")
+    try:
+        text = _data_file(SHAKESPEARE_FILE).read_bytes().decode("utf-8")
+    except OSError as err:
+        raise _damaged(SHAKESPEARE_FILE, f"cannot be read ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise _damaged(SHAKESPEARE_FILE, f"is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text:
+        raise _damaged(SHAKESPEARE_FILE, "is empty")
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     vocab = CharVocab("".join(chr(c) for c in np.unique(codes).tolist()))
     return vocab.encode(text), vocab
@@ -268,7 +286,17 @@ def _load_mnist_from(images_src: PathLike, labels_src: PathLike) -> tuple[torch.
 @functools.cache
 def load_mnist() -> tuple[torch.Tensor, torch.Tensor]:
     """All 10k images ``(10000, 1, 28, 28)`` float32 (normalized) and int64 labels."""
-    return _load_mnist_from(_data_file(MNIST_IMAGES_FILE), _data_file(MNIST_LABELS_FILE))
+    try:
+        x, y = _load_mnist_from(_data_file(MNIST_IMAGES_FILE), _data_file(MNIST_LABELS_FILE))
+    except OSError as err:
+        name = os.path.basename(err.filename) if err.filename else MNIST_IMAGES_FILE
+        raise _damaged(name, f"cannot be read ({err.strerror or err})") from None
+    except ValueError as err:  # read_idx's message names the file
+        raise DataFileError(f"{err}; paft's data files are damaged: reinstall paft") from None
+    if len(x) <= MNIST_TRAIN_SIZE:  # the split needs a validation image
+        raise _damaged(MNIST_IMAGES_FILE, f"holds {len(x)} images; paft needs more than {MNIST_TRAIN_SIZE} "
+                       f"({MNIST_TRAIN_SIZE} to train on, the rest to validate on)")
+    return x, y
 
 
 def mnist_datasets() -> tuple[ArrayDataset, ArrayDataset]:

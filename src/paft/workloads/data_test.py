@@ -12,10 +12,14 @@ import pytest
 import torch
 
 from paft.workloads.data import (
+    MNIST_IMAGES_FILE,
+    MNIST_LABELS_FILE,
     MNIST_MEAN,
     MNIST_STD,
+    SHAKESPEARE_FILE,
     ArrayDataset,
     CharVocab,
+    DataFileError,
     Dataset,
     ShardedSampler,
     TokenDataset,
@@ -101,6 +105,18 @@ def test_shakespeare_block_size_bound_is_the_validation_split() -> None:
         shakespeare_datasets(block_size=val_chars)
 
 
+@pytest.mark.parametrize("content, problem", [
+    (None, r"cannot be read \(No such file or directory\)"),
+    (b"First Citizen:\n\xff\xfe", "is not UTF-8 text"),  # was blamed on --model
+    (b"", "is empty"),  # was "block_size 64 must be below 0"
+])
+def test_a_damaged_shakespeare_file_says_so(data_dir: Path, content: bytes | None, problem: str) -> None:
+    if content is not None:
+        (data_dir / SHAKESPEARE_FILE).write_bytes(content)
+    with pytest.raises(DataFileError, match=f"{SHAKESPEARE_FILE} {problem}.*reinstall paft"):
+        shakespeare_datasets()
+
+
 # ----------------------------------------------------------------------- MNIST
 
 
@@ -168,6 +184,22 @@ def test_load_mnist_refuses_files_that_disagree(
     (tmp_path / "l").write_bytes(_idx_bytes(0x801, (len(labels),), labels))
     with pytest.raises(ValueError, match=message):
         _load_mnist_from(tmp_path / "i", tmp_path / "l")
+
+
+def test_damaged_mnist_files_say_so(data_dir: Path) -> None:
+    real = resources.files("paft") / "data"
+    (data_dir / MNIST_IMAGES_FILE).write_bytes((real / MNIST_IMAGES_FILE).read_bytes())
+    with pytest.raises(DataFileError, match=f"{MNIST_LABELS_FILE} cannot be read.*reinstall paft"):
+        mnist_datasets()
+    (data_dir / MNIST_LABELS_FILE).write_bytes((real / MNIST_LABELS_FILE).read_bytes()[:100])
+    with pytest.raises(DataFileError, match=f"{MNIST_LABELS_FILE}: corrupt gzip stream.*reinstall paft"):
+        mnist_datasets()
+    # Consistent files too small to split: the validation split would be empty (its
+    # loss a division by zero), so they are refused.
+    (data_dir / MNIST_IMAGES_FILE).write_bytes(_idx_bytes(0x803, (8000, 28, 28), bytes(8000 * 28 * 28)))
+    (data_dir / MNIST_LABELS_FILE).write_bytes(_idx_bytes(0x801, (8000,), bytes(8000)))
+    with pytest.raises(DataFileError, match="holds 8000 images; paft needs more than 8000"):
+        mnist_datasets()
 
 
 def test_load_mnist_scales_then_normalizes_each_pixel(tmp_path: Path) -> None:
