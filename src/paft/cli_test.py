@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from paft.cli import main
-from paft.config import TrainConfig
+from paft.config import ProtectConfig, TrainConfig
 from paft.records import read_jsonl
 from paft.workloads import GPT, Llama, ResNet
 
@@ -781,6 +781,14 @@ def test_a_resume_names_the_saved_options_it_changes(tmp_path: pathlib.Path, mon
                                        "(was bitflip:steps=1)\n")  # not "--inject none", which no parser takes
     assert main(["train", "--run-dir", "r", "--lr", "0.001"]) == 0  # not a resume: nothing saved to change
     assert capsys.readouterr().err == ""
+    # PAFT-Sync's period takes effect; PAFT-Dyn's first one is refused (by check_run_dir),
+    # not said to change.
+    for mode, said in (("sync", "paft train: warning: --resume changes the run's saved options: --sync-period 7 "
+                                "(was 50)\n"), ("dyn", "")):
+        saved = TrainConfig(steps=6, quiet=True, run_dir="r", protect=ProtectConfig(mode=mode)).to_dict()
+        (tmp_path / "r" / "config.json").write_text(json.dumps(saved))
+        assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--sync-period", "7"]) == 0
+        assert capsys.readouterr().err == said
 
 
 @pytest.mark.parametrize("argv,expect", [

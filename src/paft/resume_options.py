@@ -30,8 +30,11 @@ def resume_changes(now: dict[str, Any], saved: dict[str, Any]) -> list[ResumeCha
     """With ``--resume``, the options whose values ``now`` (the checked config's) change
     from ``saved``, the run's saved ones (its ``config.json``: the last checkpoint's),
     which a resume takes (the rest it keeps). Not ``--steps``, the way to train on, nor
-    the options a resume cannot change (refused: ``FIXED_ON_RESUME`` in :mod:`paft.rundir`)."""
+    the options a resume cannot change (refused: ``FIXED_ON_RESUME`` in :mod:`paft.rundir`;
+    ``--sync-period`` only under ``--protect dyn``, where it is the first period)."""
     kept = {"steps", "run-dir", *(flag.removeprefix("--") for _, flag in FIXED_ON_RESUME)}
+    if now.get("protect") != "dyn":
+        kept.discard("sync-period")
     return [ResumeChange(flag, now[flag], saved[flag])
             for flag in now if flag in saved and flag not in kept and now[flag] != saved[flag]]
 

@@ -76,6 +76,8 @@ FIXED_ON_RESUME = (
     ("workload", "--workload"), ("model", "--model"), ("world_size", "--world-size"),
     ("batch_size", "--batch-size"), ("optimizer", "--optimizer"), ("seed", "--seed"),
     ("protect.mode", "--protect"), ("protect.sync_mode", "--sync-mode"), ("guard.enabled", "--guard"),
+    # Under --protect dyn, the first period: the checkpoint's scheduler goes on from its own.
+    ("protect.sync_period", "--sync-period"),
     # The checkpoint's RNG state replaces the seeding: a changed flag would not take effect.
     ("desync_seed", "--desync-seed"),
     # The epoch under way would be redrawn from another permutation: items repeated or skipped.
@@ -310,11 +312,14 @@ def _intact_checkpoint(root: pathlib.Path, world_size: int) -> tuple[str, dict[s
 def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str, why: str = "") -> None:
     """Refuse a resume that changes an option of :data:`FIXED_ON_RESUME` (config dicts);
     ``why`` tells where a change that passed the command line's check came from."""
-    # Compare what takes effect: model fields at their defaults, no sync mode without a sync.
+    # Compare what takes effect: model fields at their defaults, no sync mode without a
+    # sync, a sync period only as PAFT-Dyn's first (PAFT-Sync's and the averager's may change).
     for d in (saved, asked):
         d["model"] = dataclasses.asdict(model_config(d["workload"], d["model"]))
         if d["protect"]["mode"] not in ("sync", "dyn"):
             d["protect"]["sync_mode"] = None
+        if d["protect"]["mode"] != "dyn":
+            d["protect"]["sync_period"] = None
     for key, flag in FIXED_ON_RESUME:
         was, now = saved, asked
         for part in key.split("."):

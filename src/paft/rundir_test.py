@@ -55,13 +55,15 @@ def _resume(cfg: TrainConfig, **changes: Any) -> TrainConfig:
     return dataclasses.replace(cfg, resume=True, **changes)
 
 
-@pytest.mark.parametrize("changes", [
-    {"steps": 20},
-    {"model": {"n_layer": N_LAYER}},  # the default, spelled out
-    {"protect": ProtectConfig(sync_mode="mean")},  # no sync, so no sync mode, takes effect
-], ids=["steps", "model-default", "sync-mode-unused"])
-def test_a_resume_that_changes_nothing_fixed_is_accepted(tmp_path: pathlib.Path, changes: dict[str, Any]) -> None:
-    cfg = _config(tmp_path / "r")
+@pytest.mark.parametrize("before,changes", [
+    ({}, {"steps": 20}),
+    ({}, {"model": {"n_layer": N_LAYER}}),  # the default, spelled out
+    ({}, {"protect": ProtectConfig(sync_mode="mean")}),  # no sync, so no sync mode, takes effect
+    ({"protect": ProtectConfig(mode="sync")}, {"protect": ProtectConfig(mode="sync", sync_period=7)}),
+], ids=["steps", "model-default", "sync-mode-unused", "sync-period-of-sync"])
+def test_a_resume_that_changes_nothing_fixed_is_accepted(tmp_path: pathlib.Path, before: dict[str, Any],
+                                                         changes: dict[str, Any]) -> None:
+    cfg = _config(tmp_path / "r", **before)
     _fake_run(cfg)
     check_run_dir(_resume(cfg, **changes))
 
@@ -84,6 +86,10 @@ def test_a_run_with_tensorboard_resumes_without_it_where_it_is_not_installed(tmp
     ({}, {"model": {"n_embd": 64}}, "--model ({'n_embd': 128} in"),  # only the fields that differ
     ({"protect": ProtectConfig(mode="dyn")}, {"protect": ProtectConfig(mode="dyn", sync_mode="mean")},
      "--sync-mode ('robust' in"),
+    # PAFT-Dyn's first period: the resumed scheduler went on from its saved one, and the
+    # report drew config.json's new one from step 0.
+    ({"protect": ProtectConfig(mode="dyn")}, {"protect": ProtectConfig(mode="dyn", sync_period=7)},
+     "--sync-period (50 in"),
 ])
 def test_a_resume_that_changes_a_fixed_option_is_refused(tmp_path: pathlib.Path, before: dict[str, Any],
                                                          changes: dict[str, Any], said: str, held: str) -> None:
