@@ -151,7 +151,9 @@ class SyncReport:
     """The mode actually used: ``noop``, ``majority-copy``, ``finite-copy``,
     ``median``, ``median-with-reference``, ``mean`` or ``broadcast``."""
     groups: list[list[int]]
-    """Ranks grouped by equal state fingerprint, largest group first."""
+    """Ranks grouped by equal fingerprint of parameters + optimizer state, largest group
+    first; where only the buffers differed (``note`` begins ``buffers only``), by the
+    buffers' fingerprint, as ``mode`` and ``source_ranks`` are the buffers' then."""
     source_ranks: list[int]
     """Ranks whose values make up the result: the copied rank, the finite ranks
     (``mean``, ``median``), both (``median-with-reference``), all (``noop``)."""
