@@ -258,7 +258,7 @@ class GuardConfig:
     spike rule stays); 0 disables the detector and the snapshots (``--update-ratio``)."""
     outlier_threshold: float = 20.0
     """Rank outlier: a rank's local loss or local grad norm above the ranks' median by
-    more than this many MADs (floored at 25% of |median|) AND above the pooled
+    more than this times max(1.4826 * MAD, 25% of |median|) AND above the pooled
     history of accepted local values by the same rule; with 2 ranks only the history
     test applies. Ranks see different data, so local losses legitimately differ by
     tens of percent: at 20 a rank needs about 6x its peers (``--outlier-threshold``)."""
