@@ -154,9 +154,10 @@ class Monitor:
         self.alerting = dict(state.get("alerting", {}))
 
     def replicas_agree(self) -> None:
-        """The replicas were made identical (a sync, a repair): a split a later
-        fingerprint finds is a new one, and gets its own alert."""
-        self.alerting["state_split"] = False
+        """The replicas were made identical (a sync, a repair): a split found later,
+        by the fingerprints or by the next step's aggregated gradients, is a new one,
+        and gets its own alert."""
+        self.alerting["state_split"] = self.alerting["replicas_split"] = False
 
     def _alerts(self, step: int, m: dict[str, Any], stale_fingerprints: bool) -> None:
         """Edge-triggered: a condition whose metric this step lacks (not computed at this

@@ -67,6 +67,20 @@ def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repai
                                    "tensors": [list(t) for t in moved[:5]]}
 
 
+def test_a_gradient_split_right_after_a_repair_is_alerted_again(tmp_path: Path) -> None:
+    """An aggregation fault at step 4 that PAFT-Dyn repairs in its step, and another on
+    the same rank at step 5: the same groups, but a new split (README: a split a sync or
+    repair ended that comes back is alerted again). It went unalerted."""
+    monitor = Monitor(MonitorConfig(), RunRecorder(tmp_path, rank=0, quiet=True), None)
+    split = view([None] * 3, aggs=[7, 8, 7])
+    monitor.record(4, split, metric_step=True)
+    monitor.replicas_agree()
+    monitor.record(5, split, metric_step=True)
+    monitor.record(6, split, metric_step=True)  # not repaired: the same split lasts
+    assert [(e["step"], e["detector"], e["ranks"]) for e in events(tmp_path)] == [
+        (4, "replicas_split", [1]), (5, "replicas_split", [1])]
+
+
 def test_between_metric_steps_only_news_of_the_replicas_is_recorded(tmp_path: Path) -> None:
     monitor = Monitor(MonitorConfig(interval=10), RunRecorder(tmp_path, rank=0, quiet=True), None)
     assert monitor.record(1, view([None, None]), metric_step=False) == {}
