@@ -91,6 +91,11 @@ _CONDITIONS = (
 )
 
 
+# A gradient split a repair ended: truthy (its next step is recorded), and unlike any
+# split's groups (a split found then is alerted); JSON, as the checkpoint holds it.
+_ENDED = ["ended by a repair"]
+
+
 class Monitor:
     """The step records and alerts of one protector (one per rank, all in step).
 
@@ -156,8 +161,11 @@ class Monitor:
     def replicas_agree(self) -> None:
         """The replicas were made identical (a sync, a repair): a split found later,
         by the fingerprints or by the next step's aggregated gradients, is a new one,
-        and gets its own alert."""
-        self.alerting["state_split"] = self.alerting["replicas_split"] = False
+        and gets its own alert. A gradient split's next step is still recorded (the
+        split's end, see :meth:`record`): it is marked ended, not off."""
+        self.alerting["state_split"] = False
+        if self.alerting.get("replicas_split"):
+            self.alerting["replicas_split"] = list(_ENDED)
 
     def _alerts(self, step: int, m: dict[str, Any], stale_fingerprints: bool) -> None:
         """Edge-triggered: a condition whose metric this step lacks (not computed at this
