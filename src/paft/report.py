@@ -466,7 +466,9 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
         ax.set_ylim(bottom=0)
     if not steps and not pos and not alerts and not bad:
         ax.text(0.5, 0.5, "every sync found identical replicas", transform=ax.transAxes, ha="center", color="0.4")
-    _finish(ax, run, "relative L2 distance of the replicas to their mean (max over ranks)", "divergence")
+    # A sync measures against the replica it takes (about 1.5x the distance to the mean on 3 ranks).
+    _finish(ax, run, "relative L2 distance of the replicas (max over ranks)\n"
+            "to their mean; at a sync, to the replica the sync takes", "divergence")
 
 
 def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> None:
