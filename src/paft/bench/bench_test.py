@@ -1186,6 +1186,8 @@ def test_scaling_measured_rows_state_the_paired_costs_and_median_syncs(tmp_path:
     assert m["syncs"] == {"noop": {"count": 3, "bytes_sent_rank0": 24, "seconds": 0.002},
                           "majority-copy": {"count": 4, "bytes_sent_rank0": 250.0, "seconds": 0.01}}
     md = (out / "results.md").read_text()
+    # Both costs are ratios to plain DDP, the CPU one too (its header once read "CPU per step", as if ms).
+    assert "| monitored / plain DDP step time | monitored / plain DDP CPU per step | plain DDP step (ms) |" in md
     assert "| 4 | 64 | 584 / 1752 | 1.25 | 1.5 | 4 |" in md
     assert "| 4 | majority-copy | 4 | 250 | 10 |\n| 4 | noop | 3 | 24 | 2 |" in md  # the modes in order
     # The jobs calculated with the runs' k = 64: 8 * (9 + 64) = 584 B per rank's row.

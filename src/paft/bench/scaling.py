@@ -135,7 +135,7 @@ def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int 
     sync_table = markdown_table(["ranks", "sync mode", "syncs", "bytes sent (rank 0, median)", "ms (median)"], rows)
     control_table = markdown_table(
         ["ranks", "sketch k", "control row per rank / received per step (B, calculated)",
-         "monitored / plain DDP step time", "CPU per step", "plain DDP step (ms)"],
+         "monitored / plain DDP step time", "monitored / plain DDP CPU per step", "plain DDP step (ms)"],
         [[ws, m["sketch_dim"], f"{m['control_row_B']} / {m['control_received_B']}", m["monitor_step_time_ratio"],
           m["monitor_cpu_ratio"], m["plain_step_ms"]] for ws, m in measured.items()])
     # The large jobs are calculated with the k the runs used (every run's monitor is _base's).
