@@ -105,7 +105,8 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 
 
 def _paired(a: list[float], b: list[float]) -> dict[str, float]:
-    """Mean of b - a over the steps both have, its standard error and z."""
+    """Mean of b - a, entry by entry (the two runs' series of the same steps: every
+    setting records every step), over the pairs both finite; its standard error and z."""
     diffs = [y - x for x, y in zip(a, b) if math.isfinite(x) and math.isfinite(y)]
     mean, se = _mean_se(diffs)
     if se == 0:  # the same difference in every block: beyond any noise unless it is none
