@@ -221,7 +221,11 @@ def _plan_for(device: torch.device, nbytes: tuple[int, ...]) -> _Plan:
     big: list[tuple[int, int]] = []
     pieces: list[tuple[int, int, int]] = []  # (tensor index, first byte, rows)
     for i, n in enumerate(nbytes):
-        full = n // _ROW_BYTES if n // _ROW_BYTES >= _BIG_ROWS else 0
+        full = n // _ROW_BYTES
+        # An odd count in place: a row's 128 lanes hold an even count of any bit, so with
+        # an even count of rows the same bit flipped in every lane (a float32 tensor
+        # negated) kept every 32-bit row and column sum; an odd column count sees it.
+        full = full - 1 + full % 2 if full >= _BIG_ROWS else 0
         if full:
             big.append((i, full))
         if n > full * _ROW_BYTES:

@@ -64,7 +64,8 @@ def _wrap32(x: int) -> int:
 
 def _ref_digest(t: torch.Tensor) -> int:
     raw = bytes(t.detach().resolve_conj().contiguous().reshape(-1).view(torch.uint8).tolist())
-    rows_in_place = len(raw) // F._ROW_BYTES if len(raw) // F._ROW_BYTES >= F._BIG_ROWS else 0
+    full = len(raw) // F._ROW_BYTES
+    rows_in_place = full - 1 + full % 2 if full >= F._BIG_ROWS else 0  # odd: see _plan_for
     raw += b"\0" * (-len(raw) % F._ROW_BYTES)
     lanes = [int.from_bytes(raw[q : q + 4], "little", signed=True) for q in range(0, len(raw), 4)]
     x = [lanes[r * F._B : (r + 1) * F._B] for r in range(len(lanes) // F._B)]
@@ -246,6 +247,23 @@ def test_digest_sees_what_a_word_sum_misses() -> None:
     # Row and column sums that wrap in 32 bits (in place and packed), as documented.
     for wrap in (torch.full((8 * 128,), 2**31 - 1, dtype=torch.int32), torch.tensor([2**31 - 1, 1], dtype=torch.int32)):
         assert digest(wrap) & F._M64 == _ref_digest(wrap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [F._BIG_ROWS, F._BIG_ROWS + 1, 64])
+def test_the_same_bit_flipped_in_every_element_changes(dtype: torch.dtype, rows: int) -> None:
+    """Every sign bit flipped (``bitflip:bits=sign,fraction=1``, ``scale:factor=-1,fraction=1``:
+    the tensor negated), or another high bit in every element: a row of 128 lanes holds
+    an even count of each, so its 32-bit row sum wrapped back to what it was, and so did
+    every column sum of a tensor of an even number of rows -- the digest and fingerprint
+    of ``-x`` were those of ``x`` for most weight matrices."""
+    x = _random(rows * F._ROW_BYTES // dtype.itemsize, dtype, rows)
+    width = 8 * dtype.itemsize
+    for bit in (width - 1, width - 2, width - 7):
+        y = x.clone()
+        y.view(_INT_VIEW[dtype.itemsize]).bitwise_xor_(-(1 << bit) if bit == width - 1 else 1 << bit)
+        assert digest(y) != digest(x) and fingerprint([y]) != fingerprint([x]), bit
+    assert digest(-x) != digest(x) and fingerprint([-x]) != fingerprint([x])
 
 
 def test_a_one_element_view_with_any_stride_is_read_as_its_value() -> None:
