@@ -70,10 +70,10 @@ def _ref_digest(t: torch.Tensor) -> int:
     lanes = [int.from_bytes(raw[q : q + 4], "little", signed=True) for q in range(0, len(raw), 4)]
     x = [lanes[r * F._B : (r + 1) * F._B] for r in range(len(lanes) // F._B)]
     wr = F._row_weights(len(x) + 1).tolist()
-    wc = F._COL_W.tolist()
+    wc, wp = F._COL_W[: F._B].tolist(), F._COL_W[F._B :].tolist()
     d = sum((1 + 2 * wr[r]) * _wrap32(sum(row)) for r, row in enumerate(x))
     d += 2 * sum(wc[c] * _wrap32(sum(row[c] for row in x[:rows_in_place])) for c in range(F._B))
-    d += 2 * sum(wc[c] * v for row in x[rows_in_place:] for c, v in enumerate(row))
+    d += 2 * sum(wp[c] * v for row in x[rows_in_place:] for c, v in enumerate(row))
     return d & F._M64
 
 
@@ -256,14 +256,16 @@ def test_the_same_bit_flipped_in_every_element_changes(dtype: torch.dtype, rows:
     the tensor negated), or another high bit in every element: a row of 128 lanes holds
     an even count of each, so its 32-bit row sum wrapped back to what it was, and so did
     every column sum of a tensor of an even number of rows -- the digest and fingerprint
-    of ``-x`` were those of ``x`` for most weight matrices."""
-    x = _random(rows * F._ROW_BYTES // dtype.itemsize, dtype, rows)
+    of ``-x`` were those of ``x`` for most weight matrices. Values of one sign, or all
+    alike (Adam's ``exp_avg_sq``, zeros), also move every column sum alike."""
+    n = rows * F._ROW_BYTES // dtype.itemsize
     width = 8 * dtype.itemsize
-    for bit in (width - 1, width - 2, width - 7):
-        y = x.clone()
-        y.view(_INT_VIEW[dtype.itemsize]).bitwise_xor_(-(1 << bit) if bit == width - 1 else 1 << bit)
-        assert digest(y) != digest(x) and fingerprint([y]) != fingerprint([x]), bit
-    assert digest(-x) != digest(x) and fingerprint([-x]) != fingerprint([x])
+    for x in (_random(n, dtype, rows), _random(n, dtype, rows).abs() + 1, torch.zeros(n, dtype=dtype)):
+        for bit in (width - 1, width - 2, width - 7):
+            y = x.clone()
+            y.view(_INT_VIEW[dtype.itemsize]).bitwise_xor_(-(1 << bit) if bit == width - 1 else 1 << bit)
+            assert digest(y) != digest(x) and fingerprint([y]) != fingerprint([x]), bit
+        assert digest(-x) != digest(x) and fingerprint([-x]) != fingerprint([x])
 
 
 def test_a_one_element_view_with_any_stride_is_read_as_its_value() -> None:
