@@ -20,7 +20,7 @@ Who agrees with whom, from the gathered values, is :mod:`paft.replicas`.
 How the fingerprint is built
 ----------------------------
 Each tensor is read as its raw little-endian bytes (logical row-major order,
-non-contiguous tensors are copied first),
+non-contiguous tensors are copied first, bool bytes as they are, not as 0 / 1),
 those bytes as signed 32-bit *lanes*, and the lanes as a ``[rows, 128]`` matrix
 ``x`` (512-byte rows, the last row zero-padded). A tensor of at least 8 full rows
 keeps an odd number of them in place (all, or all but the last); its ragged end,
@@ -296,6 +296,8 @@ def _as_bytes(i: int, t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    if t.dtype == torch.bool:  # its bytes, as they are: a copy of a bool writes every non-zero byte as 1
+        t = t.view(torch.uint8)
     try:
         flat = t.reshape(-1)  # a view where the layout allows, else a contiguous copy
         # Not one run of bytes yet: a strided 1-D tensor (x[::2], an expand) reshapes to

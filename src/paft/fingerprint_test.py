@@ -268,6 +268,21 @@ def test_the_same_bit_flipped_in_every_element_changes(dtype: torch.dtype, rows:
         assert digest(-x) != digest(x) and fingerprint([-x]) != fingerprint([x])
 
 
+def test_every_bit_of_a_non_contiguous_bool_tensor_is_read() -> None:
+    """A bool's byte is read as it is in memory: a copy of a non-contiguous bool tensor
+    (transposed, strided, channels_last) wrote every non-zero byte as 1, so a flip of
+    bits 1-7 of a True element went unseen there, and was seen in a contiguous one."""
+    base = torch.arange(4 * 3 * 50) % 3 == 0
+    for view in (lambda b: b.view(40, 15).t(), lambda b: b[::2],
+                 lambda b: b.view(2, 3, 10, 10).contiguous(memory_format=torch.channels_last)):
+        t = view(base.clone())
+        before, idx = fingerprint([t]), t.nonzero()[0].tolist()  # a True element
+        for bit in range(8):
+            t.view(torch.uint8)[tuple(idx)] ^= 1 << bit
+            assert fingerprint([t]) != before and digest(t) != digest(view(base.clone())), bit
+            t.view(torch.uint8)[tuple(idx)] ^= 1 << bit
+
+
 def test_a_one_element_view_with_any_stride_is_read_as_its_value() -> None:
     """torch calls a one-element tensor contiguous whatever its stride, and view() then
     refused its bytes: fingerprint and digest raised TypeError on ``x[::5]`` of a
