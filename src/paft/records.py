@@ -46,6 +46,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "stage_bytes",
+    "write_together",
     "read_jsonl",
     "read_utf8",
     "is_run_config",
@@ -215,6 +216,26 @@ def stage_bytes(path: str | os.PathLike[str], data: bytes) -> pathlib.Path:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
     return pathlib.Path(tmp)
+
+
+def write_together(contents: dict[pathlib.Path, bytes]) -> None:
+    """Write each file of ``contents`` whole, and all of them or none: each is staged
+    (:func:`stage_bytes`) before the first replaces its old one, so a full disk or an
+    interrupt while writing leaves the old files as they were, and no temp file; then
+    renamed into place in ``contents``' order. An ``OSError`` names, as its
+    ``filename``, the file it could not write."""
+    staged: list[tuple[pathlib.Path, pathlib.Path]] = []
+    try:
+        for path, data in contents.items():
+            try:
+                staged.append((path, stage_bytes(path, data)))
+            except OSError as err:
+                raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+        for path, tmp in staged:
+            os.replace(tmp, path)
+    finally:  # what is not in place (a failure, an interrupt between two renames) leaves no temp
+        for _, tmp in staged:
+            tmp.unlink(missing_ok=True)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:

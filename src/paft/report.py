@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import is_file, output_dir_problem, stage_bytes
+from paft.records import is_file, output_dir_problem, write_together
 from paft.report_text import ranks_phrase, run_settings, summary_text
 from paft.run_reading import guard_incidents, replica_splits, seen_from, series, split_syncs, sync_events
 from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
@@ -597,29 +596,19 @@ def _first_missing(path: Path) -> Path | None:
 
 def _write_all(out: Path, contents: dict[Path, bytes], created: Path | None, label: str) -> None:
     """Write ``contents`` (path -> bytes, in that order) into ``out``, the marker first,
-    whole or not at all: every file is staged before the first is replaced, so a full
-    disk (or an interrupt) while writing leaves an earlier report as it was, and removes
-    the folder ``created`` for this one."""
-    staged: list[tuple[Path, Path]] = []
-    writing = out / REPORT_MARKER
+    whole or not at all (:func:`paft.records.write_together`): a full disk (or an
+    interrupt) while writing leaves an earlier report as it was, and removes the folder
+    ``created`` for this one."""
     try:
-        writing.write_text("paft report\n")  # an interrupted report's folder is still known as ours
-        for writing, data in contents.items():
-            staged.append((writing, stage_bytes(writing, data)))
+        (out / REPORT_MARKER).write_text("paft report\n")  # an interrupted report's folder is still known as ours
+        write_together(contents)
     except BaseException as err:
-        for _, tmp in staged:
-            tmp.unlink(missing_ok=True)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         if isinstance(err, OSError):  # a full disk, a quota: not paft's to show a traceback for
-            raise ReportError(f"{label}: cannot write {writing}: {err.strerror or err}; nothing was written") from None
+            raise ReportError(f"{label}: cannot write {err.filename}: {err.strerror or err}; "
+                              "nothing was written") from None
         raise
-    try:
-        for path, tmp in staged:
-            os.replace(tmp, path)
-    finally:  # interrupted between two renames: the files not yet in place leave no temp behind
-        for _, tmp in staged:
-            tmp.unlink(missing_ok=True)
 
 
 def _titled_report(path: Path) -> bool:

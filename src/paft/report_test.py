@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import paft.records as records
 import paft.report as report_module
 import paft.report_text as report_text
 from paft.config import MonitorConfig, ProtectConfig, TrainConfig
@@ -557,14 +558,14 @@ def test_an_interrupted_report_leaves_the_earlier_one_whole(clean_run: pathlib.P
     out = tmp_path / "out"
     first = build_report(clean_run, out)
     before = {f.name: f.read_bytes() for f in first.files}
-    real_stage = report_module.stage_bytes
+    real_stage = records.stage_bytes
 
     def interrupted_after_loss(path: pathlib.Path, data: bytes) -> pathlib.Path:
         if path.name != "loss.png":
             raise KeyboardInterrupt
         return real_stage(path, data)
 
-    monkeypatch.setattr(report_module, "stage_bytes", interrupted_after_loss)
+    monkeypatch.setattr(records, "stage_bytes", interrupted_after_loss)
     with pytest.raises(KeyboardInterrupt):
         build_report(clean_run, out)
     linked = re.findall(r"\]\(([^)]+)\)", (out / "report.md").read_text())
