@@ -47,6 +47,7 @@ __all__ = [
     "atomic_write_json",
     "stage_bytes",
     "write_together",
+    "json_bytes",
     "read_jsonl",
     "read_utf8",
     "is_run_config",
@@ -238,8 +239,13 @@ def write_together(contents: dict[pathlib.Path, bytes]) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """``obj`` as the indented, key-sorted JSON file paft writes."""
+    return (json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n").encode()
+
+
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(path, json_bytes(obj))
 
 
 def is_file(path: pathlib.Path) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -34,8 +35,10 @@ from paft.workloads import WORKLOADS
 __all__ = ["add_bench_parser", "run_bench"]
 
 
-_EXIT_CODES = (f"exit codes: 0 done, {EXIT_WORKER_FAILED} a run failed (its traceback above), {EXIT_USAGE} bad input "
-               f"(nothing written), {interrupted_codes()}")
+_EXIT_CODES = (f"exit codes: 0 done, {EXIT_WORKER_FAILED} a run failed (its traceback above) or the disk is full, "
+               f"{EXIT_USAGE} bad input (nothing written), {interrupted_codes()}")
+# A results file the disk cannot hold: said in a line, not a traceback.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
@@ -368,6 +371,12 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
         return interrupted(err, _kept(out, args.overwrite), "paft bench")
+    except OSError as err:
+        if err.errno not in _DISK_FULL:  # anything else is a bug to see in full
+            raise
+        print(f"paft bench: cannot write {err.filename or out}: {err.strerror}{_kept(out, args.overwrite)}",
+              file=sys.stderr)
+        return EXIT_WORKER_FAILED
     plots = ", plots" if args.benchmark in ("matrix", "desync", "detection") else ""
     console(f"\nresults in {out}/ (results.md, results.json{plots})")
     return 0

@@ -8,8 +8,10 @@ The matrix, overhead, desync and detection tests launch real gloo workers throug
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
+import os
 import pathlib
 import struct
 import weakref
@@ -987,6 +989,30 @@ def test_overwrite_replaces_an_interrupted_benchmark(tmp_path: pathlib.Path, mon
     monkeypatch.setattr(desync, "run", lambda out, **_: None)
     assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == [".lock", ".paft-bench"]  # the lock a benchmark holds
+
+
+def test_results_the_disk_cannot_hold_are_said_in_a_line_and_overwrite_puts_the_old_back(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A full disk at results.md raised OSError's traceback, after results.json had been
+    # written: a JSON without its table, and with --overwrite the old results deleted.
+    out = tmp_path / "out"
+    monkeypatch.setattr(desync, "run", lambda out, **_: runner.write_outputs(out, "t", {"a": 1}, "table"))
+    assert main(["bench", "desync", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    real_fsync, calls = os.fsync, []
+
+    def full_at_the_second_file(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_at_the_second_file)
+    monkeypatch.setattr(desync, "run", lambda out, **_: runner.write_outputs(out, "t", {"a": 2}, "other"))
+    assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 1
+    assert f"paft bench: cannot write {out / 'results.md'}: No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_an_existing_empty_out_is_used(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from paft.config import TrainConfig
-from paft.records import atomic_write_bytes, atomic_write_json, console
+from paft.records import console, json_bytes, write_together
 
 if TYPE_CHECKING:
     from paft.train import Trainer
@@ -187,8 +187,10 @@ def make_config(base: dict[str, Any], run_dir: pathlib.Path, **overrides: Any) -
 
 
 def write_outputs(out: pathlib.Path, title: str, results: dict[str, Any], markdown: str) -> None:
-    atomic_write_json(out / "results.json", results)
-    atomic_write_bytes(out / "results.md", f"# {title}\n\n{markdown}\n".encode())
+    """``results.json`` and ``results.md``, both or neither (a full disk leaves no JSON
+    without its table)."""
+    write_together({out / "results.json": json_bytes(results),
+                    out / "results.md": f"# {title}\n\n{markdown}\n".encode()})
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
