@@ -113,7 +113,7 @@ class CountSketch:
 def _slot_sums(rows: torch.Tensor) -> torch.Tensor:
     """The column sums of ``rows``, in their dtype (a cast to float64 first costs 5x;
     each slot sums n/p values, far from float32's precision limits), redone in float64
-    where a slot overflowed on finite values: a few entries near float32's max (a flipped
+    where a slot is not finite on finite values: a few entries near float32's max (a flipped
     exponent bit) made a finite gradient's sketch inf, and its rank's cosines NaN with no
     rank named non-finite. As in :func:`paft.norms.squared_norm`, on a GPU both sums are
     taken (a host read per bucket would drain the launch queue), on the CPU the float64
@@ -121,6 +121,7 @@ def _slot_sums(rows: torch.Tensor) -> torch.Tensor:
     sums = rows.sum(0)
     if sums.dtype == torch.float64:
         return sums
+    # Not finite rather than inf: partial sums of both signs that overflow meet as NaN.
     if rows.device.type == "cpu":
-        return rows.sum(0, dtype=torch.float64) if bool(torch.isinf(sums).any()) else sums
-    return torch.where(torch.isinf(sums), rows.sum(0, dtype=torch.float64), sums)
+        return rows.sum(0, dtype=torch.float64) if not bool(torch.isfinite(sums).all()) else sums
+    return torch.where(torch.isfinite(sums), sums, rows.sum(0, dtype=torch.float64))

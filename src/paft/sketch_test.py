@@ -214,13 +214,18 @@ def test_sketch_returns_the_exact_squared_norm(dtype: torch.dtype) -> None:
 def test_a_finite_gradient_whose_slot_sum_overflows_float32_sketches_finite() -> None:
     """Forty entries near float32's max (a flipped exponent bit) in one slot: their sum
     overflowed float32, the sketch read inf, and the rank's cosines NaN while its gradient
-    and norm were finite. The slot is summed again in float64 there."""
+    and norm were finite. The slot is summed again in float64 there. With both signs
+    apart in the slot (the first 20 rows huge and positive, the last 20 negative), the
+    partial sums overflow either way and meet as NaN, not inf."""
     sketcher = CountSketch(8)
-    flat = torch.randn(1000, generator=torch.Generator().manual_seed(5)) * 1e-3
-    p = sketcher.stride(0, flat.numel())
-    signs = sketcher.signs(0, flat)
-    flat[torch.arange(40) * p] = 3e38 * signs[torch.arange(40) * p]  # one slot, all one sign once signed
-    out = torch.zeros(8, dtype=torch.float64)
-    sketcher.add_(out, 0, flat)
-    assert torch.isfinite(out).all()
-    assert torch.allclose(out, reference_sketch(flat.double(), sketcher, 0, p), rtol=1e-6)
+    p = sketcher.stride(0, 1000)
+    rows = 1000 // p
+    one_sign = torch.arange(40) * p
+    both_signs = torch.cat([torch.arange(20), torch.arange(rows - 20, rows)]) * p + 1
+    for at, values in ((one_sign, [3e38] * 40), (both_signs, [2e38] + [3e38] * 19 + [-3e38] * 20)):
+        flat = torch.randn(1000, generator=torch.Generator().manual_seed(5)) * 1e-3
+        flat[at] = torch.tensor(values) * sketcher.signs(0, flat)[at]  # these values once signed
+        out = torch.zeros(8, dtype=torch.float64)
+        sketcher.add_(out, 0, flat)
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out, reference_sketch(flat.double(), sketcher, 0, p), rtol=1e-6)
