@@ -606,7 +606,8 @@ def _write_all(out: Path, contents: dict[Path, bytes], created: Path | None, lab
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         if isinstance(err, OSError):  # a full disk, a quota: not paft's to show a traceback for
-            raise ReportError(f"{label}: cannot write {err.filename}: {err.strerror or err}; "
+            # A write_text that fails as it flushes names no file: the marker's.
+            raise ReportError(f"{label}: cannot write {err.filename or out / REPORT_MARKER}: {err.strerror or err}; "
                               "nothing was written") from None
         raise
 
