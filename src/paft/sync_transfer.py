@@ -143,10 +143,15 @@ class _Distance:
         return rel_distance(self.local_sq, self.ref_sq)
 
 
-def _non_negative(*tensors: Tensor) -> bool:
-    """Whether every value of ``tensors`` is >= 0 (none NaN): state that holds no
-    negative value anywhere, as a second moment never does."""
-    return all(bool((t >= 0).all()) for t in tensors)
+def _non_negative(*tensors: Tensor) -> Tensor:
+    """Whether every value of ``tensors`` is >= 0 (none NaN), as a 0-dim bool tensor
+    on the first one's device (no host read on the critical path of a GPU's finish):
+    state that holds no negative value anywhere, as a second moment never does. Judged
+    by the values, so any optimizer state that holds none is kept from turning negative."""
+    ok = torch.ones((), dtype=torch.bool, device=tensors[0].device)
+    for t in tensors:
+        ok &= (t >= 0).all().to(ok.device)
+    return ok
 
 
 def _divergence_from_flags(plan: SyncPlan, layout: Layout) -> float | None:
@@ -485,13 +490,13 @@ class Transfer:
                         keep = target == old
                         if res.is_floating_point():
                             keep |= ~torch.isfinite(res) & torch.isfinite(target)
-                            if s.name.startswith("optim/") and _non_negative(new, old, target):
+                            if s.name.startswith("optim/"):
                                 # A second moment (Adam's exp_avg_sq, Adagrad's sum) decays
                                 # in proportion to itself: a replica that held a huge value
                                 # took a step down that, added to a small synced value, made
                                 # it negative, and the next step's square root NaN. Where the
                                 # sum alone turns it negative, the synced value stands.
-                                keep |= res < 0
+                                keep |= (res < 0) & _non_negative(new, old, target).to(res.device)
                         value = torch.where(keep, new.to(target.device), res)
                     if shared and storage_of(target) in shared:
                         later.append((target, value))
