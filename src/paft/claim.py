@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from paft.config import TrainConfig
 from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_WORKER_FAILED
-from paft.records import LOCK_FILE, atomic_write_bytes, holds_files, sort_faults
+from paft.records import LOCK_FILE, atomic_write_bytes, folders_to_make, holds_files, remove_made, sort_faults
 from paft.rundir import (
     RunDirError,
     has_checkpoint,
@@ -106,7 +106,7 @@ def _take_run_dir(cfg: TrainConfig, run_dir: pathlib.Path, locks: contextlib.Exi
     where the old run went (``None``: nothing set aside)."""
     existed = run_dir.is_dir()
     # The folders this run creates, innermost first: an early stop removes them again.
-    made = [] if existed else [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+    made = [] if existed else folders_to_make(run_dir)
     if existed:
         locks.enter_context(hold_dir_lock(run_dir))
     # An empty folder (but for the lock just taken) holds nothing to set aside: --overwrite
@@ -165,10 +165,7 @@ def _remove_new_run(run_dir: pathlib.Path, made: list[pathlib.Path]) -> None:
         for child in run_dir.iterdir():
             shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
         return
-    shutil.rmtree(made[0], ignore_errors=True)
-    for parent in made[1:]:
-        with contextlib.suppress(OSError):  # a file was put there meanwhile: it stays
-            parent.rmdir()
+    remove_made(made)
 
 
 def _create(run_dir: pathlib.Path) -> None:

@@ -29,10 +29,11 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 _UMASK = os.umask(0)
@@ -47,6 +48,8 @@ __all__ = [
     "atomic_write_json",
     "stage_bytes",
     "write_together",
+    "folders_to_make",
+    "remove_made",
     "json_bytes",
     "read_jsonl",
     "read_utf8",
@@ -190,13 +193,9 @@ def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwr
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``."""
-    tmp = stage_bytes(path, data)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``
+    (:func:`write_together` of one file)."""
+    write_together({pathlib.Path(path): data})
 
 
 def stage_bytes(path: str | os.PathLike[str], data: bytes) -> pathlib.Path:
@@ -237,6 +236,23 @@ def write_together(contents: dict[pathlib.Path, bytes]) -> None:
     finally:  # what is not in place (a failure, an interrupt between two renames) leaves no temp
         for _, tmp in staged:
             tmp.unlink(missing_ok=True)
+
+
+def folders_to_make(path: pathlib.Path) -> list[pathlib.Path]:
+    """The folders that creating ``path`` makes, innermost first (none where it exists),
+    for :func:`remove_made` to take away again."""
+    return [d for d in (path, *path.parents) if not d.exists()]
+
+
+def remove_made(made: Sequence[pathlib.Path]) -> None:
+    """Remove the folders ``made`` (:func:`folders_to_make`'s, innermost first): the
+    innermost with all it holds, its parents only while empty (a file put there meanwhile
+    stays)."""
+    if made:
+        shutil.rmtree(made[0], ignore_errors=True)
+    for parent in made[1:]:
+        with contextlib.suppress(OSError):
+            parent.rmdir()
 
 
 def json_bytes(obj: Any) -> bytes:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import math
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from paft.records import is_file, output_dir_problem, write_together
+from paft.records import folders_to_make, is_file, output_dir_problem, remove_made, write_together
 from paft.report_text import ranks_phrase, run_settings, summary_text
 from paft.run_reading import guard_incidents, replica_splits, seen_from, series, split_syncs, sync_events
 from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
@@ -565,7 +564,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError) as err:
         raise ReportError(f"{run.path}: a record holds a value of an unexpected kind "
                           f"({type(err).__name__}: {err}); nothing was written") from None
-    created = _first_missing(out)
+    made = folders_to_make(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -576,35 +575,23 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     # The plots before report.md, so that every plot the report.md on disk links to exists at every moment.
     contents = {**dict(zip(files, plots.values())),
                 md: f"{_TITLE}{run.name}\n\n```text\n{text}```\n\n{images}\n".encode()}
-    _write_all(out, contents, created, label)
+    _write_all(out, contents, made, label)
     # Last: a plot this run no longer has must not survive from an earlier report.
     for name in set(_PLOTS) - {f.name for f in files}:
         (out / name).unlink(missing_ok=True)
     return Report(files=[*files, md], text=text)
 
 
-def _first_missing(path: Path) -> Path | None:
-    """The outermost of ``path`` and its parents that does not exist yet: the folder that
-    creating ``path`` makes, None where ``path`` exists."""
-    missing = None
-    for folder in (path, *path.parents):
-        if folder.exists():
-            break
-        missing = folder
-    return missing
-
-
-def _write_all(out: Path, contents: dict[Path, bytes], created: Path | None, label: str) -> None:
+def _write_all(out: Path, contents: dict[Path, bytes], made: list[Path], label: str) -> None:
     """Write ``contents`` (path -> bytes, in that order) into ``out``, the marker first,
     whole or not at all (:func:`paft.records.write_together`): a full disk (or an
-    interrupt) while writing leaves an earlier report as it was, and removes the folder
-    ``created`` for this one."""
+    interrupt) while writing leaves an earlier report as it was, and removes the folders
+    ``made`` for this one."""
     try:
         (out / REPORT_MARKER).write_text("paft report\n")  # an interrupted report's folder is still known as ours
         write_together(contents)
     except BaseException as err:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
+        remove_made(made)
         if isinstance(err, OSError):  # a full disk, a quota: not paft's to show a traceback for
             # A write_text that fails as it flushes names no file: the marker's.
             raise ReportError(f"{label}: cannot write {err.filename or out / REPORT_MARKER}: {err.strerror or err}; "
