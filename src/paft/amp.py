@@ -15,7 +15,9 @@ on a recompute and may drop or roll back a step, which that protocol does not al
   checks are forgotten and the scale is left as it was (``update(new_scale=...)`` is
   the scaler's public reset);
 * :meth:`~OptimizerStep.step`: ``scaler.step`` then ``scaler.update``; :meth:`~OptimizerStep.skip`
-  when the ranks agreed that some rank overflowed, so every rank's scale backs off alike;
+  when the ranks agreed that some rank overflowed, so every rank's scale backs off alike
+  (:meth:`~OptimizerStep.apply` does one or the other; :meth:`~OptimizerStep.overflow`
+  tells the scaler's overflow from a fault, alike on every rank);
 * :meth:`~OptimizerStep.state` / :meth:`~OptimizerStep.restore` around a step the
   guard rolls back, so a recomputed step starts from the scale the first one had.
 
@@ -38,6 +40,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOSS_NONFINITE, ControlView
+from paft.state import fingerprints_over_ranks
 
 __all__ = ["OptimizerStep"]
 
@@ -81,6 +87,34 @@ class OptimizerStep:
         state.update(scale=float(backed_off), _growth_tracker=0)
         self.scaler.load_state_dict(state)
         self.discard()
+
+    def apply(self, skip: bool) -> bool:
+        """The optimizer's step (the loss scaler's, where there is one); ``skip`` (only with
+        a scaler, known alike on every rank: some rank's aggregated gradient is non-finite)
+        skips it on every rank and backs the scale off, so the ranks' scales never part
+        (each scaler alone decides from its own rank's gradients, which a fault makes
+        differ). Whether the update was applied."""
+        if skip:
+            self.skip()
+        else:
+            self.step()
+        return not skip
+
+    def overflow(self, view: ControlView, model: DistributedDataParallel) -> bool:
+        """Whether the step is a loss scaler's overflow, not a fault: every rank holds the
+        same non-finite aggregated gradient, from finite losses and agreeing state (a NaN
+        in one rank's weights spreads through the all-reduce alike, but its loss is NaN
+        and its fingerprint differs: the state is fingerprinted here when this step did
+        not). A fault that makes one rank's local gradient non-finite looks the same, and
+        is skipped as the scaler would skip it. A collective over ``model``'s group where
+        the state is fingerprinted here."""
+        if not (self.scaler is not None and len(view.ranks_with(FLAG_AGG_NONFINITE)) == view.world_size
+                and len(set(view.agg_checksum_keys())) == 1 and not view.ranks_with(FLAG_LOSS_NONFINITE)):
+            return False
+        states = view.state_fingerprints()
+        if states is None:  # not a state-check step: look now (every rank alike; overflows are rare)
+            states = fingerprints_over_ranks(model, self.optimizer, buffers=False, group=model.process_group)
+        return len(set(states)) == 1
 
     def discard(self) -> None:
         """Forget this attempt's unscale and inf checks; the scale stays as it was."""

@@ -62,7 +62,7 @@ from paft.preflight import ProtectSettings, check_added_groups, ddp_of, mark_pro
 from paft.records import RunRecorder
 from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot, buffer_slots
-from paft.state import fingerprints_over_ranks, state_fingerprint, state_tensors
+from paft.state import state_fingerprint, state_tensors
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 
@@ -379,11 +379,12 @@ class Protector:
         synced = self.resync.finish(plan.step)
         self._clip()
         if self._stepper.scaler is None:
-            self._apply_update(skip=False)
+            self._stepper.apply(skip=False)
             return _StepOutcome(pending.wait(), synced=synced)
         view = pending.wait()
-        applied = self._apply_update(skip=bool(view.ranks_with(FLAG_AGG_NONFINITE)))
-        return _StepOutcome(view, applied=applied, overflow=not applied and self._overflow(view), synced=synced)
+        applied = self._stepper.apply(skip=bool(view.ranks_with(FLAG_AGG_NONFINITE)))
+        return _StepOutcome(view, applied=applied, overflow=not applied and self._stepper.overflow(view, self.model),
+                            synced=synced)
 
     def _guarded_update(self, plan: _StepPlan) -> _StepOutcome:
         """The guard's state machine: attempts until one is applied or the batch is
@@ -399,11 +400,11 @@ class Protector:
             # anyway: do it while the collective is in flight, not after.
             self._clip()
             view = pending.wait()
-            if self._overflow(view):  # the loss scaler's, not a fault: the step is skipped
+            if self._stepper.overflow(view, self.model):  # the loss scaler's, not a fault: the step is skipped
                 if attempt:  # the recompute of a detection: its record ends here, undecided
                     self._record_verdict(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
                 synced = self.resync.finish(t) or synced
-                self._apply_update(skip=True)
+                self._stepper.apply(skip=True)
                 return _StepOutcome(view, attempt + 1, applied=False, overflow=True, synced=synced)
             verdict = self._record_verdict(t, attempt, guard.check(t, attempt, view))
             if verdict.action != "proceed":
@@ -442,7 +443,7 @@ class Protector:
         armed = guard.wants_snapshot(t, view)  # never without an update-ratio limit
         before = self._snapshot.capture(self.model, self.optimizer) if armed else None
         scaler_state = self._stepper.state() if armed else None
-        self._apply_update(skip=False)  # every rank's aggregated gradient is finite here
+        self._stepper.apply(skip=False)  # every rank's aggregated gradient is finite here
         if before is None:
             return _StepOutcome(view, attempt + 1, synced=synced)
         ratio = max_over_ranks(before.update_ratio(), self.group)
@@ -467,7 +468,7 @@ class Protector:
         overflow = self._stepper.scaler is not None and max_over_ranks(
             0.0 if math.isfinite(self._aggregated_norm()) else 1.0, self.group) > 0
         self._clip()
-        applied = self._apply_update(skip=overflow)
+        applied = self._stepper.apply(skip=overflow)
         if not applied:  # as a monitored skip: no non-finite gradient is left behind
             self.optimizer.zero_grad(set_to_none=True)
         synced = self.resync.maybe_sync(t, None) or synced
@@ -645,33 +646,6 @@ class Protector:
         self.step_idx = step + 1
         self.resync.set_next_step(self.step_idx)
         return PersistentFaultError(step, verdict.ranks)
-
-    def _apply_update(self, skip: bool) -> bool:
-        """The optimizer's step (the loss scaler's, where there is one); ``skip`` (only with
-        a scaler, known alike on every rank: some rank's aggregated gradient is non-finite)
-        skips it on every rank and backs the scale off, so the ranks' scales never part
-        (each scaler alone decides from its own rank's gradients, which a fault makes
-        differ). Whether the update was applied."""
-        if skip:
-            self._stepper.skip()
-        else:
-            self._stepper.step()
-        return not skip
-
-    def _overflow(self, view: ControlView) -> bool:
-        """Whether the step is a loss scaler's overflow, not a fault: every rank holds the
-        same non-finite aggregated gradient, from finite losses and agreeing state (a NaN
-        in one rank's weights spreads through the all-reduce alike, but its loss is NaN
-        and its fingerprint differs: the state is fingerprinted here when this step did
-        not). A fault that makes one rank's local gradient non-finite looks the same, and
-        is skipped as the scaler would skip it."""
-        if not (self._stepper.scaler is not None and len(view.ranks_with(FLAG_AGG_NONFINITE)) == self.world_size
-                and len(set(view.agg_checksum_keys())) == 1 and not view.ranks_with(FLAG_LOSS_NONFINITE)):
-            return False
-        states = view.state_fingerprints()
-        if states is None:  # not a state-check step: look now (every rank alike; overflows are rare)
-            states = fingerprints_over_ranks(self.model, self.optimizer, buffers=False, group=self.group)
-        return len(set(states)) == 1
 
     def _aggregated_norm(self) -> float:
         """The aggregated gradient's norm as the guard, the metrics and the scaler's agreed
