@@ -38,31 +38,21 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from paft.attempt import AttemptRunner, StepOutcome, StepPlan
 from paft.collectives import max_over_ranks
 from paft.comm import CommHook, CommHookState, paft_comm_hook
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
-from paft.consistency import (
-    FLAG_AGG_NONFINITE,
-    FLAG_LOCAL_NONFINITE,
-    FLAG_LOSS_NONFINITE,
-    ControlVector,
-    ControlView,
-    PendingControl,
-    gather_exact_grads,
-    start_control,
-)
+from paft.consistency import FLAG_AGG_NONFINITE, ControlView, PendingControl, gather_exact_grads
 from paft.divergence import measure_divergence
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec
 from paft.guard import COUNTERS, Guard, GuardVerdict
 from paft.hook_state import hook_snapshot
 from paft.monitor import Monitor
-from paft.norms import judged_norm, total_norm
 from paft.preflight import ProtectSettings, check_added_groups, ddp_of, mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot, buffer_slots
-from paft.state import state_fingerprint, state_tensors
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 
@@ -203,36 +193,6 @@ def protect(
     )
 
 
-@dataclass(frozen=True)
-class _StepPlan:
-    """What one protected step does, fixed before its first attempt."""
-
-    step: int
-    closure: Callable[[], torch.Tensor]
-    rest_faults: int
-    """Faults at rest injected before the first attempt."""
-    check_state: bool
-    """Fingerprint the state (every ``fingerprint_every`` steps; every rerun does)."""
-    metric_step: bool
-    """Capture the worker metrics (every ``interval`` steps)."""
-
-
-@dataclass
-class _StepOutcome:
-    """How a step's attempts ended."""
-
-    view: ControlView
-    """The control collective of the last attempt."""
-    attempts: int = 1
-    applied: bool = True
-    ratio: float | None = None
-    """The update-to-weight ratio, where the guard measured it."""
-    overflow: bool = False
-    """The loss scaler's overflow skipped the step."""
-    synced: bool = False
-    """A sync landed, or the guard repaired the replicas, during the attempts."""
-
-
 class Protector:
     """Per-step protection of a DDP model. Build it with :func:`protect`: the constructor
     is internal (it takes protect()'s arguments as one
@@ -247,11 +207,10 @@ class Protector:
         specs, self._stepper = preflight(model, optimizer, settings)
         self.model = model
         self.optimizer = self._stepper.optimizer  # a list's OptimizerChain
-        # Walking the module tree costs ~0.4 ms per call on a small model; the set of
-        # parameters is fixed once DDP wraps the model, so collect it once. So are the
-        # places of the buffers, not the tensors: a forward may replace a buffer by
-        # assignment (DDP lists the buffers it broadcasts afresh at each forward).
-        self._params = list(model.parameters())
+        # Walking the module tree costs ~0.4 ms per call on a small model; the places of
+        # the buffers are fixed once DDP wraps the model, so collect them once (the places,
+        # not the tensors: a forward may replace a buffer by assignment, and DDP lists the
+        # buffers it broadcasts afresh at each forward).
         # Param groups the optimizer had when last checked: one added since (progressive
         # unfreezing) is checked at the next step (check_added_groups).
         self._groups_known = len(self.optimizer.param_groups)
@@ -280,14 +239,16 @@ class Protector:
         # behind: DDP keeps the hook for good. The finalizer holds the hook state, not
         # self, so it keeps no protector alive.
         weakref.finalize(self, self.hook.retire)
-        self._hooked = wants_comm_hook(settings.monitor, specs, settings.comm_hook)
-        if self._hooked:
+        hooked = wants_comm_hook(settings.monitor, specs, settings.comm_hook)
+        if hooked:
             try:
                 model.register_comm_hook(self.hook, paft_comm_hook)
             except RuntimeError as err:  # preflight's check missed it (torch changed DDP's internals)
                 raise RuntimeError(f"protect(): {err}") from None
         mark_protected(model, self)
         self.sketch_dim = settings.monitor.sketch_dim if settings.monitor.cosine == "sketch" else 0
+        self._attempts = AttemptRunner(model, self.optimizer, self.hook, self.injector, self.recorder, hooked=hooked,
+                                       sketch_dim=self.sketch_dim, grad_clip=self.grad_clip)
         self.guard = Guard(settings.guard, self.world_size) if settings.guard.enabled else None
         # A recompute restarts the user's hook from the state the step found it in (PowerSGD's
         # error feedback and warm start kept a faulty attempt's values): only the guard
@@ -295,7 +256,6 @@ class Protector:
         self._hook_state = (hook_snapshot(settings.comm_state)
                             if self.guard is not None and settings.comm_hook is not None else None)
         self.step_idx = 0
-        self._grad_norm: torch.Tensor | None = None
         self._snapshot = StateSnapshot()
         # Not self in the lambdas: a cycle would keep a dropped protector alive.
         group, opt = self.group, self.optimizer
@@ -303,7 +263,6 @@ class Protector:
             model, opt, per_tensor=True, group=group, buffers=False))
         self.resync = Resync(model, opt, settings.protect, guard=self.guard is not None, recorder=self.recorder,
                              replicas_agree=self.monitor.replicas_agree)
-        self._faults_injected = 0
         # A stop on a state mismatch left the replicas split: the next step checks the
         # state, whatever --fingerprint-every says, and so repairs them (the stop is
         # decided alike on every rank, so every rank sends the same control vector).
@@ -323,14 +282,14 @@ class Protector:
         if len(self.optimizer.param_groups) != self._groups_known:
             check_added_groups(self.model, self.optimizer)
             self._groups_known = len(self.optimizer.param_groups)
-        rest_faults = self._inject_at_rest(t)
+        rest_faults = self._attempts.inject_at_rest(t)
         if not self.monitor_cfg.enabled:
             return self._unmonitored_step(t, closure)
         # The worker metrics (every --monitor-interval steps) need the local gradients'
         # norms and directions; the guard, every step, their norms; the aggregated
         # gradient's checksum, which sees replicas split, runs every step.
         check_state = self._check_state_next or self._due(self.monitor_cfg.fingerprint_every, t)
-        plan = _StepPlan(t, closure, rest_faults, check_state=check_state,
+        plan = StepPlan(t, closure, rest_faults, check_state=check_state,
                          metric_step=self._due(self.monitor_cfg.interval, t))
         out = self._update(plan) if self.guard is None else self._guarded_update(plan)
         self._check_state_next = False  # once a step got this far: one that raised keeps it (a stop sets it anew)
@@ -356,37 +315,37 @@ class Protector:
             synced=synced,
         )
 
-    def _attempt(self, plan: _StepPlan, attempt: int) -> PendingControl:
+    def _attempt(self, plan: StepPlan, attempt: int) -> PendingControl:
         """One forward/backward of the step, its control collective launched."""
         self.resync.new_attempt()
         rest_faults = plan.rest_faults
         if attempt:  # a persistent fault at rest (stuck memory) strikes the rerun too
-            rest_faults = self._inject_at_rest(plan.step, attempt)
+            rest_faults = self._attempts.inject_at_rest(plan.step, attempt)
             self._stepper.discard()  # the loss scaler unscales the rerun's gradients afresh
         self.hook.begin(plan.step, attempt, local=plan.metric_step or self.guard is not None,
                         direction=plan.metric_step)
-        loss = self._run_closure(plan.closure)
+        loss = self._attempts.run_closure(plan.closure)
         # A rerun always fingerprints the state: corrupted replicas would reproduce
         # the bad step, and only the fingerprints tell them from bad data.
-        return self._control(loss, self._stepper.unscale(), plan.check_state or attempt > 0, plan.metric_step,
+        return self._attempts.control(loss, self._stepper.unscale(), plan.check_state or attempt > 0, plan.metric_step,
                              rest_faults)
 
-    def _update(self, plan: _StepPlan) -> _StepOutcome:
+    def _update(self, plan: StepPlan) -> StepOutcome:
         """Without the guard: nothing to decide before the update, so the control
         collective overlaps it (a loss scaler's step waits for it: the ranks agree on
         its skips)."""
         pending = self._attempt(plan, 0)
         synced = self.resync.finish(plan.step)
-        self._clip()
+        self._attempts.clip()
         if self._stepper.scaler is None:
             self._stepper.apply(skip=False)
-            return _StepOutcome(pending.wait(), synced=synced)
+            return StepOutcome(pending.wait(), synced=synced)
         view = pending.wait()
         applied = self._stepper.apply(skip=bool(view.ranks_with(FLAG_AGG_NONFINITE)))
-        return _StepOutcome(view, applied=applied, overflow=not applied and self._stepper.overflow(view, self.model),
+        return StepOutcome(view, applied=applied, overflow=not applied and self._stepper.overflow(view, self.model),
                             synced=synced)
 
-    def _guarded_update(self, plan: _StepPlan) -> _StepOutcome:
+    def _guarded_update(self, plan: StepPlan) -> StepOutcome:
         """The guard's state machine: attempts until one is applied or the batch is
         skipped (the guard's rerun caps bound them), or the run stops."""
         t = plan.step
@@ -398,14 +357,14 @@ class Protector:
             pending = self._attempt(plan, attempt)
             # Clipping touches only the gradients, which a recompute or a skip discards
             # anyway: do it while the collective is in flight, not after.
-            self._clip()
+            self._attempts.clip()
             view = pending.wait()
             if self._stepper.overflow(view, self.model):  # the loss scaler's, not a fault: the step is skipped
                 if attempt:  # the recompute of a detection: its record ends here, undecided
                     self._record_verdict(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
                 synced = self.resync.finish(t) or synced
                 self._stepper.apply(skip=True)
-                return _StepOutcome(view, attempt + 1, applied=False, overflow=True, synced=synced)
+                return StepOutcome(view, attempt + 1, applied=False, overflow=True, synced=synced)
             verdict = self._record_verdict(t, attempt, guard.check(t, attempt, view))
             if verdict.action != "proceed":
                 # The attempt leaves no trace (its RNG draws, its BatchNorm statistics, a
@@ -425,7 +384,7 @@ class Protector:
             synced = finished or synced
             if verdict.action == "skip":
                 self._stepper.discard()
-                return _StepOutcome(view, attempt + 1, applied=False, synced=synced)
+                return StepOutcome(view, attempt + 1, applied=False, synced=synced)
             if not finished:  # else a sync just landed: it keeps its own reference
                 self.resync.keep_agreed_state(view)
             outcome = self._checked_update(t, attempt, view, rerun_from, synced)
@@ -434,7 +393,7 @@ class Protector:
             attempt += 1
 
     def _checked_update(self, t: int, attempt: int, view: ControlView, rerun_from: ForwardSnapshot,
-                        synced: bool) -> _StepOutcome | None:
+                        synced: bool) -> StepOutcome | None:
         """Apply the attempt's update; where the update-to-weight check is armed, judge it
         and roll a rejected one back (state, loss scale, RNG and buffers as before the
         attempt). The step's outcome, or ``None``: recompute it."""
@@ -445,29 +404,29 @@ class Protector:
         scaler_state = self._stepper.state() if armed else None
         self._stepper.apply(skip=False)  # every rank's aggregated gradient is finite here
         if before is None:
-            return _StepOutcome(view, attempt + 1, synced=synced)
+            return StepOutcome(view, attempt + 1, synced=synced)
         ratio = max_over_ranks(before.update_ratio(), self.group)
         verdict = self._record_verdict(t, attempt, guard.check_update(t, ratio))
         if verdict.action == "proceed":
-            return _StepOutcome(view, attempt + 1, ratio=ratio, synced=synced)
+            return StepOutcome(view, attempt + 1, ratio=ratio, synced=synced)
         before.restore(self.optimizer)
         self._stepper.restore(scaler_state)
         rerun_from.restore()
         if verdict.action == "skip":
-            return _StepOutcome(view, attempt + 1, applied=False, synced=synced)
+            return StepOutcome(view, attempt + 1, applied=False, synced=synced)
         return None
 
     def _unmonitored_step(self, t: int, closure: Callable[[], torch.Tensor]) -> StepReport:
         """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
         self.hook.begin(t, 0, local=False, checksum=False)
-        loss = float(self._run_closure(closure).detach())
+        loss = float(self._attempts.run_closure(closure).detach())
         self._stepper.unscale()
-        self._record_faults(self.hook.current.ordered_faults())
+        self._attempts.record_faults(self.hook.current.ordered_faults())
         synced = self.resync.finish(t)
         # One flag all-reduced: the ranks agree on the scaler's skips, as the monitor's view makes them.
         overflow = self._stepper.scaler is not None and max_over_ranks(
-            0.0 if math.isfinite(self._aggregated_norm()) else 1.0, self.group) > 0
-        self._clip()
+            0.0 if math.isfinite(self._attempts.aggregated_norm()) else 1.0, self.group) > 0
+        self._attempts.clip()
         applied = self._stepper.apply(skip=overflow)
         if not applied:  # as a monitored skip: no non-finite gradient is left behind
             self.optimizer.zero_grad(set_to_none=True)
@@ -526,96 +485,14 @@ class Protector:
     def _saved_counters(self) -> dict[str, int]:
         """The counts a checkpoint keeps under ``counters`` (the guard keeps its own):
         faults injected here, the syncs' and the alerts'."""
-        return {"faults_injected": self._faults_injected, **self.resync.counters, "alerts": self.monitor.alerts}
+        return {"faults_injected": self._attempts.faults_injected, **self.resync.counters,
+                "alerts": self.monitor.alerts}
 
     # -- pieces of the step ---------------------------------------------------------
 
     @staticmethod
     def _due(every: int, step: int) -> bool:
         return every > 0 and step % every == 0
-
-    def _run_closure(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The closure's loss, checked: a wrong return value or a missing backward() would
-        otherwise fail deep inside the step, or train nothing without a word (a closure
-        without backward() after an earlier step would apply that step's gradients again)."""
-        # Without paft's hook: a backward pass creates each gradient or writes into it,
-        # which bumps its version (so does a zero_grad(set_to_none=False): only the
-        # hook, which sees every bucket DDP all-reduces, tells that apart).
-        before = [] if self._hooked else [(p.grad, p.grad._version if p.grad is not None else 0)
-                                          for p in self._params]
-        loss = closure()
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise TypeError(f"the closure must return the loss as a one-element tensor, got {got}")
-        fix = ("call optimizer.zero_grad() and loss.backward() inside the closure (with ddp.no_sync(), the last "
-               "micro-batch outside it)")
-        if self._hooked:
-            # DDP reduces no bucket until each of its parameters has a gradient: the
-            # unused parameters of a model are as likely as a missing backward().
-            if self.hook.buckets_seen == 0:
-                raise RuntimeError(
-                    "the closure ran no backward(), or its backward() left parameters without a gradient (unused "
-                    "parameters: pass find_unused_parameters=True to DistributedDataParallel): DDP all-reduced no "
-                    f"gradient; {fix}, and call the DDP model, ddp(x), not the module it wraps"
-                )
-        elif all(p.grad is g and (g is None or g._version == v) for p, (g, v) in zip(self._params, before)):
-            raise RuntimeError(f"the closure ran no backward(): no parameter's gradient was created or changed; {fix}")
-        return loss
-
-    def _inject_at_rest(self, step: int, attempt: int = 0) -> int:
-        """Faults at rest (``params`` / ``optimizer-state``) of this attempt; how many."""
-        count = 0
-        for site, prefix in (("params", "param/"), ("optimizer-state", "optim/")):
-            if not self.injector.has_site(site):
-                continue
-            named = {n: t for n, t in state_tensors(self.model, self.optimizer) if n.startswith(prefix)}
-            with torch.no_grad():
-                records = self.injector.inject_tensors(site, step, named, attempt=attempt)
-            self._record_faults(records)
-            count += len(records)
-        return count
-
-    def _record_faults(self, records: Sequence[Any]) -> None:
-        if records:
-            self._faults_injected += len(records)
-            self.recorder.faults(r.to_json() for r in records)
-
-    def _control(self, loss: torch.Tensor, scale: float, check_state: bool, metric_step: bool,
-                 rest_faults: int) -> PendingControl:
-        """Pack this rank's view of the step and launch the step's one control collective
-        (``scale``: the loss scaler's, which the hook's captures carry; ``rest_faults``: the
-        attempt's faults at rest, counted with the hook's)."""
-        cap = self.hook.current
-        self._record_faults(cap.ordered_faults())
-        agg_norm = self._aggregated_norm()
-        # The step's host reads, after the backward pass (none inside the hook).
-        local_loss = float(loss.detach())
-        local_sq, agg_checksum, sketch = cap.totals()
-        if scale != 1.0:  # captured from the scaled gradients (a power of two: exact)
-            local_sq /= scale * scale
-            sketch = sketch / scale if sketch is not None else None
-        flags = 0
-        if not math.isfinite(local_loss):
-            flags |= FLAG_LOSS_NONFINITE
-        if not math.isfinite(local_sq):  # a sum of squares: non-finite iff a bucket was
-            flags |= FLAG_LOCAL_NONFINITE
-        if not math.isfinite(agg_norm):
-            flags |= FLAG_AGG_NONFINITE
-        state_fp = None
-        if check_state:
-            state_fp = state_fingerprint(self.model, self.optimizer, buffers=False)
-        vec = ControlVector(
-            loss=local_loss,
-            local_sq=local_sq,
-            agg_norm=agg_norm,
-            agg_checksum=agg_checksum,
-            state_fingerprint=state_fp,
-            flags=flags,
-            faults=len(cap.faults) + rest_faults,
-            sketch=sketch,
-        )
-        # Every rank agrees on ``metric_step``, so on the length of the vectors.
-        return start_control(vec.pack(self.sketch_dim if metric_step else 0), self.group)
 
     def _record_verdict(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
         """Record and announce a guard verdict that says something; return it."""
@@ -646,25 +523,6 @@ class Protector:
         self.step_idx = step + 1
         self.resync.set_next_step(self.step_idx)
         return PersistentFaultError(step, verdict.ranks)
-
-    def _aggregated_norm(self) -> float:
-        """The aggregated gradient's norm as the guard, the metrics and the scaler's agreed
-        skips judge it; torch's, which clipping reuses (see _clip), is kept in ``_grad_norm``."""
-        grads = self._grads()
-        self._grad_norm = total_norm(grads)
-        return judged_norm(self._grad_norm, grads)
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params if p.grad is not None]
-
-    def _clip(self) -> None:
-        """Clip exactly as ``clip_grad_norm_`` does, with the norm the control step computed."""
-        if self.grad_clip > 0:
-            norm = self._grad_norm
-            if norm is None:  # unmonitored step: nothing computed it yet
-                norm = total_norm(self._grads())
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm)
-        self._grad_norm = None
 
     # -- checkpoints --------------------------------------------------------------
 
@@ -729,5 +587,5 @@ class Protector:
         self.step_idx = state["step"]
         self.resync.set_next_step(self.step_idx)
         self.monitor.load_state_dict(state)
-        self._faults_injected = state["counters"].get("faults_injected", self._faults_injected)
+        self._attempts.faults_injected = state["counters"].get("faults_injected", self._attempts.faults_injected)
         self._check_state_next = bool(state.get("check_state", False))  # older states lack it

@@ -485,9 +485,9 @@ def test_bad_data_on_one_rank_is_data_while_another_ranks_gradient_was_hit() -> 
 def control_sizes(rank: int, world_size: int) -> dict[str, list[tuple[int, bool]]]:
     """Per monitor setting and step, the float64 count of the control vector, and
     whether the hook kept a copy of the local gradient."""
-    protect_module = sys.modules["paft.protect"]  # the module: paft.protect is the function
+    attempt_module = sys.modules["paft.attempt"]  # where a step's control collective is launched
     sizes: list[int] = []
-    launch = protect_module.start_control
+    launch = attempt_module.start_control
 
     def counting(vec: torch.Tensor, group: Any = None) -> Any:
         sizes.append(vec.numel())
@@ -505,7 +505,7 @@ def control_sizes(rank: int, world_size: int) -> dict[str, list[tuple[int, bool]
         protector.close()
         return list(zip(sizes, copied))
 
-    protect_module.start_control = counting
+    attempt_module.start_control = counting
     return {"sketch": four_steps(MonitorConfig(interval=2, sketch_dim=16)),
             "exact": four_steps(MonitorConfig(interval=2, cosine="exact")),
             # the guard captures the local gradient's norm on every step, its copy still not
