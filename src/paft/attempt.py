@@ -36,6 +36,7 @@ from paft.consistency import (
     start_control,
 )
 from paft.faults import FaultInjector
+from paft.guard import GuardVerdict
 from paft.norms import judged_norm, total_norm
 from paft.records import RunRecorder
 from paft.state import state_fingerprint, state_tensors
@@ -71,6 +72,9 @@ class StepOutcome:
     """The loss scaler's overflow skipped the step."""
     synced: bool = False
     """A sync landed, or the guard repaired the replicas, during the attempts."""
+    stopped: GuardVerdict | None = None
+    """The guard's verdict that stops the run: nothing was applied, and the protector
+    ends the step and raises."""
 
 
 class AttemptRunner:

@@ -20,8 +20,12 @@ runs one protected step:
    forward/backward where the replicas agree (a split is repaired at once: the next
    gradient must come from repaired replicas).
 
-When and how the replicas are synchronized or repaired (steps 4 to 6) is
-:class:`paft.resync.Resync`'s; this module is the step around it.
+This module is the step around its parts: what each attempt does on this rank
+(steps 1 to 3) is :class:`paft.attempt.AttemptRunner`'s; the guard's attempts,
+verdicts and rollbacks (steps 4 and 6) are :class:`paft.guarded_update.GuardedUpdate`'s;
+when and how the replicas are synchronized or repaired (steps 4 to 6) is
+:class:`paft.resync.Resync`'s; the loss scaler's steps are
+:class:`paft.amp.OptimizerStep`'s.
 
 Usage: :func:`protect`, whose docstring has a complete example.
 """
@@ -42,17 +46,18 @@ from paft.attempt import AttemptRunner, StepOutcome, StepPlan
 from paft.collectives import max_over_ranks
 from paft.comm import CommHook, CommHookState, paft_comm_hook
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
-from paft.consistency import FLAG_AGG_NONFINITE, ControlView, PendingControl, gather_exact_grads
+from paft.consistency import FLAG_AGG_NONFINITE, PendingControl, gather_exact_grads
 from paft.divergence import measure_divergence
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec
 from paft.guard import COUNTERS, Guard, GuardVerdict
+from paft.guarded_update import GuardedUpdate
 from paft.hook_state import hook_snapshot
 from paft.monitor import Monitor
 from paft.preflight import ProtectSettings, check_added_groups, ddp_of, mark_protected, preflight, wants_comm_hook
 from paft.records import RunRecorder
 from paft.resync import Resync
-from paft.snapshot import ForwardSnapshot, StateSnapshot, buffer_slots
+from paft.snapshot import ForwardSnapshot, buffer_slots
 
 __all__ = ["protect", "Protector", "StepReport", "PersistentFaultError"]
 
@@ -207,13 +212,13 @@ class Protector:
         specs, self._stepper = preflight(model, optimizer, settings)
         self.model = model
         self.optimizer = self._stepper.optimizer  # a list's OptimizerChain
+        # Param groups the optimizer had when last checked: one added since (progressive
+        # unfreezing) is checked at the next step (check_added_groups).
+        self._groups_known = len(self.optimizer.param_groups)
         # Walking the module tree costs ~0.4 ms per call on a small model; the places of
         # the buffers are fixed once DDP wraps the model, so collect them once (the places,
         # not the tensors: a forward may replace a buffer by assignment, and DDP lists the
         # buffers it broadcasts afresh at each forward).
-        # Param groups the optimizer had when last checked: one added since (progressive
-        # unfreezing) is checked at the next step (check_added_groups).
-        self._groups_known = len(self.optimizer.param_groups)
         self._buffer_slots = buffer_slots(model.module)
         # The settings the steps read from here on; the rest of ``settings`` is used up
         # below, building the parts (hook, guard, monitor, resync) that keep their own.
@@ -250,19 +255,19 @@ class Protector:
         self._attempts = AttemptRunner(model, self.optimizer, self.hook, self.injector, self.recorder, hooked=hooked,
                                        sketch_dim=self.sketch_dim, grad_clip=self.grad_clip)
         self.guard = Guard(settings.guard, self.world_size) if settings.guard.enabled else None
-        # A recompute restarts the user's hook from the state the step found it in (PowerSGD's
-        # error feedback and warm start kept a faulty attempt's values): only the guard
-        # recomputes, and only a state paft knows how to take is copied, every step.
-        self._hook_state = (hook_snapshot(settings.comm_state)
-                            if self.guard is not None and settings.comm_hook is not None else None)
         self.step_idx = 0
-        self._snapshot = StateSnapshot()
         # Not self in the lambdas: a cycle would keep a dropped protector alive.
         group, opt = self.group, self.optimizer
         self.monitor = Monitor(settings.monitor, self.recorder, divergence=lambda: measure_divergence(
             model, opt, per_tensor=True, group=group, buffers=False))
         self.resync = Resync(model, opt, settings.protect, guard=self.guard is not None, recorder=self.recorder,
                              replicas_agree=self.monitor.replicas_agree)
+        # A recompute restarts the user's hook from the state the step found it in (PowerSGD's
+        # error feedback and warm start kept a faulty attempt's values): only the guard
+        # recomputes, and only a state paft knows how to take is copied, every step.
+        self._guarded = None if self.guard is None else GuardedUpdate(
+            self.guard, model, self._stepper, self._attempts, self.resync, self.recorder, self._buffer_slots,
+            hook_snapshot(settings.comm_state) if settings.comm_hook is not None else None)
         # A stop on a state mismatch left the replicas split: the next step checks the
         # state, whatever --fingerprint-every says, and so repairs them (the stop is
         # decided alike on every rank, so every rank sends the same control vector).
@@ -291,7 +296,9 @@ class Protector:
         check_state = self._check_state_next or self._due(self.monitor_cfg.fingerprint_every, t)
         plan = StepPlan(t, closure, rest_faults, check_state=check_state,
                          metric_step=self._due(self.monitor_cfg.interval, t))
-        out = self._update(plan) if self.guard is None else self._guarded_update(plan)
+        out = self._update(plan) if self._guarded is None else self._guarded.update(plan, self._attempt)
+        if out.stopped is not None:
+            raise self._stop(t, out.stopped)
         self._check_state_next = False  # once a step got this far: one that raised keeps it (a stop sets it anew)
         if self.guard is not None and out.applied:
             self.guard.accept(t, out.view, out.ratio)
@@ -344,77 +351,6 @@ class Protector:
         applied = self._stepper.apply(skip=bool(view.ranks_with(FLAG_AGG_NONFINITE)))
         return StepOutcome(view, applied=applied, overflow=not applied and self._stepper.overflow(view, self.model),
                             synced=synced)
-
-    def _guarded_update(self, plan: StepPlan) -> StepOutcome:
-        """The guard's state machine: attempts until one is applied or the batch is
-        skipped (the guard's rerun caps bound them), or the run stops."""
-        t = plan.step
-        rerun_from = ForwardSnapshot(self._buffer_slots, self._hook_state)
-        guard = self.guard
-        assert guard is not None
-        attempt, synced = 0, False
-        while True:
-            pending = self._attempt(plan, attempt)
-            # Clipping touches only the gradients, which a recompute or a skip discards
-            # anyway: do it while the collective is in flight, not after.
-            self._attempts.clip()
-            view = pending.wait()
-            if self._stepper.overflow(view, self.model):  # the loss scaler's, not a fault: the step is skipped
-                if attempt:  # the recompute of a detection: its record ends here, undecided
-                    self._record_verdict(t, attempt, GuardVerdict("skip", "loss_scale_overflow"))
-                synced = self.resync.finish(t) or synced
-                self._stepper.apply(skip=True)
-                return StepOutcome(view, attempt + 1, applied=False, overflow=True, synced=synced)
-            verdict = self._record_verdict(t, attempt, guard.check(t, attempt, view))
-            if verdict.action != "proceed":
-                # The attempt leaves no trace (its RNG draws, its BatchNorm statistics, a
-                # comm hook's state paft can take), on every rank before a repair: a skipped
-                # NaN batch poisoned the running stats, and PowerSGD's warm start its Q.
-                rerun_from.restore()
-            if verdict.action == "stop":
-                raise self._stop(t, verdict)
-            if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
-                self.resync.repair(t, rerun=verdict.action == "repair")  # at the rerun cap too: the batch is skipped
-                rerun_from.keep_buffers()
-                synced = True
-            if verdict.action in ("recompute", "repair"):
-                attempt += 1
-                continue
-            finished = self.resync.finish(t)  # before a skip too: the next start needs it
-            synced = finished or synced
-            if verdict.action == "skip":
-                self._stepper.discard()
-                return StepOutcome(view, attempt + 1, applied=False, synced=synced)
-            if not finished:  # else a sync just landed: it keeps its own reference
-                self.resync.keep_agreed_state(view)
-            outcome = self._checked_update(t, attempt, view, rerun_from, synced)
-            if outcome is not None:
-                return outcome
-            attempt += 1
-
-    def _checked_update(self, t: int, attempt: int, view: ControlView, rerun_from: ForwardSnapshot,
-                        synced: bool) -> StepOutcome | None:
-        """Apply the attempt's update; where the update-to-weight check is armed, judge it
-        and roll a rejected one back (state, loss scale, RNG and buffers as before the
-        attempt). The step's outcome, or ``None``: recompute it."""
-        guard = self.guard
-        assert guard is not None
-        armed = guard.wants_snapshot(t, view)  # never without an update-ratio limit
-        before = self._snapshot.capture(self.model, self.optimizer) if armed else None
-        scaler_state = self._stepper.state() if armed else None
-        self._stepper.apply(skip=False)  # every rank's aggregated gradient is finite here
-        if before is None:
-            return StepOutcome(view, attempt + 1, synced=synced)
-        ratio = max_over_ranks(before.update_ratio(), self.group)
-        verdict = self._record_verdict(t, attempt, guard.check_update(t, ratio))
-        if verdict.action == "proceed":
-            return StepOutcome(view, attempt + 1, ratio=ratio, synced=synced)
-        before.restore(self.optimizer)
-        self._stepper.restore(scaler_state)
-        rerun_from.restore()
-        if verdict.action == "skip":
-            return StepOutcome(view, attempt + 1, applied=False, synced=synced)
-        return None
 
     def _unmonitored_step(self, t: int, closure: Callable[[], torch.Tensor]) -> StepReport:
         """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
@@ -493,19 +429,6 @@ class Protector:
     @staticmethod
     def _due(every: int, step: int) -> bool:
         return every > 0 and step % every == 0
-
-    def _record_verdict(self, step: int, attempt: int, verdict: GuardVerdict) -> GuardVerdict:
-        """Record and announce a guard verdict that says something; return it."""
-        if verdict.detector is not None or verdict.action != "proceed":
-            # With the run's counts so far: a run that ends without summary.json is still counted right.
-            self.recorder.event({"step": step, "event": "guard", "attempt": attempt, **verdict.to_json(),
-                                 "totals": dict(self.guard.counters)})  # type: ignore[union-attr]
-            cause = f", cause {verdict.cause}" if verdict.cause else ""
-            what = f"{verdict.detector}{f' on rank(s) {verdict.ranks}' if verdict.ranks else ''}"
-            if attempt and verdict.action == "proceed":  # the record keeps the detection it answers
-                what = f"clean recompute (of {what})"
-            self.recorder.say(f"[guard] step {step} attempt {attempt}: {what} -> {verdict.action}{cause}")
-        return verdict
 
     def _stop(self, step: int, verdict: GuardVerdict) -> PersistentFaultError:
         """End a step the guard stops (``on_persistent="stop"``; the caller restored its
