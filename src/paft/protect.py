@@ -295,7 +295,7 @@ class Protector:
         # gradient's checksum, which sees replicas split, runs every step.
         check_state = self._check_state_next or self._due(self.monitor_cfg.fingerprint_every, t)
         plan = StepPlan(t, closure, rest_faults, check_state=check_state,
-                         metric_step=self._due(self.monitor_cfg.interval, t))
+                        metric_step=self._due(self.monitor_cfg.interval, t))
         out = self._update(plan) if self._guarded is None else self._guarded.update(plan, self._attempt)
         if out.stopped is not None:
             raise self._stop(t, out.stopped)
@@ -334,8 +334,8 @@ class Protector:
         loss = self._attempts.run_closure(plan.closure)
         # A rerun always fingerprints the state: corrupted replicas would reproduce
         # the bad step, and only the fingerprints tell them from bad data.
-        return self._attempts.control(loss, self._stepper.unscale(), plan.check_state or attempt > 0, plan.metric_step,
-                             rest_faults)
+        return self._attempts.control(loss, self._stepper.unscale(), plan.check_state or attempt > 0,
+                                      plan.metric_step, rest_faults)
 
     def _update(self, plan: StepPlan) -> StepOutcome:
         """Without the guard: nothing to decide before the update, so the control
@@ -350,7 +350,7 @@ class Protector:
         view = pending.wait()
         applied = self._stepper.apply(skip=bool(view.ranks_with(FLAG_AGG_NONFINITE)))
         return StepOutcome(view, applied=applied, overflow=not applied and self._stepper.overflow(view, self.model),
-                            synced=synced)
+                           synced=synced)
 
     def _unmonitored_step(self, t: int, closure: Callable[[], torch.Tensor]) -> StepReport:
         """Plain DDP (plus injection and the periodic sync/averager): no control collective."""
