@@ -149,7 +149,7 @@ class AttemptRunner:
             self.recorder.faults(r.to_json() for r in records)
 
     def control(self, loss: torch.Tensor, scale: float, check_state: bool, metric_step: bool,
-                 rest_faults: int) -> PendingControl:
+                rest_faults: int) -> PendingControl:
         """Pack this rank's view of the step and launch the step's one control collective
         (``scale``: the loss scaler's, which the hook's captures carry; ``rest_faults``: the
         attempt's faults at rest, counted with the hook's)."""
