@@ -638,14 +638,37 @@ def test_detection_assess_harm(tmp_path: pathlib.Path) -> None:
     assert [p["harm"] for p in harm["per_fault"]] == [None, "loss", "split", "nonfinite", "collapsed"]
     assert (harm["faults"], harm["assessed"], harm["harmful"], harm["collapsed"]) == (5, 4, 3, 1)
     assert harm["by_reason"] == {"nonfinite": 1, "loss": 1, "split": 1}
-    # The same test at fault-free steps 0, 2, 4, 5, 7..10 (12 is after the collapse): it fires at
-    # step 4 only, whose update the loss rise also follows; the drift after the split is no new harm.
-    assert harm["background"] == {"assessed": 8, "fired": 1}
+    # The same test at fault-free steps 0, 2, 4, 5, 8..10 (7 is right after the split, whose jump
+    # is no drift to judge it by; 12 is after the collapse): it fires at step 4 only, whose update
+    # the loss rise also follows; the drift after the split is no new harm.
+    assert harm["background"] == {"assessed": 7, "fired": 1}
     # Replicas that diverge to inf have collapsed even where every replica's loss stays finite.
     split = tmp_path / "split"
     _evals(split, [2.0] * 5, [0.0, 0.0, math.inf, math.inf, math.inf])
     _jsonl(split / "faults.jsonl", [{"step": t, "attempt": 0} for t in (1, 3)])
     assert [p["harm"] for p in detection.assess_harm(split, ref, 4)["per_fault"]] == ["nonfinite", "collapsed"]
+
+
+def test_detection_a_fault_right_after_a_split_is_not_judged_by_that_splits_drift(tmp_path: pathlib.Path) -> None:
+    # Measured (aggregation, float32 bit 26, faults at steps 4 and 5 of the detection table's runs):
+    # step 5's flip alone split the replicas by 1.63e-4, above DIV_HARM. Right after step 4's, it
+    # added 0.04e-4 beyond the "drift" div(5) - div(4), which is step 4's own jump, and was
+    # counted harmless: a split drifts at about its jump's size for a few steps, so step 5's own
+    # split cannot be told from it. Not assessed, as a fault after a collapse is not.
+    ref, bad = tmp_path / "ref", tmp_path / "unguarded"
+    _evals(ref, [2.0] * 10, [0.0] * 10)
+    _evals(bad, [2.0] * 10, [0.0] * 5 + [1.82e-4, 3.67e-4, 5.38e-4, 6.87e-4, 8.18e-4])
+    _jsonl(bad / "faults.jsonl", [{"step": t, "attempt": 0} for t in (4, 5)])
+    harm = detection.assess_harm(bad, ref, 9)
+    assert [p["harm"] for p in harm["per_fault"]] == ["split", "after_split"]
+    assert (harm["faults"], harm["assessed"], harm["harmful"], harm["after_split"]) == (2, 1, 1, 1)
+    # Fault-free step 6 right after step 5's fault is left out of the background alike (7 and 8 are judged).
+    assert harm["background"] == {"assessed": 6, "fired": 0}
+    assert detection.harmful_missed(harm["per_fault"], []) == 1  # step 4's only
+    # Where even the drift added back leaves the split below DIV_HARM (bit 25: step 5's flip alone
+    # split by 0.11e-4), the fault is judged harmless.
+    _evals(bad, [2.0] * 10, [0.0] * 5 + [1.07e-4, 1.95e-4, 2.69e-4, 3.32e-4, 3.87e-4])
+    assert [p["harm"] for p in detection.assess_harm(bad, ref, 9)["per_fault"]] == ["split", None]
 
 
 def test_detection_harm_reads_the_worst_replica(tmp_path: pathlib.Path) -> None:

@@ -23,7 +23,13 @@ L2 divergence, ``gap(s) = (v_unguarded(s) - v_fault_free(s)) / v_fault_free(s)``
   ``drift = max(0, div(t) - div(t-1))``: replicas split by an earlier fault keep
   drifting apart, which is not this fault's doing). The window
   stops before the next fault's update. Faults on an already non-finite model are
-  not assessed. The same test applied at every fault-free step gives the
+  not assessed, nor is a fault right after one that split the replicas whose split
+  the drift decides (it fires without the drift subtracted, not with it): there
+  ``div(t) - div(t-1)`` is that fault's jump, not a drift, and a split keeps
+  drifting at about its jump's size for a few steps, so this fault's own split cannot
+  be told from it (measured, float32 bit 26 at steps 4 and 5: step 5's flip alone
+  split the replicas by 1.6e-4, above DIV_HARM, and after step 4's added 0.04e-4
+  beyond its drift). The same test applied at every fault-free step gives the
   *background* rate: how often the test fires without a fresh fault (its noise).
 - **detected** (from the guarded run): the guard logged a detection (any detector)
   at a fault step; a detection within LATE_WINDOW steps after a fault step is
@@ -88,6 +94,8 @@ LATE_WINDOW = 2
 OVERHEAD_VARIANTS: tuple[str, ...] = ("plain", "monitor", "guard")
 """Variants of :data:`paft.bench.overhead.VARIANTS` measured for the guard's overhead."""
 REFERENCE = "fault-free"
+NOT_ASSESSED = ("collapsed", "after_split")
+""":func:`assess_harm`'s verdicts on faults it cannot judge (see the module docstring)."""
 
 
 def parse_bits(bits: Sequence[str | int] | None) -> list[int | str]:
@@ -189,8 +197,11 @@ def assess_harm(run_dir: pathlib.Path, ref_dir: pathlib.Path, steps: int) -> dic
     def gap(s: int) -> float:
         return (worst[s] - ref_worst[s]) / ref_worst[s]
 
+    fault_set = set(faults)
+
     def test(t: int, stop: int) -> tuple[str | None, dict[str, float]]:
-        """Why the update of step t was harmful (None: it was not), or 'collapsed' before it."""
+        """Why the update of step t was harmful (None: it was not), or why it is not
+        assessed: 'collapsed' before it, 'after_split' (see the module docstring)."""
         if not (math.isfinite(worst.get(t, math.nan)) and math.isfinite(div.get(t, math.nan))):
             return "collapsed", {}
         window = [s for s in range(t + 1, min(t + HARM_WINDOW, stop) + 1) if s in worst]
@@ -208,6 +219,8 @@ def assess_harm(run_dir: pathlib.Path, ref_dir: pathlib.Path, steps: int) -> dic
             return "loss", values
         if split > DIV_HARM:
             return "split", values
+        if t - 1 in fault_set and drift > 0 and split + drift > DIV_HARM:
+            return "after_split", values  # the "drift" is the previous fault's jump
         return None, values
 
     per_fault = []
@@ -215,22 +228,22 @@ def assess_harm(run_dir: pathlib.Path, ref_dir: pathlib.Path, steps: int) -> dic
         stop = min(faults[i + 1] if i + 1 < len(faults) else steps, steps)
         why, values = test(t, stop)
         per_fault.append({"step": t, "harm": why, **values})
-    fault_set = set(faults)
     background = {"assessed": 0, "fired": 0}
     for t in range(steps):
         if t in fault_set:
             continue
         nxt = min([f for f in faults if f > t] + [steps])
         why, _ = test(t, nxt)
-        if why == "collapsed":
+        if why in NOT_ASSESSED:
             continue
         background["assessed"] += 1
         background["fired"] += why is not None
-    assessed = [p for p in per_fault if p["harm"] != "collapsed"]
+    assessed = [p for p in per_fault if p["harm"] not in NOT_ASSESSED]
     return {
         "faults": len(faults),
         "assessed": len(assessed),
-        "collapsed": len(per_fault) - len(assessed),
+        "collapsed": sum(p["harm"] == "collapsed" for p in per_fault),
+        "after_split": sum(p["harm"] == "after_split" for p in per_fault),
         "harmful": sum(p["harm"] is not None for p in assessed),
         "by_reason": {r: sum(p["harm"] == r for p in assessed) for r in ("nonfinite", "loss", "split")},
         "per_fault": per_fault,
@@ -267,7 +280,7 @@ def harmful_missed(per_fault: list[dict[str, Any]], detected_fault_steps: Sequen
     step the guarded run did not detect: both runs share the fault schedule, keyed by
     rank and step, so a fault is matched by its step."""
     caught = set(detected_fault_steps)
-    return sum(p["harm"] not in (None, "collapsed") and p["step"] not in caught for p in per_fault)
+    return sum(p["harm"] not in (None, *NOT_ASSESSED) and p["step"] not in caught for p in per_fault)
 
 
 # -- the benchmark -----------------------------------------------------------------------
@@ -318,7 +331,8 @@ def run(out: pathlib.Path, *, steps: int = 40, rate: float = 0.1, world_size: in
             harm = assess_harm(run_dir, ref_dir, steps)
             cell.update({
                 "faults": s["faults_injected"], "harm_assessed": harm["assessed"], "harmful": harm["harmful"],
-                "collapsed": harm["collapsed"], "harm_by_reason": harm["by_reason"], "per_fault": harm["per_fault"],
+                "collapsed": harm["collapsed"], "after_split": harm["after_split"], "harm_by_reason": harm["by_reason"],
+                "per_fault": harm["per_fault"],
                 "background": harm["background"], "gap_unguarded_pct": gap,
                 "replicas_unguarded": s["replicas_distinct"], "end_divergence_unguarded": s["max_replica_rel_diff"],
                 "harmful_share": _share(harm["harmful"], harm["assessed"]),
@@ -370,6 +384,8 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
             harmful = f"{c['harmful']}/{c['harm_assessed']}"
             if c["collapsed"]:
                 harmful += f" (+{c['collapsed']} after NaN)"
+            if c["after_split"]:
+                harmful += f" (+{c['after_split']} after a split)"
             fp = str(c["false_positives"]) + (f" (+{c['late']} late)" if c["late"] else "")
             line += [c["faults"], harmful, f"{c['detected']}/{c['faults_guarded']}", fp, c["recomputes"],
                      c["gap_guard_pct"], c["gap_unguarded_pct"]]
@@ -404,7 +420,8 @@ def _markdown(rows: list[dict[str, Any]], sites: Sequence[str], targets: list[in
         f"replica's validation loss (one fixed batch, evaluated after every step) by more than "
         f"{LOSS_HARM * 100:g}% of the fault-free run's within {HARM_WINDOW} steps, or raised the replicas' "
         f"relative divergence by more than {DIV_HARM:g} beyond the previous step's drift; k/n over the faults "
-        f"assessed.\n"
+        f"assessed (not assessed: a fault after the model went non-finite, and one right after a fault that "
+        f"split the replicas whose own split the drift decides, as that \"drift\" is the other fault's jump).\n"
         f"- detected (guarded run): a guard detection at the fault step; FP: detections at other steps "
         f"(late: within {LATE_WINDOW} steps after a fault); recomp: recomputations; gap %: final val loss vs "
         f"fault-free.\n"
