@@ -13,7 +13,9 @@ paft never replaces DDP's reducer; it registers one hook through the public
    (network / reduction SDC: ranks now hold different "aggregated" gradients);
 5. capture of the *aggregated* gradient: its exact 64-bit digest
    (:func:`paft.fingerprint.digest_tensor`, position-sensitive), so the step's
-   control collective can tell whether ranks hold the same result. (Its norm
+   control collective can tell whether ranks hold the same result (where DDP may
+   leave parameters unused, a copy with the slots that reached no gradient zeroed is
+   digested instead, after the backward pass: :meth:`BucketCapture.leave_out_unreached`). (Its norm
    and non-finite flag come from the protector's one ``get_total_norm`` over the
    gradients, which gradient clipping needs anyway: no second pass here.)
 
@@ -47,6 +49,9 @@ from paft.sketch import CountSketch
 __all__ = ["BucketCapture", "CommHookState", "paft_comm_hook", "registered_comm_hooks", "CommHook"]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+GradWatch = tuple[torch.Tensor, torch.Tensor | None, int]
+"""A bucket's parameter, its gradient when the hook saw the bucket, and that gradient's
+version (0 without one)."""
 
 
 @dataclass
@@ -70,6 +75,11 @@ class BucketCapture:
     one accumulator could race. :meth:`totals` sums them, wrapping mod 2**64; the sum
     is order-independent and the odd factor keeps a one-lane change visible."""
     local_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    watched: dict[int, tuple[torch.Tensor, list[GradWatch]]] = field(default_factory=dict)
+    """Per bucket index, where DDP may leave parameters unused (see
+    :attr:`CommHookState.unused_params`): the aggregated bucket and its parameters as
+    the hook found them, for :meth:`totals` to leave out the slots that reached no
+    gradient."""
     faults: list[FaultRecord] = field(default_factory=list)
     """The attempt's faults as injected: local-grad ones on the autograd thread,
     aggregation ones on the all-reduce callbacks' threads, so their interleaving
@@ -94,6 +104,32 @@ class BucketCapture:
     def add_aggregated(self, index: int, checksum: torch.Tensor) -> None:
         self.agg_terms[index] = checksum * (2 * index + 1)
 
+    def leave_out_unreached(self) -> None:
+        """Digest again, with their slots zeroed, the watched buckets whose slots reached
+        no parameter's gradient: DDP leaves a parameter that no rank used at this step
+        (``find_unused_parameters``, ``static_graph``) as it was, so a fault in its slot
+        of the aggregated bucket changes nothing the optimizer applies, and a checksum
+        over it said the replicas split where they had not (a false ``replicas_split``,
+        a guard's recompute, PAFT-Dyn's trigger). Only after the backward pass: DDP
+        decides which parameters no rank used at its end."""
+        for index, (result, params) in self.watched.items():
+            spans, offset = [], 0
+            for param, grad, version in params:
+                n = param.numel()
+                now = param.grad
+                # Untouched: still no gradient, or the one the hook saw, unwritten since.
+                # (A gradient that is a view of the bucket, gradient_as_bucket_view, took
+                # the all-reduce's in-place writes, the fault's too: it reached.)
+                if now is None or (now is grad and now._version == version):
+                    spans.append((offset, offset + n))
+                offset += n
+            if spans:
+                kept = result.detach().clone()
+                for lo, hi in spans:
+                    kept[lo:hi] = 0
+                self.add_aggregated(index, digest_tensor(kept))
+        self.watched.clear()
+
     def sketch_on(self, device: torch.device) -> torch.Tensor | None:
         """The sketch accumulator, allocated on ``device`` by the first bucket."""
         if self.sketch is None and self.sketch_dim:
@@ -110,6 +146,7 @@ class BucketCapture:
             parts.append(self.local_sq.reshape(1).view(torch.int64))
             if self.sketch is not None:
                 parts.append(self.sketch.view(torch.int64))
+        self.leave_out_unreached()
         if self.agg_terms:
             # Every term is ready here: DDP waited for each bucket's callback before the
             # backward pass returned (on CUDA, the current stream waits for their streams).
@@ -136,6 +173,9 @@ class CommHookState:
         process_group: the group DDP all-reduces over (``None``: the default group).
         inner_hook / inner_state: a user's own comm hook to wrap; it performs the
             all-reduce, paft injects and captures around it.
+        unused_params: DDP may leave a parameter without its gradient at a step
+            (``find_unused_parameters=True`` or ``static_graph=True``): the checksum then
+            leaves out the slots that reached no parameter (:meth:`BucketCapture.leave_out_unreached`).
     """
 
     def __init__(
@@ -146,6 +186,7 @@ class CommHookState:
         process_group: dist.ProcessGroup | None = None,
         inner_hook: CommHook | None = None,
         inner_state: Any = None,
+        unused_params: bool = False,
     ) -> None:
         self.injector = injector if injector is not None and injector.enabled else None
         self.cosine = cosine
@@ -154,6 +195,7 @@ class CommHookState:
         self.world_size = dist.get_world_size(process_group)
         self.inner_hook = inner_hook
         self.inner_state = inner_state
+        self.unused_params = unused_params
         self.step = 0
         self.attempt = 0
         self.local_enabled = True
@@ -240,9 +282,19 @@ class CommHookState:
             if self.cosine == "exact" and self.direction_enabled:  # stays on the device: gathered there
                 cap.local_grads[index] = flat.detach().to(torch.float64, copy=True)
 
-    def capture_aggregated(self, index: int, flat: torch.Tensor) -> None:
-        """Add the digest of bucket ``index``'s aggregated gradient ``flat`` to the capture."""
+    def watch(self, bucket: dist.GradBucket) -> list[GradWatch] | None:
+        """The bucket's parameters and their gradients as they are before its all-reduce,
+        where DDP may leave some unused (``None`` elsewhere: nothing to watch)."""
+        if not (self.unused_params and self.checksum_enabled):
+            return None
+        return [(p, p.grad, 0 if p.grad is None else p.grad._version) for p in bucket.parameters()]
+
+    def capture_aggregated(self, index: int, flat: torch.Tensor, watched: list[GradWatch] | None) -> None:
+        """Add the digest of bucket ``index``'s aggregated gradient ``flat`` to the capture
+        (and, ``watched``, what :meth:`BucketCapture.leave_out_unreached` needs)."""
         self.current.add_aggregated(index, digest_tensor(flat))
+        if watched is not None:
+            self.current.watched[index] = (flat, watched)
 
     def allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
         """Launch the bucket's all-reduce; the future's value is the result tensor or,
@@ -269,6 +321,7 @@ def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
     state.inject("local-grad", index, buffer)
     if state.local_enabled:
         state.capture_local(index, buffer, bucket)
+    watched = state.watch(bucket)  # before the all-reduce writes the bucket
     fut = state.allreduce(bucket)
     checksum = state.checksum_enabled
 
@@ -286,7 +339,7 @@ def paft_comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futur
             result = buffer.copy_(result)
         state.inject("aggregation", index, result)
         if checksum:
-            state.capture_aggregated(index, result)
+            state.capture_aggregated(index, result, watched)
         return result
 
     return fut.then(after)

@@ -123,3 +123,67 @@ def test_static_graphs_first_pass_gives_each_bucket_its_own_index() -> None:
     (which bucket's callback finished last decided the checksum: replicas split with no
     fault), and one fault event struck both buckets."""
     assert _first_static_step() == ([0, 1], [0, 1], [5, 20], 1)
+
+
+class Spare(nn.Module):
+    """A small used layer and a large one the forward uses only while ``on``: under
+    ``find_unused_parameters`` its gradient slots fill most of the one bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(4, 1)
+        self.spare = nn.Linear(100, 100)
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.used(x)
+        return out + self.spare(torch.ones(1, 100)).sum() if self.on else out
+
+
+def _unused_slot_step(fault: bool, set_to_none: bool, as_bucket_view: bool,
+                      used_first: bool) -> tuple[int, dict[str, torch.Tensor | None], int]:
+    """Two steps of :class:`Spare` (its spare layer used at step 0 where ``used_first``,
+    never at step 1), ``fault``: an aggregation fault at step 1. Step 1's aggregated
+    checksum, the gradients it left, and the faults injected."""
+    model = DistributedDataParallel(Spare(), find_unused_parameters=True, gradient_as_bucket_view=as_bucket_view)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    protector = protect(model, optimizer, inject=["bitflip:steps=1,bits=exponent"] if fault else [])
+    for step in range(2):
+        model.module.on = used_first and step == 0
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=set_to_none)
+            loss = model(torch.ones(2, 4)).square().mean()
+            loss.backward()
+            return loss
+
+        protector.step(closure)
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.module.named_parameters()}
+    return protector.hook.current.totals()[1], grads, protector.counters["faults_injected"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize(("set_to_none", "as_bucket_view", "used_first", "reached"), [
+    (True, False, False, False),  # never a gradient: the slot reaches none
+    (True, True, False, False),
+    (False, False, True, False),  # a gradient DDP leaves as it was (zeroed by zero_grad)
+    (False, True, True, True),  # a gradient that is a view of the bucket: the fault reaches it
+], ids=["no-grad", "no-grad-bucket-view", "zeroed-grad", "zeroed-grad-bucket-view"])
+def test_the_checksum_leaves_out_the_slots_of_parameters_no_rank_used(
+        set_to_none: bool, as_bucket_view: bool, used_first: bool, reached: bool) -> None:
+    """A fault in an unused parameter's slot of the aggregated bucket reaches no
+    gradient (DDP leaves the parameters no rank used as they were): its checksum said the
+    replicas split where they had not (a false replicas_split alert, a guard's recompute,
+    a PAFT-Dyn trigger). Where the slot is the gradient itself, it still counts."""
+    clean = _unused_slot_step(False, set_to_none, as_bucket_view, used_first)
+    faulty = _unused_slot_step(True, set_to_none, as_bucket_view, used_first)
+    assert faulty[2] == 1
+    # The fault struck the spare layer's slot (the used layer's gradients are the clean ones) ...
+    for name in ("used.weight", "used.bias"):
+        assert torch.equal(faulty[1][name], clean[1][name])
+    spare = [name for name in clean[1] if name.startswith("spare.")]
+    changed = any(not torch.equal(faulty[1][n], clean[1][n]) for n in spare if clean[1][n] is not None)
+    # ... and the checksum differs exactly where it reached a gradient.
+    assert changed == reached
+    assert (faulty[0] != clean[0]) == reached

@@ -239,6 +239,7 @@ class Protector:
             process_group=self.group,
             inner_hook=settings.comm_hook,
             inner_state=settings.comm_state,
+            unused_params=model.find_unused_parameters or model.static_graph,
         )
         # A dropped protector (or one whose construction fails below) leaves plain DDP
         # behind: DDP keeps the hook for good. The finalizer holds the hook state, not
