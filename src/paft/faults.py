@@ -276,6 +276,9 @@ class FaultSchedule:
                 s.check_ranks(world_size)
             except FaultSpecError as err:
                 raise FaultSpecError(f"fault {i} '{s.to_text()}': {err.reason}", err.field) from None
+        # Specs that can fire at no step (rate 0, or steps/start/stop leaving none): asked
+        # about a step, one with a long burst hashed every step of its window for nothing.
+        self._never = frozenset(i for i, s in enumerate(self.specs) if s.first_firing() is None)
         # For bisect on the candidate steps.
         self._step_lows = [None if s.steps is None else [lo for lo, _ in s.steps]
                            for s in self.specs]
@@ -286,7 +289,8 @@ class FaultSchedule:
 
     @property
     def sites(self) -> frozenset[str]:
-        return frozenset(s.site for s in self.specs)
+        """The sites of the specs that can fire."""
+        return frozenset(s.site for i, s in enumerate(self.specs) if self.can_fire(i))
 
     # The one source of randomness: a 64-bit hash of the coordinates.
     def _hash(self, *key: Any) -> int:
@@ -304,6 +308,10 @@ class FaultSchedule:
             return True
         j = bisect.bisect_right(lows, step) - 1
         return j >= 0 and step <= s.steps[j][1]  # type: ignore[index]
+
+    def can_fire(self, spec_index: int) -> bool:
+        """Whether spec ``spec_index`` fires at any step (on some rank)."""
+        return spec_index not in self._never
 
     def random_rank(self, spec_index: int, step: int) -> int:
         """The rank a ``ranks='random'`` event starting at ``step`` lands on."""
@@ -339,8 +347,10 @@ class FaultSchedule:
         fault stuck on for the rest of the run) is found without walking back step by
         step through the whole burst. Without ``steps=``, or inside a listed range, every
         step of the burst's window is a candidate: a query costs up to ``burst`` hashes
-        (0.3 s at burst=100000)."""
+        (0.3 s at burst=100000); none for a spec that can never fire (``rate=0``)."""
         s = self.specs[i]
+        if i in self._never:
+            return []
         first = max(0, step - s.burst + 1, s.start)
         if first > step:
             return []
@@ -449,9 +459,12 @@ class FaultInjector:
             raise ValueError(f"rank must be in [0, {schedule.world_size}), got {rank}")
         self.schedule = schedule
         self.rank = rank
+        # Only specs that can fire: one that never does (rate=0) cost every step a walk
+        # of the state at rest and, for stale, a copy of every target kept for nothing.
         self._sites = schedule.sites
         self._stale_sites = frozenset(
-            s.site for s in schedule.specs if s.kind == "stale" and s.may_hit_rank(rank)
+            s.site for i, s in enumerate(schedule.specs)
+            if s.kind == "stale" and s.may_hit_rank(rank) and schedule.can_fire(i)
         )
         # (site, target) -> [(step, value)], at most one entry with step < current.
         self._memory: dict[tuple[str, int | str], list[tuple[int, Tensor]]] = {}
@@ -468,7 +481,7 @@ class FaultInjector:
         return bool(self.schedule.specs)
 
     def has_site(self, site: str) -> bool:
-        """Whether any spec targets ``site`` (on any rank: same answer everywhere)."""
+        """Whether any spec that can fire targets ``site`` (on any rank: same answer everywhere)."""
         return site in self._sites
 
     def _events(self, site: str, step: int, attempt: int) -> list[FaultEvent]:

@@ -948,6 +948,22 @@ def test_stale_memory_only_when_needed():
     inj = FaultInjector(FaultSchedule(["stale:rate=0.5,ranks=1"], seed=0, world_size=2), rank=0)
     inj.inject_bucket("aggregation", 0, 0, 1, torch.ones(3))
     assert inj._memory == {}
+    # A spec that can never fire: no copy of every target kept, no site to walk.
+    inj = FaultInjector(FaultSchedule(["stale:site=params,rate=0", "stale:rate=0,burst=5"], seed=0, world_size=1),
+                        rank=0)
+    assert not inj.has_site("params") and not inj.has_site("aggregation")
+    inj.inject_bucket("aggregation", 0, 0, 1, torch.ones(3))
+    inj.inject_tensors("params", 0, {"param/w": torch.ones(3)})
+    assert inj._memory == {}
+
+
+def test_a_spec_that_can_never_fire_is_answered_without_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rate=0 with a long burst hashed every step of the burst's window, at every step.
+    sched = FaultSchedule(["nan:rate=0,burst=1000", "nan:steps=2,stop=1,burst=1000"], seed=0, world_size=1)
+    hashes = []
+    monkeypatch.setattr(sched, "_hash", lambda *key: hashes.append(key) or 0)
+    assert sched.events(999, 0, "aggregation") == [] and hashes == []
+    assert not sched.can_fire(0) and not sched.can_fire(1) and sched.sites == frozenset()
 
 
 def test_inject_tensors_corrupts_one_named_tensor_in_place():
