@@ -366,7 +366,10 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     # An applied update from split aggregated gradients splits the state from the next step
     # on (a skipped one has no grad record); a sync or repair after it joins it again.
     split = [(s + 1, v) for s, v in zip(*series(run.consistency, "replicas/grad_distinct")) if v > 1]
-    found = [(int(e["step"]), float(len(e["groups"]))) for e in split_syncs(run)]  # the split a sync saw
+    # The split a sync or repair saw: a repair before its step's rerun (seen_from: that step)
+    # saw it before its own end; a sync after its step's update saw that update's state,
+    # which no earlier sync's end or the step's fingerprints (taken before it) undo.
+    found = [(int(e["step"]), float(len(e["groups"])), seen_from(e) > int(e["step"])) for e in split_syncs(run)]
     # Every sync's end, also without a state fingerprint (--fingerprint-every 0): the
     # split it found is drawn, and so must be the end it put to it. An overlapped sync
     # that landed within a step (seen_from two steps after its own) came before that
@@ -376,8 +379,9 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     landed_after = [(f, v) for f, v, step in synced if f < step + 2]
     end = [(run.last_step + 1, float(run.summary["replicas_distinct"]))] if run.summary and isinstance(
         run.summary.get("replicas_distinct"), int) else []
-    # At one step the later kind has the last word (a fingerprint the last).
-    last = dict([*landed_before, *split, *found, *landed_after, *zip(steps, values), *end])
+    # At one step the later kind has the last word.
+    last = dict([*landed_before, *split, *((s, v) for s, v, after in found if not after), *landed_after,
+                 *zip(steps, values), *((s, v) for s, v, after in found if after), *end])
     return sorted(last), [last[s] for s in sorted(last)]
 
 

@@ -839,6 +839,22 @@ def test_the_training_state_line_takes_a_repair_at_its_own_step(clean_run: pathl
     assert list(zip(steps, values)) == [(0, 1), (3, 1), (10, 1), (12, 1)]
 
 
+def test_the_training_state_line_draws_every_split_a_sync_found_after_its_update(
+        clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """PAFT-Dyn repairs a split at the step of its fault, after the update: the line drew it
+    there, but not where the step before had its own repair (that repair's end, seen from
+    this step, had the last word) nor at a step with a state fingerprint (taken before the
+    update). A real 3-rank Dyn run drew 13 of its 15 repaired splits and left out the one
+    of step 100, the largest."""
+    run = copy_run(clean_run, tmp_path / "repaired-twice")
+    with open(run / "events.jsonl", "a") as f:
+        for step in (3, 4, 10):  # clean_run fingerprints the state at steps 0 and 10: one replica
+            f.write(json.dumps({"step": step, "event": "sync", "mode": "majority-copy", "divergence": 0.1,
+                                "groups": [[0], [1]], "note": "", "seen_from": step + 1}) + "\n")
+    steps, values = _state_distinct(load_run(run))
+    assert list(zip(steps, values)) == [(0, 1), (3, 2), (4, 2), (5, 1), (10, 2), (11, 1), (12, 1)]
+
+
 def test_a_sync_before_the_first_state_fingerprint_ends_its_split(clean_run: pathlib.Path,
                                                                    tmp_path: pathlib.Path) -> None:
     """--fingerprint-every 0: the state is fingerprinted only after the guard's state
