@@ -75,6 +75,13 @@ class _Condition:
     names_ranks: bool = False
     """Its value is the ranks it names; another rank while it lasts is new."""
 
+    def shown(self, value: float, config: MonitorConfig) -> str:
+        """``value`` for the console: 4 significant digits, or as many more as it takes to
+        read as past the threshold (a cosine of 0.99996 under an ``alert_cos_min`` of
+        0.99999 read "1", on the threshold's safe side)."""
+        return next((text for text in (f"{value:.{digits}g}" for digits in range(4, 17))
+                     if self.fires(float(text), config)), repr(value))
+
 
 _CONDITIONS = (
     # A rank's non-finite loss or local gradient, named at once: the dispersion turns NaN
@@ -222,7 +229,7 @@ class Monitor:
             event["divergence"], far = self._split_magnitude()
             who += far
         self.recorder.event(event)
-        shown = f"{value:.4g}" if isinstance(value, float) else value
+        shown = c.shown(value, self.config) if isinstance(value, float) else value
         self.recorder.say(f"[alert] step {step}: {c.name} = {shown}{who}")
 
     def _split_magnitude(self) -> tuple[dict[str, Any], str]:

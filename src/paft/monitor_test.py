@@ -240,6 +240,22 @@ def test_a_value_at_a_threshold_is_not_past_it_and_nan_is(
     assert [e["detector"] for e in events(tmp_path)] == alerted and monitor.alerts == len(alerted)
 
 
+@pytest.mark.parametrize("config, rows, line", [
+    # Rounded to 4 digits these read "1" and "0.5": on the threshold's safe side, or on it.
+    (MonitorConfig(alert_cos_min=0.99999),
+     sketched([[1.0, 0.0], [math.cos(math.acos(0.99996)), math.sin(math.acos(0.99996))]]), "grad_cos_min = 0.99996"),
+    (MonitorConfig(alert_loss_cv=0.5), view([None, None], losses=[1.0, 3.0002]), "loss_cv = 0.50002"),
+    (MonitorConfig(alert_loss_cv=0.5), view([None, None], losses=[1.0, 5.0]), "loss_cv = 0.6667"),
+], ids=["cos near 1", "cv near its threshold", "cv far past"])
+def test_an_alerts_line_shows_its_value_past_the_threshold(
+        tmp_path: Path, config: MonitorConfig, rows: ControlView, line: str) -> None:
+    said: list[str] = []
+    recorder = RunRecorder(tmp_path, rank=0, quiet=True)
+    recorder.say = said.append  # type: ignore[method-assign]
+    Monitor(config, recorder, None).record(0, rows, metric_step=True)
+    assert said == [f"[alert] step 0: {line}"]
+
+
 def test_exact_gradients_given_replace_the_sketches_in_the_cosines(tmp_path: Path) -> None:
     monitor = Monitor(MonitorConfig(), RunRecorder(tmp_path, rank=0, quiet=True), None)
     orthogonal = sketched([[1.0, 0.0], [0.0, 1.0]])
