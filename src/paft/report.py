@@ -149,11 +149,12 @@ def _figure(rows: int, cols: int, title: str, run: RunData | None = None) -> tup
 
 
 def _settings_title(run: RunData) -> str:
+    ranks = f"{run.world_size} rank{'' if run.world_size == 1 else 's'}"
     if run.library:
-        return f"library run, {run.world_size} ranks"
+        return f"library run, {ranks}"
     said = run_settings(run)
     injected = said["injected"] if len(said["injected"]) <= 60 else said["injected"][:57] + "..."
-    return (f"{said['workload']}, {said['world size']} ranks, protection {said['protection']}, "
+    return (f"{said['workload']}, {ranks}, protection {said['protection']}, "
             f"guard {said['guard']}, injected {injected}")
 
 

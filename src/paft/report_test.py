@@ -188,6 +188,7 @@ def test_a_library_runs_losses_are_its_consistency_records(library_run: pathlib.
     report_module._plot_loss(run)
     (ax,) = figures[0].axes
     assert ax.get_title() == "global and per-rank local loss (monitored steps only)"
+    assert figures[0].get_suptitle() == f"Loss: {library_run.name}\nlibrary run, 1 rank"  # not "1 ranks"
     lines = {line.get_label(): line for line in ax.get_lines()}
     drawn = [(x, y) for x, y in zip(*lines["rank 0 local loss"].get_data()) if math.isfinite(y)]
     assert drawn == [(c["step"], c["local_losses"][0]) for c in records]
