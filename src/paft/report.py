@@ -222,6 +222,8 @@ def _mark_alerts(ax: Axes, run: RunData, *detectors: str) -> None:
 
 def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
     _mark_events(ax, run)
+    if any(g.get("action") != "proceed" for g in run.events_of("guard")):  # as _mark_events draws them
+        _below_the_guard_marks(ax)
     ax.set_title(title)
     spec = ax.get_subplotspec()
     if spec is None or spec.is_last_row():  # shared x axis: label it once, at the bottom
@@ -232,6 +234,16 @@ def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:
     ax.set_xlim(min(lo, 0), max(hi, run.last_step + 1))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+
+
+def _below_the_guard_marks(ax: Axes) -> None:
+    """Raise the panel's top, so that its data end below the guard's marks (from 0.91 of
+    the panel up): the value at a step the guard acted on is often the panel's highest
+    (a repair's divergence, a detection's judged value), which its marks hid."""
+    lo, hi = ax.get_ylim()
+    scale = ax.yaxis.get_transform()  # the panel's scale (linear, log, symlog), as a plot's height is
+    bottom, top = scale.transform([lo, hi])
+    ax.set_ylim(lo, float(scale.inverted().transform([bottom + (top - bottom) / 0.9])[0]))
 
 
 def _png(fig: Figure) -> bytes:
@@ -351,7 +363,6 @@ def _plot_guard(run: RunData) -> bytes:
                 ax.plot([g["step"]], [pair[1]], ls="", marker="_", ms=14, mew=2, color="0.4",
                         label=label("the detector's limit"))
     ax.set_yscale("log")
-    ax.margins(y=0.15)  # the event markers on the top edge stay clear of the highest value
     _finish(ax, run, "the value each detection judged (rejected attempt) against its limit",
             "loss, gradient norm or update ratio")
     return _png(fig)
@@ -465,7 +476,7 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
     if bad:
         _edge_marks(ax, bad, _NONFINITE_ROW, "red", "non-finite replica at a sync")
     _scale(ax, [*values, *(v for _, v in pos), *(v for _, v in alerts)])
-    if ax.get_yscale() == "linear":  # a distance: nothing below 0 (an all-zero panel showed -0.05)
+    if ax.get_yscale() != "log":  # a distance: nothing below 0 (an all-zero panel showed -0.05, symlog -1e-2)
         ax.set_ylim(bottom=0)
     if not steps and not pos and not alerts and not bad:
         ax.text(0.5, 0.5, "every sync found identical replicas", transform=ax.transAxes, ha="center", color="0.4")

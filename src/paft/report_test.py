@@ -856,6 +856,26 @@ def test_the_training_state_line_draws_every_split_a_sync_found_after_its_update
     assert list(zip(steps, values)) == [(0, 1), (3, 2), (4, 2), (5, 1), (10, 2), (11, 1), (12, 1)]
 
 
+def test_the_divergence_a_guard_repair_found_shows_below_its_marks_and_no_distance_below_zero(
+        clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """A guard's repair of a replica hit at rest (divergence 5.6e35 in a real run) is the
+    panel's highest value, at the step of the guard's marks on the top edge, which hid it;
+    the symlog axis that the evaluations' zeros call for went below 0 (-1e-2)."""
+    run = copy_run(clean_run, tmp_path / "guard-repair")
+    with open(run / "events.jsonl", "a") as f:
+        for event in ({"step": 3, "event": "guard", "attempt": 0, "action": "repair", "detector": "state_mismatch",
+                       "cause": "state", "ranks": [1], "values": {}},
+                      {"step": 3, "event": "repair", "mode": "median-with-reference", "divergence": 5.6e35,
+                       "groups": [[0], [1]], "note": "", "seen_from": 3}):
+            f.write(json.dumps(event) + "\n")
+    rewrite_jsonl(run / "evals.jsonl", lambda r: {**r, "replica_rel_diff": 1e-4 if r["step"] == 6 else 0.0})
+    _, (ax,) = _figure(1, 1, "divergence")
+    report_module._divergence_panel(ax, load_run(run))
+    assert ax.get_yscale() == "symlog" and ax.get_ylim()[0] == 0
+    height = ax.transAxes.inverted().transform(ax.transData.transform((3, 5.6e35)))[1]
+    assert height < 0.88  # the guard's marks are drawn from 0.91 of the panel up
+
+
 def test_a_sync_before_the_first_state_fingerprint_ends_its_split(clean_run: pathlib.Path,
                                                                    tmp_path: pathlib.Path) -> None:
     """--fingerprint-every 0: the state is fingerprinted only after the guard's state
