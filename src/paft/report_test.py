@@ -478,6 +478,11 @@ def test_not_a_run_directory(tmp_path: pathlib.Path) -> None:
      "consistency.jsonl: record 1: consistency/nonfinite_ranks must be a list of ranks, got [-1]"),
     ("evals.jsonl", b'{"step": 4, "val_loss": 1.0, "val_loss_per_rank": 5}\n',
      "evals.jsonl: record 1: val_loss_per_rank must be a list, got 5"),
+    # These were "a record holds a value of an unexpected kind", naming no file.
+    ("faults.jsonl", b'{"step": 5, "rank": 1, "before": 5, "after": [1.0]}\n',
+     "faults.jsonl: record 1: before must be a list, got 5"),
+    ("events.jsonl", b'{"step": 5, "event": "sync", "groups": [[0], 1]}\n',
+     "events.jsonl: record 1: groups must be a list of lists of ranks, got [[0], 1]"),
 ])
 def test_damaged_files_are_named_not_taken_for_missing(fault_run: pathlib.Path, tmp_path: pathlib.Path,
                                                        name: str, data: bytes, needle: str) -> None:

@@ -118,6 +118,12 @@ _FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("local_losses", lambda v: isinstance(v, list), "a list"),
     ("cos_to_mean", lambda v: isinstance(v, list), "a list"),
     ("totals", lambda v: isinstance(v, dict), "an object"),
+    ("values", lambda v: isinstance(v, dict), "an object"),
+    ("differing", lambda v: isinstance(v, dict), "an object"),
+    ("groups", lambda v: isinstance(v, list) and all(_is_rank_list(g) for g in v), "a list of lists of ranks"),
+    ("before", lambda v: isinstance(v, list), "a list"),
+    ("after", lambda v: isinstance(v, list), "a list"),
+    ("bits", lambda v: v is None or isinstance(v, list), "a list"),
     *((key, lambda v: v is None or isinstance(v, str), "a string") for key in sorted(_TEXT)),
 )
 
