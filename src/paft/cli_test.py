@@ -765,8 +765,9 @@ def test_a_resume_names_the_saved_options_it_changes(tmp_path: pathlib.Path, mon
     (tmp_path / "r" / "config.json").write_text(json.dumps(saved))
     assert main(["train", "--run-dir", "r", "--resume", "--steps", "9"]) == 0
     assert capsys.readouterr().err == ""  # --steps is how a run trains on
-    assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--seed", "5"]) == 0
-    assert capsys.readouterr().err == ""  # no change but refused (by launch's check_run_dir, stubbed here)
+    with pytest.raises(SystemExit):  # no change but refused
+        main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--seed", "5"])
+    assert "changes the run's saved options" not in capsys.readouterr().err
     (tmp_path / "c.toml").write_text('inject = ["nan:steps=7", "bitflip:steps=8"]\n')
     argv = ["train", "--run-dir", "r", "--resume", "--steps", "9", "--lr", "0.001", "--no-monitor", "--no-quiet",
             "--config", "c.toml"]
@@ -886,6 +887,12 @@ def test_a_resume_starts_from_the_runs_config_json(tmp_path: pathlib.Path, monke
         # Said so before the config's checks, which would blame the batch it cannot split.
         (first.to_dict(), ["--config", "ws3.toml"],
          "error: --resume: cannot change --world-size (2 in r, 3 asked); start a new run"),
+        # Not "r/config.json: model (--model): unknown key 'n_layer' for the resnet model",
+        # which blamed the saved file for the workload typed over it.
+        ({**first.to_dict(), "model": {"n_layer": 1}}, ["--workload", "resnet"],
+         "error: --resume: cannot change --workload ('gpt' in r, 'resnet' asked); start a new run"),
+        # Not "--batch-size: 7 cannot be split evenly across --world-size 2", fixed to be refused again.
+        (first.to_dict(), ["--batch-size", "7"], "error: --resume: cannot change --batch-size (8 in r, 7 asked)"),
         ({"guard": 3}, [], f"error: --resume: {pathlib.Path('r', 'config.json')}: 'guard' must be a mapping, got 3"),
         ({"guard": None}, [], "'guard' must be a mapping, got None"),
         ({**first.to_dict(), "bogus": 1, "guard": {"windw": 5}}, [],

@@ -44,7 +44,7 @@ from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED
 from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
 from paft.resume_options import ResumeChange, changes_said, resume_args, resume_changes
-from paft.rundir import has_checkpoint, latest_step, resolve_run_dir
+from paft.rundir import FIXED_ON_RESUME, has_checkpoint, latest_step, resolve_run_dir
 from paft.values import fits
 from paft.workloads import DROPOUT_WORKLOADS, WORKLOADS
 
@@ -427,6 +427,12 @@ def _merged(layers: Sequence[tuple[dict[str, Any], _Source | None]]) -> tuple[di
     return values, source
 
 
+# The options a resume keeps (FIXED_ON_RESUME) that compare as they are given; --model,
+# --sync-mode and --sync-period compare as they take effect (check_run_dir does it).
+_KEPT_AS_SAVED = tuple(flag.removeprefix("--") for _, flag in FIXED_ON_RESUME
+                       if flag not in ("--model", "--sync-mode", "--sync-period"))
+
+
 def _given(ns: argparse.Namespace) -> dict[str, Any]:
     """The options typed on the command line (``ns``'s: the others are left out of it)."""
     return {k: v for k, v in vars(ns).items() if k in _BY_KEY}
@@ -456,13 +462,14 @@ def config_from_namespace(ns: argparse.Namespace,
     folder = resolve_run_dir(run_dir) if resume and run_dir else ""
     saved_file = pathlib.Path(folder, "config.json")
     saved = _saved_values(folder) if folder and is_file(saved_file) else {}  # the run's saved options
-    if "world-size" in saved:
-        # Said before the config is built, whose checks would blame what the world size
-        # splits (--batch-size, an --inject rank) instead.
-        asked = given.get("world-size", from_file.get("world-size", saved["world-size"]))
-        if asked != saved["world-size"]:
-            raise ValueError(f"--resume: cannot change --world-size ({saved['world-size']} in "
-                             f"{folder}, {asked} asked); start a new run")
+    for flag in _KEPT_AS_SAVED:
+        # Said before the config is built, whose checks would blame what these constrain
+        # instead: what the world size splits (--batch-size, an --inject rank), the saved
+        # --model fields another workload has none of.
+        asked = given.get(flag, from_file.get(flag, saved.get(flag)))
+        if flag in saved and asked != saved[flag]:
+            raise ValueError(f"--resume: cannot change --{flag} ({saved[flag]!r} in {folder}, {asked!r} asked); "
+                             "start a new run")
     values, source = _merged([({"world-size": launched} if launched is not None else {}, None),
                               (saved, _Source("--resume", str(saved_file), fields=True)),
                               (from_file, _Source("--config", str(config_file), fields=run_config)),
