@@ -865,6 +865,19 @@ def test_config_file_and_command_line_values_combine(tmp_path: pathlib.Path, mon
     assert cfg.model == {"n_layer": 1, "n_embd": 64, "bias": False}
 
 
+def test_a_config_file_may_start_with_a_byte_order_mark(tmp_path: pathlib.Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows editors (Notepad) may start a UTF-8 file with a byte order mark: a TOML
+    file was refused as "Invalid statement (at line 1, column 1)", a JSON one with
+    Python's advice to "decode using utf-8-sig"."""
+    from paft.options import parse_train_config
+
+    monkeypatch.chdir(tmp_path)
+    for name, text in (("c.toml", "steps = 3\n"), ("c.json", '{"steps": 3}'), ("c.yaml", "steps: 3\n")):
+        pathlib.Path(name).write_text("\ufeff" + text, encoding="utf-8")
+        assert parse_train_config(["--config", name])[0].steps == 3
+
+
 def test_a_resume_starts_from_the_runs_config_json(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """The options a run was started with come back on --resume (from the command line

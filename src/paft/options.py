@@ -258,7 +258,9 @@ def _read_config_file(path: str) -> tuple[dict[str, Any], bool]:
         raise ConfigFileError("--config: must not be empty (leave it out to use no config file)")
     p = pathlib.Path(path).expanduser()  # --config=~/c.toml reaches us unexpanded
     try:
-        text = p.read_text(encoding="utf-8")
+        # Without a byte order mark (Windows editors write one), which TOML and JSON refuse;
+        # dropped after decoding, so that a bad byte's offset is the file's.
+        text = p.read_text(encoding="utf-8").removeprefix("\ufeff")
     except OSError as err:
         raise ConfigFileError(f"--config: cannot read {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
