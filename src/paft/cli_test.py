@@ -148,7 +148,15 @@ def test_oversized_model_is_refused_without_building_it(
         ("typed.toml", 'steps = "many"', "steps"),
         ("bad.yaml", "steps: 0", "bad.yaml: steps: must be >= 1, got 0"),
         ("upper.YML", "steps: 0", "upper.YML: steps: must be >= 1, got 0"),  # read as YAML too
-        ("nonbool.toml", "no-steps = 3", "unknown option 'no-steps'\n(options"),  # not a switch: no "write ..."
+        # not a switch: no "write ..."
+        ("nonbool.toml", "no-steps = 3", "unknown option 'no-steps' (did you mean 'steps'?)\n(options"),
+        # A near miss, or a field as a run's config.json names it, is named as the option meant.
+        ("near.toml", "world-siz = 2", "near.toml: unknown option 'world-siz' (did you mean 'world-size'?)\n"),
+        ("field.toml", "window = 6", "field.toml: unknown option 'window' (did you mean 'guard-window'?)\n"),
+        ("field.yaml", "max_reruns_per_step: 3", "unknown option 'max_reruns_per_step' (did you mean 'max-reruns'?)"),
+        ("dotted.json", '{"protect.target": 0.1}', "unknown option 'protect.target' (did you mean 'dyn-target'?)"),
+        ("enabled.toml", "enabled = true", "unknown option 'enabled' (did you mean 'monitor' or 'guard'?)"),
+        ("far.toml", "colour = 2", "unknown option 'colour'\n(options"),
         ("ints.toml", "inject = [1]", "--config: ints.toml: inject: expected a string or a list of strings"),
         ("model.toml", "model = 3", "--config: model.toml: model: expected a table/mapping of model fields"),
         ("yes.toml", 'guard = "yes"', "--config: yes.toml: guard: expected true or false, got 'yes'"),

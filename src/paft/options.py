@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import json
@@ -290,15 +291,25 @@ def _read_config_file(path: str) -> tuple[dict[str, Any], bool]:
         key = str(raw_key).replace("_", "-")
         opt = _BY_KEY.get(key)
         if opt is None:
-            flag = _BY_KEY.get(key.removeprefix("no-")) if key.startswith("no-") else None
-            hint = ""
-            if flag is not None and flag.kind is bool:
-                hint = f" (write {flag.flag} = {str(not value).lower() if isinstance(value, bool) else 'false'})"
-            raise ConfigFileError(f"--config: {path}: unknown option {raw_key!r}{hint}")
+            raise ConfigFileError(f"--config: {path}: unknown option {raw_key!r}{_unknown_hint(key, value)}")
         if key in values:  # world-size and world_size: which one was meant?
             raise ConfigFileError(f"--config: {path}: option {key!r} is given twice")
         values[key] = _coerce(opt, value, f"--config: {path}: {raw_key}")
     return values, False
+
+
+def _unknown_hint(key: str, value: Any) -> str:
+    """The option a flat file's unknown ``key`` (dashed) most likely meant, as a note
+    after the refusal: a negated switch (``no-monitor``) as the file writes it, a field as
+    a run's config.json names it (``window``, ``guard.window``: ``guard-window``), or a
+    near miss (``world-siz``); "" for none."""
+    negated = _BY_KEY.get(key.removeprefix("no-")) if key.startswith("no-") else None
+    if negated is not None and negated.kind is bool:
+        return f" (write {negated.flag} = {str(not value).lower() if isinstance(value, bool) else 'false'})"
+    fields = [opt.flag for opt in OPTIONS
+              if key in (opt.name.replace("_", "-"), f"{opt.section}.{opt.name}".replace("_", "-"))]
+    meant = fields or difflib.get_close_matches(key, _BY_KEY, n=1)
+    return f" (did you mean {' or '.join(map(repr, meant))}?)" if meant else ""
 
 
 def _coerce(opt: Option, value: Any, where: str) -> Any:
