@@ -205,6 +205,9 @@ def _check_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         _refuse_repeats(parser, "--variants", args.variants.split(","))
     if args.workload not in WORKLOADS:
         parser.error(f"--workload: unknown {args.workload!r}; choose from {list(WORKLOADS)}")
+    # Said here: the config's own check names paft train's --dropout, which this command has not.
+    if any(key == "dropout" for key, _ in args.model or []):
+        parser.error("--model: dropout is not a model size: paft bench overhead trains without dropout")
 
 
 def _check_matrix(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -918,6 +918,9 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["overhead", "--variants", "plain"], "--variants: plain alone measures nothing"),  # an empty table
     (["overhead", "--workload", "bert"], "--workload"),
     (["overhead", "--model", "n_layers=2"], "--model: unknown key 'n_layers'"),
+    # paft train's message pointed to its --dropout, which paft bench overhead has not.
+    (["overhead", "--model", "dropout=0.1"], "--model: dropout is not a model size: paft bench overhead trains "
+     "without dropout"),
     (["overhead", "--variant", "plain"], "unrecognized arguments: --variant plain"),  # no prefixes
     (["scaling", "--world-size", "2"], "paft bench scaling: error: unrecognized arguments: --world-size 2"),
     (["detection", "--world-size", "1"], "--world-size: must be >= 2 for detection"),
