@@ -228,6 +228,12 @@ def test_config_paths_empty_or_with_a_tilde(tmp_path: pathlib.Path, monkeypatch:
             main(["train", "--run-dir", "out", *argv])
         assert exc.value.code == 2 and needle in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
+    # A file's empty run-dir is the file's, not a --run-dir typed (which would win over it).
+    (tmp_path / "c.toml").write_text('run-dir = " "\n')
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--config", "c.toml"])
+    assert exc.value.code == 2 and "error: --config: c.toml: run-dir: must not be empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]
 
 
 def test_resume_needs_a_run_dir(capsys: pytest.CaptureFixture[str]) -> None:
