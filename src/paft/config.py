@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from paft.dyn import DynConfig, check_bounds
+from paft.dyn import MAX_PERIOD, DynConfig, check_bounds
 from paft.records import from_jsonable_float
 from paft.values import fits
 
@@ -209,7 +209,8 @@ class ProtectConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _require_choice(self, "mode", PROTECT_MODES)
-        _require(self.sync_period >= 1, self, "sync_period", f"must be >= 1, got {self.sync_period}")
+        _require(1 <= self.sync_period <= MAX_PERIOD, self, "sync_period",
+                 f"must be in [1, 2**53], got {self.sync_period}")
         _require_choice(self, "sync_mode", SYNC_MODES)
         _require(self.broadcast_src >= 0, self, "broadcast_src", f"must be a rank >= 0, got {self.broadcast_src}")
         check_bounds(self.h_min, self.h_max, self.target, names=(_named(self, "h_min"), _named(self, "h_max"),

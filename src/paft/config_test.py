@@ -93,7 +93,7 @@ EDGES: list[tuple[type, str, list[object], list[object]]] = [
     (MonitorConfig, "alert_loss_cv", [0.0], [-0.1, math.nan]),
     (MonitorConfig, "alert_cos_min", [-1.0, 1.0], [-1.01, 1.01, math.nan]),
     (ProtectConfig, "mode", list(PROTECT_MODES), ["always"]),
-    (ProtectConfig, "sync_period", [1], [0]),
+    (ProtectConfig, "sync_period", [1, 2**53], [0, 2**53 + 1]),
     (ProtectConfig, "sync_mode", list(SYNC_MODES), ["median"]),
     (ProtectConfig, "broadcast_src", [0], [-1]),
     (GuardConfig, "spike_threshold", [1e-9], [0.0, math.inf, math.nan]),

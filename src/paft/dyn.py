@@ -46,7 +46,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SyncScheduler", "FixedScheduler", "DynScheduler", "DynConfig", "check_bounds"]
+__all__ = ["SyncScheduler", "FixedScheduler", "DynScheduler", "DynConfig", "check_bounds", "MAX_PERIOD"]
 
 
 def _step(step: int) -> int:
@@ -55,9 +55,15 @@ def _step(step: int) -> int:
     return operator.index(step)
 
 
+MAX_PERIOD = 2**53
+"""The longest period (in steps) a scheduler takes: PAFT-Dyn scales periods by floats,
+which hold every whole number up to here (a TOML integer of 309 digits overflowed them
+at the first trigger, in the middle of a run)."""
+
+
 def _check_period(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PERIOD:
+        raise ValueError(f"{name}: must be an int in [1, 2**53], got {value!r}")
     return value
 
 
@@ -302,7 +308,7 @@ class DynScheduler(SyncScheduler):
             self._calm += 1
             if self._calm >= cfg.patience:
                 self._calm = 0
-                return min(cfg.h_max, _ceil(self._period * cfg.grow))
+                return _ceil(min(self._period * cfg.grow, cfg.h_max))  # no float overflow: grow may be huge
             return self._period
         self._calm = 0
         return self._period

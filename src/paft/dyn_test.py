@@ -43,6 +43,7 @@ def test_defaults() -> None:
         ({"h_min": 0}, "h_min"),
         ({"h_min": True}, "h_min"),
         ({"h_max": -3}, "h_max"),
+        ({"h_max": 2**53 + 1}, "h_max"),  # see test_the_longest_periods_stay_exact
         ({"h_min": 10, "h_max": 8, "h_init": 9}, "h_min"),
         ({"h_init": 4}, "h_init"),  # below h_min
         ({"h_init": 401}, "h_init"),  # above h_max
@@ -93,6 +94,20 @@ def test_protect_config_checks_the_bounds_as_dyn_config_does(kwargs: dict) -> No
                                     {"low_water": 0.0}, {"low_water": 1.0}])
 def test_config_bounds_are_inclusive(kwargs: dict) -> None:
     DynConfig(**kwargs)
+
+
+def test_the_longest_periods_stay_exact() -> None:
+    """Periods up to MAX_PERIOD, scaled by any factor the config takes, stay whole
+    numbers: a 10**400-step period overflowed a float at the first trigger (an
+    OverflowError in the middle of a run), and so did a calm sync's growth by 1e300."""
+    top = dyn.MAX_PERIOD
+    sched = DynScheduler(DynConfig(h_min=1, h_init=top, h_max=top, grow=1e300, patience=1))
+    sched.trigger(3)
+    assert sched.observe(3, CALM) == top // 2  # the trigger's halving, exact
+    assert sched.observe(4 + top // 2, CALM) == top  # grown by 1e300, clamped
+    FixedScheduler(top)
+    with pytest.raises(ValueError, match="period: must be an int in"):
+        FixedScheduler(top + 1)
 
 
 def test_equal_bounds_pin_the_period() -> None:
