@@ -196,6 +196,22 @@ class _Detection:
     ranks: list[int]
     bits: list[list[int]]
 
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "detector": self.detector, "ranks": list(self.ranks),
+                "bits": [list(r) for r in self.bits]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> _Detection:
+        return cls(d["source"], d["detector"], list(d["ranks"]), [list(r) for r in d["bits"]])
+
+
+# Detectors whose last detection in a step is remembered past a detection of another
+# kind or a state repair (_StepState.earlier): their recurrence attributes the step
+# whatever came between. A grad_mismatch is never data, so coming back on the same
+# ranks makes it persistent; an update ratio is measured from the same pre-step state
+# on every attempt, so one that comes back the same is data.
+_REMEMBERED = ("grad_mismatch", "update_ratio")
+
 
 @dataclass
 class _StepState:
@@ -205,6 +221,7 @@ class _StepState:
     pending: _Detection | None = None
     detected: bool = False  # anything detected in this step: arms the snapshot
     tainted: bool = False  # an update anomaly that could not be rolled back
+    earlier: dict[str, _Detection] = field(default_factory=dict)  # by detector, of _REMEMBERED
 
 
 class Guard:
@@ -255,34 +272,41 @@ class Guard:
             return GuardVerdict("proceed", values=self._summary(view))
         detector, ranks, values = found
         self._mark_detected(st)
-        bits = view.header_bits()
-        if prev is None or prev.source != "check":
-            st.pending = _Detection("check", detector, ranks, bits)
+        detection = _Detection("check", detector, ranks, view.header_bits())
+        # Data cannot make ranks receive different aggregated gradients: a mismatch
+        # that comes back, bitwise or not, is a reduction failing again (persistent),
+        # even where 2 ranks leave the faulty one unnamed, and also where a repair of
+        # the state or another detection came between (the repair that hid it moved
+        # every value, not which rank's reduction fails).
+        mismatch = self._remember(st, detection)
+        mismatch_again = mismatch is not None and (
+            not ranks or not mismatch.ranks or bool(set(ranks) & set(mismatch.ranks)))  # else: a new fault elsewhere
+        if mismatch is not None and mismatch_again:
+            common = sorted(set(mismatch.ranks) & set(ranks))
+        elif prev is None or prev.source != "check":
+            st.pending = detection
             verdict = self._recompute_unless_capped(st, detector, ranks, values)
             if verdict.detector == "rerun_cap" and detector in _SPIKES and not ranks and self._rose_alike(view):
                 # No rerun left to tell data from a fault: a rise of every rank alike
                 # counts towards a level shift (skipping on would stall training for good).
                 return self._spike_skipped(verdict, ranks, values)
             return verdict
-        # Data cannot make ranks receive different aggregated gradients: a mismatch
-        # that comes back, bitwise or not, is a reduction failing again (persistent),
-        # even where 2 ranks leave the faulty one unnamed.
-        mismatch_again = detector == prev.detector == "grad_mismatch" and (
-            not ranks or not prev.ranks or bool(set(ranks) & set(prev.ranks)))  # else: a new fault elsewhere
-        # Suspects named both times: only their rows must reproduce (another rank's
-        # transient fault, on either attempt, does not make one rank's bad data persistent).
-        rows = sorted(set(ranks) & set(prev.ranks)) or None
-        if not mismatch_again and reproduced(prev.bits, bits, rows):
-            named = rows or ranks  # the ranks whose data reproduced
-            # A level shift applies this attempt: never one where another rank was hit too.
-            return self._skip_as_data(st, detector, named, values, may_shift=detector in _SPIKES and named == ranks)
-        st.pending = _Detection("check", detector, ranks, bits)
-        common = sorted(set(prev.ranks) & set(ranks))
-        if not (common or prev.ranks or ranks) and detector == prev.detector:
-            # Unnamed both times (two faulty ranks of four pull the ranks' median along):
-            # healthy ranks recompute their own values bit for bit; the ranks whose
-            # values moved are the ones the recurring anomaly comes from.
-            common = unsteady_ranks(prev.bits, bits)
+        else:
+            # Suspects named both times: only their rows must reproduce (another rank's
+            # transient fault, on either attempt, does not make one rank's bad data persistent).
+            rows = sorted(set(ranks) & set(prev.ranks)) or None
+            if reproduced(prev.bits, detection.bits, rows):
+                named = rows or ranks  # the ranks whose data reproduced
+                # A level shift applies this attempt: never one where another rank was hit too.
+                return self._skip_as_data(st, detector, named, values,
+                                          may_shift=detector in _SPIKES and named == ranks)
+            common = sorted(set(prev.ranks) & set(ranks))
+            if not (common or prev.ranks or ranks) and detector == prev.detector:
+                # Unnamed both times (two faulty ranks of four pull the ranks' median along):
+                # healthy ranks recompute their own values bit for bit; the ranks whose
+                # values moved are the ones the recurring anomaly comes from.
+                common = unsteady_ranks(prev.bits, detection.bits)
+        st.pending = detection
         if common or mismatch_again:
             self._set_cause(st, "persistent")
             if self.config.on_persistent == "stop":
@@ -355,20 +379,30 @@ class Guard:
             # values are kept out of the history.
             st.tainted = True
             return GuardVerdict("proceed", "update_ratio", [], None, values)
-        bits = [[f64_bits(ratio)]]
-        if prev is None or prev.source != "update":
-            st.pending = _Detection("update", "update_ratio", [], bits)
-            verdict = self._recompute_unless_capped(st, "update_ratio", [], values)
-        elif prev.bits == bits or close(bits_f64(prev.bits[0][0]), ratio):
+        detection = _Detection("update", "update_ratio", [], [[f64_bits(ratio)]])
+        # Compared with this step's last ratio detection, also where the recompute it
+        # asked for found something else first: every attempt updates from the same state.
+        before = self._remember(st, detection)
+        if before is not None and (before.bits == detection.bits or close(bits_f64(before.bits[0][0]), ratio)):
             # As for a reproduced loss spike: a lasting rise is applied after
             # --shift-after skips; a NaN never.
             verdict = self._skip_as_data(st, "update_ratio", [], values, may_shift=math.isfinite(ratio))
         else:
-            st.pending = _Detection("update", "update_ratio", [], bits)
+            st.pending = detection
             verdict = self._recompute_unless_capped(st, "update_ratio", [], values)
         if verdict.action != "proceed":  # a level shift keeps the update
             self.counters["rollbacks"] += 1
         return verdict
+
+    @staticmethod
+    def _remember(st: _StepState, detection: _Detection) -> _Detection | None:
+        """Keep ``detection`` as its step's last of its detector, where that detector's
+        are remembered (``_REMEMBERED``); return the one it replaces, if any."""
+        if detection.detector not in _REMEMBERED:
+            return None
+        before = st.earlier.get(detection.detector)
+        st.earlier[detection.detector] = detection
+        return before
 
     def _mark_detected(self, st: _StepState) -> None:
         """Something was detected in ``st``'s step: one detection per step, whatever its
@@ -620,9 +654,8 @@ class Guard:
                 # either version load.
                 "step": st.step, "reruns": st.reruns, "cause": st.cause, "incident": st.detected,
                 "tainted": st.tainted,
-                "pending": None if st.pending is None else {
-                    "source": st.pending.source, "detector": st.pending.detector,
-                    "ranks": list(st.pending.ranks), "bits": [list(r) for r in st.pending.bits]},
+                "pending": None if st.pending is None else st.pending.to_json(),
+                "earlier": {name: d.to_json() for name, d in st.earlier.items()},
             },
             "armed_step": self._armed_step,
         }
@@ -648,9 +681,10 @@ class Guard:
         self._st = None
         if s is not None:
             p = s["pending"]
-            self._st = _StepState(s["step"], s["reruns"], s["cause"], None if p is None else _Detection(
-                p["source"], p["detector"], list(p["ranks"]), [list(r) for r in p["bits"]]),
-                s["incident"], s["tainted"])
+            self._st = _StepState(s["step"], s["reruns"], s["cause"], None if p is None else _Detection.from_json(p),
+                                  s["incident"], s["tainted"],
+                                  # older checkpoints lack it
+                                  {name: _Detection.from_json(d) for name, d in s.get("earlier", {}).items()})
         self._armed_step = state.get("armed_step")
 
     def _windows(self) -> dict[str, SpikeWindow]:

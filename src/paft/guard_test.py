@@ -785,6 +785,44 @@ def test_grad_mismatch_that_comes_back_is_never_data() -> None:
     assert (v.action, v.detector, v.ranks, v.cause) == ("recompute", "grad_mismatch", [1], None)
 
 
+@pytest.mark.parametrize("policy,action", [("stop", "stop"), ("repair", "recompute")])
+def test_a_grad_mismatch_that_comes_back_after_a_state_repair_is_persistent(policy: str, action: str) -> None:
+    """The state check comes first: a recompute that found a replica corrupted at rest
+    repaired it and hid that the reduction failed again. The mismatch after the repair
+    was compared with the state split, not the mismatch before it, and the step ended
+    at rerun_cap with cause "state" (a run asked to stop on a persistent fault went on)."""
+    g = guard(3, on_persistent=policy, max_reruns_per_step=3)
+    t = warm(g)
+    assert g.check(t, 0, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 5])).ranks == [2]
+    assert g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 6], states=[1, 2, 1])).action == "repair"
+    restored = guard(3, on_persistent=policy, max_reruns_per_step=3)  # the step in flight, saved and loaded
+    restored.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    for h in (g, restored):
+        v = h.check(t, 2, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 7], states=[1, 1, 1]))
+        assert (v.action, v.detector, v.ranks, v.cause) == (action, "grad_mismatch", [2], "persistent")
+        assert (h.counters["persistent"], h.counters["state"], h.counters["detections"]) == (1, 0, 1)
+    # Another rank's mismatch after the repair is a new fault: the step stays "state".
+    g = guard(3, on_persistent=policy, max_reruns_per_step=3)
+    t = warm(g)
+    g.check(t, 0, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 5]))
+    g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[1, 2, 1]))
+    v = g.check(t, 2, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[6, FP, FP], states=[1, 1, 1]))
+    assert (v.action, v.ranks, v.cause) == ("recompute", [0], "state")
+
+
+def test_a_grad_mismatch_that_comes_back_after_a_rolled_back_update_is_persistent() -> None:
+    # Clean on its recompute, the step's update was rolled back; the recompute of the
+    # update found the same rank's reduction failing again.
+    g = guard(4, on_persistent="stop", max_reruns_per_step=3)
+    t = warm(g)
+    assert g.check(t, 0, make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, 5, FP, FP])).action == "recompute"
+    assert g.check(t, 1, steady(4)).cause == "transient" and g.wants_snapshot(t, steady(4))
+    assert g.check_update(t, math.inf).action == "recompute"
+    v = g.check(t, 2, make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, 6, FP, FP]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("stop", "grad_mismatch", [1], "persistent")
+    assert (g.counters["persistent"], g.counters["transient"]) == (1, 0)
+
+
 def test_different_rank_on_rerun_is_a_new_fault() -> None:
     g = guard(4)
     t = warm(g)
@@ -855,6 +893,23 @@ def test_update_ratio_spike_reproduced_is_data() -> None:
     v = g.check_update(t, 0.2)
     assert (v.action, v.cause) == ("skip", "data")
     assert g.counters["rollbacks"] == 2
+
+
+def test_an_update_ratio_that_comes_back_after_another_detection_is_still_data() -> None:
+    """A rollback's recompute hit by a fault, then a clean attempt whose update fires
+    again, as before: every attempt updates from the same state, so the ratio reproduced
+    (the batch's data). It was compared with nothing, the recompute's detection having
+    replaced it, and the step ended at rerun_cap labelled "transient" (the fault's cause)."""
+    g = guard(4)
+    t = warm(g)
+    view = make_view([2.8] * 4, [1.5] * 4, 1.0)  # a near miss: armed
+    assert g.check(t, 0, view).action == "proceed" and g.wants_snapshot(t, view)
+    assert g.check_update(t, 0.2).action == "recompute"
+    assert g.check(t, 1, make_view([2.8] * 4, [1.5] * 4, 1.0, fps=[FP, 5, FP, FP])).action == "recompute"
+    assert g.check(t, 2, view).cause == "transient" and g.wants_snapshot(t, view)
+    v = g.check_update(t, 0.2)
+    assert (v.action, v.detector, v.cause) == ("skip", "update_ratio", "data")
+    assert (g.counters["data"], g.counters["transient"], g.counters["rollbacks"]) == (1, 0, 2)
 
 
 @pytest.mark.parametrize("first,again", [(math.inf, 0.2), (0.2, math.inf)])
