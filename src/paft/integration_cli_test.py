@@ -17,7 +17,9 @@ Real runs through :func:`paft.cli.main` (2 gloo workers on tiny models, a few st
 - ``--tensorboard`` across a failed leg and its resume: every scalar once, the
   uninterrupted run's values;
 - PAFT-Dyn on 3 ranks: exact for a fault its checks see before a forward pass, not for
-  a parameter corrupted at rest, which the guard makes exact.
+  a parameter corrupted at rest, which the guard makes exact;
+- ``--on-persistent stop`` on 3 ranks: a reduction that fails again after a state repair
+  came between stops the run (exit 3), naming the rank.
 """
 
 from __future__ import annotations
@@ -323,3 +325,25 @@ def test_paft_dyn_is_exact_for_faults_it_sees_before_a_forward_pass_and_the_guar
     assert s["optimizer-state"]["state_fingerprint"] == fault_free and s["optimizer-state"]["syncs"] == 1
     assert s["params"]["state_fingerprint"] != fault_free and s["params"]["syncs"] == 1
     assert s["guard"]["state_fingerprint"] == fault_free and s["guard"]["detections"] == 1
+
+
+def test_a_persistent_reduction_fault_hidden_by_a_state_repair_still_stops_the_run(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/GUARD.md, grad_mismatch: the recompute of a mismatch on rank 2 finds rank 1's
+    optimizer state corrupted at rest (no fingerprint was due at the first attempt) and
+    repairs it, the state check coming first. The mismatch after the repair is rank 2's
+    reduction failing again: the run stops (exit 3) naming rank 2. It was compared with
+    the repair instead, and the batch was skipped at the rerun cap (exit 0)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--workload", "gpt", *TINY["gpt"], "--world-size", "3", "--batch-size", "12",
+            "--eval-batches", "1", "--quiet", "--steps", "4", "--guard", "--on-persistent", "stop",
+            "--inject", "scale:site=optimizer-state,steps=2,ranks=1,factor=1e-12,fraction=1.0",
+            "--inject", "bitflip:site=aggregation,steps=2,ranks=2,bits=30,persistent=true", "--run-dir", "r"]
+    assert main(argv) == 3, capsys.readouterr().err
+    events = [(e["event"], e.get("attempt"), e.get("detector"), e["ranks"], e.get("action"), e.get("cause"))
+              for e in _jsonl(tmp_path / "r" / "events.jsonl") if e["event"] in ("guard", "stop")]
+    assert events == [("guard", 0, "grad_mismatch", [2], "recompute", None),
+                      ("guard", 1, "state_mismatch", [1], "repair", "state"),
+                      ("guard", 2, "grad_mismatch", [2], "stop", "persistent"),
+                      ("stop", None, None, [2], None, None)]
