@@ -56,11 +56,14 @@ of this step)::
     >= 1     a spike reproduced, after shift_after such skips (none applied between) proceed  data, detector level_shift
              (the level moved: the spike statistics start over)
     >= 1     grad_mismatch again, same or unnamed suspects (bitwise   stop        persistent  (on_persistent=stop)
-             or not: data never makes ranks' aggregates differ)       recompute   persistent  (on_persistent=repair)
+             or not: data never makes ranks' aggregates differ),      recompute   persistent  (on_persistent=repair)
+             compared with the step's last grad_mismatch, even where
+             a state repair or another detection came between
     >= 1     detected     suspects overlap prev's, other values    stop        persistent  (on_persistent=stop)
              (unnamed both times, same detector: the suspects      recompute   persistent  (on_persistent=repair)
              are the ranks whose own loss / local norm moved, if
              only some did: healthy ranks recompute them bitwise)
+    >= 1     detected     prev a state_mismatch (just repaired)    recompute   as decided so far
     >= 1     detected     anything else (new / unattributed)       recompute   as decided so far
     any      recompute wanted but a cap is spent                   skip        as decided, detector rerun_cap
 
@@ -72,8 +75,11 @@ suspects' rows only when both attempts name the same suspects.
 two differences: it can only roll back when :meth:`Guard.wants_snapshot` armed this
 step (otherwise: ``proceed`` with ``detector="update_ratio"``, a record, and the
 step's values stay out of the history), and it never names ranks (the ratio is a
-max over ranks), so a recurring non-reproducible anomaly ends at ``rerun_cap``.
-``recompute`` and ``skip`` from it both mean: restore the pre-step snapshot first.
+max over ranks), so a recurring non-reproducible anomaly ends at ``rerun_cap``. A ratio
+is compared with the step's last ratio detection, also where the recompute that
+detection asked for found something else first (every attempt updates from the same
+snapshot), unless a state repair came between. ``recompute`` and ``skip`` from it
+both mean: restore the pre-step snapshot first.
 :meth:`Guard.wants_snapshot` documents when the guard asks for that snapshot.
 
 ``repair``: the replicas' parameters / optimizer state differ, so every recompute
@@ -206,10 +212,10 @@ class _Detection:
 
 
 # Detectors whose last detection in a step is remembered past a detection of another
-# kind or a state repair (_StepState.earlier): their recurrence attributes the step
-# whatever came between. A grad_mismatch is never data, so coming back on the same
-# ranks makes it persistent; an update ratio is measured from the same pre-step state
-# on every attempt, so one that comes back the same is data.
+# kind (_StepState.earlier): their recurrence attributes the step whatever came between.
+# A grad_mismatch is never data, so coming back on the same ranks makes it persistent,
+# a state repair between them too; an update ratio is measured from the same pre-step
+# state on every attempt (until a repair changes it), so one that comes back the same is data.
 _REMEMBERED = ("grad_mismatch", "update_ratio")
 
 
@@ -283,7 +289,9 @@ class Guard:
             not ranks or not mismatch.ranks or bool(set(ranks) & set(mismatch.ranks)))  # else: a new fault elsewhere
         if mismatch is not None and mismatch_again:
             common = sorted(set(mismatch.ranks) & set(ranks))
-        elif prev is None or prev.source != "check":
+        elif prev is None or prev.source != "check" or prev.detector == "state_mismatch":
+            # A first detection, also right after a repair: the repaired state moved the
+            # ranks' values, so bad data coming back would read as a persistent fault.
             st.pending = detection
             verdict = self._recompute_unless_capped(st, detector, ranks, values)
             if verdict.detector == "rerun_cap" and detector in _SPIKES and not ranks and self._rose_alike(view):
@@ -602,6 +610,9 @@ class Guard:
         persistent = bool(again) or (split is not None and not minority and not split.ranks)
         self._set_cause(st, "persistent" if persistent else "state")
         st.pending = _Detection("check", "state_mismatch", minority, view.header_bits())
+        # The update starts from the repaired state from now on: the ratio of one before
+        # would say nothing of the data. (A grad_mismatch stays comparable: see check.)
+        st.earlier.pop("update_ratio", None)
         if persistent and self.config.on_persistent == "stop":
             return GuardVerdict("stop", "state_mismatch", again, "persistent", {"distinct": float(len(groups))})
         verdict = self._recompute_unless_capped(st, "state_mismatch", minority, {"distinct": float(len(groups))})

@@ -810,6 +810,26 @@ def test_a_grad_mismatch_that_comes_back_after_a_state_repair_is_persistent(poli
     assert (v.action, v.ranks, v.cause) == ("recompute", [0], "state")
 
 
+@pytest.mark.parametrize("policy", ["stop", "repair"])
+def test_a_detection_right_after_a_state_repair_is_compared_with_nothing(policy: str) -> None:
+    """The repaired state moves the ranks' values: bad data on the repaired rank comes
+    back with other values, or even the same. It was compared with the state split (its
+    suspects overlapped, its state column moved) and called persistent: a run asked to
+    stop on a persistent fault stopped on a bad batch."""
+    g = guard(3, on_persistent=policy, max_reruns_per_step=3)
+    t = warm(g)
+    def outlier(states: list[int | None]) -> ControlView:  # bad data on rank 1
+        return make_view([2.0, 400.0, 2.0], [1.5, 60.0, 1.5], 20.0, states=states)
+
+    assert g.check(t, 0, outlier([None] * 3)).action == "recompute"
+    assert g.check(t, 1, outlier([1, 2, 1])).action == "repair"
+    v = g.check(t, 2, outlier([1, 1, 1]))  # every recompute fingerprints the state
+    assert (v.action, v.detector, v.ranks, v.cause) == ("recompute", "rank_outlier", [1], "state")
+    v = g.check(t, 3, outlier([1, 1, 1]))  # reproduced on a recompute from the same state: the data
+    assert (v.action, v.detector, v.cause) == ("skip", "rank_outlier", "data")
+    assert g.counters["persistent"] == 0
+
+
 def test_a_grad_mismatch_that_comes_back_after_a_rolled_back_update_is_persistent() -> None:
     # Clean on its recompute, the step's update was rolled back; the recompute of the
     # update found the same rank's reduction failing again.
@@ -910,6 +930,16 @@ def test_an_update_ratio_that_comes_back_after_another_detection_is_still_data()
     v = g.check_update(t, 0.2)
     assert (v.action, v.detector, v.cause) == ("skip", "update_ratio", "data")
     assert (g.counters["data"], g.counters["transient"], g.counters["rollbacks"]) == (1, 0, 2)
+    # Not across a repair: the update then starts from another state.
+    g = guard(4, max_reruns_per_step=3)
+    t = warm(g)
+    assert g.check(t, 0, view).action == "proceed" and g.wants_snapshot(t, view)
+    assert g.check_update(t, 0.2).action == "recompute"
+    assert g.check(t, 1, make_view([2.8] * 4, [1.5] * 4, 1.0, states=[1, 2, 1, 1])).action == "repair"
+    clean = make_view([2.8] * 4, [1.5] * 4, 1.0, states=[1] * 4)
+    assert g.check(t, 2, clean).cause == "state" and g.wants_snapshot(t, clean)
+    v = g.check_update(t, 0.2)
+    assert (v.action, v.detector, v.cause) == ("recompute", "update_ratio", "state")
 
 
 @pytest.mark.parametrize("first,again", [(math.inf, 0.2), (0.2, math.inf)])
