@@ -470,8 +470,8 @@ def config_from_namespace(ns: argparse.Namespace,
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
-        where = "--run-dir" if "run-dir" in given else f"--config: {config_file}: run-dir"
-        raise ValueError(f"{where}: must not be empty (leave it out for runs/<workload>-<time>-<pid>)")
+        named = "--run-dir" if "run-dir" in given else f"--config: {config_file}: run-dir"
+        raise ValueError(f"{named}: must not be empty (leave it out for runs/<workload>-<time>-<pid>)")
     # The folder a --resume continues: "~" expanded, ".." resolved (as launch() does).
     folder = resolve_run_dir(run_dir) if resume and run_dir else ""
     saved_file = pathlib.Path(folder, "config.json")
