@@ -107,9 +107,12 @@ def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (x[i], x[i + d/2]) pair of ``x: (B, H, T, d)`` by its position's angle."""
+    """Rotate each (x[i], x[i + d/2]) pair of ``x: (B, H, T, d)`` by its position's angle,
+    in the float32 tables' precision, back in ``x``'s dtype (LLaMA's ``type_as``): in a
+    bfloat16 or float16 model the rotated queries and keys then stay of the values' dtype,
+    as attention needs (a float32 model's bits are unchanged)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -30,7 +30,7 @@ from paft.workloads import (
     model_config,
     parameter_count,
 )
-from paft.workloads.llama import Attention, rope_tables
+from paft.workloads.llama import Attention, apply_rope, rope_tables
 
 
 @pytest.fixture(autouse=True)
@@ -240,6 +240,22 @@ def test_rope_attention_sees_relative_positions_only() -> None:
     with torch.no_grad():
         at_start, later = attn(x, cos[:8], sin[:8]), attn(x, cos[40:], sin[40:])
     assert torch.allclose(at_start, later, atol=1e-5), (at_start - later).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_llama_runs_in_a_lower_precision(dtype: torch.dtype) -> None:
+    # A model cast to bfloat16 or float16 (model.to(dtype)): the rotation runs in the
+    # float32 tables' precision and returns the input's dtype, as LLaMA's type_as does.
+    # Left in float32, the rotated queries and keys met bfloat16 values in the attention,
+    # which refused them ("Expected query, key, and value to have the same dtype").
+    cfg = LlamaConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    torch.manual_seed(0)
+    model = Llama(cfg).to(dtype)
+    logits = model(torch.randint(0, cfg.vocab_size, (2, 8)))
+    assert logits.dtype == dtype and bool(logits.isfinite().all())
+    cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
+    x = torch.randn(2, 2, 8, 8).to(dtype)
+    assert torch.equal(apply_rope(x, cos, sin), apply_rope(x.float(), cos, sin).to(dtype))
 
 
 def test_llama_has_no_biases_and_no_buffers() -> None:
