@@ -194,7 +194,14 @@ class CharVocab:
         return torch.from_numpy(ids)
 
     def decode(self, ids: torch.Tensor) -> str:
-        return "".join(self.chars[i] for i in ids.tolist())
+        values = ids.tolist()
+        # Checked, as encode checks its characters: a negative id indexed the string from
+        # its end (-1 read 'z'), and one of a model wider than the data (--model
+        # vocab_size=100) failed as a bare IndexError.
+        bad = [i for i in values if not 0 <= i < len(self.chars)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is not in the vocabulary (ids 0 to {len(self.chars) - 1})")
+        return "".join(self.chars[i] for i in values)
 
 
 @functools.cache

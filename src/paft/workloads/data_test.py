@@ -68,6 +68,11 @@ def test_shakespeare_round_trip_decode() -> None:
     assert ord("{") == ord(vocab.chars[-1]) + 1
     with pytest.raises(ValueError, match="'{' is not in the vocabulary"):
         vocab.encode("a{")
+    # Ids outside the vocabulary are refused by decode too: -1 is no character (it read
+    # the last one, 'z'), nor is 65 (a model with --model vocab_size=100 can emit it).
+    for bad in (-1, len(vocab)):
+        with pytest.raises(ValueError, match=f"token id {bad} is not in the vocabulary"):
+            vocab.decode(torch.tensor([0, bad]))
 
 
 def test_token_windows_shift_by_one_and_do_not_overlap() -> None:
