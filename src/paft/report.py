@@ -378,10 +378,7 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     # An applied update from split aggregated gradients splits the state from the next step
     # on (a skipped one has no grad record); a sync or repair after it joins it again.
     split = [(s + 1, v) for s, v in zip(*series(run.consistency, "replicas/grad_distinct")) if v > 1]
-    # The split a sync or repair saw: a repair before its step's rerun (seen_from: that step)
-    # saw it before its own end; a sync after its step's update saw that update's state,
-    # which no earlier sync's end or the step's fingerprints (taken before it) undo.
-    found = [(int(e["step"]), float(len(e["groups"])), seen_from(e) > int(e["step"])) for e in split_syncs(run)]
+    found = [_found_split(e) for e in split_syncs(run)]
     # Every sync's end, also without a state fingerprint (--fingerprint-every 0): the
     # split it found is drawn, and so must be the end it put to it. An overlapped sync
     # that landed within a step (seen_from two steps after its own) came before that
@@ -395,6 +392,21 @@ def _state_distinct(run: RunData) -> tuple[list[int], list[float]]:
     last = dict([*landed_before, *split, *((s, v) for s, v, after in found if not after), *landed_after,
                  *zip(steps, values), *((s, v) for s, v, after in found if after), *end])
     return sorted(last), [last[s] for s in sorted(last)]
+
+
+def _found_split(sync: dict[str, Any]) -> tuple[int, float, bool]:
+    """(step to draw it at, distinct replicas, whether after that step's fingerprints) of
+    the split a sync or repair found. A sync after its step's update saw that update's
+    state, which no earlier sync's end or the step's fingerprints (taken before it) undo.
+    A repair before its step's rerun (seen_from: that step) saw the state the step began
+    from, which the step before's update (or a fault at rest) left: it is drawn there, as
+    a split after that update, since at its own step the rerun's fingerprints of one
+    replica have the last word (a split the guard repaired at a fingerprint step never
+    showed). A repair at step 0 has no step before it: under its end, at its own."""
+    step, distinct = int(sync["step"]), float(len(sync["groups"]))
+    if seen_from(sync) > step:
+        return step, distinct, True
+    return (step - 1, distinct, True) if step > 0 else (step, distinct, False)
 
 
 def _fingerprinted(run: RunData) -> bool:

@@ -836,13 +836,21 @@ def test_the_first_split_is_the_earliest_whoever_found_it(fault_run: pathlib.Pat
 def test_the_training_state_line_takes_a_repair_at_its_own_step(clean_run: pathlib.Path,
                                                                 tmp_path: pathlib.Path) -> None:
     """The guard's repair before a step's rerun (seen_from: that step) found the replicas
-    split and left them one: one replica from that step on, not two until the next fingerprint."""
+    split and left them one: one replica from that step on, not two until the next
+    fingerprint; two after the step before's update, where the state it found came from.
+    At a fingerprint step (a fault at rest at step 5 that the guard's state check caught at
+    step 10, as a real run recorded it) the rerun's fingerprints of one replica hid the
+    split: the line never left 1. A repair at step 0 has no step before it."""
     run = copy_run(clean_run, tmp_path / "repaired")
     with open(run / "events.jsonl", "a") as f:
-        f.write(json.dumps({"step": 3, "event": "repair", "mode": "median-with-reference", "divergence": 0.5,
-                            "groups": [[0], [1]], "note": "", "seen_from": 3}) + "\n")
+        for step in (3, 10):  # clean_run fingerprints the state at steps 0 and 10
+            f.write(json.dumps({"step": step, "event": "repair", "mode": "median-with-reference", "divergence": 0.5,
+                                "groups": [[0], [1]], "note": "", "seen_from": step}) + "\n")
     steps, values = _state_distinct(load_run(run))
-    assert list(zip(steps, values)) == [(0, 1), (3, 1), (10, 1), (12, 1)]
+    assert list(zip(steps, values)) == [(0, 1), (2, 2), (3, 1), (9, 2), (10, 1), (12, 1)]
+    at_start = load_run(run)
+    at_start.events = [{**at_start.events[-1], "step": 0, "seen_from": 0}]
+    assert list(zip(*_state_distinct(at_start))) == [(0, 1), (10, 1), (12, 1)]
 
 
 def test_the_training_state_line_draws_every_split_a_sync_found_after_its_update(
