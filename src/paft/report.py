@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import same_color
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -52,7 +54,7 @@ _STATE_SPLIT_COLOR = "goldenrod"  # a state-split alert's, and its measurement's
 _NONFINITE_ROW = 0.88
 # A monitor alert: a ring around the value it judged, on the panel of its metric.
 _ALERT_STYLE: dict[str, Any] = {"ls": "", "marker": "o", "ms": 12, "mfc": "none", "mew": 1.5, "zorder": 3}
-_SPLIT_LABELS = 6  # the splits the replica panel labels; more are counted in one note
+_SPLIT_LABELS = 6  # the most splits the replica panel labels; more are counted in one note
 _NONFINITE_LABEL = "non-finite value (color: series)"
 _DISPERSION = [
     ("consistency/loss_std", "local-loss std over ranks", "std"),
@@ -212,12 +214,30 @@ def _mark_alerts(ax: Axes, run: RunData, *detectors: str) -> None:
         label = f"alert: {detector}{who} ({len(alerts)})"
         at = [(int(a["step"]), number(a.get("value"))) for a in alerts]
         finite = [(s, v) for s, v in at if math.isfinite(v)]
-        edge = [s for s, v in at if not math.isfinite(v)]
         if finite:
             ax.plot([s for s, _ in finite], [v for _, v in finite], color=color, label=label, **_ALERT_STYLE)
-        if edge:  # at the height of the first non-finite value's mark, which it rings
-            ax.plot(edge, [_NONFINITE_ROW] * len(edge), color=color, transform=ax.get_xaxis_transform(), clip_on=False,
-                    label="_nolegend_" if finite else label, **_ALERT_STYLE)
+        ringed = [(s, height) for a in alerts if not math.isfinite(number(a.get("value")))
+                  for s in [int(a["step"])] for height in _nonfinite_heights(ax, s, a.get("ranks") or [])]
+        if ringed:
+            ax.plot([s for s, _ in ringed], [h for _, h in ringed], color=color, transform=ax.get_xaxis_transform(),
+                    clip_on=False, label="_nolegend_" if finite else label, **_ALERT_STYLE)
+
+
+def _nonfinite_heights(ax: Axes, step: int, ranks: Sequence[int]) -> list[float]:
+    """Where on the top edge an alert of ``step`` that judged no finite value is ringed:
+    on the row of each rank it names (each series' non-finite marks have their own row,
+    in the rank's color), also where that rank's value is finite at the step (a
+    non-finite gradient beside a finite loss); else on the first row with a mark at the
+    step (a panel of one series), else the first row. A ring on the first row alone
+    circled another rank's mark, or none, where the rank it named was drawn lower."""
+    rows = [(np.asarray(line.get_xdata()).tolist(), float(np.asarray(line.get_ydata())[0]), line.get_color())
+            for line in ax.get_lines() if line.get_gid() == "nonfinite"]
+    # A rank's first row is its local loss's (its validation loss, in its color too, comes after).
+    of_ranks = [next((h for _, h, color in rows if same_color(color, _rank_color(int(r)))), None) for r in ranks]
+    if any(h is not None for h in of_ranks):
+        return sorted({h for h in of_ranks if h is not None}, reverse=True)
+    at_step = [h for steps, h, _ in rows if step in steps]
+    return [at_step[0] if at_step else _NONFINITE_ROW]
 
 
 def _finish(ax: Axes, run: RunData, title: str, ylabel: str) -> None:

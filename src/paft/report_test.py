@@ -40,7 +40,7 @@ from paft.report import (
 )
 from paft.report_text import summary_text
 from paft.run_reading import first_split, replica_splits, series
-from paft.rundata import ReportError, load_run, mean_local_loss
+from paft.rundata import ReportError, RunData, load_run, mean_local_loss
 from paft.rundir import prepare_run_dir
 from paft.testing import one_rank_group, run_workers
 from paft.train import Trainer
@@ -1505,3 +1505,32 @@ def test_what_ends_a_split_and_what_does_not(clean_run: pathlib.Path) -> None:
     run.consistency = [{"step": 5, "replicas/state_distinct": 2}]
     run.events = [{"step": 4, "event": "sync", "mode": "noop", "groups": [[0, 1]], "seen_from": 6}]
     assert [s[0] for s in replica_splits(run)] == [5]
+
+def hand_made_run(path: pathlib.Path, losses: dict[int, list[float]], consistency: list[dict[str, Any]],
+                  events: list[dict[str, Any]]) -> RunData:
+    """A run's records without a run: each rank's local loss by step, as load_run reads them."""
+    metrics = {rank: [{"step": step, "local_loss": loss} for step, loss in enumerate(values)]
+               for rank, values in losses.items()}
+    return RunData(path=path, config={"world_size": len(losses), "workload": "gpt"}, summary=None, metrics=metrics,
+                   consistency=consistency, evals=[], events=events, faults=[])
+
+
+def test_a_nonfinite_alert_rings_the_marks_of_the_ranks_it_names(tmp_path: pathlib.Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN gradient on rank 1 at step 6 made every replica NaN (a real run's alerts): rank
+    1's alert at step 6, its loss still finite, and both ranks' at step 7 were ringed on the
+    first row of marks, rank 0's: the first circled nothing in rank 1's row, the second
+    not rank 1's mark."""
+    nan = math.nan
+    run = hand_made_run(tmp_path, {0: [4.1] * 7 + [nan] * 3, 1: [4.2] * 7 + [nan] * 3}, [], [
+        {"step": 6, "event": "alert", "detector": "nonfinite_local", "ranks": [1], "value": [1]},
+        {"step": 7, "event": "alert", "detector": "nonfinite_local", "ranks": [0, 1], "value": [0, 1]}])
+    figures: list[Any] = []
+    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    report_module._plot_loss(run)
+    lines = figures[0].axes[0].get_lines()
+    marks = {line.get_color(): float(line.get_ydata()[0]) for line in lines if line.get_gid() == "nonfinite"}
+    assert marks == {"C0": 0.88, "C1": 0.84, "black": pytest.approx(0.80)}  # rank 0, rank 1, their mean
+    rings = [list(zip(line.get_xdata(), line.get_ydata())) for line in lines if line.get_markersize() == 12]
+    assert rings == [[(6, 0.84), (7, 0.88), (7, 0.84)]]
+
