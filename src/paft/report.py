@@ -31,6 +31,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import same_color
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 from matplotlib.ticker import MaxNLocator
 
 from paft.records import folders_to_make, is_file, output_dir_problem, remove_made, write_together
@@ -49,8 +50,8 @@ _GUARD_MARKERS = {"recompute": ("X", "magenta", 0.95), "skip": ("s", "darkgolden
                   "stop": ("*", "black", 0.99)}
 _SYNC_COLOR = "teal"
 _STATE_SPLIT_COLOR = "goldenrod"  # a state-split alert's, and its measurement's on the divergence panel
-# How far up a panel (a fraction of it) the non-finite marks' first row is: _mark_alerts
-# rings a non-finite value's mark there.
+# How far up a panel (a fraction of it) the non-finite marks' first row is; each series
+# with such marks has its own row below it, where _mark_alerts rings them.
 _NONFINITE_ROW = 0.88
 # A monitor alert: a ring around the value it judged, on the panel of its metric.
 _ALERT_STYLE: dict[str, Any] = {"ls": "", "marker": "o", "ms": 12, "mfc": "none", "mew": 1.5, "zorder": 3}
@@ -449,22 +450,63 @@ def _replica_panel(ax: Axes, run: RunData) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max(2, run.world_size) + 0.5)
     _mark_alerts(ax, run, "replicas_split", "state_split")
-    # Each split, with the ranks outside the majority: the first above the line of one
-    # replica, the later ones smaller, below it (where only the sync markers are), at
-    # three depths in turn, so that the labels of splits a few steps apart stay apart.
+    _finish(ax, run, "distinct replicas (fingerprint groups)", "replicas")
+    _label_splits(ax, run)
+
+
+# Where a later split's label may go, in points from the split's step on the line of one
+# replica: below it (where only the sync markers are) at three depths, then above it.
+_LATER_LABEL_HEIGHTS = (-14, -28, -42, 20, 34)
+
+
+def _label_splits(ax: Axes, run: RunData) -> None:
+    """Each split, with the ranks outside the majority: the first above the line of one
+    replica, the later ones smaller, where their text overlaps no other label's (a few
+    splits steps apart were written over each other); a later one that finds no such
+    place, or past the first few, is counted in one note. Placed in the figure's final
+    layout: the panel must be the figure's last drawn, and the labels take no part in
+    the layout, which would move them."""
     splits = replica_splits(run)
-    for i, (step, ranks, _, by) in enumerate(splits[:_SPLIT_LABELS]):
+    if not splits:
+        return
+    note = ax.text(0.99, 0.1, f"{len(splits) - 1} later splits not labelled", transform=ax.transAxes,
+                   ha="right", color="0.4", fontsize="small")  # its widest text, so that no label takes its place
+    fig = ax.figure
+    assert isinstance(fig, Figure)  # _figure's, never a subfigure
+    fig.draw_without_rendering()  # the layout, in which the labels' extents are measured
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    panel = ax.get_window_extent(renderer)
+    taken = [note.get_window_extent(renderer)]
+    left_out = 0
+    for i, (step, ranks, _, by) in enumerate(splits):
+        if i >= _SPLIT_LABELS:
+            left_out += 1
+            continue
         who = ranks_phrase(ranks) if ranks else "no majority"  # not "rank ?"
         caught = {"guard": " (caught by the guard)", "sync": " (found by a sync)"}.get(by, "")
         late = step > 0.6 * max(run.last_step, 1)  # written leftwards, clear of the legend
-        ax.annotate(f"{'first split' if i == 0 else 'split'}: step {step}, {who}{caught}", xy=(step, 1),
-                    xytext=(-8 if late else 8, 20 if i == 0 else -14 * (1 + (i - 1) % 3)),
-                    ha="right" if late else "left", va="baseline" if i == 0 else "top", textcoords="offset points",
-                    arrowprops={"arrowstyle": "->"}, fontsize=None if i == 0 else "small")
-    if len(splits) > _SPLIT_LABELS:
-        ax.text(0.99, 0.1, f"{len(splits) - _SPLIT_LABELS} later splits not labelled", transform=ax.transAxes,
-                ha="right", color="0.4", fontsize="small")
-    _finish(ax, run, "distinct replicas (fingerprint groups)", "replicas")
+        sides = (-8, 8) if late else (8, -8)
+        places = [(sides[0], 20)] if i == 0 else [(dx, dy) for dy in _LATER_LABEL_HEIGHTS for dx in sides]
+        for dx, dy in places:
+            label = ax.annotate(f"{'first split' if i == 0 else 'split'}: step {step}, {who}{caught}", xy=(step, 1),
+                                xytext=(dx, dy), ha="left" if dx > 0 else "right",
+                                va="bottom" if dy > 0 else "top", textcoords="offset points",
+                                arrowprops={"arrowstyle": "->"}, fontsize=None if i == 0 else "small")
+            label.set_in_layout(False)
+            label.update_positions(renderer)  # where its offset puts the text in this layout
+            box = Text.get_window_extent(label, renderer).padded(2)  # the text's, without its arrow
+            # The first is written wherever it falls: every split after it is measured against it.
+            if i == 0 or (panel.contains(box.x0, box.y0) and panel.contains(box.x1, box.y1)
+                          and not any(box.overlaps(other) for other in taken)):
+                taken.append(box)
+                break
+            label.remove()
+        else:
+            left_out += 1
+    if left_out:
+        note.set_text(f"{left_out} later split{'s' if left_out > 1 else ''} not labelled")
+    else:
+        note.remove()
 
 
 def _eval_divergence(run: RunData) -> tuple[list[int], list[float]]:
@@ -556,7 +598,8 @@ def _plot_divergence(run: RunData) -> bytes | None:
     if not panels:
         return None
     fig, axes = _figure(len(panels), 1, "Replica divergence", run)
-    for ax, name in zip(axes, panels):
+    # The replica panel last: it labels its splits in the figure's final layout.
+    for ax, name in sorted(zip(axes, panels), key=lambda panel: panel[1] == "replicas"):
         if name == "replicas":
             _replica_panel(ax, run)
         elif name == "divergence":
