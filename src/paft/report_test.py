@@ -25,20 +25,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 import paft.records as records
 import paft.report as report_module
+import paft.report_divergence as report_divergence
+import paft.report_draw as report_draw
 import paft.report_text as report_text
 from paft.config import MonitorConfig, ProtectConfig, TrainConfig
 from paft.protect import PersistentFaultError, protect
 from paft.records import RunRecorder, read_jsonl
-from paft.report import (
-    _eval_divergence,
-    _figure,
-    _period_panel,
-    _periods,
-    _plot,
-    _replica_panel,
-    _state_distinct,
-    build_report,
-)
+from paft.report import build_report
+from paft.report_divergence import _eval_divergence, _period_panel, _periods, _replica_panel, _state_distinct
+from paft.report_draw import figure, plot
 from paft.report_text import summary_text
 from paft.run_reading import first_split, replica_splits, series
 from paft.rundata import ReportError, RunData, load_run, mean_local_loss
@@ -185,7 +180,7 @@ def test_a_library_runs_losses_are_its_consistency_records(library_run: pathlib.
     assert [(r["step"], r["local_loss"], r["loss"]) for r in run.metrics[0]] == [
         (c["step"], c["local_losses"][0], c["loss"]) for c in records]
     figures: list[Any] = []
-    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    monkeypatch.setattr(report_module, "png", lambda fig: figures.append(fig) or b"")
     report_module._plot_loss(run)
     (ax,) = figures[0].axes
     assert ax.get_title() == "global and per-rank local loss (monitored steps only)"
@@ -333,8 +328,8 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
                   else {**r, "consistency/loss_cv": "inf"} if r["step"] == 10 else r)
     data = load_run(run)
     assert data.metrics[0][8]["local_loss"] == float("inf")
-    _, (ax,) = _figure(1, 1, "events")
-    report_module._mark_events(ax, data)
+    _, (ax,) = figure(1, 1, "events")
+    report_draw._mark_events(ax, data)
     labels = ax.get_legend_handles_labels()[1]  # a recompute's "proceed" verdict did nothing: no marker
     assert "guard: recompute" in labels and not any("proceed" in label for label in labels)
     assert {"fault on rank 0 (local-grad)", "fault on rank 1 (local-grad)", "sync (repair)",
@@ -343,7 +338,7 @@ def test_events_and_non_finite_values(fault_run: pathlib.Path, tmp_path: pathlib
               if line.get_label().startswith("fault on")}
     assert faults == {"fault on rank 0 (local-grad)": [8, 8], "fault on rank 1 (local-grad)": [5, 5]}
     # A plot shown on its own says what run it is of.
-    fig, _ = _figure(1, 1, "Loss", data)
+    fig, _ = figure(1, 1, "Loss", data)
     assert fig.get_suptitle() == ("Loss: events\ngpt, 2 ranks, protection none, guard off, injected "
                                   "bitflip:steps=5,bits=exponent,ranks=1")
     syncs = [(list(line.get_xdata()), line.get_mfc()) for line in ax.get_lines() if line.get_marker() == "^"]
@@ -413,7 +408,7 @@ def test_a_non_finite_replica_at_a_sync_is_no_identical_replicas(fault_run: path
         f.write(json.dumps({"step": 9, "event": "sync", "period": 8, "divergence": "inf", "mode": "finite-copy"})
                 + "\n")
     fig, ax = plt.subplots()
-    report_module._divergence_panel(ax, load_run(run_dir))
+    report_divergence._divergence_panel(ax, load_run(run_dir))
     said = [t.get_text() for t in ax.texts]
     plt.close(fig)
     assert "every sync found identical replicas" not in said
@@ -636,7 +631,7 @@ def test_per_rank_validation_losses_are_drawn_when_they_differ_visibly() -> None
 def test_loss_plot_draws_every_ranks_local_loss_and_their_mean(fault_run: pathlib.Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     figures: list[Any] = []
-    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    monkeypatch.setattr(report_module, "png", lambda fig: figures.append(fig) or b"")
     run = load_run(fault_run)
     report_module._plot_loss(run)
     lines = {line.get_label(): line for line in figures[0].axes[0].get_lines()}
@@ -659,7 +654,7 @@ def test_ranks_at_one_validation_loss_stay_visible(fault_run: pathlib.Path, tmp_
     run_dir = copy_run(fault_run, tmp_path / "r")
     rewrite_jsonl(run_dir / "evals.jsonl", lambda r: {**r, "val_loss_per_rank": [4.0, 4.0 + r["step"] / 10]})
     figures: list[Any] = []
-    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    monkeypatch.setattr(report_module, "png", lambda fig: figures.append(fig) or b"")
     report_module._plot_loss(load_run(run_dir))
     lines = {line.get_label(): line for line in figures[0].axes[0].get_lines()}
     sizes = [lines[f"rank {rank} validation loss"].get_markersize() for rank in (0, 1)]
@@ -677,7 +672,7 @@ def test_no_line_bridges_a_step_that_was_not_measured(fault_run: pathlib.Path, t
     rewrite_jsonl(run_dir / "consistency.jsonl",
                   lambda r: r if r["step"] in measured else {k: v for k, v in r.items() if not metric.match(k)})
     figures: list[Any] = []
-    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    monkeypatch.setattr(report_module, "png", lambda fig: figures.append(fig) or b"")
     run = load_run(run_dir)
     report_module._plot_dispersion(run)
     report_module._plot_cosine(run)
@@ -692,8 +687,8 @@ def test_no_line_bridges_a_step_that_was_not_measured(fault_run: pathlib.Path, t
         assert joined == [(0, 1), (1, 2), (9, 10), (10, 11)], line.get_label()
         assert line.get_marker() == "o" and [xs[i] for i in line.get_markevery()] == [5], line.get_label()
     # Measured at every step: one unbroken line, no marker.
-    _, (ax,) = _figure(1, 1, "every step")
-    _plot(ax, [0, 1, 2], [1.0, 2.0, 3.0])
+    _, (ax,) = figure(1, 1, "every step")
+    plot(ax, [0, 1, 2], [1.0, 2.0, 3.0])
     assert list(ax.get_lines()[0].get_xdata()) == [0, 1, 2] and ax.get_lines()[0].get_marker() == "None"
 
 
@@ -702,17 +697,17 @@ def test_a_line_breaks_at_each_unmeasured_step_and_marks_what_it_cannot_draw() -
     steps, values = series([{"step": 0, "v": 1.0}, {"step": 1, "v": True}, {"step": 2},
                                             {"step": 3, "v": 2}], "v")
     assert steps == [0, 1, 3] and values[0] == 1.0 and math.isnan(values[1]) and values[2] == 2.0
-    _, (ax,) = _figure(1, 1, "lines")
-    _plot(ax, [0, 1, 3, 4], [1.0, 2.0, 3.0, 4.0])  # step 2 alone missing: no line across it either
+    _, (ax,) = figure(1, 1, "lines")
+    plot(ax, [0, 1, 3, 4], [1.0, 2.0, 3.0, 4.0])  # step 2 alone missing: no line across it either
     xs, ys = list(ax.get_lines()[0].get_xdata()), list(ax.get_lines()[0].get_ydata())
     assert xs == [0, 1, 2, 3, 4] and math.isnan(ys[2]) and ys[:2] + ys[3:] == [1.0, 2.0, 3.0, 4.0]
     # Two series gone non-finite: each its own row of markers (which went first shows), one legend entry.
-    _plot(ax, [0, 1], [math.inf, 1.0], color="C0")
-    _plot(ax, [0, 1], [1.0, math.nan], color="C1")
+    plot(ax, [0, 1], [math.inf, 1.0], color="C0")
+    plot(ax, [0, 1], [1.0, math.nan], color="C1")
     rows = [(line.get_color(), line.get_ydata()[0]) for line in ax.get_lines() if line.get_gid() == "nonfinite"]
     assert rows == [("C0", 0.88), ("C1", pytest.approx(0.84))]
     assert ax.get_legend_handles_labels()[1].count("non-finite value (color: series)") == 1
-    assert len({report_module._rank_color(rank) for rank in range(10)}) == 10  # tab10: one colour per rank
+    assert len({report_draw.rank_color(rank) for rank in range(10)}) == 10  # tab10: one colour per rank
 
 
 @pytest.mark.parametrize("values,scale", [
@@ -720,8 +715,8 @@ def test_a_line_breaks_at_each_unmeasured_step_and_marks_what_it_cannot_draw() -
     ([math.nan, 1.0, 100.0], "log"),  # the non-finite values are no part of the span
 ])
 def test_a_panel_is_logarithmic_once_its_positive_values_span_two_decades(values: list[float], scale: str) -> None:
-    _, (ax,) = _figure(1, 1, "scale")
-    report_module._scale(ax, values)
+    _, (ax,) = figure(1, 1, "scale")
+    report_draw.scale(ax, values)
     assert ax.get_yscale() == scale
 
 
@@ -750,18 +745,18 @@ def test_a_lone_point_is_drawn_over_the_whole_run(fault_run: pathlib.Path, tmp_p
     path = run_dir / "consistency.jsonl"
     path.write_text(path.read_text().splitlines()[0] + "\n")  # step 0's record only
     run = load_run(run_dir)
-    _, (ax, other) = _figure(1, 2, "lone")
+    _, (ax, other) = figure(1, 2, "lone")
     _replica_panel(ax, run)
     lone = [line for line in ax.get_lines() if line.get_label() == "distinct aggregated gradients"]
     assert lone[0].get_marker() == "o"
     lo, hi = ax.get_xlim()
     assert lo <= 0 and hi >= run.last_step + 1  # the whole run (and the end state, past its last step)
-    _plot(other, [0, 1], [1.0, 2.0])  # a line: no marker added
-    _plot(other, [0, 1], [1.0, math.nan])
+    plot(other, [0, 1], [1.0, 2.0])  # a line: no marker added
+    plot(other, [0, 1], [1.0, math.nan])
     assert [line.get_marker() for line in other.get_lines()[:2]] == ["None", "o"]
-    _, (alone,) = _figure(1, 1, "one point")  # x not shared with a panel that spans the run
-    _plot(alone, [0], [1.0])
-    report_module._finish(alone, run, "one point", "value")  # to the end state, after the last step's update
+    _, (alone,) = figure(1, 1, "one point")  # x not shared with a panel that spans the run
+    plot(alone, [0], [1.0])
+    report_draw.finish(alone, run, "one point", "value")  # to the end state, after the last step's update
     assert alone.get_xlim()[1] == run.last_step + 1
 
 
@@ -828,7 +823,7 @@ def test_the_first_split_is_the_earliest_whoever_found_it(fault_run: pathlib.Pat
                             "groups": [[0], [1]], "note": ""}) + "\n")
     # Beside the split, written leftwards when it is late in the run (clear of the legend).
     for run_dir, step, side in ((early, 5, "left"), (late, 10, "right")):
-        _, (ax,) = _figure(1, 1, "split")
+        _, (ax,) = figure(1, 1, "split")
         _replica_panel(ax, load_run(run_dir))
         note = ax.texts[0]  # early's sync at step 9 found a later split, after the guard undid the first
         assert note.get_text().startswith(f"first split: step {step}, ") and note.get_horizontalalignment() == side
@@ -883,8 +878,8 @@ def test_the_divergence_a_guard_repair_found_shows_below_its_marks_and_no_distan
                        "groups": [[0], [1]], "note": "", "seen_from": 3}):
             f.write(json.dumps(event) + "\n")
     rewrite_jsonl(run / "evals.jsonl", lambda r: {**r, "replica_rel_diff": 1e-4 if r["step"] == 6 else 0.0})
-    _, (ax,) = _figure(1, 1, "divergence")
-    report_module._divergence_panel(ax, load_run(run))
+    _, (ax,) = figure(1, 1, "divergence")
+    report_divergence._divergence_panel(ax, load_run(run))
     assert ax.get_yscale() == "symlog" and ax.get_ylim()[0] == 0
     height = ax.transAxes.inverted().transform(ax.transData.transform((3, 5.6e35)))[1]
     assert height < 0.88  # the guard's marks are drawn from 0.91 of the panel up
@@ -919,7 +914,7 @@ def test_a_run_without_state_fingerprints_says_what_its_syncs_found(tmp_path: pa
     assert [(e["step"], e["seen_from"]) for e in run.events_of("sync")] == [(4, 6), (8, 9)]
     steps, values = _state_distinct(run)
     assert list(zip(steps, values)) == [(6, 2), (8, 2), (9, 1), (12, 1)]
-    _, (ax,) = _figure(1, 1, "fp0")
+    _, (ax,) = figure(1, 1, "fp0")
     _replica_panel(ax, run)
     assert "distinct training state (not fingerprinted: syncs, checksums)" in ax.get_legend_handles_labels()[1]
     assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0); the syncs found it "
@@ -943,7 +938,7 @@ def test_a_run_without_state_fingerprints_says_what_its_syncs_found(tmp_path: pa
         9, 10) else {})})
     assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0), but at the guard's state "
             "checks (steps 9, 10); no sync compared it") in summary_text(load_run(copy))
-    _, (ax,) = _figure(1, 1, "fp0 with the guard's checks")
+    _, (ax,) = figure(1, 1, "fp0 with the guard's checks")
     _replica_panel(ax, load_run(copy))
     assert "distinct training state" in ax.get_legend_handles_labels()[1]
     # --no-monitor records no checksums either: nothing to say of the state.
@@ -1170,12 +1165,12 @@ def test_the_period_panel_starts_from_the_period_the_run_began_with(fault_run: p
     config["protect"].update(mode="dyn", sync_period=50, h_min=60, h_max=400)
     (run_dir / "config.json").write_text(json.dumps(config))
     run = load_run(run_dir)
-    _, (ax,) = _figure(1, 1, "dyn")
+    _, (ax,) = figure(1, 1, "dyn")
     _period_panel(ax, run, [(4, 30.0)])
     line = ax.get_lines()[0]
     assert list(line.get_xdata())[:2] == [0, 4] and list(line.get_ydata())[:2] == [60.0, 30.0]
     assert (line.get_xdata()[-1], line.get_ydata()[-1]) == (run.last_step, 30.0)  # held to the end of the run
-    _, (ax,) = _figure(1, 1, "dyn from step 0")  # a period set at step 0 is the first: none before it
+    _, (ax,) = figure(1, 1, "dyn from step 0")  # a period set at step 0 is the first: none before it
     _period_panel(ax, run, [(0, 30.0), (4, 20.0)])
     assert list(ax.get_lines()[0].get_xdata())[:2] == [0, 4] and list(ax.get_lines()[0].get_ydata())[:2] == [30, 20]
 
@@ -1194,8 +1189,8 @@ def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pa
         f.write(json.dumps({"step": 4, "event": "alert", "detector": "state_split",
                             "divergence": {"params_per_rank": [1e-5, 3e-5]}}) + "\n")
     run = load_run(run_dir)
-    _, (ax,) = _figure(1, 1, "points")
-    report_module._divergence_panel(ax, run)
+    _, (ax,) = figure(1, 1, "points")
+    report_divergence._divergence_panel(ax, run)
     lines = {line.get_label(): line for line in ax.get_lines()}
     evals, syncs = lines["at evaluations"], lines["before a sync that found replicas apart"]
     measured = [(x, y) for x, y in zip(evals.get_xdata(), evals.get_ydata()) if math.isfinite(y)]
@@ -1381,7 +1376,7 @@ def test_the_guard_plot_shows_each_caught_value_against_its_limit(clean_run: pat
             f.write(json.dumps(event) + "\n")
     assert "guard.png" in [f.name for f in build_report(run).files]
     figures: list[Any] = []
-    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    monkeypatch.setattr(report_module, "png", lambda fig: figures.append(fig) or b"")
     report_module._plot_guard(load_run(run))
     (ax,) = figures[0].axes
     points = {line.get_label(): list(zip(line.get_xdata(), line.get_ydata())) for line in ax.get_lines()}
@@ -1396,7 +1391,7 @@ def test_the_guard_plot_shows_each_caught_value_against_its_limit(clean_run: pat
 def test_the_dispersion_panels_share_one_legend(fault_run: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The four panels mark the same events: four legends took a third of the figure's width."""
     figures: list[Any] = []
-    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    monkeypatch.setattr(report_module, "png", lambda fig: figures.append(fig) or b"")
     report_module._plot_dispersion(load_run(fault_run))
     (fig,) = figures
     assert [ax.get_legend() for ax in fig.axes] == [None] * 4
@@ -1422,7 +1417,8 @@ def test_each_alert_is_marked_on_the_panel_of_its_metric(fault_run: pathlib.Path
     split_alerts = {a["detector"]: a for a in run.events_of("alert") if a["detector"].endswith("split")}
     assert set(split_alerts) == {"replicas_split", "state_split"}
     figures: list[Any] = []
-    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    for module in (report_module, report_divergence):  # the divergence figure is drawn in its own module
+        monkeypatch.setattr(module, "png", lambda fig: figures.append(fig) or b"")
     report_module._plots(run)
     loss, dispersion, cosine, divergence = (fig.axes for fig in figures)
 
@@ -1473,7 +1469,7 @@ def test_each_later_split_is_labelled_with_its_minority(clean_run: pathlib.Path,
                       {**sync, "step": 11, "groups": [[0, 1], [2]]}):  # a split no fingerprint saw
             f.write(json.dumps(event) + "\n")
     run = load_run(run_dir)
-    _, (ax,) = _figure(1, 1, "splits")
+    _, (ax,) = figure(1, 1, "splits")
     _replica_panel(ax, run)
     assert [(t.get_text(), t.xy[0]) for t in ax.texts] == [
         ("first split: step 2, rank 2", 2), ("split: step 6, rank 1", 6),
@@ -1481,10 +1477,10 @@ def test_each_later_split_is_labelled_with_its_minority(clean_run: pathlib.Path,
     assert "first replica split: step 2 on rank 2 (training-state fingerprints differ)\n" in summary_text(run)
     # Many splits: the first few labelled, the rest counted, not written over each other.
     run.events += [{**sync, "step": step, "groups": [[0, 1], [2]]} for step in range(12, 20)]
-    _, (ax,) = _figure(1, 1, "many")
+    _, (ax,) = figure(1, 1, "many")
     _replica_panel(ax, run)
     labels = [t.get_text() for t in ax.texts]
-    assert len(labels) == report_module._SPLIT_LABELS + 1 and "6 later splits not labelled" in labels
+    assert len(labels) == report_divergence._SPLIT_LABELS + 1 and "6 later splits not labelled" in labels
 
 
 def test_what_ends_a_split_and_what_does_not(clean_run: pathlib.Path) -> None:
@@ -1528,7 +1524,7 @@ def test_a_nonfinite_alert_rings_the_marks_of_the_ranks_it_names(tmp_path: pathl
         {"step": 6, "event": "alert", "detector": "nonfinite_local", "ranks": [1], "value": [1]},
         {"step": 7, "event": "alert", "detector": "nonfinite_local", "ranks": [0, 1], "value": [0, 1]}])
     figures: list[Any] = []
-    monkeypatch.setattr(report_module, "_png", lambda fig: figures.append(fig) or b"")
+    monkeypatch.setattr(report_module, "png", lambda fig: figures.append(fig) or b"")
     report_module._plot_loss(run)
     lines = figures[0].axes[0].get_lines()
     marks = {line.get_color(): float(line.get_ydata()[0]) for line in lines if line.get_gid() == "nonfinite"}
@@ -1547,7 +1543,7 @@ def test_split_labels_close_together_stay_readable(tmp_path: pathlib.Path) -> No
     run = hand_made_run(tmp_path, {rank: [4.0] * steps for rank in range(3)}, consistency, [
         {"step": s, "event": "guard", "attempt": 0, "action": "recompute", "detector": "grad_mismatch",
          "ranks": [s % 3], "values": {}} for s in caught])
-    fig, (ax,) = _figure(1, 1, "close splits", run)
+    fig, (ax,) = figure(1, 1, "close splits", run)
     _replica_panel(ax, run)
     fig.draw_without_rendering()
     renderer = fig.canvas.get_renderer()
