@@ -47,10 +47,10 @@ def lone(values: Sequence[float], kw: dict[str, Any]) -> dict[str, Any]:
     """``kw`` with a marker on each lone point: a finite value with no finite neighbour,
     which no line reaches (a one-step run; a measurement between unmeasured steps, or
     beside a non-finite one). Else such a value is in the legend and nowhere else."""
-    lone = [i for i, v in enumerate(values) if math.isfinite(v)
-            and not any(0 <= j < len(values) and math.isfinite(values[j]) for j in (i - 1, i + 1))]
-    if lone and "marker" not in kw:
-        return {**kw, "marker": "o", "ms": 4, "markevery": lone}
+    points = [i for i, v in enumerate(values) if math.isfinite(v)
+              and not any(0 <= j < len(values) and math.isfinite(values[j]) for j in (i - 1, i + 1))]
+    if points and "marker" not in kw:
+        return {**kw, "marker": "o", "ms": 4, "markevery": points}
     return kw
 
 
@@ -225,9 +225,9 @@ def _below_the_guard_marks(ax: Axes) -> None:
     the panel up): the value at a step the guard acted on is often the panel's highest
     (a repair's divergence, a detection's judged value), which its marks hid."""
     lo, hi = ax.get_ylim()
-    scale = ax.yaxis.get_transform()  # the panel's scale (linear, log, symlog), as a plot's height is
-    bottom, top = scale.transform([lo, hi])
-    ax.set_ylim(lo, float(scale.inverted().transform([bottom + (top - bottom) / 0.9])[0]))
+    transform = ax.yaxis.get_transform()  # the panel's scale (linear, log, symlog), as a plot's height is
+    bottom, top = transform.transform([lo, hi])
+    ax.set_ylim(lo, float(transform.inverted().transform([bottom + (top - bottom) / 0.9])[0]))
 
 
 def png(fig: Figure) -> bytes:
