@@ -136,8 +136,11 @@ class StateSnapshot:
         # What optimizer.step() can change: the optimizer's parameters and its state. A
         # frozen backbone never moves: copied, it cost a model-sized copy per armed step,
         # and in the ratio's denominator it diluted the trained parameters' update (a
-        # small head's ratio of 287 read as 28.5 beside a frozen 1000 x 1000 layer).
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        # small head's ratio of 287 read as 28.5 beside a frozen 1000 x 1000 layer). Also
+        # where the optimizer holds it (AdamW(model.parameters()) beside requires_grad_(False)):
+        # it gets no gradient, which torch's optimizers skip; one with a gradient counts.
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]
+                if p.requires_grad or p.grad is not None}
         named = [(n, t) for n, t in state_tensors(model, optimizer, buffers=False)
                  if not n.startswith("param/") or id(t) in held]
         live = [t for _, t in named]

@@ -175,14 +175,17 @@ def test_update_ratio_by_hand(old: list[float], new: list[float], ratio: float, 
     assert snap.update_ratio() == ratio
 
 
-def test_frozen_parameters_are_neither_copied_nor_in_the_update_ratio() -> None:
+@pytest.mark.parametrize("held", ["head", "model"])
+def test_frozen_parameters_are_neither_copied_nor_in_the_update_ratio(held: str) -> None:
     # Fine-tuning: a frozen backbone beside a trained head. The backbone never moves in
     # optimizer.step(); in the denominator it read the head's ratio of 1.0 as far less.
+    # So also where the optimizer holds it (built from model.parameters(), as many
+    # fine-tuning scripts do): without a gradient, torch's optimizers skip it.
     torch.manual_seed(0)
     backbone, head = nn.Linear(100, 100), nn.Linear(100, 1, bias=False)
     backbone.requires_grad_(False)
     model = nn.Sequential(backbone, head)
-    opt = torch.optim.SGD(head.parameters(), lr=1.0)
+    opt = torch.optim.SGD((head if held == "head" else model).parameters(), lr=1.0)
     snap = StateSnapshot().capture(model, opt)
     with torch.no_grad():
         old = head.weight.clone()
