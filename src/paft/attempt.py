@@ -107,7 +107,8 @@ class AttemptRunner:
         without backward() after an earlier step would apply that step's gradients again)."""
         # Without paft's hook: a backward pass creates each gradient or writes into it,
         # which bumps its version (so does a zero_grad(set_to_none=False): only the
-        # hook, which sees every bucket DDP all-reduces, tells that apart).
+        # hook, which sees every bucket DDP all-reduces, tells that apart). A gradient
+        # zero_grad() set to None is no backward's: the optimizer would step nothing.
         before = [] if self._hooked else [(p.grad, p.grad._version if p.grad is not None else 0)
                                           for p in self._params]
         loss = closure()
@@ -125,7 +126,8 @@ class AttemptRunner:
                     "parameters: pass find_unused_parameters=True to DistributedDataParallel): DDP all-reduced no "
                     f"gradient; {fix}, and call the DDP model, ddp(x), not the module it wraps"
                 )
-        elif all(p.grad is g and (g is None or g._version == v) for p, (g, v) in zip(self._params, before)):
+        elif not any(p.grad is not None and (p.grad is not g or p.grad._version != v)
+                     for p, (g, v) in zip(self._params, before)):
             raise RuntimeError(f"the closure ran no backward(): no parameter's gradient was created or changed; {fix}")
         return loss
 

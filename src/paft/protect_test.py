@@ -1665,3 +1665,25 @@ def test_step_refuses_a_loss_tensor_in_place_of_the_closure_before_it_starts() -
         assert protector.step_idx == 0
         del protector, ddp
         gc.collect()
+
+
+def test_an_unmonitored_closure_that_zeroes_the_gradients_and_runs_no_backward_is_refused() -> None:
+    # After a step, zero_grad() sets each gradient to None: they changed, but no backward
+    # ran, and the step had applied nothing while reporting the update applied.
+    with one_rank_group():
+        ddp = DistributedDataParallel(toy_model())
+        optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+        protector = protect(ddp, optimizer, monitor=MonitorConfig(enabled=False))
+        protector.step(toy_closure(ddp, optimizer, 0, 0))
+        x, y = batch(0, 1)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            return nn.functional.mse_loss(ddp(x), y)  # no backward()
+
+        with pytest.raises(RuntimeError, match=r"^the closure ran no backward\(\): no parameter's gradient was "
+                                               r"created or changed"):
+            protector.step(closure)
+        assert protector.step_idx == 1
+        del protector, ddp
+        gc.collect()
