@@ -1677,13 +1677,13 @@ def test_an_unmonitored_closure_that_zeroes_the_gradients_and_runs_no_backward_i
         protector.step(toy_closure(ddp, optimizer, 0, 0))
         x, y = batch(0, 1)
 
-        def closure() -> torch.Tensor:
+        def closure(model: DistributedDataParallel = ddp) -> torch.Tensor:
             optimizer.zero_grad()
-            return nn.functional.mse_loss(ddp(x), y)  # no backward()
+            return nn.functional.mse_loss(model(x), y)  # no backward()
 
         with pytest.raises(RuntimeError, match=r"^the closure ran no backward\(\): no parameter's gradient was "
                                                r"created or changed"):
             protector.step(closure)
         assert protector.step_idx == 1
-        del protector, ddp
+        del protector, ddp, closure
         gc.collect()
