@@ -331,7 +331,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         code = EXIT_WORKER_FAILED
         try:
             hold.release()  # a signal held since the set-aside unwinds from here, through the settling below
-            code = _run_into(out, args, parser, locks)
+            code = _run_into(out, args, parser, locks, puts_back=replaced is not None)
             return code
         finally:
             if replaced is not None:
@@ -341,14 +341,15 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     settle(replaced, out, keep_new=code == 0, prog="paft bench")
 
 
-def _kept(out: pathlib.Path, overwrite: bool) -> str:
+def _kept(out: pathlib.Path, puts_back: bool) -> str:
     """What a stopped benchmark's line adds: its folder keeps what was written (runs stepped
-    in lockstep, as overhead's, finish none early), unless ``--overwrite`` puts the old one back."""
-    return "" if overwrite else f"; {out} keeps what was written"
+    in lockstep, as overhead's, finish none early), unless ``--overwrite`` puts an old one
+    back (``puts_back``; where there was none to set aside, the new folder stays too)."""
+    return "" if puts_back else f"; {out} keeps what was written"
 
 
 def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.ArgumentParser,
-              locks: contextlib.ExitStack) -> int:
+              locks: contextlib.ExitStack, *, puts_back: bool) -> int:
     from paft.claim import hold_dir_lock
     from paft.rundir import RunDirError
 
@@ -370,14 +371,14 @@ def _run_into(out: pathlib.Path, args: argparse.Namespace, parser: argparse.Argu
     try:
         _BENCHMARKS[args.benchmark].run(out, args)
     except WorkerFailed as err:
-        print(err.describe("paft bench") + _kept(out, args.overwrite), file=sys.stderr)
+        print(err.describe("paft bench") + _kept(out, puts_back), file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        return interrupted(err, _kept(out, args.overwrite), "paft bench")
+        return interrupted(err, _kept(out, puts_back), "paft bench")
     except OSError as err:
         if err.errno not in _DISK_FULL:  # anything else is a bug to see in full
             raise
-        print(f"paft bench: cannot write {err.filename or out}: {err.strerror}{_kept(out, args.overwrite)}",
+        print(f"paft bench: cannot write {err.filename or out}: {err.strerror}{_kept(out, puts_back)}",
               file=sys.stderr)
         return EXIT_WORKER_FAILED
     plots = ", plots" if args.benchmark in ("matrix", "desync", "detection") else ""

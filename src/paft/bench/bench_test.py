@@ -1073,6 +1073,22 @@ def test_overwrite_keeps_the_old_results_until_the_new_benchmark_finishes(
     assert (out / "results.json").read_text() == "old results"
 
 
+def test_overwrite_with_no_earlier_out_says_the_stopped_benchmarks_folder_stays(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # With nothing to set aside, nothing is put back: the line left the kept folder unsaid.
+    from paft.bench import desync
+
+    def interrupted(out: pathlib.Path, **_: object) -> None:
+        (out / "runs").mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(desync, "run", interrupted)
+    out = tmp_path / "out"
+    assert main(["bench", "desync", "--out", str(out), "--overwrite"]) == 130
+    assert capsys.readouterr().err.endswith(f"; {out} keeps what was written\n")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".paft-bench", "runs"]
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["matrix", "--quick", "--workloads", "resnet,gpt", "--steps", "7", "--world-size", "3", "--device", "cpu"],
      {"quick": True, "workloads": ["resnet", "gpt"], "steps": 7, "world_size": 3, "device": "cpu"}),
