@@ -604,6 +604,8 @@ def test_desync_reading_compares_each_setting_with_s1_and_quotes_the_null_contro
     assert rows[0] == "| S1 synchronized | 1 ± 0 | 1 | 3.438 | 4 | 0.1 ± 0 | 0.1 | 0.5 ± 0 | 0.1875 | 2 | 0 |"
     assert set(results["comparisons"]) == {"S2", "S3", "S1r"} and len(results["reading"]) == 4
     assert results["warmup"] == 2 and "after the 2-step warm-up" in md  # TrainConfig's warm-up of the runs
+    # 10 steps: blocks of 2, as _mean_se takes them (the note said 10-step blocks, whatever the steps).
+    assert "± standard error from 2-step block means" in md
     assert "![loss](loss.png)" in md
     s2 = next(line for line in results["reading"] if line.startswith("- S2 "))
     assert "; grad_cos_mean: no difference beyond noise" in s2

@@ -19,7 +19,8 @@ the roughness of the averaged (global) loss curve: std of its step-to-step
 differences after the learning-rate warm-up. The claim under test is that the
 averaged loss looks alike while worker-level dispersion differs; S2, S3 and S1r are
 compared with S1 step by step (paired differences, z = mean / standard error of
-10-step block means, since consecutive steps share a trajectory), and the table says
+10-step block means (shorter blocks in runs under 50 steps: 5 blocks at least), since
+consecutive steps share a trajectory), and the table says
 "no difference beyond noise" when |z| < 3, whatever we hoped to see (a difference the
 same in every block has z = +-inf; one with fewer than two blocks, too few steps, none).
 
@@ -91,13 +92,18 @@ def _finite(xs: list[float]) -> list[float]:
     return [x for x in xs if math.isfinite(x)]
 
 
+def _block(n: int) -> int:
+    """Steps per block for ``n`` values: BLOCK, fewer in short runs so that there are at
+    least 5 blocks."""
+    return max(1, min(BLOCK, n // 5))
+
+
 def _mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and its standard error from the means of consecutive blocks (BLOCK steps,
-    fewer in short runs so that there are at least 5 blocks)."""
+    """Mean and its standard error from the means of consecutive blocks (:func:`_block`)."""
     xs = _finite(xs)
     if not xs:
         return math.nan, math.nan
-    block = max(1, min(BLOCK, len(xs) // 5))
+    block = _block(len(xs))
     means = [statistics.fmean(xs[i:i + block]) for i in range(0, len(xs) - block + 1, block)]
     if len(means) < 2:
         return statistics.fmean(xs), math.nan
@@ -230,7 +236,8 @@ def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int =
         f"gpt {BENCH_MODELS['gpt']}, dropout {DROPOUT}, {world_size} ranks x {PER_RANK_BATCH} sequences, "
         f"{steps} steps, seed {seed}, no faults, monitor on (sketch cosine, every step); one run per setting, "
         f"same weights and schedule; S1r repeats S1 with seed {seed + 1} (a null control: what chance alone "
-        f"gives). Statistics over the steps of each run (± standard error from {BLOCK}-step block means). "
+        f"gives). Statistics over the steps of each run (± standard error from {_block(steps)}-step block "
+        f"means). "
         f"Global loss Δ std: std of step-to-step differences of the mean-of-ranks loss after the "
         f"{warmup}-step warm-up (roughness of the curve a DDP user sees). Paired comparisons: per-step "
         f"difference to S1, z = mean / block standard error; |z| < {Z_NOISE:g} is read as no difference beyond "
