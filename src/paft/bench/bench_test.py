@@ -454,6 +454,8 @@ def test_matrix_plots_draw_each_setting_beside_the_reference(tmp_path: pathlib.P
             assert list(line.get_xdata()) == [2, 4] and line.get_ydata()[0] == 0.5 and math.isnan(line.get_ydata()[1])
         assert [line.get_label() for line in h_ax.get_lines()] == [
             s for s in scenarios if s in ("paft-sync", "paft-dyn", "dyn+guard")]
+        # One sync each: a step line of one point, drawn only by its marker (the legend named a blank).
+        assert all(line.get_marker() == "o" and list(line.get_xdata()) == [3] for line in h_ax.get_lines())
 
 
 # -- desync and detection analyses on synthetic run directories ----------------------------

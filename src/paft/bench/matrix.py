@@ -220,7 +220,9 @@ def _plots(out: pathlib.Path, runs: list[Run], workloads: list[str]) -> list[pat
                 events = read_records(pathlib.Path(r.config["run_dir"]) / "events.jsonl")
                 syncs = [e for e in events if e.get("event") in ("sync", "repair") and "period" in e]
                 if syncs and name in ("paft-dyn", "dyn+guard", "paft-sync"):
-                    h_ax.step([e["step"] for e in syncs], [e["period"] for e in syncs], where="post", label=name)
+                    # Marked: a run's only sync is a step line of one point, which draws nothing.
+                    h_ax.step([e["step"] for e in syncs], [e["period"] for e in syncs], where="post", label=name,
+                              marker="o", ms=3)
             loss_ax.set(title=f"{workload}: {setting}", xlabel="step", ylabel="train loss, mean over ranks (smoothed)")
             loss_ax.set_yscale("log")
             div_ax.set(xlabel="step", ylabel="replica divergence")
