@@ -251,10 +251,10 @@ def _w_three(rank: int, ws: int) -> dict:
     rep = ReplicaSync(model, opt, mode="mean").sync()
     out["mean"] = {"report": rep, "state": _snap(model, opt), "fp": _fp(model, opt)}
     # -- mean, float32: ranks 0 and 1 sum past float32's range where rank 2 holds a NaN;
-    # the smallest subnormal they all hold must stay itself
-    lin = nn.Linear(3, 1, bias=False)
+    # the smallest subnormal and the -0.0 they all hold must stay themselves
+    lin = nn.Linear(4, 1, bias=False)
     with torch.no_grad():
-        lin.weight.copy_(torch.tensor([[3e38 + 2e37 * rank, 2.0**-149, 2.0 + rank]]))
+        lin.weight.copy_(torch.tensor([[3e38 + 2e37 * rank, 2.0**-149, 2.0 + rank, -0.0]]))
         if rank == 2:
             lin.weight[0, 0] = math.nan
     out["mean_overflow"] = ReplicaSync(lin, None, mode="mean").sync(), lin.weight.detach().clone()
@@ -418,15 +418,16 @@ def test_three_ranks_repair_noop_nan_and_overlap():
             assert torch.equal(got, a), n  # integers copied from the lowest finite rank
 
     # the sum of the finite pair overflows: each share scaled first, rank 2's NaN left out;
-    # the subnormal exact (halved first it would round to 0), 2.5 exact
+    # the subnormal exact (halved first it would round to 0), 2.5 exact, -0.0 still -0.0
     a, b = torch.tensor([3e38, 3e38 + 2e37])
     for r in res:
         report, w = r["mean_overflow"]
-        assert torch.equal(w, torch.stack([a * 0.5 + b * 0.5, torch.tensor(2.0**-149), torch.tensor(2.5)]).view(1, 3))
+        expected = torch.stack([a * 0.5 + b * 0.5, torch.tensor(2.0**-149), torch.tensor(2.5), torch.tensor(-0.0)])
+        assert torch.equal(w.view(torch.int32), expected.view(1, 4).view(torch.int32))  # bits: -0.0 is not +0.0
         assert report.mode == "mean" and report.source_ranks == [0, 1]
-        # control 24, finite flags and digest 24, the sum 12, the scaled sum 12; no divergence
+        # control 24, finite flags and digest 24, the sum 16, the scaled sum 16; no divergence
         # all-reduce: with rank 2's NaN replica it is inf, which every rank knows
-        assert (report.bytes_sent, report.collectives) == (72, 4) and math.isinf(report.divergence)
+        assert (report.bytes_sent, report.collectives) == (80, 4) and math.isinf(report.divergence)
 
     for r in res:  # the fused step moved no version counter, yet its progress is kept
         assert r["fused"]["report"].mode == "median" and r["fused"]["report"].delta_tensors > 0

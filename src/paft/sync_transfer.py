@@ -21,8 +21,8 @@ receivers), not the algorithm-dependent wire traffic. Per mode:
 * ``median`` and ``median-with-reference``: an all-gather of every rank's flat,
   merged per coordinate by :mod:`paft.robust` (with the reference's flat, at world
   size 2);
-* ``mean``: a sum-all-reduce, to which a non-finite replica contributes zeros, then a
-  division by the number of finite replicas. Where the sum of finite replicas
+* ``mean``: a sum-all-reduce, to which a non-finite replica contributes -0.0 (which
+  changes no bits of a sum), then a division by the number of finite replicas. Where the sum of finite replicas
   overflows (two float16 values near 40000), the coordinate takes a second sum
   instead, of each share scaled by ``1 / count`` first, so finite replicas stay
   finite. With a power-of-two count of finite replicas (2, 4, 8) sum-then-divide keeps
@@ -243,10 +243,11 @@ class Transfer:
                 # Sum, then divide (in finish): exact where the replicas agree for a
                 # power-of-two count (n * x / n is x) and for the smallest subnormals
                 # (halving first would round them to 0). A non-finite replica contributes
-                # zeros (NaN * 0 would still be NaN). Integer tensors are copied, never
-                # averaged (copy_mode above).
+                # -0.0 (NaN * 0 would still be NaN), the one value whose sum with any x is x
+                # bit for bit: a +0.0 turned the -0.0 the finite replicas held into +0.0.
+                # Integer tensors are copied, never averaged (copy_mode above).
                 wide = wide_dtype(g.dtype)
-                buf = snap.to(wide, copy=True) if plan.finite[rank] else torch.zeros_like(snap, dtype=wide)
+                buf = snap.to(wide, copy=True) if plan.finite[rank] else torch.full_like(snap, -0.0, dtype=wide)
                 for a, b in g.buckets:
                     works.append(dist.all_reduce(buf[a:b], group=group, async_op=True))
                 bytes_sent += buf.numel() * buf.element_size()
