@@ -22,15 +22,15 @@ receivers), not the algorithm-dependent wire traffic. Per mode:
   merged per coordinate by :mod:`paft.robust` (with the reference's flat, at world
   size 2);
 * ``mean``: a sum-all-reduce, to which a non-finite replica contributes -0.0 (which
-  changes no bits of a sum), then a division by the number of finite replicas. Where the sum of finite replicas
-  overflows (two float16 values near 40000), the coordinate takes a second sum
-  instead, of each share scaled by ``1 / count`` first, so finite replicas stay
-  finite. With a power-of-two count of finite replicas (2, 4, 8) sum-then-divide keeps
-  the values they agree on exact; with 3 an agreed ``x`` becomes ``fl(fl(3x) / 3)``,
-  which moves about one float32 value in five by one ulp (identically on every
-  rank: replicas still end bitwise equal). float16 and bfloat16 are summed and
-  divided in float32 and rounded once, so their agreed values stay exact (and the
-  measured divergence has no floor of one 16-bit ulp).
+  changes no bits of a sum), then a division by the number of finite replicas. Where
+  the sum of finite replicas overflows (two float16 values near 40000), the coordinate
+  takes a second sum instead, of each share scaled by ``1 / count`` first, so finite
+  replicas stay finite. With a power-of-two count of finite replicas (2, 4, 8)
+  sum-then-divide keeps the values they agree on exact; with 3 an agreed ``x`` becomes
+  ``fl(fl(3x) / 3)``, which moves about one float32 value in five by one ulp
+  (identically on every rank: replicas still end bitwise equal). float16 and bfloat16
+  are summed and divided in float32 and rounded once, so their agreed values stay
+  exact (and the measured divergence has no floor of one 16-bit ulp).
 
 Every sync that moves parameters or optimizer state ends with one 8-byte all-reduce
 (max) of their divergence, so all ranks report the same number (the buffers are not
