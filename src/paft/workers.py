@@ -30,10 +30,12 @@ Example (a script: the workers import ``work`` from it)::
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import pathlib
 import select
 import signal
 import tempfile
@@ -45,7 +47,7 @@ from multiprocessing import resource_tracker
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, get_error_handler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 __all__ = ["WorkerFailed", "local_workers"]
@@ -63,9 +65,13 @@ class WorkerFailed(RuntimeError):
 
     @classmethod
     def from_launcher(cls, err: ChildFailedError) -> WorkerFailed:
-        """The first failure the launcher saw (read while its error file still exists)."""
+        """The first failure the launcher saw (read while the error files still exist),
+        or, where that rank only lost its connection to a peer, the peer's own error
+        (:func:`_own_error`)."""
         rank, failure = err.get_first_failure()
         data = failure.error_file_data.get("message")
+        if isinstance(data, dict) and _peer_lost(data["message"]):
+            rank, data = _own_error(failure) or (rank, data)
         if isinstance(data, dict):  # what the worker recorded (see _run_entry)
             return cls(rank, _failed(data["message"]), data["extraInfo"]["py_callstack"])
         if failure.exitcode < 0:
@@ -96,10 +102,45 @@ _PEER_LOST_HINT = "its connection to a peer broke: another rank may have died fi
 _KILLED_HINT = "out of memory? the kernel's OOM killer sends it, as does kill -9"
 
 
+def _peer_lost(message: str) -> bool:
+    """Whether a worker's exception (``Type: message``) says only that a peer went away."""
+    return any(sign in message for sign in _PEER_LOST)
+
+
 def _failed(message: str) -> str:
     """A failed worker's cause from its exception's ``Type: message``."""
-    hint = f" ({_PEER_LOST_HINT})" if any(sign in message for sign in _PEER_LOST) else ""
+    hint = f" ({_PEER_LOST_HINT})" if _peer_lost(message) else ""
     return f"failed: {message}{hint}"
+
+
+def _own_error(failure: ProcessFailure) -> tuple[int, dict[str, Any]] | None:
+    """The rank, and the error it recorded, that failed of its own accord (an error other
+    than a broken connection), where ``failure``, the rank the launcher names, only lost
+    its connection: earliest first (the files say it in whole seconds), then the lowest
+    rank; None where no rank recorded one. The launcher names the first rank it finds
+    dead, of ranks that died together the lowest: a rank 1 that raised took rank 0's
+    collective down with it, and the run was told as rank 0's broken connection, with
+    the hint that a peer may have been killed without a traceback, while rank 1's own
+    error and traceback went untold. Every rank's error file lies beside the others, in
+    a folder named by its local rank (``<attempt>/<local rank>/error.json``), which on
+    paft's one machine is its rank."""
+    own = pathlib.Path(failure.error_file)
+    if own.parent.name != str(failure.local_rank):  # not the launcher's layout: nothing to compare
+        return None
+    found = []
+    for path in own.parent.parent.glob("*/error.json"):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))["message"]
+            when, rank = int(data["extraInfo"]["timestamp"]), int(path.parent.name)
+            lost = _peer_lost(data["message"])
+        except (OSError, ValueError, KeyError, TypeError):  # half-written by a rank stopped meanwhile
+            continue
+        if not lost:
+            found.append((when, rank, data))
+    if not found:
+        return None
+    _, rank, data = min(found, key=lambda f: f[:2])
+    return rank, data
 
 
 # The launcher's words on a failure or a stop, by logger and message template: paft says

@@ -247,6 +247,39 @@ def test_a_broken_connection_says_another_rank_may_have_died_first(tmp_path: pat
     assert own.traceback.endswith(f"RuntimeError: [gloo] read: {lost}\n")
 
 
+def _recorded(folder: pathlib.Path, message: str, timestamp: int) -> str:
+    """An error file as _run_entry's record_exception writes it, in ``folder``; its path."""
+    folder.mkdir(parents=True)
+    (folder / "error.json").write_text(json.dumps({"message": {"message": message, "extraInfo": {
+        "py_callstack": f"Traceback (most recent call last):\n{message}\n", "timestamp": str(timestamp)}}}))
+    return str(folder / "error.json")
+
+
+def test_a_rank_that_raised_is_named_not_the_peer_whose_connection_it_broke(tmp_path: pathlib.Path) -> None:
+    """Rank 1 raised (its traceback recorded), which broke rank 0's collective; the
+    launcher, finding both dead at once, names the lowest. paft train said "rank 0
+    failed: ... Connection closed by peer (... killed without a traceback)", and rank
+    1's error was in neither the console nor events.jsonl."""
+    attempt = tmp_path / "run" / "attempt_0"  # the launcher's layout: <attempt>/<local rank>/error.json
+    lost = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"
+    first = _recorded(attempt / "0", lost, 100)
+    _recorded(attempt / "1", "ValueError: bad batch", 100)
+    _recorded(attempt / "2", "KeyError: 'later'", 101)  # raised a second later: not the first
+    _recorded(attempt / "3", lost, 99)
+    (attempt / "4").mkdir()
+    (attempt / "4" / "error.json").write_text('{"message": {"mess')  # half-written when it was stopped
+    err = workers.WorkerFailed.from_launcher(
+        ChildFailedError("work", {0: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=first)}))
+    assert (err.rank, err.cause) == (1, "failed: ValueError: bad batch")
+    assert err.traceback == "Traceback (most recent call last):\nValueError: bad batch\n"
+    # Where no rank raised of its own accord (the peer was killed outright), the named one is told, with the hint.
+    (attempt / "1" / "error.json").unlink()
+    (attempt / "2" / "error.json").unlink()
+    err = workers.WorkerFailed.from_launcher(
+        ChildFailedError("work", {0: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=first)}))
+    assert (err.rank, err.cause) == (0, f"failed: {lost} ({workers._PEER_LOST_HINT})")
+
+
 def test_a_worker_that_left_no_error_file_is_told_by_its_exit() -> None:
     missing = pathlib.Path("/nonexistent-paft-dir")
     killed = workers.WorkerFailed.from_launcher(_failure(missing, -9, None))
