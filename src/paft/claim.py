@@ -79,9 +79,11 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
         except BaseException:
             hold.release()
             raise
+        rewritten = False  # config.json: written whole or not at all
         try:
             hold.release()  # a signal held since the set-up unwinds from here, through the settling below
             write_config(cfg)  # on --resume: the options the run goes on with
+            rewritten = True
             yield outcome
         finally:
             # Settling (moving the old run back, or deleting it) must not stop halfway: an
@@ -91,12 +93,25 @@ def claim_run_dir(cfg: TrainConfig, prog: str = "paft train") -> Iterator[dict[s
                 if cfg.resume:
                     # The options belong with the checkpoint: a resume goes on from there (also
                     # after the guard stopped it, exit 3: a later --resume goes on from the last).
-                    if outcome["code"] != 0 and _latest(run_dir) == latest:
-                        atomic_write_bytes(run_dir / "config.json", saved)
-                        print(f"{prog}: the resumed run stopped before a checkpoint: {run_dir}/config.json keeps "
-                              "the options of its last one", file=sys.stderr)
+                    if rewritten and outcome["code"] != 0 and _latest(run_dir) == latest:
+                        _put_back_config(run_dir, saved, prog)
                 else:
                     _settle_new_run(run_dir, made, replaced, ended, records_size(run_dir) > recorded, prog)
+
+
+def _put_back_config(run_dir: pathlib.Path, saved: bytes, prog: str) -> None:
+    """Put back the ``config.json`` of the last checkpoint (``saved``) after a resume that
+    stopped before its next one; where it cannot be written (a full disk: perhaps what
+    stopped the run), say so instead of raising over the run's own account of its stop."""
+    try:
+        atomic_write_bytes(run_dir / "config.json", saved)
+    except OSError as err:
+        print(f"{prog}: warning: the resumed run stopped before a checkpoint, but {run_dir}/config.json could "
+              f"not be put back to its last one's options ({err.strerror or err}): it holds this resume's",
+              file=sys.stderr)
+        return
+    print(f"{prog}: the resumed run stopped before a checkpoint: {run_dir}/config.json keeps "
+          "the options of its last one", file=sys.stderr)
 
 
 def _take_run_dir(cfg: TrainConfig, run_dir: pathlib.Path, locks: contextlib.ExitStack,

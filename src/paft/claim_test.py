@@ -4,6 +4,7 @@ and the tidying by the last torchrun rank out."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from paft import claim
+from paft import claim, records
 from paft.config import TrainConfig
 from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_WORKER_FAILED
 from paft.records import atomic_write_bytes
@@ -312,3 +313,46 @@ def test_a_resume_that_stops_before_its_next_checkpoint_keeps_config_json(
         assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 40
         outcome["code"] = code
     assert (tmp_path / "r" / "config.json").read_text() == old
+
+
+def _resumable(tmp_path: pathlib.Path) -> bytes:
+    """A run ``r`` in ``tmp_path`` (the working directory) with a checkpoint at step 24; its config.json."""
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000024")
+    old = json.dumps(TrainConfig(steps=24).to_dict()).encode()
+    (tmp_path / "r" / "config.json").write_bytes(old)
+    return old
+
+
+def _disk_full(*args: Any) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_resume_on_a_full_disk_is_refused_and_config_json_stays(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """config.json could not be written, and the claim then tried to put it back, which
+    failed the same way: an OSError traceback (exit 1) instead of the refusal (exit 2)."""
+    monkeypatch.chdir(tmp_path)
+    old = _resumable(tmp_path)
+    monkeypatch.setattr(records, "write_together", _disk_full)
+    with pytest.raises(RunDirError, match="cannot write r: No space left on device"):
+        run_claimed(TrainConfig(run_dir="r", steps=40, resume=True), _must_not_start)
+    assert (tmp_path / "r" / "config.json").read_bytes() == old
+    assert "stopped before a checkpoint" not in capsys.readouterr().err  # it never started
+
+
+def test_a_resume_that_fills_the_disk_says_config_json_cannot_be_put_back(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker failed on a full disk before the resume's next checkpoint: putting back
+    config.json failed too, and its OSError traceback replaced the run's own account."""
+    monkeypatch.chdir(tmp_path)
+    _resumable(tmp_path)
+
+    def workers(cfg: TrainConfig) -> int:
+        monkeypatch.setattr(records, "write_together", _disk_full)
+        return EXIT_WORKER_FAILED
+
+    assert run_claimed(TrainConfig(run_dir="r", steps=40, resume=True), workers) == EXIT_WORKER_FAILED
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 40
+    err = capsys.readouterr().err
+    assert "r/config.json could not be put back to its last one's options (No space left on device)" in err
