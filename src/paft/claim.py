@@ -252,16 +252,22 @@ def settle(aside: pathlib.Path, run_dir: pathlib.Path, keep_new: bool, prog: str
               f"failed: {err.strerror or err})", file=sys.stderr)
 
 
-def tidy_after_workers(run_dir: pathlib.Path) -> None:
-    """Once no worker writes to ``run_dir`` any more: a failed or interrupted run's
-    faults are put in order too (rank 0 does it at a run's end), and the temporaries of
-    a checkpoint a worker was writing when it was stopped are removed."""
-    sort_faults(run_dir)
-    remove_checkpoint_temporaries(run_dir)
+def tidy_after_workers(run_dir: pathlib.Path, prog: str = "paft train") -> None:
+    """Once no worker writes to ``run_dir`` any more: the temporaries of a checkpoint a
+    worker was writing when it was stopped are removed, and a failed or interrupted run's
+    faults are put in order too (rank 0 does it at a run's end). A full disk, which may
+    be what stopped the run, leaves the faults as written, with a warning: its OSError
+    was a traceback after the run's own account, and left the temporaries behind."""
+    remove_checkpoint_temporaries(run_dir)  # first: the space they free may be what the rewrite needs
+    try:
+        sort_faults(run_dir)
+    except OSError as err:
+        print(f"{prog}: warning: cannot put {run_dir}/faults.jsonl in (step, attempt, rank) order: "
+              f"{err.strerror or err}", file=sys.stderr)
 
 
 @contextlib.contextmanager
-def last_rank_out_tidies(run_dir: pathlib.Path) -> Iterator[None]:
+def last_rank_out_tidies(run_dir: pathlib.Path, prog: str = "paft train") -> Iterator[None]:
     """Under torchrun no launcher outlives the ranks to tidy ``run_dir`` once they are
     gone, as ``paft train``'s does (:func:`paft.launch.launch`): a failed run left its faults in the
     order the ranks happened to append them. So each rank holds a shared flock on the
@@ -298,6 +304,6 @@ def last_rank_out_tidies(run_dir: pathlib.Path) -> Iterator[None]:
                 except OSError:  # BlockingIOError: a peer is still in, and tidies as it leaves
                     last = False
                 if last:
-                    tidy_after_workers(run_dir)
+                    tidy_after_workers(run_dir, prog)
             finally:
                 os.close(handle)

@@ -356,3 +356,20 @@ def test_a_resume_that_fills_the_disk_says_config_json_cannot_be_put_back(
     assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 40
     err = capsys.readouterr().err
     assert "r/config.json could not be put back to its last one's options (No space left on device)" in err
+
+
+def test_tidying_after_a_run_on_a_full_disk_warns_and_still_removes_the_temporaries(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that failed on a full disk: rewriting faults.jsonl in order failed too, an
+    OSError traceback after the run's own account, and the checkpoint's temporary and
+    its folder stayed."""
+    faults = "".join(json.dumps({"step": step, "rank": rank}) + "\n" for step, rank in ((1, 1), (0, 0)))
+    (tmp_path / "faults.jsonl").write_text(faults)
+    (tmp_path / "checkpoints" / "step0000150").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step0000150" / ".rank0.pt.abcd_123").write_text("")
+    monkeypatch.setattr(records, "write_together", _disk_full)
+    claim.tidy_after_workers(tmp_path)
+    assert not (tmp_path / "checkpoints" / "step0000150").exists()
+    assert (tmp_path / "faults.jsonl").read_text() == faults  # as written
+    assert capsys.readouterr().err == (f"paft train: warning: cannot put {tmp_path}/faults.jsonl in (step, attempt, "
+                                       "rank) order: No space left on device\n")

@@ -374,7 +374,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         # Entered after the claim, so that on the way out each rank tidies (when last out),
         # then rank 0 waits for its peers to be out, then settles.
         claim.enter_context(_peers_out_first(pathlib.Path(cfg.run_dir), token, prog))
-        claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir)))
+        claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir), prog))
         # Rank 0 leaves (and lets the claim's lock go) only once every rank holds its shared
         # lock: a peer slow to take it was not yet inside for a new claim to see.
         dist.barrier()
