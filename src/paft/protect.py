@@ -221,10 +221,9 @@ class Protector:
         # buffers it broadcasts afresh at each forward).
         self._buffer_slots = buffer_slots(model.module)
         # The settings the steps read from here on; the rest of ``settings`` is used up
-        # below, building the parts (hook, guard, monitor, resync) that keep their own.
+        # below, building the parts (hook, attempts, guard, monitor, resync) that keep their own.
         self.monitor_cfg = settings.monitor
         self.protect_cfg = settings.protect
-        self.grad_clip = settings.grad_clip
         self.group = model.process_group
         self.rank = dist.get_rank(self.group)
         # Rank 0 of the DDP group speaks (a data-parallel group without global rank 0, in a
@@ -252,9 +251,9 @@ class Protector:
             except RuntimeError as err:  # preflight's check missed it (torch changed DDP's internals)
                 raise RuntimeError(f"protect(): {err}") from None
         mark_protected(model, self)
-        self.sketch_dim = settings.monitor.sketch_dim if settings.monitor.cosine == "sketch" else 0
+        sketch_dim = settings.monitor.sketch_dim if settings.monitor.cosine == "sketch" else 0
         self._attempts = AttemptRunner(model, self.optimizer, self.hook, self.injector, self.recorder, hooked=hooked,
-                                       sketch_dim=self.sketch_dim, grad_clip=self.grad_clip)
+                                       sketch_dim=sketch_dim, grad_clip=settings.grad_clip)
         self.guard = Guard(settings.guard, self.world_size) if settings.guard.enabled else None
         self.step_idx = 0
         # Not self in the lambdas: a cycle would keep a dropped protector alive.
