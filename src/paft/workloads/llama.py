@@ -61,12 +61,25 @@ class LlamaConfig:
             raise ValueError(
                 f"n_head ({self.n_head}) must divide n_embd ({self.n_embd}) into an even head size"
             )
-        if not self.norm_eps > 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        # Both are used in float32: 1e-50 is 0 there (RMSNorm divides by zero; RoPE's
+        # frequencies are infinite, and every output NaN from step 0).
+        if not (self.norm_eps > 0 and 0 < _float32(self.norm_eps) < math.inf):
+            raise ValueError(f"norm_eps must be > 0 and finite in float32, got {self.norm_eps!r}")
+        if not (self.rope_theta > 0 and self._rope_angles_finite()):
+            raise ValueError(f"rope_theta must be > 0, finite in float32, and keep the RoPE angles finite up to "
+                             f"block_size {self.block_size}, got {self.rope_theta!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+
+    def _rope_angles_finite(self) -> bool:
+        """Whether :func:`rope_tables`' angles are finite, from the fastest frequency alone
+        (1 at theta >= 1; 1 / theta ** ((d - 2) / d) below) at the last position."""
+        theta = _float32(self.rope_theta)
+        if not 0 < theta < math.inf:
+            return False
+        d = self.n_embd // self.n_head
+        fastest = max(1.0, _float32(1.0 / theta ** ((d - 2) / d)))
+        return _float32(fastest * (self.block_size - 1)) < math.inf
 
     @property
     def ffn_hidden(self) -> int:
@@ -96,6 +109,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _float32(x: float) -> float:
+    """``x`` as float32 holds it (0 below its range, inf above)."""
+    try:
+        return float(torch.tensor(x, dtype=torch.float32))
+    except OverflowError:  # an int beyond float64
+        return math.inf
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

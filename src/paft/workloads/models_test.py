@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -275,6 +276,20 @@ def test_resnet_depth_layout() -> None:
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
 
+@pytest.mark.parametrize("theta", [1e-50, 1e-44, 1e-40, 1e-38, 1e-30, 1e-3, 1.0, 1e4, 1e38])
+def test_rope_theta_is_refused_where_the_rope_tables_are_not_finite(theta: float) -> None:
+    """A float32 rope_theta of 0 (1e-50), or one so small that the fastest frequency times
+    the last position overflows, made every output NaN from step 0, and was accepted."""
+    cfg = LlamaConfig()
+    cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, theta)
+    finite = bool(cos.isfinite().all() and sin.isfinite().all())
+    if finite:
+        LlamaConfig(rope_theta=theta)
+    else:
+        with pytest.raises(ValueError, match="rope_theta"):
+            LlamaConfig(rope_theta=theta)
+
+
 @pytest.mark.parametrize(
     "cls, kwargs, field",
     [
@@ -283,6 +298,9 @@ def test_resnet_depth_layout() -> None:
         (GPTConfig, {"dropout": 1.0}, "dropout"),
         (LlamaConfig, {"n_head": 128}, "n_head"),
         (LlamaConfig, {"norm_eps": 0.0}, "norm_eps"),
+        (LlamaConfig, {"norm_eps": 1e-50}, "norm_eps"),  # 0 in float32
+        (LlamaConfig, {"rope_theta": 1e-50}, "rope_theta"),  # see test_rope_theta_is_refused_where...
+        (LlamaConfig, {"rope_theta": math.inf}, "rope_theta"),
         (ResNetConfig, {"depth": 10}, "depth"),
         (ResNetConfig, {"width": 0}, "width"),
     ],
