@@ -45,7 +45,7 @@ from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED
 from paft.faultspec import parse_specs
 from paft.records import is_file, is_run_config
 from paft.resume_options import ResumeChange, changes_said, resume_args, resume_changes
-from paft.rundir import FIXED_ON_RESUME, has_checkpoint, latest_step, resolve_run_dir
+from paft.rundir import FIXED_ON_RESUME, fixed_on_resume_error, has_checkpoint, latest_step, resolve_run_dir
 from paft.values import fits
 from paft.workloads import DROPOUT_WORKLOADS, WORKLOADS
 
@@ -482,8 +482,7 @@ def config_from_namespace(ns: argparse.Namespace,
         # --model fields another workload has none of.
         asked = given.get(flag, from_file.get(flag, saved.get(flag)))
         if flag in saved and asked != saved[flag]:
-            raise ValueError(f"--resume: cannot change --{flag} ({saved[flag]!r} in {folder}, {asked!r} asked); "
-                             "start a new run")
+            raise fixed_on_resume_error(f"--{flag}", saved[flag], asked, folder)
     values, source = _merged([({"world-size": launched} if launched is not None else {}, None),
                               (saved, _Source("--resume", str(saved_file), fields=True)),
                               (from_file, _Source("--config", str(config_file), fields=run_config)),

@@ -40,6 +40,7 @@ from paft.workloads import model_config
 
 __all__ = [
     "FIXED_ON_RESUME",
+    "fixed_on_resume_error",
     "RunDirError",
     "default_run_dir",
     "resolve_run_dir",
@@ -328,8 +329,14 @@ def _check_fixed(saved: dict[str, Any], asked: dict[str, Any], where: str, why: 
             if isinstance(was, dict):  # name only the fields that differ
                 keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
                 was, now = ({k: d.get(k) for k in keys} for d in (was, now))
-            raise RunDirError(
-                f"--resume: cannot change {flag} ({was!r} in {where}, {now!r} asked{why}); start a new run")
+            raise fixed_on_resume_error(flag, was, now, where, why)
+
+
+def fixed_on_resume_error(flag: str, was: Any, now: Any, where: str, why: str = "") -> RunDirError:
+    """The refusal of a resume that changes ``flag``, one of :data:`FIXED_ON_RESUME`'s (saved
+    ``was`` in ``where``, ``now`` asked), in the one wording of both checks: the command
+    line's before the config is built (:mod:`paft.options`) and this module's after."""
+    return RunDirError(f"--resume: cannot change {flag} ({was!r} in {where}, {now!r} asked{why}); start a new run")
 
 
 def _summary_steps(path: pathlib.Path) -> int | None:
