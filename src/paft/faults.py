@@ -151,10 +151,11 @@ def apply_fault(
     ``generator`` (a CPU generator) and is moved to the tensor's device, so the same
     generator state gives the same corruption on CPU and GPU. Kinds:
     ``bitflip`` flips one bit per element (see :attr:`FaultSpec.bits`); ``scale``
-    multiplies by ``factor``; ``noise`` adds ``z * sigma * |x|``, ``z ~ N(0, 1)``,
-    computed in float32 (float64 for float64 tensors); ``zero``; ``nan``; ``inf``
-    (+inf); ``random`` draws ``U[-r, r)`` (rounded to the dtype); ``stale`` copies
-    ``previous`` (same shape and dtype) over the whole tensor.
+    multiplies by ``factor``, in float64 (then rounded to the dtype); ``noise`` adds
+    ``z * sigma * |x|``, ``z ~ N(0, 1)``, computed in float32 (float64 for float64
+    tensors); ``zero``; ``nan``; ``inf`` (+inf); ``random`` draws ``U[-r, r)`` (rounded
+    to the dtype); ``stale`` copies ``previous`` (same shape and dtype) over the whole
+    tensor.
     """
     if not tensor.is_floating_point():
         raise ValueError(f"can only corrupt floating-point tensors, got {tensor.dtype}")
@@ -182,7 +183,10 @@ def apply_fault(
             flip_bits_(work, indices, bits)
             bits_list = bits[:RECORD_VALUES].tolist()
         elif spec.kind == "scale":
-            work[idx] = (work[idx].to(cdt) * spec.factor).to(tensor.dtype)
+            # In float64 whatever the dtype: in float32 a factor past its range (1e39) became
+            # inf, which turned a zero into NaN and a 1e-20 into inf, and one below it (1e-46)
+            # became 0, which zeroed a 1e30 instead of making it 1e-16.
+            work[idx] = (work[idx].double() * spec.factor).to(tensor.dtype)
         elif spec.kind == "noise":
             z = torch.randn(k, generator=generator, dtype=cdt).to(tensor.device)
             x = work[idx].to(cdt)

@@ -212,6 +212,19 @@ def test_scale_zero_nan_inf():
     assert torch.isposinf(t[idx]).all() and torch.isinf(t).sum() == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("factor", [1e39, -1e300, 1e-46])
+def test_scale_by_a_factor_beyond_float32s_range_is_the_product_rounded_once(dtype: torch.dtype,
+                                                                             factor: float) -> None:
+    """A zero stays zero (not NaN, as 0 * inf made it), and a product the dtype holds is
+    kept (a factor rounded to float32 first became inf, or 0)."""
+    t = torch.tensor([0.0, -0.0, 1e-20, -3e-30, 1e30, 1.0]).to(dtype)
+    expected = (t.double() * factor).to(dtype)
+    apply_fault(FaultSpec("scale", steps=0, fraction=1.0, factor=factor), t, gen(0))
+    assert torch.equal(int_bits(t), int_bits(expected))
+    assert not t.isnan().any()
+
+
 def test_random_within_range():
     t = sample(torch.float32, 1000) * 3
     r = t.abs().max().item()
@@ -245,7 +258,8 @@ def int_bits(t: torch.Tensor) -> torch.Tensor:
                          ids=lambda kw: ",".join(f"{v}" for v in kw.values()))
 def test_values_are_the_documented_function_of_the_generators_draws(dtype: torch.dtype, kw: dict) -> None:
     """Bit for bit as ``apply_fault`` documents: the selection first, then N(0, 1) noise
-    in float32 (float64 for float64) scaled by ``|x|``, or ``U[-r, r)`` with ``r`` the
+    in float32 (float64 for float64) scaled by ``|x|``, or the factor applied in float64,
+    or ``U[-r, r)`` with ``r`` the
     largest finite magnitude in the whole tensor (not only the hit elements), or one
     bit per element drawn uniformly from the class (``any``: all of them)."""
     n, count = 100, 10
@@ -265,7 +279,7 @@ def test_values_are_the_documented_function_of_the_generators_draws(dtype: torch
         u = torch.rand(count, generator=g, dtype=torch.float64)
         expected[idx] = (u * (2 * r) - r).to(dtype)
     elif kw["kind"] == "scale":
-        expected[idx] = (x * kw["factor"]).to(dtype)
+        expected[idx] = (t[idx].double() * kw["factor"]).to(dtype)
     elif kw["kind"] == "bitflip":
         lo, hi = CLASS_RANGES[dtype]["any"]
         width = DTYPES[dtype][1]
