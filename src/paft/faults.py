@@ -454,8 +454,10 @@ class FaultInjector:
 
     Without specs it is disabled and every call returns ``[]`` at once without reading
     the tensor. ``stale`` needs the previous value of each target: the injector keeps
-    one pre-injection copy per (site, target), only for sites where a ``stale`` spec
-    can hit this rank, so other configurations pay nothing.
+    two pre-injection copies per (site, target), the previous step's and this step's
+    (a recompute of this step replays the previous one again), only for sites where a
+    ``stale`` spec can hit this rank, so other configurations pay nothing; at rest, that
+    is twice the parameters or optimizer state.
     """
 
     def __init__(self, schedule: FaultSchedule, rank: int) -> None:
