@@ -48,7 +48,7 @@ class LlamaConfig:
     multiple_of: int = 32
     """The SwiGLU hidden width is rounded up to a multiple of this."""
     norm_eps: float = 1e-5
-    """Epsilon inside RMSNorm."""
+    """Epsilon inside RMSNorm, in (0, 1)."""
     rope_theta: float = 10000.0
     """Base of the rotary embedding frequencies."""
     dropout: float = 0.0
@@ -62,9 +62,14 @@ class LlamaConfig:
                 f"n_head ({self.n_head}) must divide n_embd ({self.n_embd}) into an even head size"
             )
         # Both are used in float32: 1e-50 is 0 there (RMSNorm divides by zero; RoPE's
-        # frequencies are infinite, and every output NaN from step 0).
-        if not (self.norm_eps > 0 and 0 < _float32(self.norm_eps) < math.inf):
-            raise ValueError(f"norm_eps must be > 0 and finite in float32, got {self.norm_eps!r}")
+        # frequencies are infinite, and every output NaN from step 0). An epsilon of 1 or
+        # more outweighs the activations' mean square (about 4e-4 at initialization): the
+        # norm scales them down by its square root instead of normalizing, and at 1e20
+        # and beyond whole gradients are 0 in float32 (1e30: 24 of 39 tensors trained nothing).
+        if not (0 < self.norm_eps < 1 and _float32(self.norm_eps) > 0):
+            raise ValueError(f"norm_eps must be in (0, 1) and not 0 in float32 (RMSNorm's epsilon: at 1 and "
+                             f"beyond it scales the activations down instead of normalizing them), "
+                             f"got {self.norm_eps!r}")
         if not (self.rope_theta > 0 and self._rope_angles_finite()):
             raise ValueError(f"rope_theta must be > 0, finite in float32, and keep the RoPE angles finite up to "
                              f"block_size {self.block_size}, got {self.rope_theta!r}")

@@ -290,6 +290,22 @@ def test_rope_theta_is_refused_where_the_rope_tables_are_not_finite(theta: float
             LlamaConfig(rope_theta=theta)
 
 
+def test_norm_eps_of_1_and_beyond_is_refused() -> None:
+    """norm_eps=1e30 was accepted: RMSNorm then scales every activation by 1e-15, and
+    the gradients of most of the blocks' weights are exactly 0 in float32."""
+    cfg = LlamaConfig(n_layer=2, n_head=2, n_embd=16, block_size=8)
+    cfg.norm_eps = 1e30  # past the check, to show what it let through
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    model(torch.randint(0, cfg.vocab_size, (2, 8))).square().sum().backward()
+    dead = [n for n, p in model.named_parameters() if p.grad is not None and not p.grad.any()]
+    assert "blocks.0.mlp.w1.weight" in dead, dead
+    for eps in (1.0, 1e30, 3e38):
+        with pytest.raises(ValueError, match=r"norm_eps must be in \(0, 1\)"):
+            LlamaConfig(norm_eps=eps)
+    assert LlamaConfig(norm_eps=0.5).norm_eps == 0.5
+
+
 @pytest.mark.parametrize(
     "cls, kwargs, field",
     [
