@@ -1225,7 +1225,8 @@ def test_scaling_measured_rows_state_the_paired_costs_and_median_syncs(tmp_path:
                 "monitor": {"wall": 1.25, "wall_blocks": [1.25] * 5, "cpu": 1.5, "cpu_blocks": [1.5] * 5}}
 
     syncs = {"sync-noop": [("noop", 24, 0.001), ("noop", 48, 0.009), ("noop", 24, 0.002)],
-             "sync-repair": [("majority-copy", b, 0.01) for b in (100, 300, 200, 1000)]}
+             # An even count: the mean of the two middle ones was a float that printed as 9.722e+06.
+             "sync-repair": [("majority-copy", b, 0.01) for b in (9721840, 9721856, 9721848, 9721900)]}
     configs = {}
 
     def run_all(runs: list[Run], world_size: int) -> None:
@@ -1256,12 +1257,13 @@ def test_scaling_measured_rows_state_the_paired_costs_and_median_syncs(tmp_path:
     m = results["measured"]["4"]
     assert (m["monitor_step_time_ratio"], m["monitor_cpu_ratio"], m["plain_step_ms"]) == (1.25, 1.5, 4.0)
     assert m["syncs"] == {"noop": {"count": 3, "bytes_sent_rank0": 24, "seconds": 0.002},
-                          "majority-copy": {"count": 4, "bytes_sent_rank0": 250.0, "seconds": 0.01}}
+                          "majority-copy": {"count": 4, "bytes_sent_rank0": 9721848, "seconds": 0.01}}
+    assert type(m["syncs"]["majority-copy"]["bytes_sent_rank0"]) is int
     md = (out / "results.md").read_text()
     # Both costs are ratios to plain DDP, the CPU one too (its header once read "CPU per step", as if ms).
     assert "| monitored / plain DDP step time | monitored / plain DDP CPU per step | plain DDP step (ms) |" in md
     assert "| 4 | 64 | 584 / 1752 | 1.25 | 1.5 | 4 |" in md
-    assert "| 4 | majority-copy | 4 | 250 | 10 |\n| 4 | noop | 3 | 24 | 2 |" in md  # the modes in order
+    assert "| 4 | majority-copy | 4 | 9721848 | 10 |\n| 4 | noop | 3 | 24 | 2 |" in md  # the modes in order
     # The jobs calculated with the runs' k = 64: 8 * (9 + 64) = 584 B per rank's row.
     assert set(results["calculated"]) == {"4x800000", "64x1.3e+09", "1024x7e+09"}
     # 584 * 1023 B in, over 2 * 1023/1024 * 7e9 * 4 B of gradients; 84 GB of state at 50 GB/s, 1023 times.

@@ -7,7 +7,9 @@ Measured (default gpt, gloo on this machine), per world size in ``--world-sizes`
   turns step by step), wall time and CPU time;
 - PAFT-Sync: bytes and critical-path seconds per sync, by the mode the sync took
   (``noop`` when fingerprints agree, ``majority-copy`` / ``median`` /
-  ``median-with-reference`` to repair a faulty rank), from the runs' ``events.jsonl``.
+  ``median-with-reference`` to repair a faulty rank), from the runs' ``events.jsonl``:
+  the median seconds, and the bytes of the median sync (of an even count, the lower of
+  the two middle ones: a count one sync sent, printed in full, not a mean of two).
 
 Calculated (:func:`model`) from the protocol, for these world sizes and for larger
 jobs, e.g. 1024 ranks and 7B parameters: each rank's row of the per-step control
@@ -125,7 +127,7 @@ def run(out: pathlib.Path, *, world_sizes: tuple[int, ...] = (2, 4), steps: int 
             "sketch_dim": sketch_dim,
             "control_row_B": control,
             "control_received_B": control * (ws - 1),
-            "syncs": {mode: {"count": len(es), "bytes_sent_rank0": statistics.median(e["bytes_sent"] for e in es),
+            "syncs": {mode: {"count": len(es), "bytes_sent_rank0": statistics.median_low(e["bytes_sent"] for e in es),
                              "seconds": statistics.median(e["seconds"] for e in es)} for mode, es in syncs.items()},
         }
     rows = []
