@@ -175,11 +175,14 @@ def _alert_divergence(run: RunData) -> list[tuple[int, float]]:
     return found
 
 
-def _divergence_panel(ax: Axes, run: RunData) -> None:
+def _divergence_panel(ax: Axes, run: RunData, evals: tuple[list[int], list[float]],
+                      alerts: list[tuple[int, float]]) -> None:
+    """``evals``: :func:`_eval_divergence`'s, ``alerts``: :func:`_alert_divergence`'s
+    (read once, by :func:`plot_divergence`, which decides on them whether to draw this)."""
     # Both kinds are measurements at single steps, drawn as points: a line between two of
     # them would claim values for the steps between (it rose before the fault, and ran
     # across the syncs that found identical replicas).
-    steps, values = _eval_divergence(run)
+    steps, values = evals
     if steps:
         # Hollow and larger: a sync's point at an evaluation's step shows inside it.
         plot(ax, steps, values, color="black", ls="", marker="o", ms=8, mfc="none", label="at evaluations")
@@ -189,7 +192,6 @@ def _divergence_panel(ax: Axes, run: RunData) -> None:
     if pos:
         ax.plot([s for s, _ in pos], [v for _, v in pos], ls="", marker="o", ms=5, color=SYNC_COLOR,
                 label="before a sync that found replicas apart")
-    alerts = _alert_divergence(run)
     if alerts:
         ax.plot([s for s, _ in alerts], [v for _, v in alerts], ls="", marker="D", ms=5, color=STATE_SPLIT_COLOR,
                 label="at a state-split alert")
@@ -238,9 +240,9 @@ def _periods(run: RunData) -> list[tuple[int, float]]:
 
 def plot_divergence(run: RunData) -> bytes | None:
     periods = _periods(run)
+    evals, alerts = _eval_divergence(run), _alert_divergence(run)
     panels = [name for name, on in (("replicas", any("replicas/grad_distinct" in r for r in run.consistency)),
-                                    ("divergence", bool(sync_events(run) or _eval_divergence(run)[0]
-                                                        or _alert_divergence(run))),
+                                    ("divergence", bool(sync_events(run) or evals[0] or alerts)),
                                     ("period", bool(periods))) if on]
     if not panels:
         return None
@@ -250,7 +252,7 @@ def plot_divergence(run: RunData) -> bytes | None:
         if name == "replicas":
             _replica_panel(ax, run)
         elif name == "divergence":
-            _divergence_panel(ax, run)
+            _divergence_panel(ax, run, evals, alerts)
         else:
             _period_panel(ax, run, periods)
     return png(fig)

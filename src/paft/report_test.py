@@ -32,7 +32,14 @@ from paft.config import MonitorConfig, ProtectConfig, TrainConfig
 from paft.protect import PersistentFaultError, protect
 from paft.records import RunRecorder, read_jsonl
 from paft.report import build_report
-from paft.report_divergence import _eval_divergence, _period_panel, _periods, _replica_panel, _state_distinct
+from paft.report_divergence import (
+    _alert_divergence,
+    _eval_divergence,
+    _period_panel,
+    _periods,
+    _replica_panel,
+    _state_distinct,
+)
 from paft.report_draw import figure, plot
 from paft.report_text import summary_text
 from paft.run_reading import first_split, replica_splits, series
@@ -408,7 +415,8 @@ def test_a_non_finite_replica_at_a_sync_is_no_identical_replicas(fault_run: path
         f.write(json.dumps({"step": 9, "event": "sync", "period": 8, "divergence": "inf", "mode": "finite-copy"})
                 + "\n")
     fig, ax = plt.subplots()
-    report_divergence._divergence_panel(ax, load_run(run_dir))
+    run = load_run(run_dir)
+    report_divergence._divergence_panel(ax, run, _eval_divergence(run), _alert_divergence(run))
     said = [t.get_text() for t in ax.texts]
     plt.close(fig)
     assert "every sync found identical replicas" not in said
@@ -879,7 +887,8 @@ def test_the_divergence_a_guard_repair_found_shows_below_its_marks_and_no_distan
             f.write(json.dumps(event) + "\n")
     rewrite_jsonl(run / "evals.jsonl", lambda r: {**r, "replica_rel_diff": 1e-4 if r["step"] == 6 else 0.0})
     _, (ax,) = figure(1, 1, "divergence")
-    report_divergence._divergence_panel(ax, load_run(run))
+    loaded = load_run(run)
+    report_divergence._divergence_panel(ax, loaded, _eval_divergence(loaded), _alert_divergence(loaded))
     assert ax.get_yscale() == "symlog" and ax.get_ylim()[0] == 0
     height = ax.transAxes.inverted().transform(ax.transData.transform((3, 5.6e35)))[1]
     assert height < 0.88  # the guard's marks are drawn from 0.91 of the panel up
@@ -1190,7 +1199,7 @@ def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pa
                             "divergence": {"params_per_rank": [1e-5, 3e-5]}}) + "\n")
     run = load_run(run_dir)
     _, (ax,) = figure(1, 1, "points")
-    report_divergence._divergence_panel(ax, run)
+    report_divergence._divergence_panel(ax, run, _eval_divergence(run), _alert_divergence(run))
     lines = {line.get_label(): line for line in ax.get_lines()}
     evals, syncs = lines["at evaluations"], lines["before a sync that found replicas apart"]
     measured = [(x, y) for x, y in zip(evals.get_xdata(), evals.get_ydata()) if math.isfinite(y)]
