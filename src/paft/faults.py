@@ -352,9 +352,9 @@ class FaultSchedule:
         step through the whole burst. Without ``steps=``, or inside a listed range, every
         step of the burst's window is a candidate: a query costs up to ``burst`` hashes
         (0.3 s at burst=100000); none for a spec that can never fire (``rate=0``)."""
-        s = self.specs[i]
-        if i in self._never:
+        if not self.can_fire(i):
             return []
+        s = self.specs[i]
         first = max(0, step - s.burst + 1, s.start)
         if first > step:
             return []
