@@ -330,7 +330,10 @@ class ReplicaSync:
         keeps additive progress (an SGD step) exactly; a running average's is not
         additive (Adam's moments), so call finish() before the next optimizer step, as
         :class:`paft.protect.Protector` does. A coordinate that went NaN/Inf since
-        :meth:`start` stays so on every rank; one the sum alone overflows, or turns
+        :meth:`start` stays so on the ranks where it did, as on those that hold the
+        result and apply nothing: on every rank under DDP, whose all-reduced gradient
+        puts it into every replica; where ranks step apart (local SGD), the replicas then
+        differ there until the next sync. One the sum alone overflows, or turns
         negative in optimizer state that holds no negative value (a second moment),
         takes the synced value. Changes made through ``.data`` or other
         kernels that bypass version counters must be declared with ``True``.

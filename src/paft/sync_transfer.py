@@ -487,7 +487,8 @@ class Transfer:
                         # exactly. A result the sum alone made non-finite (an overflow)
                         # falls back to them; one whose live value went NaN/Inf in the
                         # window stays so, as on the ranks that hold the result and apply
-                        # nothing: every rank ends alike.
+                        # nothing: where it went so on every rank (DDP's shared gradient),
+                        # every rank ends alike.
                         keep = target == old
                         if res.is_floating_point():
                             keep |= ~torch.isfinite(res) & torch.isfinite(target)
