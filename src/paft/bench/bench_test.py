@@ -559,14 +559,37 @@ def test_desync_a_difference_without_a_standard_error_is_not_read_as_none() -> N
 
 def test_desync_standard_error_is_over_block_means() -> None:
     # 10 steps: blocks of 2 (at least 5 blocks), means [2, 2, 3, 2, 3]: se = stdev / sqrt(5).
-    mean, se = desync._mean_se([1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 0.0, 4.0, 3.0, 3.0, math.nan])
-    assert mean == 2.4 and se == pytest.approx(math.sqrt(0.3 / 5), rel=1e-12)
-    assert desync._mean_se([1.0, 2.0]) == (1.5, pytest.approx(0.5))  # blocks of one step
+    mean, se, block = desync._mean_se([1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 0.0, 4.0, 3.0, 3.0, math.nan])
+    assert mean == 2.4 and se == pytest.approx(math.sqrt(0.3 / 5), rel=1e-12) and block == 2
+    assert desync._mean_se([1.0, 2.0]) == (1.5, pytest.approx(0.5), 1)  # blocks of one step
     # 11 steps: the same 5 blocks of 2; the incomplete last block enters the mean, not the error.
-    mean, se = desync._mean_se([1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 0.0, 4.0, 3.0, 3.0, 100.0])
-    assert mean == 124 / 11 and se == pytest.approx(math.sqrt(0.3 / 5), rel=1e-12)
-    mean, se = desync._mean_se([1.0, math.inf])
-    assert mean == 1.0 and math.isnan(se)
+    mean, se, block = desync._mean_se([1.0, 3.0, 2.0, 2.0, 5.0, 1.0, 0.0, 4.0, 3.0, 3.0, 100.0])
+    assert mean == 124 / 11 and se == pytest.approx(math.sqrt(0.3 / 5), rel=1e-12) and block == 2
+    mean, se, block = desync._mean_se([1.0, math.inf])
+    assert mean == 1.0 and math.isnan(se) and block == 1
+    assert desync._mean_se([math.nan])[2] == 0  # no value: no block
+
+
+def test_desync_note_names_the_blocks_a_series_with_non_finite_values_took(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The note gave the block size of --steps values (2 at 10 steps) where a series with a
+    non-finite value left out had 9, and blocks of 1."""
+
+    def run_all(runs: list[Run], world_size: int) -> None:
+        for r in runs:
+            cv = [1.0 + t % 3 for t in range(10)]
+            if r.labels["setting"] == "S3":
+                cv[4] = math.nan
+            _consistency(pathlib.Path(r.config["run_dir"]), cv, [4.0 - t / 8 for t in range(10)])
+            r.summary = {"final_val_loss": 2.0, "steps_per_s": 1.0}
+
+    monkeypatch.setattr(desync, "run_all", run_all)
+    monkeypatch.setattr(desync, "_plots", lambda out, _: [])
+    results = desync.run(tmp_path / "desync", steps=10, world_size=2)
+    assert ("(± standard error from means of blocks of 2 or 1 values (the smaller in a series with non-finite "
+            "values left out))") in results["note"]
+    assert results["comparisons"]["S3"]["loss_cv"]["block"] == 1 and results["comparisons"]["S2"]["loss"]["block"] == 2
 
 
 def test_desync_loss_roughness_is_after_the_warmup_and_skips_non_finite_steps(tmp_path: pathlib.Path) -> None:
@@ -606,7 +629,8 @@ def test_desync_reading_compares_each_setting_with_s1_and_quotes_the_null_contro
     assert rows[0] == "| S1 synchronized | 1 ± 0 | 1 | 3.438 | 4 | 0.1 ± 0 | 0.1 | 0.5 ± 0 | 0.1875 | 2 | 0 |"
     assert set(results["comparisons"]) == {"S2", "S3", "S1r"} and len(results["reading"]) == 4
     assert results["warmup"] == 2 and "after the 2-step warm-up" in md  # TrainConfig's warm-up of the runs
-    # 10 steps: blocks of 2, as _mean_se takes them (the note said 10-step blocks, whatever the steps).
+    # 10 steps, every value finite: blocks of 2, as _mean_se takes them (the note said 10-step blocks,
+    # whatever the steps).
     assert "± standard error from 2-step block means" in md
     assert "![loss](loss.png)" in md
     s2 = next(line for line in results["reading"] if line.startswith("- S2 "))

@@ -19,7 +19,8 @@ the roughness of the averaged (global) loss curve: std of its step-to-step
 differences after the learning-rate warm-up. The claim under test is that the
 averaged loss looks alike while worker-level dispersion differs; S2, S3 and S1r are
 compared with S1 step by step (paired differences, z = mean / standard error of
-10-step block means (shorter blocks in runs under 50 steps: 5 blocks at least), since
+10-step block means (shorter blocks in series of under 50 finite values, a short run's or
+one with non-finite values left out: 5 blocks at least; the note names the sizes), since
 consecutive steps share a trajectory), and the table says
 "no difference beyond noise" when |z| < 3, whatever we hoped to see (a difference the
 same in every block has z = +-inf; one with fewer than two blocks, too few steps, none).
@@ -98,34 +99,38 @@ def _block(n: int) -> int:
     return max(1, min(BLOCK, n // 5))
 
 
-def _mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and its standard error from the means of consecutive blocks (:func:`_block`)."""
+def _mean_se(xs: list[float]) -> tuple[float, float, int]:
+    """Mean and its standard error from the means of consecutive blocks of the finite
+    values, and the block size (:func:`_block` of their count; 0 without any)."""
     xs = _finite(xs)
     if not xs:
-        return math.nan, math.nan
+        return math.nan, math.nan, 0
     block = _block(len(xs))
     means = [statistics.fmean(xs[i:i + block]) for i in range(0, len(xs) - block + 1, block)]
     if len(means) < 2:
-        return statistics.fmean(xs), math.nan
-    return statistics.fmean(xs), statistics.stdev(means) / math.sqrt(len(means))
+        return statistics.fmean(xs), math.nan, block
+    return statistics.fmean(xs), statistics.stdev(means) / math.sqrt(len(means)), block
 
 
 def _paired(a: list[float], b: list[float]) -> dict[str, float]:
     """Mean of b - a, entry by entry (the two runs' series of the same steps: every
-    setting records every step), over the pairs both finite; its standard error and z."""
+    setting records every step), over the pairs both finite; its standard error, z and
+    the block size the error took."""
     diffs = [y - x for x, y in zip(a, b) if math.isfinite(x) and math.isfinite(y)]
-    mean, se = _mean_se(diffs)
+    mean, se, block = _mean_se(diffs)
     if se == 0:  # the same difference in every block: beyond any noise unless it is none
         z = 0.0 if mean == 0 else math.copysign(math.inf, mean)
     else:
         z = mean / se  # NaN without a standard error (too few steps) or without a finite pair
-    return {"diff": mean, "se": se, "z": z}
+    return {"diff": mean, "se": se, "z": z, "block": block}
 
 
 def analyze(runs: list[Run], warmup: int) -> dict[str, Any]:
-    """Per-setting statistics and the paired comparisons with S1."""
+    """Per-setting statistics and the paired comparisons with S1, and the block sizes
+    their standard errors took (``blocks``, largest first)."""
     stats: dict[str, dict[str, Any]] = {}
     series: dict[str, dict[str, list[float]]] = {}
+    blocks: set[int] = set()
     for r in runs:
         key = r.labels["setting"]
         s = series[key] = _series(r.config["run_dir"])
@@ -133,8 +138,9 @@ def analyze(runs: list[Run], warmup: int) -> dict[str, Any]:
         row: dict[str, Any] = {"setting": key, "description": SETTINGS[key][0]}
         for name in METRICS:
             xs = _finite(s[name])
-            mean, se = _mean_se(xs)
+            mean, se, block = _mean_se(xs)
             row[f"{name}_mean"], row[f"{name}_se"] = mean, se
+            blocks.add(block)
             row[f"{name}_max"] = max(xs) if xs else math.nan
             row[f"{name}_min"] = min(xs) if xs else math.nan
         after = [x for t, x in zip(steps, loss) if t >= warmup and math.isfinite(x)]
@@ -150,7 +156,20 @@ def analyze(runs: list[Run], warmup: int) -> dict[str, Any]:
             continue
         comp = {name: _paired(ref[name], s[name]) for name in (*METRICS, "loss")}
         comparisons[key] = comp
-    return {"stats": stats, "comparisons": comparisons, "series": series}
+        blocks.update(c["block"] for c in comp.values())
+    return {"stats": stats, "comparisons": comparisons, "series": series,
+            "blocks": sorted(blocks - {0}, reverse=True)}
+
+
+def _blocks_text(blocks: list[int]) -> str:
+    """The note's words for the block sizes :func:`analyze` found: one as a number of
+    steps; several where a series with non-finite values left out took smaller blocks."""
+    if not blocks:
+        return "block means"
+    if len(blocks) == 1:
+        return f"{blocks[0]}-step block means"
+    return (f"means of blocks of {', '.join(map(str, blocks[:-1]))} or {blocks[-1]} values (the smaller in a "
+            f"series with non-finite values left out)")
 
 
 def _verdict(name: str, comp: dict[str, float], ref_mean: float, null: dict[str, float] | None = None) -> str:
@@ -236,8 +255,8 @@ def run(out: pathlib.Path, *, steps: int = 150, world_size: int = 4, seed: int =
         f"gpt {BENCH_MODELS['gpt']}, dropout {DROPOUT}, {world_size} ranks x {PER_RANK_BATCH} sequences, "
         f"{steps} steps, seed {seed}, no faults, monitor on (sketch cosine, every step); one run per setting, "
         f"same weights and schedule; S1r repeats S1 with seed {seed + 1} (a null control: what chance alone "
-        f"gives). Statistics over the steps of each run (± standard error from {_block(steps)}-step block "
-        f"means). "
+        f"gives). Statistics over the steps of each run (± standard error from "
+        f"{_blocks_text(result['blocks'])}). "
         f"Global loss Δ std: std of step-to-step differences of the mean-of-ranks loss after the "
         f"{warmup}-step warm-up (roughness of the curve a DDP user sees). Paired comparisons: per-step "
         f"difference to S1, z = mean / block standard error; |z| < {Z_NOISE:g} is read as no difference beyond "
