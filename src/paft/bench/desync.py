@@ -156,7 +156,7 @@ def analyze(runs: list[Run], warmup: int) -> dict[str, Any]:
             continue
         comp = {name: _paired(ref[name], s[name]) for name in (*METRICS, "loss")}
         comparisons[key] = comp
-        blocks.update(c["block"] for c in comp.values())
+        blocks.update(int(c["block"]) for c in comp.values())
     return {"stats": stats, "comparisons": comparisons, "series": series,
             "blocks": sorted(blocks - {0}, reverse=True)}
 
