@@ -166,6 +166,11 @@ class ControlView:
                 out.append((1 << 128) | ((bits[COL_STATE_HI] & _M64) << 64) | (bits[COL_STATE_LO] & _M64))
         return out
 
+    def states_split(self) -> bool:
+        """Whether the ranks checked their state this step and their fingerprints differ."""
+        states = self.state_fingerprints()
+        return states is not None and len(set(states)) > 1
+
     def ranks_with(self, flag: int) -> list[int]:
         return [r for r, f in enumerate(self.flags) if f & flag]
 

@@ -48,6 +48,10 @@ of this step)::
     any      state fingerprints disagree (tried first)             repair      state
     >= 1     state fingerprints disagree again, same minority      stop        persistent  (on_persistent=stop)
              (the repaired rank corrupted again: stuck memory)     repair      persistent  (on_persistent=repair)
+    >= 1     state fingerprints disagree, and the same view's      stop        persistent  (on_persistent=stop)
+             grad_mismatch came back (as below): named by the      repair      persistent  (on_persistent=repair)
+             verdict (detector grad_mismatch); the split is still
+             repaired, except on a stop
     any      clean        no prev                                  proceed     None
     >= 1     clean        prev from check                          proceed     transient (persistent if decided)
     >= 1     clean        prev from check_update                   proceed     None (check_update decides)
@@ -87,7 +91,9 @@ would reproduce the bad step (or none shows yet); the protector re-synchronizes 
 (robust: the majority's bits; with 2 ranks, which have no majority, a NaN/Inf replica
 is dropped, else the coordinate-wise median with the last agreed reference) and
 recomputes. Past a rerun cap the verdict is ``skip`` with detector
-``state_mismatch``: the protector still repairs, then skips the batch. The protector
+``state_mismatch`` (``rerun_cap`` where it names a failing reduction): the protector
+still repairs, then skips the batch: it repairs on a ``repair`` or a ``skip`` whose
+view's state fingerprints disagree. The protector
 fingerprints the state on every recompute, which is how a corrupted replica is told
 from bad data; the state columns are left out of the comparison with a first attempt
 that did not check them.
@@ -284,11 +290,9 @@ class Guard:
         # even where 2 ranks leave the faulty one unnamed, and also where a repair of
         # the state or another detection came between (the repair that hid it moved
         # every value, not which rank's reduction fails).
-        mismatch = self._remember(st, detection)
-        mismatch_again = mismatch is not None and (
-            not ranks or not mismatch.ranks or bool(set(ranks) & set(mismatch.ranks)))  # else: a new fault elsewhere
-        if mismatch is not None and mismatch_again:
-            common = sorted(set(mismatch.ranks) & set(ranks))
+        again = self._failed_again(st, detection)
+        if again is not None:
+            common = again
         elif prev is None or prev.source != "check" or prev.detector == "state_mismatch":
             # A first detection, also right after a repair: the repaired state moved the
             # ranks' values, so bad data coming back would read as a persistent fault.
@@ -315,7 +319,7 @@ class Guard:
                 # values moved are the ones the recurring anomaly comes from.
                 common = unsteady_ranks(prev.bits, detection.bits)
         st.pending = detection
-        if common or mismatch_again:
+        if common or again is not None:
             self._set_cause(st, "persistent")
             if self.config.on_persistent == "stop":
                 return GuardVerdict("stop", detector, common, "persistent", values)
@@ -401,6 +405,16 @@ class Guard:
         if verdict.action != "proceed":  # a level shift keeps the update
             self.counters["rollbacks"] += 1
         return verdict
+
+    def _failed_again(self, st: _StepState, detection: _Detection) -> list[int] | None:
+        """Remember ``detection`` (:meth:`_remember`); where it is a ``grad_mismatch`` that
+        comes back after the step's last one, the reduction failing again: the ranks named
+        both times (empty where either names none). None: no recurrence (another detector,
+        none before, or a new fault on other ranks only)."""
+        before = self._remember(st, detection)
+        if before is None or (detection.ranks and before.ranks and not set(detection.ranks) & set(before.ranks)):
+            return None
+        return sorted(set(before.ranks) & set(detection.ranks))
 
     @staticmethod
     def _remember(st: _StepState, detection: _Detection) -> _Detection | None:
@@ -608,14 +622,35 @@ class Guard:
         # Split again right after its repair: stuck memory, also where no majority names
         # the replica either time (2 ranks, an even split), as a grad_mismatch that comes back.
         persistent = bool(again) or (split is not None and not minority and not split.ranks)
-        self._set_cause(st, "persistent" if persistent else "state")
+        # The state check comes first, but the same view's checksums still tell of the
+        # reduction: neither data nor a state split makes ranks' aggregates differ. A
+        # mismatch here is compared with the step's last one and remembered for the
+        # recompute after the repair; with one rerun left, the repair spends it, and this
+        # view is the last sight of a reduction failing again.
+        found = self._detect(view)
+        reduction = None
+        if found is not None and found[0] == "grad_mismatch":
+            reduction = self._failed_again(st, _Detection("check", "grad_mismatch", found[1], view.header_bits()))
+        if persistent:  # the stuck replica is the fault the verdict names
+            reduction = None
+        self._set_cause(st, "persistent" if persistent or reduction is not None else "state")
         st.pending = _Detection("check", "state_mismatch", minority, view.header_bits())
         # The update starts from the repaired state from now on: the ratio of one before
         # would say nothing of the data. (A grad_mismatch stays comparable: see check.)
         st.earlier.pop("update_ratio", None)
+        split_values = {"distinct": float(len(groups))}
+        if reduction is not None and found is not None:
+            # Named as check names a mismatch that comes back; the protector repairs the
+            # split all the same (its record names the split replicas), also past a cap.
+            if self.config.on_persistent == "stop":
+                return GuardVerdict("stop", "grad_mismatch", reduction, "persistent", found[2])
+            verdict = self._recompute_unless_capped(st, "grad_mismatch", reduction or found[1], found[2])
+            if verdict.action == "skip":  # rerun_cap, as past a cap anywhere
+                return verdict
+            return GuardVerdict("repair", "grad_mismatch", verdict.ranks, "persistent", verdict.values)
         if persistent and self.config.on_persistent == "stop":
-            return GuardVerdict("stop", "state_mismatch", again, "persistent", {"distinct": float(len(groups))})
-        verdict = self._recompute_unless_capped(st, "state_mismatch", minority, {"distinct": float(len(groups))})
+            return GuardVerdict("stop", "state_mismatch", again, "persistent", split_values)
+        verdict = self._recompute_unless_capped(st, "state_mismatch", minority, split_values)
         # Past a cap: the replicas are still repaired, and the batch is skipped.
         action = "repair" if verdict.action == "recompute" else "skip"
         return GuardVerdict(action, "state_mismatch", minority, st.cause or "state", verdict.values)

@@ -794,7 +794,8 @@ def test_a_grad_mismatch_that_comes_back_after_a_state_repair_is_persistent(poli
     g = guard(3, on_persistent=policy, max_reruns_per_step=3)
     t = warm(g)
     assert g.check(t, 0, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 5])).ranks == [2]
-    assert g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 6], states=[1, 2, 1])).action == "repair"
+    # (The reduction came out clean on the repair's own view: see the next test for one that did not.)
+    assert g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[1, 2, 1])).action == "repair"
     restored = guard(3, on_persistent=policy, max_reruns_per_step=3)  # the step in flight, saved and loaded
     restored.load_state_dict(json.loads(json.dumps(g.state_dict())))
     for h in (g, restored):
@@ -808,6 +809,39 @@ def test_a_grad_mismatch_that_comes_back_after_a_state_repair_is_persistent(poli
     g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[1, 2, 1]))
     v = g.check(t, 2, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[6, FP, FP], states=[1, 1, 1]))
     assert (v.action, v.ranks, v.cause) == ("recompute", [0], "state")
+
+
+@pytest.mark.parametrize("policy,action,detector", [("stop", "stop", "grad_mismatch"), ("repair", "skip", "rerun_cap")])
+@pytest.mark.parametrize("mismatch_first", [True, False])
+def test_a_state_repairs_own_view_of_a_reduction_failing_again_names_it(
+        policy: str, action: str, detector: str, mismatch_first: bool) -> None:
+    """With one rerun per step (--max-reruns 1) the repair spends it: the batch was
+    skipped before rank 2's reduction was seen again, although the repair's own view
+    showed its checksum split, and the step ended unnamed with cause "state" (a run
+    asked to stop on a persistent fault went on). That view's mismatch is compared with
+    the step's last one, and remembered for the attempt after the repair."""
+    g = guard(3, on_persistent=policy, max_reruns_per_step=1)
+    t = warm(g)
+    views = [make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 5]),  # rank 2's reduction fails
+             make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 6], states=[1, 2, 1])]  # ... and rank 1's state split
+    if not mismatch_first:  # the split seen first: repaired, then the reduction fails again
+        views = [views[1], make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 7], states=[1, 1, 1])]
+    assert g.check(t, 0, views[0]).action == ("recompute" if mismatch_first else "repair")
+    v = g.check(t, 1, views[1])
+    assert (v.action, v.detector, v.ranks, v.cause) == (action, detector, [2], "persistent")
+    assert (g.counters["persistent"], g.counters["state"], g.counters["detections"]) == (1, 0, 1)
+    # With a rerun left, the split is repaired and recomputed, the fault already named.
+    g = guard(3, on_persistent="repair", max_reruns_per_step=2)
+    t = warm(g)
+    g.check(t, 0, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 5]))
+    v = g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 6], states=[1, 2, 1]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("repair", "grad_mismatch", [2], "persistent")
+    # Another rank's reduction on the repair's view is a new fault: the step stays "state".
+    g = guard(3, on_persistent=policy, max_reruns_per_step=1)
+    t = warm(g)
+    g.check(t, 0, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 5]))
+    v = g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[6, FP, FP], states=[1, 2, 1]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("skip", "state_mismatch", [1], "state")
 
 
 @pytest.mark.parametrize("policy", ["stop", "repair"])

@@ -82,7 +82,9 @@ class GuardedUpdate:
                 rerun_from.restore()
             if verdict.action == "stop":
                 return StepOutcome(view, attempt + 1, applied=False, stopped=verdict)
-            if verdict.detector == "state_mismatch" and verdict.action in ("repair", "skip"):
+            # A repair's verdict names the persistent fault where it found one, perhaps the
+            # reduction's (docs/GUARD.md#state): the split is repaired all the same.
+            if verdict.action in ("repair", "skip") and view.states_split():
                 self.resync.repair(t, rerun=verdict.action == "repair")  # at the rerun cap too: the batch is skipped
                 rerun_from.keep_buffers()
                 synced = True

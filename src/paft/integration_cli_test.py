@@ -327,23 +327,32 @@ def test_paft_dyn_is_exact_for_faults_it_sees_before_a_forward_pass_and_the_guar
     assert s["guard"]["state_fingerprint"] == fault_free and s["guard"]["detections"] == 1
 
 
-def test_a_persistent_reduction_fault_hidden_by_a_state_repair_still_stops_the_run(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("policy", ["stop", "repair"])
+def test_a_persistent_reduction_fault_seen_by_a_state_repair_is_named(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], policy: str,
 ) -> None:
-    """docs/GUARD.md, grad_mismatch: the recompute of a mismatch on rank 2 finds rank 1's
-    optimizer state corrupted at rest (no fingerprint was due at the first attempt) and
-    repairs it, the state check coming first. The mismatch after the repair is rank 2's
-    reduction failing again: the run stops (exit 3) naming rank 2. It was compared with
-    the repair instead, and the batch was skipped at the rerun cap (exit 0)."""
+    """docs/GUARD.md, state: the recompute of a mismatch on rank 2 finds rank 1's
+    optimizer state corrupted at rest (no fingerprint was due at the first attempt), and
+    rank 2's reduction failing again in the same view. With --max-reruns 1 the repair
+    spent the only rerun: the batch was skipped with cause "state", rank 2 unnamed, and a
+    run asked to stop went on (exit 0). Now the run stops naming rank 2 (exit 3), or,
+    under --on-persistent repair, the split is repaired all the same and the batch
+    skipped at the cap, rank 2 named."""
     monkeypatch.chdir(tmp_path)
     argv = ["train", "--workload", "gpt", *TINY["gpt"], "--world-size", "3", "--batch-size", "12",
-            "--eval-batches", "1", "--quiet", "--steps", "4", "--guard", "--on-persistent", "stop",
+            "--eval-batches", "1", "--quiet", "--steps", "4", "--guard", "--on-persistent", policy, "--max-reruns", "1",
             "--inject", "scale:site=optimizer-state,steps=2,ranks=1,factor=1e-12,fraction=1.0",
             "--inject", "bitflip:site=aggregation,steps=2,ranks=2,bits=30,persistent=true", "--run-dir", "r"]
-    assert main(argv) == 3, capsys.readouterr().err
+    assert main(argv) == (3 if policy == "stop" else 0), capsys.readouterr().err
+    records = _jsonl(tmp_path / "r" / "events.jsonl")
     events = [(e["event"], e.get("attempt"), e.get("detector"), e["ranks"], e.get("action"), e.get("cause"))
-              for e in _jsonl(tmp_path / "r" / "events.jsonl") if e["event"] in ("guard", "stop")]
-    assert events == [("guard", 0, "grad_mismatch", [2], "recompute", None),
-                      ("guard", 1, "state_mismatch", [1], "repair", "state"),
-                      ("guard", 2, "grad_mismatch", [2], "stop", "persistent"),
-                      ("stop", None, None, [2], None, None)]
+              for e in records if e["event"] in ("guard", "stop")]
+    assert events[0] == ("guard", 0, "grad_mismatch", [2], "recompute", None)
+    if policy == "stop":
+        assert events[1:] == [("guard", 1, "grad_mismatch", [2], "stop", "persistent"),
+                              ("stop", None, None, [2], None, None)]
+        return
+    assert events[1:] == [("guard", 1, "rerun_cap", [2], "skip", "persistent")]
+    (repair,) = [e for e in records if e["event"] == "repair"]  # rank 1's optimizer state, at the cap too
+    assert (repair["step"], repair["groups"]) == (2, [[0, 2], [1]])
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["replicas_distinct"] == 1

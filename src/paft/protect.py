@@ -46,7 +46,7 @@ from paft.attempt import AttemptRunner, StepOutcome, StepPlan
 from paft.collectives import max_over_ranks
 from paft.comm import CommHook, CommHookState, paft_comm_hook
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig
-from paft.consistency import FLAG_AGG_NONFINITE, PendingControl, gather_exact_grads
+from paft.consistency import FLAG_AGG_NONFINITE, ControlView, PendingControl, gather_exact_grads
 from paft.divergence import measure_divergence
 from paft.faults import FaultInjector, FaultSchedule
 from paft.faultspec import FaultSpec
@@ -298,7 +298,7 @@ class Protector:
                         metric_step=self._due(self.monitor_cfg.interval, t))
         out = self._update(plan) if self._guarded is None else self._guarded.update(plan, self._attempt)
         if out.stopped is not None:
-            raise self._stop(t, out.stopped)
+            raise self._stop(t, out.stopped, out.view)
         self._check_state_next = False  # once a step got this far: one that raised keeps it (a stop sets it anew)
         if self.guard is not None and out.applied:
             self.guard.accept(t, out.view, out.ratio)
@@ -430,19 +430,20 @@ class Protector:
     def _due(every: int, step: int) -> bool:
         return every > 0 and step % every == 0
 
-    def _stop(self, step: int, verdict: GuardVerdict) -> PersistentFaultError:
+    def _stop(self, step: int, verdict: GuardVerdict, view: ControlView) -> PersistentFaultError:
         """End a step the guard stops (``on_persistent="stop"``; the caller restored its
         RNG draws and buffers): no update is applied, the gradients are set to None, an
         overlapped sync in flight lands, and the step index moves on, so that a caller
         that catches the error may :meth:`close` and checkpoint, or step on with the next
         batch as step ``step + 1``. A stop on a state mismatch leaves the replicas split
-        (the faulty rank's state reproduced the fault); the next step checks the state,
-        due or not, and repairs them. (Only the pre-step checks stop:
+        (the faulty rank's state reproduced the fault), as does one on a reduction that
+        failed again where the state split too; the next step checks the state, due or
+        not, and repairs them. (Only the pre-step checks stop:
         :meth:`Guard.check_update` never does.)"""
         self._stepper.discard()
         self.optimizer.zero_grad(set_to_none=True)
         self.resync.finish(step)
-        self._check_state_next = verdict.detector == "state_mismatch"
+        self._check_state_next = view.states_split()
         self.step_idx = step + 1
         self.resync.set_next_step(self.step_idx)
         return PersistentFaultError(step, verdict.ranks)

@@ -776,10 +776,22 @@ def test_a_stopped_step_leaves_no_trace_and_the_caller_may_step_on(mode: str) ->
     assert len({o["last"][2] for o in out}) == 1
 
 
-def stop_on_split_state(rank: int, world_size: int, mode: str, resume: bool) -> dict[str, Any]:
-    """Stuck memory in rank 1's weights stops step 5 (a state check step); the caller
-    catches the error and steps on, with the next state check five steps away;
-    ``resume``: from a checkpoint, each rank its own, taken after the stop."""
+# Faults that stop a step (the second item) and leave the replicas split.
+SPLIT_STOPS = {
+    # Stuck memory in rank 1's weights, at a state check step.
+    "stuck": (["bitflip:site=params,steps=5,ranks=1,bits=30,persistent=true"], 5),
+    # Rank 2's reduction fails again on the recompute, which also finds rank 1's weights
+    # corrupted at rest (step 6 checks no state: its recompute does).
+    "reduction": (["scale:site=params,steps=6,ranks=1,factor=1.01",
+                   "bitflip:site=aggregation,steps=6,ranks=2,bits=30,persistent=true"], 6),
+}
+
+
+def stop_on_split_state(rank: int, world_size: int, mode: str, resume: bool, fault: str) -> dict[str, Any]:
+    """``SPLIT_STOPS[fault]`` stops a step; the caller catches the error and steps on,
+    with the next state check steps away (every fifth step); ``resume``: from a
+    checkpoint, each rank its own, taken after the stop."""
+    inject, stop = SPLIT_STOPS[fault]
 
     def build() -> tuple[DistributedDataParallel, torch.optim.Optimizer, Any]:
         model = DistributedDataParallel(toy_model())
@@ -787,11 +799,11 @@ def stop_on_split_state(rank: int, world_size: int, mode: str, resume: bool) -> 
         return model, optimizer, protect(
             model, optimizer, monitor=MonitorConfig(fingerprint_every=5), protect=ProtectConfig(mode=mode),
             guard=GuardConfig(**GUARD, on_persistent="stop"), seed=3,
-            inject=["bitflip:site=params,steps=5,ranks=1,bits=30,persistent=true"])
+            inject=inject)
 
     model, optimizer, protector = build()
     out: dict[str, Any] = {"fingerprints": []}
-    for step in range(7):
+    for step in range(stop + 2):
         try:
             report = protector.step(toy_closure(model, optimizer, rank, step))
             out[step] = (report.applied, report.synced)
@@ -799,7 +811,7 @@ def stop_on_split_state(rank: int, world_size: int, mode: str, resume: bool) -> 
             out[step] = ("stopped", err.ranks)
         protector.close()
         out["fingerprints"].append(state_fingerprint(model, optimizer, buffers=False))
-        if resume and step == 5:
+        if resume and step == stop:
             saved = copy.deepcopy((model.module.state_dict(), optimizer.state_dict(), protector.state_dict()))
             model, optimizer, protector = build()
             model.module.load_state_dict(saved[0])
@@ -808,17 +820,21 @@ def stop_on_split_state(rank: int, world_size: int, mode: str, resume: bool) -> 
     return out
 
 
-@pytest.mark.parametrize(("mode", "resume"), [("none", False), ("dyn", False), ("dyn", True)])
-def test_the_step_after_a_stop_on_split_replicas_repairs_them(mode: str, resume: bool) -> None:
+@pytest.mark.parametrize(("mode", "resume", "fault"), [("none", False, "stuck"), ("dyn", False, "stuck"),
+                                                      ("dyn", True, "stuck"), ("none", False, "reduction")])
+def test_the_step_after_a_stop_on_split_replicas_repairs_them(mode: str, resume: bool, fault: str) -> None:
     # The stopped step left rank 1's corrupted weights in place; the next step's check
-    # repairs them (it waited for the next --fingerprint-every step, five steps on,
-    # while the replicas trained apart), also in a run resumed from a checkpoint of each
-    # rank's own state.
-    out = run_workers(stop_on_split_state, 2, mode, resume)
-    assert out[0]["fingerprints"][5] != out[1]["fingerprints"][5]  # split by the stop
-    assert out[0]["fingerprints"][6] == out[1]["fingerprints"][6]  # bitwise: params and optimizer state
+    # repairs them (it waited for the next --fingerprint-every step, steps on, while the
+    # replicas trained apart), also in a run resumed from a checkpoint of each rank's
+    # own state, and where the stop named another rank's reduction (it left the split
+    # to that next check too).
+    ranks, named = (2, []) if fault == "stuck" else (3, [2])
+    out = run_workers(stop_on_split_state, ranks, mode, resume, fault)
+    stop = SPLIT_STOPS[fault][1]
+    assert out[0]["fingerprints"][stop] != out[1]["fingerprints"][stop]  # split by the stop
+    assert len({o["fingerprints"][stop + 1] for o in out}) == 1  # bitwise: params and optimizer state
     for o in out:
-        assert o[5] == ("stopped", []) and o[6] == (True, True)  # the repair is the step's sync
+        assert o[stop] == ("stopped", named) and o[stop + 1] == (True, True)  # the repair is the step's sync
 
 
 def test_a_persistent_fault_at_rest_strikes_the_rerun_and_names_the_rank() -> None:
