@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -366,6 +367,51 @@ def test_a_scaler_needs_the_optimizer_to_hold_every_trained_parameter() -> None:
     # before it, rank 1 raised alone and left rank 0 waiting in that collective).
     out = run_workers(_partial_optimizer, 2, [1])
     assert out[0] == out[1] and "ranks disagree on the optimizer's parameter order" in out[0]
+
+
+def _scaled_stepper(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> Callable[[], bool]:
+    """One protected step under a loss scaler, on one batch, per call: whether it applied."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    protector = protect(ddp, optimizer, scaler=scaler)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        scaler.scale(loss).backward()
+        return loss
+
+    return lambda: protector.step(closure).applied
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_scalers_refusal_of_parameters_trained_later_advises_what_works() -> None:
+    # It advised requires_grad_(False), too late once DDP is built (DDP waits for their
+    # gradients and fails the next step), and useless for unfreezing them later (DDP
+    # never all-reduces a parameter frozen when it was built). What it says now works.
+    model = _mlp()
+    ddp = DistributedDataParallel(model)
+    with pytest.raises(ValueError, match=r"from protect\(\) on; one to train later \(progressive unfreezing\) goes in "
+                       r"now, in a param group with lr=0 whose lr you raise then .* one never trained: "
+                       r"requires_grad_\(False\) before DistributedDataParallel wraps the model$"):
+        protect(ddp, torch.optim.Adam(model[2].parameters(), lr=1e-2), scaler=torch.amp.GradScaler("cpu"))
+    # The body in the optimizer from protect() on, at lr=0 until it is unfrozen.
+    model = _mlp()
+    ddp = DistributedDataParallel(model)
+    body = list(model[0].parameters())
+    optimizer = torch.optim.Adam([{"params": model[2].parameters()}, {"params": body, "lr": 0.0}], lr=1e-2)
+    frozen = [p.detach().clone() for p in body]
+    step = _scaled_stepper(ddp, optimizer)
+    assert step() and step() and all(torch.equal(a, p) for a, p in zip(frozen, body))
+    optimizer.param_groups[1]["lr"] = 1e-2  # unfrozen
+    assert step() and not any(torch.equal(a, p) for a, p in zip(frozen, body))
+    # A body never trained, frozen before DDP wraps the model: accepted, and the head trains.
+    model = _mlp()
+    model[0].requires_grad_(False)
+    ddp = DistributedDataParallel(model)
+    step = _scaled_stepper(ddp, torch.optim.Adam(model[2].parameters(), lr=1e-2))
+    assert step() and step()
+    del step, ddp
 
 
 def test_a_scaler_that_is_not_one_is_refused() -> None:

@@ -106,8 +106,13 @@ def preflight(model: Any, optimizer: Any, settings: ProtectSettings) -> tuple[li
         if any(p.requires_grad and id(p) not in held for p in model.parameters()):
             # scaler.unscale_ unscales the optimizer's parameters only: the others'
             # gradients would stay scaled in the norms, the guard and clipping.
-            raise ValueError("protect(): with scaler=, the optimizer must hold every parameter that "
-                             "requires a gradient (freeze the others with requires_grad_(False))")
+            # Freezing them now is no way out: DDP, built already, would wait for their
+            # gradients, and a parameter that joins the optimizer later never joins DDP's.
+            raise ValueError("protect(): with scaler=, the optimizer must hold every parameter that requires a "
+                             "gradient, from protect() on; one to train later (progressive unfreezing) goes in now, "
+                             "in a param group with lr=0 whose lr you raise then (a group added after protect() "
+                             "cannot hold it); one never trained: requires_grad_(False) before "
+                             "DistributedDataParallel wraps the model")
     return specs, stepper
 
 
