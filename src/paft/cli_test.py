@@ -677,6 +677,9 @@ def test_a_resume_commits_its_options_with_its_first_checkpoint(
     assert main(["train", *_failing(6, steps=10), "--run-dir", "r", "--resume", "--checkpoint-every", "1"]) == 1
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step0000006"
     assert json.loads((tmp_path / "r" / "config.json").read_text())["steps"] == 10
+    # Each leg's failure stays recorded: a resume cut it away with the steps it re-does.
+    events = read_jsonl(tmp_path / "r" / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "failed"] == [4, 6, 6]
 
 
 @pytest.mark.parametrize("spec,needle", [

@@ -33,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 _UMASK = os.umask(0)
@@ -371,6 +371,10 @@ def require_tensorboard() -> None:
         )
 
 
+_LEG_ENDS = ("failed", "stop")
+"""The ``events.jsonl`` events that say why a leg of a run ended (a failed worker, the
+guard's stop): a resume keeps them, though it re-does the steps they name."""
+
 SHARED_RECORDS = ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")
 """A run folder's records shared by the ranks (rank 0 writes them, but faults.jsonl, which
 every rank appends to); each rank's own are metrics/rank<r>.jsonl."""
@@ -425,7 +429,9 @@ class RunRecorder:
         truncate_jsonl(self.run_dir / "metrics" / f"rank{self.rank}.jsonl", step)
         if self.rank == 0:
             for name in SHARED_RECORDS:  # an evaluation at ``step`` came before the checkpoint
-                truncate_jsonl(self.run_dir / name, step + (name == "evals.jsonl"))
+                # Why the interrupted leg ended stays: the resume re-does its steps, not its end.
+                truncate_jsonl(self.run_dir / name, step + (name == "evals.jsonl"),
+                               keep=_LEG_ENDS if name == "events.jsonl" else ())
 
     def _add_scalars(self, step: int, values: Iterable[tuple[str, float]]) -> None:
         if not self._tensorboard:
@@ -503,12 +509,13 @@ def _records_in(folder: pathlib.Path) -> list[str]:
     return [str(path.relative_to(folder)) for path in found if is_file(path) and path.stat().st_size > 0]
 
 
-def truncate_jsonl(path: str | os.PathLike[str], step: int) -> None:
-    """Drop records with ``step >= step`` (a resumed run re-does those steps)."""
+def truncate_jsonl(path: str | os.PathLike[str], step: int, keep: Collection[str] = ()) -> None:
+    """Drop records with ``step >= step`` (a resumed run re-does those steps), but the
+    events of the kinds in ``keep``."""
     p = pathlib.Path(path)
     if not p.exists():
         return
-    _rewrite_jsonl(p, [r for r in read_jsonl(p) if r.get("step", -1) < step])
+    _rewrite_jsonl(p, [r for r in read_jsonl(p) if r.get("step", -1) < step or r.get("event") in keep])
 
 
 def sort_faults(run_dir: str | os.PathLike[str]) -> None:

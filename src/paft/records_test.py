@@ -330,6 +330,24 @@ def test_only_rank_0_writes_the_shared_records(tmp_path: pathlib.Path, capsys: p
     assert all(len(read_jsonl(tmp_path / name)) == 1 for name in ("evals.jsonl", "consistency.jsonl", "events.jsonl"))
 
 
+def test_a_resume_keeps_why_the_interrupted_leg_ended(tmp_path: pathlib.Path) -> None:
+    # The launcher's "failed" line (and the trainer's "stop") names the step the leg
+    # ended at, after its last checkpoint: the resume cut it away with the steps it
+    # re-does, and the run no longer said why it had stopped.
+    first = RunRecorder(tmp_path, 0, quiet=True)
+    for step in (3, 5):
+        first.event({"step": step, "event": "guard", "action": "recompute"})
+    first.event({"step": 6, "event": "stop", "ranks": [1], "reason": "x"})
+    first.event({"step": 6, "event": "failed", "rank": 1, "cause": "failed: ValueError: x", "traceback": None})
+    first.close()
+    resumed = RunRecorder(tmp_path, 0, quiet=True, append=True)
+    resumed.resumed_at(4)
+    resumed.drop_resumed_steps()
+    resumed.close()
+    assert [(e["step"], e["event"]) for e in read_jsonl(tmp_path / "events.jsonl")] == [
+        (3, "guard"), (6, "stop"), (6, "failed")]
+
+
 def test_truncate_jsonl_drops_the_steps_a_resume_redoes(tmp_path: pathlib.Path) -> None:
     log = tmp_path / "events.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in [{"step": 2}, {"kind": "start"}, {"step": 3}, {"step": 4}]))

@@ -1287,6 +1287,12 @@ def test_a_failed_run_says_where_and_why_it_failed(fault_run: pathlib.Path, tmp_
                             "traceback": "Traceback (most recent call last):\nValueError: x\n"}) + "\n")
     assert ("note: the run failed at step 13: rank 0 failed: ValueError: x (its traceback is in events.jsonl)\n"
             in summary_text(load_run(run)))
+    # A resume keeps the line of the leg it continues, and the records go on past it.
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 6, "event": "failed", "rank": 1, "cause": "was killed by SIGKILL",
+                            "traceback": None}) + "\n")
+    assert ("note: the run failed at step 6: rank 1 was killed by SIGKILL; resumed, the run went on to step 11\n"
+            in summary_text(load_run(run)))
 
 
 def test_the_first_split_line_says_how_far_the_state_checks_reach(clean_run: pathlib.Path,

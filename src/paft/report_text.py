@@ -111,8 +111,11 @@ def _notes(run: RunData) -> list[str]:
         lines.append(f"note: the guard stopped the run at step {stop.get('step')}{policy}: {reason}{went_on}")
     for failed in run.events_of("failed"):  # paft train's launcher's; under torchrun each failed rank's
         where = " (its traceback is in events.jsonl)" if failed.get("traceback") else ""  # none from a killed rank
+        # A resume keeps the line, and may have gone on past it.
+        resumed = run.last_step >= failed.get("step", 0)
+        went_on = f"; resumed, the run went on to step {run.last_step}" if resumed else ""
         lines.append(f"note: the run failed at step {failed.get('step')}: rank {failed.get('rank')} "
-                     f"{failed.get('cause')}{where}")
+                     f"{failed.get('cause')}{where}{went_on}")
     if run.stale_summary is not None:
         went = "go on to" if last > run.stale_summary else "stop at"  # stop: resumed from an earlier checkpoint
         lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
