@@ -108,3 +108,13 @@ def test_an_infinite_entry_is_inf_without_the_scaled_pass(entry: float, monkeypa
     with pytest.raises(AssertionError, match="the scaled pass ran"):  # finite entries that overflow still take it
         norm_of([torch.full((2,), 3e38)])
     assert norm_of([torch.tensor([1 + 1j, complex(entry, 0)], dtype=torch.complex64)]) == math.inf  # aminmax: real only
+
+
+def test_a_complex_tensor_past_its_squares_range_keeps_its_imaginary_parts() -> None:
+    # A complex parameter's gradient entry of 3e20 + 4e20j (a flipped exponent bit): the
+    # float64 pass cast it to its real part, a norm of 3e20 (clipping scaled by that), and
+    # an entry of 1e20j counted as 0. A lazy conjugate is read as its values too.
+    z = torch.tensor([3e20 + 4e20j, 0j], dtype=torch.complex64)
+    for t in (z, z.conj()):
+        assert float(total_norm([t])) == pytest.approx(5e20, rel=1e-6)
+        assert norm_of([t, torch.tensor([1e20j])]) == pytest.approx(math.hypot(5e20, 1e20), rel=1e-6)
