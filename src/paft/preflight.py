@@ -351,11 +351,23 @@ def _model_and_optimizer(model: DistributedDataParallel, optimizer: torch.optim.
     return {
         "the optimizer's type": [type(one).__qualname__ for one in chained(optimizer)],
         "the optimizer's hyperparameters": [  # plain values: an object's repr may hold its address
-            {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, tuple, type(None)))}
+            {k: _exact(v) for k, v in g.items()
+             if k != "params" and isinstance(v, (int, float, str, tuple, type(None), torch.Tensor))}
             for g in optimizer.param_groups],
         "the optimizer's parameter order": [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups],
         "the model's parameter shapes": [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in model.parameters()],
     }
+
+
+def _exact(value: Any) -> Any:
+    """A hyperparameter whose repr tells every value apart: a tensor (a tensor ``lr`` or
+    ``betas``, as torch takes them) by its values, which its repr rounds to 4 digits;
+    a tuple element-wise."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().tolist()
+    if isinstance(value, tuple):
+        return tuple(_exact(v) for v in value)
+    return value
 
 
 _AGREED = ("the monitor config", "the protect config", "the guard config", "grad_clip", "seed", "inject",

@@ -1182,6 +1182,12 @@ def misuse(rank: int, world_size: int) -> dict[str, str]:
         "broadcast rank corrected": corrected,
         "broadcast rank, robust mode": lambda m, o: protect(m, o, protect=ProtectConfig(mode="sync", broadcast_src=3)),
         "lr per rank": lambda m, o: protect(m, torch.optim.SGD(m.parameters(), lr=0.1 * (1 + rank))),
+        # a tensor lr was left out of the agreement, and tensor betas compared as their repr (4 digits)
+        "tensor lr per rank": lambda m, o: protect(m, torch.optim.Adam(m.parameters(),
+                                                                       lr=torch.tensor(0.1 * (1 + rank)))),
+        "tensor betas per rank": lambda m, o: protect(m, torch.optim.Adam(m.parameters(), betas=(
+            torch.tensor(0.9), torch.tensor(0.999 + rank * 1e-6)))),
+        "tensor lr alike": lambda m, o: protect(m, torch.optim.Adam(m.parameters(), lr=torch.tensor(0.1))),
         "zero_grad without backward": zeroed_only,
         "foreign optimizer": lambda m, o: protect(m, torch.optim.SGD(toy_model().parameters(), lr=0.1)),
         "lbfgs": lambda m, o: protect(m, torch.optim.LBFGS(m.parameters())),
@@ -1351,6 +1357,9 @@ def test_misuse_is_refused_up_front_with_the_fix_named() -> None:
         "broadcast rank corrected": "",
         "broadcast rank, robust mode": "",  # only broadcast reads it
         "lr per rank": "ValueError: protect(): ranks disagree on the optimizer's hyperparameters",
+        "tensor lr per rank": "ValueError: protect(): ranks disagree on the optimizer's hyperparameters;",
+        "tensor betas per rank": "ValueError: protect(): ranks disagree on the optimizer's hyperparameters;",
+        "tensor lr alike": "",
         "zero_grad without backward": no_gradient,
         "foreign optimizer": "ValueError: protect(): the optimizer holds 6 parameter(s) that are not the model's",
         "lbfgs": "TypeError: protect(): LBFGS.step() needs a closure",
