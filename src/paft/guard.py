@@ -298,9 +298,12 @@ class Guard:
             # ranks' values, so bad data coming back would read as a persistent fault.
             st.pending = detection
             verdict = self._recompute_unless_capped(st, detector, ranks, values)
-            if verdict.detector == "rerun_cap" and detector in _SPIKES and not ranks and self._rose_alike(view):
-                # No rerun left to tell data from a fault: a rise of every rank alike
-                # counts towards a level shift (skipping on would stall training for good).
+            spent = self.counters["recomputes"] >= self.config.max_reruns_per_run
+            if verdict.detector == "rerun_cap" and spent and detector in _SPIKES and not ranks and self._rose_alike(view):
+                # No rerun left in the run to tell data from a fault: a rise of every rank
+                # alike counts towards a level shift (skipping on would stall training for
+                # good). Not where only the step's cap is spent (a detection after a repair
+                # or a rolled-back update): the next batch is recomputed again.
                 return self._spike_skipped(verdict, ranks, values)
             return verdict
         else:

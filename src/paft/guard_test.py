@@ -573,6 +573,29 @@ def test_at_the_rerun_cap_a_spike_counts_towards_a_level_shift_only_where_no_ran
     assert verdicts == [("skip", "rerun_cap"), ("proceed", "level_shift") if shifts else ("skip", "rerun_cap")]
 
 
+@pytest.mark.parametrize("before", ["rollback", "repair"])
+def test_a_spike_skipped_at_the_steps_cap_never_counts_towards_a_level_shift(before: str) -> None:
+    # With --max-reruns 1 a rolled-back update or a state repair spends the step's one
+    # rerun; a spike on that recompute was skipped at the cap and counted towards a level
+    # shift, as if the run's budget were spent: after a lasting rise, a 1e36 aggregated
+    # gradient, never recomputed, was applied as the new level (98 of 100 reruns left).
+    g = guard(4, max_reruns_per_step=1, shift_after=1)
+    t = warm(g)
+    high = make_view([9.0] * 4, [1.5] * 4, 1.0)
+    assert g.check(t, 0, high).action == "recompute"
+    assert g.check(t, 1, high).cause == "data"  # a lasting rise: one skip towards a level shift
+    t += 1
+    if before == "rollback":
+        odd = make_view([2.8] * 4, [1.5] * 4, 1.0)  # a near miss: armed
+        assert g.check(t, 0, odd).action == "proceed" and g.wants_snapshot(t, odd)
+        assert g.check_update(t, math.inf).action == "recompute"
+    else:
+        assert g.check(t, 0, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 2, 1, 1])).action == "repair"
+    v = g.check(t, 1, steady(4, agg=1e36))  # a fault in everyone's aggregate alike: no rank's own values rose
+    assert (v.action, v.detector) == ("skip", "rerun_cap")
+    assert g.state_dict()["data_skips"] == 1
+
+
 @pytest.mark.parametrize("policy,action", [("stop", "stop"), ("repair", "recompute")])
 def test_unnamed_recurring_anomaly_is_pinned_on_the_ranks_whose_values_moved(policy: str, action: str) -> None:
     # Two of four ranks persistently faulty: the ranks' median moves with them and
