@@ -47,7 +47,9 @@ of this step)::
     attempt  this view    relation to prev                         action      cause
     any      state fingerprints disagree (tried first)             repair      state
     >= 1     state fingerprints disagree again, same minority      stop        persistent  (on_persistent=stop)
-             (the repaired rank corrupted again: stuck memory)     repair      persistent  (on_persistent=repair)
+             (the repaired rank corrupted again: stuck memory),    repair      persistent  (on_persistent=repair)
+             compared with the step's last split, even where a
+             rollback or another detection came between
     >= 1     state fingerprints disagree, and the same view's      stop        persistent  (on_persistent=stop)
              grad_mismatch came back (as below): named by the      repair      persistent  (on_persistent=repair)
              verdict (detector grad_mismatch); the split is still
@@ -220,9 +222,11 @@ class _Detection:
 # Detectors whose last detection in a step is remembered past a detection of another
 # kind (_StepState.earlier): their recurrence attributes the step whatever came between.
 # A grad_mismatch is never data, so coming back on the same ranks makes it persistent,
-# a state repair between them too; an update ratio is measured from the same pre-step
-# state on every attempt (until a repair changes it), so one that comes back the same is data.
-_REMEMBERED = ("grad_mismatch", "update_ratio")
+# a state repair between them too; so does a state split of a replica repaired earlier in
+# the step (stuck memory), a rolled-back update or another fault's recompute between them
+# too; an update ratio is measured from the same pre-step state on every attempt (until a
+# repair changes it), so one that comes back the same is data.
+_REMEMBERED = ("grad_mismatch", "state_mismatch", "update_ratio")
 
 
 @dataclass
@@ -618,12 +622,14 @@ class Guard:
         reproduce it, so re-synchronize from the majority first, then recompute."""
         self._mark_detected(st)  # or what this step's recompute found: one detection
         minority = outside_majority(groups, self.world_size)
-        prev = st.pending
-        # The split this step's recompute was to clear, if the pending detection is one.
-        split = prev if prev is not None and prev.source == "check" and prev.detector == "state_mismatch" else None
+        bits = view.header_bits()
+        # The step's last split, repaired since: compared whatever came between (a rolled-back
+        # update, a recompute for another detection), as nothing but memory splits the state.
+        detection = _Detection("check", "state_mismatch", minority, bits)
+        split = self._remember(st, detection)
         again = sorted(set(split.ranks) & set(minority)) if split is not None else []
-        # Split again right after its repair: stuck memory, also where no majority names
-        # the replica either time (2 ranks, an even split), as a grad_mismatch that comes back.
+        # Split again after its repair: stuck memory, also where no majority names the
+        # replica either time (2 ranks, an even split), as a grad_mismatch that comes back.
         persistent = bool(again) or (split is not None and not minority and not split.ranks)
         # The state check comes first, but the same view's checksums still tell of the
         # reduction: neither data nor a state split makes ranks' aggregates differ. A
@@ -633,11 +639,11 @@ class Guard:
         found = self._detect(view)
         reduction = None
         if found is not None and found[0] == "grad_mismatch":
-            reduction = self._failed_again(st, _Detection("check", "grad_mismatch", found[1], view.header_bits()))
+            reduction = self._failed_again(st, _Detection("check", "grad_mismatch", found[1], bits))
         if persistent:  # the stuck replica is the fault the verdict names
             reduction = None
         self._set_cause(st, "persistent" if persistent or reduction is not None else "state")
-        st.pending = _Detection("check", "state_mismatch", minority, view.header_bits())
+        st.pending = detection
         # The update starts from the repaired state from now on: the ratio of one before
         # would say nothing of the data. (A grad_mismatch stays comparable: see check.)
         st.earlier.pop("update_ratio", None)

@@ -446,6 +446,28 @@ def test_a_replica_corrupted_again_after_its_repair_is_persistent(policy: str, a
     assert spread.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[6, 7, 8])).cause == "state"
 
 
+@pytest.mark.parametrize("between", ["rollback", "detection"])
+def test_a_replica_corrupted_again_after_a_rollback_or_another_detection_is_persistent(between: str) -> None:
+    # Only the split right before was compared: with a rolled-back update or another
+    # fault's recompute between the repair and the split again, the stuck replica was
+    # "state" again, repaired until the cap, and a run asked to stop on a persistent fault went on.
+    g = guard(3, on_persistent="stop", max_reruns_per_step=3)
+    t = warm(g)
+    assert g.check(t, 0, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[5, 9, 5])).action == "repair"
+    if between == "rollback":
+        clean = make_view([2.8] * 3, [1.5] * 3, 1.0, states=[5, 5, 5])
+        assert g.check(t, 1, clean).action == "proceed" and g.wants_snapshot(t, clean)
+        assert g.check_update(t, math.inf).action == "recompute"
+    else:
+        assert g.check(t, 1, make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 3], states=[5, 5, 5])).ranks == [2]
+    restored = guard(3, on_persistent="stop", max_reruns_per_step=3)  # the step in flight, saved and loaded
+    restored.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    for h in (g, restored):
+        v = h.check(t, 2, make_view([2.0] * 3, [1.5] * 3, 1.0, states=[6, 8, 6]))  # rank 1 split again
+        assert (v.action, v.detector, v.ranks, v.cause) == ("stop", "state_mismatch", [1], "persistent")
+        assert (h.counters["persistent"], h.counters["state"]) == (1, 0)
+
+
 @pytest.mark.parametrize("policy,action", [("stop", "stop"), ("repair", "repair")])
 def test_two_replicas_split_again_after_their_repair_is_persistent(policy: str, action: str) -> None:
     # No majority names the stuck replica, either time: persistent all the same, as a
