@@ -32,7 +32,7 @@ from paft.records import RunRecorder
 from paft.resync import Resync
 from paft.snapshot import ForwardSnapshot, StateSnapshot
 
-__all__ = ["GuardedUpdate"]
+__all__ = ["GuardedUpdate", "verdict_line"]
 
 
 class GuardedUpdate:
@@ -131,9 +131,16 @@ class GuardedUpdate:
             # With the run's counts so far: a run that ends without summary.json is still counted right.
             self.recorder.event({"step": step, "event": "guard", "attempt": attempt, **verdict.to_json(),
                                  "totals": dict(self.guard.counters)})
-            cause = f", cause {verdict.cause}" if verdict.cause else ""
-            what = f"{verdict.detector}{f' on rank(s) {verdict.ranks}' if verdict.ranks else ''}"
-            if attempt and verdict.action == "proceed":  # the record keeps the detection it answers
-                what = f"clean recompute (of {what})"
-            self.recorder.say(f"[guard] step {step} attempt {attempt}: {what} -> {verdict.action}{cause}")
+            self.recorder.say(verdict_line(step, attempt, verdict))
         return verdict
+
+
+def verdict_line(step: int, attempt: int, verdict: GuardVerdict) -> str:
+    """The console's line for a verdict that says something (docs/GUARD.md#records)."""
+    cause = f", cause {verdict.cause}" if verdict.cause else ""
+    what = f"{verdict.detector}{f' on rank(s) {verdict.ranks}' if verdict.ranks else ''}"
+    # A proceed on a recompute keeps the detection it answers; a level shift's is no clean
+    # recompute but the spike reproduced once more, applied as the new level.
+    if attempt and verdict.action == "proceed" and verdict.detector != "level_shift":
+        what = f"clean recompute (of {what})"
+    return f"[guard] step {step} attempt {attempt}: {what} -> {verdict.action}{cause}"
