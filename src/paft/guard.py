@@ -454,6 +454,9 @@ class Guard:
         accepted the guard asks for a snapshot before every update.
         """
         st = self._st
+        # An applied batch ends a run of skips towards a level shift, also where its update
+        # was anomalous: its loss and gradient norm passed the check.
+        self._data_skips = 0
         if not (st is not None and st.step == step and st.tainted):
             self._loss.push(view.global_loss)
             self._grad.push(_grad_norm(view))
@@ -462,7 +465,6 @@ class Guard:
             for x in view.local_norms.tolist():
                 self._rank_norm.push(x)
             self._accepted += 1
-            self._data_skips = 0
             # A zero ratio (a zero learning rate, as warm-ups from 0 start; or all-zero
             # weights) says nothing of the updates' scale: kept, every later update would
             # be a gross jump over 0.

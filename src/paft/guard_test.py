@@ -542,6 +542,22 @@ def test_a_lasting_rise_is_taken_as_the_new_level_after_shift_after_skips() -> N
         assert never.check(step, 1, high).action == "skip"
 
 
+def test_a_batch_applied_with_an_unrolled_back_update_anomaly_restarts_the_count_of_skips() -> None:
+    # docs/GUARD.md: a level shift needs --shift-after skips "with none applied between
+    # them". A batch applied whose update fired where no snapshot was taken kept the
+    # count going (only its values stay out of the history), and the next spike was applied.
+    g = guard(4, shift_after=1)
+    t = warm(g)
+    high = make_view([9.0] * 4, [1.5] * 4, 1.0)
+    assert g.check(t, 0, high).action == "recompute" and g.check(t, 1, high).action == "skip"
+    assert g.check(t + 1, 0, steady(4)).action == "proceed" and not g.wants_snapshot(t + 1, steady(4))
+    assert g.check_update(t + 1, 5.0).detector == "update_ratio"  # not armed: a record, the update kept
+    g.accept(t + 1, steady(4), 5.0)
+    assert g.check(t + 2, 0, high).action == "recompute"
+    v = g.check(t + 2, 1, high)
+    assert (v.action, v.detector, v.cause) == ("skip", "loss_spike", "data")
+
+
 def test_spikes_skipped_at_the_rerun_cap_count_towards_a_level_shift_only_when_every_rank_rose() -> None:
     # Once the run's rerun budget is spent every detection skips its batch unrecomputed.
     # Counted as data, five such skips made a stuck rank's 1000-fold gradient norms a
