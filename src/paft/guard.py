@@ -74,8 +74,8 @@ of this step)::
     any      recompute wanted but a cap is spent                   skip        as decided, detector rerun_cap
 
 (*) :func:`paft.rerun.reproduced`: the header rows (loss, local_sq, agg_norm,
-fingerprints, flags, faults) bitwise, or within 1e-3 where all finite; of the
-suspects' rows only when both attempts name the same suspects.
+fingerprints, flags, faults) bitwise, or within 1e-3 where all finite; only the
+rows of the ranks both attempts name, where any are named both times.
 
 :meth:`Guard.check_update` (post-step) follows the same table for the ratio, with
 two differences: it can only roll back when :meth:`Guard.wants_snapshot` armed this
@@ -302,8 +302,8 @@ class Guard:
             # ranks' values, so bad data coming back would read as a persistent fault.
             st.pending = detection
             verdict = self._recompute_unless_capped(st, detector, ranks, values)
-            spent = self.counters["recomputes"] >= self.config.max_reruns_per_run
-            if verdict.detector == "rerun_cap" and spent and detector in _SPIKES and not ranks and self._rose_alike(view):
+            spent = verdict.detector == "rerun_cap" and self.counters["recomputes"] >= self.config.max_reruns_per_run
+            if spent and detector in _SPIKES and not ranks and self._rose_alike(view):
                 # No rerun left in the run to tell data from a fault: a rise of every rank
                 # alike counts towards a level shift (skipping on would stall training for
                 # good). Not where only the step's cap is spent (a detection after a repair
