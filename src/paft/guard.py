@@ -45,7 +45,7 @@ Decision table of :meth:`Guard.check` (pre-step; ``prev`` is the remembered dete
 of this step)::
 
     attempt  this view    relation to prev                         action      cause
-    any      state fingerprints disagree (tried first)             repair      state
+    any      state fingerprints disagree (tried first)             repair      state (persistent if decided)
     >= 1     state fingerprints disagree again, same minority      stop        persistent  (on_persistent=stop)
              (the repaired rank corrupted again: stuck memory),    repair      persistent  (on_persistent=repair)
              compared with the step's last split, even where a
@@ -644,7 +644,10 @@ class Guard:
             reduction = self._failed_again(st, _Detection("check", "grad_mismatch", found[1], bits))
         if persistent:  # the stuck replica is the fault the verdict names
             reduction = None
-        self._set_cause(st, "persistent" if persistent or reduction is not None else "state")
+        # A persistent fault this step already found stays its cause: a split found after it
+        # (another replica corrupted at rest) does not explain it away.
+        decided = st.cause == "persistent"
+        self._set_cause(st, "persistent" if persistent or reduction is not None or decided else "state")
         st.pending = detection
         # The update starts from the repaired state from now on: the ratio of one before
         # would say nothing of the data. (A grad_mismatch stays comparable: see check.)

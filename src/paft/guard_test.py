@@ -800,6 +800,21 @@ def test_persistent_repair_policy_recomputes_then_skips() -> None:
     assert (g.counters["persistent"], g.counters["transient"]) == (1, 0)
 
 
+def test_a_state_split_after_a_persistent_fault_keeps_the_step_persistent() -> None:
+    # Rank 1 misbehaved again with other values (persistent, recomputed under the repair
+    # policy), then rank 2's replica was found split at rest: the step became "state", and
+    # the run's counts lost the persistent fault its records had named.
+    g = guard(4, on_persistent="repair", max_reruns_per_step=3)
+    t = warm(g)
+    views = persistent_views(4, 1)
+    assert g.check(t, 0, views[0]).action == "recompute"
+    assert g.check(t, 1, views[1]).cause == "persistent"
+    v = g.check(t, 2, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 2, 1]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("repair", "state_mismatch", [2], "persistent")
+    assert g.check(t, 3, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1] * 4)).cause == "persistent"
+    assert (g.counters["persistent"], g.counters["state"]) == (1, 0)
+
+
 def test_persistent_grad_mismatch_same_minority() -> None:
     g = guard(4, on_persistent="stop")
     g.check(0, 0, make_view([2.0] * 4, [1.5] * 4, [1.0, 1.0, 1.0, 2.0], fps=[FP, FP, FP, 1]))
