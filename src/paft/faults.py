@@ -140,6 +140,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_NOISE_SHIFT = 2.0 ** 64
+"""A power of two (exact to scale by) that keeps ``z * sigma`` inside float64's range,
+whatever finite ``sigma`` a spec holds."""
+
+
+def _noise_past_overflow(x: Tensor, z: Tensor, sigma: float, noisy: Tensor, dtype: torch.dtype) -> Tensor:
+    """``noisy`` (``x + z * sigma * |x|`` in ``x``'s dtype) in ``dtype``, redone where its
+    arithmetic overflowed for a finite ``x``: a ``sigma`` past float32's range (1e39) was
+    inf there, which turned a zero into NaN and a 1e-30 into inf, not 1e9 (``z * sigma``
+    past float64's does the same to a float64 tensor). Redone in float64, scaled down by
+    :data:`_NOISE_SHIFT` and back up, so that only a value past the range is inf; the
+    values the plain sum got right keep its bits."""
+    x64, z64 = x.double(), z.double()
+    redone = (x64 / _NOISE_SHIFT + (z64 / _NOISE_SHIFT * sigma) * x64.abs()) * _NOISE_SHIFT
+    overflowed = torch.isfinite(x) & ~torch.isfinite(noisy)
+    return torch.where(overflowed, redone.to(dtype), noisy.to(dtype))
+
+
 def apply_fault(
     spec: FaultSpec, tensor: Tensor, generator: torch.Generator,
     previous: Tensor | None = None,
@@ -153,9 +171,9 @@ def apply_fault(
     ``bitflip`` flips one bit per element (see :attr:`FaultSpec.bits`); ``scale``
     multiplies by ``factor``, in float64 (then rounded to the dtype); ``noise`` adds
     ``z * sigma * |x|``, ``z ~ N(0, 1)``, computed in float32 (float64 for float64
-    tensors); ``zero``; ``nan``; ``inf`` (+inf); ``random`` draws ``U[-r, r)`` (rounded
-    to the dtype); ``stale`` copies ``previous`` (same shape and dtype) over the whole
-    tensor.
+    tensors; redone where that overflowed, so a zero stays zero whatever the sigma);
+    ``zero``; ``nan``; ``inf`` (+inf); ``random`` draws ``U[-r, r)`` (rounded to the
+    dtype); ``stale`` copies ``previous`` (same shape and dtype) over the whole tensor.
     """
     if not tensor.is_floating_point():
         raise ValueError(f"can only corrupt floating-point tensors, got {tensor.dtype}")
@@ -190,7 +208,7 @@ def apply_fault(
         elif spec.kind == "noise":
             z = torch.randn(k, generator=generator, dtype=cdt).to(tensor.device)
             x = work[idx].to(cdt)
-            work[idx] = (x + z * spec.sigma * x.abs()).to(tensor.dtype)
+            work[idx] = _noise_past_overflow(x, z, spec.sigma, x + z * spec.sigma * x.abs(), tensor.dtype)
         elif spec.kind == "zero":
             work[idx] = 0
         elif spec.kind == "nan":

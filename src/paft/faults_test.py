@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import random
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -244,6 +245,38 @@ def test_noise_is_relative():
     nz = before != 0
     assert torch.equal(t[~nz], before[~nz])  # zero stays zero
     assert abs(rel[nz].mean().item()) < 0.01 and abs(rel[nz].std().item() - 0.1) < 0.005
+
+
+@pytest.mark.parametrize("dtype,sigma", [(torch.float32, 1e39), (torch.bfloat16, 1e39), (torch.float16, 1e39),
+                                         (torch.float32, 2e38), (torch.float64, 1.7e308)], ids=str)
+def test_noise_past_the_dtypes_range_keeps_zeros_and_is_inf_only_past_it(dtype: torch.dtype, sigma: float) -> None:
+    """``z * sigma`` computed in float32 was inf once past its range (a sigma of 1e39, or
+    2e38 drawn a z of 2), and in float64 for float64 tensors past its own: a zero became
+    NaN (inf * 0) and a tiny value inf, where x + z * sigma * |x| is far inside the range."""
+    tiny = {torch.float16: 2.0 ** -24, torch.float64: 1e-300}.get(dtype, 1e-30)
+    t = torch.tensor([0.0, -0.0, tiny, -tiny, 2.0] * 40, dtype=dtype)
+    before, _, idx = _apply("noise", t, fraction=1.0, sigma=sigma)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    z = torch.randn(len(idx), generator=_after_selection(t.numel()), dtype=cdt).double()
+    assert z.abs().max() * sigma > torch.finfo(cdt).max  # the draws overflow z * sigma in the plain sum
+    for i, zi in zip(idx.tolist(), z.tolist()):
+        x = float(before[i])
+        exact = Fraction(x) + Fraction(zi) * Fraction(sigma) * abs(Fraction(x))
+        try:
+            nearest = float(exact)
+        except OverflowError:  # past float64's range: past the dtype's
+            nearest = math.inf if exact > 0 else -math.inf
+        want = torch.tensor(nearest, dtype=torch.float64).to(dtype).item()
+        assert t[i].item() == pytest.approx(want, rel=2 * torch.finfo(dtype).eps), (i, x, zi)
+    assert torch.equal(t[before == 0], before[before == 0])  # no NaN: a zero stays zero
+    assert not torch.isnan(t).any()
+
+
+def _after_selection(n: int, seed: int = 0) -> torch.Generator:
+    """:func:`gen` with :func:`_apply`'s selection of all ``n`` elements drawn: the noise's draws come next."""
+    g = gen(seed)
+    select_indices(n, g, fraction=1.0)
+    return g
 
 
 def int_bits(t: torch.Tensor) -> torch.Tensor:

@@ -197,7 +197,7 @@ class FaultSpec:
     """``scale`` only: the finite factor the chosen elements are multiplied by."""
     sigma: float = 0.1
     """``noise`` only: relative noise, ``x += z * sigma * |x|`` with ``z ~ N(0, 1)``
-    per element (so zeros stay zero); >= 0."""
+    per element (so zeros stay zero); > 0."""
     value: float | None = None
     """``random`` only: replace with uniform values in ``[-value, value]``; ``None``
     uses the largest finite ``|x|`` of the whole tensor (0 if none). In a gradient
