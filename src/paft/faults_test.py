@@ -789,6 +789,23 @@ def test_direct_construction_names_the_field_of_a_bad_value(kwargs: dict, field:
         FaultSpec(**{"kind": "nan", **kwargs})
 
 
+@pytest.mark.parametrize("text,kwargs", [
+    ("zero:rate=1,sigma=0", {"sigma": 0}), ("nan:rate=1,factor=1", {"factor": 1}),
+    ("zero:rate=1,value=0", {"value": 0}), ("scale:rate=1,bits=99", {"bits": 99}),
+    ("zero:rate=1,sigma=inf", {"sigma": math.inf}),
+])
+def test_direct_construction_names_a_knob_on_the_wrong_kind_as_parse_does(text: str, kwargs: dict) -> None:
+    """A knob of another kind is named as such first, its value after: built directly,
+    ``FaultSpec("zero", rate=1, sigma=0)`` said "must be > 0" where parse() said it
+    applies only to noise."""
+    with pytest.raises(FaultSpecError) as parsed:
+        FaultSpec.parse(text)
+    with pytest.raises(FaultSpecError) as built:
+        FaultSpec(text.partition(":")[0], rate=1, **kwargs)
+    assert str(parsed.value) == f"fault spec '{text}': {built.value}"
+    assert "applies only to kind" in str(built.value) and built.value.field == parsed.value.field
+
+
 def test_direct_construction_validates_too():
     with pytest.raises(FaultSpecError, match="field 'count'"):
         FaultSpec("nan", rate=1, count=0)

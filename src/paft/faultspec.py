@@ -123,6 +123,15 @@ def _is_real(v: object) -> bool:
     return fits(float, v)
 
 
+def _given(value: Any, default: Any) -> bool:
+    """Whether a field holds other than its default; a value that cannot be compared
+    with it (an array) counts as given."""
+    try:
+        return bool(value != default)
+    except (TypeError, ValueError):
+        return True
+
+
 def _normalize_steps(value: Any) -> Steps:
     """Steps as sorted, merged, inclusive ``(lo, hi)`` ranges.
 
@@ -222,6 +231,11 @@ class FaultSpec:
             raise FaultSpecError(
                 f"unknown fault kind '{self.kind}'; valid kinds: {', '.join(KINDS)}", "kind"
             )
+        # Kind-specific knobs on the wrong kind are almost always a typo: say so, before
+        # their values are checked, as parse() does (sigma=0 on a zero fault was "must be > 0").
+        for name, owner in _KIND_FIELDS.items():
+            if self.kind != owner and _given(getattr(self, name), _DEFAULTS[name]):
+                raise _err(name, f"applies only to kind '{owner}', not '{self.kind}'")
         if self.site not in SITES:
             raise _err("site", f"must be one of {', '.join(SITES)}", self.site)
         if self.rate is not None:
@@ -283,11 +297,6 @@ class FaultSpec:
             if not _is_real(v) or not (math.isfinite(v) and v > 0):
                 raise _err("value", "must be a finite number > 0", v)
             set_("value", float(v))
-        # Kind-specific knobs on the wrong kind are almost always a typo: say so.
-        for name, owner in _KIND_FIELDS.items():
-            default = _DEFAULTS[name]
-            if self.kind != owner and getattr(self, name) != default:
-                raise _err(name, f"applies only to kind '{owner}', not '{self.kind}'")
         if not is_int(self.burst) or self.burst < 1:
             raise _err("burst", "must be an integer >= 1", self.burst)
         set_("burst", int(self.burst))
