@@ -30,7 +30,7 @@ import paft.report_draw as report_draw
 import paft.report_text as report_text
 from paft.config import MonitorConfig, ProtectConfig, TrainConfig
 from paft.protect import PersistentFaultError, protect
-from paft.records import RunRecorder, read_jsonl
+from paft.records import RunRecorder, read_jsonl, record_files, truncate_jsonl
 from paft.report import build_report
 from paft.report_divergence import (
     _alert_divergence,
@@ -195,9 +195,10 @@ def test_a_library_runs_losses_are_its_consistency_records(library_run: pathlib.
     lines = {line.get_label(): line for line in ax.get_lines()}
     drawn = [(x, y) for x, y in zip(*lines["rank 0 local loss"].get_data()) if math.isfinite(y)]
     assert drawn == [(c["step"], c["local_losses"][0]) for c in records]
-    # A guard stop is named by the setting a library user gave, not by paft train's option.
-    run.events.append({"step": 4, "event": "guard", "action": "stop", "ranks": [0]})
-    assert ("note: the guard stopped the run at step 4 (on_persistent='stop'): a persistent fault on rank 0\n"
+    # A guard stop is named by the setting a library user gave, not by paft train's option
+    # (at step 5, after the last record: the step a stop ends has none).
+    run.events.append({"step": 5, "event": "guard", "action": "stop", "ranks": [0]})
+    assert ("note: the guard stopped the run at step 5 (on_persistent='stop'): a persistent fault on rank 0\n"
             in summary_text(run))
 
 
@@ -254,6 +255,8 @@ def test_guard_stopped_run_gets_one_note(fault_run: pathlib.Path, tmp_path: path
                                          trainer_event: bool) -> None:
     run = copy_run(fault_run, tmp_path / "stopped")
     (run / "summary.json").unlink()  # a stopped run writes none
+    for path in record_files(run):  # nor any record of the step it stopped in, or after
+        truncate_jsonl(path, 5)
     events = [{"step": 5, "event": "guard", "attempt": 1, "action": "stop", "detector": "grad_mismatch",
                "cause": "persistent", "ranks": [1], "values": {}}]
     if trainer_event:
@@ -269,12 +272,48 @@ def test_guard_stopped_run_gets_one_note(fault_run: pathlib.Path, tmp_path: path
     (run / "summary.json").write_text(json.dumps({**summary, "steps": 4}))
     text = summary_text(load_run(run))
     assert "note: the guard stopped the run at step 5" in text
-    assert "note: summary.json ends at step 4 but the records go on to step 12" in text
+    assert "note: summary.json ends at step 4 but the records go on to step 5" in text
     # The trainer's own reason names the policy: said once.
     kept = [line for line in (run / "events.jsonl").read_text().splitlines() if '"stop"' not in line]
     stop = {"step": 5, "event": "stop", "ranks": [1], "reason": str(PersistentFaultError(5, [1]))}
     (run / "events.jsonl").write_text("\n".join([*kept, json.dumps(stop)]) + "\n")
     assert summary_text(load_run(run)).count("(--on-persistent stop)") == 1
+
+
+def test_each_legs_end_is_one_note_in_the_order_the_legs_ended(fault_run: pathlib.Path,
+                                                                tmp_path: pathlib.Path) -> None:
+    """A resume keeps why the leg it continues ended. One that the guard stopped again at
+    the same step left two identical notes; a stop the run had gone on past hid the
+    missing summary of a later leg that said nothing of its end (killed); and a leg a
+    signal ended said nothing at all."""
+    run = copy_run(fault_run, tmp_path / "legs")
+    (run / "summary.json").unlink()
+    for path in record_files(run):  # the last leg stopped in step 5
+        truncate_jsonl(path, 5)
+    reason = str(PersistentFaultError(5, [1]))
+    legs = [{"step": 3, "event": "interrupted", "signal": "SIGTERM"},  # resumed from step 2: SIGTERM at 3
+            *[{"step": 5, "event": "stop", "ranks": [1], "reason": reason}] * 2]  # resumed from 4: stopped at 5 again
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in legs))
+    notes = [line for line in summary_text(load_run(run)).splitlines() if line.startswith("note: ")]
+    assert notes == ["note: the run was interrupted at step 3 (SIGTERM); resumed, the run went on to step 4",
+                     f"note: the guard stopped the run at step 5: {reason.removeprefix('step 5: ')}; a resume "
+                     "stopped there again"]
+    # Resumed past the stops, with --on-persistent repair, and killed outright: nothing
+    # says why this leg ended, and the summary is missing; then one stopped by Ctrl-C.
+    # Step 5 recorded is the run gone on past the stop in it.
+    shutil.copytree(fault_run / "metrics", run / "metrics", dirs_exist_ok=True)
+    for rank_file in (run / "metrics").iterdir():
+        truncate_jsonl(rank_file, 6)
+    notes = [line for line in summary_text(load_run(run)).splitlines() if line.startswith("note: ")]
+    assert notes[1].endswith("; a resume stopped there again; the run went on after it, to step 5")
+    shutil.copytree(fault_run / "metrics", run / "metrics", dirs_exist_ok=True)
+    notes = [line for line in summary_text(load_run(run)).splitlines() if line.startswith("note: ")]
+    assert notes[1].endswith("; a resume stopped there again; the run went on after it, to step 11")
+    assert notes[2].startswith("note: no summary.json: the run is still running, crashed or was interrupted")
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 12, "event": "interrupted", "signal": "SIGINT"}) + "\n")
+    notes = [line for line in summary_text(load_run(run)).splitlines() if line.startswith("note: ")]
+    assert notes[2] == "note: the run was interrupted at step 12 (Ctrl-C)"
 
 
 def test_an_interrupted_resume_past_config_steps_and_a_lone_evaluation(

@@ -96,32 +96,17 @@ def summary_text(run: RunData, files: Sequence[Path] = ()) -> str:
 def _notes(run: RunData) -> list[str]:
     """Why the run ended early, or why its summary is missing or behind its records."""
     cfg, last = run.config, run.last_step + 1
-    lines = []
-    # paft train records a guard stop twice: the guard's verdict, and the trainer's "stop"
-    # event with its reason; a library user's run has the verdict only. One note either way.
-    stops = run.events_of("stop") or [g for g in run.events_of("guard") if g.get("action") == "stop"]
-    for stop in stops:
-        reason = stop.get("reason") or f"a persistent fault on {ranks_phrase(stop.get('ranks') or [])}"
-        reason = reason.removeprefix(f"step {stop.get('step')}: ")  # said once, before it
-        # The policy as its user set it (a library user, GuardConfig's field), unless the trainer's reason says it.
-        named = "on_persistent='stop'" if run.library else "--on-persistent stop"
-        policy = "" if named in reason else f" ({named})"
-        # A library user may catch the stop and train on (docs/LIBRARY.md).
-        went_on = f"; the run went on after it, to step {run.last_step}" if run.last_step > stop.get("step", 0) else ""
-        lines.append(f"note: the guard stopped the run at step {stop.get('step')}{policy}: {reason}{went_on}")
-    for failed in run.events_of("failed"):  # paft train's launcher's; under torchrun each failed rank's
-        where = " (its traceback is in events.jsonl)" if failed.get("traceback") else ""  # none from a killed rank
-        # A resume keeps the line, and may have gone on past it.
-        resumed = run.last_step >= failed.get("step", 0)
-        went_on = f"; resumed, the run went on to step {run.last_step}" if resumed else ""
-        lines.append(f"note: the run failed at step {failed.get('step')}: rank {failed.get('rank')} "
-                     f"{failed.get('cause')}{where}{went_on}")
+    ends = _leg_ends(run)
+    lines = _leg_end_notes(run, ends)
     if run.stale_summary is not None:
         went = "go on to" if last > run.stale_summary else "stop at"  # stop: resumed from an earlier checkpoint
         lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
                      f"{last} (a resume still running or interrupted): reported from the jsonl files "
                      f"({_of_steps(cfg, last)} steps recorded)")
-    elif not stops and run.summary is None and not run.library:  # a library run has no summary.json
+    # A guard's stop says why there is none, unless a resume went on past it (a library
+    # run has no summary.json).
+    elif (run.summary is None and not run.library
+          and not any(_is_stop(e) and e.get("step", 0) > run.last_step for e in ends)):
         lines.append(f"note: no summary.json: the run is still running, crashed or was interrupted; reported "
                      f"from the jsonl files ({_of_steps(cfg, last)} steps recorded)")
     if (cfg.get("monitor") or {}).get("enabled") is False and run.consistency:
@@ -136,6 +121,61 @@ def _notes(run: RunData) -> list[str]:
         lines.append(f"note: no complete record in {files} (missing or empty): the loss plot lacks "
                      f"{ranks_phrase(missing)}, and its global loss is the mean over the ranks recorded")
     return lines
+
+
+def _is_stop(event: dict[str, Any]) -> bool:
+    return event.get("event") in ("stop", "guard")
+
+
+def _leg_ends(run: RunData) -> list[dict[str, Any]]:
+    """The records of why a leg of the run ended, in the file's order (the order the legs
+    ended): a worker's failure, a signal, the guard's stop. paft train records a guard
+    stop twice, the guard's verdict and the trainer's "stop" event with its reason; a
+    library user's run has the verdict only. One of them either way."""
+    trainer_stops = bool(run.events_of("stop"))
+    return [e for e in run.events
+            if e.get("event") in ("failed", "interrupted")
+            or (e.get("event") == "stop" if trainer_stops else e.get("event") == "guard" and e.get("action") == "stop")]
+
+
+def _leg_end_notes(run: RunData, ends: list[dict[str, Any]]) -> list[str]:
+    """A note per distinct end: a resume that ended again where its leg did, and as it did
+    (the guard's stop at the same step), is said once, with how often."""
+    said: dict[str, list[dict[str, Any]]] = {}
+    for end in ends:
+        said.setdefault(_leg_end(run, end), []).append(end)
+    lines = []
+    for line, alike in said.items():
+        end, step = alike[0], alike[0].get("step", 0)
+        if len(alike) > 1:
+            resumes = "a resume" if len(alike) == 2 else f"{len(alike) - 1} resumes"
+            verb = {"failed": "failed", "interrupted": "was interrupted"}.get(end.get("event"), "stopped")
+            line += f"; {resumes} {verb} there again"
+        # The step it ended at is not recorded: a record of it is the run gone on (a resume
+        # re-did it, or a library user caught the guard's stop and stepped on).
+        if run.last_step >= step:
+            line += (f"; the run went on after it, to step {run.last_step}" if _is_stop(end)
+                     else f"; resumed, the run went on to step {run.last_step}")
+        lines.append(line)
+    return lines
+
+
+def _leg_end(run: RunData, end: dict[str, Any]) -> str:
+    """The note of one leg's end, without what came after it."""
+    step = end.get("step")
+    if end.get("event") == "failed":  # paft train's launcher's; under torchrun each failed rank's
+        where = " (its traceback is in events.jsonl)" if end.get("traceback") else ""  # none from a killed rank
+        return f"note: the run failed at step {step}: rank {end.get('rank')} {end.get('cause')}{where}"
+    if end.get("event") == "interrupted":  # paft train's launcher's
+        sig = end.get("signal")
+        what = "Ctrl-C" if sig == "SIGINT" else sig or "a signal"
+        return f"note: the run was interrupted at step {step} ({what})"
+    reason = end.get("reason") or f"a persistent fault on {ranks_phrase(end.get('ranks') or [])}"
+    reason = reason.removeprefix(f"step {step}: ")  # said once, before it
+    # The policy as its user set it (a library user, GuardConfig's field), unless the trainer's reason says it.
+    named = "on_persistent='stop'" if run.library else "--on-persistent stop"
+    policy = "" if named in reason else f" ({named})"
+    return f"note: the guard stopped the run at step {step}{policy}: {reason}"
 
 
 def _of_steps(cfg: dict[str, Any], steps: int) -> str:

@@ -103,7 +103,7 @@ def _is_rank_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_rank(r) for r in value)
 
 
-_TEXT = frozenset({"event", "action", "reason", "cause", "detector", "mode", "site", "kind", "traceback"})
+_TEXT = frozenset({"event", "action", "reason", "cause", "detector", "mode", "site", "kind", "traceback", "signal"})
 """Fields that hold words, kept as written: the fault kinds "nan" and "inf" are not numbers."""
 
 # The record fields the report reads as other than numbers (which it reads leniently: a
