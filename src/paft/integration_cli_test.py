@@ -16,6 +16,7 @@ Real runs through :func:`paft.cli.main` (2 gloo workers on tiny models, a few st
   resnet's BatchNorm buffers);
 - ``--tensorboard`` across a failed leg and its resume: every scalar once, the
   uninterrupted run's values;
+- a real SIGTERM, then Ctrl-C to a resume of the run: each recorded and noted;
 - PAFT-Dyn on 3 ranks: exact for a fault its checks see before a forward pass, not for
   a parameter corrupted at rest, which the guard makes exact;
 - ``--on-persistent stop`` on 3 ranks: a reduction that fails again after a state repair
@@ -25,11 +26,17 @@ Real runs through :func:`paft.cli.main` (2 gloo workers on tiny models, a few st
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
 
+import paft
 from paft.cli import main
 from paft.records import read_jsonl
 from paft.report_text import summary_text
@@ -295,6 +302,50 @@ def test_tensorboard_across_a_failed_leg_and_its_resume(
     assert len(list((tmp_path / "legs" / "tb").iterdir())) == 2  # one event file per leg
     assert whole["train/loss"][0][0] == 1 and [s for s, _ in whole["eval/val_loss"]] == [0, 2, 4, 6, 8]
     assert legs == whole
+
+
+def _steps_recorded(run_dir: pathlib.Path) -> list[int]:
+    return [r["step"] for r in _jsonl(run_dir / "metrics" / "rank0.jsonl")]
+
+
+def _train_until_signalled(run_dir: pathlib.Path, argv: list[str], past: int, sig: signal.Signals,
+                           group: bool) -> tuple[int, str]:
+    """Start ``paft train`` (a process of its own), send it ``sig`` once rank 0 has
+    recorded a step past ``past`` (to its whole process group, as a terminal's Ctrl-C,
+    with ``group``); its exit code and stderr."""
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(paft.__file__).parents[1]), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-m", "paft", *argv, "--run-dir", str(run_dir)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while max(_steps_recorded(run_dir), default=-1) <= past:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)[1][-2000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+        return proc.wait(timeout=120), proc.communicate()[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_run_a_signal_stopped_says_so_and_a_resume_keeps_it(tmp_path: pathlib.Path) -> None:
+    """Ctrl-C (130) and SIGTERM (143) left no record: the run directory of an interrupted
+    run did not say why it ended early. Each leg's signal is an "interrupted" event at the
+    step it stopped, which a resume keeps and paft report notes."""
+    run = tmp_path / "r"
+    argv = _run("gpt", "--steps", "100000", "--checkpoint-every", "2", "--eval-every", "100000")
+    code, err = _train_until_signalled(run, argv, 2, signal.SIGTERM, group=False)  # a scheduler's
+    assert code == 143 and "paft train: interrupted (SIGTERM)" in err, err[-2000:]
+    first = max(_steps_recorded(run)) + 1
+    # Resumed, then Ctrl-C in its terminal (the whole group) once it trained past the first stop.
+    code, err = _train_until_signalled(run, [*argv, "--resume"], first, signal.SIGINT, group=True)
+    assert code == 130 and "paft train: interrupted (Ctrl-C)" in err, err[-2000:]
+    second = max(_steps_recorded(run)) + 1
+    ends = [(e["step"], e["signal"]) for e in read_jsonl(run / "events.jsonl") if e["event"] == "interrupted"]
+    assert ends == [(first, "SIGTERM"), (second, "SIGINT")]
+    notes = [line for line in summary_text(load_run(run)).splitlines() if line.startswith("note: ")]
+    assert notes[:2] == [f"note: the run was interrupted at step {first} (SIGTERM); resumed, the run went on to step "
+                         f"{second - 1}", f"note: the run was interrupted at step {second} (Ctrl-C)"]
 
 
 def test_paft_dyn_is_exact_for_faults_it_sees_before_a_forward_pass_and_the_guard_for_the_rest(

@@ -41,7 +41,7 @@ from paft.rundir import (
     has_checkpoint,
     resolve_run_dir,
 )
-from paft.signals import SignalHold, interrupted, unwind_on_termination
+from paft.signals import SignalHold, interrupted, signal_of, unwind_on_termination
 from paft.train import Trainer, format_plan, format_summary
 from paft.workers import WorkerFailed, local_workers
 
@@ -109,6 +109,7 @@ def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str]) -> int:
         print(err.describe("paft train") + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
+        record_interruption(pathlib.Path(cfg.run_dir), err)
         return interrupted(err, resume_hint(cfg, "paft train", resumed_with))
     return _tell_result(results[0], cfg.run_dir, "paft train")
 
@@ -135,15 +136,30 @@ def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft t
     """Put the failure in the run's ``events.jsonl`` (``"event": "failed"``: the step it
     interrupted, the rank, the cause, the traceback), so that the run directory, kept
     for ``paft report`` or ``--resume``, says why it stopped; the console's account is
-    gone once the terminal is. One write to the file opened for appending: under
-    torchrun a peer may append its own lines meanwhile."""
+    gone once the terminal is."""
+    record = {"event": "failed", "rank": err.rank, "cause": err.cause, "traceback": err.traceback}
+    _record_leg_end(run_dir, record, "the failure", prog)
+
+
+def record_interruption(run_dir: pathlib.Path, err: KeyboardInterrupt | SignalException,
+                        prog: str = "paft train") -> None:
+    """Put the signal that stopped the workers in the run's ``events.jsonl``
+    (``"event": "interrupted"``: the step it interrupted, the signal's name): without it
+    the run directory of a run stopped by Ctrl-C or a scheduler's SIGTERM did not say why
+    it ended early."""
+    _record_leg_end(run_dir, {"event": "interrupted", "signal": signal_of(err).name}, "the interruption", prog)
+
+
+def _record_leg_end(run_dir: pathlib.Path, record: dict[str, Any], what: str, prog: str) -> None:
+    """Append ``record`` (why the run stopped), with the step it stopped in (the one after
+    rank 0's last recorded), to ``events.jsonl``. One write to the file opened for
+    appending: under torchrun a peer may append its own lines meanwhile."""
     try:
         steps = [r["step"] for r in read_jsonl(run_dir / "metrics" / "rank0.jsonl")]
     except (OSError, ValueError, KeyError):
         steps = []
     step = max(steps) + 1 if steps and all(isinstance(s, int) for s in steps) else 0
-    record = {"step": step, "event": "failed", "rank": err.rank, "cause": err.cause, "traceback": err.traceback}
-    line = jsonl_line(record).encode()
+    line = jsonl_line({"step": step, **record}).encode()
     try:  # into the directory as it is: a torchrun peer late out must not make a removed run's again
         fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -151,7 +167,7 @@ def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft t
         finally:
             os.close(fd)
     except OSError as oserr:  # the console still says it all
-        print(f"{prog}: warning: cannot record the failure in {run_dir}/events.jsonl: "
+        print(f"{prog}: warning: cannot record {what} in {run_dir}/events.jsonl: "
               f"{oserr.strerror or oserr}", file=sys.stderr)
 
 

@@ -11,7 +11,8 @@ Layout (the contract other tools read; every key: docs/RUN-DIRECTORY.md):
 - ``faults.jsonl``: every injected fault (each rank appends its own lines; put in
   (step, attempt, rank) order once the ranks stop: :func:`sort_faults`);
 - ``evals.jsonl`` (rank 0): the evaluations;
-- ``events.jsonl`` (rank 0): detections, recomputes, syncs, skips, alerts;
+- ``events.jsonl`` (rank 0): detections, recomputes, syncs, skips, alerts; why a leg
+  ended (the launcher's ``failed`` and ``interrupted``, the guard's ``stop``);
 - ``checkpoints/step{NNNNNNN}/rank{r}.pt`` (the last two kept) and ``checkpoints/latest``
   (the name of the newest complete one);
 - ``summary.json`` (rank 0) at the end; ``tb/`` with ``--tensorboard``.
@@ -371,9 +372,11 @@ def require_tensorboard() -> None:
         )
 
 
-_LEG_ENDS = ("failed", "stop")
+_LEG_ENDS = ("failed", "stop", "interrupted")
 """The ``events.jsonl`` events that say why a leg of a run ended (a failed worker, the
-guard's stop): a resume keeps them, though it re-does the steps they name."""
+guard's stop, a signal): a resume keeps them, though it re-does the steps they name. So
+the file is in the order things happened, not in step order: a kept line comes before
+the resumed leg's lines of the steps it re-does."""
 
 SHARED_RECORDS = ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")
 """A run folder's records shared by the ranks (rank 0 writes them, but faults.jsonl, which

@@ -26,6 +26,7 @@ __all__ = [
     "ignore_further_signals",
     "interrupted",
     "on_termination_signal",
+    "signal_of",
     "unwind_on_termination",
 ]
 
@@ -98,11 +99,17 @@ class SignalHold:
             os.kill(os.getpid(), sig)
 
 
+def signal_of(err: BaseException) -> signal.Signals:
+    """The signal an interruption (a ``KeyboardInterrupt``: Ctrl-C; a ``SignalException``)
+    came from."""
+    return signal.Signals(err.sigval) if isinstance(err, SignalException) else signal.SIGINT
+
+
 def interrupted(err: BaseException, hint: str = "", prog: str = "paft train", say: bool = True) -> int:
     """Say (unless ``say`` is false) that the run was interrupted, and by what; the exit
     code the shell uses for that signal (the --help texts list them: :func:`paft.exitcodes.interrupted_codes`)."""
-    sig = err.sigval if isinstance(err, SignalException) else signal.SIGINT
-    what = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+    sig = signal_of(err)
+    what = "Ctrl-C" if sig == signal.SIGINT else sig.name
     if say:
         print(interrupted_line(prog, what, hint), file=sys.stderr)
     return signal_exit_code(sig)
