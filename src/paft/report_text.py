@@ -149,7 +149,7 @@ def _leg_end_notes(run: RunData, ends: list[dict[str, Any]]) -> list[str]:
         end, step = alike[0], alike[0].get("step", 0)
         if len(alike) > 1:
             resumes = "a resume" if len(alike) == 2 else f"{len(alike) - 1} resumes"
-            verb = {"failed": "failed", "interrupted": "was interrupted"}.get(end.get("event"), "stopped")
+            verb = {"failed": "failed", "interrupted": "was interrupted"}.get(str(end.get("event")), "stopped")
             line += f"; {resumes} {verb} there again"
         # The step it ended at is not recorded: a record of it is the run gone on (a resume
         # re-did it, or a library user caught the guard's stop and stepped on).
