@@ -14,7 +14,8 @@ The guard is pure logic. Every decision is a function of the step's gathered
 own state, which every rank updates with the same inputs, so all ranks reach the
 same verdict without another collective. Any rank's flag counts for all (an OR).
 
-Detectors, in the order they are tried (the first that fires names the verdict):
+Detectors (:mod:`paft.guard_detect`), in the order they are tried (the first that fires
+names the verdict):
 
 - ``nonfinite_loss`` / ``nonfinite_local_grad`` / ``nonfinite_agg_grad``: a rank's
   FLAG_* bit or a non-finite value in its loss / local norm / aggregated norm.
@@ -134,19 +135,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from paft.config import GuardConfig
-from paft.consistency import FLAG_AGG_NONFINITE, FLAG_LOCAL_NONFINITE, FLAG_LOSS_NONFINITE, ControlView
+from paft.consistency import ControlView
+from paft.guard_detect import Detectors
 from paft.records import jsonable
 from paft.replicas import group_replicas, outside_majority
 from paft.rerun import bits_f64, close, f64_bits, reproduced, unsteady_ranks
-from paft.spikes import (
-    MAD_TO_STD,
-    REL_FLOOR_GRAD,
-    REL_FLOOR_LOSS,
-    REL_FLOOR_RANK,
-    SpikeWindow,
-    cross_rank_limit,
-    pair_limit,
-)
+from paft.spikes import REL_FLOOR_GRAD, REL_FLOOR_LOSS, SpikeWindow
 
 __all__ = [
     "ACTIONS",
@@ -164,8 +158,6 @@ DETECTORS = ("state_mismatch", "nonfinite_loss", "nonfinite_local_grad", "nonfin
              "loss_spike", "grad_spike", "rank_outlier", "update_ratio", "rerun_cap", "level_shift",
              "loss_scale_overflow")
 _SPIKES = ("loss_spike", "grad_spike", "rank_outlier")  # finite values judged against the history
-
-_ABS_FLOOR = 1e-12  # attribution of a mismatch without majority, against a zero median
 
 
 @dataclass
@@ -278,7 +270,7 @@ class Guard:
         groups = group_replicas(state) if state is not None else []
         if len(groups) > 1:
             return self._repair(st, groups, view)
-        found = self._detect(view)
+        found = self._detectors().detect(view)
         prev = st.pending
         if found is None:
             if prev is not None and prev.source == "check":
@@ -303,7 +295,7 @@ class Guard:
             st.pending = detection
             verdict = self._recompute_unless_capped(st, detector, ranks, values)
             spent = verdict.detector == "rerun_cap" and self.counters["recomputes"] >= self.config.max_reruns_per_run
-            if spent and detector in _SPIKES and not ranks and self._rose_alike(view):
+            if spent and detector in _SPIKES and not ranks and self._detectors().rose_alike(view):
                 # No rerun left in the run to tell data from a fault: a rise of every rank
                 # alike counts towards a level shift (skipping on would stall training for
                 # good). Not where only the step's cap is spent (a detection after a repair
@@ -526,95 +518,11 @@ class Guard:
         self._accepted = self._ratios_seen = 0
         self._data_skips = 0  # consecutive batches skipped as data for a spike
 
-    # -- detectors ------------------------------------------------------------------
-
-    def _detect(self, view: ControlView) -> tuple[str, list[int], dict[str, float]] | None:
-        ws = self.world_size
-        cfg = self.config
-        losses = view.losses.tolist()
-        local = view.local_norms.tolist()
-        agg = view.agg_norms.tolist()
-        flags = view.flags
-        for name, flag, col in (("nonfinite_loss", FLAG_LOSS_NONFINITE, losses),
-                                ("nonfinite_local_grad", FLAG_LOCAL_NONFINITE, local),
-                                ("nonfinite_agg_grad", FLAG_AGG_NONFINITE, agg)):
-            bad = [r for r in range(ws) if flags[r] & flag or not math.isfinite(col[r])]
-            if bad:
-                ranks = bad
-                if name == "nonfinite_agg_grad" and len(bad) == ws:
-                    ranks = self._local_suspects(losses, local)
-                return name, ranks, {"value": col[bad[0]], "rank": float(bad[0]), "count": float(len(bad))}
-        groups = group_replicas(view.agg_checksum_keys())
-        if len(groups) > 1:
-            return "grad_mismatch", self._mismatch_suspects(groups, agg), {
-                "distinct": float(len(groups)), "grad_norm_min": min(agg), "grad_norm_max": max(agg)}
-        armed = self._armed
-        if ws > 1:  # with one rank, a rank outlier is just a spike
-            ranks, values = self._rank_outliers(losses, local, cfg.outlier_threshold, armed)
-            if ranks:
-                return "rank_outlier", ranks, values
-        for name, value, window, rel in (("grad_spike", max(agg), self._grad, REL_FLOOR_GRAD),
-                                         ("loss_spike", view.global_loss, self._loss, REL_FLOOR_LOSS)):
-            limit = window.limit(cfg.spike_threshold, rel, armed)
-            if value > limit:
-                vals = {"value": value, "limit": limit}
-                if window.values:
-                    vals["median"] = window.stats()[0]
-                return name, self._local_suspects(losses, local), vals
-        return None
-
-    def _rank_outliers(self, losses: list[float], local: list[float], threshold: float,
-                       armed: bool, peers: bool = True) -> tuple[list[int], dict[str, float]]:
-        """Ranks whose local loss or norm fires every available test (pooled history; 3+
-        ranks, unless ``peers`` is false: cross-rank; 2 ranks with no history yet: a
-        gross gap between the two, or the first step would go unguarded)."""
-        ranks: set[int] = set()
-        values: dict[str, float] = {}
-        for name, xs, window in (("loss", losses, self._rank_loss), ("grad_norm", local, self._rank_norm)):
-            own = window.limit(threshold, REL_FLOOR_RANK, armed)
-            if peers and self.world_size >= 3:
-                cross = cross_rank_limit(xs, threshold, armed)
-            elif peers and self.world_size == 2 and own == math.inf:
-                cross = pair_limit(xs)
-            elif own == math.inf:
-                continue  # no test available: no history, no peers
-            else:
-                cross = -math.inf
-            limit = max(own if own < math.inf else -math.inf, cross)
-            hits = [r for r, x in enumerate(xs) if x > limit]
-            if hits:
-                worst = max(hits, key=lambda r: xs[r])
-                values.setdefault(f"{name}_value", xs[worst])
-                values.setdefault(f"{name}_limit", limit)
-                ranks.update(hits)
-        return sorted(ranks), values
-
-    def _rose_alike(self, view: ControlView) -> bool:
-        """Whether every rank's local loss and norm rose above its history, or none did.
-        Some but not all is a fault's pattern even where no rank was named (two faulty
-        ranks of four pull the ranks' median along, so the cross-rank test names none)."""
-        moved, _ = self._rank_outliers(view.losses.tolist(), view.local_norms.tolist(), self.config.spike_threshold,
-                                       self._armed, peers=False)
-        return len(moved) in (0, self.world_size)
-
-    def _local_suspects(self, losses: list[float], local: list[float]) -> list[int]:
-        """Attribution of a global anomaly: ranks whose local values spike (spike_threshold)."""
-        ranks, _ = self._rank_outliers(losses, local, self.config.spike_threshold, self._armed)
-        return ranks if len(ranks) < self.world_size else []
-
-    def _mismatch_suspects(self, groups: list[list[int]], agg: list[float]) -> list[int]:
-        minority = outside_majority(groups, self.world_size)  # groups hold a split: never empty with a majority
-        if minority:
-            return minority
-        # No strict majority: blame the groups whose aggregated norm is far from the
-        # history. Either way in principle; with the 50% relative floor a non-negative
-        # norm can fall that far below the median only for spike_threshold < 2.
-        if not self._grad.values:
-            return []
-        med, mad, _ = self._grad.stats()
-        scale = max(MAD_TO_STD * mad, REL_FLOOR_GRAD * abs(med), _ABS_FLOOR)
-        odd = [r for g in groups for r in g if abs(agg[r] - med) > self.config.spike_threshold * scale]
-        return sorted(odd) if 0 < len(odd) < self.world_size else []
+    def _detectors(self) -> Detectors:
+        """The detectors over the history as it stands now (a level shift or a checkpoint
+        load replaces the windows)."""
+        return Detectors(self.config, self.world_size, self._loss, self._grad, self._rank_loss, self._rank_norm,
+                         self._armed)
 
     # -- state machine helpers --------------------------------------------------------
 
@@ -638,7 +546,7 @@ class Guard:
         # mismatch here is compared with the step's last one and remembered for the
         # recompute after the repair; with one rerun left, the repair spends it, and this
         # view is the last sight of a reduction failing again.
-        found = self._detect(view)
+        found = self._detectors().detect(view)
         reduction = None
         if found is not None and found[0] == "grad_mismatch":
             reduction = self._failed_again(st, _Detection("check", "grad_mismatch", found[1], bits))
