@@ -1,15 +1,17 @@
-"""Command-line options and config files for a training run, mapped onto :class:`TrainConfig`.
+"""Command-line options for a training run, mapped onto :class:`TrainConfig`.
 
-One table, :data:`OPTIONS`, ties each field of the config tree to a ``--long-option``
-(named as :func:`paft.config.long_option` says, the name the config's errors use); the
-help text is the field's own docstring, so the two never drift apart.
-Values come, lowest precedence first, from the dataclass defaults, a ``--config``
+The option table (:data:`paft.option_table.OPTIONS`) ties each field of the config tree
+to a ``--long-option`` (named as :func:`paft.config.long_option` says, the name the
+config's errors use); the help text is the field's own docstring, so the two never drift
+apart. Values come, lowest precedence first, from the dataclass defaults, a ``--config``
 file (TOML, YAML or JSON, keys spelled like the long options: ``world-size = 4``), and the
 command line. A run's ``config.json`` (:meth:`TrainConfig.to_dict`'s shape: the fields,
 with the tables ``monitor``, ``protect`` and ``guard``) is a ``--config`` file too, read
-through the same table: it reruns that run's settings in another folder. ``paft train``
-builds its config with :func:`config_or_exit` (its parser is a subcommand's), ``python -m
-paft.train`` (under torchrun) with :func:`parse_train_config`, which wraps it.
+through the same table: it reruns that run's settings in another folder. The files are
+read by :mod:`paft.config_files`; this module merges them with the command line.
+``paft train`` builds its config with :func:`config_or_exit` (its parser is a
+subcommand's), ``python -m paft.train`` (under torchrun) with
+:func:`parse_train_config`, which wraps it.
 """
 
 from __future__ import annotations
@@ -17,123 +19,28 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import functools
 import inspect
-import json
 import pathlib
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
-from paft.config import (
-    COSINE_MODES,
-    DEVICES,
-    ON_PERSISTENT,
-    OPTIMIZERS,
-    PROTECT_MODES,
-    SECTIONS,
-    SYNC_MODES,
-    TrainConfig,
-    as_options,
-    error_option,
-    long_option,
-)
+from paft.config import TrainConfig, as_options, error_option
+from paft.config_files import ConfigFileError, field_named, option_values, read_config_file, saved_values
 from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED, interrupted_codes
 from paft.faultspec import parse_specs
-from paft.records import is_file, is_run_config
+from paft.option_table import BY_FLAG, OPTIONS, SECTION_TYPES, Option
+from paft.records import is_file
 from paft.resume_options import ResumeChange, changes_said, resume_args, resume_changes
-from paft.rundir import FIXED_ON_RESUME, fixed_on_resume_error, has_checkpoint, latest_step, resolve_run_dir
-from paft.values import fits
-from paft.workloads import DROPOUT_WORKLOADS, WORKLOADS
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+from paft.rundir import FIXED_ON_RESUME, fixed_on_resume_error, latest_step, resolve_run_dir
+from paft.workloads import DROPOUT_WORKLOADS
 
 __all__ = ["OPTIONS", "ConfigFileError", "OptionParser", "add_train_options", "parse_train_config",
            "config_or_exit", "config_from_namespace", "parse_model_arg", "ignored_options", "idle_faults",
            "train_warnings", "train_epilog"]
 
-
-class ConfigFileError(ValueError):
-    """A ``--config`` file that cannot be read or holds an unknown or mistyped key."""
-
-
-@dataclass(frozen=True)
-class Option:
-    section: str | None  # None: a top-level TrainConfig field
-    name: str
-    kind: Any  # int, float, str, bool, "list", "model"
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-
-    @property
-    def flag(self) -> str:
-        """The long option, without its dashes: the config field's (:func:`paft.config.long_option`)."""
-        return long_option(_SECTIONS[self.section], self.name)
-
-
-_SECTIONS: dict[str | None, type] = {None: TrainConfig}  # an option's section: None is the top level
-_SECTIONS.update(SECTIONS.items())
-
-OPTIONS: tuple[Option, ...] = (
-    Option(None, "workload", str, WORKLOADS),
-    Option(None, "world_size", int),
-    Option(None, "steps", int),
-    Option(None, "batch_size", int),
-    Option(None, "optimizer", str, OPTIMIZERS),
-    Option(None, "lr", float),
-    Option(None, "weight_decay", float),
-    Option(None, "warmup_steps", int),
-    Option(None, "min_lr_ratio", float),
-    Option(None, "grad_clip", float),
-    Option(None, "seed", int),
-    Option(None, "eval_every", int),
-    Option(None, "eval_batches", int),
-    Option(None, "log_every", int),
-    Option(None, "checkpoint_every", int),
-    Option(None, "run_dir", str, metavar="DIR"),
-    Option(None, "resume", bool),
-    Option(None, "overwrite", bool),
-    Option(None, "device", str, DEVICES),
-    Option(None, "model", "model", metavar="KEY=VALUE"),
-    Option(None, "dropout", float),
-    Option(None, "desync_shuffle", bool),
-    Option(None, "desync_seed", bool),
-    Option(None, "inject", "list", metavar="SPEC"),
-    Option(None, "tensorboard", bool),
-    Option(None, "quiet", bool),
-    Option("monitor", "enabled", bool),
-    Option("monitor", "interval", int),
-    Option("monitor", "cosine", str, COSINE_MODES),
-    Option("monitor", "sketch_dim", int),
-    Option("monitor", "fingerprint_every", int),
-    Option("monitor", "alert_loss_cv", float),
-    Option("monitor", "alert_cos_min", float),
-    Option("protect", "mode", str, PROTECT_MODES),
-    Option("protect", "sync_period", int),
-    Option("protect", "sync_mode", str, SYNC_MODES),
-    Option("protect", "broadcast_src", int),
-    Option("protect", "overlap", bool),
-    Option("protect", "h_min", int),
-    Option("protect", "h_max", int),
-    Option("protect", "target", float),
-    Option("guard", "enabled", bool),
-    Option("guard", "spike_threshold", float),
-    Option("guard", "window", int),
-    Option("guard", "warmup", int),
-    Option("guard", "update_ratio", float),
-    Option("guard", "outlier_threshold", float),
-    Option("guard", "max_reruns_per_step", int),
-    Option("guard", "max_reruns_per_run", int),
-    Option("guard", "shift_after", int),
-    Option("guard", "on_persistent", str, ON_PERSISTENT),
-)
-_BY_KEY = {opt.flag: opt for opt in OPTIONS}
 
 _GROUP_TITLES = {
     None: "run",
@@ -162,7 +69,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _default(opt: Option) -> Any:
-    for f in dataclasses.fields(_SECTIONS[opt.section]):
+    for f in dataclasses.fields(SECTION_TYPES[opt.section]):
         if f.name == opt.name:
             if f.default is not dataclasses.MISSING:
                 return f.default
@@ -200,7 +107,7 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
             group = groups[opt.section] = parser.add_argument_group(_GROUP_TITLES[opt.section])
         # The docstrings name their option for readers of the code; --help needs neither that nor RST.
         doc = re.sub(r"\s*\(``--[a-z-]+``(?:, ([^)]*))?\)", lambda m: f" ({m[1]})" if m[1] else "",
-                     _field_docs(_SECTIONS[opt.section]).get(opt.name, ""))
+                     _field_docs(SECTION_TYPES[opt.section]).get(opt.name, ""))
         doc = re.sub(r":[a-z]+:`~?([^`]*)`", r"\1", doc).replace("``", "")  # :func:`x` -> x
         default = _default(opt)
         kwargs: dict[str, Any] = {"dest": opt.flag, "default": argparse.SUPPRESS}
@@ -221,190 +128,6 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{opt.flag}", **kwargs)
 
 
-def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    """A mapping from ``pairs`` that refuses a key given twice (JSON and YAML parsers
-    would silently keep the last one; TOML refuses by itself)."""
-    out: dict[Any, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} is given twice")
-        out[key] = value
-    return out
-
-
-def _load_yaml(text: str) -> Any:
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            self.flatten_mapping(node)
-            return _unique_keys([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
-                                 for k, v in node.value])
-
-    try:
-        return yaml.load(text, Loader=Loader)  # a SafeLoader subclass: safe
-    except yaml.MarkedYAMLError as err:
-        # PyYAML's own message spans several lines (the offending source line and a caret);
-        # a refusal is one line, with the place as TOML's errors give it.
-        mark = err.problem_mark
-        where = f" (at line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        context = f"{err.context}: " if err.context else ""
-        raise ValueError(f"{context}{err.problem}{where}") from None
-
-
-def _read_config_file(path: str) -> tuple[dict[str, Any], bool]:
-    """Option -> value of ``--config`` file ``path``, and whether it is a run's
-    ``config.json`` (whose keys are the config's fields: :func:`_run_config_values`)."""
-    if not path.strip():  # --config "$CFG" with CFG unset: not "no file"
-        raise ConfigFileError("--config: must not be empty (leave it out to use no config file)")
-    p = pathlib.Path(path).expanduser()  # --config=~/c.toml reaches us unexpanded
-    try:
-        # Without a byte order mark (Windows editors write one), which TOML and JSON refuse;
-        # dropped after decoding, so that a bad byte's offset is the file's.
-        text = p.read_text(encoding="utf-8").removeprefix("\ufeff")
-    except OSError as err:
-        raise ConfigFileError(f"--config: cannot read {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        raise ConfigFileError(f"--config: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-    suffix = p.suffix.lower()
-    kind = "YAML" if suffix in (".yaml", ".yml") else "JSON" if suffix == ".json" else "TOML"
-    try:
-        if kind == "YAML":
-            data = _load_yaml(text)
-            if data is None:  # an empty or comment-only file; [], 0 or false are not mappings
-                data = {}
-        elif kind == "JSON":
-            data = json.loads(text, object_pairs_hook=_unique_keys)
-        else:
-            data = tomllib.loads(text)
-    except Exception as err:
-        read_as = "" if suffix == ".toml" or kind != "TOML" else " (read as TOML: not .yaml, .yml or .json)"
-        raise ConfigFileError(f"--config: {path} is not valid {kind}{read_as}: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigFileError(f"--config: {path} must hold a mapping of option names to values")
-    # A flat file's monitor, protect and guard are an on/off and a mode, never tables: a
-    # table is what TrainConfig.to_dict() writes (also in a config.json trimmed by hand).
-    if kind == "JSON" and any(isinstance(data.get(section), dict) for section in SECTIONS):
-        return _run_config_values(data, f"--config: {path}"), True
-    values: dict[str, Any] = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("_", "-")
-        opt = _BY_KEY.get(key)
-        if opt is None:
-            raise ConfigFileError(f"--config: {path}: unknown option {raw_key!r}{_unknown_hint(key, value)}")
-        if key in values:  # world-size and world_size: which one was meant?
-            raise ConfigFileError(f"--config: {path}: option {key!r} is given twice")
-        values[key] = _coerce(opt, value, f"--config: {path}: {raw_key}")
-    return values, False
-
-
-def _unknown_hint(key: str, value: Any) -> str:
-    """The option a flat file's unknown ``key`` (dashed) most likely meant, as a note
-    after the refusal: a negated switch (``no-monitor``) as the file writes it, a field as
-    a run's config.json names it (``window``, ``guard.window``: ``guard-window``), or a
-    near miss (``world-siz``); "" for none."""
-    negated = _BY_KEY.get(key.removeprefix("no-")) if key.startswith("no-") else None
-    if negated is not None and negated.kind is bool:
-        return f" (write {negated.flag} = {str(not value).lower() if isinstance(value, bool) else 'false'})"
-    fields = [opt.flag for opt in OPTIONS
-              if key in (opt.name.replace("_", "-"), f"{opt.section}.{opt.name}".replace("_", "-"))]
-    meant = fields or difflib.get_close_matches(key, _BY_KEY, n=1)
-    return f" (did you mean {' or '.join(map(repr, meant))}?)" if meant else ""
-
-
-def _coerce(opt: Option, value: Any, where: str) -> Any:
-    """Check a config-file value's type; the file is not argparse, so do its job here."""
-    if opt.kind == "list":
-        value = [value] if isinstance(value, str) else value
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigFileError(f"{where}: expected a string or a list of strings")
-        return value
-    if opt.kind == "model":
-        if not isinstance(value, dict):
-            raise ConfigFileError(f"{where}: expected a table/mapping of model fields")
-        return list(value.items())
-    if opt.kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigFileError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
-        try:
-            value = float(value)
-        except OverflowError:
-            raise ConfigFileError(f"{where}: expected a number, got an integer too large for a float") from None
-    if opt.kind is float and isinstance(value, str):  # YAML 1.1 reads 3e-3 as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if not fits(opt.kind, value):
-        # YAML 1.1 reads off/on/no/yes unquoted as false/true ("cosine: off")
-        hint = "; quote it" if isinstance(value, bool) and opt.kind is str else ""
-        raise ConfigFileError(f"{where}: expected {opt.kind.__name__}, got {value!r}{hint}")
-    if opt.choices and value not in opt.choices:
-        raise ConfigFileError(f"{where}: must be one of {opt.choices}, got {value!r}")
-    return value
-
-
-def _saved_values(run_dir: str) -> dict[str, Any]:
-    """Option values of a run's ``config.json`` (the base of a ``--resume``), checked
-    like a ``--config`` file's: a hand-edited or damaged file gets a message naming it
-    and the field, not a traceback."""
-    path = pathlib.Path(run_dir) / "config.json"
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
-        raise ConfigFileError(f"--resume: cannot read {path}: {err}") from None
-    if not isinstance(saved, dict):
-        raise ConfigFileError(f"--resume: {path} must hold a mapping (a paft run's config), got {type(saved).__name__}")
-    try:
-        TrainConfig.check_keys(saved)  # the options below are read by name: others would go unseen
-    except ValueError as err:
-        if not is_run_config(path) and not has_checkpoint(path.parent):  # another program's config.json
-            raise ConfigFileError(f"--resume: {run_dir} holds no paft run (no config.json of paft's)") from None
-        raise ConfigFileError(f"--resume: {path}: {err}") from None
-    return _option_values(saved, f"--resume: {path}", leave_out=("resume", "overwrite"))
-
-
-# What a run's config.json says about that run's own folder, not about how it trains:
-# from another run's, --run-dir would write into that run, --resume continue it and
-# --overwrite delete it.
-_OF_ITS_FOLDER = ("run-dir", "resume", "overwrite")
-
-
-def _run_config_values(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """Option -> value of a run's ``config.json`` given as a ``--config`` file (``where``:
-    ``"--config: FILE"``), checked as :func:`_saved_values` checks it; without the
-    options of that run's folder (``_OF_ITS_FOLDER``), so a new run takes its settings."""
-    try:
-        TrainConfig.check_keys(config)  # the options below are read by name: others would go unseen
-    except ValueError as err:  # also a flat file's keys beside a table: say why they are fields here
-        table = next(section for section in SECTIONS if isinstance(config.get(section), dict))
-        raise ConfigFileError(f"{where}: {err}; read as a run's config.json (its {table!r} is a table), whose "
-                              "keys are TrainConfig's fields") from None
-    return _option_values(config, where, leave_out=_OF_ITS_FOLDER)
-
-
-def _option_values(config: dict[str, Any], where: str, leave_out: Sequence[str] = ()) -> dict[str, Any]:
-    """Option -> value of a config in ``config.json``'s shape, each checked as a
-    ``--config`` file's, but the options named in ``leave_out``; an error starts with
-    ``where`` (``"--resume: r/config.json"``) and names the field and its option:
-    ``guard.window (--guard-window)``."""
-    values: dict[str, Any] = {}
-    for opt in OPTIONS:
-        if opt.flag in leave_out:
-            continue
-        section = config if opt.section is None else config.get(opt.section, {})
-        if not isinstance(section, dict):
-            raise ConfigFileError(f"{where}: {opt.section!r} must be a mapping, got {section!r}")
-        if opt.name in section:
-            values[opt.flag] = _coerce(opt, section[opt.name], f"{where}: {_field(opt)}")
-    return values
-
-
-def _field(opt: Option) -> str:
-    """``opt``'s field as a run's ``config.json`` names it, and its option: ``guard.window (--guard-window)``."""
-    return f"{'' if opt.section is None else opt.section + '.'}{opt.name} (--{opt.flag})"
 
 
 class _Source(NamedTuple):
@@ -419,7 +142,7 @@ class _Source(NamedTuple):
 
     def names(self, flag: str) -> str:
         """How this file names option ``flag``: ``guard-window``, or ``guard.window (--guard-window)``."""
-        return _field(_BY_KEY[flag]) if self.fields else flag
+        return field_named(BY_FLAG[flag]) if self.fields else flag
 
 
 def _merged(layers: Sequence[tuple[dict[str, Any], _Source | None]]) -> tuple[dict[str, Any], dict[str, _Source]]:
@@ -430,7 +153,7 @@ def _merged(layers: Sequence[tuple[dict[str, Any], _Source | None]]) -> tuple[di
     source: dict[str, _Source] = {}
     for layer, where in layers:
         for key, value in layer.items():
-            if _BY_KEY[key].kind == "model" and key in values:
+            if BY_FLAG[key].kind == "model" and key in values:
                 value = list({**dict(values[key]), **dict(value)}.items())
             values[key] = value
             if where is None:
@@ -448,7 +171,7 @@ _KEPT_AS_SAVED = tuple(flag.removeprefix("--") for _, flag in FIXED_ON_RESUME
 
 def _given(ns: argparse.Namespace) -> dict[str, Any]:
     """The options typed on the command line (``ns``'s: the others are left out of it)."""
-    return {k: v for k, v in vars(ns).items() if k in _BY_KEY}
+    return {k: v for k, v in vars(ns).items() if k in BY_FLAG}
 
 
 def config_from_namespace(ns: argparse.Namespace,
@@ -466,7 +189,7 @@ def config_from_namespace(ns: argparse.Namespace,
     """
     given = _given(ns)
     config_file = getattr(ns, "config", None)
-    from_file, run_config = _read_config_file(config_file) if config_file is not None else ({}, False)
+    from_file, run_config = read_config_file(config_file) if config_file is not None else ({}, False)
     resume = given.get("resume", from_file.get("resume", False))
     run_dir = given.get("run-dir", from_file.get("run-dir", ""))
     if ("run-dir" in given or "run-dir" in from_file) and not str(run_dir).strip():
@@ -475,7 +198,7 @@ def config_from_namespace(ns: argparse.Namespace,
     # The folder a --resume continues: "~" expanded, ".." resolved (as launch() does).
     folder = resolve_run_dir(run_dir) if resume and run_dir else ""
     saved_file = pathlib.Path(folder, "config.json")
-    saved = _saved_values(folder) if folder and is_file(saved_file) else {}  # the run's saved options
+    saved = saved_values(folder) if folder and is_file(saved_file) else {}  # the run's saved options
     for flag in _KEPT_AS_SAVED:
         # Said before the config is built, whose checks would blame what these constrain
         # instead: what the world size splits (--batch-size, an --inject rank), the saved
@@ -497,19 +220,19 @@ def config_from_namespace(ns: argparse.Namespace,
         fix = "on the command line, over the file's" if where and where.fields else "or leave it out"
         raise ValueError(f"--world-size {asked}{f' (in {where.path})' if where else ''}: torchrun started {launched} "
                          f"processes; pass --world-size {launched} {fix}")
-    kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    kwargs: dict[str | None, dict[str, Any]] = {s: {} for s in SECTION_TYPES}
     for key, value in values.items():
-        opt = _BY_KEY[key]
+        opt = BY_FLAG[key]
         kwargs[opt.section][opt.name] = dict(value) if opt.kind == "model" else value
     top = kwargs.pop(None)
     try:
-        sections = {name: _SECTIONS[name](**kw) for name, kw in kwargs.items()}
+        sections = {name: SECTION_TYPES[name](**kw) for name, kw in kwargs.items()}
         cfg = TrainConfig(**top, **sections)  # type: ignore[arg-type]
     except ValueError as err:
         raise _blamed(err, source, given, values) from None
     if not saved:  # not a resume, or of a run without config.json (refused later)
         return cfg, []
-    return cfg, resume_changes(_option_values(cfg.to_dict(), "--resume"), saved)  # cfg is checked: never raises
+    return cfg, resume_changes(option_values(cfg.to_dict(), "--resume"), saved)  # cfg is checked: never raises
 
 
 def _blamed(err: ValueError, source: dict[str, _Source], given: dict[str, Any], values: dict[str, Any]) -> ValueError:
@@ -530,7 +253,7 @@ def _blamed(err: ValueError, source: dict[str, _Source], given: dict[str, Any], 
     # (next to one that was typed: --h-min 500 against --h-max's 400) the default.
     notes = [f"--{n} is set in {source[n].path}" for n in sorted(named) if n in source and n not in given]
     if named & given.keys():
-        notes += [f"--{n} is at its default" for n in sorted(named) if n in _BY_KEY and n not in values]
+        notes += [f"--{n} is at its default" for n in sorted(named) if n in BY_FLAG and n not in values]
     return ValueError(f"{err} ({'; '.join(notes)})") if notes else err
 
 
@@ -602,7 +325,7 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
         out.append("--protect dyn with --no-monitor has no fingerprint trigger: replicas that split stay "
                    "split until the next scheduled sync (the period still adapts at each sync)")
     for flag in vars(ns):
-        opt = _BY_KEY.get(flag)
+        opt = BY_FLAG.get(flag)
         if opt is None or opt.name in ("enabled", "mode"):  # the switches themselves
             continue
         if flag in needs:

@@ -13,7 +13,7 @@ import pytest
 
 from paft.cli import main
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
-from paft.options import OPTIONS, _run_config_values, parse_train_config
+from paft.options import parse_train_config
 from paft.rundir import write_config
 
 # Non-default values in every section; the folder options too, which a new run leaves.
@@ -53,12 +53,6 @@ def test_a_runs_config_json_gives_its_config_back(run: TrainConfig, tmp_path: pa
     # The command line still wins.
     cfg, _ = parse_train_config(["--config", "a/config.json", "--seed", "3", "--no-quiet", "--max-reruns-total", "2"])
     assert (cfg.seed, cfg.quiet, cfg.guard.max_reruns_per_run) == (3, False, 2)
-
-
-def test_every_option_but_the_runs_folder_is_read_from_config_json() -> None:
-    """One table maps config.json's fields to the options: none is left behind."""
-    read = _run_config_values(TrainConfig().to_dict(), "--config: config.json")
-    assert read.keys() == {opt.flag for opt in OPTIONS} - {"run-dir", "resume", "overwrite"}
 
 
 def _run(**changes: Any) -> dict[str, Any]:
