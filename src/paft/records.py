@@ -361,13 +361,14 @@ def _after_every_event_file(tb: pathlib.Path) -> None:
         time.sleep(wait)
 
 
-def require_tensorboard() -> None:
-    """Raise :class:`ModuleNotFoundError`, naming ``--tensorboard`` and the pip command,
+def require_tensorboard(asked_by: str = "--tensorboard") -> None:
+    """Raise :class:`ModuleNotFoundError`, naming what asked for TensorBoard (``asked_by``:
+    the option, or a library user's ``RunRecorder(tensorboard=True)``) and the pip command,
     where the optional tensorboard package is not installed. A check on the machine, not
     on the options: a saved config with ``--tensorboard`` still reads everywhere."""
     if importlib.util.find_spec("tensorboard") is None:
         raise ModuleNotFoundError(
-            "--tensorboard: needs the tensorboard package, which is not installed: pip install 'paft[tensorboard]'",
+            f"{asked_by}: needs the tensorboard package, which is not installed: pip install 'paft[tensorboard]'",
             name="tensorboard",
         )
 
@@ -405,8 +406,9 @@ class RunRecorder:
         self._files: dict[str, Any] = {}
         if tensorboard and self.run_dir is not None:
             # Every rank refuses alike (only rank 0 writes tb/): none is left waiting in a
-            # collective for a rank 0 that stopped.
-            require_tensorboard()
+            # collective for a rank 0 that stopped. paft train refused --tensorboard before
+            # its workers started, so this names the library's call.
+            require_tensorboard("RunRecorder(tensorboard=True)")
         self._tensorboard = tensorboard and rank == 0 and self.run_dir is not None
         self._tb: Any = None  # the SummaryWriter, opened by the first scalar
         self._purge_step: int | None = None

@@ -90,8 +90,9 @@ def _scalars(tb: pathlib.Path, key: str) -> list[tuple[int, float]]:
 def test_a_recorder_with_tensorboard_refuses_at_once_without_its_package(tmp_path: pathlib.Path) -> None:
     # A library user's recorder (or a trainer started without paft train's checks) was
     # refused by a bare ImportError at rank 0's first scalar, while the other ranks went on.
+    # The message names the call, not the command line's --tensorboard it never passed.
     for rank in (0, 1):
-        with pytest.raises(ModuleNotFoundError, match=r"^--tensorboard: needs the tensorboard package, which is "
+        with pytest.raises(ModuleNotFoundError, match=r"^RunRecorder\(tensorboard=True\): needs the tensorboard package, which is "
                                                       r"not installed: pip install 'paft\[tensorboard\]'$"):
             RunRecorder(tmp_path / "r", rank, tensorboard=True)
     assert not (tmp_path / "r").exists()  # refused before it wrote anything
