@@ -385,8 +385,9 @@ class Protector:
         and tells the hook how many buckets it has. RNG and buffers are restored, the
         gradients set to None; nothing is injected or recorded (after a
         :meth:`load_state_dict`, the recorder's records of the steps the resumed run re-does
-        are dropped: :class:`~paft.records.RunRecorder` ``append=True``), and a comm hook of the user's is
-        not called (a plain mean all-reduce runs instead). Without it, the first two steps
+        are dropped: :class:`~paft.records.RunRecorder` ``append=True``), and a ``comm_hook=`` is not
+        called (a plain mean all-reduce runs instead; a hook registered on the DDP model
+        directly, where paft registers none, runs as DDP calls it). Without it, the first two steps
         still inject reproducibly, but only into the buckets the hook knew of then, and a
         bucket-site ``stale`` fault finds no previous result to replay at steps 1 and 2.
         """
