@@ -15,9 +15,10 @@ pure function that tests check in microseconds:
 - :class:`FaultSchedule`: a counter-based, random-access function of
   ``(seed, spec index, step, rank)``: the answer for step ``t`` never depends on which
   steps were asked before, so a resumed or recomputed run sees the same faults
-  (except ``stale`` on a run's first step, or the first after a resume: the previous
-  step's values it replays are not part of a checkpoint, so that one event finds
-  nothing to replay; on optimizer state, which the first update creates, the second);
+  (except ``stale`` on a run's first step, which has no previous values to replay; on
+  optimizer state, which the first update creates, the second; after a resume the
+  injector's :meth:`~FaultInjector.state_dict`, part of the protector's checkpoint,
+  brings back the values the first resumed step replays);
 - :class:`FaultInjector`: what the DDP comm hook (bucket sites) and the protector
   (at-rest sites, before a step) call; it returns :class:`FaultRecord` values for
   ``faults.jsonl``.
@@ -44,6 +45,7 @@ from paft.faultspec import (
     FaultSpecError,
     bit_range,
     is_int,
+    stale_sites,
 )
 from paft.fingerprint import repr_digest
 from paft.records import jsonable
@@ -474,8 +476,10 @@ class FaultInjector:
     the tensor. ``stale`` needs the previous value of each target: the injector keeps
     two pre-injection copies per (site, target), the previous step's and this step's
     (a recompute of this step replays the previous one again), only for sites where a
-    ``stale`` spec can hit this rank, so other configurations pay nothing; at rest, that
-    is twice the parameters or optimizer state.
+    ``stale`` spec can hit this rank (:func:`~paft.faultspec.stale_sites`), so other configurations pay
+    nothing; at rest, that is twice the parameters or optimizer state. A checkpoint
+    keeps the latest of them (:meth:`state_dict`), so that a resumed run's first step
+    replays what the uninterrupted run's does.
     """
 
     def __init__(self, schedule: FaultSchedule, rank: int) -> None:
@@ -486,10 +490,7 @@ class FaultInjector:
         # Only specs that can fire: one that never does (rate=0) cost every step a walk
         # of the state at rest and, for stale, a copy of every target kept for nothing.
         self._sites = schedule.sites
-        self._stale_sites = frozenset(
-            s.site for i, s in enumerate(schedule.specs)
-            if s.kind == "stale" and s.may_hit_rank(rank) and schedule.can_fire(i)
-        )
+        self._stale_sites = stale_sites(schedule.specs, rank)
         # (site, target) -> [(step, value)], at most one entry with step < current.
         self._memory: dict[tuple[str, int | str], list[tuple[int, Tensor]]] = {}
         # Per site, the last (step, attempt) asked and its events, as ONE value: the comm
@@ -527,6 +528,31 @@ class FaultInjector:
         previous = entries[0][1] if entries else None
         self._memory[(site, target)] = entries + [(step, tensor.detach().clone())]
         return previous
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The kept copies a resumed run's ``stale`` faults replay: per (site, target), the
+        latest step's pre-injection value, as ``{"site", "target", "step", "value"}``
+        entries; empty where no ``stale`` spec can hit this rank. Between steps every
+        kept step is a past one, and the latest is the one the next step replays."""
+        return [{"site": site, "target": target, "step": entries[-1][0], "value": entries[-1][1]}
+                for (site, target), entries in self._memory.items() if entries]
+
+    def load_state_dict(self, state: Sequence[Mapping[str, Any]]) -> None:
+        """Replace the kept copies with :meth:`state_dict` output (a checkpoint's; an
+        empty one where it held none). Entries of a site where no ``stale`` spec of this
+        injector can hit this rank are dropped: a resume that removed the spec keeps no
+        copies for nothing. Checked before anything changes (``ValueError``)."""
+        memory: dict[tuple[str, int | str], list[tuple[int, Tensor]]] = {}
+        for entry in state:
+            site, target, step, value = (entry.get(k) for k in ("site", "target", "step", "value"))
+            if (site not in SITES or isinstance(target, bool) or not isinstance(target, (int, str))
+                    or isinstance(step, bool) or not isinstance(step, int) or step < 0
+                    or not isinstance(value, Tensor)):
+                raise ValueError(f"FaultInjector.load_state_dict(): not a kept value: site {site!r}, target "
+                                 f"{target!r}, step {step!r}, value of type {type(value).__name__}")
+            if site in self._stale_sites:
+                memory[(site, target)] = [(step, value)]
+        self._memory = memory
 
     def _record(self, ev: FaultEvent, target: int | str, applied: Applied) -> FaultRecord:
         bits = applied.bits

@@ -60,6 +60,7 @@ __all__ = [
     "FaultSpecError",
     "FaultSpec",
     "parse_specs",
+    "stale_sites",
     "bit_range",
     "is_int",
 ]
@@ -526,6 +527,14 @@ def parse_specs(texts: Iterable[str], option: str = "fault spec") -> list[FaultS
     """Parse several specs, in order (the order fixes spec indices); errors name each
     text as :meth:`FaultSpec.parse` does, by ``option``."""
     return [FaultSpec.parse(t, option=option) for t in texts]
+
+
+def stale_sites(specs: Iterable[FaultSpec], rank: int) -> frozenset[str]:
+    """The sites where a ``stale`` spec of ``specs`` that can fire may hit ``rank``: those
+    whose previous values a :class:`paft.faults.FaultInjector` of ``rank`` keeps, and
+    so a checkpoint of its run holds."""
+    return frozenset(s.site for s in specs
+                     if s.kind == "stale" and s.may_hit_rank(rank) and s.first_firing() is not None)
 
 
 def bit_range(dtype: torch.dtype, bits: int | str) -> tuple[int, int]:

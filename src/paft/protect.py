@@ -459,6 +459,9 @@ class Protector:
                 "Protector.state_dict(): an overlapped sync is in flight; call close() on every rank first"
             )
         resync, monitor = self.resync.state_dict(), self.monitor.state_dict()
+        # The values a stale fault at the next step replays: only where a stale spec can hit
+        # this rank, so that the checkpoints of other runs do not grow.
+        kept = self.injector.state_dict()
         return {
             "step": self.step_idx,
             "mode": self.protect_cfg.mode,
@@ -470,6 +473,7 @@ class Protector:
             "repairer": resync["repairer"],
             "alerting": monitor["alerting"],
             "check_state": self._check_state_next,  # replicas left split by a stop, saved rank by rank
+            **({"stale_values": kept} if kept else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -514,3 +518,5 @@ class Protector:
         self.monitor.load_state_dict(state)
         self._attempts.faults_injected = state["counters"].get("faults_injected", self._attempts.faults_injected)
         self._check_state_next = bool(state.get("check_state", False))  # older states lack it
+        # None where no stale spec could hit this rank when it was saved, or in older states.
+        self.injector.load_state_dict(state.get("stale_values", []))

@@ -182,6 +182,13 @@ RESUME_CASES = {
     # PAFT-Sync overlapped, a sync in flight at the step-6 checkpoint: it lands first,
     # in both runs, so the checkpoint holds no half-done collective
     "sync-in-flight": {"protect": ProtectConfig(mode="sync", sync_period=5)},
+    # stale faults due on the first resumed step: they replay the step before's values,
+    # which only the checkpoint holds (rank 1's optimizer state from step 4 to 8, rank 0's
+    # aggregated gradient at step 6 alone)
+    "stale-faults": {
+        "optimizer": "adamw",
+        "inject": ["stale:site=optimizer-state,steps=4,burst=5,ranks=1", "stale:site=aggregation,steps=6,ranks=0"],
+    },
     # a model of two gradient buckets (1.6 MB; DDP's first bucket holds 1 MB): every
     # event hits the same one bucket in both runs, also on the first resumed step
     "two-buckets": {
@@ -210,7 +217,12 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
         pa, pb = dict(a["protector"]), dict(b["protector"])
         ga, gb = pa.pop("guard"), pb.pop("guard")
         ra, rb = pa.pop("repairer"), pb.pop("repairer")
+        # The values a stale fault would replay at the next step, where a stale spec can hit the rank.
+        ka, kb = pa.pop("stale_values", []), pb.pop("stale_values", [])
         assert pa == pb
+        assert bool(ka) == (case == "stale-faults") and len(ka) == len(kb)
+        for x, y in zip(ka, kb):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if k == "value" else x[k] == y[k] for k in x)
         assert (ra is None) == (rb is None) == (case != "guard-two-ranks")
         if ra is not None:
             refs = ra.pop("reference"), rb.pop("reference")
@@ -252,6 +264,9 @@ def test_resume_continues_the_exact_trajectory(tmp_path: pathlib.Path, case: str
         assert _close(records("b", name), records("a", name)), name
     if case == "two-buckets":
         assert {f["target"] for f in faults("a")} == {0, 1}
+    if case == "stale-faults":  # both fire at step 6, the resumed run's first
+        assert sorted((f["step"], f["site"]) for f in faults("a")) == sorted(
+            [(step, "optimizer-state") for step in range(4, 9)] + [(6, "aggregation")])
 
 
 def launched_worker(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
