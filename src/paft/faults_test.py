@@ -998,6 +998,42 @@ def test_stale_at_rest_remembers_steps_where_nothing_fires() -> None:
     assert torch.equal(t, torch.full((4,), 2.0)) and rec.before == [3.0] * 4
 
 
+def test_stale_values_go_into_the_injector_state_and_come_back() -> None:
+    """A resume at step 3 (a new injector) replays step 2's value there, as the
+    uninterrupted injector does, from :meth:`FaultInjector.state_dict`; a state without
+    it (a checkpoint of an older version) leaves the step-3 fault nothing to replay."""
+    specs = ["stale:site=params,steps=3,ranks=0", "stale:site=aggregation,steps=3,ranks=0"]
+
+    def injector() -> FaultInjector:
+        return FaultInjector(FaultSchedule(specs, seed=0, world_size=1), rank=0)
+
+    def step(inj: FaultInjector, t: int) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+        w, grad = torch.full((4,), float(t)), torch.full((2,), -float(t))
+        return w, grad, [*inj.inject_tensors("params", t, {"w": w}), *inj.inject_bucket("aggregation", t, 0, 1, grad)]
+
+    straight = injector()
+    for t in range(3):
+        step(straight, t)
+    state = straight.state_dict()
+    # The latest step's values alone, one per target.
+    assert [(e["site"], e["target"], e["step"], e["value"].tolist()) for e in state] == [
+        ("params", "w", 2, [2.0] * 4), ("aggregation", 0, 2, [-2.0] * 2)]
+    resumed = injector()
+    resumed.load_state_dict(state)
+    w, grad, records = step(resumed, 3)
+    assert [r.to_json() for r in records] == [r.to_json() for r in step(straight, 3)[2]]
+    assert w.tolist() == [2.0] * 4 and grad.tolist() == [-2.0] * 2 and len(records) == 2
+    older = injector()
+    older.load_state_dict([])
+    assert step(older, 3)[2] == []
+    # Kept only where a stale spec of the loading injector can hit its rank.
+    other = FaultInjector(FaultSchedule(["stale:site=params,steps=3,ranks=1"], seed=0, world_size=2), rank=0)
+    other.load_state_dict(state)
+    assert other.state_dict() == []
+    with pytest.raises(ValueError, match="not a kept value: site 'params', target 'w', step -1"):
+        resumed.load_state_dict([{**state[0], "step": -1}])
+
+
 def test_stale_at_first_step_records_nothing():
     inj = FaultInjector(FaultSchedule(["stale:steps=0"], seed=0, world_size=1), rank=0)
     t = torch.ones(3)
