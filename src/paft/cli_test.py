@@ -724,10 +724,28 @@ def test_a_fault_that_cannot_fire_is_warned_about(spec: str, needle: str | None)
 def test_a_stale_fault_a_resume_leaves_no_step_for_is_warned_about(spec: str, start: int, warned: bool) -> None:
     from paft.options import idle_faults
 
-    warnings = idle_faults(TrainConfig(steps=9, inject=[spec], optimizer="adamw"), start)
-    assert warnings == ([f"--inject {spec!r} cannot fire in this resumed run: its only step left is step {start}, "
-                         "the resume's first, where a stale fault has no step before's value (a checkpoint holds "
-                         "none)"] if warned else [])
+    # The run resumed had no stale spec: its checkpoint holds no step before's value.
+    warnings = idle_faults(TrainConfig(steps=9, world_size=2, inject=[spec], optimizer="adamw"), start)
+    assert warnings == ([f"--inject {spec!r} cannot fire in this resumed run on rank(s) [0, 1]: its only step left "
+                         f"is step {start}, the resume's first, and the checkpoint holds no step before's value for "
+                         "a stale fault there (it holds one only where a stale spec of the run it resumes could "
+                         "hit)"] if warned else [])
+
+
+@pytest.mark.parametrize("resumed,lacking", [
+    (["stale:steps=4"], None),  # the run resumed had it: its checkpoint holds the step before's values
+    (["stale:steps=1-2"], None),  # one that could fire in the run resumed, on every rank
+    (["stale:steps=2,ranks=0"], [1]),  # a random rank: rank 0's file holds them, rank 1's not
+    (["bitflip:steps=4", "stale:site=params,steps=4"], [0, 1]),  # another kind, another site
+    (["stale:rate=0"], [0, 1]),  # one that could never fire kept nothing
+])
+def test_a_stale_fault_at_the_resumed_step_fires_where_the_checkpoint_holds_its_value(
+        resumed: list[str], lacking: list[int] | None) -> None:
+    from paft.options import idle_faults
+
+    warnings = idle_faults(TrainConfig(steps=9, world_size=2, inject=["stale:steps=4"]), 4, resumed)
+    assert [w.split(": its only")[0] for w in warnings] == (
+        [f"--inject 'stale:steps=4' cannot fire in this resumed run on rank(s) {lacking}"] if lacking else [])
 
 
 def test_paft_train_warns_of_a_stale_fault_at_the_step_it_resumes_from(
@@ -743,9 +761,15 @@ def test_paft_train_warns_of_a_stale_fault_at_the_step_it_resumes_from(
     (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000006")
     assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--inject", "stale:steps=6"]) == 0
     assert capsys.readouterr().err.splitlines()[0] == (
-        "paft train: warning: --inject 'stale:steps=6' cannot fire in this resumed run: its only step left is "
-        "step 6, the resume's first, where a stale fault has no step before's value (a checkpoint holds none)")
+        "paft train: warning: --inject 'stale:steps=6' cannot fire in this resumed run on rank(s) [0, 1, 2, 3]: its "
+        "only step left is step 6, the resume's first, and the checkpoint holds no step before's value for a stale "
+        "fault there (it holds one only where a stale spec of the run it resumes could hit)")
     assert main(["train", "--run-dir", "r", "--resume", "--steps", "9", "--inject", "stale:steps=6-7"]) == 0
+    assert "cannot fire" not in capsys.readouterr().err
+    # The run resumed had the spec (config.json's --inject): its checkpoint holds the step before's values.
+    (tmp_path / "r" / "config.json").write_text(json.dumps(TrainConfig(steps=6, run_dir="r",
+                                                                       inject=["stale:steps=6"]).to_dict()))
+    assert main(["train", "--run-dir", "r", "--resume", "--steps", "9"]) == 0
     assert "cannot fire" not in capsys.readouterr().err
 
 

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, NoReturn
 from paft.config import TrainConfig, as_options, error_option
 from paft.config_files import ConfigFileError, field_named, option_values, read_config_file, saved_values
 from paft.exitcodes import EXIT_PERSISTENT_FAULT, EXIT_USAGE, EXIT_WORKER_FAILED, interrupted_codes
-from paft.faultspec import parse_specs
+from paft.faultspec import parse_specs, stale_sites
 from paft.option_table import BY_FLAG, OPTIONS, SECTION_TYPES, Option
 from paft.records import is_file
 from paft.resume_options import ResumeChange, changes_said, resume_args, resume_changes
@@ -257,10 +257,13 @@ def _blamed(err: ValueError, source: dict[str, _Source], given: dict[str, Any], 
     return ValueError(f"{err} ({'; '.join(notes)})") if notes else err
 
 
-def idle_faults(cfg: TrainConfig, start: int = 0) -> list[str]:
+def idle_faults(cfg: TrainConfig, start: int = 0, resumed: Sequence[str] = ()) -> list[str]:
     """A warning for each fault spec that cannot fire within --steps: most likely a
     typo; not an error, since a later --resume with more steps may reach it. ``start``:
-    the step a resumed run starts at, where a stale fault cannot fire either."""
+    the step a resumed run starts at, and ``resumed`` the ``--inject`` of the run it
+    resumes: its checkpoint holds the step before's values a stale fault at ``start``
+    replays only at the sites and ranks a stale spec of that run could hit."""
+    held = [stale_sites(parse_specs(resumed, option="--inject"), rank) for rank in range(cfg.world_size)]
     out = []
     for text, spec in zip(cfg.inject, parse_specs(cfg.inject, option="--inject")):
         if spec.site == "optimizer-state" and cfg.optimizer == "sgd":
@@ -279,13 +282,16 @@ def idle_faults(cfg: TrainConfig, start: int = 0) -> list[str]:
         elif first >= cfg.steps:
             out.append(f"--inject {text!r} cannot fire before step {first}, past --steps {cfg.steps}")
         elif spec.kind == "stale" and start and spec.first_firing(after=start) == start:
-            # A checkpoint holds no step before's value: a stale spec whose steps left are
-            # the resume's first alone went on without a word, and without its fault.
+            # Where the checkpoint holds no step before's value (a stale spec added by the
+            # resume), a stale spec whose steps left are the resume's first alone went on
+            # without a word, and without its fault.
+            lacking = [r for r in range(cfg.world_size) if spec.may_hit_rank(r) and spec.site not in held[r]]
             later = spec.first_firing(after=start + 1)
-            if later is None or later >= cfg.steps:
-                out.append(f"--inject {text!r} cannot fire in this resumed run: its only step left is step "
-                           f"{start}, the resume's first, where a stale fault has no step before's value (a "
-                           "checkpoint holds none)")
+            if lacking and (later is None or later >= cfg.steps):
+                out.append(f"--inject {text!r} cannot fire in this resumed run on rank(s) {lacking}: its only step "
+                           f"left is step {start}, the resume's first, and the checkpoint holds no step before's "
+                           "value for a stale fault there (it holds one only where a stale spec of the run it "
+                           "resumes could hit)")
     return out
 
 
@@ -364,7 +370,9 @@ def train_warnings(ns: argparse.Namespace, cfg: TrainConfig, changes: Sequence[R
     :func:`config_from_namespace`): ``--lr 0.001 (was 0.003)``."""
     changed = [f"--resume changes the run's saved options: {changes_said(changes)}"] if changes else []
     start = latest_step(pathlib.Path(resolve_run_dir(cfg.run_dir))) if cfg.resume else 0
-    return [*idle_faults(cfg, start), *ignored_options(ns, cfg), *changed]
+    # The --inject of the run resumed (config.json's: the last checkpoint's) decides what its checkpoint holds.
+    resumed = next((change.was for change in changes if change.flag == "inject"), cfg.inject)
+    return [*idle_faults(cfg, start, resumed), *ignored_options(ns, cfg), *changed]
 
 
 def train_epilog() -> str:
