@@ -92,8 +92,9 @@ def test_a_recorder_with_tensorboard_refuses_at_once_without_its_package(tmp_pat
     # refused by a bare ImportError at rank 0's first scalar, while the other ranks went on.
     # The message names the call, not the command line's --tensorboard it never passed.
     for rank in (0, 1):
-        with pytest.raises(ModuleNotFoundError, match=r"^RunRecorder\(tensorboard=True\): needs the tensorboard package, which is "
-                                                      r"not installed: pip install 'paft\[tensorboard\]'$"):
+        with pytest.raises(ModuleNotFoundError, match=r"^RunRecorder\(tensorboard=True\): needs the tensorboard "
+                                                      r"package, which is not installed: pip install "
+                                                      r"'paft\[tensorboard\]'$"):
             RunRecorder(tmp_path / "r", rank, tensorboard=True)
     assert not (tmp_path / "r").exists()  # refused before it wrote anything
     RunRecorder(None, 0, tensorboard=True)  # nothing is recorded, so nothing needs the package
