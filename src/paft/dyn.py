@@ -2,14 +2,18 @@
 
 Pure logic, no process groups: every rank feeds its scheduler the same numbers (taken
 from the shared per-step control vector), so every rank takes the same decision.
-The caller's loop is::
+The caller's loop (:class:`paft.resync.Resync`'s) is, after each step's update::
 
-    if sched.due(step):
-        divergence = measure()          # relative L2 distance to the replica mean,
-        synchronize()                   # measured BEFORE the sync
-        sched.observe(step, divergence)
     if fingerprints_disagree:           # a per-step event, e.g. paft.fingerprint
         sched.trigger(step)             # -> due(step) is True at once
+    if sched.due(step):
+        divergence = measure()          # relative L2 distance to the replica the sync
+        synchronize()                   # takes, measured BEFORE the sync
+        sched.observe(step, divergence)
+
+The event first: checked after the due sync instead, a split at a step where a sync
+was due anyway would be repaired by that sync and still call for a second one, due
+at once but run only after the next step.
 
 PAFT-Dyn rule (:class:`DynScheduler`, parameters in :class:`DynConfig`)
 -----------------------------------------------------------------------
