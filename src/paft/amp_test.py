@@ -189,11 +189,14 @@ def test_a_recompute_that_overflows_closes_the_detections_record(tmp_path: Path)
 
 
 @pytest.mark.parametrize("mode", ["monitor", "unmonitored"])
-def test_one_ranks_non_finite_gradient_skips_the_step_on_every_rank(mode: str) -> None:
+def test_one_ranks_non_finite_gradient_skips_the_step_on_every_rank(mode: str, tmp_path: Path) -> None:
     # inf in rank 1's aggregated gradient at a clean step: each scaler alone would skip
     # only there, and from then on the ranks unscaled by different scales (gradients
     # 2x apart at every step). The ranks agree: every one skips and backs off.
-    out = run_workers(_train, 2, mode, ["inf:steps=9,ranks=1"])
+    out = run_workers(_train, 2, mode, ["inf:steps=9,ranks=1"], str(tmp_path))
+    if mode == "monitor":  # no overflow (the gradients differ) and no guard to name it: the monitor does
+        splits = [e["step"] for e in read_jsonl(tmp_path / "events.jsonl") if e.get("detector") == "replicas_split"]
+        assert splits == [9]
     clean = run_workers(_train, 2, mode, [])
     assert out[0]["scales"] == out[1]["scales"] and out[0]["scales"][9] == clean[0]["scales"][8] / 2
     assert out[0]["applied"][9] is out[1]["applied"][9] is False and clean[0]["applied"][9]

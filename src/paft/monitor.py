@@ -124,7 +124,8 @@ class Monitor:
         as their list (another rank is alerted again)."""
 
     def record(self, step: int, view: ControlView, metric_step: bool, grads: torch.Tensor | None = None,
-               alerts: bool = True, applied: bool = True, stale_fingerprints: bool = False) -> dict[str, Any]:
+               alerts: bool = True, applied: bool = True, stale_fingerprints: bool = False,
+               guarded: bool = False) -> dict[str, Any]:
         """The step's ``consistency.jsonl`` record and alerts: every metric on a metric
         step (``grads``: the ranks' exact local gradients, for ``--cosine exact``).
         Between them (--monitor-interval) a record of what every step carries (the
@@ -133,13 +134,18 @@ class Monitor:
         an update that was not ``applied`` split no replicas: their keys are left out.
         ``alerts`` false (a loss scaler's overflow: its non-finite norms are routine)
         writes the record only; ``stale_fingerprints``: a sync changed the state after
-        this step's fingerprints, which then raise no ``state_split`` alert."""
+        this step's fingerprints, which then raise no ``state_split`` alert. ``guarded``:
+        the guard decided the step's skip, and its events name a gradient split it
+        skipped; else (a loss scaler's skip of one rank's non-finite aggregated
+        gradient) that split is still alerted, as nothing else would name it."""
         metrics = worker_metrics(view, grads) if metric_step else replica_metrics(view)
+        split = {k: v for k, v in metrics.items() if k.startswith("replicas/grad_")}
         if not applied:
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("replicas/grad_")}
+            metrics = {k: v for k, v in metrics.items() if k not in split}
+        judged = split if applied or not guarded else {}  # the gradient split the alerts judge
         if not metric_step:
             was_split = self.alerting.get("replicas_split", False) or self.alerting.get("state_split", False)
-            if not (was_split or metrics.get("replicas/grad_distinct", 1) > 1 or "replicas/state_distinct" in metrics):
+            if not (was_split or judged.get("replicas/grad_distinct", 1) > 1 or "replicas/state_distinct" in metrics):
                 return {}
         metrics["step"] = step
         metrics["loss"] = view.global_loss
@@ -149,7 +155,7 @@ class Monitor:
         metrics["faults"] = view.faults
         self.recorder.consistency(metrics)
         if alerts:
-            self._alerts(step, metrics, stale_fingerprints)
+            self._alerts(step, {**metrics, **judged}, stale_fingerprints)
         return metrics
 
     def state_dict(self) -> dict[str, Any]:

@@ -91,7 +91,7 @@ def test_between_metric_steps_only_news_of_the_replicas_is_recorded(tmp_path: Pa
     assert "local_grad_norms" not in split
     assert monitor.record(3, view([None, None]), metric_step=False)["step"] == 3  # the split's end
     assert monitor.record(4, view([None, None]), metric_step=False) == {}
-    skipped = monitor.record(5, view([3, 3], aggs=[7, 8]), metric_step=True, applied=False)
+    skipped = monitor.record(5, view([3, 3], aggs=[7, 8]), metric_step=True, applied=False, guarded=True)
     assert not any(k.startswith("replicas/grad_") for k in skipped)  # a skipped update split nothing
     assert skipped["replicas/state_distinct"] == 1  # ...but its fingerprints are kept
     # A fingerprint is news, agreeing or not; a state split lasts until the replicas agree.
@@ -104,6 +104,20 @@ def test_between_metric_steps_only_news_of_the_replicas_is_recorded(tmp_path: Pa
     assert [e["detector"] for e in events(tmp_path)] == ["replicas_split", "state_split"]
     lines = (tmp_path / "consistency.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [2, 3, 5, 6, 7, 8]
+
+
+def test_a_gradient_split_a_loss_scaler_skipped_without_the_guard_is_alerted(tmp_path: Path) -> None:
+    # The ranks skip a step where rank 1's aggregated gradient is non-finite (the loss
+    # scaler's agreed skip). The record leaves the split out (nothing split the replicas),
+    # but where no guard's event names it, the alert must: it was recorded nowhere at all.
+    monitor = Monitor(MonitorConfig(interval=10), RunRecorder(tmp_path, rank=0, quiet=True), None)
+    hit = view([None] * 3, aggs=[7, 8, 7])
+    assert monitor.record(1, hit, metric_step=False, applied=False, guarded=True) == {}  # the guard's events say it
+    assert monitor.record(2, view([None] * 3), metric_step=False) == {}
+    skipped = monitor.record(3, hit, metric_step=False, applied=False)
+    assert skipped["step"] == 3 and not any(k.startswith("replicas/grad_") for k in skipped)
+    assert monitor.record(4, view([None] * 3), metric_step=False)["replicas/grad_distinct"] == 1  # its end
+    assert [(e["step"], e["detector"], e["ranks"]) for e in events(tmp_path)] == [(3, "replicas_split", [1])]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -308,7 +308,8 @@ class Protector:
         if plan.metric_step and self.monitor_cfg.cosine == "exact" and self.hook.current.local_grads:
             grads = gather_exact_grads(self.hook.current.local_flat(), self.group)
         metrics = self.monitor.record(t, out.view, plan.metric_step, grads, alerts=not out.overflow,
-                                      applied=out.applied, stale_fingerprints=self.resync.stale_fingerprints)
+                                      applied=out.applied, stale_fingerprints=self.resync.stale_fingerprints,
+                                      guarded=self.guard is not None)
         synced = self.resync.maybe_sync(t, out.view, state_is_stale=out.synced, applied=out.applied) or out.synced
         self.step_idx += 1
         return StepReport(
