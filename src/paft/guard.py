@@ -355,8 +355,7 @@ class Guard:
                 return True
             if _grad_norm(view) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0):
                 return True
-        states = view.state_fingerprints()
-        return states is not None and len(group_replicas(states)) > 1  # a replica corrupted at rest
+        return view.states_split()  # a replica corrupted at rest
 
     def check_update(self, step: int, ratio: float) -> GuardVerdict:
         """Verdict after ``optimizer.step()`` of ``step``; ``ratio`` is the max over ranks.
@@ -411,6 +410,8 @@ class Guard:
         both times (empty where either names none). None: no recurrence (another detector,
         none before, or a new fault on other ranks only)."""
         before = self._remember(st, detection)
+        if detection.detector != "grad_mismatch":  # check()'s detectors remember no other
+            return None
         if before is None or (detection.ranks and before.ranks and not set(detection.ranks) & set(before.ranks)):
             return None
         return sorted(set(before.ranks) & set(detection.ranks))
@@ -546,9 +547,9 @@ class Guard:
         # mismatch here is compared with the step's last one and remembered for the
         # recompute after the repair; with one rerun left, the repair spends it, and this
         # view is the last sight of a reduction failing again.
-        found = self._detectors().detect(view)
+        found = self._detectors().grad_mismatch(view)
         reduction = None
-        if found is not None and found[0] == "grad_mismatch":
+        if found is not None:
             reduction = self._failed_again(st, _Detection("check", "grad_mismatch", found[1], bits))
         if persistent:  # the stuck replica is the fault the verdict names
             reduction = None

@@ -64,10 +64,9 @@ class Detectors:
                 if name == "nonfinite_agg_grad" and len(bad) == ws:
                     ranks = self.local_suspects(losses, local)
                 return name, ranks, {"value": col[bad[0]], "rank": float(bad[0]), "count": float(len(bad))}
-        groups = group_replicas(view.agg_checksum_keys())
-        if len(groups) > 1:
-            return "grad_mismatch", self.mismatch_suspects(groups, agg), {
-                "distinct": float(len(groups)), "grad_norm_min": min(agg), "grad_norm_max": max(agg)}
+        mismatch = self.grad_mismatch(view)
+        if mismatch is not None:
+            return mismatch
         armed = self.armed
         if ws > 1:  # with one rank, a rank outlier is just a spike
             ranks, values = self.rank_outliers(losses, local, cfg.outlier_threshold)
@@ -121,6 +120,17 @@ class Detectors:
         """Attribution of a global anomaly: ranks whose local values spike (spike_threshold)."""
         ranks, _ = self.rank_outliers(losses, local, self.config.spike_threshold)
         return ranks if len(ranks) < self.world_size else []
+
+    def grad_mismatch(self, view: ControlView) -> Finding | None:
+        """``grad_mismatch`` where the ranks' aggregated-gradient checksums differ, whatever
+        fires before it in :meth:`detect` (a replica corrupted at rest makes its rank's
+        loss NaN, which must not hide a reduction failing beside it); None: they agree."""
+        groups = group_replicas(view.agg_checksum_keys())
+        if len(groups) < 2:
+            return None
+        agg = view.agg_norms.tolist()
+        return "grad_mismatch", self.mismatch_suspects(groups, agg), {
+            "distinct": float(len(groups)), "grad_norm_min": min(agg), "grad_norm_max": max(agg)}
 
     def mismatch_suspects(self, groups: list[list[int]], agg: list[float]) -> list[int]:
         """Attribution of a ``grad_mismatch``: the ranks outside the majority, or with none

@@ -889,17 +889,21 @@ def test_a_grad_mismatch_that_comes_back_after_a_state_repair_is_persistent(poli
 
 @pytest.mark.parametrize("policy,action,detector", [("stop", "stop", "grad_mismatch"), ("repair", "skip", "rerun_cap")])
 @pytest.mark.parametrize("mismatch_first", [True, False])
+@pytest.mark.parametrize("split_loss", [2.0, math.nan])
 def test_a_state_repairs_own_view_of_a_reduction_failing_again_names_it(
-        policy: str, action: str, detector: str, mismatch_first: bool) -> None:
+        policy: str, action: str, detector: str, mismatch_first: bool, split_loss: float) -> None:
     """With one rerun per step (--max-reruns 1) the repair spends it: the batch was
     skipped before rank 2's reduction was seen again, although the repair's own view
     showed its checksum split, and the step ended unnamed with cause "state" (a run
     asked to stop on a persistent fault went on). That view's mismatch is compared with
-    the step's last one, and remembered for the attempt after the repair."""
+    the step's last one, and remembered for the attempt after the repair; also where
+    the corrupted replica's loss is NaN (``split_loss``), which a detector before the
+    checksums' would report instead."""
     g = guard(3, on_persistent=policy, max_reruns_per_step=1)
     t = warm(g)
     views = [make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 5]),  # rank 2's reduction fails
-             make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 6], states=[1, 2, 1])]  # ... and rank 1's state split
+             make_view([2.0, split_loss, 2.0], [1.5] * 3, 1.0, fps=[FP, FP, 6],
+                       states=[1, 2, 1])]  # ... and rank 1's state split
     if not mismatch_first:  # the split seen first: repaired, then the reduction fails again
         views = [views[1], make_view([2.0] * 3, [1.5] * 3, 1.0, fps=[FP, FP, 7], states=[1, 1, 1])]
     assert g.check(t, 0, views[0]).action == ("recompute" if mismatch_first else "repair")
