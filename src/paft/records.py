@@ -34,7 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 _UMASK = os.umask(0)
@@ -42,6 +42,7 @@ os.umask(_UMASK)
 
 __all__ = [
     "RunRecorder",
+    "is_leg_end",
     "require_tensorboard",
     "console",
     "quiet_stdout",
@@ -373,11 +374,15 @@ def require_tensorboard(asked_by: str = "--tensorboard") -> None:
         )
 
 
-_LEG_ENDS = ("failed", "stop", "interrupted")
-"""The ``events.jsonl`` events that say why a leg of a run ended (a failed worker, the
-guard's stop, a signal): a resume keeps them, though it re-does the steps they name. So
-the file is in the order things happened, not in step order: a kept line comes before
-the resumed leg's lines of the steps it re-does."""
+def is_leg_end(record: Mapping[str, Any]) -> bool:
+    """Whether an ``events.jsonl`` record says why a leg of a run ended: a failed worker,
+    a signal, the guard's stop (paft train's ``stop`` event, and the guard's verdict, all
+    a library run has of it). A resume keeps them, though it re-does the steps they name.
+    So the file is in the order things happened, not in step order: a kept line comes
+    before the resumed leg's lines of the steps it re-does."""
+    event = record.get("event")
+    return event in ("failed", "interrupted", "stop") or (event == "guard" and record.get("action") == "stop")
+
 
 SHARED_RECORDS = ("consistency.jsonl", "events.jsonl", "evals.jsonl", "faults.jsonl")
 """A run folder's records shared by the ranks (rank 0 writes them, but faults.jsonl, which
@@ -436,7 +441,7 @@ class RunRecorder:
             for name in SHARED_RECORDS:  # an evaluation at ``step`` came before the checkpoint
                 # Why the interrupted leg ended stays: the resume re-does its steps, not its end.
                 truncate_jsonl(self.run_dir / name, step + (name == "evals.jsonl"),
-                               keep=_LEG_ENDS if name == "events.jsonl" else ())
+                               keep=is_leg_end if name == "events.jsonl" else None)
 
     def _add_scalars(self, step: int, values: Iterable[tuple[str, float]]) -> None:
         if not self._tensorboard:
@@ -514,13 +519,14 @@ def _records_in(folder: pathlib.Path) -> list[str]:
     return [str(path.relative_to(folder)) for path in found if is_file(path) and path.stat().st_size > 0]
 
 
-def truncate_jsonl(path: str | os.PathLike[str], step: int, keep: Collection[str] = ()) -> None:
-    """Drop records with ``step >= step`` (a resumed run re-does those steps), but the
-    events of the kinds in ``keep``."""
+def truncate_jsonl(path: str | os.PathLike[str], step: int,
+                   keep: Callable[[dict[str, Any]], bool] | None = None) -> None:
+    """Drop records with ``step >= step`` (a resumed run re-does those steps), but those
+    ``keep`` says to keep."""
     p = pathlib.Path(path)
     if not p.exists():
         return
-    _rewrite_jsonl(p, [r for r in read_jsonl(p) if r.get("step", -1) < step or r.get("event") in keep])
+    _rewrite_jsonl(p, [r for r in read_jsonl(p) if r.get("step", -1) < step or (keep is not None and keep(r))])
 
 
 def sort_faults(run_dir: str | os.PathLike[str]) -> None:

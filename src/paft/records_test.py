@@ -339,6 +339,7 @@ def test_a_resume_keeps_why_the_interrupted_leg_ended(tmp_path: pathlib.Path) ->
     first = RunRecorder(tmp_path, 0, quiet=True)
     for step in (3, 5):
         first.event({"step": step, "event": "guard", "action": "recompute"})
+    first.event({"step": 5, "event": "guard", "action": "stop"})  # a library run's stop: the verdict alone
     first.event({"step": 6, "event": "stop", "ranks": [1], "reason": "x"})
     first.event({"step": 6, "event": "failed", "rank": 1, "cause": "failed: ValueError: x", "traceback": None})
     first.event({"step": 7, "event": "interrupted", "signal": "SIGTERM"})  # the launcher's, for a signal
@@ -348,7 +349,7 @@ def test_a_resume_keeps_why_the_interrupted_leg_ended(tmp_path: pathlib.Path) ->
     resumed.drop_resumed_steps()
     resumed.close()
     assert [(e["step"], e["event"]) for e in read_jsonl(tmp_path / "events.jsonl")] == [
-        (3, "guard"), (6, "stop"), (6, "failed"), (7, "interrupted")]
+        (3, "guard"), (5, "guard"), (6, "stop"), (6, "failed"), (7, "interrupted")]
 
 
 def test_truncate_jsonl_drops_the_steps_a_resume_redoes(tmp_path: pathlib.Path) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paft.records import UNTIMED_STEPS, max_or_nan
+from paft.records import UNTIMED_STEPS, is_leg_end, max_or_nan
 from paft.replicas import outside_majority
 from paft.resync import averages_at
 from paft.run_reading import Split, first_split, guard_incidents, seen_from, series, split_syncs, sync_events
@@ -103,10 +103,9 @@ def _notes(run: RunData) -> list[str]:
         lines.append(f"note: summary.json ends at step {run.stale_summary} but the records {went} step "
                      f"{last} (a resume still running or interrupted): reported from the jsonl files "
                      f"({_of_steps(cfg, last)} steps recorded)")
-    # A guard's stop says why there is none, unless a resume went on past it (a library
-    # run has no summary.json).
-    elif (run.summary is None and not run.library
-          and not any(_is_stop(e) and e.get("step", 0) > run.last_step for e in ends)):
+    # A leg's end past the records (a guard's stop, a failure, a signal) says why there is
+    # none; one a resume went on past does not (a library run has no summary.json).
+    elif run.summary is None and not run.library and not any(e.get("step", 0) > run.last_step for e in ends):
         lines.append(f"note: no summary.json: the run is still running, crashed or was interrupted; reported "
                      f"from the jsonl files ({_of_steps(cfg, last)} steps recorded)")
     if (cfg.get("monitor") or {}).get("enabled") is False and run.consistency:
@@ -124,18 +123,17 @@ def _notes(run: RunData) -> list[str]:
 
 
 def _is_stop(event: dict[str, Any]) -> bool:
+    """Whether a leg's end (:func:`_leg_ends`) is the guard's stop."""
     return event.get("event") in ("stop", "guard")
 
 
 def _leg_ends(run: RunData) -> list[dict[str, Any]]:
-    """The records of why a leg of the run ended, in the file's order (the order the legs
-    ended): a worker's failure, a signal, the guard's stop. paft train records a guard
-    stop twice, the guard's verdict and the trainer's "stop" event with its reason; a
-    library user's run has the verdict only. One of them either way."""
+    """The records of why a leg of the run ended (:func:`paft.records.is_leg_end`), in the
+    file's order (the order the legs ended). paft train records a guard stop twice, the
+    guard's verdict and the trainer's "stop" event with its reason; a library user's run
+    has the verdict only. One of them either way."""
     trainer_stops = bool(run.events_of("stop"))
-    return [e for e in run.events
-            if e.get("event") in ("failed", "interrupted")
-            or (e.get("event") == "stop" if trainer_stops else e.get("event") == "guard" and e.get("action") == "stop")]
+    return [e for e in run.events if is_leg_end(e) and not (trainer_stops and e.get("event") == "guard")]
 
 
 def _leg_end_notes(run: RunData, ends: list[dict[str, Any]]) -> list[str]:
