@@ -18,7 +18,9 @@ pure function that tests check in microseconds:
   (except ``stale`` on a run's first step, which has no previous values to replay; on
   optimizer state, which the first update creates, the second; after a resume the
   injector's :meth:`~FaultInjector.state_dict`, part of the protector's checkpoint,
-  brings back the values the first resumed step replays);
+  brings back the values the first resumed step replays, where a ``stale`` spec of the
+  run that saved it could hit the rank and site: not for a spec a resume adds, nor
+  from a checkpoint of an older version);
 - :class:`FaultInjector`: what the DDP comm hook (bucket sites) and the protector
   (at-rest sites, before a step) call; it returns :class:`FaultRecord` values for
   ``faults.jsonl``.

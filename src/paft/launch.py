@@ -141,13 +141,12 @@ def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft t
     _record_leg_end(run_dir, record, "the failure", prog)
 
 
-def record_interruption(run_dir: pathlib.Path, err: KeyboardInterrupt | SignalException,
-                        prog: str = "paft train") -> None:
+def record_interruption(run_dir: pathlib.Path, err: KeyboardInterrupt | SignalException) -> None:
     """Put the signal that stopped the workers in the run's ``events.jsonl``
     (``"event": "interrupted"``: the step it interrupted, the signal's name): without it
     the run directory of a run stopped by Ctrl-C or a scheduler's SIGTERM did not say why
     it ended early."""
-    _record_leg_end(run_dir, {"event": "interrupted", "signal": signal_of(err).name}, "the interruption", prog)
+    _record_leg_end(run_dir, {"event": "interrupted", "signal": signal_of(err).name}, "the interruption", "paft train")
 
 
 def _record_leg_end(run_dir: pathlib.Path, record: dict[str, Any], what: str, prog: str) -> None:

@@ -135,9 +135,9 @@ class Monitor:
         ``alerts`` false (a loss scaler's overflow: its non-finite norms are routine)
         writes the record only; ``stale_fingerprints``: a sync changed the state after
         this step's fingerprints, which then raise no ``state_split`` alert. ``guarded``:
-        the guard decided the step's skip, and its events name a gradient split it
-        skipped; else (a loss scaler's skip of one rank's non-finite aggregated
-        gradient) that split is still alerted, as nothing else would name it."""
+        a guard protects the step, and its events name a gradient split it skipped;
+        else (a loss scaler's skip of one rank's non-finite aggregated gradient) that
+        split is still alerted, as nothing else would name it."""
         metrics = worker_metrics(view, grads) if metric_step else replica_metrics(view)
         split = {k: v for k, v in metrics.items() if k.startswith("replicas/grad_")}
         if not applied:

@@ -519,5 +519,5 @@ class Protector:
         self.monitor.load_state_dict(state)
         self._attempts.faults_injected = state["counters"].get("faults_injected", self._attempts.faults_injected)
         self._check_state_next = bool(state.get("check_state", False))  # older states lack it
-        # None where no stale spec could hit this rank when it was saved, or in older states.
+        # Absent where no stale spec could hit this rank when it was saved, and in older states.
         self.injector.load_state_dict(state.get("stale_values", []))
