@@ -112,11 +112,19 @@ class SyncScheduler(abc.ABC):
         self._next = _step(start) + period
         self._pending_trigger = False
         self._period_before_trigger = period
+        self._first_period = period
 
     @property
     def period(self) -> int:
         """The current period H, in steps."""
         return self._period
+
+    @property
+    def first_period(self) -> int:
+        """The period the run began with: this scheduler's first, or after
+        :meth:`load_state_dict` the saved run's (a resume may change the options that set
+        it; a state saved before it was kept leaves this scheduler's own)."""
+        return self._first_period
 
     @property
     def next_sync_step(self) -> int:
@@ -164,6 +172,7 @@ class SyncScheduler(abc.ABC):
             "next_sync_step": self._next,
             "pending_trigger": self._pending_trigger,
             "period_before_trigger": self._period_before_trigger,
+            "first_period": self._first_period,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -175,6 +184,7 @@ class SyncScheduler(abc.ABC):
         self._next = int(state["next_sync_step"])
         self._pending_trigger = bool(state["pending_trigger"])
         self._period_before_trigger = int(state["period_before_trigger"])
+        self._first_period = int(state.get("first_period", self._first_period))  # older states lack it
 
     def _restore_period(self, period: int) -> None:
         """Replace a restored period by ``period`` (the loading scheduler's own, or the

@@ -316,6 +316,7 @@ def test_load_state_dict_checks_kind_and_clamps_to_own_config() -> None:
     small = DynScheduler(DynConfig(h_max=100, h_init=50))
     small.load_state_dict(big.state_dict())
     assert small.period == 100 and small.next_sync_step == 100  # last sync 0 + the clamped period
+    assert small.first_period == 300  # the run began with the saved scheduler's, not clamped
     large_min = DynScheduler(DynConfig(h_min=10))
     large_min.load_state_dict(DynScheduler(DynConfig(h_min=2, h_init=4)).state_dict())
     assert large_min.period == 10 and large_min.next_sync_step == 4  # a longer period postpones nothing
@@ -350,9 +351,14 @@ def test_fixed_period_is_the_loading_schedulers_own() -> None:
     triggered.trigger(3)
     shorter.load_state_dict(triggered.state_dict())
     assert (shorter.period, shorter.next_sync_step) == (4, 3)  # due at once already: not moved to 3 - 6
-    # The checkpoint it writes next carries its own period throughout, not the saved 10.
+    # The checkpoint it writes next carries its own period throughout, not the saved 10,
+    # but the saved run's first (paft report draws the run's start from it).
     assert shorter.state_dict() == {"kind": "FixedScheduler", "period": 4, "next_sync_step": 3,
-                                    "pending_trigger": True, "period_before_trigger": 4}
+                                    "pending_trigger": True, "period_before_trigger": 4, "first_period": 10}
+    older = {k: v for k, v in FixedScheduler(10).state_dict().items() if k != "first_period"}
+    fresh = FixedScheduler(4)
+    fresh.load_state_dict(older)  # a checkpoint from before the first period was kept
+    assert fresh.first_period == 4
 
 
 # Any config DynConfig takes (small periods, so floors and ceilings bite), divergences

@@ -386,7 +386,8 @@ class Protector:
         and tells the hook how many buckets it has. RNG and buffers are restored, the
         gradients set to None; nothing is injected or recorded (after a
         :meth:`load_state_dict`, the recorder's records of the steps the resumed run re-does
-        are dropped: :class:`~paft.records.RunRecorder` ``append=True``), and a ``comm_hook=`` is not
+        are dropped: :class:`~paft.records.RunRecorder` ``append=True``; a ``period`` event
+        says a sync period the resume's options changed), and a ``comm_hook=`` is not
         called (a plain mean all-reduce runs instead; a hook registered on the DDP model
         directly, where paft registers none, runs as DDP calls it). Without it, the first two steps
         still inject reproducibly, but only into the buckets the hook knew of then, and a
@@ -394,6 +395,7 @@ class Protector:
         """
         # Before this rank's first collective, so before any rank records again.
         self.recorder.drop_resumed_steps()
+        self.resync.resumed(self.step_idx)
         before = ForwardSnapshot(self._buffer_slots)
         for _ in range(2):
             # The mean all-reduce, not a user's hook: a stateful one (PowerSGD's step counter,

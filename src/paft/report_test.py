@@ -1223,6 +1223,26 @@ def test_the_period_panel_starts_from_the_period_the_run_began_with(fault_run: p
     assert list(ax.get_lines()[0].get_xdata())[:2] == [0, 4] and list(ax.get_lines()[0].get_ydata())[:2] == [30, 20]
 
 
+def test_the_period_panel_draws_the_periods_of_a_resume_that_changed_them(fault_run: pathlib.Path,
+                                                                          tmp_path: pathlib.Path) -> None:
+    """A resume at step 6 with --h-max 20 clamped the saved H 60: the panel began at the
+    new bounds' 20 (config.json is the resumed run's; the run began with 50) and held 60
+    until the next sync, as if the clamp had not happened."""
+    run_dir = copy_run(fault_run, tmp_path / "resumed")
+    config = json.loads((run_dir / "config.json").read_text())
+    config["protect"].update(mode="dyn", sync_period=50, h_min=5, h_max=20)
+    (run_dir / "config.json").write_text(json.dumps(config))
+    with open(run_dir / "events.jsonl", "a") as f:
+        for event in ({"step": 3, "event": "sync", "period": 60, "divergence": 0.0, "mode": "noop"},
+                      {"step": 6, "event": "period", "period": 20, "first_period": 50}):
+            f.write(json.dumps(event) + "\n")
+    run = load_run(run_dir)
+    _, (ax,) = figure(1, 1, "resumed")
+    _period_panel(ax, run, _periods(run))
+    line = ax.get_lines()[0]
+    assert list(zip(line.get_xdata(), line.get_ydata())) == [(0, 50), (3, 60), (6, 20), (run.last_step, 20)]
+
+
 def test_divergences_are_points_not_lines_across_the_steps_between(fault_run: pathlib.Path,
                                                                      tmp_path: pathlib.Path) -> None:
     """A line through the sparse evaluations rose before the fault (step 5: 0 at the

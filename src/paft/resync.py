@@ -105,6 +105,10 @@ class Resync:
         # the buffers blocking, so one still in flight found the parameters and optimizer
         # state agreeing, and landing it moves nothing: a split the fingerprints show is real.
         self._stale_fingerprints = False
+        # What a resume changed of the schedule (the period it continues with, the one its
+        # options would have begun with), recorded at its first step by resumed().
+        self._first_period = self.scheduler.first_period if self.scheduler is not None else None
+        self._resumed_schedule: dict[str, int] | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -234,6 +238,14 @@ class Resync:
 
     # -- checkpoints --------------------------------------------------------------
 
+    def resumed(self, step: int) -> None:
+        """The resumed run's first step is ``step`` (its records after the checkpoint
+        dropped): a ``period`` event where :meth:`load_state_dict` changed the schedule,
+        so that the records say the periods the run used."""
+        if self._resumed_schedule is not None:
+            self.recorder.event({"step": step, "event": "period", **self._resumed_schedule})
+            self._resumed_schedule = None
+
     def set_next_step(self, step: int) -> None:
         """The protector's next step is ``step`` (after a stopped step, or a resume): the
         averager's own call counter decides when it averages, so it moves along."""
@@ -260,8 +272,15 @@ class Resync:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` wrote (``state``: its own, or the protector's
         checkpoint holding it); the caller checked that its parts match this one's."""
+        self._resumed_schedule = None
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+            # The saved period clamped into new --h-min / --h-max, or PAFT-Sync's new
+            # --sync-period; or options that would have begun the run with another period
+            # (config.json, rewritten by the resume, no longer says the one it began with).
+            first = self.scheduler.first_period
+            if self.scheduler.period != int(state["scheduler"]["period"]) or first != self._first_period:
+                self._resumed_schedule = {"period": self.scheduler.period, "first_period": first}
         if self.sync is not None:
             self.sync.load_state_dict(state["sync"])
         own = self._own_repairer

@@ -7,6 +7,7 @@ repaired again. More of the protocol is tested in protect_test.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,42 @@ def test_a_buffers_only_sync_landing_mid_step_hides_no_split(tmp_path: Path, ove
     assert [e["step"] for e in alerts] == [5]
     assert events(tmp_path)[:3] == [(4, "sync", 6 if overlap else 5), (5, "dyn_trigger", None), (5, "sync", 6)]
     assert not any(column(out, "stale")) and all(column(out, "agree"))
+
+
+def _leg(run_dir: Path, config: ProtectConfig, steps: range, saved: dict[str, Any] | None) -> dict[str, Any]:
+    """A one-rank leg of a protected toy run recording into ``run_dir``: resumed from the
+    protector state ``saved`` (primed, as paft train resumes) or fresh; its closed state."""
+    model = DistributedDataParallel(toy_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    protector = protect(model, optimizer, protect=config,
+                        recorder=RunRecorder(run_dir, 0, quiet=True, append=saved is not None))
+    if saved is not None:
+        protector.load_state_dict(saved)
+    protector.prime(toy_closure(model, optimizer, 0, steps[0]))
+    for step in steps:
+        protector.step(toy_closure(model, optimizer, 0, step))
+    protector.close()
+    state = protector.state_dict()
+    del protector, model
+    return state
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("mode", ["dyn", "sync"])
+def test_a_resume_that_changes_the_period_records_it_at_its_first_step(mode: str, tmp_path: Path) -> None:
+    """A resume that clamps PAFT-Dyn's saved period into a new --h-max (or gives PAFT-Sync
+    another --sync-period) recorded nothing: paft report drew the old period until the
+    next sync, and the period the run began with from the rewritten config.json."""
+    first = ProtectConfig(mode=mode, sync_period=6, h_min=1)
+    saved = _leg(tmp_path, first, range(4), None)
+    changed = dataclasses.replace(first, **({"h_max": 3} if mode == "dyn" else {"sync_period": 3}))
+    _leg(tmp_path, changed, range(4, 8), saved)
+    events = [(e["step"], e["event"], e.get("period"), e.get("first_period"))
+              for e in read_jsonl(tmp_path / "events.jsonl")]
+    # No sync before the resume (the first was due at step 6); the shorter period brought
+    # it forward to the resumed run's first step, after the event.
+    assert events == [(4, "period", 3, 6), (4, "sync", 3, None), (7, "sync", 3, None)]
+    # A resume that changes nothing of the schedule records nothing, as the uninterrupted run.
+    again = tmp_path / "again"
+    _leg(again, first, range(4, 8), _leg(again, first, range(4), None))
+    assert all(e["event"] != "period" for e in read_jsonl(again / "events.jsonl"))
