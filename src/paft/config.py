@@ -221,6 +221,10 @@ class ProtectConfig:
         """PAFT-Dyn's first period: ``sync_period`` clamped into [h_min, h_max]."""
         return min(max(self.sync_period, self.h_min), self.h_max)
 
+    def dyn_config(self) -> DynConfig:
+        """PAFT-Dyn's period rule under these options."""
+        return DynConfig(h_init=self.first_h, h_min=self.h_min, h_max=self.h_max, target=self.target)
+
 
 @dataclass
 class GuardConfig:

@@ -67,9 +67,9 @@ def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
     """
     cfg.run_dir = resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))
     check_machine(cfg)
-    check_run_dir(cfg)
+    schedule = check_run_dir(cfg)
     with claim_run_dir(cfg) as outcome:
-        code = _run_workers(cfg, resumed_with)
+        code = _run_workers(cfg, resumed_with, schedule)
         tidy_after_workers(pathlib.Path(cfg.run_dir))  # the workers are gone, however they ended
         outcome["code"] = code
         return code
@@ -96,9 +96,10 @@ def _resuming(cfg: TrainConfig, resumed_with: Sequence[str]) -> str:
     return shlex.join(["--resume", "--steps", str(cfg.steps), *resumed_with])
 
 
-def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str]) -> int:
+def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], schedule: dict[str, Any] | None = None) -> int:
+    """``schedule``: what :func:`paft.rundir.check_run_dir` returned."""
     if not cfg.quiet:
-        console(format_plan(cfg))
+        console(format_plan(cfg, schedule=schedule))
     try:
         results = local_workers(run_worker, cfg.world_size)(cfg.to_dict(), cfg.run_dir)
     except WorkerFailed as err:
@@ -374,9 +375,10 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         # the clean-up of a run that stopped before its first checkpoint); every rank
         # learns whether it could.
         error, outcome = [""], {"code": 0}
+        schedule = None
         if rank0:
             try:
-                check_run_dir(cfg)
+                schedule = check_run_dir(cfg)
                 outcome = claim.enter_context(claim_run_dir(cfg, prog))
             except RunDirError as err:
                 error = [str(err)]
@@ -394,7 +396,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         # lock: a peer slow to take it was not yet inside for a new claim to see.
         dist.barrier()
         if rank0 and not cfg.quiet:
-            console(format_plan(cfg, prog))
+            console(format_plan(cfg, prog, schedule))
         rank = dist.get_rank()  # asked now: _train_in_group takes the group down, failed or not
         ours = _identity(cfg.run_dir)
         try:

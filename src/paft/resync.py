@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paft.config import ProtectConfig
 from paft.consistency import ControlView
-from paft.dyn import DynConfig, DynScheduler, FixedScheduler, SyncScheduler
+from paft.dyn import DynScheduler, FixedScheduler, SyncScheduler
 from paft.records import RunRecorder
 from paft.replicas import group_replicas
 from paft.state import fingerprints_over_ranks
@@ -77,14 +77,7 @@ class Resync:
             src = config.broadcast_src if config.sync_mode == "broadcast" else 0
             self.sync = ReplicaSync(model, optimizer, mode=config.sync_mode, src=src, group=group)
             if config.mode == "dyn":
-                self.scheduler = DynScheduler(
-                    DynConfig(
-                        h_init=config.first_h,
-                        h_min=config.h_min,
-                        h_max=config.h_max,
-                        target=config.target,
-                    )
-                )
+                self.scheduler = DynScheduler(config.dyn_config())
             else:
                 self.scheduler = FixedScheduler(config.sync_period)
         # The guard's repairs: PAFT-Sync's own when it is robust, else a robust one of the

@@ -97,23 +97,24 @@ def resolve_run_dir(run_dir: str) -> str:
     return os.path.realpath(run_dir) if ".." in pathlib.PurePath(run_dir).parts else run_dir
 
 
-def check_run_dir(cfg: TrainConfig) -> None:
+def check_run_dir(cfg: TrainConfig) -> dict[str, Any] | None:
     """Refuse a run directory that would be overwritten, cannot be created, or cannot be
-    resumed as asked. Writes nothing."""
+    resumed as asked. Writes nothing. Returns, for a resume, the sync scheduler's state in
+    the checkpoint it continues from (rank 0's, the same on every rank; None where the
+    run has none): the period it goes on with, which ``paft train``'s plan says."""
     path = pathlib.Path(cfg.run_dir)
     problem = path_name_problem(path, "--run-dir")
     if problem:
         raise RunDirError(problem)
     try:
-        _check_run_dir(cfg, path)
+        return _check_run_dir(cfg, path)
     except OSError as err:  # e.g. a name too long for the file system
         raise RunDirError(f"--run-dir: cannot use {path}: {err.strerror or err}") from None
 
 
-def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
+def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> dict[str, Any] | None:
     if cfg.resume:
-        _check_resume(cfg, path)
-        return
+        return _check_resume(cfg, path)
     if path.is_dir() and not path.is_symlink() and not cfg.overwrite:
         _refuse_in_use(path)  # also a folder a run has just taken, its lock alone in it
         if holds_files(path):
@@ -133,6 +134,7 @@ def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> None:
     problem = output_dir_problem(path, "--run-dir", {"config.json": is_run_config}, cfg.overwrite)
     if problem:
         raise RunDirError(problem)
+    return None
 
 
 def stale_checkpoints(folders: list[pathlib.Path], latest: str) -> list[pathlib.Path]:
@@ -243,7 +245,7 @@ def _refuse_in_use(path: pathlib.Path) -> None:
                           "wait for it to end or pick another --run-dir")
 
 
-def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
+def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> dict[str, Any] | None:
     if not has_checkpoint(path):
         _refuse_in_use(path)
         if not path.exists():
@@ -281,6 +283,9 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> None:
             f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
             f"pass --steps above {done} to train on"
         )
+    protector = rank0["protector"]
+    schedule = protector.get("scheduler") if isinstance(protector, dict) else None
+    return schedule if isinstance(schedule, dict) else None
 
 
 def _check_logs(path: pathlib.Path) -> None:

@@ -37,16 +37,19 @@ def _config(run_dir: pathlib.Path, **overrides: Any) -> TrainConfig:
 
 
 def _fake_run(cfg: TrainConfig, steps: tuple[int, ...] = (6, 12), held: TrainConfig | None = None,
-              options: bool = True) -> pathlib.Path:
+              options: bool = True, scheduled: bool = False) -> pathlib.Path:
     """The run directory a run of ``cfg`` leaves: config.json and, for each of ``steps``,
     every rank's checkpoint, holding ``held``'s options (``cfg``'s by default; none
-    without ``options``, as before checkpoints held them), and ``latest`` naming the last."""
+    without ``options``, as before checkpoints held them), and ``latest`` naming the last.
+    With ``scheduled`` each checkpoint's protector holds a sync scheduler whose period is
+    its step."""
     path = prepare_run_dir(cfg)
     state = {**dict.fromkeys(_CHECKPOINT_KEYS), **({"config": (held or cfg).to_dict()} if options else {})}
     for step in steps:
         (path / "checkpoints" / f"step{step:07d}").mkdir(parents=True)
+        protector = {"scheduler": {"period": step}} if scheduled else None
         for rank in range(cfg.world_size):
-            torch.save(state, path / "checkpoints" / f"step{step:07d}" / f"rank{rank}.pt")
+            torch.save({**state, "protector": protector}, path / "checkpoints" / f"step{step:07d}" / f"rank{rank}.pt")
     (path / "checkpoints" / "latest").write_text(f"step{steps[-1]:07d}\n")
     return path
 
@@ -66,6 +69,22 @@ def test_a_resume_that_changes_nothing_fixed_is_accepted(tmp_path: pathlib.Path,
     cfg = _config(tmp_path / "r", **before)
     _fake_run(cfg)
     check_run_dir(_resume(cfg, **changes))
+
+
+def test_a_resume_returns_the_schedule_of_the_checkpoint_it_continues_from(tmp_path: pathlib.Path) -> None:
+    """paft train's plan says the period PAFT-Dyn goes on with (it said the configured
+    first H): the saved scheduler's, of the checkpoint the workers will load, the older
+    one where a rank's file of the latest is damaged."""
+    cfg = _config(tmp_path / "r", protect=ProtectConfig(mode="dyn"))
+    path = _fake_run(cfg, scheduled=True)
+    assert check_run_dir(_resume(cfg, steps=20)) == {"period": 12}
+    rank_file = path / "checkpoints" / "step0000012" / "rank1.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:100])
+    assert check_run_dir(_resume(cfg, steps=20)) == {"period": 6}
+    plain = _config(tmp_path / "plain")
+    _fake_run(plain)
+    assert check_run_dir(_resume(plain, steps=20)) is None  # no protector: no schedule
+    assert check_run_dir(_config(tmp_path / "new")) is None
 
 
 @pytest.mark.usefixtures("no_tensorboard")

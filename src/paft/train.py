@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from paft.collectives import gather_rows
-from paft.config import TrainConfig
+from paft.config import ProtectConfig, TrainConfig
 from paft.divergence import measure_divergence
+from paft.dyn import DynScheduler
 from paft.machine import uses_cuda
 from paft.optimizers import OptimizerChain
 from paft.protect import Protector, StepReport, protect
@@ -433,9 +434,11 @@ class Trainer:
         return summary
 
 
-def format_plan(cfg: TrainConfig, prog: str = "paft train") -> str:
+def format_plan(cfg: TrainConfig, prog: str = "paft train", schedule: dict[str, Any] | None = None) -> str:
     """What the run is about to do, printed before its workers start (they take seconds
-    to come up): the run, its monitor, its defenses and faults, where it writes."""
+    to come up): the run, its monitor, its defenses and faults, where it writes.
+    ``schedule``: a resume's saved sync scheduler state (:func:`paft.rundir.check_run_dir`'s),
+    from which PAFT-Dyn goes on with its period, not the configured first."""
     n = parameter_count(cfg.workload, cfg.model)
     size = f"{n:,}" if n < 10**6 else f"{n / 1e6:.1f} M"
     device = "cuda, nccl" if uses_cuda(cfg) else "cpu, gloo"
@@ -450,7 +453,7 @@ def format_plan(cfg: TrainConfig, prog: str = "paft train") -> str:
     protection = {
         "none": "none",
         "sync": f"PAFT-Sync {_every(p.sync_period)} ({how})",
-        "dyn": f"PAFT-Dyn, H {p.first_h} in [{p.h_min}, {p.h_max}] ({how})",
+        "dyn": f"PAFT-Dyn, H {_dyn_period(p, schedule)} in [{p.h_min}, {p.h_max}] ({how})",
         "averager": f"PeriodicModelAverager {_every(p.sync_period)}",
     }[p.mode]
     guard = "off" if not cfg.guard.enabled else "on" + (
@@ -463,6 +466,19 @@ def format_plan(cfg: TrainConfig, prog: str = "paft train") -> str:
         f"  protect: {protection}; guard: {guard}; inject: {' '.join(cfg.inject) if cfg.inject else 'none'}",
         f"  run dir: {cfg.run_dir}{' (resumed)' if cfg.resume else ''}",
     ])
+
+
+def _dyn_period(p: ProtectConfig, schedule: dict[str, Any] | None) -> str:
+    """PAFT-Dyn's period as the run takes it: the configured first, or the one a resume
+    goes on with (the saved period clamped into the bounds, as the protector loads it)."""
+    if schedule is None:
+        return str(p.first_h)
+    resumed = DynScheduler(p.dyn_config())
+    try:
+        resumed.load_state_dict(schedule)
+    except (ValueError, KeyError, TypeError):  # not PAFT-Dyn's: the workers refuse it, and say why
+        return str(p.first_h)
+    return f"{resumed.period} (from the checkpoint)"
 
 
 def _every(n: int) -> str:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from paft.config import GuardConfig, MonitorConfig, ProtectConfig, TrainConfig
+from paft.dyn import DynConfig, DynScheduler
 from paft.launch import run_worker
 from paft.records import from_jsonable, read_jsonl
 from paft.report_text import summary_text
@@ -487,6 +488,17 @@ def test_the_plan_gives_paft_dyns_first_period_as_the_run_takes_it(period: int, 
     # "H 1 in [5, 400]" for a run whose first period was 5.
     cfg = TrainConfig(world_size=1, protect=ProtectConfig(mode="dyn", sync_period=period, h_min=5, h_max=400))
     assert f"  protect: PAFT-Dyn, H {first} in [5, 400] (robust, overlapped); " in format_plan(cfg)
+
+
+def test_a_resumed_plan_gives_the_period_paft_dyn_goes_on_with() -> None:
+    # A resume said "H 50 in [5, 400]", the configured first H, of a run going on with the
+    # checkpoint's 12 (or its 600 clamped into a new --h-max).
+    cfg = TrainConfig(world_size=1, run_dir="r", resume=True, protect=ProtectConfig(mode="dyn", sync_period=50))
+    saved = DynScheduler(DynConfig(h_init=12)).state_dict()
+    assert "  protect: PAFT-Dyn, H 12 (from the checkpoint) in [5, 400] (robust" in format_plan(cfg, schedule=saved)
+    long = DynScheduler(DynConfig(h_init=600, h_max=1000)).state_dict()
+    assert "PAFT-Dyn, H 400 (from the checkpoint) in [5, 400]" in format_plan(cfg, schedule=long)
+    assert "PAFT-Dyn, H 50 in [5, 400]" in format_plan(cfg)  # a fresh run's
 
 
 def test_the_plan_says_each_mode_as_configured() -> None:
