@@ -14,7 +14,6 @@ once its peers are out). Either way a worker trains with :class:`paft.train.Trai
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import pathlib
 import shlex
@@ -113,7 +112,7 @@ def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], schedule: dict[s
     except (KeyboardInterrupt, SignalException) as err:
         record_interruption(pathlib.Path(cfg.run_dir), err)
         return interrupted(err, resume_hint(cfg, "paft train", resumed_with))
-    return _tell_result(results[0], cfg.run_dir, "paft train", hint=resume_hint(cfg, "paft train", resumed_with))
+    return _tell_result(results[0], cfg.run_dir, "paft train")
 
 
 def _exit_code(result: dict[str, Any]) -> int:
@@ -122,15 +121,13 @@ def _exit_code(result: dict[str, Any]) -> int:
     return EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
 
 
-def _tell_result(result: dict[str, Any], run_dir: str, prog: str, say: bool = True, hint: str = "") -> int:
+def _tell_result(result: dict[str, Any], run_dir: str, prog: str, say: bool = True) -> int:
     """Say how a run that ended went (unless ``say`` is false: under torchrun rank 0 alone
-    says it), the guard's reason for stopping it, with ``hint`` (:func:`resume_hint`: a
-    resume stopped before its next checkpoint puts back the options of its last one, so
-    only the command it names goes on as the run did), or the summary table (--quiet
-    silences progress, not the result); returns its exit code (:func:`_exit_code`)."""
+    says it), the guard's reason for stopping it or the summary table (--quiet silences
+    progress, not the result); returns its exit code (:func:`_exit_code`)."""
     code = _exit_code(result)
     if say and code == EXIT_PERSISTENT_FAULT:
-        print(f"{prog}: {result['message']}{hint}", file=sys.stderr, flush=True)
+        print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
     elif say:
         console(format_summary(result["summary"], run_dir))
     return code
@@ -361,19 +358,14 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     unwind_on_termination()
     rank0 = dist.get_rank() == 0
     try:
-        return _main(cfg, prog, rank0, resumed_with)
-    except (KeyboardInterrupt, SignalException) as err:  # before rank 0's claim (_main says the others)
-        hint = resume_hint(cfg, _TORCHRUN, resumed_with) if rank0 else ""
+        return _main(cfg, prog, rank0)
+    except (KeyboardInterrupt, SignalException) as err:
+        hint = resume_hint(cfg, "torchrun ... -m paft.train", resumed_with) if rank0 else ""
         return interrupted(err, hint, prog=prog, say=rank0)
 
 
-# How a run under torchrun was started, as the line saying how to continue it names it.
-_TORCHRUN = "torchrun ... -m paft.train"
-
-
-def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] = ()) -> int:
-    """:func:`torchrun_main` once the process group is up (``resumed_with``: see
-    :func:`launch`)."""
+def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
+    """:func:`torchrun_main` once the process group is up."""
     # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
     name = [resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload)), uuid.uuid4().hex]
     dist.broadcast_object_list(name, src=0)
@@ -400,32 +392,24 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] 
         # then rank 0 waits for its peers to be out, then settles.
         claim.enter_context(_peers_out_first(pathlib.Path(cfg.run_dir), token, prog))
         claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir), prog))
-        # How to continue, asked while the directory still holds this run, as paft train's
-        # launcher asks it: once the claim has put back the old run an --overwrite stopped
-        # before its first checkpoint was to replace, its checkpoint is that run's.
-        hint = functools.partial(resume_hint, cfg, _TORCHRUN, resumed_with)
+        # Rank 0 leaves (and lets the claim's lock go) only once every rank holds its shared
+        # lock: a peer slow to take it was not yet inside for a new claim to see.
+        dist.barrier()
+        if rank0 and not cfg.quiet:
+            console(format_plan(cfg, prog, schedule))
+        rank = dist.get_rank()  # asked now: _train_in_group takes the group down, failed or not
+        ours = _identity(cfg.run_dir)
         try:
-            # Rank 0 leaves (and lets the claim's lock go) only once every rank holds its shared
-            # lock: a peer slow to take it was not yet inside for a new claim to see.
-            dist.barrier()
-            if rank0 and not cfg.quiet:
-                console(format_plan(cfg, prog, schedule))
-            rank = dist.get_rank()  # asked now: _train_in_group takes the group down, failed or not
-            ours = _identity(cfg.run_dir)
-            try:
-                result = _train_in_group(cfg, cfg.run_dir)
-            except SignalException:  # an Exception of torch's: a stop, told as one (interrupted)
-                raise
-            except Exception as err:
-                # No launcher of paft's outlives torchrun's ranks to record why the run
-                # stopped, as paft train's does: each rank that raises records its own (a rank
-                # that lost a peer says so), the first failure first. Only into this run: a
-                # peer out late finds the old run rank 0's claim put back at the path.
-                if ours is not None and _identity(cfg.run_dir) == ours:
-                    record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog)
-                raise
-        except (KeyboardInterrupt, SignalException) as err:
-            return interrupted(err, hint() if rank0 else "", prog=prog, say=rank0)
-        outcome["code"] = code = _exit_code(result)
-        stop_hint = hint() if rank0 and code == EXIT_PERSISTENT_FAULT else ""
-    return _tell_result(result, cfg.run_dir, prog, say=rank0, hint=stop_hint)  # once the claim settled the directory
+            result = _train_in_group(cfg, cfg.run_dir)
+        except SignalException:  # an Exception of torch's: a stop, told as one (interrupted)
+            raise
+        except Exception as err:
+            # No launcher of paft's outlives torchrun's ranks to record why the run
+            # stopped, as paft train's does: each rank that raises records its own (a rank
+            # that lost a peer says so), the first failure first. Only into this run: a
+            # peer out late finds the old run rank 0's claim put back at the path.
+            if ours is not None and _identity(cfg.run_dir) == ours:
+                record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog)
+            raise
+        outcome["code"] = _exit_code(result)
+    return _tell_result(result, cfg.run_dir, prog, say=rank0)  # once the claim settled the directory
