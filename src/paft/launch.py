@@ -112,7 +112,7 @@ def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], schedule: dict[s
     except (KeyboardInterrupt, SignalException) as err:
         record_interruption(pathlib.Path(cfg.run_dir), err)
         return interrupted(err, resume_hint(cfg, "paft train", resumed_with))
-    return _tell_result(results[0], cfg.run_dir, "paft train")
+    return _tell_result(results[0], cfg.run_dir, "paft train", hint=resume_hint(cfg, "paft train", resumed_with))
 
 
 def _exit_code(result: dict[str, Any]) -> int:
@@ -121,13 +121,15 @@ def _exit_code(result: dict[str, Any]) -> int:
     return EXIT_PERSISTENT_FAULT if result["status"] == "persistent_fault" else 0
 
 
-def _tell_result(result: dict[str, Any], run_dir: str, prog: str, say: bool = True) -> int:
+def _tell_result(result: dict[str, Any], run_dir: str, prog: str, say: bool = True, hint: str = "") -> int:
     """Say how a run that ended went (unless ``say`` is false: under torchrun rank 0 alone
-    says it), the guard's reason for stopping it or the summary table (--quiet silences
-    progress, not the result); returns its exit code (:func:`_exit_code`)."""
+    says it), the guard's reason for stopping it, with ``hint`` (:func:`resume_hint`: a
+    resume stopped before its next checkpoint puts back the options of its last one, so
+    only the command it names goes on as the run did), or the summary table (--quiet
+    silences progress, not the result); returns its exit code (:func:`_exit_code`)."""
     code = _exit_code(result)
     if say and code == EXIT_PERSISTENT_FAULT:
-        print(f"{prog}: {result['message']}", file=sys.stderr, flush=True)
+        print(f"{prog}: {result['message']}{hint}", file=sys.stderr, flush=True)
     elif say:
         console(format_summary(result["summary"], run_dir))
     return code
@@ -357,15 +359,26 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     # paft train's launcher does.
     unwind_on_termination()
     rank0 = dist.get_rank() == 0
+    hint: list[str] = []  # how to go on, where _main asked it before its claim settled
     try:
-        return _main(cfg, prog, rank0)
+        return _main(cfg, prog, rank0, resumed_with, hint)
     except (KeyboardInterrupt, SignalException) as err:
-        hint = resume_hint(cfg, "torchrun ... -m paft.train", resumed_with) if rank0 else ""
-        return interrupted(err, hint, prog=prog, say=rank0)
+        said = hint[0] if hint else resume_hint(cfg, _TORCHRUN, resumed_with) if rank0 else ""
+        return interrupted(err, said, prog=prog, say=rank0)
 
 
-def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
-    """:func:`torchrun_main` once the process group is up."""
+# How a run under torchrun was started, as the line saying how to go on names it.
+_TORCHRUN = "torchrun ... -m paft.train"
+
+
+def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] = (),
+          hint: list[str] | None = None) -> int:
+    """:func:`torchrun_main` once the process group is up (``resumed_with``: see
+    :func:`launch`). Rank 0 asks how to go on (:func:`resume_hint`) while the directory
+    still holds this run, as paft train's launcher does: once the claim has put back the
+    old run an ``--overwrite`` stopped before its first checkpoint was to replace, a
+    checkpoint there is that run's. An interruption's is put in ``hint``; a guard's
+    stop's is said with it."""
     # One run-dir name for all ranks, and the same checks everywhere, so all ranks agree.
     name = [resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload)), uuid.uuid4().hex]
     dist.broadcast_object_list(name, src=0)
@@ -401,7 +414,9 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
         ours = _identity(cfg.run_dir)
         try:
             result = _train_in_group(cfg, cfg.run_dir)
-        except SignalException:  # an Exception of torch's: a stop, told as one (interrupted)
+        except (KeyboardInterrupt, SignalException):  # SignalException, torch's: a stop, told as one
+            if rank0 and hint is not None:
+                hint.append(resume_hint(cfg, _TORCHRUN, resumed_with))
             raise
         except Exception as err:
             # No launcher of paft's outlives torchrun's ranks to record why the run
@@ -411,5 +426,6 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool) -> int:
             if ours is not None and _identity(cfg.run_dir) == ours:
                 record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog)
             raise
-        outcome["code"] = _exit_code(result)
-    return _tell_result(result, cfg.run_dir, prog, say=rank0)  # once the claim settled the directory
+        outcome["code"] = code = _exit_code(result)
+        stopped = resume_hint(cfg, _TORCHRUN, resumed_with) if rank0 and code == EXIT_PERSISTENT_FAULT else ""
+    return _tell_result(result, cfg.run_dir, prog, say=rank0, hint=stopped)  # once the claim settled the directory

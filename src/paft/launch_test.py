@@ -65,6 +65,22 @@ def test_a_guard_stop_exits_3_with_its_reason(tmp_path: pathlib.Path, monkeypatc
     assert capsys.readouterr().err == f"paft train: {reason}\n"
 
 
+def test_a_resume_the_guard_stopped_names_the_command_that_goes_on(tmp_path: pathlib.Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A resume the guard stops before its next checkpoint puts back the options of the
+    last one (claim.py): its stop line names the command that goes on as it did, as an
+    interrupted one's does; a plain --resume trained to the old --steps, without its changes."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step0000020")
+    stopped = [{"status": "persistent_fault", "message": "step 25: stopping"}] * 2
+    monkeypatch.setattr(launcher, "local_workers", lambda worker, n: lambda *args: stopped)
+    cfg = TrainConfig(run_dir=str(tmp_path), world_size=2, steps=40, resume=True, quiet=True)
+    assert launcher._run_workers(cfg, ["--log-every", "5"]) == 3
+    assert capsys.readouterr().err == (f"paft train: step 25: stopping; to continue from the last checkpoint: "
+                                       f"paft train --run-dir {tmp_path} --resume --steps 40 --log-every 5\n")
+
+
 @pytest.mark.usefixtures("one_rank_group")
 def test_a_guard_stop_is_a_result_recorded_with_its_reason(tmp_path: pathlib.Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -541,7 +557,7 @@ def test_under_torchrun_rank_0_alone_says_the_run_was_interrupted(tmp_path: path
     monkeypatch.setattr(launcher, "unwind_on_termination", lambda: ctrl_c.append("unwind"))
     monkeypatch.setattr(launcher.dist, "get_rank", lambda: rank)
 
-    def stopped(cfg: TrainConfig, prog: str, rank0: bool) -> int:
+    def stopped(cfg: TrainConfig, prog: str, rank0: bool, *asked: object) -> int:
         ctrl_c.append(signal.getsignal(signal.SIGINT))
         raise launcher.SignalException("got signal: 15", signal.SIGTERM)
 
@@ -550,6 +566,34 @@ def test_under_torchrun_rank_0_alone_says_the_run_was_interrupted(tmp_path: path
     assert ctrl_c == [signal.SIG_DFL, "unwind", signal.default_int_handler]
     hint = f"to continue from the last checkpoint: torchrun ... -m paft.train --run-dir {run} --resume"
     assert capsys.readouterr().err == ("" if rank else f"\npython -m paft.train: interrupted (SIGTERM); {hint}\n")
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_under_torchrun_an_overwrite_stopped_before_its_first_checkpoint_names_no_resume(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An --overwrite interrupted before its first checkpoint gets the old run put back:
+    a --resume there goes on with that run, not this one, so rank 0's line names none, as
+    paft train's does (it named one, asked once the old run was back). In process, as the
+    only rank; training replaced."""
+    run = _old_run_with_checkpoint(tmp_path)
+    _as_torchrun_rank(monkeypatch, 0, 1, "1")
+    monkeypatch.setattr(launcher, "_set_threads", lambda workers_here: None)
+    monkeypatch.setattr(launcher, "unwind_on_termination", lambda: None)
+
+    def stopped(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
+        raise launcher.SignalException("got signal: 15", signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "_train_in_group", stopped)
+    argv = ["--run-dir", str(run), "--overwrite", "--world-size", "1", "--steps", "4", "--quiet"]
+    assert launcher.torchrun_main(argv) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines() == [
+        f"python -m paft.train: the run stopped before a step; {run} was removed",
+        f"python -m paft.train: the output it was to replace is back in {run}",
+        "",
+        "python -m paft.train: interrupted (SIGTERM)",
+    ]
+    assert (run / "old").exists()
 
 
 def _main_exit_codes(rank: int, world_size: int, run_dir: str) -> list[int]:
