@@ -112,7 +112,9 @@ def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], schedule: dict[s
     except (KeyboardInterrupt, SignalException) as err:
         record_interruption(pathlib.Path(cfg.run_dir), err)
         return interrupted(err, resume_hint(cfg, "paft train", resumed_with))
-    return _tell_result(results[0], cfg.run_dir, "paft train", hint=resume_hint(cfg, "paft train", resumed_with))
+    stopped = _exit_code(results[0]) == EXIT_PERSISTENT_FAULT
+    return _tell_result(results[0], cfg.run_dir, "paft train",
+                        hint=resume_hint(cfg, "paft train", resumed_with) if stopped else "")
 
 
 def _exit_code(result: dict[str, Any]) -> int:
@@ -371,6 +373,17 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
 _TORCHRUN = "torchrun ... -m paft.train"
 
 
+@contextlib.contextmanager
+def _hint_on_interruption(cfg: TrainConfig, resumed_with: Sequence[str], hint: list[str]) -> Iterator[None]:
+    """Rank 0's claim held: an interruption puts how to go on (:func:`resume_hint`) in
+    ``hint`` before the claim settles, while the directory still holds this run."""
+    try:
+        yield
+    except (KeyboardInterrupt, SignalException):
+        hint.append(resume_hint(cfg, _TORCHRUN, resumed_with))
+        raise
+
+
 def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] = (),
           hint: list[str] | None = None) -> int:
     """:func:`torchrun_main` once the process group is up (``resumed_with``: see
@@ -393,6 +406,8 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] 
             try:
                 schedule = check_run_dir(cfg)
                 outcome = claim.enter_context(claim_run_dir(cfg, prog))
+                if hint is not None:  # left before the claim settles, as contexts leave in reverse
+                    claim.enter_context(_hint_on_interruption(cfg, resumed_with, hint))
             except RunDirError as err:
                 error = [str(err)]
         dist.broadcast_object_list(error, src=0)
@@ -414,9 +429,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] 
         ours = _identity(cfg.run_dir)
         try:
             result = _train_in_group(cfg, cfg.run_dir)
-        except (KeyboardInterrupt, SignalException):  # SignalException, torch's: a stop, told as one
-            if rank0 and hint is not None:
-                hint.append(resume_hint(cfg, _TORCHRUN, resumed_with))
+        except SignalException:  # an Exception of torch's: a stop, told as one (interrupted)
             raise
         except Exception as err:
             # No launcher of paft's outlives torchrun's ranks to record why the run

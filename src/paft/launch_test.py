@@ -569,23 +569,26 @@ def test_under_torchrun_rank_0_alone_says_the_run_was_interrupted(tmp_path: path
 
 
 @pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("where", ["_train_in_group", "format_plan"])
 def test_under_torchrun_an_overwrite_stopped_before_its_first_checkpoint_names_no_resume(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    where: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An --overwrite interrupted before its first checkpoint gets the old run put back:
     a --resume there goes on with that run, not this one, so rank 0's line names none, as
-    paft train's does (it named one, asked once the old run was back). In process, as the
-    only rank; training replaced."""
+    paft train's does (it named one, asked once the old run was back); in training, or
+    before it (``where``: the plan line, after the claim). In process, as the only rank;
+    training replaced."""
     run = _old_run_with_checkpoint(tmp_path)
     _as_torchrun_rank(monkeypatch, 0, 1, "1")
     monkeypatch.setattr(launcher, "_set_threads", lambda workers_here: None)
     monkeypatch.setattr(launcher, "unwind_on_termination", lambda: None)
 
-    def stopped(cfg: TrainConfig, run_dir: str) -> dict[str, Any]:
+    def stopped(*args: object) -> Any:
         raise launcher.SignalException("got signal: 15", signal.SIGTERM)
 
-    monkeypatch.setattr(launcher, "_train_in_group", stopped)
-    argv = ["--run-dir", str(run), "--overwrite", "--world-size", "1", "--steps", "4", "--quiet"]
+    monkeypatch.setattr(launcher, where, stopped)
+    argv = ["--run-dir", str(run), "--overwrite", "--world-size", "1", "--steps", "4",
+            *(["--quiet"] if where == "_train_in_group" else [])]
     assert launcher.torchrun_main(argv) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.splitlines() == [
         f"python -m paft.train: the run stopped before a step; {run} was removed",
