@@ -273,7 +273,9 @@ class Resync:
             # (config.json, rewritten by the resume, no longer says the one it began with).
             first = self.scheduler.first_period
             if self.scheduler.period != int(state["scheduler"]["period"]) or first != self._first_period:
-                self._resumed_schedule = {"period": self.scheduler.period, "first_period": first}
+                self._resumed_schedule = {"period": self.scheduler.period}
+                if "first_period" in state["scheduler"]:  # an older state's would be this resume's options'
+                    self._resumed_schedule["first_period"] = first
         if self.sync is not None:
             self.sync.load_state_dict(state["sync"])
         own = self._own_repairer

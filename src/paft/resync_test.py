@@ -278,3 +278,11 @@ def test_a_resume_that_changes_the_period_records_it_at_its_first_step(mode: str
     again = tmp_path / "again"
     _leg(again, first, range(4, 8), _leg(again, first, range(4), None))
     assert all(e["event"] != "period" for e in read_jsonl(again / "events.jsonl"))
+    # A state saved before it kept the first period: the event says the new one alone (the
+    # resume's options do not say what the run began with; paft report reads config.json).
+    older = tmp_path / "older"
+    saved = _leg(older, first, range(4), None)
+    saved["scheduler"].pop("first_period")
+    _leg(older, changed, range(4, 8), saved)
+    assert [e for e in read_jsonl(older / "events.jsonl") if e["event"] == "period"] == [
+        {"step": 4, "event": "period", "period": 3}]
