@@ -1139,6 +1139,13 @@ def test_a_split_the_guard_undid_is_reported(clean_run: pathlib.Path, tmp_path: 
                             "cause": "persistent", "ranks": [0], "values": {},
                             "totals": {"detections": 8, "recomputes": 8, "skipped_batches": 2}}) + "\n")
     assert "detections: 8   recomputes: 8   skipped batches: 2" in build_report(run).text
+    # A stop a resume went on past is kept (why that leg ended), but its counts held the
+    # steps the resume re-did: not the run's.
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "event": "guard", "attempt": 1, "action": "stop", "detector": "grad_mismatch",
+                            "cause": "persistent", "ranks": [1], "values": {},
+                            "totals": {"detections": 99, "recomputes": 99, "skipped_batches": 9}}) + "\n")
+    assert "detections: 8   recomputes: 8   skipped batches: 2" in build_report(run).text
 
 
 def test_a_sync_after_the_last_state_check_is_what_holds_now(fault_run: pathlib.Path, tmp_path: pathlib.Path) -> None:

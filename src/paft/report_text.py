@@ -424,8 +424,10 @@ def _counters(run: RunData) -> str:
 
 def _guard_totals(run: RunData) -> dict[str, Any]:
     """The guard's running counts, which each of its events carries: the last one's
-    ({} from runs recorded before events carried them)."""
-    return next((g["totals"] for g in reversed(run.events_of("guard")) if isinstance(g.get("totals"), dict)), {})
+    ({} from runs recorded before events carried them); not a stop's that a resume went
+    on past (kept, :func:`paft.records.is_leg_end`): its counts hold the steps re-done."""
+    return next((g["totals"] for g in reversed(run.events_of("guard")) if isinstance(g.get("totals"), dict)
+                 and not (is_leg_end(g) and run.last_step >= g.get("step", 0))), {})
 
 
 def _repairs(run: RunData) -> list[str]:
