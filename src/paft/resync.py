@@ -163,8 +163,7 @@ class Resync:
         return True
 
     def _replicas_split(self, view: ControlView, state_is_stale: bool, applied: bool) -> bool:
-        state_fps = view.state_fingerprints()
-        state_split = state_fps is not None and len(group_replicas(state_fps)) > 1
+        state_split = view.states_split()
         if state_split and state_is_stale:
             # The finished sync may have repaired the split, or not: a no-op or buffers-only
             # sync, or a fault after its snapshot, which its correction w + (synced -
