@@ -149,13 +149,14 @@ _NOISE_SHIFT = 2.0 ** 64
 whatever finite ``sigma`` a spec holds."""
 
 
-def _noise_past_overflow(x: Tensor, z: Tensor, sigma: float, noisy: Tensor, dtype: torch.dtype) -> Tensor:
-    """``noisy`` (``x + z * sigma * |x|`` in ``x``'s dtype) in ``dtype``, redone where its
+def _noisy(x: Tensor, z: Tensor, sigma: float, dtype: torch.dtype) -> Tensor:
+    """``x + z * sigma * |x|`` in ``x``'s dtype, rounded to ``dtype``; redone where that
     arithmetic overflowed for a finite ``x``: a ``sigma`` past float32's range (1e39) was
     inf there, which turned a zero into NaN and a 1e-30 into inf, not 1e9 (``z * sigma``
     past float64's does the same to a float64 tensor). Redone in float64, scaled down by
     :data:`_NOISE_SHIFT` and back up, so that only a value past the range is inf; the
     values the plain sum got right keep its bits."""
+    noisy = x + z * sigma * x.abs()
     x64, z64 = x.double(), z.double()
     redone = (x64 / _NOISE_SHIFT + (z64 / _NOISE_SHIFT * sigma) * x64.abs()) * _NOISE_SHIFT
     overflowed = torch.isfinite(x) & ~torch.isfinite(noisy)
@@ -212,7 +213,7 @@ def apply_fault(
         elif spec.kind == "noise":
             z = torch.randn(k, generator=generator, dtype=cdt).to(tensor.device)
             x = work[idx].to(cdt)
-            work[idx] = _noise_past_overflow(x, z, spec.sigma, x + z * spec.sigma * x.abs(), tensor.dtype)
+            work[idx] = _noisy(x, z, spec.sigma, tensor.dtype)
         elif spec.kind == "zero":
             work[idx] = 0
         elif spec.kind == "nan":
