@@ -65,7 +65,9 @@ of this step)::
     >= 1     grad_mismatch again, same or unnamed suspects (bitwise   stop        persistent  (on_persistent=stop)
              or not: data never makes ranks' aggregates differ),      recompute   persistent  (on_persistent=repair)
              compared with the step's last grad_mismatch, even where
-             a state repair or another detection came between
+             a state repair or another detection came between; also
+             one beside a non-finite value that fired first (named by
+             the verdict; remembered where it does not come back)
     >= 1     detected     suspects overlap prev's, other values    stop        persistent  (on_persistent=stop)
              (unnamed both times, same detector: the suspects      recompute   persistent  (on_persistent=repair)
              are the ranks whose own loss / local norm moved, if
@@ -287,6 +289,16 @@ class Guard:
         # the state or another detection came between (the repair that hid it moved
         # every value, not which rank's reduction fails).
         again = self._failed_again(st, detection)
+        mismatch = self._detectors().grad_mismatch(view) if detector != "grad_mismatch" else None
+        if mismatch is not None:
+            # A non-finite value fired first, but the same view's checksums still tell of
+            # the reduction (as a state split's do, see _repair): a mismatch beside it is
+            # remembered, and where it comes back it names the verdict (a NaN loss on one
+            # rank hid another rank's reduction failing again: never persistent).
+            beside = _Detection("check", "grad_mismatch", mismatch[1], detection.bits)
+            again = self._failed_again(st, beside)
+            if again is not None:
+                (detector, ranks, values), detection = mismatch, beside
         if again is not None:
             common = again
         elif prev is None or prev.source != "check" or prev.detector == "state_mismatch":

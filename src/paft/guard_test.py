@@ -924,6 +924,32 @@ def test_a_state_repairs_own_view_of_a_reduction_failing_again_names_it(
     assert (v.action, v.detector, v.ranks, v.cause) == ("skip", "state_mismatch", [1], "state")
 
 
+@pytest.mark.parametrize("policy,action", [("stop", "stop"), ("repair", "skip")])
+@pytest.mark.parametrize("nan_first", [False, True])
+def test_a_reduction_failing_again_beside_a_non_finite_loss_is_persistent(
+        policy: str, action: str, nan_first: bool) -> None:
+    """A non-finite loss fires before the checksums are compared: rank 0's NaN loss hid
+    that rank 1's reduction failed again (or, seen first, was not remembered), and the
+    step ended unnamed at the rerun cap, or "transient" on a clean recompute."""
+    g = guard(4, on_persistent=policy, max_reruns_per_step=1)
+    t = warm(g)
+    mismatch = make_view([2.0] * 4, [1.5] * 4, 1.0, fps=[FP, 5, FP, FP])
+    beside_nan = make_view([NAN, 2.0, 2.0, 2.0], [1.5] * 4, 1.0, fps=[FP, 6, FP, FP],
+                           flags=[FLAG_LOSS_NONFINITE, 0, 0, 0])
+    views = [beside_nan, mismatch] if nan_first else [mismatch, beside_nan]
+    assert g.check(t, 0, views[0]).action == "recompute"
+    v = g.check(t, 1, views[1])
+    verdict = (action, "grad_mismatch" if policy == "stop" else "rerun_cap", [1], "persistent")
+    assert (v.action, v.detector, v.ranks, v.cause) == verdict
+    assert (g.counters["persistent"], g.counters["detections"]) == (1, 1)
+    # A mismatch beside it on another rank is a new fault: the NaN is what the verdict names.
+    g = guard(4, on_persistent=policy, max_reruns_per_step=2)
+    t = warm(g)
+    g.check(t, 0, mismatch)
+    v = g.check(t, 1, make_view([NAN, 2.0, 2.0, 2.0], [1.5] * 4, 1.0, fps=[FP, FP, 6, FP]))
+    assert (v.action, v.detector, v.ranks, v.cause) == ("recompute", "nonfinite_loss", [0], None)
+
+
 @pytest.mark.parametrize("policy", ["stop", "repair"])
 def test_a_detection_right_after_a_state_repair_is_compared_with_nothing(policy: str) -> None:
     """The repaired state moves the ranks' values: bad data on the repaired rank comes
