@@ -346,8 +346,9 @@ class Guard:
         rollback is plausible: the update-ratio history is in warm-up (its spike rule
         is off, the first steps move weights the most); this step already needed a
         recompute; the loss or aggregated grad norm is a near miss (above the limit
-        at half ``spike_threshold``, and above the window max); or the ranks' state
-        fingerprints disagree (a replica was corrupted at rest). A single-rank fault
+        at half ``spike_threshold``, and above the window max). (Ranks whose state
+        fingerprints disagree never get here: :meth:`check` repairs them first, and the
+        recompute is armed as one this step needed.) A single-rank fault
         inside ``optimizer.step()`` on an unarmed step is left to PAFT-Sync: it splits
         the replicas, which the next fingerprint check sees.
         """
@@ -365,9 +366,8 @@ class Guard:
             half = cfg.spike_threshold / 2
             if view.global_loss > self._loss.limit(half, REL_FLOOR_LOSS, True, tail=1.0):
                 return True
-            if _grad_norm(view) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0):
-                return True
-        return view.states_split()  # a replica corrupted at rest
+            return _grad_norm(view) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0)
+        return False
 
     def check_update(self, step: int, ratio: float) -> GuardVerdict:
         """Verdict after ``optimizer.step()`` of ``step``; ``ratio`` is the max over ranks.

@@ -1289,8 +1289,10 @@ def test_wants_snapshot() -> None:
     assert g.wants_snapshot(t, steady(4, agg=4.0))  # grad-norm near miss
     assert not g.wants_snapshot(t, steady(4, agg=2.0))  # within the norm's floor of 50% of its median
     assert g.check(t, 0, steady(4, agg=4.0)).detector is None
-    assert g.wants_snapshot(t, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 2, 1]))  # state split
     assert not g.wants_snapshot(t, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 1, 1]))
+    # A state split is never applied as it stands: it is repaired first, and its recompute armed.
+    assert g.check(t, 0, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 2, 1])).action == "repair"
+    assert g.wants_snapshot(t, make_view([2.0] * 4, [1.5] * 4, 1.0, states=[1, 1, 1, 1]))
     g.check(t, 0, steady(4, agg=1e36))
     g.check(t, 1, steady(4))
     assert g.wants_snapshot(t, steady(4))  # the step already needed a recompute
