@@ -5,7 +5,11 @@ merge here returns, per coordinate, one of the inputs' own values (never an
 average), so a flipped exponent bit (1e30) or a NaN on one replica is never mixed
 into the result; NaN counts as +inf, so it loses every comparison it can lose. Where
 the result comes out +inf and no input holds +inf there (a coordinate NaN on enough
-replicas to take the median), it is NaN: never a value no replica held.
+replicas to take the median), it is NaN: never a value no replica held. A zero's sign
+is a median's too: ``-0.0`` counts below ``+0.0`` (torch's minimum and maximum return
+either of two zeros, by vector lane or scalar tail, so the sign came from a value's
+place in a thread's share of the tensor, and ranks running other thread counts merged
+other bits).
 
 - :func:`replica_median`: the middle of ``n`` rows (world size >= 3); of the two middle
   values of an even ``n``, the one of smaller magnitude;
@@ -73,10 +77,12 @@ def replica_median(rows: Tensor, out: Tensor | None = None, nan_free: bool = Fal
     two ranks of four).
     ``rows``: ``[n, m]``, not modified. ``nan_free=True`` skips the NaN pass (the
     caller knows every replica is finite)."""
+    inputs = list(rows.unbind(0))
     if nan_free:
-        return _median_of_rows(rows, rows, out)
-    merged = _median_of_rows(rows, _nan_as_inf(rows), out)
-    return _nan_where_no_input_is_inf_(merged, list(rows.unbind(0)))
+        merged = _median_of_rows(rows, rows, out)
+    else:
+        merged = _nan_where_no_input_is_inf_(_median_of_rows(rows, _nan_as_inf(rows), out), inputs)
+    return _zero_signs_by_order_(merged, inputs, (rows.shape[0] - 1) // 2)
 
 
 def _median_of_rows(rows: Tensor, work: Tensor, out: Tensor | None) -> Tensor:
@@ -94,9 +100,35 @@ def median_of_finite(cols: Tensor) -> Tensor:
     """Per column, the median of its finite values only (their count varies by column),
     by :func:`replica_median`'s rule: of an even count's two middle values, the one of
     smaller magnitude; NaN where a column has no finite value."""
-    kept = torch.where(torch.isfinite(cols), cols, math.nan)
+    finite = torch.isfinite(cols)
+    kept = torch.where(finite, cols, math.nan)
     # torch's nanmedian is the lower median of the non-NaN values; negated, the upper.
-    return _smaller(kept.nanmedian(dim=0).values, -(-kept).nanmedian(dim=0).values)
+    merged = _smaller(kept.nanmedian(dim=0).values, -(-kept).nanmedian(dim=0).values)
+    return _zero_signs_by_order_(merged, list(kept.unbind(0)), (finite.sum(0) - 1) // 2)
+
+
+def _zero_signs_by_order_(merged: Tensor, inputs: list[Tensor], k: int | Tensor) -> Tensor:
+    """``merged``, a median of ``inputs`` (its ``k``-th smallest, or of an even count the
+    smaller of the ``k``-th and the next), with the sign of each zero it holds set in
+    place as that median takes it with ``-0.0`` below ``+0.0``: the same bits on every
+    rank, and where most inputs hold one zero, theirs. ``k``: one for all coordinates,
+    or one per coordinate."""
+    if not merged.is_floating_point():
+        return merged
+    zero = merged == 0
+    if not bool(zero.any()):
+        return merged
+    below = negative_zeros = None
+    for x in inputs:
+        v = x[zero]
+        lt, nz = (v < 0).int(), ((v == 0) & v.signbit()).int()  # NaN neither
+        below, negative_zeros = (lt, nz) if below is None else (below + lt, negative_zeros + nz)
+    assert below is not None and negative_zeros is not None
+    # The zero taken is the k-th smallest, or the next one where the k-th is negative (an
+    # even count's smaller magnitude): place max(k, below), a -0.0 where -0.0s reach it.
+    place = torch.clamp(below, min=k) if isinstance(k, int) else torch.maximum(below, k[zero])
+    merged[zero] = torch.where(below + negative_zeros > place, -0.0, 0.0).to(merged.dtype)
+    return merged
 
 
 def _smaller(lo: Tensor, hi: Tensor, out: Tensor | None = None) -> Tensor:
@@ -146,9 +178,10 @@ def median_of_three(
     NaN; ``ref`` may hold NaN anywhere (the last agreed state held a NaN alike on both
     ranks), still counted as +inf."""
     if nan_free:
-        return _clamp(a, b, ref, out)
-    merged = _clamp(_nan_as_inf(a), _nan_as_inf(b), _nan_as_inf(ref), out)
-    return _nan_where_no_input_is_inf_(merged, [a, b, ref])
+        merged = _clamp(a, b, ref, out)
+    else:
+        merged = _nan_where_no_input_is_inf_(_clamp(_nan_as_inf(a), _nan_as_inf(b), _nan_as_inf(ref), out), [a, b, ref])
+    return _zero_signs_by_order_(merged, [a, b, ref], 1)
 
 
 def _clamp(a: Tensor, b: Tensor, ref: Tensor, out: Tensor | None) -> Tensor:

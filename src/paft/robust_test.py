@@ -4,6 +4,7 @@ and the fallback where a median comes out non-finite."""
 from __future__ import annotations
 
 import doctest
+import itertools
 import math
 
 import pytest
@@ -73,6 +74,38 @@ def test_replica_median_is_the_sorted_rule(columns: list[list[float]]) -> None:
     finite = torch.tensor([_reference_median(f) if (f := [v for v in c if math.isfinite(v)]) else nan for c in columns])
     got = median_of_finite(rows)
     assert torch.equal(got.isnan(), finite.isnan()) and torch.equal(got.nan_to_num(7.0), finite.nan_to_num(7.0))
+
+
+def _sign(x: float) -> float:
+    return math.copysign(1.0, x)
+
+
+def _ordered_median(column: list[float]) -> float:
+    """The median rule with ``-0.0`` below ``+0.0`` (finite values)."""
+    ranked = sorted(column, key=lambda v: (v, _sign(v)))
+    lo, hi = ranked[(len(column) - 1) // 2], ranked[len(column) // 2]
+    return hi if abs(hi) < abs(lo) else lo
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 18])
+def test_a_zeros_sign_is_the_medians_wherever_it_lies_in_the_tensor(n: int) -> None:
+    """Replicas holding +0.0 and -0.0 at a coordinate: torch's minimum and maximum return
+    either zero, one way in the vector lanes and the other in a chunk's scalar tail, so
+    the merged sign depended on the coordinate's place (and on the thread count that
+    cuts the chunks: ranks running other counts merged other bits), and two replicas of
+    three holding +0.0 could get the third's -0.0. Every column, body and tail alike,
+    takes the median with -0.0 below +0.0."""
+    width = 1003  # vector lanes and a scalar tail
+    for column in itertools.product([0.0, -0.0, 1.0, -1.0], repeat=n if n <= 5 else 1):
+        column = [*column, *([0.0, -0.0] * n)][:n]
+        rows = torch.tensor(column).unsqueeze(1).repeat(1, width)
+        want = _sign(_ordered_median(column))
+        for merged in (replica_median(rows), replica_median(rows, nan_free=True), median_of_finite(rows)):
+            assert torch.equal(merged.signbit(), torch.full((width,), want < 0)), column
+        if n == 3:
+            a, b, ref = rows.unbind(0)
+            for merged in (median_of_three(a, b, ref), median_of_three(a, b, ref, nan_free=True)):
+                assert torch.equal(merged.signbit(), torch.full((width,), want < 0)), column
 
 
 def test_a_single_replica_median_is_a_copy() -> None:
