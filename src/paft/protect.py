@@ -474,6 +474,7 @@ class Protector:
             "sync": resync["sync"],
             "guard": self.guard.state_dict() if self.guard is not None else None,
             "repairer": resync["repairer"],
+            "averager": resync["averager"],
             "alerting": monitor["alerting"],
             "check_state": self._check_state_next,  # replicas left split by a stop, saved rank by rank
             **({"stale_values": kept} if kept else {}),

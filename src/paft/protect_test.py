@@ -1507,9 +1507,9 @@ def _w_checkpoint_rules(rank: int, world_size: int) -> dict[str, Any]:
         part.load_state_dict(part.state_dict())
     out["parts restored"] = _equal(protector.state_dict(), changed)
     out["keys"] = sorted(changed), sorted(changed["counters"])
-    # A checkpoint of an older version: no mode, alert state, repairer or check_state,
-    # nor an alert count.
-    older = {k: v for k, v in changed.items() if k not in ("mode", "alerting", "repairer", "check_state")}
+    # A checkpoint of an older version: no mode, alert state, repairer, averager or
+    # check_state, nor an alert count.
+    older = {k: v for k, v in changed.items() if k not in ("mode", "alerting", "repairer", "averager", "check_state")}
     protector.load_state_dict({**older, "counters": {k: v for k, v in changed["counters"].items() if k != "alerts"}})
     out["older"] = protector.state_dict()["counters"]
     protector.load_state_dict(changed)
@@ -1538,8 +1538,8 @@ def test_checkpoints_wait_for_close_and_a_refused_state_changes_nothing() -> Non
     assert out[0]["save in flight"].startswith("Protector.state_dict(): an overlapped sync is in flight; call close()")
     assert out[0]["load in flight"].startswith("Protector.load_state_dict(): an overlapped sync is in flight")
     assert out[0]["restored"] and out[0]["parts restored"]
-    assert out[0]["keys"] == (["alerting", "check_state", "counters", "guard", "mode", "repairer", "scheduler", "step",
-                               "sync"], ["alerts", "faults_injected", "sync_bytes", "syncs"])
+    assert out[0]["keys"] == (["alerting", "averager", "check_state", "counters", "guard", "mode", "repairer",
+                               "scheduler", "step", "sync"], ["alerts", "faults_injected", "sync_bytes", "syncs"])
     assert out[0]["older"] == {**out[0]["older"], "alerts": 0} and out[0]["older"]["syncs"] > 0
     assert out[0]["step True"] == "Protector.load_state_dict(): step must be an int >= 0, got True"
     assert out[0]["step negative"] == "Protector.load_state_dict(): step must be an int >= 0, got -1"

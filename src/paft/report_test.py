@@ -1300,6 +1300,21 @@ def test_an_averager_run_without_a_summary_counts_its_syncs(clean_run: pathlib.P
     assert "syncs: 4   detections: 0" in build_report(run).text
 
 
+def test_an_averager_run_resumed_with_another_period_counts_each_legs_averages(
+        clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """config.json holds the last leg's --sync-period: the averages before a resume that
+    changed it were counted at the new period."""
+    run = copy_run(clean_run, tmp_path / "averager")
+    (run / "summary.json").unlink()
+    config = json.loads((run / "config.json").read_text())
+    config["protect"].update(mode="averager", sync_period=5)
+    (run / "config.json").write_text(json.dumps(config))
+    with open(run / "events.jsonl", "a") as f:  # begun at period 2, resumed at step 6 with 5
+        f.write(json.dumps({"step": 6, "event": "period", "period": 5, "first_period": 2}) + "\n")
+    # Steps 0-11 recorded: averaged at steps 0, 2 and 4, then at 10.
+    assert "syncs: 4   detections: 0" in build_report(run).text
+
+
 @pytest.mark.parametrize(("empty", "rank"), [(False, 1), (True, 0)], ids=["missing", "empty"])
 def test_a_rank_without_metrics_is_named(fault_run: pathlib.Path, tmp_path: pathlib.Path, empty: bool,
                                          rank: int) -> None:

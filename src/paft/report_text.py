@@ -469,13 +469,26 @@ def _recorded_syncs(run: RunData) -> int:
     """The syncs and repairs of a run without a summary. events.jsonl holds each of
     PAFT-Sync's and the guard's, but none of PyTorch's averager: its averages are
     counted from the recorded steps (a step one rank recorded had its averaging
-    all-reduce done), at the steps :func:`paft.resync.averages_at` says it averages."""
+    all-reduce done), at the steps :func:`paft.resync.averages_at` says it averages, by
+    the period in force at each: ``config.json``'s is the last leg's, and a resume that
+    changed it recorded a ``period`` event (with the one the run began with)."""
     protect = run.config.get("protect") or {}
-    period = protect.get("sync_period")
-    averaged = 0
-    if protect.get("mode") == "averager" and isinstance(period, int) and not isinstance(period, bool) and period > 0:
-        averaged = sum(1 for step in range(run.last_step + 1) if averages_at(step, period))
+    if protect.get("mode") != "averager":
+        return len(sync_events(run))
+    changes = sorted((e["step"], e["period"]) for e in run.events_of("period")
+                     if _is_period(e.get("step"), 0) and _is_period(e.get("period")))
+    first = next((e["first_period"] for e in run.events_of("period") if "first_period" in e), None)
+    periods = [(0, first if changes and _is_period(first) else protect.get("sync_period")), *changes]
+    if not all(_is_period(p) for _, p in periods):
+        return len(sync_events(run))
+    averaged = sum(1 for step in range(run.last_step + 1)
+                   if averages_at(step, next(p for s, p in reversed(periods) if s <= step)))
     return len(sync_events(run)) + averaged
+
+
+def _is_period(value: Any, least: int = 1) -> bool:
+    """Whether a recorded value is a whole number of steps, at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _metric_extremes(run: RunData) -> list[str]:

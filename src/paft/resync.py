@@ -100,7 +100,8 @@ class Resync:
         self._stale_fingerprints = False
         # What a resume changed of the schedule (the period it continues with, the one its
         # options would have begun with), recorded at its first step by resumed().
-        self._first_period = self.scheduler.first_period if self.scheduler is not None else None
+        self._first_period = (self.scheduler.first_period if self.scheduler is not None
+                              else config.sync_period if self.averager is not None else None)
         self._resumed_schedule: dict[str, int] | None = None
 
     @property
@@ -251,10 +252,13 @@ class Resync:
 
     def state_dict(self) -> dict[str, Any]:
         """Resync's parts of the protector's checkpoint, in its shape: ``scheduler``,
-        ``sync`` and ``repairer`` (None where this protector has none) and the
-        :attr:`counters`. Nothing may be in flight (the caller checks :attr:`in_flight`)."""
+        ``sync``, ``repairer`` and ``averager`` (its period and the one the run began with)
+        (None where this protector has none) and the :attr:`counters`. Nothing may be in
+        flight (the caller checks :attr:`in_flight`)."""
         own = self._own_repairer
         return {
+            "averager": None if self.averager is None else {"period": self.averager.period,
+                                                             "first_period": self._first_period},
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "sync": self.sync.state_dict() if self.sync is not None else None,
             "repairer": own.state_dict() if own is not None else None,
@@ -275,6 +279,13 @@ class Resync:
                 self._resumed_schedule = {"period": self.scheduler.period}
                 if "first_period" in state["scheduler"]:  # an older state's would be this resume's options'
                     self._resumed_schedule["first_period"] = first
+        saved = state.get("averager")  # older checkpoints lack it
+        if self.averager is not None and saved is not None:
+            # A new --sync-period averages at its own steps from the resume on: paft report
+            # counts the averages of a run without a summary from the periods recorded.
+            self._first_period = int(saved["first_period"])
+            if self.averager.period != int(saved["period"]) or self.averager.period != self._first_period:
+                self._resumed_schedule = {"period": self.averager.period, "first_period": self._first_period}
         if self.sync is not None:
             self.sync.load_state_dict(state["sync"])
         own = self._own_repairer

@@ -286,3 +286,19 @@ def test_a_resume_that_changes_the_period_records_it_at_its_first_step(mode: str
     _leg(older, changed, range(4, 8), saved)
     assert [e for e in read_jsonl(older / "events.jsonl") if e["event"] == "period"] == [
         {"step": 4, "event": "period", "period": 3}]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_an_averager_resumed_with_another_period_records_it(tmp_path: Path) -> None:
+    """PyTorch's averager records no event of its own: a resume with another --sync-period
+    recorded nothing either, and paft report counted a run's averages before it at the
+    rewritten config.json's period."""
+    first = ProtectConfig(mode="averager", sync_period=6)
+    changed = dataclasses.replace(first, sync_period=3)
+    _leg(tmp_path, changed, range(8, 10), _leg(tmp_path, changed, range(4, 8), _leg(tmp_path, first, range(4), None)))
+    # Each later resume says it too: config.json no longer says the period the run began with.
+    assert [(e["step"], e["event"], e.get("period"), e.get("first_period"))
+            for e in read_jsonl(tmp_path / "events.jsonl")] == [(4, "period", 3, 6), (8, "period", 3, 6)]
+    again = tmp_path / "again"
+    _leg(again, first, range(4, 8), _leg(again, first, range(4), None))
+    assert not (again / "events.jsonl").exists() or not read_jsonl(again / "events.jsonl")
