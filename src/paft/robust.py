@@ -118,12 +118,12 @@ def _zero_signs_by_order_(merged: Tensor, inputs: list[Tensor], k: int | Tensor)
     zero = merged == 0
     if not bool(zero.any()):
         return merged
-    below = negative_zeros = None
+    below = torch.zeros(int(zero.sum()), dtype=torch.int64, device=merged.device)
+    negative_zeros = torch.zeros_like(below)
     for x in inputs:
         v = x[zero]
-        lt, nz = (v < 0).int(), ((v == 0) & v.signbit()).int()  # NaN neither
-        below, negative_zeros = (lt, nz) if below is None else (below + lt, negative_zeros + nz)
-    assert below is not None and negative_zeros is not None
+        below += v < 0  # NaN neither below nor a zero
+        negative_zeros += (v == 0) & v.signbit()
     # The zero taken is the k-th smallest, or the next one where the k-th is negative (an
     # even count's smaller magnitude): place max(k, below), a -0.0 where -0.0s reach it.
     place = torch.clamp(below, min=k) if isinstance(k, int) else torch.maximum(below, k[zero])
