@@ -238,8 +238,8 @@ def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> N
     if ax.get_yscale() == "linear":
         ax.set_ylim(bottom=0, top=1.15 * max(p for _, p in periods))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    adapts = " (PAFT-Dyn adapts it)" if protect.get("mode") == "dyn" else ""
-    finish(ax, run, f"PAFT sync period H{adapts}", "period (steps)")
+    titles = {"dyn": "PAFT sync period H (PAFT-Dyn adapts it)", "averager": "PeriodicModelAverager period H"}
+    finish(ax, run, titles.get(str(protect.get("mode")), "PAFT sync period H"), "period (steps)")
 
 
 def _periods(run: RunData) -> list[tuple[int, float]]:
