@@ -65,6 +65,9 @@ __all__ = [
     "max_or_nan",
     "Marker",
     "LOCK_FILE",
+    "REPORT_MARKER",
+    "BENCH_MARKER",
+    "paft_folder",
     "holds_files",
     "output_dir_problem",
     "path_name_problem",
@@ -122,6 +125,25 @@ it is what a launcher killed outright (``kill -9``) before its first write left:
 folder counts as empty."""
 
 
+REPORT_MARKER = ".paft-report"
+"""Marks a folder ``paft report`` wrote, which it may write into again."""
+BENCH_MARKER = ".paft-bench"
+"""Marks a folder ``paft bench`` wrote, which ``paft bench --overwrite`` may replace."""
+
+
+def paft_folder(path: pathlib.Path) -> str | None:
+    """What kind of paft output folder ``path`` is (a run directory by its ``config.json``,
+    a report or a benchmark's folder by its marker), or None: what a refusal of a folder
+    that is paft's, but another command's, says it is."""
+    if is_run_config(path / "config.json"):
+        return "a paft train run directory (its config.json)"
+    if is_file(path / REPORT_MARKER):
+        return f"a paft report folder (its {REPORT_MARKER})"
+    if is_file(path / BENCH_MARKER):
+        return f"a paft bench folder (its {BENCH_MARKER})"
+    return None
+
+
 def holds_files(path: pathlib.Path) -> bool:
     """Whether folder ``path`` holds anything but :data:`LOCK_FILE`."""
     return any(child.name != LOCK_FILE for child in path.iterdir())
@@ -174,6 +196,10 @@ def _output_dir_problem(path: pathlib.Path, option: str, markers: Marker, overwr
         if holds_files(path):
             if not any(ours(path / name) for name, ours in markers.items()):  # then --overwrite would not help
                 said, what = ("--overwrite", "refusing to delete it") if overwrite else (option, "pick another")
+                other = paft_folder(path)
+                if other:  # paft's, but another command's: "not paft's output" was wrong
+                    return (f"{said}: {path} is {other}, not a folder {option} writes (it holds no "
+                            f"{' or '.join(markers)}); {what}")
                 return (f"{said}: {path} holds no {' or '.join(markers)} of paft's, so it is not paft's "
                         f"output; {what}")
             if not overwrite and path.is_symlink():  # --overwrite refuses a link (above)

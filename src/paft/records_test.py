@@ -13,7 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from paft.config import TrainConfig
 from paft.records import (
+    BENCH_MARKER,
+    REPORT_MARKER,
     RunRecorder,
     atomic_write_bytes,
     atomic_write_json,
@@ -247,6 +250,24 @@ def test_output_dir_problem(tmp_path: pathlib.Path, make: dict[str, str | None],
     markers = {"config.json": _ours, ".paft-bench": _ours}
     got = output_dir_problem(tmp_path / "a", "--out", markers, overwrite)
     assert got == (problem and problem.format(a=tmp_path / "a", real=(tmp_path / "real").resolve()))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_of_another_paft_command_is_refused_as_what_it_is(tmp_path: pathlib.Path, overwrite: bool) -> None:
+    # A run directory given as paft bench's --out (or paft report's --out-dir) was called
+    # "not paft's output".
+    run, report = tmp_path / "run", tmp_path / "report"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
+    report.mkdir()
+    (report / REPORT_MARKER).write_text("")
+    said, what = ("--overwrite", "refusing to delete it") if overwrite else ("--out", "pick another")
+    got = output_dir_problem(run, "--out", {BENCH_MARKER: is_file}, overwrite)
+    assert got == (f"{said}: {run} is a paft train run directory (its config.json), not a folder --out writes "
+                   f"(it holds no .paft-bench); {what}")
+    got = output_dir_problem(report, "--out", {BENCH_MARKER: is_file}, overwrite)
+    assert got == (f"{said}: {report} is a paft report folder (its .paft-report), not a folder --out writes "
+                   f"(it holds no .paft-bench); {what}")
 
 
 def test_atomic_writes_make_shared_files_and_leave_no_temporary(tmp_path: pathlib.Path) -> None:

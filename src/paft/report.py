@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paft.records import folders_to_make, is_file, output_dir_problem, remove_made, write_together
+from paft.records import REPORT_MARKER, folders_to_make, is_file, output_dir_problem, remove_made, write_together
 from paft.report_divergence import plot_divergence
 from paft.report_draw import edge_marks, figure, finish, legend_once, mark_alerts, plot, png, rank_color, scale
 from paft.report_text import ranks_phrase, summary_text
@@ -35,7 +35,6 @@ from paft.rundata import ReportError, RunData, load_run, mean_local_loss, number
 __all__ = ["Report", "build_report"]
 
 _PLOTS = ("loss.png", "dispersion.png", "cosine.png", "divergence.png", "guard.png")  # every plot _plots may write
-REPORT_MARKER = ".paft-report"  # marks a folder paft report wrote, which it may write into again
 _TITLE = "# paft report: "
 _DISPERSION = [
     ("consistency/loss_std", "local-loss std over ranks", "std"),

@@ -29,6 +29,7 @@ from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
 from paft.config import DEVICES
 from paft.exitcodes import EXIT_USAGE, EXIT_WORKER_FAILED, interrupted_codes
 from paft.options import parse_model_arg
+from paft.records import BENCH_MARKER
 from paft.rundir import default_run_dir
 from paft.workloads import WORKLOADS
 
@@ -138,7 +139,6 @@ def _world_sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-BENCH_MARKER = ".paft-bench"
 MAX_LOCAL_WORLD_SIZE = 64
 
 
