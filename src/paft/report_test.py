@@ -338,6 +338,8 @@ def test_monitoring_off(clean_run: pathlib.Path, tmp_path: pathlib.Path, monkeyp
     run = copy_run(clean_run, tmp_path / "unmonitored")
     build_report(run)  # an earlier report's plots must not survive the next one
     (run / "consistency.jsonl").unlink()
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "monitor": {**cfg["monitor"], "enabled": False}}))
     report = build_report(run)
     assert_pngs(report.files, ["loss.png"])
     assert sorted(p.name for p in (run / "report").iterdir()) == [".paft-report", "loss.png", "report.md"]
@@ -991,7 +993,32 @@ def test_a_run_without_state_fingerprints_says_what_its_syncs_found(tmp_path: pa
     assert "distinct training state" in ax.get_legend_handles_labels()[1]
     # --no-monitor records no checksums either: nothing to say of the state.
     (copy / "consistency.jsonl").unlink()
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "monitor": {**cfg["monitor"], "enabled": False}}))
     assert "training state:" not in summary_text(load_run(copy))
+
+
+def test_a_monitored_run_with_no_record_in_consistency_jsonl_had_no_split_to_record(
+        clean_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """--monitor-interval 0 --fingerprint-every 0 records a step only where the aggregated
+    gradients split: a run with none has no consistency.jsonl. Its report said the split
+    was "not recorded" and nothing of the unfingerprinted state."""
+    run = copy_run(clean_run, tmp_path / "quiet")
+    (run / "consistency.jsonl").unlink()
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(
+        {**cfg, "monitor": {**cfg["monitor"], "interval": 0, "fingerprint_every": 0}}))
+    (run / "faults.jsonl").write_text(json.dumps({"step": 4, "rank": 1, "site": "params", "kind": "bitflip"}) + "\n")
+    text = summary_text(load_run(run))
+    assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0); no sync compared it: a "
+            "split shows only through the aggregated-gradient checksums\n") in text
+    # Replicas one at the end: a split of the state alone may still have come and gone.
+    assert ("\nfirst replica split: none seen (aggregated gradients identical at every recorded step; the training "
+            "state fingerprinted only at the end, one replica there, 1 fault injected before)\n") in text
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "replicas_distinct": 2, "replica_groups": [[0], [1]]}))
+    assert ("\nfirst replica split: after the last state check (never): the end of the run found 2 distinct "
+            "replicas\n") in summary_text(load_run(run))
 
 
 def test_a_run_without_its_summary_reports_the_summarys_speed(fault_run: pathlib.Path,

@@ -269,7 +269,7 @@ def _replicas(run: RunData) -> list[str]:
 def _unfingerprinted(run: RunData, shown: int = 5) -> list[str]:
     """With --fingerprint-every 0 no state fingerprint says whether the replicas' state
     split: what the syncs and repairs found of it (they compare it whole), where any ran."""
-    if (run.config.get("monitor") or {}).get("fingerprint_every") != 0 or not run.consistency:
+    if (run.config.get("monitor") or {}).get("fingerprint_every") != 0 or not _checksums_kept(run):
         return []
     checked = [r["step"] for r in run.consistency if "replicas/state_distinct" in r]
     only = f", but at the guard's state checks (step{_plural(checked)} {_listed(checked, shown)})" if checked else ""
@@ -283,6 +283,15 @@ def _unfingerprinted(run: RunData, shown: int = 5) -> list[str]:
     said = (f"the syncs found it {' and '.join(found)}" if found else
             "no sync compared it: a split shows only through the aggregated-gradient checksums")
     return [f"training state: not fingerprinted while training (--fingerprint-every 0){only}; {said}"]
+
+
+def _checksums_kept(run: RunData) -> bool:
+    """Whether ``consistency.jsonl`` would hold every step whose aggregated gradients split:
+    it holds checksums, or the monitor was on, which records a split step whatever
+    --monitor-interval (with --monitor-interval 0 --fingerprint-every 0 a run whose
+    gradients never split has no record at all; its report said "not recorded")."""
+    return any("replicas/grad_distinct" in r for r in run.consistency) or (
+        (run.config.get("monitor") or {}).get("enabled") is True)
 
 
 def _plural(items: Sequence[Any]) -> str:
@@ -344,7 +353,7 @@ def _first_split_line(run: RunData, split: Split | None) -> str:
                   "sync": "; found and repaired by the sync at this step, no fingerprint saw it before"}.get(by, "")
         where = f" on {ranks_phrase(ranks)}" if ranks else ""
         return f"first replica split: step {step}{where} ({' and '.join(what)} differ{tie}{undone})"
-    if not any("replicas/grad_distinct" in r for r in run.consistency):
+    if not _checksums_kept(run):
         return "first replica split: not recorded (no fingerprints in consistency.jsonl)"
     # The gradients' checksums are every step's; the training state's fingerprints only
     # every few steps: a fault at rest after the last one shows only at the end's check,
@@ -355,9 +364,13 @@ def _first_split_line(run: RunData, split: Split | None) -> str:
     if end > 1:
         return (f"first replica split: after the last state check ({last}): the end of the run found "
                 f"{int(end)} distinct replicas")
+    late = sum(1 for f in run.faults if int(f.get("step", -1)) > (checked[-1] if checked else -1))
+    if end == 1 and not checked:  # --fingerprint-every 0: a split of the state alone may have come and gone
+        before = f", {late} fault{'s' if late > 1 else ''} injected before" if late else ""
+        return ("first replica split: none seen (aggregated gradients identical at every recorded step; the "
+                f"training state fingerprinted only at the end, one replica there{before})")
     if end == 1 or (checked and checked[-1] == run.last_step):
         return "first replica split: none (replicas identical at every recorded step)"
-    late = sum(1 for f in run.faults if int(f.get("step", -1)) > (checked[-1] if checked else -1))
     unchecked = f", {late} fault{'s' if late > 1 else ''} injected after it" if late else ""
     return ("first replica split: none seen (aggregated gradients identical at every recorded step; the "
             f"training state fingerprinted {last}{unchecked})")
