@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from paft.machine import MachineError, check_machine, uses_cuda
 from paft.protect import PersistentFaultError
 from paft.records import console, jsonl_line, read_jsonl, sort_faults
 from paft.rundir import (
+    ResumePoint,
     RunDirError,
     check_run_dir,
     default_run_dir,
@@ -67,9 +68,9 @@ def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
     """
     cfg.run_dir = resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))
     check_machine(cfg)
-    schedule = check_run_dir(cfg)
+    resumed = check_run_dir(cfg)
     with claim_run_dir(cfg) as outcome:
-        code = _run_workers(cfg, resumed_with, schedule)
+        code = _run_workers(cfg, resumed_with, resumed)
         tidy_after_workers(pathlib.Path(cfg.run_dir))  # the workers are gone, however they ended
         outcome["code"] = code
         return code
@@ -96,21 +97,22 @@ def _resuming(cfg: TrainConfig, resumed_with: Sequence[str]) -> str:
     return shlex.join(["--resume", "--steps", str(cfg.steps), *resumed_with])
 
 
-def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], schedule: dict[str, Any] | None = None) -> int:
-    """``schedule``: what :func:`paft.rundir.check_run_dir` returned."""
+def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], resumed: ResumePoint | None = None) -> int:
+    """``resumed``: what :func:`paft.rundir.check_run_dir` returned."""
     if not cfg.quiet:
-        console(format_plan(cfg, schedule=schedule))
+        console(format_plan(cfg, schedule=resumed.schedule if resumed else None))
+    start = leg_start(pathlib.Path(cfg.run_dir), resumed)
     try:
         results = local_workers(run_worker, cfg.world_size)(cfg.to_dict(), cfg.run_dir)
     except WorkerFailed as err:
-        record_failure(pathlib.Path(cfg.run_dir), err)
+        record_failure(pathlib.Path(cfg.run_dir), err, start=start)
         kept = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
             kept = f"; {cfg.run_dir} keeps its checkpoints ({_resuming(cfg, resumed_with)} continues from the last)"
         print(err.describe("paft train") + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        record_interruption(pathlib.Path(cfg.run_dir), err)
+        record_interruption(pathlib.Path(cfg.run_dir), err, start)
         return interrupted(err, resume_hint(cfg, "paft train", resumed_with))
     stopped = _exit_code(results[0]) == EXIT_PERSISTENT_FAULT
     return _tell_result(results[0], cfg.run_dir, "paft train",
@@ -137,32 +139,60 @@ def _tell_result(result: dict[str, Any], run_dir: str, prog: str, say: bool = Tr
     return code
 
 
-def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft train") -> None:
+class LegStart(NamedTuple):
+    """Where a leg of a run (the start, or a resume) started, taken before any of its
+    workers trains: what the step a leg's end is recorded at is judged by."""
+
+    step: int
+    """The steps done it started from (a resume's checkpoint; 0)."""
+    records: tuple[int, int] | None
+    """Which file rank 0's ``metrics/rank0.jsonl`` was (device, inode; None: none)."""
+
+
+def leg_start(run_dir: pathlib.Path, resumed: ResumePoint | None) -> LegStart:
+    """The leg about to start in ``run_dir`` (``resumed``: :func:`paft.rundir.check_run_dir`'s)."""
+    return LegStart(resumed.step if resumed else 0, _identity(run_dir / "metrics" / "rank0.jsonl"))
+
+
+def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft train",
+                   start: LegStart | None = None) -> None:
     """Put the failure in the run's ``events.jsonl`` (``"event": "failed"``: the step it
     interrupted, the rank, the cause, the traceback), so that the run directory, kept
     for ``paft report`` or ``--resume``, says why it stopped; the console's account is
-    gone once the terminal is."""
+    gone once the terminal is. ``start``: see :func:`_record_leg_end`."""
     record = {"event": "failed", "rank": err.rank, "cause": err.cause, "traceback": err.traceback}
-    _record_leg_end(run_dir, record, "the failure", prog)
+    _record_leg_end(run_dir, record, "the failure", prog, start)
 
 
-def record_interruption(run_dir: pathlib.Path, err: KeyboardInterrupt | SignalException) -> None:
+def record_interruption(run_dir: pathlib.Path, err: KeyboardInterrupt | SignalException,
+                        start: LegStart | None = None) -> None:
     """Put the signal that stopped the workers in the run's ``events.jsonl``
     (``"event": "interrupted"``: the step it interrupted, the signal's name): without it
     the run directory of a run stopped by Ctrl-C or a scheduler's SIGTERM did not say why
-    it ended early."""
-    _record_leg_end(run_dir, {"event": "interrupted", "signal": signal_of(err).name}, "the interruption", "paft train")
+    it ended early. ``start``: see :func:`_record_leg_end`."""
+    _record_leg_end(run_dir, {"event": "interrupted", "signal": signal_of(err).name}, "the interruption",
+                    "paft train", start)
 
 
-def _record_leg_end(run_dir: pathlib.Path, record: dict[str, Any], what: str, prog: str) -> None:
+def _record_leg_end(run_dir: pathlib.Path, record: dict[str, Any], what: str, prog: str,
+                    start: LegStart | None = None) -> None:
     """Append ``record`` (why the run stopped), with the step it stopped in (the one after
-    rank 0's last recorded), to ``events.jsonl``. One write to the file opened for
+    rank 0's last recorded, and not before the leg's ``start``), to ``events.jsonl``. A
+    resume cuts the records of the steps it re-does only once its workers are up (the
+    file rewritten, :meth:`paft.records.RunRecorder.drop_resumed_steps`): while rank 0's
+    metrics are still the file the leg found, their steps are the earlier leg's, and
+    this one stopped at its start (it was recorded where the earlier leg stopped, and the
+    report then said the resume stopped there again). One write to the file opened for
     appending: under torchrun a peer may append its own lines meanwhile."""
-    try:
-        steps = [r["step"] for r in read_jsonl(run_dir / "metrics" / "rank0.jsonl")]
-    except (OSError, ValueError, KeyError):
-        steps = []
-    step = max(steps) + 1 if steps and all(isinstance(s, int) for s in steps) else 0
+    metrics = run_dir / "metrics" / "rank0.jsonl"
+    step = start.step if start else 0
+    if start is None or start.records is None or _identity(metrics) != start.records:
+        try:
+            steps = [r["step"] for r in read_jsonl(metrics)]
+        except (OSError, ValueError, KeyError):
+            steps = []
+        if steps and all(isinstance(s, int) for s in steps):
+            step = max(step, max(steps) + 1)
     line = jsonl_line({"step": step, **record}).encode()
     try:  # into the directory as it is: a torchrun peer late out must not make a removed run's again
         fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -400,31 +430,36 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] 
         # Rank 0 claims the directory as paft train does (the lock, --overwrite's set-aside,
         # the clean-up of a run that stopped before its first checkpoint); every rank
         # learns whether it could.
-        error, outcome = [""], {"code": 0}
-        schedule = None
+        told: list[Any] = ["", 0]  # rank 0's refusal ("": none), and the step the leg starts at (a resume's)
+        outcome = {"code": 0}
+        resumed = None
         if rank0:
             try:
-                schedule = check_run_dir(cfg)
+                resumed = check_run_dir(cfg)
+                told[1] = resumed.step if resumed else 0
                 outcome = claim.enter_context(claim_run_dir(cfg, prog))
                 if hint is not None:  # left before the claim settles, as contexts leave in reverse
                     claim.enter_context(_hint_on_interruption(cfg, resumed_with, hint))
             except RunDirError as err:
-                error = [str(err)]
-        dist.broadcast_object_list(error, src=0)
-        if error[0]:
+                told[0] = str(err)
+        dist.broadcast_object_list(told, src=0)
+        if told[0]:
             if rank0:
-                print(f"{prog}: error: {error[0]}", file=sys.stderr)
+                print(f"{prog}: error: {told[0]}", file=sys.stderr)
             take_group_down(every_rank_done=True)  # every rank refuses, on the broadcast
             return EXIT_USAGE
         # Entered after the claim, so that on the way out each rank tidies (when last out),
         # then rank 0 waits for its peers to be out, then settles.
         claim.enter_context(_peers_out_first(pathlib.Path(cfg.run_dir), token, prog))
         claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir), prog))
+        # Before the barrier, which no rank passes to train (and rank 0 to cut a resume's
+        # records) until every rank has taken it.
+        start = LegStart(told[1], _identity(pathlib.Path(cfg.run_dir) / "metrics" / "rank0.jsonl"))
         # Rank 0 leaves (and lets the claim's lock go) only once every rank holds its shared
         # lock: a peer slow to take it was not yet inside for a new claim to see.
         dist.barrier()
         if rank0 and not cfg.quiet:
-            console(format_plan(cfg, prog, schedule))
+            console(format_plan(cfg, prog, resumed.schedule if resumed else None))
         rank = dist.get_rank()  # asked now: _train_in_group takes the group down, failed or not
         ours = _identity(cfg.run_dir)
         try:
@@ -437,7 +472,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] 
             # that lost a peer says so), the first failure first. Only into this run: a
             # peer out late finds the old run rank 0's claim put back at the path.
             if ours is not None and _identity(cfg.run_dir) == ours:
-                record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog)
+                record_failure(pathlib.Path(cfg.run_dir), WorkerFailed.from_exception(rank, err), prog, start)
             raise
         outcome["code"] = code = _exit_code(result)
         stopped = resume_hint(cfg, _TORCHRUN, resumed_with) if rank0 and code == EXIT_PERSISTENT_FAULT else ""

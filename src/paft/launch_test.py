@@ -28,7 +28,7 @@ from paft.config import TrainConfig
 from paft.exitcodes import EXIT_WORKER_FAILED
 from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
-from paft.rundir import RunDirError, in_use
+from paft.rundir import ResumePoint, RunDirError, in_use
 from paft.signals import unwind_on_termination
 from paft.testing import run_workers
 from paft.train import format_plan, format_summary
@@ -686,3 +686,28 @@ def test_a_failure_is_recorded_at_the_step_it_interrupted_whatever_the_metrics_h
     assert capsys.readouterr().err == (f"python -m paft.train: warning: cannot record the failure in {tmp_path}/gone/"
                                        "events.jsonl: No such file or directory\n")
     assert not (tmp_path / "gone").exists()
+
+
+def test_a_resume_stopped_before_it_cut_the_records_is_recorded_at_its_checkpoint(tmp_path: pathlib.Path) -> None:
+    """A resume from step 10 of a leg that stopped at step 20, interrupted while its
+    workers started: rank 0's metrics still held the earlier leg's steps, and the
+    interruption was recorded at step 20 (the report: "a resume was interrupted there
+    again"). Once the resume has cut them, its own steps count, never below its start."""
+    run = tmp_path / "r"
+    recorder = RunRecorder(run, 0)
+    for step in range(20):
+        recorder.metrics({"step": step})
+    recorder.close()
+    start = launcher.leg_start(run, ResumePoint(10, None))
+    sigterm = launcher.SignalException("got signal: 15", signal.SIGTERM)
+    launcher.record_interruption(run, sigterm, start)
+    recorder = RunRecorder(run, 0, append=True)
+    recorder.resumed_at(10)  # as the protector loaded from the checkpoint does
+    recorder.drop_resumed_steps()
+    launcher.record_interruption(run, sigterm, start)  # cut, nothing trained since
+    for step in range(10, 13):
+        recorder.metrics({"step": step})
+    recorder.close()
+    launcher.record_interruption(run, sigterm, start)
+    ends = [e["step"] for e in read_jsonl(run / "events.jsonl")]
+    assert ends == [10, 10, 13]

@@ -20,7 +20,7 @@ import pathlib
 import re
 import shutil
 import zipfile
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,6 +45,7 @@ __all__ = [
     "default_run_dir",
     "resolve_run_dir",
     "check_run_dir",
+    "ResumePoint",
     "has_checkpoint",
     "latest_step",
     "in_use",
@@ -97,11 +98,19 @@ def resolve_run_dir(run_dir: str) -> str:
     return os.path.realpath(run_dir) if ".." in pathlib.PurePath(run_dir).parts else run_dir
 
 
-def check_run_dir(cfg: TrainConfig) -> dict[str, Any] | None:
+class ResumePoint(NamedTuple):
+    """The checkpoint a ``--resume`` continues from (the one its workers will load)."""
+
+    step: int
+    """Its steps done: the step the resumed leg starts at."""
+    schedule: dict[str, Any] | None
+    """The sync scheduler's state saved in it (rank 0's, the same on every rank; None
+    where the run has none): the period it goes on with, which ``paft train``'s plan says."""
+
+
+def check_run_dir(cfg: TrainConfig) -> ResumePoint | None:
     """Refuse a run directory that would be overwritten, cannot be created, or cannot be
-    resumed as asked. Writes nothing. Returns, for a resume, the sync scheduler's state in
-    the checkpoint it continues from (rank 0's, the same on every rank; None where the
-    run has none): the period it goes on with, which ``paft train``'s plan says."""
+    resumed as asked. Writes nothing. Returns, for a resume, where it continues from."""
     path = pathlib.Path(cfg.run_dir)
     problem = path_name_problem(path, "--run-dir")
     if problem:
@@ -112,7 +121,7 @@ def check_run_dir(cfg: TrainConfig) -> dict[str, Any] | None:
         raise RunDirError(f"--run-dir: cannot use {path}: {err.strerror or err}") from None
 
 
-def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> dict[str, Any] | None:
+def _check_run_dir(cfg: TrainConfig, path: pathlib.Path) -> ResumePoint | None:
     if cfg.resume:
         return _check_resume(cfg, path)
     if path.is_dir() and not path.is_symlink() and not cfg.overwrite:
@@ -245,7 +254,7 @@ def _refuse_in_use(path: pathlib.Path) -> None:
                           "wait for it to end or pick another --run-dir")
 
 
-def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> dict[str, Any] | None:
+def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> ResumePoint:
     if not has_checkpoint(path):
         _refuse_in_use(path)
         if not path.exists():
@@ -285,7 +294,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> dict[str, Any] | None
         )
     protector = rank0["protector"]
     schedule = protector.get("scheduler") if isinstance(protector, dict) else None
-    return schedule if isinstance(schedule, dict) else None
+    return ResumePoint(done, schedule if isinstance(schedule, dict) else None)
 
 
 def _check_logs(path: pathlib.Path) -> None:

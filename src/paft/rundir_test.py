@@ -77,13 +77,13 @@ def test_a_resume_returns_the_schedule_of_the_checkpoint_it_continues_from(tmp_p
     one where a rank's file of the latest is damaged."""
     cfg = _config(tmp_path / "r", protect=ProtectConfig(mode="dyn"))
     path = _fake_run(cfg, scheduled=True)
-    assert check_run_dir(_resume(cfg, steps=20)) == {"period": 12}
+    assert check_run_dir(_resume(cfg, steps=20)) == (12, {"period": 12})
     rank_file = path / "checkpoints" / "step0000012" / "rank1.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:100])
-    assert check_run_dir(_resume(cfg, steps=20)) == {"period": 6}
+    assert check_run_dir(_resume(cfg, steps=20)) == (6, {"period": 6})
     plain = _config(tmp_path / "plain")
     _fake_run(plain)
-    assert check_run_dir(_resume(plain, steps=20)) is None  # no protector: no schedule
+    assert check_run_dir(_resume(plain, steps=20)) == (12, None)  # no protector: no schedule
     assert check_run_dir(_config(tmp_path / "new")) is None
 
 
