@@ -209,6 +209,7 @@ class CommHookState:
         self.step_buckets = 1
         self.buckets_seen = 0  # this attempt's buckets: none means DDP synced no gradient
         self.pass_buckets = 0  # the buckets of the backward pass under way (see bucket_index)
+        self.later_pass = False  # the pass under way is not the attempt's first (see bucket_index)
         self.priming = False
         self.current = BucketCapture()
 
@@ -229,6 +230,7 @@ class CommHookState:
         self.direction_enabled = local and direction
         self.step_buckets = self.num_buckets
         self.buckets_seen = self.pass_buckets = 0
+        self.later_pass = False
         dim = self.sketcher.dim if self.direction_enabled and self.sketcher is not None else 0
         self.current = BucketCapture(sketch_dim=dim)
 
@@ -252,17 +254,29 @@ class CommHookState:
         per dtype, or per ``bucket_cap_mb_list`` cap). Keyed by that index, each bucket
         overwrote the one before in the capture, so the checksum was that of whichever
         bucket's all-reduce finished last (replicas split with no fault), and a fault
-        event struck every bucket. So the buckets are counted here instead."""
+        event struck every bucket. So the buckets are counted here instead.
+
+        A closure that accumulates micro-batches without ``ddp.no_sync()`` runs several
+        passes that reach the hook in one attempt; ``later_pass`` says the one under way
+        is not the first (see :meth:`inject`)."""
         index = self.pass_buckets
+        if index == 0 and self.buckets_seen:
+            self.later_pass = True
         self.pass_buckets = 0 if bucket.is_last() else index + 1
         if bucket.is_last():
             self.num_buckets = index + 1  # for the next begin()
         return index
 
     def inject(self, site: str, index: int, tensor: torch.Tensor) -> None:
-        """Inject this step's faults at ``site`` into bucket ``index`` (``tensor``), in place."""
+        """Inject this step's faults at ``site`` into bucket ``index`` (``tensor``), in place.
+
+        Only in the attempt's first backward pass that reaches the hook, so that an event
+        strikes once per attempt: micro-batches accumulated without ``ddp.no_sync()`` each
+        reach it, and each pass struck the bucket again (the same element and bit: a
+        second flip of the bit undid the first), one fault counted and recorded per pass."""
         # A bucket beyond the step's count (DDP re-bucketed since) cannot be the target.
-        if (self.injector is not None and self.inject_enabled and index < self.step_buckets
+        if (self.injector is not None and self.inject_enabled and not self.later_pass
+                and index < self.step_buckets
                 and self.injector.has_site(site)):
             self.current.faults.extend(
                 self.injector.inject_bucket(

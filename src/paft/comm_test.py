@@ -187,3 +187,28 @@ def test_the_checksum_leaves_out_the_slots_of_parameters_no_rank_used(
     # ... and the checksum differs exactly where it reached a gradient.
     assert changed == reached
     assert (faulty[0] != clean[0]) == reached
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_an_event_strikes_once_where_micro_batches_accumulate_without_no_sync() -> None:
+    """Micro-batches accumulated without ``ddp.no_sync()`` each run a backward pass that
+    reaches the hook: each pass struck the bucket again (the same element and bit, so a
+    second bit flip undid the first), counting and recording one fault per pass."""
+    model = DistributedDataParallel(TwoDtypes())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    protector = protect(model, optimizer, inject=["bitflip:site=local-grad,steps=0-1,bits=3",
+                                                  "bitflip:site=aggregation,steps=0-1,bits=3"])
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        for _ in range(3):  # every micro-batch all-reduced, as plain DDP allows
+            loss = model(torch.ones(2, 4)).square().mean()
+            loss.backward()
+        return loss
+
+    faults = []
+    for _ in range(2):  # DDP's first step, then one on its rebuilt buckets
+        protector.step(closure)
+        faults.append(len(protector.hook.current.faults))
+    assert faults == [2, 2]
+    assert protector.counters["faults_injected"] == 4
