@@ -935,6 +935,8 @@ def test_an_uncreatable_out_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["overhead", "--steps", "4"], "--steps"),
     (["scaling", "--steps", "4"], "--steps: must be >= 5"),
     (["overhead", "--warmup", "-1"], "--warmup"),
+    (["overhead", "--period", "0"], "--period: must be >= 1"),
+    (["overhead", "--period", str(2**53 + 1)], "--period: must be in [1, 2**53]"),  # was a worker's traceback
     (["overhead", "--batch-size", "6"], "--batch-size"),
     (["desync", "--steps", "0"], "--steps"),
     (["detection", "--steps", "0"], "--steps"),
