@@ -26,8 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from paft.bench.overhead import BLOCKS, VARIANTS, WARMUP
-from paft.config import DEVICES
-from paft.dyn import MAX_PERIOD
+from paft.config import DEVICES, ProtectConfig, error_option
 from paft.exitcodes import EXIT_USAGE, EXIT_WORKER_FAILED, interrupted_codes
 from paft.options import parse_model_arg
 from paft.records import BENCH_MARKER
@@ -194,10 +193,13 @@ def _check_overhead(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     _check_block_steps(args, parser)
     if args.warmup < 0:
         parser.error(f"--warmup: must be >= 0, got {args.warmup}")
-    # The lower bound is checked with --steps; above this, the runs' own config refused it
-    # in the workers, as a traceback after --out was written.
-    if args.period > MAX_PERIOD:
-        parser.error(f"--period: must be in [1, 2**53], got {args.period}")
+    # The runs' own config bounds it: checked here, or a period beyond them was a
+    # traceback after --out was written.
+    try:
+        ProtectConfig(sync_period=args.period)
+    except ValueError as err:
+        said = error_option(str(err))
+        parser.error(f"--period: {said[1] if said else err}")
     if args.batch_size % args.world_size:
         parser.error(f"--batch-size: {args.batch_size} cannot be split evenly across --world-size {args.world_size}")
     if args.variants is not None:  # "" is a typo, not "all"
