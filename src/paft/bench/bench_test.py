@@ -265,6 +265,26 @@ def test_overhead_table_states_the_measured_costs(tmp_path: pathlib.Path, monkey
     assert capsys.readouterr().out.endswith(md.split("\n", 2)[2])  # the console's note and table, a line between
 
 
+@pytest.mark.parametrize("period,said", [
+    (20, "sync period 20 (PAFT-Dyn starts at H 20, within [5, 400], and adapts it);"),
+    (2, "sync period 2 (PAFT-Dyn starts at H 5, within [5, 400], and adapts it);"),  # held to h_min
+])
+def test_overhead_note_says_the_period_paft_dyn_starts_at(period: int, said: str, tmp_path: pathlib.Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def measure(runs_dir: pathlib.Path, base: dict[str, Any], variants: list[str], **_: Any) -> dict[str, Any]:
+        same = {"wall": 1.0, "wall_blocks": [1.0] * 5, "wall_median_extra_ms": 0.0, "cpu": 1.0, "cpu_blocks": [1.0] * 5}
+        return {"plain": {"wall_ms": 1.0, "cpu_ms": 1.0, "parameters": 1}, **{v: same for v in variants}}
+
+    monkeypatch.setattr(overhead, "measure", measure)
+    results = overhead.run(tmp_path, steps=5, warmup=0, world_size=2, batch_size=8, variants=["dyn", "sync"],
+                           workload="resnet", period=period)
+    assert said in results["note"]
+    # Without a PAFT-Dyn variant the period is the one every variant runs at.
+    results = overhead.run(tmp_path, steps=5, warmup=0, world_size=2, batch_size=8, variants=["sync"],
+                           workload="resnet", period=period)
+    assert f"sync period {period};" in results["note"]
+
+
 # -- the matrix's rows, from synthetic run summaries -------------------------------------------
 
 

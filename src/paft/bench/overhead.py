@@ -195,6 +195,12 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
         model=model or {},
     ).to_dict()
     base["protect"]["sync_period"] = period
+    protect = TrainConfig.from_dict(base).protect
+    period_said = f"sync period {period}"
+    if any(VARIANTS[v].get("protect", {}).get("mode") == "dyn" for v in variants):
+        # PAFT-Dyn runs at --period only where its bounds let it, and only at first.
+        period_said += (f" (PAFT-Dyn starts at H {protect.first_h}, within [{protect.h_min}, {protect.h_max}], "
+                        "and adapts it)")
     console(f"paft bench overhead: {len(variants) + 1} trainers x {total} paired steps ({workload}, {world_size} "
             f"ranks, device {device})")
     costs = measure(out / "runs", base, variants, steps=steps, world_size=world_size, warmup=warmup)
@@ -211,7 +217,7 @@ def run(out: pathlib.Path, *, steps: int = 200, period: int = 20, workload: str 
     size = "".join(f", {k}={v}" for k, v in (model or {}).items())
     params = plain["parameters"]
     note = (f"{workload}{size} ({params / 1e6:.2f} M parameters), {world_size} ranks on {where}, global batch "
-            f"{batch_size}, {steps} paired steps per variant after {warmup} untimed, sync period {period}; "
+            f"{batch_size}, {steps} paired steps per variant after {warmup} untimed, {period_said}; "
             f"plain DDP: {plain['wall_ms']:.1f} ms per step (wall, slowest rank), {plain['cpu_ms']:.1f} ms CPU "
             f"per step and rank (medians). Overhead % is the extra time per step: (variant time / plain time "
             f"- 1) x 100. Median step overhead % is the median over steps of (variant step - plain step in "
