@@ -85,7 +85,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                           help="timed steps per variant, at least 5 [default: %(default)s]")
     overhead.add_argument("--warmup", type=int, default=WARMUP,
                           help="untimed steps first (DDP set-up, the guard's warm-up) [default: %(default)s]")
-    overhead.add_argument("--period", type=int, default=20, help="sync period H [default: %(default)s]")
+    overhead.add_argument("--period", type=int, default=20,
+                          help="sync period H (PAFT-Dyn's first, held to its bounds [5, 400]; it adapts it) "
+                          "[default: %(default)s]")
     overhead.add_argument("--workload", default="gpt", metavar="WORKLOAD",
                           help=f"one of {', '.join(WORKLOADS)} [default: %(default)s]")
     world_size(overhead, 4)
