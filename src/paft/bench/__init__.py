@@ -86,8 +86,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     overhead.add_argument("--warmup", type=int, default=WARMUP,
                           help="untimed steps first (DDP set-up, the guard's warm-up) [default: %(default)s]")
     overhead.add_argument("--period", type=int, default=20,
-                          help="sync period H (PAFT-Dyn's first, held to its bounds [5, 400]; it adapts it) "
-                          "[default: %(default)s]")
+                          help=f"sync period H (PAFT-Dyn's first, held to its bounds [{ProtectConfig.h_min}, "
+                          f"{ProtectConfig.h_max}]; it adapts it) [default: %(default)s]")
     overhead.add_argument("--workload", default="gpt", metavar="WORKLOAD",
                           help=f"one of {', '.join(WORKLOADS)} [default: %(default)s]")
     world_size(overhead, 4)
