@@ -449,7 +449,8 @@ def format_plan(cfg: TrainConfig, prog: str = "paft train", schedule: dict[str, 
         metrics = f"metrics {_every(m.interval)} (cosine {m.cosine})" if m.interval else "no metrics"
         state = f"state fingerprint {_every(m.fingerprint_every)}" if m.fingerprint_every else "no state fingerprint"
         monitor = f"{metrics}, aggregated-gradient checksum every step, {state}"
-    how = f"{p.sync_mode}{', overlapped' if p.overlap else ', blocking'}"
+    mode = f"broadcast from rank {p.broadcast_src}" if p.sync_mode == "broadcast" else p.sync_mode
+    how = f"{mode}{', overlapped' if p.overlap else ', blocking'}"
     protection = {
         "none": "none",
         "sync": f"PAFT-Sync {_every(p.sync_period)} ({how})",

@@ -523,6 +523,9 @@ def test_the_plan_says_each_mode_as_configured() -> None:
         "no state fingerprint",
         "  protect: PAFT-Sync every 7 steps (mean, blocking); guard: on; inject: nan:steps=3 zero:steps=5"]
     assert "  protect: none; " in format_plan(TrainConfig())
+    # A broadcast copies one rank's replica: the plan names which (it said "broadcast" alone).
+    copied = TrainConfig(protect=ProtectConfig(mode="dyn", sync_mode="broadcast", broadcast_src=3))
+    assert "  protect: PAFT-Dyn, H 50 in [5, 400] (broadcast from rank 3, overlapped); " in format_plan(copied)
 
 
 def train_at_a_set_rate_and_return_console(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> list[str]:
