@@ -2,4 +2,5 @@
 
 from paft.cli import run
 
-run()
+# Named so: a line saying how to go on (--resume) gives a command that runs where ``paft`` is not on PATH.
+run(prog="python -m paft")

@@ -29,9 +29,11 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "paft") -> argparse.ArgumentParser:
+    """``prog``: how the command was run (``python -m paft``), which its messages name,
+    and the commands they give to copy."""
     parser = OptionParser(
-        prog="paft",
+        prog=prog,
         description="Fault-tolerant data-parallel training: inject silent data corruption, "
         "diagnose worker inconsistency, re-synchronize replicas (PAFT-Sync/Dyn), guard updates.",
     )
@@ -74,11 +76,11 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     cfg, resumed_with = config_or_exit(parser, args, warn=True)
     try:
-        code = launch(cfg, resumed_with)
+        code = launch(cfg, resumed_with, parser.prog)
     except (RunDirError, MachineError) as err:
         parser.error(str(err))
     except (KeyboardInterrupt, SignalException) as err:  # before or after the workers ran
-        return interrupted(err)
+        return interrupted(err, prog=parser.prog)
     return code
 
 
@@ -101,8 +103,8 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
     return next(a.choices[name] for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "paft") -> int:
+    parser = build_parser(prog)
     args, extra = parser.parse_known_args(argv)
     subparser = _subcommand(parser, args.command)
     if args.command == "bench":
@@ -121,8 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
-def run() -> None:
-    """The ``paft`` console script: :func:`main`, then exit with its code."""
+def run(prog: str = "paft") -> None:
+    """The ``paft`` console script (``prog``: :func:`build_parser`'s): :func:`main`, then exit with its code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from paft.records import quiet_stdout
@@ -130,9 +132,9 @@ def run() -> None:
 
     unwind_on_termination()
     try:
-        code = main()
+        code = main(prog=prog)
     except (KeyboardInterrupt, SignalException) as err:  # outside what train and bench catch (parsing, report)
-        code = interrupted(err, prog="paft")
+        code = interrupted(err, prog=prog)
     except BrokenPipeError:  # the console went away (`| head`) while a command printed
         quiet_stdout()
         code = 1

@@ -371,7 +371,9 @@ def test_python_dash_m_paft_is_the_paft_command(tmp_path: pathlib.Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "paft", "train", "--steps", "0"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "paft train: error: --steps: must be >= 1, got 0" in proc.stderr
+    # Named as it was run, so that the commands it gives to copy run here too.
+    assert proc.stderr == ("python -m paft train: error: --steps: must be >= 1, got 0\n"
+                           "(options: python -m paft train --help)\n")
     assert not any(tmp_path.iterdir())
 
 
@@ -754,7 +756,7 @@ def test_paft_train_warns_of_a_stale_fault_at_the_step_it_resumes_from(
     cannot: the first step after a resume too, which went on without a word."""
     import paft.launch
 
-    monkeypatch.setattr(paft.launch, "launch", lambda cfg, _: 0)
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg, *_: 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r" / "checkpoints").mkdir(parents=True)
     (tmp_path / "r" / "config.json").write_text(json.dumps(TrainConfig(steps=6, run_dir="r").to_dict()))
@@ -778,7 +780,7 @@ def test_paft_train_prints_its_warnings_then_runs(monkeypatch: pytest.MonkeyPatc
     import paft.launch
 
     ran: list[TrainConfig] = []
-    monkeypatch.setattr(paft.launch, "launch", lambda cfg, _: ran.append(cfg) or 0)
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg, *_: ran.append(cfg) or 0)
     assert main(["train", "--steps", "3", "--inject", "bitflip:steps=100", "--spike-threshold", "3"]) == 0
     assert capsys.readouterr().err.splitlines() == [
         "paft train: warning: --inject 'bitflip:steps=100' cannot fire before step 100, past --steps 3",
@@ -799,7 +801,7 @@ def test_a_resume_names_the_saved_options_it_changes(tmp_path: pathlib.Path, mon
     --lr, --inject or --no-monitor went on without a word."""
     import paft.launch
 
-    monkeypatch.setattr(paft.launch, "launch", lambda cfg, _: 0)
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg, *_: 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r").mkdir()
     saved = TrainConfig(steps=6, lr=3e-3, quiet=True, inject=["bitflip:steps=1"], run_dir="r").to_dict()
@@ -1036,7 +1038,7 @@ def test_paft_train_exits_with_the_runs_code_or_the_signals(monkeypatch: pytest.
     import paft.launch
 
     for outcome, code in ((3, 3), (KeyboardInterrupt(), 130), (SignalException("", signal.SIGTERM), 143)):
-        def launch(cfg: TrainConfig, _: object, outcome: int | BaseException = outcome) -> int:
+        def launch(cfg: TrainConfig, *_: object, outcome: int | BaseException = outcome) -> int:
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
@@ -1058,7 +1060,7 @@ def test_the_paft_command_exits_1_when_its_console_goes_and_holds_signals_after_
     monkeypatch.setattr(paft.records, "quiet_stdout", lambda: did.append("quiet"))
     for outcome, code, done in ((BrokenPipeError(), 1, ["quiet"]), (130, 130, ["ignore signals"]),
                                 (143, 143, ["ignore signals"]), (1, 1, [])):
-        def command(outcome: int | BaseException = outcome) -> int:
+        def command(*, prog: str, outcome: int | BaseException = outcome) -> int:
             if isinstance(outcome, BaseException):
                 raise outcome  # `paft ... | head`: the reader has gone
             return outcome
@@ -1113,6 +1115,27 @@ def test_an_interrupted_resume_says_to_continue_with_its_steps(
     assert capsys.readouterr().err.endswith(f"--run-dir {tmp_path} --resume --steps 200\n")
 
 
+def test_python_dash_m_paft_says_to_continue_with_python_dash_m_paft(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run as ``python -m paft`` (no ``paft`` on PATH), an interrupted run's line named
+    ``paft train ...`` to continue it: a command not found where it was started."""
+    import paft.launch
+
+    def checkpointed_then_interrupted(*_: object) -> None:
+        (tmp_path / "r" / "checkpoints").mkdir()
+        (tmp_path / "r" / "checkpoints" / "latest").write_text("step0000004")
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(paft.launch, "check_machine", lambda cfg: None)
+    monkeypatch.setattr(paft.launch, "local_workers", lambda *_: checkpointed_then_interrupted)
+    assert main(["train", "--run-dir", "r", "--world-size", "2", "--quiet"], prog="python -m paft") == 130
+    assert capsys.readouterr().err.endswith(
+        "python -m paft train: interrupted (Ctrl-C); to continue from the last checkpoint: "
+        "python -m paft train --run-dir r --resume\n")
+
+
 @pytest.mark.parametrize("inject", ['["nan:steps=7", "bitflip:steps=8"]', "[]"])
 def test_an_interrupted_resume_says_to_continue_with_every_option_it_changed(
     inject: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -1153,7 +1176,7 @@ def test_a_resume_reads_the_runs_config_json_once(tmp_path: pathlib.Path, monkey
     config.json: one file, read and checked twice."""
     import paft.launch
 
-    monkeypatch.setattr(paft.launch, "launch", lambda cfg, _: 0)
+    monkeypatch.setattr(paft.launch, "launch", lambda cfg, *_: 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "config.json").write_text(json.dumps(TrainConfig(steps=6, lr=3e-3, run_dir="r").to_dict()))

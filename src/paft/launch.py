@@ -56,10 +56,11 @@ __all__ = [
 ]
 
 
-def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
+def launch(cfg: TrainConfig, resumed_with: Sequence[str] = (), prog: str = "paft train") -> int:
     """Run ``cfg`` on ``cfg.world_size`` local workers; returns the exit code.
     ``resumed_with``: the options a ``--resume`` changes, as command-line words
-    (:func:`paft.resume_options.resume_args`), which the line saying how to continue names.
+    (:func:`paft.resume_options.resume_args`), which the line saying how to continue names;
+    ``prog``: how the command was run (``python -m paft train``), which its lines name.
 
     Raises :class:`paft.rundir.RunDirError` or :class:`paft.machine.MachineError` (before
     anything is written) when the run directory or this machine (its devices, the
@@ -69,9 +70,9 @@ def launch(cfg: TrainConfig, resumed_with: Sequence[str] = ()) -> int:
     cfg.run_dir = resolve_run_dir(cfg.run_dir or default_run_dir(cfg.workload))
     check_machine(cfg)
     resumed = check_run_dir(cfg)
-    with claim_run_dir(cfg) as outcome:
-        code = _run_workers(cfg, resumed_with, resumed)
-        tidy_after_workers(pathlib.Path(cfg.run_dir))  # the workers are gone, however they ended
+    with claim_run_dir(cfg, prog) as outcome:
+        code = _run_workers(cfg, resumed_with, resumed, prog)
+        tidy_after_workers(pathlib.Path(cfg.run_dir), prog)  # the workers are gone, however they ended
         outcome["code"] = code
         return code
 
@@ -97,26 +98,26 @@ def _resuming(cfg: TrainConfig, resumed_with: Sequence[str]) -> str:
     return shlex.join(["--resume", "--steps", str(cfg.steps), *resumed_with])
 
 
-def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], resumed: ResumePoint | None = None) -> int:
-    """``resumed``: what :func:`paft.rundir.check_run_dir` returned."""
+def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], resumed: ResumePoint | None = None,
+                 prog: str = "paft train") -> int:
+    """``resumed``: what :func:`paft.rundir.check_run_dir` returned; ``prog``: :func:`launch`'s."""
     if not cfg.quiet:
-        console(format_plan(cfg, schedule=resumed.schedule if resumed else None))
+        console(format_plan(cfg, prog, resumed.schedule if resumed else None))
     start = leg_start(pathlib.Path(cfg.run_dir), resumed)
     try:
         results = local_workers(run_worker, cfg.world_size)(cfg.to_dict(), cfg.run_dir)
     except WorkerFailed as err:
-        record_failure(pathlib.Path(cfg.run_dir), err, start=start)
+        record_failure(pathlib.Path(cfg.run_dir), err, prog, start)
         kept = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
             kept = f"; {cfg.run_dir} keeps its checkpoints ({_resuming(cfg, resumed_with)} continues from the last)"
-        print(err.describe("paft train") + kept, file=sys.stderr)
+        print(err.describe(prog) + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:
-        record_interruption(pathlib.Path(cfg.run_dir), err, start)
-        return interrupted(err, resume_hint(cfg, "paft train", resumed_with))
+        record_interruption(pathlib.Path(cfg.run_dir), err, prog, start)
+        return interrupted(err, resume_hint(cfg, prog, resumed_with), prog)
     stopped = _exit_code(results[0]) == EXIT_PERSISTENT_FAULT
-    return _tell_result(results[0], cfg.run_dir, "paft train",
-                        hint=resume_hint(cfg, "paft train", resumed_with) if stopped else "")
+    return _tell_result(results[0], cfg.run_dir, prog, hint=resume_hint(cfg, prog, resumed_with) if stopped else "")
 
 
 def _exit_code(result: dict[str, Any]) -> int:
@@ -165,13 +166,13 @@ def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft t
 
 
 def record_interruption(run_dir: pathlib.Path, err: KeyboardInterrupt | SignalException,
-                        start: LegStart | None = None) -> None:
+                        prog: str = "paft train", start: LegStart | None = None) -> None:
     """Put the signal that stopped the workers in the run's ``events.jsonl``
     (``"event": "interrupted"``: the step it interrupted, the signal's name): without it
     the run directory of a run stopped by Ctrl-C or a scheduler's SIGTERM did not say why
     it ended early. ``start``: see :func:`_record_leg_end`."""
     _record_leg_end(run_dir, {"event": "interrupted", "signal": signal_of(err).name}, "the interruption",
-                    "paft train", start)
+                    prog, start)
 
 
 def _record_leg_end(run_dir: pathlib.Path, record: dict[str, Any], what: str, prog: str,

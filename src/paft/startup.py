@@ -30,7 +30,7 @@ from paft.exitcodes import signal_exit_code
 __all__ = ["interrupted_line", "command_name", "exit_on_interrupt", "unwind_on_interrupt"]
 
 # What ``python -m`` runs as a paft command -> the name the command says in its messages.
-_MODULES = {"paft": "paft", "paft.cli": "paft", "paft.train": "python -m paft.train"}
+_MODULES = {"paft": "python -m paft", "paft.cli": "paft", "paft.train": "python -m paft.train"}
 
 
 def interrupted_line(prog: str, what: str = "Ctrl-C", hint: str = "") -> str:

@@ -20,7 +20,7 @@ PAFT = str(pathlib.Path(sys.executable).with_name("paft"))
     (["/v/bin/paft", "train"], ["/v/bin/python", "/v/bin/paft", "train"], "paft"),
     (["-m", "--run-dir", "r"], ["python", "-u", "-m", "paft.train", "--run-dir", "r"], "python -m paft.train"),
     (["-m"], ["python", "-mpaft.cli"], "paft"),
-    (["-m", "train"], ["python", "-m", "paft", "train"], "paft"),  # __main__.py: the same command
+    (["-m", "train"], ["python", "-m", "paft", "train"], "python -m paft"),  # __main__.py, as it names itself
     (["-m", "-m", "paft.train"], ["python", "-m", "pytest", "-m", "paft.train"], None),  # its arguments are not it
     (["-m", "src"], ["python", "-m", "pytest", "src"], None),
     (["/home/me/train.py"], ["python", "/home/me/train.py"], None),
