@@ -365,6 +365,19 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
     assert "exit codes: 0 done, 1 a worker failed, 2 bad input" in out
 
 
+def test_resume_help_names_every_option_a_resume_cannot_change() -> None:
+    # It left out PAFT-Dyn's --sync-period, which a resume refuses to change all the same.
+    import argparse
+
+    from paft.options import add_train_options
+    from paft.rundir import FIXED_ON_RESUME
+
+    parser = argparse.ArgumentParser()
+    add_train_options(parser)
+    resume = next(action.help or "" for action in parser._actions if action.dest == "resume")
+    assert [flag for _, flag in FIXED_ON_RESUME if flag not in resume] == []
+
+
 def test_python_dash_m_paft_is_the_paft_command(tmp_path: pathlib.Path) -> None:
     """``python -m paft``, where the console script is not on PATH: the same command, its
     name in the usage and its exit code for bad input."""

@@ -352,11 +352,11 @@ class TrainConfig:
     (``--run-dir``)."""
     resume: bool = False
     """Continue the run in ``--run-dir`` from its latest checkpoint (``--resume``), with
-    its saved options; workload, model, world size, batch size, optimizer, seed,
-    ``--desync-seed``, ``--desync-shuffle``, protection (with its ``--sync-mode``) and
-    guard cannot change. A
-    larger ``--steps`` trains on, with the learning-rate schedule stretched to the new
-    length from that step on."""
+    its saved options; ``--workload``, ``--model``, ``--world-size``, ``--batch-size``,
+    ``--optimizer``, ``--seed``, ``--desync-seed``, ``--desync-shuffle``, ``--protect``
+    (with its ``--sync-mode``, and under dyn its first ``--sync-period``) and ``--guard``
+    cannot change. A larger ``--steps`` trains on, with the learning-rate schedule
+    stretched to the new length from that step on."""
     overwrite: bool = False
     """Delete an existing ``--run-dir`` and start afresh (``--overwrite``); only a
     folder paft wrote (it holds ``config.json``) is ever deleted."""
