@@ -700,14 +700,14 @@ def test_a_resume_stopped_before_it_cut_the_records_is_recorded_at_its_checkpoin
     recorder.close()
     start = launcher.leg_start(run, ResumePoint(10, None))
     sigterm = launcher.SignalException("got signal: 15", signal.SIGTERM)
-    launcher.record_interruption(run, sigterm, start)
+    launcher.record_interruption(run, sigterm, start=start)
     recorder = RunRecorder(run, 0, append=True)
     recorder.resumed_at(10)  # as the protector loaded from the checkpoint does
     recorder.drop_resumed_steps()
-    launcher.record_interruption(run, sigterm, start)  # cut, nothing trained since
+    launcher.record_interruption(run, sigterm, start=start)  # cut, nothing trained since
     for step in range(10, 13):
         recorder.metrics({"step": step})
     recorder.close()
-    launcher.record_interruption(run, sigterm, start)
+    launcher.record_interruption(run, sigterm, start=start)
     ends = [e["step"] for e in read_jsonl(run / "events.jsonl")]
     assert ends == [10, 10, 13]
