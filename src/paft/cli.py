@@ -12,6 +12,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from paft import __version__
 from paft.bench import add_bench_parser, run_bench
 from paft.exitcodes import EXIT_USAGE, TERMINATING_SIGNALS, interrupted_codes, signal_exit_code
 from paft.options import OptionParser, add_train_options, config_or_exit, train_epilog
@@ -37,6 +38,7 @@ def build_parser(prog: str = "paft") -> argparse.ArgumentParser:
         description="Fault-tolerant data-parallel training: inject silent data corruption, "
         "diagnose worker inconsistency, re-synchronize replicas (PAFT-Sync/Dyn), guard updates.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = sub.add_parser(
         "train",

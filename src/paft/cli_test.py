@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import paft
 from paft.cli import main
 from paft.config import ProtectConfig, TrainConfig
 from paft.records import read_jsonl
@@ -388,6 +390,15 @@ def test_python_dash_m_paft_is_the_paft_command(tmp_path: pathlib.Path) -> None:
     assert proc.stderr == ("python -m paft train: error: --steps: must be >= 1, got 0\n"
                            "(options: python -m paft train --help)\n")
     assert not any(tmp_path.iterdir())
+
+
+def test_version_names_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``paft --version``: what a bug report needs, before any subcommand."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"paft {paft.__version__}\n"
+    assert paft.__version__ == importlib.metadata.version("paft")  # pyproject's, as installed
 
 
 def test_paft_train_end_to_end_with_config_file(

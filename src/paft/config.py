@@ -341,7 +341,8 @@ class TrainConfig:
     eval_batches: int = 8
     """Validation batches of 64 items per evaluation, the same for every replica: split
     among the ranks while the replicas are bitwise equal, evaluated by each rank on its
-    own when they differ (``--eval-batches``)."""
+    own when they differ; more than the split holds evaluates the whole split
+    (``--eval-batches``)."""
     log_every: int = 10
     """Console progress line every this many steps (``--log-every``)."""
     checkpoint_every: int = 100
