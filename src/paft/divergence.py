@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,6 @@ from torch import Tensor, nn
 from paft.collectives import collective_device, gather_rows
 from paft.fingerprint import digest, repr_digest
 from paft.flat import consecutive_runs, pack, structure_key, transport_view
-from paft.records import jsonable
 from paft.state import state_tensors
 
 __all__ = [
@@ -55,9 +53,6 @@ class DivergenceReport:
     """With ``per_tensor=True``: ``(name, max over ranks, the ranks at that max)`` for
     every floating tensor, worst first; the ranks as :func:`farthest` names them (every
     rank when all are non-finite)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return jsonable(asdict(self))
 
 
 def farthest(distances: list[float]) -> list[int]:
