@@ -362,12 +362,12 @@ class Guard:
             return False  # no post-step detector: nothing would roll back
         if self._ratios_seen < cfg.warmup or (self._st is not None and self._st.step == step and self._st.detected):
             return True  # the ratio's own spike rule is still off, or this step needed a recompute
-        if self._armed:  # a near miss of the loss or the aggregated gradient norm
-            half = cfg.spike_threshold / 2
-            if view.global_loss > self._loss.limit(half, REL_FLOOR_LOSS, True, tail=1.0):
-                return True
-            return _grad_norm(view) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0)
-        return False
+        # A near miss of the loss or the aggregated gradient norm. The spike rules are armed
+        # here: every ratio counted was of an accepted step, so _accepted >= _ratios_seen.
+        half = cfg.spike_threshold / 2
+        if view.global_loss > self._loss.limit(half, REL_FLOOR_LOSS, True, tail=1.0):
+            return True
+        return _grad_norm(view) > self._grad.limit(half, REL_FLOOR_GRAD, True, tail=1.0)
 
     def check_update(self, step: int, ratio: float) -> GuardVerdict:
         """Verdict after ``optimizer.step()`` of ``step``; ``ratio`` is the max over ranks.
