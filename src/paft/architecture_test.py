@@ -35,7 +35,8 @@ def paft_imports(module: str) -> set[str]:
     for file in files:
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "paft":
-                names.update(f"paft.{alias.name}" for alias in node.names)
+                # A module by name; not the package's own attributes (``__version__``).
+                names.update(f"paft.{alias.name}" for alias in node.names if not alias.name.startswith("__"))
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names.add(node.module)
             elif isinstance(node, ast.Import):
