@@ -11,6 +11,7 @@ others waiting in a later collective (or silently mixing state).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -99,7 +100,7 @@ def preflight(model: Any, optimizer: Any, settings: ProtectSettings) -> tuple[li
         }
     except (TypeError, ValueError, RuntimeError) as err:
         refusal, agreed = err, None
-    _check_ranks_agree(model.process_group, agreed, refusal)
+    _check_ranks_agree(model, agreed, refusal)
     # After the agreement, so every rank reaches the same answer.
     if stepper.scaler is not None:
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -234,7 +235,7 @@ def _check_cuda_device(backend: str, model: Any, world_size: int, current: Calla
     device's index (``torch.cuda.current_device``, asked only for a CUDA model)."""
     if "nccl" not in backend.lower() or world_size == 1:  # one rank: no GPU to share
         return
-    device = next((p.device for p in model.parameters() if p.is_cuda), None)
+    device = _cuda_device_of(model)
     if device is None:
         return
     index = (current or torch.cuda.current_device)()
@@ -242,6 +243,11 @@ def _check_cuda_device(backend: str, model: Any, world_size: int, current: Calla
         raise ValueError(f"protect(): the model is on {device}, but this process's current CUDA device is "
                          f"cuda:{index}, where NCCL runs paft's collectives; call "
                          f"torch.cuda.set_device({device.index}) before init_process_group (one GPU per rank)")
+
+
+def _cuda_device_of(model: Any) -> torch.device | None:
+    """The GPU ``model``'s parameters are on (the first CUDA one's), ``None`` for a model on the CPU."""
+    return next((p.device for p in model.parameters() if p.is_cuda), None)
 
 
 def _foreign_params(model: DistributedDataParallel, groups: Sequence[dict[str, Any]]) -> int:
@@ -376,14 +382,23 @@ _AGREED = ("the monitor config", "the protect config", "the guard config", "grad
 """What every rank must pass to protect() alike."""
 
 
-def _check_ranks_agree(group: dist.ProcessGroup, parts: dict[str, Any] | None, refusal: Exception | None) -> None:
-    """One gather, once at construction, of whether each rank accepted its arguments
-    and a 64-bit digest of each setting of :data:`_AGREED`: a setting that differs
-    between ranks would deadlock a later collective or silently mix state, and an
-    argument refused on some ranks only must raise on all, not leave the others
-    waiting in the next collective."""
+def _check_ranks_agree(model: Any, parts: dict[str, Any] | None, refusal: Exception | None) -> None:
+    """One gather over ``model``'s process group, once at construction, of whether each
+    rank accepted its arguments and a 64-bit digest of each setting of :data:`_AGREED`:
+    a setting that differs between ranks would deadlock a later collective or silently
+    mix state, and an argument refused on some ranks only must raise on all, not leave
+    the others waiting in the next collective.
+
+    Under NCCL the gather runs on the model's GPU, where DDP runs its own collectives,
+    not on the current device: a model off it is refused (:func:`_check_cuda_device`),
+    and that refusal travels through this gather. On the current device, cuda:0 on
+    every rank that never called ``torch.cuda.set_device``, NCCL failed it ("duplicate
+    GPU") on every rank, and the refusal naming the fix was never said."""
+    group = model.process_group
+    device = _cuda_device_of(model) if "nccl" in str(dist.get_backend(group)).lower() else None
     digests = [0] * len(_AGREED) if parts is None else [repr_digest(parts[n]) for n in _AGREED]
-    table = gather_rows(torch.tensor([int(refusal is not None), *digests], dtype=torch.int64), group).cpu()
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        table = gather_rows(torch.tensor([int(refusal is not None), *digests], dtype=torch.int64), group).cpu()
     refused = [r for r, flag in enumerate(table[:, 0].tolist()) if flag]
     if refusal is not None:
         raise refusal

@@ -1657,6 +1657,44 @@ def test_a_cuda_model_off_the_current_device_is_refused_under_nccl() -> None:
     _check_cuda_device("nccl", on("cpu"), 2, current=lambda: 0)
 
 
+def test_the_refusal_of_a_model_off_the_current_device_is_gathered_on_the_models_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The refusal above travels to every rank through the agreement's gather; gathered
+    # on the current device (cuda:0 on every rank without set_device) NCCL failed it
+    # with "duplicate GPU" instead. No GPU here: torch's device switch is given a
+    # stand-in current device, and the gather says where it would run.
+    from types import SimpleNamespace
+
+    from paft import collectives, preflight
+
+    current = [0]
+
+    def exchange(index: int) -> int:
+        before, current[0] = current[0], index if index >= 0 else current[0]
+        return before
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "_exchange_device", exchange)
+    monkeypatch.setattr(torch.cuda, "_maybe_exchange_device", exchange)
+    gathered_on: list[torch.device] = []
+
+    def gather_rows(row: torch.Tensor, group: Any = None) -> torch.Tensor:
+        gathered_on.append(collectives.collective_device(group))
+        return row.reshape(1, -1)
+
+    monkeypatch.setattr(preflight, "gather_rows", gather_rows)
+    model = SimpleNamespace(process_group=None,
+                            parameters=lambda: iter([SimpleNamespace(is_cuda=True, device=torch.device("cuda:1"))]))
+    refusal = ValueError("the model is on cuda:1, but ...")
+    for backend, where in (("nccl", "cuda:1"), ("cpu:gloo,cuda:nccl", "cuda:1"), ("gloo", "cpu")):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        with pytest.raises(ValueError) as raised:
+            preflight._check_ranks_agree(model, None, refusal)
+        assert raised.value is refusal
+        assert gathered_on.pop() == torch.device(where), backend
+        assert current == [0]  # the current device is back as it was
+
+
 def test_a_sparse_embedding_is_named_as_the_model_where_it_is_the_root_module() -> None:
     from types import SimpleNamespace
 
