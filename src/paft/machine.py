@@ -18,6 +18,7 @@ __all__ = [
     "BYTES_PER_PARAMETER",
     "BYTES_PER_PROCESS",
     "EXACT_COSINE_BYTES_PER_RANK",
+    "EXACT_COSINE_LOCAL_BYTES",
     "MachineError",
     "check_machine",
     "uses_cuda",
@@ -27,11 +28,15 @@ BYTES_PER_PARAMETER = 20
 """fp32 weights, gradients, DDP buckets and two optimizer moments (the memory check)."""
 BYTES_PER_PROCESS = 256 * 2**20
 """A CPU worker's resident memory before its model (torch alone: ~220 MiB)."""
+EXACT_COSINE_LOCAL_BYTES = 16
+"""``--cosine exact``, per parameter per worker, on its gradients' device: the comm hook's
+float64 copy of each bucket of its own local gradient, and their concatenation, which
+is gathered (the memory check)."""
 EXACT_COSINE_BYTES_PER_RANK = 20
-"""``--cosine exact``, per parameter per worker and per rank in the world, on top of 4
-bytes for its own flat gradient: every rank's gradient gathered (float32) and the two
-float64 copies the cosines are taken from, held at once in the machine's memory (the
-memory check; on a GPU only the gathered 4 bytes)."""
+"""``--cosine exact``, per parameter per worker and per rank in the world, on top of
+:data:`EXACT_COSINE_LOCAL_BYTES`: every rank's gradient gathered (float64) and the
+copies the cosines are taken from, held at once in the machine's memory (the memory
+check; on a GPU only the gathered 8 bytes, a float64 per rank)."""
 
 
 class MachineError(ValueError):
@@ -86,10 +91,11 @@ def check_machine(cfg: TrainConfig, local_workers: int | None = None) -> None:
     # rest is the allocator's to judge.
     exact = cfg.monitor.enabled and cfg.monitor.interval > 0 and cfg.monitor.cosine == "exact"
     params = parameter_count(cfg.workload, cfg.model)
-    # NCCL gathers into the GPU (float32, 4 bytes per rank); the cosines' copies are made
-    # in this machine's memory (gather_exact_grads moves the gathered ones there).
-    per_rank = 4 if uses_cuda(cfg) else EXACT_COSINE_BYTES_PER_RANK
-    per_parameter = BYTES_PER_PARAMETER + (4 + per_rank * cfg.world_size if exact else 0)
+    # NCCL gathers the float64 local copies into the GPU (8 bytes per rank; counted as 4,
+    # float32, a run that ran out of GPU memory passed); the cosines' copies are made in
+    # this machine's memory (gather_exact_grads moves the gathered ones there).
+    per_rank = 8 if uses_cuda(cfg) else EXACT_COSINE_BYTES_PER_RANK
+    per_parameter = BYTES_PER_PARAMETER + (EXACT_COSINE_LOCAL_BYTES + per_rank * cfg.world_size if exact else 0)
     need = per_parameter * params
     if uses_cuda(cfg):
         have, where = torch.cuda.get_device_properties(0).total_memory, "each GPU has"

@@ -14,6 +14,7 @@ from paft.machine import (
     BYTES_PER_PARAMETER,
     BYTES_PER_PROCESS,
     EXACT_COSINE_BYTES_PER_RANK,
+    EXACT_COSINE_LOCAL_BYTES,
     MachineError,
     check_machine,
 )
@@ -57,7 +58,8 @@ def test_the_memory_check_counts_exact_cosines_gathered_gradients(monkeypatch: p
     on 4 workers passed the check, then a worker was killed by the OOM killer."""
     real = os.sysconf
     params = parameter_count("resnet")
-    exact = (BYTES_PER_PARAMETER + 4 + EXACT_COSINE_BYTES_PER_RANK * 3) * params + BYTES_PER_PROCESS
+    exact = ((BYTES_PER_PARAMETER + EXACT_COSINE_LOCAL_BYTES + EXACT_COSINE_BYTES_PER_RANK * 3) * params
+             + BYTES_PER_PROCESS)
     sizes = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": 3 * exact}
     monkeypatch.setattr(os, "sysconf", lambda name: sizes[name] if name in sizes else real(name))
     shape = {"workload": "resnet", "world_size": 3, "batch_size": 3, "device": "cpu"}
@@ -65,7 +67,7 @@ def test_the_memory_check_counts_exact_cosines_gathered_gradients(monkeypatch: p
     check_machine(cfg)  # exactly enough
     sizes["SC_PHYS_PAGES"] -= 1
     with pytest.raises(MachineError, match=r"\(20 bytes per parameter per worker\), and --cosine exact's gathered "
-                       r"gradients \(64 bytes more at 3 ranks\) and this machine has .* or use --cosine sketch$"):
+                       r"gradients \(76 bytes more at 3 ranks\) and this machine has .* or use --cosine sketch$"):
         check_machine(cfg)
     # Nothing gathered: the sketch, or no worker metrics.
     check_machine(TrainConfig(**shape))
@@ -74,11 +76,13 @@ def test_the_memory_check_counts_exact_cosines_gathered_gradients(monkeypatch: p
 
 
 def test_on_gpus_exact_cosines_gather_into_the_gpu_and_copy_into_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NCCL gathers every rank's gradient into the GPU (4 bytes per rank); the cosines'
-    copies are in the machine's memory. The GPU's check counted the copies (a 500 M-parameter
-    model on 8 GPUs of 80 GiB was refused, needing 26 GiB each), the machine's none."""
+    """NCCL gathers every rank's float64 gradient into the GPU (8 bytes per rank, beside
+    the local float64 copies); the cosines' copies are in the machine's memory. The GPU's
+    check counted the copies (a 500 M-parameter model on 8 GPUs of 80 GiB was refused,
+    needing 26 GiB each), the machine's none; then the gathered ones as float32 and one
+    local copy of 4 bytes (36 bytes a parameter where 80 are held)."""
     params, ranks = 500_000_000, 8
-    gpu = {"total_memory": (BYTES_PER_PARAMETER + 4 + 4 * ranks) * params}
+    gpu = {"total_memory": (BYTES_PER_PARAMETER + EXACT_COSINE_LOCAL_BYTES + 8 * ranks) * params}
     sizes = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": EXACT_COSINE_BYTES_PER_RANK * ranks * params * ranks}
     real = os.sysconf
     monkeypatch.setattr(os, "sysconf", lambda name: sizes[name] if name in sizes else real(name))
@@ -90,7 +94,7 @@ def test_on_gpus_exact_cosines_gather_into_the_gpu_and_copy_into_the_machine(mon
                       monitor=MonitorConfig(cosine="exact"))
     check_machine(cfg)  # exactly enough, on each GPU and in the machine
     gpu["total_memory"] -= 1
-    with pytest.raises(MachineError, match=r"\(36 bytes more at 8 ranks\) and each GPU has"):
+    with pytest.raises(MachineError, match=r"\(80 bytes more at 8 ranks\) and each GPU has"):
         check_machine(cfg)
     gpu["total_memory"] += 1
     sizes["SC_PHYS_PAGES"] -= 1
