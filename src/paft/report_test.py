@@ -1107,8 +1107,8 @@ def test_the_tensors_that_differed_come_from_the_first_record_that_names_them(cl
     # Each tensor's farthest ranks (a record before the ties were kept names one rank: an int).
     alert = {"step": 6, "event": "alert", "detector": "state_split", "value": 2, "ranks": [1],
              "divergence": {"tensors": [["param/wte.weight", 2.0, [1]], ["optim/0/exp_avg", 0.5, 1]]}}
-    with open(run / "events.jsonl", "a") as f:
-        f.write(json.dumps(alert) + "\n")
+    events = (run / "events.jsonl").read_text() if (run / "events.jsonl").exists() else ""
+    (run / "events.jsonl").write_text(events + json.dumps(alert) + "\n")
 
     def line() -> str:
         return next(x for x in summary_text(load_run(run)).splitlines() if x.startswith("  tensors that differed"))
@@ -1116,7 +1116,11 @@ def test_the_tensors_that_differed_come_from_the_first_record_that_names_them(cl
     assert line() == ("  tensors that differed, farthest apart at the state-split alert of step 6: param/wte.weight "
                       "on rank 1 (relative distance 2 to the mean), optim/0/exp_avg on rank 1 (relative distance "
                       "0.5 to the mean)")
-    events = (run / "events.jsonl").read_text()
+    # An alert records up to 5 tensors; the report shows 4 and says what it left out.
+    alert["divergence"]["tensors"] = [[f"param/h.{i}.weight", 1.0, [1]] for i in range(5)]
+    events += json.dumps(alert) + "\n"
+    (run / "events.jsonl").write_text(events)
+    assert line().endswith("param/h.3.weight on rank 1 (relative distance 1 to the mean) and 1 more")
     for step, kept in ((6, "as the repair at step 6"), (8, "farthest apart at the state-split alert of step 6")):
         repair = {"step": step, "event": "repair", "mode": "median-with-reference", "groups": [[0], [1]],
                   "differing_tensors": 1, "differing": {"param/wte.weight": [[0], [1]]}}

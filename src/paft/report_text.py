@@ -401,9 +401,9 @@ def _differing_tensors(run: RunData, split: Split | None, shown: int = 4) -> lis
         if moved:
             # The ranks tied farthest (records before that named one: an int).
             parts = [f"{name} on {ranks_phrase(ranks if isinstance(ranks, list) else [ranks])} "
-                     f"(relative distance {number(rel):.3g} to the mean)" for name, rel, ranks in moved[:shown]]
+                     f"(relative distance {number(rel):.3g} to the mean)" for name, rel, ranks in moved]
             found.append((int(a["step"]), 1, f"farthest apart at the state-split alert of step {a['step']}: "
-                                             f"{', '.join(parts)}"))
+                                             f"{_listed(parts, shown)}"))
             break
     if not found:
         return []
