@@ -105,7 +105,9 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight`` (no mean subtraction, no bias)."""
+    """``x / rms(x) * weight`` (no mean subtraction, no bias), normalized in at least
+    float32 and cast back before the weight, as LLaMA's ``_norm(x.float()).type_as(x)``:
+    in float16 an activation of 256 or more squares to inf, and the whole row came out 0."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -113,7 +115,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float32 and float64 unchanged
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def _float32(x: float) -> float:

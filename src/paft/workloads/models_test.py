@@ -31,7 +31,7 @@ from paft.workloads import (
     model_config,
     parameter_count,
 )
-from paft.workloads.llama import Attention, apply_rope, rope_tables
+from paft.workloads.llama import Attention, RMSNorm, apply_rope, rope_tables
 
 
 @pytest.fixture(autouse=True)
@@ -257,6 +257,25 @@ def test_llama_runs_in_a_lower_precision(dtype: torch.dtype) -> None:
     cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
     x = torch.randn(2, 2, 8, 8).to(dtype)
     assert torch.equal(apply_rope(x, cos, sin), apply_rope(x.float(), cos, sin).to(dtype))
+
+
+def test_rmsnorm_normalizes_in_float32_whatever_the_models_dtype() -> None:
+    # LLaMA's _norm(x.float()).type_as(x) * weight: in float16, 300 squared is inf, and the
+    # row normalized in its own dtype came out all 0 (the rms of every row then read inf).
+    norm = RMSNorm(4, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([1.5, 0.5, 2.0, 1.0]))
+        x = torch.tensor([[300.0, 1.0, -2.0, 0.5], [1e-3, 2e-3, -1e-3, 5e-4]])
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        for dtype in (torch.float16, torch.bfloat16):
+            low = norm.to(dtype)(x.to(dtype))
+            assert low.dtype == dtype
+            assert torch.equal(low, want.to(dtype) * norm.weight), (dtype, low)
+        # float32 is the formula's bits, unchanged; float64 is not narrowed to float32.
+        assert torch.equal(norm.float()(x), want * norm.weight)
+        wide = x.double()
+        assert torch.equal(norm.double()(wide),
+                           wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight)
 
 
 def test_llama_has_no_biases_and_no_buffers() -> None:
