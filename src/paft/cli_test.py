@@ -898,8 +898,9 @@ def test_a_resume_names_the_saved_options_it_changes(tmp_path: pathlib.Path, mon
     (["--guard", "--guard-warmup", "200", "--steps", "200"],
      ["--guard-warmup 200 is not below --steps 200: the spike and rank-outlier detectors never arm (only gross "
       "jumps fire)"]),
-    (["--warmup-steps", "5", "--steps", "5"],
-     ["--warmup-steps 5 is not below --steps 5: the learning rate never reaches --lr and never decays"]),
+    (["--warmup-steps", "5", "--steps", "5"],  # its step 4 trains at 5/5 of --lr
+     ["--warmup-steps 5 is not below --steps 5: the learning rate reaches --lr only at the last step and "
+      "never decays"]),
     (["--guard-warmup", "300", "--steps", "200"], ["--guard-warmup has no effect without --guard"]),  # said once
     (["--sync-period", "5"], ["--sync-period has no effect with --protect none"]),
     (["--protect", "sync", "--h-max", "500"], ["--h-max has no effect without --protect dyn"]),

@@ -322,8 +322,11 @@ def ignored_options(ns: argparse.Namespace, cfg: TrainConfig) -> list[str]:
     }
     out = []
     if "warmup-steps" in vars(ns) and cfg.warmup_steps >= cfg.steps:
+        # Warm-up step s trains at (s + 1) / warmup_steps of --lr: a warm-up as long as the
+        # run reaches --lr at its last step.
+        peak = "reaches --lr only at the last step" if cfg.warmup_steps == cfg.steps else "never reaches --lr"
         out.append(f"--warmup-steps {cfg.warmup_steps} is not below --steps {cfg.steps}: the learning rate "
-                   "never reaches --lr and never decays")
+                   f"{peak} and never decays")
     if "guard-warmup" in vars(ns) and cfg.guard.enabled and cfg.guard.warmup >= cfg.steps:
         out.append(f"--guard-warmup {cfg.guard.warmup} is not below --steps {cfg.steps}: the spike and "
                    "rank-outlier detectors never arm (only gross jumps fire)")
