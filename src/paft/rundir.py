@@ -390,13 +390,18 @@ def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, An
     check."""
     if not path.is_file():
         raise ValueError(f"{path} is missing")
-    if not zipfile.is_zipfile(path):  # torch.save's format ends in a zip directory
-        raise ValueError(f"{path} is not a torch checkpoint (truncated or overwritten)")
     try:
+        if not zipfile.is_zipfile(path):  # torch.save's format ends in a zip directory
+            raise ValueError(f"{path} is not a torch checkpoint (truncated or overwritten)")
         with zipfile.ZipFile(path) as archive:
+            folder = next((r.filename for r in archive.infolist() if r.external_attr & _MSDOS_FOLDER), None)
+            if folder is not None:
+                raise ValueError(f"{path} is damaged (its zip directory marks {folder} as a folder)")
             bad = archive.testzip()
-    except (zipfile.BadZipFile, EOFError) as err:
-        raise ValueError(f"{path}: {err}") from None
+    except (OSError, ValueError):
+        raise
+    except Exception as err:  # a damaged zip directory: not only BadZipFile (NotImplementedError, RuntimeError)
+        raise ValueError(f"{path}: {type(err).__name__}: {err}") from None
     if bad is not None:
         raise ValueError(f"{path} is damaged ({bad} does not match its CRC-32)")
     try:
@@ -406,6 +411,12 @@ def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, An
     if not isinstance(state, dict) or not _CHECKPOINT_KEYS <= state.keys():
         raise ValueError(f"{path} is a torch file but not a paft checkpoint")
     return state
+
+
+# The MS-DOS folder bit of a zip entry's attributes. zipfile's testzip reads such an entry's
+# bytes and checks them; torch's reader (miniz) takes it for a folder and reads nothing, so
+# one flipped bit there loaded that tensor as uninitialized memory, silently.
+_MSDOS_FOLDER = 0x10
 
 
 def _intact(path: pathlib.Path) -> dict[str, Any] | None:

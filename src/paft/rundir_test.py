@@ -297,6 +297,35 @@ def test_a_file_that_is_no_paft_checkpoint_is_refused(tmp_path: pathlib.Path, wr
         load_checkpoint_file(tmp_path / "rank0.pt")
 
 
+def _directory_entry_damaged(path: pathlib.Path, name: str, field: int, value: int) -> None:
+    """Set byte ``field`` of the zip directory's entry of record ``name`` (a flipped bit there)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b"PK\x01\x02")
+    while not data[at + 46:at + 46 + int.from_bytes(data[at + 28:at + 30], "little")].endswith(name.encode()):
+        at = data.index(b"PK\x01\x02", at + 4)
+    data[at + field] = value
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize("field,value,said", [
+    # The MS-DOS folder bit of the entry's attributes: zipfile's testzip passed it, and
+    # torch's reader loaded the tensor as uninitialized memory, silently.
+    (38, 0x10, "marks rank0/data/0 as a folder"),
+    # The zip version needed: NotImplementedError, a traceback from paft train --resume.
+    (6, 0xFF, "NotImplementedError: zip file version"),
+    # The encrypted flag: RuntimeError, a traceback too (the bytes read whole: damage all the same).
+    (8, 0x01, "RuntimeError"),
+])
+def test_a_damaged_zip_directory_entry_is_refused(tmp_path: pathlib.Path, mmap: bool, field: int, value: int,
+                                                  said: str) -> None:
+    path = tmp_path / "rank0.pt"
+    torch.save({**dict.fromkeys(_CHECKPOINT_KEYS), "model": {"w": torch.arange(256, dtype=torch.float32)}}, path)
+    _directory_entry_damaged(path, "/data/0", field, value)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_checkpoint_file(path, mmap=mmap)
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_prepare_run_dir_replaces_the_old_run_only_with_overwrite(tmp_path: pathlib.Path, overwrite: bool) -> None:
     (tmp_path / "r").mkdir()
