@@ -1009,6 +1009,9 @@ def test_a_monitored_run_with_no_record_in_consistency_jsonl_had_no_split_to_rec
     (run / "config.json").write_text(json.dumps(
         {**cfg, "monitor": {**cfg["monitor"], "interval": 0, "fingerprint_every": 0}}))
     (run / "faults.jsonl").write_text(json.dumps({"step": 4, "rank": 1, "site": "params", "kind": "bitflip"}) + "\n")
+    lost = copy_run(clean_run, tmp_path / "lost")  # a monitor recording every step: the records are lost
+    (lost / "consistency.jsonl").unlink()
+    assert "\nfirst replica split: not recorded" in summary_text(load_run(lost))
     text = summary_text(load_run(run))
     assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0); no sync compared it: a "
             "split shows only through the aggregated-gradient checksums\n") in text

@@ -287,11 +287,13 @@ def _unfingerprinted(run: RunData, shown: int = 5) -> list[str]:
 
 def _checksums_kept(run: RunData) -> bool:
     """Whether ``consistency.jsonl`` would hold every step whose aggregated gradients split:
-    it holds checksums, or the monitor was on, which records a split step whatever
-    --monitor-interval (with --monitor-interval 0 --fingerprint-every 0 a run whose
-    gradients never split has no record at all; its report said "not recorded")."""
+    it holds checksums, or the monitor was on with nothing else to record
+    (--monitor-interval 0 --fingerprint-every 0), so that a run whose gradients never
+    split has no record at all (its report said "not recorded"). A monitor that records
+    at intervals writes records whatever happens: none means they were lost."""
+    monitor = run.config.get("monitor") or {}
     return any("replicas/grad_distinct" in r for r in run.consistency) or (
-        (run.config.get("monitor") or {}).get("enabled") is True)
+        monitor.get("enabled") is True and monitor.get("interval") == 0 and monitor.get("fingerprint_every") == 0)
 
 
 def _plural(items: Sequence[Any]) -> str:
