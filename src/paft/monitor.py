@@ -250,8 +250,10 @@ class Monitor:
             d = self.divergence()
         except RuntimeError as err:  # the states differ in structure: no value-by-value distance (all ranks alike)
             return {"error": str(err)}, "; the states differ in structure"
-        worst = [(name, rel, ranks) for name, rel, ranks in d.per_tensor or [] if rel > 0][:SPLIT_TENSORS]
-        record = {"params_per_rank": d.per_rank, "state_per_rank": d.state_per_rank, "tensors": worst}
+        moved = [(name, rel, ranks) for name, rel, ranks in d.per_tensor or [] if rel > 0]
+        worst = moved[:SPLIT_TENSORS]
+        record = {"params_per_rank": d.per_rank, "state_per_rank": d.state_per_rank, "tensors": worst,
+                  "moved_tensors": len(moved)}
         top = d.state_max
         if top > 0:  # every rank tied there (two replicas are equally far from their mean)
             words = f"; farthest from the mean: rank(s) {farthest(d.state_per_rank)}, {top:.3g}"

@@ -64,7 +64,7 @@ def test_a_state_split_is_alerted_once_with_its_distance_and_again_after_a_repai
     assert (first["step"], second["step"], first["ranks"]) == (0, 3, [2])
     # Unmoved tensors left out, the farthest apart first, the five that moved most (README).
     assert first["divergence"] == {"params_per_rank": [0.0, 0.0, 0.5], "state_per_rank": [0.0, 0.0, 0.7],
-                                   "tensors": [list(t) for t in moved[:5]]}
+                                   "tensors": [list(t) for t in moved[:5]], "moved_tensors": len(moved)}
 
 
 def test_a_gradient_split_right_after_a_repair_is_alerted_again(tmp_path: Path) -> None:

@@ -1119,11 +1119,15 @@ def test_the_tensors_that_differed_come_from_the_first_record_that_names_them(cl
     assert line() == ("  tensors that differed, farthest apart at the state-split alert of step 6: param/wte.weight "
                       "on rank 1 (relative distance 2 to the mean), optim/0/exp_avg on rank 1 (relative distance "
                       "0.5 to the mean)")
-    # An alert records up to 5 tensors; the report shows 4 and says what it left out.
+    # An alert records up to 5 tensors and how many moved; the report shows 4 and says
+    # how many it left out (an older record without the count: of the 5).
     alert["divergence"]["tensors"] = [[f"param/h.{i}.weight", 1.0, [1]] for i in range(5)]
+    (run / "events.jsonl").write_text(events + json.dumps(alert) + "\n")
+    assert line().endswith("param/h.3.weight on rank 1 (relative distance 1 to the mean) and 1 more")
+    alert["divergence"]["moved_tensors"] = 12
     events += json.dumps(alert) + "\n"
     (run / "events.jsonl").write_text(events)
-    assert line().endswith("param/h.3.weight on rank 1 (relative distance 1 to the mean) and 1 more")
+    assert line().endswith("param/h.3.weight on rank 1 (relative distance 1 to the mean) and 8 more")
     for step, kept in ((6, "as the repair at step 6"), (8, "farthest apart at the state-split alert of step 6")):
         repair = {"step": step, "event": "repair", "mode": "median-with-reference", "groups": [[0], [1]],
                   "differing_tensors": 1, "differing": {"param/wte.weight": [[0], [1]]}}

@@ -399,13 +399,14 @@ def _differing_tensors(run: RunData, split: Split | None, shown: int = 4) -> lis
         found.append((int(e["step"]), 0, f"as the {e['event']} at step {e['step']} found them: {listed}"))
         break
     for a in run.events_of("alert"):
-        moved = (a.get("divergence") or {}).get("tensors") if a.get("detector") == "state_split" else None
+        divergence = (a.get("divergence") or {}) if a.get("detector") == "state_split" else {}
+        moved = divergence.get("tensors")
         if moved:
             # The ranks tied farthest (records before that named one: an int).
             parts = [f"{name} on {ranks_phrase(ranks if isinstance(ranks, list) else [ranks])} "
                      f"(relative distance {number(rel):.3g} to the mean)" for name, rel, ranks in moved]
             found.append((int(a["step"]), 1, f"farthest apart at the state-split alert of step {a['step']}: "
-                                             f"{_listed(parts, shown)}"))
+                                             f"{_listed(parts, shown, total=divergence.get('moved_tensors'))}"))
             break
     if not found:
         return []
