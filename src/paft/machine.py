@@ -32,11 +32,12 @@ EXACT_COSINE_LOCAL_BYTES = 16
 """``--cosine exact``, per parameter per worker, on its gradients' device: the comm hook's
 float64 copy of each bucket of its own local gradient, and their concatenation, which
 is gathered (the memory check)."""
-EXACT_COSINE_BYTES_PER_RANK = 20
+EXACT_COSINE_BYTES_PER_RANK = 24
 """``--cosine exact``, per parameter per worker and per rank in the world, on top of
-:data:`EXACT_COSINE_LOCAL_BYTES`: every rank's gradient gathered (float64) and the
-copies the cosines are taken from, held at once in the machine's memory (the memory
-check; on a GPU only the gathered 8 bytes, a float64 per rank)."""
+:data:`EXACT_COSINE_LOCAL_BYTES`, held at once in the machine's memory: every rank's
+gradient gathered (float64, 8 bytes; on a GPU its copy moved here) and the cosines'
+two float64 working copies (the power-of-two rescale, and the copy that zeroes a
+non-finite rank's row); on a GPU only the gathered 8 bytes (the memory check)."""
 
 
 class MachineError(ValueError):

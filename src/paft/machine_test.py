@@ -67,7 +67,7 @@ def test_the_memory_check_counts_exact_cosines_gathered_gradients(monkeypatch: p
     check_machine(cfg)  # exactly enough
     sizes["SC_PHYS_PAGES"] -= 1
     with pytest.raises(MachineError, match=r"\(20 bytes per parameter per worker\), and --cosine exact's gathered "
-                       r"gradients \(76 bytes more at 3 ranks\) and this machine has .* or use --cosine sketch$"):
+                       r"gradients \(88 bytes more at 3 ranks\) and this machine has .* or use --cosine sketch$"):
         check_machine(cfg)
     # Nothing gathered: the sketch, or no worker metrics.
     check_machine(TrainConfig(**shape))
@@ -98,7 +98,7 @@ def test_on_gpus_exact_cosines_gather_into_the_gpu_and_copy_into_the_machine(mon
         check_machine(cfg)
     gpu["total_memory"] += 1
     sizes["SC_PHYS_PAGES"] -= 1
-    with pytest.raises(MachineError, match=r"^--cosine exact: the 8 workers on this machine would need about 596 GiB"):
+    with pytest.raises(MachineError, match=r"^--cosine exact: the 8 workers on this machine would need about 715 GiB"):
         check_machine(cfg)
 
 
