@@ -108,9 +108,17 @@ def _peer_lost(message: str) -> bool:
 
 
 def _failed(message: str) -> str:
-    """A failed worker's cause from its exception's ``Type: message``."""
+    """A failed worker's cause, one line, from its exception's ``Type: message``. An
+    error raised through a callback (DDP's comm-hook future: a peer lost mid-backward)
+    ends with the Python frames pybind11 appends (``\\n\\nAt:\\n  comm.py(344): after``),
+    which the traceback holds already; the other lines of a message are joined."""
+    message = " ".join(line.strip() for line in message.split(_PYBIND_FRAMES)[0].splitlines() if line.strip())
     hint = f" ({_PEER_LOST_HINT})" if _peer_lost(message) else ""
     return f"failed: {message}{hint}"
+
+
+# What pybind11 puts between an error's message and the Python frames it was raised through.
+_PYBIND_FRAMES = "\n\nAt:\n"
 
 
 def _own_error(failure: ProcessFailure) -> tuple[int, dict[str, Any]] | None:

@@ -247,6 +247,23 @@ def test_a_broken_connection_says_another_rank_may_have_died_first(tmp_path: pat
     assert own.traceback.endswith(f"RuntimeError: [gloo] read: {lost}\n")
 
 
+def test_a_cause_is_one_line_without_the_python_frames_a_callbacks_error_carries(tmp_path: pathlib.Path) -> None:
+    """A rank killed while a peer's backward all-reduced: the peer's error came through
+    DDP's comm-hook future, whose message ends with the Python frames pybind11 appends
+    ("\\n\\nAt:\\n  comm.py(344): after"). The console's "rank 0 failed: ..." line, the
+    events.jsonl cause and the report's note ran over three lines, the hint that a peer
+    may have died first on a line of its own after a frame; the frames are in the
+    traceback already."""
+    lost = ("RuntimeError: Got the following error when running the callback: RuntimeError: [gloo] Read error "
+            "[127.0.0.1]:48011: Connection reset by peer. GLHF!")
+    err = workers.WorkerFailed.from_launcher(_failure(tmp_path, 1, f"{lost}\n\nAt:\n  /src/paft/comm.py(344): after"))
+    assert err.cause == f"failed: {lost} ({workers._PEER_LOST_HINT})"
+    assert "comm.py(344)" in (err.traceback or "")
+    # A message of several lines of its own is told on one.
+    own = workers.WorkerFailed.from_exception(3, ValueError("first line\n  second line\n"))
+    assert own.cause == "failed: ValueError: first line second line"
+
+
 def _recorded(folder: pathlib.Path, message: str, timestamp: int) -> str:
     """An error file as _run_entry's record_exception writes it, in ``folder``; its path."""
     folder.mkdir(parents=True)
