@@ -39,6 +39,7 @@ from paft.rundir import (
     RunDirError,
     check_run_dir,
     default_run_dir,
+    finished,
     has_checkpoint,
     resolve_run_dir,
 )
@@ -83,8 +84,19 @@ def resume_hint(cfg: TrainConfig, command: str, resumed_with: Sequence[str] = ()
     :func:`_resuming`)."""
     if not cfg.run_dir or not has_checkpoint(pathlib.Path(cfg.run_dir)):
         return ""
-    return (f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(cfg.run_dir)} "
+    return _finished_note(cfg) or (f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(cfg.run_dir)} "
             f"{_resuming(cfg, resumed_with)}")
+
+
+def _finished_note(cfg: TrainConfig) -> str:
+    """What the line of a run stopped once it had trained its ``--steps`` and written its
+    summary (a worker killed, or a signal, in the last barrier or the group's teardown)
+    says in place of a resume, which :func:`paft.rundir.check_run_dir` would refuse; ""
+    where the run had not finished."""
+    if not finished(pathlib.Path(cfg.run_dir), cfg.steps):
+        return ""
+    return (f"; {cfg.run_dir} holds the finished run: it had trained its {cfg.steps} steps and written "
+            f"summary.json (a --resume trains on with --steps above {cfg.steps})")
 
 
 def _resuming(cfg: TrainConfig, resumed_with: Sequence[str]) -> str:
@@ -110,7 +122,8 @@ def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], resumed: ResumeP
         record_failure(pathlib.Path(cfg.run_dir), err, prog, start)
         kept = ""
         if has_checkpoint(pathlib.Path(cfg.run_dir)):
-            kept = f"; {cfg.run_dir} keeps its checkpoints ({_resuming(cfg, resumed_with)} continues from the last)"
+            kept = _finished_note(cfg) or (f"; {cfg.run_dir} keeps its checkpoints ({_resuming(cfg, resumed_with)} "
+                                           "continues from the last)")
         print(err.describe(prog) + kept, file=sys.stderr)
         return EXIT_WORKER_FAILED
     except (KeyboardInterrupt, SignalException) as err:

@@ -81,6 +81,38 @@ def test_a_resume_the_guard_stopped_names_the_command_that_goes_on(tmp_path: pat
                                        f"paft train --run-dir {tmp_path} --resume --steps 40 --log-every 5\n")
 
 
+@pytest.mark.parametrize("how", ["failed", "interrupted"])
+def test_a_run_stopped_after_its_summary_offers_no_resume_that_is_refused(tmp_path: pathlib.Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str],
+                                                                          how: str) -> None:
+    """A worker killed, or a signal, once the run had written its final checkpoint and
+    summary.json (rank 0's last barrier, the group's teardown): the line said "--resume
+    continues from the last", and that --resume was refused (exit 2: "has trained 8 steps
+    already"). It says the run had finished, and what trains on."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step0000008")
+    (tmp_path / "summary.json").write_text('{"steps": 8}')
+
+    def stopped(*args: object) -> Any:
+        if how == "failed":
+            raise WorkerFailed(1, "was killed by SIGKILL", None)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "local_workers", lambda worker, n: stopped)
+    cfg = TrainConfig(run_dir=str(tmp_path), world_size=2, steps=8, quiet=True)
+    assert launcher._run_workers(cfg, ()) == (EXIT_WORKER_FAILED if how == "failed" else 130)
+    finished = (f"{tmp_path} holds the finished run: it had trained its 8 steps and written summary.json "
+                "(a --resume trains on with --steps above 8)")
+    said = capsys.readouterr().err
+    assert said == (f"paft train: rank 1 was killed by SIGKILL; {finished}\n" if how == "failed"
+                    else f"\npaft train: interrupted (Ctrl-C); {finished}\n")
+    # Not finished (no summary.json, or one of fewer steps: a resume to more), the resume goes on.
+    (tmp_path / "summary.json").write_text('{"steps": 6}')
+    assert launcher.resume_hint(cfg, "paft train") == (f"; to continue from the last checkpoint: "
+                                                       f"paft train --run-dir {tmp_path} --resume")
+
+
 @pytest.mark.usefixtures("one_rank_group")
 def test_a_guard_stop_is_a_result_recorded_with_its_reason(tmp_path: pathlib.Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:

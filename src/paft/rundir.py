@@ -47,6 +47,7 @@ __all__ = [
     "check_run_dir",
     "ResumePoint",
     "has_checkpoint",
+    "finished",
     "latest_step",
     "in_use",
     "ranks_inside",
@@ -287,7 +288,7 @@ def _check_resume(cfg: TrainConfig, path: pathlib.Path) -> ResumePoint:
     done = _step_of(name)
     # A run stopped after its final checkpoint but before summary.json only lacks the
     # summary: resuming it at the same --steps writes it (Trainer.train trains nothing).
-    if done > cfg.steps or (done == cfg.steps and _summary_steps(path) == done):
+    if done > cfg.steps or (done == cfg.steps and finished(path, done)):
         raise RunDirError(
             f"--resume: {path} has trained {done} steps already (--steps {cfg.steps}); "
             f"pass --steps above {done} to train on"
@@ -351,6 +352,13 @@ def fixed_on_resume_error(flag: str, was: Any, now: Any, where: str, why: str = 
     ``was`` in ``where``, ``now`` asked), in the one wording of both checks: the command
     line's before the config is built (:mod:`paft.options`) and this module's after."""
     return RunDirError(f"--resume: cannot change {flag} ({was!r} in {where}, {now!r} asked{why}); start a new run")
+
+
+def finished(path: pathlib.Path, steps: int) -> bool:
+    """Whether the run in ``path`` trained its ``steps`` steps and wrote ``summary.json``:
+    a ``--resume`` of it at those ``--steps`` is refused (one stopped after its final
+    checkpoint but before the summary is not: it only writes the summary)."""
+    return _summary_steps(path) == steps
 
 
 def _summary_steps(path: pathlib.Path) -> int | None:
