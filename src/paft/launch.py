@@ -84,8 +84,8 @@ def resume_hint(cfg: TrainConfig, command: str, resumed_with: Sequence[str] = ()
     :func:`_resuming`)."""
     if not cfg.run_dir or not has_checkpoint(pathlib.Path(cfg.run_dir)):
         return ""
-    return _finished_note(cfg) or (f"; to continue from the last checkpoint: {command} --run-dir {shlex.quote(cfg.run_dir)} "
-            f"{_resuming(cfg, resumed_with)}")
+    return _finished_note(cfg) or (f"; to continue from the last checkpoint: {command} "
+                                   f"--run-dir {shlex.quote(cfg.run_dir)} {_resuming(cfg, resumed_with)}")
 
 
 def _finished_note(cfg: TrainConfig) -> str:
