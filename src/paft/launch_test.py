@@ -107,10 +107,13 @@ def test_a_run_stopped_after_its_summary_offers_no_resume_that_is_refused(tmp_pa
     said = capsys.readouterr().err
     assert said == (f"paft train: rank 1 was killed by SIGKILL; {finished}\n" if how == "failed"
                     else f"\npaft train: interrupted (Ctrl-C); {finished}\n")
-    # Not finished (no summary.json, or one of fewer steps: a resume to more), the resume goes on.
+    # Not finished (no summary.json, or one of fewer steps: a resume to more; or the summary of
+    # the leg before a resume that fell back to an earlier checkpoint), the resume goes on.
+    continues = f"; to continue from the last checkpoint: paft train --run-dir {tmp_path} --resume"
+    (tmp_path / "checkpoints" / "latest").write_text("step0000004")
+    assert launcher.resume_hint(cfg, "paft train") == continues
     (tmp_path / "summary.json").write_text('{"steps": 6}')
-    assert launcher.resume_hint(cfg, "paft train") == (f"; to continue from the last checkpoint: "
-                                                       f"paft train --run-dir {tmp_path} --resume")
+    assert launcher.resume_hint(cfg, "paft train") == continues
 
 
 @pytest.mark.usefixtures("one_rank_group")

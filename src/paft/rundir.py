@@ -357,8 +357,10 @@ def fixed_on_resume_error(flag: str, was: Any, now: Any, where: str, why: str = 
 def finished(path: pathlib.Path, steps: int) -> bool:
     """Whether the run in ``path`` trained its ``steps`` steps and wrote ``summary.json``:
     a ``--resume`` of it at those ``--steps`` is refused (one stopped after its final
-    checkpoint but before the summary is not: it only writes the summary)."""
-    return _summary_steps(path) == steps
+    checkpoint but before the summary is not: it only writes the summary). Its last
+    checkpoint must be of ``steps`` too: a resume keeps the summary of the leg before it
+    until it ends, and one that fell back from a damaged final checkpoint trains again."""
+    return _summary_steps(path) == steps and latest_step(path) == steps
 
 
 def _summary_steps(path: pathlib.Path) -> int | None:
