@@ -1012,6 +1012,8 @@ def test_a_monitored_run_with_no_record_in_consistency_jsonl_had_no_split_to_rec
     lost = copy_run(clean_run, tmp_path / "lost")  # a monitor recording every step: the records are lost
     (lost / "consistency.jsonl").unlink()
     assert "\nfirst replica split: not recorded" in summary_text(load_run(lost))
+    (lost / "consistency.jsonl").write_text(json.dumps({"step": 0}) + "\n")  # an update the scaler skipped
+    assert "\nfirst replica split: none seen" in summary_text(load_run(lost))
     text = summary_text(load_run(run))
     assert ("\ntraining state: not fingerprinted while training (--fingerprint-every 0); no sync compared it: a "
             "split shows only through the aggregated-gradient checksums\n") in text

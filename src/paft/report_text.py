@@ -287,13 +287,14 @@ def _unfingerprinted(run: RunData, shown: int = 5) -> list[str]:
 
 def _checksums_kept(run: RunData) -> bool:
     """Whether ``consistency.jsonl`` would hold every step whose aggregated gradients split:
-    it holds checksums, or the monitor was on with nothing else to record
+    it holds checksums, or the monitor was on and wrote records (a step whose update the
+    loss scaler skipped keeps no checksum), or had nothing else to record
     (--monitor-interval 0 --fingerprint-every 0), so that a run whose gradients never
     split has no record at all (its report said "not recorded"). A monitor that records
     at intervals writes records whatever happens: none means they were lost."""
     monitor = run.config.get("monitor") or {}
-    return any("replicas/grad_distinct" in r for r in run.consistency) or (
-        monitor.get("enabled") is True and monitor.get("interval") == 0 and monitor.get("fingerprint_every") == 0)
+    return any("replicas/grad_distinct" in r for r in run.consistency) or monitor.get("enabled") is True and (
+        bool(run.consistency) or (monitor.get("interval") == 0 and monitor.get("fingerprint_every") == 0))
 
 
 def _plural(items: Sequence[Any]) -> str:
