@@ -165,8 +165,9 @@ def _settle_new_run(run_dir: pathlib.Path, made: list[pathlib.Path], replaced: p
         print(f"{prog}: the run stopped before {'its first checkpoint' if trained else 'a step'}; {what}",
               file=sys.stderr)
     elif not resumable:
-        # The report command as this one was run (python -m paft train: python -m paft report).
-        report = prog.removesuffix(" train") + " report" if prog.endswith(" train") else "paft report"
+        # The report command as this one was run: where the paft script may not be on PATH
+        # (python -m paft train, or python -m paft.train under torchrun), python -m paft report.
+        report = "paft report" if prog == "paft train" else "python -m paft report"
         print(f"{prog}: the run stopped before its first checkpoint; its records stay in {run_dir} "
               f"({report} {shlex.quote(str(run_dir))}); --resume cannot continue it, --overwrite starts it again",
               file=sys.stderr)

@@ -377,7 +377,7 @@ def test_tidying_after_a_run_on_a_full_disk_warns_and_still_removes_the_temporar
 
 @pytest.mark.parametrize(("prog", "report"), [("paft train", "paft report"),
                                               ("python -m paft train", "python -m paft report"),
-                                              ("torchrun ... -m paft.train", "paft report")])
+                                              ("python -m paft.train", "python -m paft report")])
 def test_a_kept_run_names_the_report_command_as_this_one_was_run(
         tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], prog: str, report: str) -> None:
     """Where the paft script is not on PATH (python -m paft), "paft report" is not found."""
