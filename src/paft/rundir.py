@@ -401,17 +401,19 @@ def load_checkpoint_file(path: pathlib.Path, mmap: bool = False) -> dict[str, An
     if not path.is_file():
         raise ValueError(f"{path} is missing")
     try:
-        if not zipfile.is_zipfile(path):  # torch.save's format ends in a zip directory
-            raise ValueError(f"{path} is not a torch checkpoint (truncated or overwritten)")
-        with zipfile.ZipFile(path) as archive:
-            folder = next((r.filename for r in archive.infolist() if r.external_attr & _MSDOS_FOLDER), None)
-            if folder is not None:
-                raise ValueError(f"{path} is damaged (its zip directory marks {folder} as a folder)")
-            bad = archive.testzip()
-    except (OSError, ValueError):
+        zipped = zipfile.is_zipfile(path)  # torch.save's format ends in a zip directory
+        if zipped:
+            with zipfile.ZipFile(path) as archive:
+                folder = next((r.filename for r in archive.infolist() if r.external_attr & _MSDOS_FOLDER), None)
+                bad = archive.testzip()
+    except OSError:
         raise
-    except Exception as err:  # a damaged zip directory: not only BadZipFile (NotImplementedError, RuntimeError)
+    except Exception as err:  # a damaged zip directory: not only BadZipFile (NotImplementedError, UnicodeDecodeError)
         raise ValueError(f"{path}: {type(err).__name__}: {err}") from None
+    if not zipped:
+        raise ValueError(f"{path} is not a torch checkpoint (truncated or overwritten)")
+    if folder is not None:
+        raise ValueError(f"{path} is damaged (its zip directory marks {folder} as a folder)")
     if bad is not None:
         raise ValueError(f"{path} is damaged ({bad} does not match its CRC-32)")
     try:

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import zipfile
 from typing import Any
 
 import pytest
@@ -324,6 +325,20 @@ def test_a_damaged_zip_directory_entry_is_refused(tmp_path: pathlib.Path, mmap: 
     _directory_entry_damaged(path, "/data/0", field, value)
     with pytest.raises(ValueError, match=re.escape(said)):
         load_checkpoint_file(path, mmap=mmap)
+
+
+def test_a_zip_readers_own_value_error_names_the_file(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # zipfile raises ValueErrors of its own (UnicodeDecodeError of a name with the UTF-8 flag
+    # flipped on): said without the file, which of a rank's checkpoints was damaged was unsaid.
+    path = tmp_path / "rank0.pt"
+    torch.save(dict.fromkeys(_CHECKPOINT_KEYS), path)
+
+    def undecodable(self: zipfile.ZipFile) -> None:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(zipfile.ZipFile, "testzip", undecodable)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: UnicodeDecodeError: 'utf-8' codec")):
+        load_checkpoint_file(path)
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
