@@ -12,8 +12,8 @@ runs one protected step:
 4. the guard's verdict from that shared matrix: proceed, recompute the step, skip
    the batch, or stop (all ranks reach the same verdict, so none deadlocks);
 5. an overlapped sync started after the previous step is finished (it found the
-   replicas in agreement; a fault at rest since, e.g. in step 1, is kept by its
-   correction and seen by the fingerprints), then clip and ``optimizer.step()``;
+   replicas in agreement, so it writes nothing; a fault at rest since, e.g. in step 1,
+   stays, and the fingerprints see it), then clip and ``optimizer.step()``;
 6. post-step: update-ratio check (guard), then PAFT-Sync / PAFT-Dyn: on a
    fingerprint mismatch (Dyn) or when the period is due, synchronize parameters,
    buffers and optimizer state, blocking, or overlapped with the next step's
