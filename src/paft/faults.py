@@ -428,7 +428,8 @@ class FaultSchedule:
 
     def tensor_for(self, event: FaultEvent, names: Sequence[str], numels: Sequence[int]) -> str:
         """The one tensor the event hits, drawn with probability proportional to its
-        number of elements (a random bit of memory is hit) among ``names``."""
+        number of elements (a random element is hit: across tensors of one width, a random bit of
+        memory) among ``names``."""
         total = sum(numels)
         if total <= 0:
             raise ValueError("no elements to choose from")
