@@ -115,7 +115,7 @@ def _run_workers(cfg: TrainConfig, resumed_with: Sequence[str], resumed: ResumeP
     """``resumed``: what :func:`paft.rundir.check_run_dir` returned; ``prog``: :func:`launch`'s."""
     if not cfg.quiet:
         console(format_plan(cfg, prog, resumed.schedule if resumed else None))
-    start = leg_start(pathlib.Path(cfg.run_dir), resumed)
+    start = leg_start(pathlib.Path(cfg.run_dir), resumed.step if resumed else 0)
     try:
         results = local_workers(run_worker, cfg.world_size)(cfg.to_dict(), cfg.run_dir)
     except WorkerFailed as err:
@@ -163,9 +163,9 @@ class LegStart(NamedTuple):
     """Which file rank 0's ``metrics/rank0.jsonl`` was (device, inode; None: none)."""
 
 
-def leg_start(run_dir: pathlib.Path, resumed: ResumePoint | None) -> LegStart:
-    """The leg about to start in ``run_dir`` (``resumed``: :func:`paft.rundir.check_run_dir`'s)."""
-    return LegStart(resumed.step if resumed else 0, _identity(run_dir / "metrics" / "rank0.jsonl"))
+def leg_start(run_dir: pathlib.Path, step: int) -> LegStart:
+    """The leg about to start in ``run_dir`` from ``step`` (a resume's checkpoint; 0)."""
+    return LegStart(step, _identity(run_dir / "metrics" / "rank0.jsonl"))
 
 
 def record_failure(run_dir: pathlib.Path, err: WorkerFailed, prog: str = "paft train",
@@ -468,7 +468,7 @@ def _main(cfg: TrainConfig, prog: str, rank0: bool, resumed_with: Sequence[str] 
         claim.enter_context(last_rank_out_tidies(pathlib.Path(cfg.run_dir), prog))
         # Before the barrier, which no rank passes to train (and rank 0 to cut a resume's
         # records) until every rank has taken it.
-        start = LegStart(told[1], _identity(pathlib.Path(cfg.run_dir) / "metrics" / "rank0.jsonl"))
+        start = leg_start(pathlib.Path(cfg.run_dir), told[1])
         # Rank 0 leaves (and lets the claim's lock go) only once every rank holds its shared
         # lock: a peer slow to take it was not yet inside for a new claim to see.
         dist.barrier()

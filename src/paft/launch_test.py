@@ -28,7 +28,7 @@ from paft.config import TrainConfig
 from paft.exitcodes import EXIT_WORKER_FAILED
 from paft.protect import PersistentFaultError
 from paft.records import RunRecorder, atomic_write_bytes, read_jsonl
-from paft.rundir import ResumePoint, RunDirError, in_use
+from paft.rundir import RunDirError, in_use
 from paft.signals import unwind_on_termination
 from paft.testing import run_workers
 from paft.train import format_plan, format_summary
@@ -733,7 +733,7 @@ def test_a_resume_stopped_before_it_cut_the_records_is_recorded_at_its_checkpoin
     for step in range(20):
         recorder.metrics({"step": step})
     recorder.close()
-    start = launcher.leg_start(run, ResumePoint(10, None))
+    start = launcher.leg_start(run, 10)
     sigterm = launcher.SignalException("got signal: 15", signal.SIGTERM)
     launcher.record_interruption(run, sigterm, start=start)
     recorder = RunRecorder(run, 0, append=True)
