@@ -28,7 +28,7 @@ from paft.report_draw import (
     scale,
 )
 from paft.report_text import ranks_phrase
-from paft.run_reading import replica_splits, seen_from, series, split_syncs, sync_events
+from paft.run_reading import first_period, replica_splits, seen_from, series, split_syncs, sync_events
 from paft.rundata import RunData, number
 
 __all__ = ["plot_divergence"]
@@ -208,28 +208,11 @@ def _divergence_panel(ax: Axes, run: RunData, evals: tuple[list[int], list[float
             "to their mean; at a sync, to the replica the sync takes", "divergence")
 
 
-def _first_period(run: RunData) -> float | None:
-    """The period the run began with: what a resume that changed the schedule recorded
-    (config.json is the last leg's), else the configured one (PAFT-Dyn's clamped into
-    [h_min, h_max], as the protector starts it); None where neither says."""
-    recorded = [number(e["first_period"]) for e in run.events_of("period") if "first_period" in e]
-    if recorded and math.isfinite(recorded[0]):
-        return recorded[0]
-    protect = run.config.get("protect") or {}
-    start = protect.get("sync_period")
-    if not isinstance(start, int) or isinstance(start, bool):
-        return None
-    if protect.get("mode") == "dyn":
-        lo, hi = protect.get("h_min"), protect.get("h_max")
-        start = min(max(start, lo), hi) if isinstance(lo, int) and isinstance(hi, int) else start
-    return float(start)
-
-
 def _period_panel(ax: Axes, run: RunData, periods: list[tuple[int, float]]) -> None:
     protect = run.config.get("protect") or {}
-    start = _first_period(run)
+    start = first_period(run)
     if start is not None and periods[0][0] > 0:
-        periods = [(0, start), *periods]
+        periods = [(0, float(start)), *periods]
     if periods[-1][0] < run.last_step:  # hold the last period to the end of the run
         periods = [*periods, (run.last_step, periods[-1][1])]
     ax.step([s for s, _ in periods], [p for _, p in periods], where="post", color="black", lw=1.5,

@@ -15,7 +15,17 @@ from typing import Any
 from paft.records import UNTIMED_STEPS, is_leg_end, max_or_nan
 from paft.replicas import outside_majority
 from paft.resync import averages_at
-from paft.run_reading import Split, first_split, guard_incidents, seen_from, series, split_syncs, sync_events
+from paft.run_reading import (
+    Split,
+    first_period,
+    first_split,
+    guard_incidents,
+    is_steps,
+    seen_from,
+    series,
+    split_syncs,
+    sync_events,
+)
 from paft.rundata import RunData, is_number, number
 
 __all__ = ["ranks_phrase", "run_settings", "summary_text"]
@@ -493,19 +503,13 @@ def _recorded_syncs(run: RunData) -> int:
     if protect.get("mode") != "averager":
         return len(sync_events(run))
     changes = sorted((e["step"], e["period"]) for e in run.events_of("period")
-                     if _is_period(e.get("step"), 0) and _is_period(e.get("period")))
-    first = next((e["first_period"] for e in run.events_of("period") if "first_period" in e), None)
-    periods = [(0, first if changes and _is_period(first) else protect.get("sync_period")), *changes]
-    if not all(_is_period(p) for _, p in periods):
+                     if is_steps(e.get("step"), 0) and is_steps(e.get("period")))
+    periods = [(0, first_period(run) if changes else protect.get("sync_period")), *changes]
+    if not all(is_steps(p) for _, p in periods):
         return len(sync_events(run))
     averaged = sum(1 for step in range(run.last_step + 1)
                    if averages_at(step, next(p for s, p in reversed(periods) if s <= step)))
     return len(sync_events(run)) + averaged
-
-
-def _is_period(value: Any, least: int = 1) -> bool:
-    """Whether a recorded value is a whole number of steps, at least ``least``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _metric_extremes(run: RunData) -> list[str]:

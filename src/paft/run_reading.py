@@ -7,13 +7,23 @@ the guard's incidents, a record's values as a series."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 from paft.replicas import outside_majority
 from paft.rundata import RunData, number
 
-__all__ = ["Split", "first_split", "guard_incidents", "replica_splits", "seen_from", "series", "split_syncs",
-           "sync_events"]
+__all__ = [
+    "Split",
+    "first_period",
+    "first_split",
+    "guard_incidents",
+    "is_steps",
+    "replica_splits",
+    "seen_from",
+    "series",
+    "split_syncs",
+    "sync_events",
+]
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -53,6 +63,28 @@ def _split_in(rec: dict[str, Any]) -> tuple[list[int], list[str]] | None:
 Split = tuple[int, list[int], list[str], str]
 """(step, ranks outside the largest group, what differed, who found it: ``""`` the step's
 own checks, ``"guard"``, ``"sync"``)."""
+
+
+def first_period(run: RunData) -> int | None:
+    """The sync period the run began with: what a resume that changed the schedule
+    recorded (``config.json`` is the last leg's), else the configured one (PAFT-Dyn's
+    clamped into [h_min, h_max], as the protector starts it); None where neither says."""
+    recorded = next((e["first_period"] for e in run.events_of("period") if "first_period" in e), None)
+    if is_steps(recorded):
+        return recorded
+    protect = run.config.get("protect") or {}
+    start = protect.get("sync_period")
+    if not is_steps(start):
+        return None
+    lo, hi = protect.get("h_min"), protect.get("h_max")
+    if protect.get("mode") == "dyn" and is_steps(lo) and is_steps(hi):
+        return min(max(start, lo), hi)
+    return start
+
+
+def is_steps(value: Any, least: int = 1) -> TypeGuard[int]:
+    """Whether a recorded value is a whole number of steps, at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def replica_splits(run: RunData) -> list[Split]:
